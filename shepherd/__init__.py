@@ -1,0 +1,1 @@
+"""shepherd package."""
