@@ -1,0 +1,301 @@
+"""The node's on-disk layout, atomic file writes, and the sealed configuration.
+
+One root directory per node::
+
+    <root>/
+      data/                       persistent, private (0700)
+        etcd/                     consensus member state
+          data/                   etcd's --data-dir
+          peer_pki/               ca.pem, cert.pem, key.pem   (peer TLS)
+          peer_crl.pem            CRL etcd re-reads per peer connection
+        node/credentials/         ca.pem, cert.pem, key.pem   (node identity)
+      ephemeral/                  cleared on boot on a real node, private (0700)
+        consensus/                etcd's working dir: client socket "client.sock:0"
+      esp/                        what the boot partition holds
+        cluster_directory.pb      ClusterDirectory (who to contact), 0644
+        sealed_configuration.pb   SealedConfiguration (node secrets), 0600
+
+Every file is written with :func:`atomic_write` so that a crash leaves
+either the old or the new content, never a torn mix: readers (and etcd, for
+the CRL) never observe half a file.
+
+Path objects here are plain records; nothing touches the disk until a method
+says so (:meth:`Root.create`, :func:`atomic_write`, :meth:`SealedConfigurationFile.seal`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from metropolis.proto.private import SealedConfiguration
+
+__all__ = [
+    "DataDirectory",
+    "ESPDirectory",
+    "EphemeralDirectory",
+    "EtcdDataDirectory",
+    "InsecureSealError",
+    "LocalStorageError",
+    "PKIDirectory",
+    "Root",
+    "SealedConfigurationFile",
+    "atomic_write",
+]
+
+logger = logging.getLogger("metropolis.localstorage")
+
+#: Private directories and files: the node's secrets live here.
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+class LocalStorageError(Exception):
+    """A local storage file is missing, unreadable or malformed."""
+
+
+class InsecureSealError(LocalStorageError):
+    """Sealing or unsealing needs a TPM, or explicit consent to do without one."""
+
+
+def atomic_write(path: Path, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old or the new file, never a mix.
+
+    The steps, and why each is there::
+
+        temp file in the same directory (rename is only atomic within a filesystem)
+          -> chmod to ``mode`` before any byte is written (secrets never world-readable)
+          -> write + fsync (data is on disk before the name points at it)
+          -> rename over ``path`` (the atomic switch)
+          -> fsync the directory (the rename itself survives a crash)
+
+    On any error the temp file is removed and ``path`` is untouched. Blocking
+    I/O: call from a thread (``trio.to_thread.run_sync``) if latency matters.
+    """
+    directory = path.parent
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    tmp = Path(tmp_name)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _make_private_dir(path: Path) -> None:
+    # mkdir's mode is filtered by the umask and not applied to existing
+    # directories, so chmod explicitly: a directory left 0755 by an older
+    # layout would otherwise keep leaking file names.
+    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    path.chmod(PRIVATE_DIR_MODE)
+
+
+@dataclass(frozen=True)
+class PKIDirectory:
+    """A folder with a CA certificate, a certificate and its private key (PEM files)."""
+
+    path: Path
+
+    @property
+    def ca_certificate(self) -> Path:
+        return self.path / "ca.pem"
+
+    @property
+    def certificate(self) -> Path:
+        return self.path / "cert.pem"
+
+    @property
+    def key(self) -> Path:
+        return self.path / "key.pem"
+
+    def files(self) -> tuple[Path, Path, Path]:
+        return (self.ca_certificate, self.certificate, self.key)
+
+    def all_absent(self) -> bool:
+        return not any(p.exists() for p in self.files())
+
+    def all_present(self) -> bool:
+        return all(p.exists() for p in self.files())
+
+    def create(self) -> None:
+        _make_private_dir(self.path)
+
+    def write_all(self, ca_certificate: bytes, certificate: bytes, key: bytes) -> None:
+        """Write all three files (owner-only) atomically each, the key last.
+
+        The key goes last so that a crash part-way leaves no key paired with
+        a stale certificate without the loader noticing the mismatch.
+        """
+        self.create()
+        atomic_write(self.ca_certificate, ca_certificate)
+        atomic_write(self.certificate, certificate)
+        atomic_write(self.key, key)
+
+
+@dataclass(frozen=True)
+class EtcdDataDirectory:
+    """``data/etcd``: what a consensus member keeps across reboots."""
+
+    path: Path
+
+    @property
+    def data(self) -> Path:
+        """etcd's own ``--data-dir``."""
+        return self.path / "data"
+
+    @property
+    def peer_pki(self) -> PKIDirectory:
+        return PKIDirectory(self.path / "peer_pki")
+
+    @property
+    def peer_crl(self) -> Path:
+        return self.path / "peer_crl.pem"
+
+
+@dataclass(frozen=True)
+class DataDirectory:
+    """``data/``: persistent private state."""
+
+    path: Path
+
+    @property
+    def etcd(self) -> EtcdDataDirectory:
+        return EtcdDataDirectory(self.path / "etcd")
+
+    @property
+    def node_credentials(self) -> PKIDirectory:
+        return PKIDirectory(self.path / "node" / "credentials")
+
+
+@dataclass(frozen=True)
+class EphemeralDirectory:
+    """``ephemeral/``: runtime files (sockets) that must not survive a reboot."""
+
+    path: Path
+
+    @property
+    def consensus(self) -> Path:
+        """etcd's working directory; its client socket lives here."""
+        return self.path / "consensus"
+
+
+@dataclass(frozen=True)
+class SealedConfigurationFile:
+    """``esp/sealed_configuration.pb``: the node's secrets, sealed to this machine.
+
+    A real node seals with its TPM so that the file is useless elsewhere. No
+    TPM is used here, so the only available mode is *insecure*: the message
+    is stored in plain text behind a marker header. Both :meth:`seal` and
+    :meth:`unseal` refuse unless the caller passes ``insecure=True``, and
+    both log a warning when they proceed, so nobody runs unsealed by accident.
+    """
+
+    path: Path
+
+    # The marker tells an unsealer what it is holding: a plaintext file can
+    # never be mistaken for (or silently replaced by) a TPM-sealed one.
+    _INSECURE_MAGIC = b"METROPOLIS-INSECURE-SEAL-V1\n"
+
+    def seal(self, config: SealedConfiguration, *, insecure: bool) -> None:
+        """Write ``config`` (owner-only, atomically).
+
+        Raises :class:`InsecureSealError` unless ``insecure`` is true: there
+        is no TPM support, so plaintext is the only option and must be asked for.
+        """
+        if not insecure:
+            raise InsecureSealError(
+                "no TPM available to seal the configuration; pass insecure=True to store it "
+                "in plain text"
+            )
+        logger.warning("no TPM: writing sealed configuration %s INSECURELY (plaintext)", self.path)
+        atomic_write(self.path, self._INSECURE_MAGIC + bytes(config))
+
+    def unseal(self, *, insecure: bool) -> SealedConfiguration:
+        """Read the configuration back.
+
+        Raises :class:`InsecureSealError` if ``insecure`` is false (nothing
+        else can be unsealed), :class:`LocalStorageError` if the file is
+        missing or was not written by :meth:`seal`.
+        """
+        if not insecure:
+            raise InsecureSealError("no TPM available to unseal; pass insecure=True")
+        try:
+            raw = self.path.read_bytes()
+        except OSError as e:
+            raise LocalStorageError(f"cannot read sealed configuration {self.path}: {e}") from e
+        if not raw.startswith(self._INSECURE_MAGIC):
+            raise LocalStorageError(f"{self.path} is not an insecurely sealed configuration")
+        logger.warning("no TPM: reading plaintext sealed configuration %s", self.path)
+        return SealedConfiguration.parse(raw[len(self._INSECURE_MAGIC) :])
+
+
+@dataclass(frozen=True)
+class ESPDirectory:
+    """``esp/``: what a node finds on its boot partition."""
+
+    path: Path
+
+    @property
+    def cluster_directory(self) -> Path:
+        return self.path / "cluster_directory.pb"
+
+    @property
+    def sealed_configuration(self) -> SealedConfigurationFile:
+        return SealedConfigurationFile(self.path / "sealed_configuration.pb")
+
+
+@dataclass(frozen=True)
+class Root:
+    """The root of one node's storage. See the module docstring for the layout."""
+
+    path: Path
+
+    @property
+    def data(self) -> DataDirectory:
+        return DataDirectory(self.path / "data")
+
+    @property
+    def ephemeral(self) -> EphemeralDirectory:
+        return EphemeralDirectory(self.path / "ephemeral")
+
+    @property
+    def esp(self) -> ESPDirectory:
+        return ESPDirectory(self.path / "esp")
+
+    def create(self) -> None:
+        """Create every directory of the layout (idempotent).
+
+        ``data/`` and ``ephemeral/`` and everything below are forced to 0700
+        even if they existed with looser modes; ``esp/`` is 0755 (it only holds
+        the public cluster directory and the sealed, owner-only configuration).
+        """
+        for private in (
+            self.data.path,
+            self.data.etcd.path,
+            self.data.etcd.peer_pki.path,
+            self.data.node_credentials.path.parent,
+            self.data.node_credentials.path,
+            self.ephemeral.path,
+            self.ephemeral.consensus,
+        ):
+            _make_private_dir(private)
+        self.esp.path.mkdir(mode=0o755, parents=True, exist_ok=True)

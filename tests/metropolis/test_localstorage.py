@@ -1,0 +1,112 @@
+"""Local storage: layout permissions, atomic writes, insecure sealing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from metropolis.localstorage import (
+    InsecureSealError,
+    LocalStorageError,
+    Root,
+    atomic_write,
+)
+from metropolis.proto.private import SealedConfiguration
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_layout_created_private(tmp_path: Path) -> None:
+    root = Root(tmp_path / "node")
+    # A pre-existing, too-open directory is tightened, not trusted.
+    (tmp_path / "node" / "data").mkdir(parents=True, mode=0o755)
+    os.chmod(tmp_path / "node" / "data", 0o755)
+    root.create()
+    root.create()  # idempotent
+
+    for private in (
+        root.data.path,
+        root.data.etcd.path,
+        root.data.etcd.peer_pki.path,
+        root.data.node_credentials.path,
+        root.ephemeral.path,
+        root.ephemeral.consensus,
+    ):
+        assert _mode(private) == 0o700, private
+    assert root.esp.path.is_dir()
+    assert root.data.node_credentials.path == tmp_path / "node/data/node/credentials"
+    assert root.esp.cluster_directory == tmp_path / "node/esp/cluster_directory.pb"
+
+
+def test_atomic_write_replaces_with_mode(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o644)
+    atomic_write(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert _mode(target) == 0o600
+    atomic_write(target, b"public", mode=0o644)
+    assert _mode(target) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def test_atomic_write_failure_keeps_old_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "f"
+    target.write_bytes(b"old")
+
+    def full_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    # fsync is where a full or failing disk reports lost data.
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(target, b"new")
+    monkeypatch.undo()
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def test_atomic_write_into_missing_directory_fails_cleanly(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        atomic_write(tmp_path / "missing" / "f", b"x")
+
+
+def test_seal_requires_explicit_insecure_mode(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = Root(tmp_path)
+    root.create()
+    sealed = root.esp.sealed_configuration
+    config = SealedConfiguration(node_unlock_key=b"u" * 32, join_key=b"j" * 32, cluster_ca=b"ca")
+
+    with pytest.raises(InsecureSealError):
+        sealed.seal(config, insecure=False)
+    assert not sealed.path.exists()
+
+    with caplog.at_level(logging.WARNING, logger="metropolis.localstorage"):
+        sealed.seal(config, insecure=True)
+    assert "INSECURELY" in caplog.text
+    assert _mode(sealed.path) == 0o600
+
+    with pytest.raises(InsecureSealError):
+        sealed.unseal(insecure=False)
+    assert sealed.unseal(insecure=True) == config
+
+
+def test_unseal_rejects_foreign_file(tmp_path: Path) -> None:
+    root = Root(tmp_path)
+    root.create()
+    sealed = root.esp.sealed_configuration
+    with pytest.raises(LocalStorageError, match="cannot read"):
+        sealed.unseal(insecure=True)
+    sealed.path.write_bytes(b"\x0a\x01a")
+    with pytest.raises(LocalStorageError, match="not an insecurely sealed"):
+        sealed.unseal(insecure=True)
