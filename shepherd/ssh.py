@@ -1,0 +1,231 @@
+"""SSH client for the Shepherd: the one module that talks to asyncssh.
+
+asyncssh is an asyncio library. Everything here runs it through
+``trio_asyncio.aio_as_trio``, so callers see plain Trio functions and Trio
+cancellation: cancelling a caller's scope cancels the asyncio operation in
+flight, and the connection is then closed (see :meth:`SSHClient.connect`).
+The process must be running inside ``trio_asyncio.open_loop()``.
+
+Typical use::
+
+    client = SSHClient(key, username="root", connect_timeout=2.0)
+    async with client.connect("192.0.2.1", 22, known_host_key=None) as conn:
+        first_seen = conn.host_key           # record it: trust on first use
+        await conn.upload("/root/agent", agent_bytes)
+        result = await conn.run("/root/agent", stdin=init_bytes)
+
+Host keys are trust-on-first-use: with ``known_host_key=None`` any host key is
+accepted and reported as :attr:`SSHConnection.host_key`; with a key, the key
+exchange only succeeds if the server proves it holds that same key, otherwise
+:class:`HostKeyChanged` is raised before we authenticate.
+
+Errors form one hierarchy rooted at :class:`SSHError`; asyncssh's and the OS's
+exceptions never escape this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import shlex
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import asyncssh
+import trio
+import trio_asyncio
+
+from shepherd.ssh_key import SSHKey
+
+logger = logging.getLogger("shepherd.ssh")
+
+# How long closing a connection may take. Closing runs shielded from
+# cancellation (it is what cancellation needs to happen), so it needs its own
+# bound in case the peer stops reading.
+_CLOSE_TIMEOUT = 5.0
+
+
+class SSHError(Exception):
+    """Base class of everything this module raises."""
+
+
+class ConnectError(SSHError):
+    """No SSH session could be set up: refused, unreachable, protocol failure."""
+
+
+class ConnectTimeout(ConnectError):
+    """The TCP connect plus SSH handshake did not finish within the connect timeout."""
+
+
+class AuthenticationError(SSHError):
+    """The server did not accept our key for the requested user."""
+
+
+class HostKeyChanged(SSHError):
+    """The server does not hold the host key recorded for this machine."""
+
+
+class ChannelError(SSHError):
+    """An operation on an established connection failed (upload, exec, lost link)."""
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The outcome of one remote command."""
+
+    stdout: bytes
+    stderr: bytes
+    #: The exit status, or None if the command was killed by a signal or the
+    #: server did not report one.
+    exit_status: int | None
+    #: The signal name (e.g. ``"KILL"``) if the command was killed by one.
+    exit_signal: str | None
+
+
+class SSHConnection:
+    """An authenticated SSH connection; obtained from :meth:`SSHClient.connect`."""
+
+    def __init__(self, conn: asyncssh.SSHClientConnection) -> None:
+        self._conn = conn
+        server_key = conn.get_server_host_key()
+        # Set by asyncssh after a completed key exchange, so never None here.
+        assert server_key is not None
+        self._host_key = server_key.public_data
+
+    @property
+    def host_key(self) -> bytes:
+        """The server's public host key, SSH wire format (as in ``known_hosts``)."""
+        return self._host_key
+
+    @property
+    def closed(self) -> bool:
+        """True once the underlying connection is closed (by us or the peer)."""
+        return self._conn.is_closed()
+
+    async def upload(self, path: str, data: bytes, mode: int = 0o755) -> None:
+        """Write ``data`` to ``path`` over SFTP, with permissions ``mode``.
+
+        The bytes go to a uniquely named ``<path>.upload-<random>`` first and
+        are renamed over ``path`` once complete, so a half-uploaded copy is
+        never executed, a running binary never blocks the upload with ETXTBSY,
+        and concurrent uploads to one path do not interleave.
+
+        Raises :class:`ChannelError` on any SFTP or connection failure.
+        Cancellation leaves at most the temporary file behind.
+        """
+        tmp = f"{path}.upload-{secrets.token_hex(8)}"
+        try:
+            await trio_asyncio.aio_as_trio(self._upload)(tmp, path, data, mode)
+        except (asyncssh.Error, OSError) as exc:
+            raise ChannelError(f"upload to {path} failed: {_describe(exc)}") from exc
+
+    async def _upload(self, tmp: str, path: str, data: bytes, mode: int) -> None:
+        async with self._conn.start_sftp_client() as sftp:
+            async with sftp.open(tmp, "wb") as f:
+                await f.write(data)
+            await sftp.chmod(tmp, mode)
+            await sftp.posix_rename(tmp, path)
+
+    async def run(self, command: str, stdin: bytes = b"") -> ExecResult:
+        """Run ``command`` remotely, feed it ``stdin``, and wait for it to exit.
+
+        A non-zero exit status is not an error: it is reported in the result.
+        Raises :class:`ChannelError` if the session fails. On cancellation the
+        remote command is abandoned; closing the connection ends its session.
+        """
+        try:
+            done = await trio_asyncio.aio_as_trio(self._conn.run)(
+                command, input=stdin, encoding=None, check=False
+            )
+        except (asyncssh.Error, OSError) as exc:
+            raise ChannelError(f"running {shlex.quote(command)} failed: {_describe(exc)}") from exc
+        stdout = done.stdout if isinstance(done.stdout, bytes) else b""
+        stderr = done.stderr if isinstance(done.stderr, bytes) else b""
+        signal = done.exit_signal[0] if done.exit_signal else None
+        return ExecResult(stdout, stderr, done.exit_status, signal)
+
+
+class SSHClient:
+    """Dials machines as one user with one key.
+
+    Holds no connections itself: each :meth:`connect` owns its connection for
+    the duration of its ``async with`` block.
+    """
+
+    def __init__(self, key: SSHKey, *, username: str, connect_timeout: float) -> None:
+        self._key = asyncssh.import_private_key(key.openssh_private)
+        self._username = username
+        self._connect_timeout = connect_timeout
+
+    @asynccontextmanager
+    async def connect(
+        self, host: str, port: int, *, known_host_key: bytes | None
+    ) -> AsyncIterator[SSHConnection]:
+        """Open an authenticated connection to ``host:port``; close it on exit.
+
+        ``known_host_key`` is the host key recorded for this machine (SSH wire
+        format), or None to accept and report whatever key the server has.
+
+        Raises :class:`ConnectTimeout`, :class:`ConnectError`,
+        :class:`AuthenticationError` or :class:`HostKeyChanged`. Cancellation
+        at any point (during the handshake or inside the block) closes the
+        connection before it propagates; the close itself is shielded and
+        bounded by a few seconds.
+        """
+        if known_host_key is None:
+            known_hosts: object = None
+        else:
+            try:
+                trusted = asyncssh.import_public_key(known_host_key)
+            except (asyncssh.KeyImportError, ValueError) as exc:
+                # Bad data in the BMDB must not turn into "accept anything".
+                raise HostKeyChanged(f"recorded host key is unreadable: {exc}") from exc
+            known_hosts = ([trusted], [], [])
+        conn: asyncssh.SSHClientConnection | None = None
+        with trio.move_on_after(self._connect_timeout) as timeout:
+            try:
+                conn = await trio_asyncio.aio_as_trio(asyncssh.connect)(
+                    host,
+                    port,
+                    username=self._username,
+                    client_keys=[self._key],
+                    known_hosts=known_hosts,
+                    # Nothing from the environment: no ~/.ssh/config, no agent,
+                    # no default keys; only what the Shepherd was configured with.
+                    config=None,
+                    agent_path=None,
+                    preferred_auth="publickey",
+                )
+            except asyncssh.HostKeyNotVerifiable as exc:
+                raise HostKeyChanged(
+                    f"{host}:{port} does not hold the recorded host key ({exc.reason})"
+                ) from exc
+            except asyncssh.PermissionDenied as exc:
+                raise AuthenticationError(
+                    f"{host}:{port} refused our key for user {self._username!r}"
+                ) from exc
+            except (asyncssh.Error, OSError) as exc:
+                raise ConnectError(f"cannot connect to {host}:{port}: {_describe(exc)}") from exc
+        if conn is None:
+            assert timeout.cancelled_caught
+            raise ConnectTimeout(
+                f"connecting to {host}:{port} took longer than {self._connect_timeout:g}s"
+            )
+        try:
+            yield SSHConnection(conn)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
+                conn.close()
+                await trio_asyncio.aio_as_trio(conn.wait_closed)()
+
+
+def _describe(exc: BaseException) -> str:
+    """A one-line, human readable description of an asyncssh or OS error."""
+    if isinstance(exc, asyncssh.DisconnectError | asyncssh.ChannelOpenError):
+        return exc.reason or type(exc).__name__
+    if isinstance(exc, asyncssh.SFTPError):
+        return f"SFTP: {exc.reason}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
