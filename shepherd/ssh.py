@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import asyncssh
 import trio
 import trio_asyncio
+from asyncssh.public_key import decode_ssh_public_key
 
 from shepherd.ssh_key import SSHKey
 
@@ -127,17 +128,23 @@ class SSHConnection:
             await sftp.chmod(tmp, mode)
             await sftp.posix_rename(tmp, path)
 
+    async def _run(self, command: str, stdin: bytes) -> asyncssh.SSHCompletedProcess:
+        # Not SSHClientConnection.run(input=...): it sends no EOF when the
+        # input is empty, and a command reading stdin would then never end.
+        process = await self._conn.create_process(command, encoding=None)
+        process.stdin.write(stdin)
+        process.stdin.write_eof()
+        return await process.wait(check=False)
+
     async def run(self, command: str, stdin: bytes = b"") -> ExecResult:
-        """Run ``command`` remotely, feed it ``stdin``, and wait for it to exit.
+        """Run ``command`` remotely, feed it ``stdin`` then EOF, and wait for it to exit.
 
         A non-zero exit status is not an error: it is reported in the result.
         Raises :class:`ChannelError` if the session fails. On cancellation the
         remote command is abandoned; closing the connection ends its session.
         """
         try:
-            done = await trio_asyncio.aio_as_trio(self._conn.run)(
-                command, input=stdin, encoding=None, check=False
-            )
+            done = await trio_asyncio.aio_as_trio(self._run)(command, stdin)
         except (asyncssh.Error, OSError) as exc:
             raise ChannelError(f"running {shlex.quote(command)} failed: {_describe(exc)}") from exc
         stdout = done.stdout if isinstance(done.stdout, bytes) else b""
@@ -177,7 +184,7 @@ class SSHClient:
             known_hosts: object = None
         else:
             try:
-                trusted = asyncssh.import_public_key(known_host_key)
+                trusted = decode_ssh_public_key(known_host_key)
             except (asyncssh.KeyImportError, ValueError) as exc:
                 # Bad data in the BMDB must not turn into "accept anything".
                 raise HostKeyChanged(f"recorded host key is unreadable: {exc}") from exc

@@ -1,0 +1,284 @@
+"""Starting the agent on one machine over SSH: the initializer's per-machine step.
+
+::
+
+    start_agent(machine)
+      |  no address?                    -> NoAddress
+      |  within exec timeout:
+      |    dial root@addr:port          -> DialFailed / HostKeyMismatch
+      |    SFTP upload agent, 0755      -> UploadFailed
+      |    run agent, TakeoverInit      -> RunFailed / AgentExited (status != 0)
+      |      on stdin                   -> ExecTimeout (whole step too slow)
+      |  parse TakeoverResponse         -> MalformedResponse / AgentError
+      |  echoed init == sent init?      -> EchoMismatch
+      |  len(key) == 32?                -> BadKeyLength
+      v
+    AgentStarted(key, host_key)
+
+Every failure is a :class:`TakeoverFailed` whose message is the cause the
+initializer records in the BMDB, so it must read well on its own.
+
+This module knows nothing about the BMDB: it takes what it needs (machine id,
+where to dial, the host key recorded so far) and returns or raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import uuid
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import betterproto2
+import trio
+
+from shepherd.agent.takeover import WIRE_LEN, DecodeError, iter_fields
+from shepherd.proto.agent import TakeoverInit, TakeoverResponse
+from shepherd.providers import Machine
+from shepherd.ssh import (
+    AuthenticationError,
+    ChannelError,
+    ConnectError,
+    HostKeyChanged,
+    SSHClient,
+)
+
+logger = logging.getLogger("shepherd.takeover")
+
+#: Length of an Ed25519 public key.
+AGENT_KEY_LENGTH = 32
+
+# How much of the agent's stderr goes into a failure cause.
+_STDERR_EXCERPT = 300
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How agents are deployed. Mirrors the seed's AgentConfig."""
+
+    #: The agent program uploaded to every machine.
+    executable: bytes
+    #: Where the agent is uploaded to and run from on the machine.
+    target_path: str
+    #: The BMaaS endpoint address the agent is told to report to.
+    endpoint: str
+    #: DER X.509 CA certificate of the endpoint; empty to use system CAs.
+    endpoint_ca_certificate: bytes
+    #: Bound on TCP connect + SSH handshake, seconds.
+    ssh_connect_timeout: float
+    #: Bound on the whole step (dial, upload, run), seconds.
+    ssh_exec_timeout: float
+
+    def __post_init__(self) -> None:
+        # The seed's New() checks, so a misconfigured initializer fails at start.
+        if not self.executable:
+            raise ValueError("agent executable not configured (empty)")
+        if not self.target_path:
+            raise ValueError("agent target path must be set")
+        if not self.endpoint:
+            raise ValueError("agent endpoint must be set")
+        if self.ssh_connect_timeout <= 0:
+            raise ValueError("agent SSH connect timeout must be positive")
+        if self.ssh_exec_timeout <= 0:
+            raise ValueError("agent SSH exec timeout must be positive")
+
+
+@dataclass(frozen=True)
+class AgentStarted:
+    """A successful takeover."""
+
+    #: The agent's Ed25519 public key.
+    key: bytes
+    #: The host key the machine's SSH server presented (to record on first use).
+    host_key: bytes
+    #: Warnings the agent reported alongside success.
+    warnings: list[str]
+
+
+class TakeoverFailed(Exception):
+    """Starting the agent failed; ``str(exc)`` is the cause to record.
+
+    ``host_key`` is the machine's SSH host key if the connection got that far
+    (so that trust on first use can record it even when the agent failed).
+    """
+
+    def __init__(self, cause: str, host_key: bytes | None = None) -> None:
+        super().__init__(cause)
+        self.host_key = host_key
+
+
+class NoAddress(TakeoverFailed):
+    """The provider knows no address for the machine."""
+
+
+class DialFailed(TakeoverFailed):
+    """The SSH connection could not be set up (unreachable, refused, timeout, auth)."""
+
+
+class HostKeyMismatch(TakeoverFailed):
+    """The machine's SSH host key is not the one recorded on first use."""
+
+
+class UploadFailed(TakeoverFailed):
+    """The agent could not be uploaded."""
+
+
+class RunFailed(TakeoverFailed):
+    """The SSH session broke while the agent ran."""
+
+
+class ExecTimeout(TakeoverFailed):
+    """Dial, upload and run did not finish within the exec timeout."""
+
+
+class AgentExited(TakeoverFailed):
+    """The agent (or the remote shell) exited non-zero or was killed."""
+
+
+class MalformedResponse(TakeoverFailed):
+    """The agent's stdout is not a TakeoverResponse, or has neither result."""
+
+
+class AgentError(TakeoverFailed):
+    """The agent answered with a TakeoverError."""
+
+
+class EchoMismatch(TakeoverFailed):
+    """The agent did not echo the init message it was sent."""
+
+
+class BadKeyLength(TakeoverFailed):
+    """The agent's key is not 32 bytes long."""
+
+
+def init_message(machine_id: uuid.UUID, config: AgentConfig) -> TakeoverInit:
+    """The TakeoverInit sent to the agent on ``machine_id``."""
+    return TakeoverInit(
+        machine_id=str(machine_id),
+        bmaas_endpoint=config.endpoint,
+        ca_certificate=config.endpoint_ca_certificate,
+    )
+
+
+async def start_agent(
+    client: SSHClient,
+    machine: Machine,
+    machine_id: uuid.UUID,
+    config: AgentConfig,
+    *,
+    known_host_key: bytes | None,
+) -> AgentStarted:
+    """Upload and run the agent on ``machine``; return its key.
+
+    ``known_host_key`` is the host key recorded for this machine, or None to
+    trust the one presented (first use). Raises a :class:`TakeoverFailed`
+    subclass for every failure on the machine's side; cancellation from the
+    caller propagates (after the SSH connection is closed).
+    """
+    if not machine.address:
+        raise NoAddress(f"machine has no address (provider id {machine.id!r})")
+    where = f"{machine.address}:{machine.port}"
+    init = init_message(machine_id, config)
+    host_key: bytes | None = None
+    result = None
+    with trio.move_on_after(config.ssh_exec_timeout) as deadline:
+        try:
+            async with client.connect(
+                machine.address, machine.port, known_host_key=known_host_key
+            ) as conn:
+                host_key = conn.host_key
+                logger.info("machine %s: uploading agent to %s", machine_id, where)
+                try:
+                    await conn.upload(config.target_path, config.executable)
+                except ChannelError as exc:
+                    raise UploadFailed(f"agent upload failed: {exc}", host_key) from exc
+                logger.debug("machine %s: running %s", machine_id, config.target_path)
+                try:
+                    result = await conn.run(shlex.quote(config.target_path), stdin=bytes(init))
+                except ChannelError as exc:
+                    raise RunFailed(f"running the agent failed: {exc}", host_key) from exc
+        except HostKeyChanged as exc:
+            raise HostKeyMismatch(f"SSH host key changed: {exc}") from exc
+        except (ConnectError, AuthenticationError) as exc:
+            raise DialFailed(f"SSH dial failed: {exc}") from exc
+    if result is None:
+        assert deadline.cancelled_caught
+        stage = "connecting" if host_key is None else "uploading or running the agent"
+        raise ExecTimeout(
+            f"timed out after {config.ssh_exec_timeout:g}s while {stage} on {where}",
+            host_key,
+        )
+    assert host_key is not None
+    stderr = result.stderr.decode("utf-8", errors="replace").strip()
+    if stderr:
+        logger.warning("machine %s: agent stderr: %r", machine_id, stderr[:_STDERR_EXCERPT])
+    if result.exit_status != 0:
+        how = (
+            f"was killed by signal {result.exit_signal}"
+            if result.exit_signal
+            else f"exited with status {result.exit_status}"
+        )
+        raise AgentExited(f"agent {how}: stderr {stderr[:_STDERR_EXCERPT]!r}", host_key)
+    key, warnings = parse_response(result.stdout, init, host_key)
+    for warning in warnings:
+        logger.warning("machine %s: agent warning: %s", machine_id, warning)
+    return AgentStarted(key, host_key, warnings)
+
+
+# The nesting of message fields in TakeoverResponse, for the strict wire check:
+# response.success(1).init_message(1), response.error(2).
+_Shape: TypeAlias = dict[int, "_Shape"]
+_RESPONSE_SHAPE: _Shape = {1: {1: {}}, 2: {}}
+
+
+def _check_wire(data: bytes, shape: _Shape) -> None:
+    """Raise DecodeError unless ``data`` is well-formed protobuf, recursively.
+
+    betterproto2's parser is lenient: it turns truncated or arbitrary bytes
+    into an empty message instead of failing. The initializer must tell
+    "the agent printed garbage" apart from "the agent answered nothing".
+    """
+    for number, wire_type, value in iter_fields(data):
+        if number in shape:
+            if wire_type != WIRE_LEN or not isinstance(value, bytes):
+                raise DecodeError(f"field {number}: want an embedded message")
+            _check_wire(value, shape[number])
+
+
+def parse_response(
+    stdout: bytes, sent: TakeoverInit, host_key: bytes | None = None
+) -> tuple[bytes, list[str]]:
+    """Check the agent's answer to ``sent``; return (key, warnings).
+
+    Raises :class:`MalformedResponse`, :class:`AgentError`,
+    :class:`EchoMismatch` or :class:`BadKeyLength`.
+    """
+    if not stdout:
+        raise MalformedResponse("agent wrote nothing to stdout", host_key)
+    try:
+        _check_wire(stdout, _RESPONSE_SHAPE)
+        response = TakeoverResponse.parse(stdout)
+    except Exception as exc:
+        excerpt = stdout[:64]
+        raise MalformedResponse(
+            f"agent reply is not a TakeoverResponse ({exc}); first bytes {excerpt!r}", host_key
+        ) from exc
+    which, _ = betterproto2.which_one_of(response, "result")
+    if which == "error":
+        assert response.error is not None
+        raise AgentError(f"agent returned error: {response.error.message}", host_key)
+    if which != "success":
+        raise MalformedResponse("agent reply has neither success nor error", host_key)
+    success = response.success
+    assert success is not None
+    if success.init_message != sent:
+        raise EchoMismatch(
+            f"agent did not echo the init message: sent {sent!r}, got {success.init_message!r}",
+            host_key,
+        )
+    if len(success.key) != AGENT_KEY_LENGTH:
+        raise BadKeyLength(
+            f"agent key is {len(success.key)} bytes, want {AGENT_KEY_LENGTH}", host_key
+        )
+    return success.key, list(success.warning)

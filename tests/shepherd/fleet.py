@@ -1,0 +1,184 @@
+"""A fleet of real SSH servers on loopback, one per simulated machine (asyncssh).
+
+Used where a test or benchmark needs more machines than one OpenSSH sshd can
+stand in for. Each machine is an asyncssh server on its own 127.0.0.1 port,
+with its own Ed25519 host key, accepting one client key for ``root``, serving
+SFTP and running commands for real as subprocesses.
+
+A machine's filesystem is a directory (its ``root``): SFTP is chrooted there,
+and an absolute program path in a command is resolved inside it the same way,
+so ``/agent`` uploaded by SFTP is what ``/agent`` runs. The program's working
+directory is the root too. Nothing else is translated.
+
+From Trio (inside ``trio_asyncio.open_loop()``)::
+
+    async with open_fleet(tmp_path, count=100, authorized_key=key) as fleet:
+        fleet.machines[0].port ...
+
+As a separate process (the benchmark), ``python -m tests.shepherd.fleet DIR
+COUNT AUTHORIZED_KEY`` serves until killed and prints one JSON line per
+machine (port, root) and then ``ready``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncssh
+import trio
+import trio_asyncio
+
+
+@dataclass
+class FleetMachine:
+    """One simulated machine and what happened to it."""
+
+    port: int
+    root: Path
+    #: Public host key, SSH wire format.
+    host_key: bytes
+    #: Commands started (one per agent run).
+    execs: int = 0
+    #: Connections currently open / closed so far.
+    open_connections: int = 0
+    closed_connections: int = 0
+    #: Commands whose session closed before they exited (they were killed).
+    killed: int = 0
+    _acceptor: asyncssh.SSHAcceptor | None = field(default=None, repr=False)
+
+
+@dataclass
+class Fleet:
+    machines: list[FleetMachine]
+
+
+class _Server(asyncssh.SSHServer):
+    def __init__(self, machine: FleetMachine) -> None:
+        self._machine = machine
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        self._machine.open_connections += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._machine.open_connections -= 1
+        self._machine.closed_connections += 1
+
+
+async def _run_command(machine: FleetMachine, process: asyncssh.SSHServerProcess[bytes]) -> None:
+    argv = shlex.split(process.command or "")
+    if not argv:
+        process.stderr.write(b"no interactive shells here\n")
+        process.exit(1)
+        return
+    if argv[0].startswith("/"):
+        argv[0] = str(machine.root) + argv[0]
+    machine.execs += 1
+    stdin = await process.stdin.read()
+    try:
+        child = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=machine.root,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except OSError as exc:
+        process.stderr.write(f"{argv[0]}: {exc.strerror}\n".encode())
+        process.exit(127)
+        return
+    communicate = asyncio.ensure_future(child.communicate(stdin))
+    closed = asyncio.ensure_future(process.wait_closed())
+    await asyncio.wait({communicate, closed}, return_when=asyncio.FIRST_COMPLETED)
+    if communicate.done():
+        closed.cancel()
+        stdout, stderr = communicate.result()
+        process.stdout.write(stdout)
+        process.stderr.write(stderr)
+        process.exit(child.returncode if child.returncode is not None else 255)
+    else:
+        # The client went away: do what sshd's session teardown amounts to
+        # for a command that would otherwise run forever.
+        machine.killed += 1
+        child.kill()
+        await communicate
+
+
+async def _start_machine(root: Path, authorized_key: str) -> FleetMachine:
+    host_key = asyncssh.generate_private_key("ssh-ed25519")
+    machine = FleetMachine(port=0, root=root, host_key=host_key.public_data)
+
+    def process_factory(process: asyncssh.SSHServerProcess[bytes]) -> object:
+        return _run_command(machine, process)
+
+    acceptor = await asyncssh.create_server(
+        lambda: _Server(machine),
+        "127.0.0.1",
+        0,
+        server_host_keys=[host_key],
+        authorized_client_keys=asyncssh.import_authorized_keys(authorized_key),
+        sftp_factory=lambda chan: asyncssh.SFTPServer(chan, chroot=str(root).encode()),
+        process_factory=process_factory,
+        encoding=None,
+        allow_scp=False,
+    )
+    machine.port = acceptor.sockets[0].getsockname()[1]
+    machine._acceptor = acceptor
+    return machine
+
+
+def _make_roots(directory: Path, count: int) -> list[Path]:
+    roots = [directory / f"machine-{i:04d}" for i in range(count)]
+    for root in roots:
+        root.mkdir(parents=True, exist_ok=True)
+    return roots
+
+
+async def _start(directory: Path, count: int, authorized_key: str) -> Fleet:
+    roots = _make_roots(directory, count)
+    return Fleet([await _start_machine(root, authorized_key) for root in roots])
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    """Wait (from Trio) until ``predicate()`` holds. Callers bound it with a timeout.
+
+    The fleet's counters change in asyncio callbacks, which cannot set a Trio
+    event, so this polls.
+    """
+    while not predicate():  # noqa: ASYNC110
+        await trio.sleep(0.01)
+
+
+async def _stop(fleet: Fleet) -> None:
+    for machine in fleet.machines:
+        if machine._acceptor is not None:
+            machine._acceptor.close()
+            await machine._acceptor.wait_closed()
+
+
+@asynccontextmanager
+async def open_fleet(directory: Path, *, count: int, authorized_key: str) -> AsyncIterator[Fleet]:
+    """Serve ``count`` machines under ``directory`` for the duration of the block."""
+    fleet = await trio_asyncio.aio_as_trio(_start)(directory, count, authorized_key)
+    try:
+        yield fleet
+    finally:
+        await trio_asyncio.aio_as_trio(_stop)(fleet)
+
+
+async def _serve_forever(directory: Path, count: int, authorized_key: str) -> None:
+    fleet = await _start(directory, count, authorized_key)
+    for machine in fleet.machines:
+        print(json.dumps({"port": machine.port, "root": str(machine.root)}), flush=True)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve_forever(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))

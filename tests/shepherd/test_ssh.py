@@ -1,0 +1,137 @@
+"""The SSH adapter against a real OpenSSH sshd and real asyncssh servers."""
+
+from __future__ import annotations
+
+import base64
+import stat
+from pathlib import Path
+
+import pytest
+import trio
+
+from shepherd.ssh import (
+    AuthenticationError,
+    ConnectError,
+    ConnectTimeout,
+    HostKeyChanged,
+    SSHClient,
+)
+from shepherd.ssh_key import SSHKey
+from tests.fixtures.sshd import Sshd
+from tests.shepherd.fleet import open_fleet, wait_until
+
+
+def _client(key: SSHKey, connect_timeout: float = 5.0) -> SSHClient:
+    return SSHClient(key, username="root", connect_timeout=connect_timeout)
+
+
+async def test_upload_and_run_on_openssh(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    target = sshd.root / "prog"
+    async with _client(shepherd_ssh_key).connect(sshd.host, sshd.port, known_host_key=None) as c:
+        assert c.host_key == sshd.host_key
+        await c.upload(str(target), b"#!/bin/sh\ntr a-z A-Z\necho oops >&2\nexit 3\n")
+        result = await c.run(str(target), stdin=b"hello")
+    assert c.closed
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+    assert (result.stdout, result.stderr, result.exit_status) == (b"HELLO", b"oops\n", 3)
+    assert result.exit_signal is None
+    # The upload went through a temporary name; nothing is left beside it.
+    assert sorted(p.name for p in sshd.root.iterdir()) == ["prog"]
+
+
+async def test_upload_replaces_existing_file(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    target = sshd.root / "prog"
+    target.write_bytes(b"old and much longer than the new content")
+    async with _client(shepherd_ssh_key).connect(sshd.host, sshd.port, known_host_key=None) as c:
+        await c.upload(str(target), b"new")
+    assert target.read_bytes() == b"new"
+
+
+async def test_recorded_host_key_is_accepted(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    client = _client(shepherd_ssh_key)
+    async with client.connect(sshd.host, sshd.port, known_host_key=sshd.host_key) as c:
+        result = await c.run("echo ok")
+    assert result.stdout == b"ok\n"
+
+
+async def test_changed_host_key_is_refused(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    other_host_key = SSHKey.generate().authorized_key.split()[1]
+    recorded = base64.b64decode(other_host_key)
+    with pytest.raises(HostKeyChanged, match="does not hold the recorded host key"):
+        async with _client(shepherd_ssh_key).connect(sshd.host, sshd.port, known_host_key=recorded):
+            pytest.fail("connected despite a changed host key")
+
+
+async def test_unreadable_recorded_host_key_is_refused(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    with pytest.raises(HostKeyChanged, match="unreadable"):
+        async with _client(shepherd_ssh_key).connect(
+            sshd.host, sshd.port, known_host_key=b"garbage"
+        ):
+            pytest.fail("connected with an unreadable recorded host key")
+
+
+async def test_wrong_client_key_is_an_authentication_error(aio_loop: object, sshd: Sshd) -> None:
+    with pytest.raises(AuthenticationError, match="refused our key for user 'root'"):
+        async with _client(SSHKey.generate()).connect(sshd.host, sshd.port, known_host_key=None):
+            pytest.fail("logged in with a key that is not authorized")
+
+
+async def test_closed_port_is_a_connect_error(aio_loop: object, shepherd_ssh_key: SSHKey) -> None:
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # bound, then closed: nothing listens there
+    with pytest.raises(ConnectError, match=f"cannot connect to 127.0.0.1:{port}"):
+        async with _client(shepherd_ssh_key).connect("127.0.0.1", port, known_host_key=None):
+            pytest.fail("connected to a closed port")
+
+
+async def _never_answer(stream: trio.SocketStream) -> None:
+    await trio.sleep_forever()
+
+
+async def test_silent_server_hits_the_connect_timeout(
+    aio_loop: object, shepherd_ssh_key: SSHKey
+) -> None:
+    # A TCP listener that accepts and never speaks SSH.
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, _never_answer, listeners)
+        with pytest.raises(ConnectTimeout, match=r"took longer than 0\.3s"):
+            async with _client(shepherd_ssh_key, connect_timeout=0.3).connect(
+                "127.0.0.1", port, known_host_key=None
+            ):
+                pytest.fail("connected to a server that never answered")
+        nursery.cancel_scope.cancel()
+
+
+async def test_trio_cancellation_crosses_the_bridge_and_closes(
+    aio_loop: object, tmp_path: Path, shepherd_ssh_key: SSHKey
+) -> None:
+    """A Trio timeout around a remote command cancels it and closes the connection."""
+    async with open_fleet(tmp_path, count=1, authorized_key=shepherd_ssh_key.authorized_key) as f:
+        machine = f.machines[0]
+        client = _client(shepherd_ssh_key)
+        with trio.move_on_after(0.5) as scope:
+            async with client.connect("127.0.0.1", machine.port, known_host_key=None) as conn:
+                await conn.run("sleep 60")
+        assert scope.cancelled_caught
+        assert conn.closed
+        # The server side sees the connection go and kills the command.
+        with trio.fail_after(10):
+            await wait_until(lambda: machine.open_connections == 0 and machine.killed == 1)
+        assert (machine.execs, machine.killed, machine.closed_connections) == (1, 1, 1)
+        # The bridge is still usable afterwards.
+        async with client.connect("127.0.0.1", machine.port, known_host_key=None) as conn:
+            assert (await conn.run("echo again")).stdout == b"again\n"
