@@ -1,1 +1,60 @@
-"""bmdb package."""
+"""The BMDB: the fleet's source of truth, on PostgreSQL.
+
+Machines carry *tags* (facts, one table each: provided by a provider, agent
+started, heartbeat, ...). Components act on machines under *sessions*, and
+take *work* locks on (machine, process) so that many workers never act on
+one machine at once. A failed work hides the machine from its process for
+a *backoff*; every start and outcome lands in the machine's *history*.
+
+Public API::
+
+    import bmdb
+    from bmdb import Backoff, Process, Provider, ProviderStatus
+    from bmdb.errors import BMDBError, SessionExpired, NothingToDo, WorkConflict, ...
+    from bmdb.model import Queries, MachineProvided, AgentStarted, HistoryEvent, ...
+
+    async with bmdb.open_connection(url, migrate=True) as conn:   # url=None: PG* env vars
+        async with conn.session("shepherd-initializer", "host:pid") as sess:
+            result = await sess.transact(fn)     # fn: async (q: Queries) -> T, SERIALIZABLE
+            work = await sess.work(Process.SHEPHERD_AGENT_START, source)
+            #   source: async (q: Queries) -> list[UUID]; raise NothingToDo if none
+            async with work:                     # canceled unless finished or failed
+                ...work.machine_id...
+                await work.finish(apply)         # apply: async (q: Queries) -> None
+                # or: await work.fail("cause", Backoff(initial=60, maximum=600, exponent=2))
+
+Everything runs on Trio; psycopg's asyncio driver is used through
+trio-asyncio, so callers must be inside ``trio_asyncio.open_loop()``.
+Cancellation is Trio's: a cancelled call cancels its query on the server
+and rolls back. If the session expires, the ``async with conn.session()``
+block is cancelled and raises `SessionExpired`.
+
+Modules: `connection` (open_connection, Connection), `session` (Session,
+heartbeat, expired-session collection), `work` (claiming, Work),
+`transaction` (isolation, retries, stats), `backoff`, `model` (enums, rows,
+Queries), `migrations` (SQL files and runner), `errors`. ``python -m bmdb``
+is the command-line tool (migrate, machines, history, sessions).
+"""
+
+from bmdb.backoff import Backoff
+from bmdb.connection import Connection, open_connection
+from bmdb.model import Process, Provider, ProviderStatus, Queries, WorkEvent
+from bmdb.session import Session
+from bmdb.transaction import Isolation, RetryPolicy, Stats
+from bmdb.work import Work
+
+__all__ = [
+    "Backoff",
+    "Connection",
+    "Isolation",
+    "Process",
+    "Provider",
+    "ProviderStatus",
+    "Queries",
+    "RetryPolicy",
+    "Session",
+    "Stats",
+    "Work",
+    "WorkEvent",
+    "open_connection",
+]

@@ -1,0 +1,70 @@
+"""The BMDB's exceptions, one hierarchy rooted at `BMDBError`.
+
+::
+
+    BMDBError
+    ├── InvalidArgument          (also a ValueError) bad input, nothing was written
+    ├── DatabaseUnavailable      cannot connect, or the connection was lost
+    ├── SchemaError              the database schema does not match this code
+    │   ├── SchemaTooNew         migrated by a newer release than this one
+    │   └── SchemaNotMigrated    migrations missing (run `python -m bmdb migrate`)
+    ├── SessionExpired           the session is gone; start a new one
+    ├── TransactionFailed        retries of serialization failures exhausted
+    ├── NothingToDo              a work source found no machine
+    ├── WorkConflict             the sourced machine is already being worked on
+    └── WorkClosed               finish/fail on work that was already closed
+
+`NothingToDo` is also what a work source raises to say it found nothing; it
+is an expected outcome rather than a failure, and callers usually wait and
+try again.
+"""
+
+from __future__ import annotations
+
+
+class BMDBError(Exception):
+    """Base class of every error raised by the `bmdb` package."""
+
+
+class InvalidArgument(BMDBError, ValueError):
+    """The caller passed a value the BMDB cannot accept. Nothing was written."""
+
+
+class DatabaseUnavailable(BMDBError):
+    """The database cannot be reached, or the connection to it was lost."""
+
+
+class SchemaError(BMDBError):
+    """The database schema is not the one this code was written for."""
+
+
+class SchemaTooNew(SchemaError):
+    """The database was migrated by a newer release; refuse to touch it."""
+
+
+class SchemaNotMigrated(SchemaError):
+    """The database lacks migrations this code needs."""
+
+
+class SessionExpired(BMDBError):
+    """The session passed its deadline (or was deleted) and cannot be used.
+
+    Everything that ran under the session has been cancelled; start a new
+    session to continue.
+    """
+
+
+class TransactionFailed(BMDBError):
+    """A transaction kept failing to serialize and ran out of retries."""
+
+
+class NothingToDo(BMDBError):
+    """A work source found no machine to work on."""
+
+
+class WorkConflict(BMDBError):
+    """The sourced machine already has live work for this process."""
+
+
+class WorkClosed(BMDBError):
+    """The work was already finished, failed or canceled."""

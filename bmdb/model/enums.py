@@ -1,0 +1,59 @@
+"""Python mirrors of the SQL enum types (see migrations/0001_initial.sql).
+
+Each member's value is the SQL label, so a member can be passed to a query
+as is. Converting an unknown string raises `InvalidArgument`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Self
+
+from bmdb.errors import InvalidArgument
+
+
+class _SQLEnum(enum.StrEnum):
+    @classmethod
+    def parse(cls, value: str) -> Self:
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise InvalidArgument(f"unknown {cls.__name__} {value!r} (known: {known})") from None
+
+
+class Process(_SQLEnum):
+    """A kind of work on a machine; a machine has at most one work per process."""
+
+    SHEPHERD_AGENT_START = "ShepherdAgentStart"
+    SHEPHERD_RECOVERY = "ShepherdRecovery"
+    SHEPHERD_PROVISION = "ShepherdProvision"
+    UNIT_TEST_1 = "UnitTest1"
+    UNIT_TEST_2 = "UnitTest2"
+
+
+class Provider(_SQLEnum):
+    """Where a machine comes from."""
+
+    EQUINIX = "Equinix"
+    STATIC = "Static"
+
+
+class ProviderStatus(_SQLEnum):
+    """What the provider last said about a machine."""
+
+    UNKNOWN = "Unknown"
+    RUNNING = "Running"
+    PROVISIONING = "Provisioning"
+    PROVISIONING_FAILED_PERMANENT = "ProvisioningFailedPermanent"
+    STOPPED = "Stopped"
+    MISSING = "Missing"
+
+
+class WorkEvent(_SQLEnum):
+    """An entry kind of the work history."""
+
+    STARTED = "Started"
+    FINISHED = "Finished"
+    FAILED = "Failed"
+    CANCELED = "Canceled"

@@ -1,0 +1,429 @@
+"""`Queries`: the typed SQL of the BMDB, one async method per statement.
+
+A `Queries` is bound to one open transaction; it is handed to the functions
+given to `Session.transact`, `Session.work` (the work source) and
+`Work.finish`. Methods validate their arguments before touching the
+database and raise `InvalidArgument` for bad input (the surrounding
+transaction is then rolled back, leaving the database as it was).
+
+Sourcing queries (``machines_for_*``) behave differently inside a work
+source: there they lock the rows they return with ``FOR UPDATE SKIP
+LOCKED`` so that concurrent workers get disjoint machines, and the
+agent-start query picks at random among the oldest `SOURCING_WINDOW`
+candidates instead of always taking the very oldest, so parallel workers do
+not all race for the same first row. See bmdb/work.py for why that is safe.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from bmdb import _pg
+from bmdb._pg import Params, PgConnection, Row
+from bmdb.errors import InvalidArgument, SchemaNotMigrated
+from bmdb.model.enums import Process, Provider, ProviderStatus, WorkEvent
+from bmdb.model.rows import (
+    AgentStarted,
+    HistoryEvent,
+    MachineProvided,
+    MachineSummary,
+    SessionInfo,
+    WorkInfo,
+)
+
+#: How many of the oldest candidates a locking agent-start source picks from.
+#: Larger than any sane worker count, so that workers rarely pick the same row.
+SOURCING_WINDOW = 64
+
+#: Processes that must not run on one machine at the same time as agent start.
+_AGENT_PROCESSES = (Process.SHEPHERD_AGENT_START, Process.SHEPHERD_RECOVERY)
+
+# A machine has live work in one of the processes %(busy)s. Work rows of
+# sessions past their deadline do not count: their owner is gone.
+_LIVE_WORK = """
+    EXISTS (SELECT 1 FROM work w JOIN sessions s ON s.session_id = w.session_id
+            WHERE w.machine_id = m.machine_id AND w.process = ANY(%(busy)s::process[])
+              AND s.session_deadline > now())
+"""
+
+_ACTIVE_BACKOFF = """
+    EXISTS (SELECT 1 FROM work_backoff b
+            WHERE b.machine_id = m.machine_id AND b.process = %(process)s::process
+              AND b.until > now())
+"""
+
+_PROVIDED_COLUMNS = """
+    p.machine_id, p.provider, p.provider_id, p.provider_address, p.provider_location,
+    p.provider_status
+"""
+
+_AGENT_START_CANDIDATES = f"""
+    SELECT m.machine_id, m.machine_created_at FROM machines m
+    JOIN machine_provided p ON p.machine_id = m.machine_id
+    WHERE NOT m.agent_started
+      AND NOT {_LIVE_WORK}
+      AND NOT {_ACTIVE_BACKOFF}
+    ORDER BY m.machine_created_at, m.machine_id
+"""
+
+_AGENT_START_LIST = f"""
+    SELECT {_PROVIDED_COLUMNS} FROM ({_AGENT_START_CANDIDATES} LIMIT %(limit)s) c
+    JOIN machine_provided p ON p.machine_id = c.machine_id
+    ORDER BY c.machine_created_at, c.machine_id
+"""
+
+_AGENT_START_LOCK = f"""
+    SELECT {_PROVIDED_COLUMNS} FROM ({_AGENT_START_CANDIDATES} LIMIT %(window)s) c
+    JOIN machines m ON m.machine_id = c.machine_id
+    JOIN machine_provided p ON p.machine_id = c.machine_id
+    ORDER BY random()
+    LIMIT %(limit)s
+    FOR UPDATE OF m SKIP LOCKED
+"""
+
+_AGENT_RECOVERY = f"""
+    SELECT m.machine_id, a.agent_started_at, a.agent_public_key, {_PROVIDED_COLUMNS}
+    FROM machines m
+    JOIN machine_agent_started a ON a.machine_id = m.machine_id
+    LEFT JOIN machine_agent_heartbeat h ON h.machine_id = m.machine_id
+    LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
+    WHERE ((h.machine_id IS NULL AND a.agent_started_at < now() - interval '30 minutes')
+           OR h.agent_heartbeat_at < now() - interval '10 minutes')
+      AND NOT {_LIVE_WORK}
+      AND NOT {_ACTIVE_BACKOFF}
+    ORDER BY m.machine_created_at, m.machine_id
+    LIMIT %(limit)s
+"""
+
+_FOR_PROCESS = f"""
+    SELECT m.machine_id FROM machines m
+    WHERE NOT {_LIVE_WORK}
+      AND NOT {_ACTIVE_BACKOFF}
+    ORDER BY m.machine_created_at, m.machine_id
+    LIMIT %(limit)s
+"""
+
+_LOCK_SUFFIX = " FOR UPDATE OF m SKIP LOCKED"
+
+
+class Queries:
+    """The BMDB's statements, run in the transaction of ``pg``.
+
+    ``locking`` is set by `Session.work` for its source function: sourcing
+    queries then lock what they return (see the module docstring).
+    """
+
+    def __init__(self, pg: PgConnection, *, locking: bool = False) -> None:
+        self._pg = pg
+        self.locking = locking
+
+    async def _run(self, sql: str, params: Params | None = None) -> list[Row]:
+        try:
+            return await self._pg.execute(sql, params)
+        except Exception as e:
+            if _pg.is_bad_data(e):
+                raise InvalidArgument(_pg.error_message(e)) from e
+            if _pg.is_undefined_object(e):
+                raise SchemaNotMigrated(
+                    f"{_pg.error_message(e)}: run `python -m bmdb migrate`"
+                ) from e
+            raise
+
+    # Machines and their tags.
+
+    async def new_machine(self) -> uuid.UUID:
+        """Create a machine without tags and return its id."""
+        rows = await self._run("INSERT INTO machines DEFAULT VALUES RETURNING machine_id")
+        machine_id: uuid.UUID = rows[0][0]
+        return machine_id
+
+    async def add_provided(
+        self,
+        machine_id: uuid.UUID | str,
+        provider: Provider | str,
+        provider_id: str,
+        address: str | None = None,
+        location: str | None = None,
+        status: ProviderStatus | str = ProviderStatus.UNKNOWN,
+    ) -> None:
+        """Tag a machine as supplied by ``provider`` under ``provider_id``.
+
+        Raises `InvalidArgument` for an unknown machine, an empty provider id,
+        or a provider id already used by another machine of that provider.
+        """
+        if not provider_id:
+            raise InvalidArgument("provider_id must not be empty")
+        await self._run(
+            """INSERT INTO machine_provided (machine_id, provider, provider_id, provider_address,
+                   provider_location, provider_status)
+               VALUES (%s, %s, %s, %s, %s, %s)""",
+            (
+                as_uuid(machine_id),
+                Provider.parse(provider),
+                provider_id,
+                address,
+                location,
+                ProviderStatus.parse(status),
+            ),
+        )
+
+    async def update_provided(
+        self,
+        machine_id: uuid.UUID | str,
+        address: str | None,
+        location: str | None,
+        status: ProviderStatus | str,
+    ) -> bool:
+        """Refresh what the provider says about a machine. Returns False if the
+        machine has no provider tag."""
+        rows = await self._run(
+            """UPDATE machine_provided
+               SET provider_address = %s, provider_location = %s, provider_status = %s
+               WHERE machine_id = %s RETURNING 1""",
+            (address, location, ProviderStatus.parse(status), as_uuid(machine_id)),
+        )
+        return bool(rows)
+
+    async def provided_by_provider(self, provider: Provider | str) -> list[MachineProvided]:
+        """Every machine of ``provider``, by provider id."""
+        rows = await self._run(
+            f"SELECT {_PROVIDED_COLUMNS} FROM machine_provided p WHERE p.provider = %s"
+            " ORDER BY p.provider_id",
+            (Provider.parse(provider),),
+        )
+        return [_provided(r) for r in rows]
+
+    async def set_agent_started(
+        self, machine_id: uuid.UUID | str, started_at: datetime.datetime, public_key: bytes
+    ) -> None:
+        """Record that the agent runs on the machine with ``public_key``."""
+        if not public_key:
+            raise InvalidArgument("public_key must not be empty")
+        await self._run(
+            """INSERT INTO machine_agent_started (machine_id, agent_started_at, agent_public_key)
+               VALUES (%s, %s, %s)
+               ON CONFLICT (machine_id) DO UPDATE
+               SET agent_started_at = EXCLUDED.agent_started_at,
+                   agent_public_key = EXCLUDED.agent_public_key""",
+            (as_uuid(machine_id), _aware(started_at), bytes(public_key)),
+        )
+
+    async def set_agent_heartbeat(self, machine_id: uuid.UUID | str, at: datetime.datetime) -> None:
+        """Record a heartbeat of the machine's agent."""
+        await self._run(
+            """INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at) VALUES (%s, %s)
+               ON CONFLICT (machine_id) DO UPDATE
+               SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at""",
+            (as_uuid(machine_id), _aware(at)),
+        )
+
+    async def set_hardware_report(self, machine_id: uuid.UUID | str, report: bytes) -> None:
+        """Store the agent's (serialized) hardware report of the machine."""
+        await self._run(
+            """INSERT INTO machine_hardware_report (machine_id, hardware_report_raw) VALUES (%s, %s)
+               ON CONFLICT (machine_id) DO UPDATE
+               SET hardware_report_raw = EXCLUDED.hardware_report_raw""",
+            (as_uuid(machine_id), bytes(report)),
+        )
+
+    async def set_os_installation_request(
+        self, machine_id: uuid.UUID | str, generation: int, request: bytes
+    ) -> None:
+        """Ask the agent to install an OS (``generation`` orders requests)."""
+        await self._run(
+            """INSERT INTO machine_os_installation_request
+                   (machine_id, generation, os_installation_request_raw) VALUES (%s, %s, %s)
+               ON CONFLICT (machine_id) DO UPDATE
+               SET generation = EXCLUDED.generation,
+                   os_installation_request_raw = EXCLUDED.os_installation_request_raw""",
+            (as_uuid(machine_id), int(generation), bytes(request)),
+        )
+
+    async def set_os_installation_report(
+        self, machine_id: uuid.UUID | str, generation: int, report: bytes
+    ) -> None:
+        """Store the agent's report on the OS installation of ``generation``."""
+        await self._run(
+            """INSERT INTO machine_os_installation_report
+                   (machine_id, generation, os_installation_report_raw) VALUES (%s, %s, %s)
+               ON CONFLICT (machine_id) DO UPDATE
+               SET generation = EXCLUDED.generation,
+                   os_installation_report_raw = EXCLUDED.os_installation_report_raw""",
+            (as_uuid(machine_id), int(generation), bytes(report)),
+        )
+
+    async def authenticate_agent(self, machine_id: uuid.UUID | str, public_key: bytes) -> bool:
+        """True if the machine's started agent has exactly ``public_key``."""
+        rows = await self._run(
+            """SELECT 1 FROM machine_agent_started
+               WHERE machine_id = %s AND agent_public_key = %s""",
+            (as_uuid(machine_id), bytes(public_key)),
+        )
+        return bool(rows)
+
+    async def get_ssh_host_key(self, machine_id: uuid.UUID | str) -> bytes | None:
+        """The SSH host key first seen on the machine, if any."""
+        rows = await self._run(
+            "SELECT public_key FROM machine_ssh_host_key WHERE machine_id = %s",
+            (as_uuid(machine_id),),
+        )
+        return bytes(rows[0][0]) if rows else None
+
+    async def set_ssh_host_key(self, machine_id: uuid.UUID | str, key: bytes) -> None:
+        """Record (or replace) the machine's trusted SSH host key."""
+        if not key:
+            raise InvalidArgument("key must not be empty")
+        await self._run(
+            """INSERT INTO machine_ssh_host_key (machine_id, public_key) VALUES (%s, %s)
+               ON CONFLICT (machine_id) DO UPDATE
+               SET public_key = EXCLUDED.public_key, first_seen = now()""",
+            (as_uuid(machine_id), bytes(key)),
+        )
+
+    # Sourcing.
+
+    async def machines_for_agent_start(self, limit: int) -> list[MachineProvided]:
+        """Provided machines whose agent has not started, without live
+        agent-start/recovery work or agent-start backoff, oldest first
+        (approximately, among the oldest `SOURCING_WINDOW`, when locking)."""
+        params = {
+            "limit": _limit(limit),
+            "window": max(SOURCING_WINDOW, limit),
+            "busy": list(_AGENT_PROCESSES),
+            "process": Process.SHEPHERD_AGENT_START,
+        }
+        rows = await self._run(_AGENT_START_LOCK if self.locking else _AGENT_START_LIST, params)
+        return [_provided(r) for r in rows]
+
+    async def machines_for_agent_recovery(self, limit: int) -> list[AgentStarted]:
+        """Machines whose agent started but went silent: no heartbeat 30
+        minutes after the start, or the last heartbeat older than 10 minutes;
+        without live agent work or recovery backoff; oldest first."""
+        params = {
+            "limit": _limit(limit),
+            "busy": list(_AGENT_PROCESSES),
+            "process": Process.SHEPHERD_RECOVERY,
+        }
+        sql = _AGENT_RECOVERY + (_LOCK_SUFFIX if self.locking else "")
+        rows = await self._run(sql, params)
+        return [
+            AgentStarted(
+                machine_id=r[0],
+                started_at=r[1],
+                public_key=bytes(r[2]),
+                provided=_provided(r[3:]) if r[3] is not None else None,
+            )
+            for r in rows
+        ]
+
+    async def machines_for_process(self, process: Process | str, limit: int) -> list[uuid.UUID]:
+        """Any machines without live work or active backoff for ``process``,
+        oldest first. A generic source for tests and simple processes."""
+        p = Process.parse(process)
+        params = {"limit": _limit(limit), "busy": [p], "process": p}
+        sql = _FOR_PROCESS + (_LOCK_SUFFIX if self.locking else "")
+        return [r[0] for r in await self._run(sql, params)]
+
+    # Introspection.
+
+    async def history(self, machine_id: uuid.UUID | str) -> list[HistoryEvent]:
+        """The machine's work history, oldest first."""
+        rows = await self._run(
+            """SELECT machine_id, process, event, at, session_id, cause FROM work_history
+               WHERE machine_id = %s ORDER BY id""",
+            (as_uuid(machine_id),),
+        )
+        return [
+            HistoryEvent(
+                machine_id=r[0],
+                process=Process(r[1]),
+                event=WorkEvent(r[2]),
+                at=r[3],
+                session_id=r[4],
+                cause=r[5],
+            )
+            for r in rows
+        ]
+
+    async def sessions(self) -> list[SessionInfo]:
+        """Every session row, including expired ones not yet collected."""
+        rows = await self._run(
+            """SELECT session_id, session_component_name, session_runtime_info,
+                      session_created_at, session_interval_seconds, session_deadline,
+                      session_deadline <= now()
+               FROM sessions ORDER BY session_created_at, session_id"""
+        )
+        return [SessionInfo(*r) for r in rows]
+
+    async def work(self) -> list[WorkInfo]:
+        """Every work row (live or stale)."""
+        rows = await self._run("SELECT machine_id, process, session_id FROM work ORDER BY 1, 2")
+        return [WorkInfo(r[0], Process(r[1]), r[2]) for r in rows]
+
+    async def machines(self, limit: int = 1000) -> list[MachineSummary]:
+        """Machines with their tags, oldest first."""
+        rows = await self._run(
+            f"""SELECT m.machine_id, m.machine_created_at, a.agent_started_at,
+                       h.agent_heartbeat_at, r.machine_id IS NOT NULL,
+                       ARRAY(SELECT w.process::text FROM work w
+                             WHERE w.machine_id = m.machine_id ORDER BY 1),
+                       p.machine_id IS NOT NULL, {_PROVIDED_COLUMNS}
+                FROM machines m
+                LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
+                LEFT JOIN machine_agent_started a ON a.machine_id = m.machine_id
+                LEFT JOIN machine_agent_heartbeat h ON h.machine_id = m.machine_id
+                LEFT JOIN machine_hardware_report r ON r.machine_id = m.machine_id
+                ORDER BY m.machine_created_at, m.machine_id
+                LIMIT %s""",
+            (_limit(limit),),
+        )
+        return [
+            MachineSummary(
+                machine_id=r[0],
+                created_at=r[1],
+                agent_started_at=r[2],
+                agent_heartbeat_at=r[3],
+                has_hardware_report=r[4],
+                work=tuple(Process(w) for w in r[5]),
+                provided=_provided(r[7:]) if r[6] else None,
+            )
+            for r in rows
+        ]
+
+
+def as_uuid(value: uuid.UUID | str) -> uuid.UUID:
+    """``value`` as a UUID; `InvalidArgument` if it is not one."""
+    if isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str):
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            pass
+    raise InvalidArgument(f"not a machine id (UUID): {value!r}")
+
+
+def _limit(limit: int) -> int:
+    if not isinstance(limit, int) or limit < 1:
+        raise InvalidArgument(f"limit must be a positive integer, got {limit!r}")
+    return limit
+
+
+def _aware(at: datetime.datetime) -> datetime.datetime:
+    if not isinstance(at, datetime.datetime) or at.tzinfo is None:
+        raise InvalidArgument(f"need a timezone-aware datetime, got {at!r}")
+    return at
+
+
+def _provided(r: Sequence[Any]) -> MachineProvided:
+    return MachineProvided(
+        machine_id=r[0],
+        provider=Provider(r[1]),
+        provider_id=r[2],
+        address=r[3],
+        location=r[4],
+        status=ProviderStatus(r[5]),
+    )

@@ -1,0 +1,289 @@
+"""Sessions: a component's liveness in the BMDB, and the scope of its work.
+
+A session is a row with a deadline. Its owner keeps pushing the deadline out
+(a *poke*) every ``interval / 2``; a session is valid while its deadline is in
+the future. Work locks belong to a session, so a component that dies (or is
+cut off from the database) loses its locks at most ``interval`` later, and
+other workers take its machines over.
+
+::
+
+    async with conn.session("shepherd-initializer", "host:pid") as sess:
+        │  INSERT sessions row, collect expired sessions
+        │  nursery ── heartbeat task: every interval/2
+        │                UPDATE ... SET deadline = now() + interval
+        │                WHERE session_id = $1 AND deadline > now()
+        │                no row, or no answer before the deadline
+        │                  ─▶ raise SessionExpired ─▶ cancels the body
+        │  body: sess.transact(fn), sess.work(process, source), ...
+        ▼  exit: DELETE the session row (its remaining work rows go with it)
+
+Collecting expired sessions (deleting them, which releases their work and
+records "Canceled" in the history) is done by every session owner: on start
+and then at most every `GC_PERIOD` seconds, so it happens while any
+component runs and costs one cheap statement per period.
+
+Invariant relied on by sourcing: a work row whose session's deadline has
+passed is dead. Its owner cannot poke the session back to life (the poke
+requires ``deadline > now()``), so the row can be ignored and replaced
+before the collector gets to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, TypeVar
+
+import trio
+
+from bmdb._pg import PgConnection
+from bmdb.errors import DatabaseUnavailable, InvalidArgument, NothingToDo, SessionExpired
+from bmdb.model import Process, Queries, as_uuid
+from bmdb.transaction import Isolation
+from bmdb.work import Work, claim
+
+if TYPE_CHECKING:
+    from bmdb.connection import Connection
+
+logger = logging.getLogger("bmdb.session")
+
+T = TypeVar("T")
+
+#: Default seconds between a session's deadline and its last poke.
+DEFAULT_INTERVAL = 5.0
+
+#: Seconds between two collections of expired sessions by one owner.
+GC_PERIOD = 30.0
+
+_CHECK = "SELECT 1 FROM sessions WHERE session_id = %s AND session_deadline > now()"
+
+_POKE = """
+    UPDATE sessions SET session_deadline = now() + make_interval(secs => session_interval_seconds)
+    WHERE session_id = %s AND session_deadline > now()
+    RETURNING 1
+"""
+
+# Delete sessions matching the condition; their work goes with them, and the
+# history records it as canceled.
+_DELETE_SESSIONS = """
+    WITH dead AS (DELETE FROM sessions WHERE {condition} RETURNING session_id),
+    gone AS (DELETE FROM work WHERE session_id IN (SELECT session_id FROM dead)
+             RETURNING machine_id, process, session_id)
+    INSERT INTO work_history (machine_id, process, event, session_id, cause)
+    SELECT machine_id, process, 'Canceled', session_id, %(cause)s FROM gone
+"""
+
+
+class Session:
+    """A live BMDB session. Obtain one with ``Connection.session()``.
+
+    Every method raises `SessionExpired` once the session is known to be
+    gone; the ``async with`` block that owns the session is then cancelled
+    and raises `SessionExpired` too.
+    """
+
+    def __init__(
+        self, conn: Connection, session_id: uuid.UUID, component: str, interval: float
+    ) -> None:
+        self.connection = conn
+        self.id = session_id
+        self.component = component
+        self.interval = interval
+        self._expired = False
+
+    @property
+    def expired(self) -> bool:
+        """True once the session is known to have expired."""
+        return self._expired
+
+    def _expire(self, why: str) -> SessionExpired:
+        self._expired = True
+        return SessionExpired(f"session {self.id} ({self.component}) expired: {why}")
+
+    def _require_live(self) -> None:
+        if self._expired:
+            raise SessionExpired(f"session {self.id} ({self.component}) has expired")
+
+    async def transact(self, fn: Callable[[Queries], Awaitable[T]]) -> T:
+        """Run ``fn(queries)`` in a SERIALIZABLE transaction and return its result.
+
+        Every attempt first checks that the session is still valid (raising
+        `SessionExpired` if not). Serialization failures and deadlocks are
+        retried with jittered backoff, so ``fn`` may run more than once and
+        must only have effects through ``queries``. Whatever ``fn`` raises
+        rolls the transaction back and propagates.
+        """
+        self._require_live()
+
+        async def body(pg: PgConnection) -> T:
+            if not await pg.execute(_CHECK, (self.id,)):
+                raise self._expire("deadline passed")
+            return await fn(Queries(pg))
+
+        return await self.connection.run(Isolation.SERIALIZABLE, body)
+
+    async def work(
+        self, process: Process | str, source: Callable[[Queries], Awaitable[list[uuid.UUID]]]
+    ) -> Work:
+        """Source one machine with ``source`` and lock it for ``process``.
+
+        ``source`` runs in the claiming transaction with a `Queries` whose
+        sourcing queries lock what they return; it returns the id of the
+        machine to work on (a one-element list), or raises `NothingToDo` (an
+        empty list means the same). The work row and the history entry
+        "Started" are written in the same transaction.
+
+        Raises `NothingToDo`, `WorkConflict` (the machine has live work for
+        ``process`` in another session), `SessionExpired`, or
+        `InvalidArgument` (unknown process, more than one machine). The
+        returned `Work` must be finished, failed or canceled; use it as an
+        ``async with`` block to cancel it on any other way out.
+        """
+        self._require_live()
+        parsed = Process.parse(process)
+        stats = self.connection.stats
+
+        async def body(pg: PgConnection) -> uuid.UUID:
+            ids = await source(Queries(pg, locking=True))
+            if not ids:
+                raise NothingToDo(f"no machine to work on for {parsed}")
+            if len(ids) != 1:
+                raise InvalidArgument(f"a work source must return one machine, got {len(ids)}")
+            machine_id = as_uuid(ids[0])
+            await claim(pg, self, machine_id, parsed)
+            return machine_id
+
+        try:
+            machine_id = await self.connection.run(Isolation.REPEATABLE_READ, body)
+        except NothingToDo:
+            stats.nothing_to_do += 1
+            raise
+        stats.claims += 1
+        return Work(self, machine_id, parsed)
+
+    async def _poke(self) -> bool:
+        async def body(pg: PgConnection) -> bool:
+            return bool(await pg.execute(_POKE, (self.id,)))
+
+        return await self.connection.run(Isolation.READ_COMMITTED, body)
+
+    async def _keep_alive(self) -> None:
+        """Poke the session every interval/2 until cancelled; raise
+        `SessionExpired` when the session is gone or cannot be poked before
+        its deadline (the database being unreachable counts)."""
+        # Trio-clock estimate of the deadline, taken before each poke is sent,
+        # so it never runs later than the server's.
+        deadline = trio.current_time() + self.interval
+        last_gc = trio.current_time()
+        while True:
+            await trio.sleep(self.interval / 2)
+            sent = trio.current_time()
+            poked: bool | None = None
+            with trio.move_on_at(deadline):
+                while poked is None:
+                    try:
+                        poked = await self._poke()
+                    except DatabaseUnavailable as e:
+                        logger.warning("session %s: cannot poke: %s", self.id, e)
+                        await trio.sleep(min(0.5, self.interval / 4))
+            if poked is None:
+                raise self._expire("could not reach the database before the deadline")
+            if not poked:
+                raise self._expire("deadline passed")
+            deadline = sent + self.interval
+            if trio.current_time() - last_gc >= GC_PERIOD:
+                last_gc = trio.current_time()
+                await collect_expired(self.connection)
+
+    async def _close(self) -> None:
+        """Delete the session row, releasing leftover work (shielded, bounded,
+        errors logged: the row expires by itself if this fails)."""
+        with trio.CancelScope(shield=True) as scope:
+            scope.relative_deadline = max(self.interval, 1.0)
+            try:
+                await _delete_sessions(
+                    self.connection, "session_id = %(id)s", self.id, "session closed"
+                )
+            except Exception as e:
+                logger.warning("session %s: could not delete on close: %s", self.id, e)
+        self._expired = True
+
+
+async def collect_expired(conn: Connection) -> None:
+    """Delete every session past its deadline, releasing its work. Errors
+    are logged, not raised: collection is best effort and runs again later."""
+    try:
+        await _delete_sessions(conn, "session_deadline <= now()", None, "session expired")
+    except Exception as e:
+        logger.warning("collecting expired sessions failed: %s", e)
+
+
+async def _delete_sessions(
+    conn: Connection, condition: str, session_id: uuid.UUID | None, cause: str
+) -> None:
+    sql = _DELETE_SESSIONS.format(condition=condition)
+
+    async def body(pg: PgConnection) -> None:
+        await pg.execute(sql, {"id": session_id, "cause": cause})
+
+    await conn.run(Isolation.READ_COMMITTED, body)
+
+
+@asynccontextmanager
+async def open_session(
+    conn: Connection, component: str, runtime_info: str, *, interval: float
+) -> AsyncIterator[Session]:
+    """Create a session row and keep it alive for the duration of the block.
+
+    If the session expires, the block is cancelled and raises
+    `SessionExpired`. On exit the row is deleted, which releases any work
+    still held. Raises `InvalidArgument` for an empty component name or a
+    non-positive interval, `DatabaseUnavailable` if the row cannot be written.
+    """
+    if not component:
+        raise InvalidArgument("a session needs a component name")
+    if not interval > 0:
+        raise InvalidArgument(f"session interval must be positive, got {interval!r}")
+
+    async def create(pg: PgConnection) -> uuid.UUID:
+        rows = await pg.execute(
+            """INSERT INTO sessions (session_component_name, session_runtime_info,
+                   session_interval_seconds, session_deadline)
+               VALUES (%s, %s, %s, now() + make_interval(secs => %s))
+               RETURNING session_id""",
+            (component, runtime_info, interval, interval),
+        )
+        session_id: uuid.UUID = rows[0][0]
+        return session_id
+
+    await collect_expired(conn)
+    session = Session(conn, await conn.run(Isolation.READ_COMMITTED, create), component, interval)
+    logger.info("session %s started for %s (%s)", session.id, component, runtime_info)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session._keep_alive)
+            yield session
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # Present the one real error (SessionExpired from the heartbeat, or
+        # whatever the body raised) rather than a group of one.
+        raise _single(group) from None
+    finally:
+        await session._close()
+
+
+def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                walk(inner)
+        else:
+            leaves.append(e)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group

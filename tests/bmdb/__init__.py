@@ -1,0 +1,1 @@
+"""Tests of the BMDB against a real PostgreSQL 15."""
