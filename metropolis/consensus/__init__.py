@@ -1,0 +1,1 @@
+"""Consensus: a supervised etcd member, its peer PKI, and a trio-native etcd client."""

@@ -1,0 +1,247 @@
+"""One etcd server process: its command line, its logs, its lifetime.
+
+:func:`run_etcd` is the only place that starts the ``etcd`` binary. It owns
+the child process for exactly as long as it runs::
+
+    run_etcd ──spawn──> etcd (cwd = working_dir)
+        │                 ├─ client socket  <working_dir>/client.sock:0
+        │                 └─ stderr: zap JSON lines ──> logger (one record each)
+        ├─ poll the socket until etcd answers ──> task_status.started()
+        └─ wait: etcd exits  -> EtcdExited
+                 cancelled   -> SIGTERM, up to 5 s grace, SIGKILL  (shielded)
+
+Invariant: when :func:`run_etcd` returns or raises, the process has exited
+and been reaped, whatever the reason (cancellation included); the stop is
+shielded from cancellation so that no etcd can outlive its owner and keep
+the data directory and ports busy.
+
+etcd 3.4 only accepts a UNIX client socket spelt ``unix://NAME:0``, relative
+to its working directory, and creates a file literally called ``NAME:0``. A
+socket file left by a killed etcd makes the next start fail, so it is
+unlinked before every start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import trio
+
+from metropolis.consensus.client import Client, EtcdError
+
+__all__ = ["SOCKET_NAME", "EtcdExited", "PeerTLS", "ProcessConfig", "Tuning", "run_etcd"]
+
+#: The client socket's file name inside the working directory.
+SOCKET_NAME = "client.sock:0"
+
+_ETCD_BINARY = "etcd"
+_STOP_GRACE = 5.0
+_READY_POLL = 0.02
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "error": logging.ERROR,
+    "dpanic": logging.CRITICAL,
+    "panic": logging.CRITICAL,
+    "fatal": logging.CRITICAL,
+}
+
+
+class EtcdExited(Exception):
+    """The etcd process exited on its own (crash, kill, bad flags, lost data dir)."""
+
+    def __init__(self, returncode: int) -> None:
+        super().__init__(f"etcd exited with status {returncode}")
+        self.returncode = returncode
+
+
+@dataclass(frozen=True)
+class PeerTLS:
+    """Files for mutual TLS between peers: all from the consensus peer CA."""
+
+    ca_certificate: Path
+    certificate: Path
+    key: Path
+    #: Re-read by etcd on every new peer connection; its signature is *not*
+    #: checked, so only the owner may be able to write it.
+    crl: Path
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Raft timing. Defaults are etcd's; loopback tests can go 5x faster."""
+
+    heartbeat_ms: int = 100
+    election_ms: int = 1000
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """Everything an etcd command line needs."""
+
+    name: str
+    data_dir: Path
+    #: etcd's working directory; the client socket is created here.
+    working_dir: Path
+    #: ``host:port`` on which peers connect.
+    peer_address: str
+    #: None only while bootstrapping the PKI: peers are then plain HTTP.
+    peer_tls: PeerTLS | None
+    #: Members (name -> peer URL) for ``--initial-cluster``; ignored by etcd
+    #: once the data directory holds a member.
+    initial_cluster: Mapping[str, str]
+    cluster_state: Literal["new", "existing"]
+    tuning: Tuning = field(default_factory=Tuning)
+    cluster_token: str = "metropolis"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.working_dir / SOCKET_NAME
+
+    @property
+    def advertised_peer_url(self) -> str:
+        # Always advertise https, also during the plain-HTTP PKI bootstrap:
+        # the member's URL is recorded in the cluster at creation and must
+        # already be the one the TLS-enabled restart serves.
+        return f"https://{self.peer_address}"
+
+    def argv(self) -> list[str]:
+        listen_scheme = "https" if self.peer_tls else "http"
+        client_url = f"unix://{SOCKET_NAME}"
+        args = [
+            _ETCD_BINARY,
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={listen_scheme}://{self.peer_address}",
+            f"--initial-advertise-peer-urls={self.advertised_peer_url}",
+            "--initial-cluster="
+            + ",".join(f"{name}={url}" for name, url in sorted(self.initial_cluster.items())),
+            f"--initial-cluster-state={self.cluster_state}",
+            f"--initial-cluster-token={self.cluster_token}",
+            f"--heartbeat-interval={self.tuning.heartbeat_ms}",
+            f"--election-timeout={self.tuning.election_ms}",
+            "--logger=zap",
+            "--log-outputs=stderr",
+        ]
+        if self.peer_tls:
+            args += [
+                f"--peer-trusted-ca-file={self.peer_tls.ca_certificate}",
+                f"--peer-cert-file={self.peer_tls.certificate}",
+                f"--peer-key-file={self.peer_tls.key}",
+                f"--peer-crl-file={self.peer_tls.crl}",
+                "--peer-client-cert-auth",
+            ]
+        return args
+
+
+async def run_etcd(
+    config: ProcessConfig,
+    logger: logging.Logger,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run etcd until it exits or this call is cancelled.
+
+    Calls ``task_status.started()`` once etcd answers on its client socket
+    (so ``await nursery.start(run_etcd, ...)`` returns a usable member).
+    Never returns normally: raises :class:`EtcdExited` when the process
+    exits, before or after becoming ready. On cancellation the process is
+    stopped (SIGTERM, then SIGKILL after a grace period) before the
+    cancellation propagates. Every stderr line is logged to ``logger``.
+    """
+    config.working_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    config.socket_path.unlink(missing_ok=True)
+    logger.info("starting etcd: %s", " ".join(config.argv()))
+
+    process = await trio.lowlevel.open_process(
+        config.argv(),
+        cwd=config.working_dir,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert process.stderr is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_pump_logs, process.stderr, logger)
+            async with trio.open_nursery() as waiters:
+                waiters.start_soon(_report_ready, config.socket_path, process, task_status)
+                returncode = await process.wait()
+                waiters.cancel_scope.cancel()
+            # The last lines usually say why etcd died: give them a moment to
+            # reach the log, then stop reading (a grandchild could hold the pipe).
+            nursery.cancel_scope.deadline = trio.current_time() + 1.0
+    finally:
+        await _stop(process, logger)
+    raise EtcdExited(returncode)
+
+
+async def _report_ready(
+    socket: Path, process: trio.Process, task_status: trio.TaskStatus[None]
+) -> None:
+    async with Client(socket, timeout=2.0) as client:
+        while process.returncode is None:
+            try:
+                await client.status()
+            except EtcdError:
+                await trio.sleep(_READY_POLL)
+                continue
+            task_status.started()
+            return
+
+
+async def _stop(process: trio.Process, logger: logging.Logger) -> None:
+    """Terminate and reap ``process``; shielded, so it also runs during cancellation."""
+    with trio.CancelScope(shield=True):
+        if process.returncode is None:
+            # SIGTERM lets a leader hand over leadership before going, which
+            # spares the rest of the cluster an election timeout.
+            process.terminate()
+            with trio.move_on_after(_STOP_GRACE):
+                await process.wait()
+            if process.returncode is None:
+                logger.warning("etcd did not stop within %.0fs, killing it", _STOP_GRACE)
+                process.kill()
+        await process.wait()
+
+
+async def _pump_logs(stream: trio.abc.ReceiveStream, logger: logging.Logger) -> None:
+    """Turn etcd's zap JSON lines into log records at the matching level, until EOF."""
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            _log_line(line, logger)
+    if buffer:
+        _log_line(buffer, logger)
+
+
+def _log_line(line: bytes, logger: logging.Logger) -> None:
+    text = line.decode(errors="replace").strip()
+    if not text:
+        return
+    try:
+        entry = json.loads(text)
+    except ValueError:
+        logger.info("%s", text)
+        return
+    if not isinstance(entry, dict):
+        logger.info("%s", text)
+        return
+    level = _LEVELS.get(str(entry.pop("level", "info")), logging.INFO)
+    message = entry.pop("msg", "")
+    for noise in ("ts", "caller"):
+        entry.pop(noise, None)
+    details = " ".join(f"{k}={v}" for k, v in entry.items())
+    logger.log(level, "%s %s", message, details)

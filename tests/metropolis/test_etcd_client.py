@@ -1,0 +1,258 @@
+"""The trio-native etcd client against a real etcd on a UNIX socket."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from metropolis.consensus.client import (
+    GRPC_FAILED_PRECONDITION,
+    GRPC_OUT_OF_RANGE,
+    Client,
+    Compare,
+    Delete,
+    DeleteResult,
+    EtcdAPIError,
+    EtcdUnavailable,
+    Get,
+    LeaseExpired,
+    Put,
+    PutResult,
+    RangeResult,
+    Watch,
+    WatchCompacted,
+    WatchResponse,
+)
+from tests.fixtures.etcd import EtcdServer
+
+# Safety bound for anything that waits on etcd; never asserted on.
+BOUND = 20
+
+
+@pytest.fixture
+async def client(etcd: EtcdServer) -> Client:
+    # Closing is not needed for correctness here, but keep tests tidy.
+    return Client(etcd.socket_path, timeout=10)
+
+
+async def test_put_get_range_delete(client: Client) -> None:
+    assert await client.get("missing") is None
+    first = await client.put("dir/a", b"\x00\xff binary")
+    await client.put("dir/b", "text")
+    await client.put("dir0", "not under dir/")
+
+    kv = await client.get("dir/a")
+    assert kv is not None
+    assert (kv.key, kv.value, kv.create_revision, kv.version) == (
+        b"dir/a",
+        b"\x00\xff binary",
+        first.revision,
+        1,
+    )
+    listing = await client.range("dir/", prefix=True)
+    assert [k.key for k in listing.kvs] == [b"dir/a", b"dir/b"]
+    assert listing.count == 2 and not listing.more
+
+    limited = await client.range("dir/", prefix=True, limit=1)
+    assert [k.key for k in limited.kvs] == [b"dir/a"] and limited.more and limited.count == 2
+
+    # Reading at an older revision sees the past.
+    await client.put("dir/a", "v2")
+    old = await client.range("dir/a", revision=first.revision)
+    assert old.kvs[0].value == b"\x00\xff binary"
+
+    deleted = await client.delete("dir/", prefix=True)
+    assert deleted.deleted == 2
+    assert (await client.range("", prefix=True)).count == 1
+
+
+async def test_txn_create_if_absent_and_cas(client: Client) -> None:
+    created = await client.txn([Compare.absent("k")], [Put("k", "one")], [Get("k")])
+    assert created.succeeded
+    assert isinstance(created.responses[0], PutResult)
+
+    again = await client.txn([Compare.absent("k")], [Put("k", "two")], [Get("k")])
+    assert not again.succeeded  # etcd omits "succeeded" here
+    existing = again.responses[0]
+    assert isinstance(existing, RangeResult)
+    assert existing.kvs[0].value == b"one"
+
+    # Optimistic concurrency on the modification revision.
+    rev = existing.kvs[0].mod_revision
+    await client.put("k", "changed behind our back")
+    stale = await client.txn([Compare.mod_revision("k", "==", rev)], [Put("k", "mine")])
+    assert not stale.succeeded
+    assert (await client.get("k")).value == b"changed behind our back"  # type: ignore[union-attr]
+
+    by_value = await client.txn(
+        [Compare.value("k", "==", "changed behind our back"), Compare.version("k", ">", 1)],
+        [Delete("k")],
+    )
+    assert by_value.succeeded
+    assert isinstance(by_value.responses[0], DeleteResult)
+    assert by_value.responses[0].deleted == 1
+    with pytest.raises(ValueError, match="compare op"):
+        Compare.value("k", "=", "x")  # type: ignore[arg-type]
+
+
+async def test_namespaced_view_is_confined(client: Client) -> None:
+    await client.put("outside", "x")
+    await client.put("ns/", "the bare prefix key")
+    ns = client.namespaced("ns/")
+    await ns.put("a", "1")
+    nested = ns.namespaced("sub/")
+    await nested.put("b", "2")
+
+    assert (await client.get("ns/a")).value == b"1"  # type: ignore[union-attr]
+    assert (await client.get("ns/sub/b")).value == b"2"  # type: ignore[union-attr]
+    assert [k.key for k in (await ns.range("", prefix=True)).kvs] == [b"", b"a", b"sub/b"]
+    assert [k.key for k in (await nested.range("", prefix=True)).kvs] == [b"b"]
+    assert await ns.get("outside") is None
+
+    txn = await nested.txn([Compare.absent("b")], [], [Get("", prefix=True)])
+    assert not txn.succeeded
+    assert isinstance(txn.responses[0], RangeResult)
+    assert [k.key for k in txn.responses[0].kvs] == [b"b"]
+
+    assert (await ns.delete("", prefix=True)).deleted == 3
+    assert (await client.get("outside")) is not None
+    with pytest.raises(ValueError):
+        ns.namespaced("")
+
+
+async def test_lease_lifecycle(client: Client) -> None:
+    lease = await client.grant(30)
+    assert lease.ttl == 30
+    await client.put("leased", "v", lease=lease.id)
+    assert (await client.get("leased")).lease == lease.id  # type: ignore[union-attr]
+    assert 0 < await client.keep_alive_once(lease.id) <= 30
+
+    await client.revoke(lease.id)
+    assert await client.get("leased") is None
+    with pytest.raises(LeaseExpired):
+        await client.keep_alive_once(lease.id)
+    with pytest.raises(LeaseExpired):
+        await client.revoke(lease.id)
+    with pytest.raises(ValueError):
+        await client.grant(0)
+
+
+async def test_keep_alive_outlives_ttl_and_reports_revocation(client: Client) -> None:
+    lease = await client.grant(1)
+    await client.put("alive", "v", lease=lease.id)
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.keep_alive, lease)
+            # Well past the 1 s TTL: only the keep-alive task keeps the key.
+            await trio.sleep(2.5)
+            assert await client.get("alive") is not None
+            nursery.cancel_scope.cancel()
+
+        with pytest.RaisesGroup(LeaseExpired):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.keep_alive, lease)
+                await client.revoke(lease.id)
+
+
+async def test_watch_history_prefix_and_deletes(client: Client) -> None:
+    start = (await client.put("w/a", "1")).revision
+    await client.put("w/b", "2")
+    await client.put("other", "x")
+    await client.delete("w/a")
+    with trio.fail_after(BOUND):
+        async with client.watch("w/", prefix=True, start_revision=start) as watch:
+            seen: list[tuple[str, bytes, bytes]] = []
+            while len(seen) < 4:
+                response = await anext(watch)
+                seen += [(e.type, e.kv.key, e.kv.value) for e in response.events]
+                if len(seen) == 3:
+                    await client.put("w/c", "3")
+    assert seen == [
+        ("PUT", b"w/a", b"1"),
+        ("PUT", b"w/b", b"2"),
+        ("DELETE", b"w/a", b""),
+        ("PUT", b"w/c", b"3"),
+    ]
+
+
+async def _next_values(watch: Watch, count: int) -> list[bytes]:
+    values: list[bytes] = []
+    while len(values) < count:
+        response: WatchResponse = await anext(watch)
+        values += [e.kv.value for e in response.events]
+    return values
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["restart", "sigkill"])
+async def test_watch_resumes_after_etcd_restart(
+    etcd: EtcdServer, client: Client, crash: bool
+) -> None:
+    with trio.fail_after(BOUND):
+        async with client.watch("key") as watch:
+            # A watch from "now" is pinned to a revision once created, so
+            # changes made while it reconnects are not lost.
+            await client.put("key", "before")
+            assert await _next_values(watch, 1) == [b"before"]
+
+            await (etcd.kill() if crash else etcd.stop())
+            with pytest.raises(EtcdUnavailable):
+                await client.put("key", "while down")
+            await etcd.start()
+            await client.put("key", "after-1")
+            await client.put("key", "after-2")
+            # Exactly the new changes, once each, in order.
+            assert await _next_values(watch, 2) == [b"after-1", b"after-2"]
+
+
+async def test_watch_from_compacted_revision(client: Client) -> None:
+    first = (await client.put("c", "1")).revision
+    latest = (await client.put("c", "2")).revision
+    await client.compact(latest)
+    with trio.fail_after(BOUND), pytest.raises(WatchCompacted) as info:
+        async with client.watch("c", start_revision=first) as watch:
+            await anext(watch)
+    assert info.value.compact_revision == latest
+
+
+async def test_watch_is_cancellable(client: Client) -> None:
+    with trio.move_on_after(0.3) as scope:
+        async with client.watch("never") as watch:
+            await anext(watch)
+    assert scope.cancelled_caught
+
+
+async def test_errors_are_typed(client: Client, tmp_path: Path) -> None:
+    with pytest.raises(EtcdAPIError) as info:
+        await client.range("x", revision=10_000)
+    assert info.value.code == GRPC_OUT_OF_RANGE
+    assert "future revision" in info.value.message
+
+    async with Client(tmp_path / "no-such.sock:0") as down:
+        with pytest.raises(EtcdUnavailable, match=r"no-such\.sock"):
+            await down.get("x")
+    closed = Client(client._gw.socket_path)
+    await closed.aclose()
+    with pytest.raises(EtcdUnavailable, match="closed"):
+        await closed.namespaced("p/").get("x")
+
+
+async def test_members_and_status(client: Client) -> None:
+    status = await client.status()
+    members = await client.member_list()
+    assert [m.id for m in members] == [status.member_id]
+    assert status.leader == status.member_id
+    assert members[0].name == "test" and not members[0].is_learner
+    assert status.version.startswith("3.4")
+
+    learner = await client.member_add(["https://127.0.0.1:1"])
+    assert learner.is_learner and learner.name == ""
+    assert {m.id for m in await client.member_list()} == {status.member_id, learner.id}
+    # A learner that never started cannot be in sync: etcd refuses, transiently.
+    with pytest.raises(EtcdAPIError) as info:
+        await client.member_promote(learner.id)
+    assert info.value.code == GRPC_FAILED_PRECONDITION and info.value.transient
+
+    await client.member_remove(learner.id)
+    assert [m.id for m in await client.member_list()] == [status.member_id]
