@@ -1,16 +1,10 @@
-"""Command-line entry point of the `shepherd` package."""
+"""Command-line entry point of the `shepherd` package: see :mod:`shepherd.cli`."""
 
 from __future__ import annotations
 
-import argparse
+from shepherd.cli import main
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shepherd", description=__doc__)
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
-from bmdb import Isolation, Process, Provider, Queries, WorkEvent
+from bmdb import Isolation, Queries, WorkEvent
 from bmdb._pg import PgConnection
 from shepherd.agent import agent_script
 from shepherd.control_loop import run_control_loop
@@ -28,6 +28,14 @@ from shepherd.ssh_key import SSHKey
 from shepherd.takeover import AgentConfig
 from tests.fixtures.sshd import Sshd, start_sshd, stop_sshd
 from tests.shepherd.fleet import open_fleet
+from tests.shepherd.helpers import (
+    agent_keys,
+    backoffs,
+    events,
+    host_key_of,
+    provide,
+    settled,
+)
 
 ENDPOINT = "bmaas.example:443"
 CA_DER = b"0\x82\x01\x00 not really DER, passed through as bytes"
@@ -42,64 +50,6 @@ def agent_config(target: Path | str, executable: bytes, exec_timeout: float = 30
         ssh_connect_timeout=5.0,
         ssh_exec_timeout=exec_timeout,
     )
-
-
-async def provide(conn: bmdb.Connection, provider_ids: list[str]) -> dict[str, uuid.UUID]:
-    """Add machines to the BMDB as provided by the static provider."""
-
-    async def add(q: Queries) -> dict[str, uuid.UUID]:
-        ids = {}
-        for pid in provider_ids:
-            ids[pid] = await q.new_machine()
-            await q.add_provided(ids[pid], Provider.STATIC, pid, address="ignored")
-        return ids
-
-    return await conn.transact(add)
-
-
-async def events(conn: bmdb.Connection, machine_id: uuid.UUID) -> list[tuple[WorkEvent, str]]:
-    async def read(q: Queries) -> list[tuple[WorkEvent, str]]:
-        return [
-            (h.event, h.cause or "")
-            for h in await q.history(machine_id)
-            if h.process == Process.SHEPHERD_AGENT_START
-        ]
-
-    return await conn.transact(read)
-
-
-async def agent_keys(conn: bmdb.Connection) -> dict[uuid.UUID, bytes]:
-    async def read(pg: PgConnection) -> dict[uuid.UUID, bytes]:
-        rows = await pg.execute("SELECT machine_id, agent_public_key FROM machine_agent_started")
-        return {r[0]: bytes(r[1]) for r in rows}
-
-    return await conn.run(Isolation.READ_COMMITTED, read)
-
-
-async def backoffs(conn: bmdb.Connection) -> dict[uuid.UUID, tuple[int, str]]:
-    async def read(pg: PgConnection) -> dict[uuid.UUID, tuple[int, str]]:
-        rows = await pg.execute(
-            "SELECT machine_id, last_interval_seconds, cause FROM work_backoff WHERE process = %s",
-            (Process.SHEPHERD_AGENT_START,),
-        )
-        return {r[0]: (r[1], r[2]) for r in rows}
-
-    return await conn.run(Isolation.READ_COMMITTED, read)
-
-
-async def host_key_of(conn: bmdb.Connection, machine_id: uuid.UUID) -> bytes | None:
-    async def read(q: Queries) -> bytes | None:
-        return await q.get_ssh_host_key(machine_id)
-
-    return await conn.transact(read)
-
-
-async def settled(conn: bmdb.Connection, machine_ids: list[uuid.UUID]) -> bool:
-    """Every machine has a Finished or Failed agent start in its history."""
-    for mid in machine_ids:
-        if not any(e in (WorkEvent.FINISHED, WorkEvent.FAILED) for e, _ in await events(conn, mid)):
-            return False
-    return True
 
 
 @dataclass

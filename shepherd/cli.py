@@ -1,0 +1,290 @@
+"""``python -m shepherd``: run the initializer against a BMDB and a provider.
+
+Every option is checked (files read, certificates and keys parsed, rates and
+durations parsed) before anything starts; a bad or missing option exits with
+status 2 and a message naming it. Then::
+
+    trio.run ─ trio_asyncio loop ─ bmdb.open_connection(url)
+                                     └─ run_control_loop(initializer, N workers)
+
+SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
+sessions are deleted, and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import logging
+import re
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import trio
+import trio_asyncio
+from cryptography import x509
+
+import bmdb
+from bmdb.errors import BMDBError
+from shepherd.agent import AGENT_SCRIPT_PATH
+from shepherd.control_loop import run_control_loop
+from shepherd.initializer import Initializer
+from shepherd.providers import Provider
+from shepherd.providers.static import StaticFileError, StaticProvider
+from shepherd.rate_limit import Rate, RateLimiter, parse_duration
+from shepherd.ssh import SSHClient
+from shepherd.ssh_key import SSHKey, SSHKeyError, load_or_create_ssh_key
+from shepherd.takeover import AgentConfig
+
+logger = logging.getLogger("shepherd.cli")
+
+T = TypeVar("T")
+
+_PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n(.*?)-----END \1-----", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything the initializer needs, validated."""
+
+    bmdb_url: str
+    provider: Provider
+    ssh_key: SSHKey
+    agent: AgentConfig
+    rate: Rate
+    parallelism: int
+    verbose: bool
+
+
+def _arg_type(name: str, parse: Callable[[str], T]) -> Callable[[str], T]:
+    """Turn a parser raising ValueError/OSError into an argparse type with a clear message."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except (ValueError, OSError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    convert.__name__ = name  # argparse uses it in "invalid <name> value" messages
+    return convert
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"could not read {path}: {exc.strerror}") from exc
+
+
+def pem_certificate_der(path: str) -> bytes:
+    """The DER bytes of the first PEM block of ``path``, which must be a certificate."""
+    data = _read_file(path)
+    match = _PEM_BLOCK.search(data)
+    if match is None:
+        raise ValueError(f"{path}: no PEM block found")
+    if match.group(1) != b"CERTIFICATE":
+        raise ValueError(f"{path}: not a certificate (PEM block is {match.group(1).decode()!r})")
+    try:
+        der = base64.b64decode(match.group(2), validate=False)
+        x509.load_der_x509_certificate(der)
+    except (ValueError, binascii.Error) as exc:
+        raise ValueError(f"{path}: invalid certificate: {exc}") from exc
+    return der
+
+
+def _positive_duration(text: str) -> float:
+    seconds = parse_duration(text)
+    if seconds <= 0:
+        raise ValueError(f"duration must be positive, got {text!r}")
+    return seconds
+
+
+def _parallelism(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    return value
+
+
+def _nonempty_file(path: str) -> bytes:
+    data = _read_file(path)
+    if not data:
+        raise ValueError(f"{path} is empty")
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shepherd",
+        description="Start the takeover agent on every provided machine in the BMDB.",
+    )
+    db = parser.add_argument_group("BMDB")
+    db.add_argument(
+        "--bmdb-url", required=True, metavar="URL", help="libpq URL of the BMDB (already migrated)"
+    )
+
+    prov = parser.add_argument_group("provider")
+    prov.add_argument("--provider", required=True, choices=["static"], help="machine provider")
+    prov.add_argument(
+        "--static-machines-path",
+        metavar="PATH",
+        help="TOML file listing the machines (required with --provider static)",
+    )
+
+    ssh = parser.add_argument_group("SSH")
+    ssh.add_argument(
+        "--ssh-key-path",
+        required=True,
+        type=Path,
+        metavar="PATH",
+        help="the Shepherd's Ed25519 SSH key; generated there (0600) if missing",
+    )
+
+    agent = parser.add_argument_group("agent")
+    agent.add_argument(
+        "--agent-executable-path",
+        type=_arg_type("file", _nonempty_file),
+        default=None,
+        metavar="PATH",
+        help=f"agent to upload (default: the bundled {AGENT_SCRIPT_PATH.name})",
+    )
+    agent.add_argument(
+        "--agent-target-path",
+        default="/root/agent",
+        metavar="PATH",
+        help="where the agent is uploaded to and run from (default: %(default)s)",
+    )
+    agent.add_argument(
+        "--agent-endpoint",
+        required=True,
+        metavar="ADDRESS",
+        help="address of the BMaaS endpoint the agent will report to",
+    )
+    agent.add_argument(
+        "--agent-endpoint-ca-certificate-path",
+        type=_arg_type("certificate", pem_certificate_der),
+        default=b"",
+        metavar="PATH",
+        help="PEM X.509 CA certificate of the endpoint (default: system CAs)",
+    )
+    agent.add_argument(
+        "--agent-ssh-connect-timeout",
+        type=_arg_type("duration", _positive_duration),
+        default=2.0,
+        metavar="DURATION",
+        help="bound on TCP connect + SSH handshake, e.g. 2s (default: 2s)",
+    )
+    agent.add_argument(
+        "--agent-ssh-exec-timeout",
+        type=_arg_type("duration", _positive_duration),
+        default=60.0,
+        metavar="DURATION",
+        help="bound on dial + upload + run, e.g. 60s (default: 60s)",
+    )
+
+    init = parser.add_argument_group("initializer")
+    init.add_argument(
+        "--initializer-db-query-rate",
+        type=_arg_type("rate", Rate.parse),
+        default=Rate.parse("250ms,8"),
+        metavar="DURATION,BURST",
+        help="rate limit of BMDB queries: one token per DURATION, bucket of BURST "
+        "(default: 250ms,8)",
+    )
+    init.add_argument(
+        "--initializer-parallelism",
+        type=_arg_type("count", _parallelism),
+        default=1,
+        metavar="N",
+        help="machines worked on at once (default: 1)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser
+
+
+def parse_options(argv: Sequence[str] | None = None) -> Options:
+    """Parse and validate the command line; exit with status 2 on any problem."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.provider == "static" and not args.static_machines_path:
+        parser.error("the following arguments are required: --static-machines-path")
+    try:
+        provider = StaticProvider.from_file(Path(args.static_machines_path))
+    except StaticFileError as exc:
+        parser.error(f"argument --static-machines-path: {exc}")
+    try:
+        key = load_or_create_ssh_key(args.ssh_key_path)
+    except SSHKeyError as exc:
+        parser.error(f"argument --ssh-key-path: {exc}")
+    executable = args.agent_executable_path or AGENT_SCRIPT_PATH.read_bytes()
+    try:
+        agent = AgentConfig(
+            executable=executable,
+            target_path=args.agent_target_path,
+            endpoint=args.agent_endpoint,
+            endpoint_ca_certificate=args.agent_endpoint_ca_certificate_path,
+            ssh_connect_timeout=args.agent_ssh_connect_timeout,
+            ssh_exec_timeout=args.agent_ssh_exec_timeout,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return Options(
+        bmdb_url=args.bmdb_url,
+        provider=provider,
+        ssh_key=key,
+        agent=agent,
+        rate=args.initializer_db_query_rate,
+        parallelism=args.initializer_parallelism,
+        verbose=args.verbose,
+    )
+
+
+async def run(options: Options) -> None:
+    """Run the initializer until SIGINT/SIGTERM. Raises BMDBError if the BMDB is unusable."""
+    ssh = SSHClient(
+        options.ssh_key, username="root", connect_timeout=options.agent.ssh_connect_timeout
+    )
+    initializer = Initializer(options.provider, ssh, options.agent)
+    logger.info("SSH public key: %s", options.ssh_key.authorized_key)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with (
+            trio_asyncio.open_loop(),
+            bmdb.open_connection(options.bmdb_url) as conn,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(
+                lambda: run_control_loop(
+                    conn,
+                    initializer,
+                    parallelism=options.parallelism,
+                    limiter=RateLimiter(options.rate),
+                )
+            )
+            async for signum in signals:
+                logger.info("got %s, stopping", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse_options(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if options.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # asyncssh logs every connection at INFO; our own logs say what matters.
+    logging.getLogger("asyncssh").setLevel(logging.DEBUG if options.verbose else logging.WARNING)
+    errors: list[BaseException] = []
+    try:
+        trio.run(run, options)
+    except* BMDBError as group:
+        # Raised through trio-asyncio's nursery, hence possibly grouped.
+        errors.extend(group.exceptions)
+    for exc in errors:
+        print(f"shepherd: BMDB: {exc}", file=sys.stderr)
+    return 1 if errors else 0

@@ -1,0 +1,261 @@
+"""``python -m shepherd``: option checking, and a real run against sshd and the BMDB."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, generate_private_key
+from cryptography.x509.oid import NameOID
+
+import bmdb
+from bmdb import WorkEvent
+from shepherd.agent import agent_script
+from shepherd.cli import parse_options
+from shepherd.ssh_key import SSHKey, load_ssh_key
+from tests.fixtures.sshd import Sshd
+from tests.shepherd.helpers import agent_keys, events, provide
+
+MACHINES = '[[machine]]\nid = "m-1"\naddress = "127.0.0.1"\n'
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    machines = tmp_path / "machines.toml"
+    machines.write_text(MACHINES)
+    return {"machines": machines, "key": tmp_path / "id_ed25519"}
+
+
+def _argv(files: dict[str, Path], *extra: str, drop: str | None = None) -> list[str]:
+    options = {
+        "--bmdb-url": "postgresql:///bmdb",
+        "--provider": "static",
+        "--static-machines-path": str(files["machines"]),
+        "--ssh-key-path": str(files["key"]),
+        "--agent-endpoint": "bmaas.example:443",
+    }
+    options.pop(drop or "", None)
+    return [item for pair in options.items() for item in pair] + list(extra)
+
+
+def _self_signed_certificate() -> x509.Certificate:
+    key = generate_private_key(SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bmaas CA")])
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+
+
+def test_defaults_follow_the_seed(files: dict[str, Path]) -> None:
+    options = parse_options(_argv(files))
+    assert options.agent.target_path == "/root/agent"
+    assert options.agent.ssh_connect_timeout == 2.0
+    assert options.agent.ssh_exec_timeout == 60.0
+    assert options.agent.endpoint_ca_certificate == b""
+    assert options.agent.executable == agent_script()
+    assert (options.rate.interval, options.rate.burst) == (0.25, 8)
+    assert options.parallelism == 1
+    assert options.provider.type == "Static"
+    # The key was generated and persisted where asked.
+    assert load_ssh_key(files["key"]).authorized_key == options.ssh_key.authorized_key
+
+
+def test_all_options(files: dict[str, Path], tmp_path: Path) -> None:
+    certificate = _self_signed_certificate()
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    agent = tmp_path / "agent.bin"
+    agent.write_bytes(b"\x7fELF pretend")
+    options = parse_options(
+        _argv(
+            files,
+            "--agent-endpoint-ca-certificate-path",
+            str(ca),
+            "--agent-executable-path",
+            str(agent),
+            "--agent-target-path",
+            "/tmp/agent",
+            "--agent-ssh-connect-timeout",
+            "1500ms",
+            "--agent-ssh-exec-timeout",
+            "2m",
+            "--initializer-db-query-rate",
+            "1s,3",
+            "--initializer-parallelism",
+            "16",
+        )
+    )
+    assert options.agent.endpoint_ca_certificate == certificate.public_bytes(
+        serialization.Encoding.DER
+    )
+    assert options.agent.executable == b"\x7fELF pretend"
+    assert options.agent.target_path == "/tmp/agent"
+    assert (options.agent.ssh_connect_timeout, options.agent.ssh_exec_timeout) == (1.5, 120.0)
+    assert (options.rate.interval, options.rate.burst, options.parallelism) == (1.0, 3, 16)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        "--bmdb-url",
+        "--provider",
+        "--static-machines-path",
+        "--ssh-key-path",
+        "--agent-endpoint",
+    ],
+)
+def test_missing_required_option_is_named(
+    files: dict[str, Path], option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_options(_argv(files, drop=option))
+    assert exited.value.code == 2
+    assert f"required: {option}" in capsys.readouterr().err
+    assert not files["key"].exists()  # nothing started, nothing written
+
+
+def _write(tmp_path: Path, name: str, data: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error"),
+    [
+        ("--agent-endpoint-ca-certificate-path", b"hello\n", "no PEM block found"),
+        (
+            "--agent-endpoint-ca-certificate-path",
+            b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+            "not a certificate (PEM block is 'PRIVATE KEY')",
+        ),
+        (
+            "--agent-endpoint-ca-certificate-path",
+            b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+            "invalid certificate",
+        ),
+        ("--agent-executable-path", b"", "is empty"),
+        ("--static-machines-path", b'[[machine]]\nid = "a"\nadres = "b"\n', ":3: unknown field"),
+        ("--ssh-key-path", b"not a key", "not a valid unencrypted private key"),
+    ],
+)
+def test_bad_files_are_clear_errors(
+    files: dict[str, Path],
+    tmp_path: Path,
+    option: str,
+    value: bytes,
+    error: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = _write(tmp_path, "bad-file", value)
+    with pytest.raises(SystemExit) as exited:
+        parse_options([*_argv(files, drop=option), option, path])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: " in err
+    assert error in err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error"),
+    [
+        ("--agent-endpoint-ca-certificate-path", "/nonexistent/ca.pem", "could not read"),
+        ("--initializer-db-query-rate", "250ms", "invalid syntax, want: 'duration,count'"),
+        ("--initializer-db-query-rate", "1d,8", 'unknown unit "d"'),
+        ("--initializer-db-query-rate", "1s,zero", "invalid refill rate"),
+        ("--agent-ssh-connect-timeout", "2", "missing unit in duration"),
+        ("--agent-ssh-exec-timeout", "0s", "duration must be positive"),
+        ("--initializer-parallelism", "0", "must be at least 1"),
+        ("--provider", "equinix", "invalid choice: 'equinix'"),
+    ],
+)
+def test_bad_values_are_clear_errors(
+    files: dict[str, Path],
+    option: str,
+    value: str,
+    error: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_options([*_argv(files, drop=option), option, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: " in err
+    assert error in err
+
+
+async def test_python_m_shepherd_starts_an_agent_and_stops_on_sigterm(
+    bmdb_conn: bmdb.Connection,
+    bmdb_url: str,
+    sshd: Sshd,
+    shepherd_ssh_key: SSHKey,
+    tmp_path: Path,
+) -> None:
+    machines = tmp_path / "machines.toml"
+    machines.write_text(f'[[machine]]\nid = "m-1"\naddress = "{sshd.host}"\nport = {sshd.port}\n')
+    key = tmp_path / "id_ed25519"
+    key.write_bytes(shepherd_ssh_key.openssh_private)
+    key.chmod(0o600)
+    mid = (await provide(bmdb_conn, ["m-1"]))["m-1"]
+    log = tmp_path / "shepherd.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "shepherd",
+        "--bmdb-url",
+        bmdb_url,
+        "--provider",
+        "static",
+        "--static-machines-path",
+        str(machines),
+        "--ssh-key-path",
+        str(key),
+        "--agent-endpoint",
+        "bmaas.example:443",
+        "--agent-target-path",
+        str(sshd.root / "agent"),
+        "--initializer-parallelism",
+        "2",
+    ]
+    with log.open("wb") as out:
+        process = await trio.lowlevel.open_process(
+            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        try:
+            with trio.fail_after(60):
+                while mid not in await agent_keys(bmdb_conn):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+                process.send_signal(signal.SIGTERM)
+                assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert [e for e, _ in await events(bmdb_conn, mid)] == [
+        WorkEvent.STARTED,
+        WorkEvent.FINISHED,
+    ]
+    text = log.read_text()
+    assert f"machine {mid}: agent started, key" in text
+    assert "got SIGTERM, stopping" in text
+
+    async def leftovers(q: bmdb.Queries) -> int:
+        return len(await q.sessions())
+
+    assert await bmdb_conn.transact(leftovers) == 0
