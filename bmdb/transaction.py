@@ -15,7 +15,8 @@ growing delay between attempts so that colliding transactions spread out::
                    TransactionFailed
 
 Any other exception rolls back and propagates: `BMDBError`s as they are,
-other psycopg errors wrapped in `BMDBError`. Cancellation rolls back (under a
+constraint violations and malformed values as `InvalidArgument`, other
+psycopg errors wrapped in `BMDBError`. Cancellation rolls back (under a
 shield) and propagates. Because the body runs again on retry, it must not
 have effects outside the transaction other than idempotent ones.
 """
@@ -34,7 +35,7 @@ import trio
 from bmdb import _pg
 from bmdb._pg import PgConnection
 from bmdb._pool import Pool
-from bmdb.errors import BMDBError, TransactionFailed
+from bmdb.errors import BMDBError, InvalidArgument, TransactionFailed
 
 logger = logging.getLogger("bmdb.transaction")
 
@@ -100,6 +101,8 @@ async def run_transaction(
             except BaseException as e:
                 await pg.rollback_quietly()
                 if not _pg.is_retryable(e):
+                    if _pg.is_bad_data(e):
+                        raise InvalidArgument(_pg.error_message(e)) from e
                     if _pg.is_database_error(e) and not isinstance(e, BMDBError):
                         raise BMDBError(f"database error: {_pg.error_message(e)}") from e
                     raise

@@ -18,7 +18,9 @@ CREATE TYPE work_history_event AS ENUM ('Started', 'Finished', 'Failed', 'Cancel
 
 CREATE TABLE machines (
     machine_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
-    machine_created_at timestamptz NOT NULL DEFAULT now(),
+    -- clock_timestamp(), not now(): machines created in one transaction keep
+    -- their creation order.
+    machine_created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     -- Bumped by every work claim. A claimer that sourced this machine from an
     -- older snapshot then fails to lock it (a serialization failure, retried)
     -- instead of claiming it a second time. See bmdb/work.py.

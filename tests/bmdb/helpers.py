@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 
+import trio
+
 import bmdb
 from bmdb import Provider
 from bmdb.errors import NothingToDo
@@ -59,3 +61,16 @@ def source_for(process: bmdb.Process) -> Source:
         return await q.machines_for_process(process, 1)
 
     return source
+
+
+#: Safety bound of `eventually`, in seconds (not a claim about speed).
+EVENTUALLY = 10.0
+
+
+async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
+    """Poll the database until ``check()`` holds; fail after `EVENTUALLY`."""
+    with trio.fail_after(EVENTUALLY):
+        while True:
+            if await check():
+                return
+            await trio.sleep(0.05)

@@ -1,0 +1,73 @@
+"""The trio-asyncio bridge: Trio cancellation reaches the query on the server,
+and the connection is fit for the next user afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio_asyncio
+
+import bmdb
+from bmdb._pg import PgConnection
+from bmdb.model import Queries
+
+
+async def server_activity(conn: bmdb.Connection) -> list[tuple[str, str]]:
+    """(state, query) of every other backend connected to our database."""
+
+    async def body(pg: PgConnection) -> list[tuple[str, str]]:
+        rows = await pg.execute(
+            """SELECT state, query FROM pg_stat_activity
+               WHERE datname = current_database() AND pid <> pg_backend_pid()"""
+        )
+        return [(r[0], r[1]) for r in rows]
+
+    return await conn.run(bmdb.Isolation.READ_COMMITTED, body)
+
+
+async def test_cancel_reaches_server_and_connection_is_reused(
+    bmdb_url: str, aio_loop: trio_asyncio.TrioEventLoop
+) -> None:
+    async with bmdb.open_connection(bmdb_url, max_connections=1) as conn:
+
+        async def slow(q: Queries) -> None:
+            await q._run("SELECT pg_sleep(60)")
+
+        with trio.fail_after(10):
+            with trio.move_on_after(0.3) as scope:
+                await conn.transact(slow)
+            assert scope.cancelled_caught
+
+            # One connection only: the next transaction runs on the very
+            # connection whose query was cancelled. It must be idle, and the
+            # sleep must be gone from the server (not merely abandoned).
+            async def ping(q: Queries) -> list[bmdb.model.SessionInfo]:
+                return await q.sessions()
+
+            assert await conn.transact(ping) == []
+
+    async with bmdb.open_connection(bmdb_url) as observer:
+        with trio.fail_after(10):
+            activity = await server_activity(observer)
+    assert not [a for a in activity if "pg_sleep" in a[1] and a[0] == "active"]
+    assert not [a for a in activity if a[0].startswith("idle in transaction")]
+
+
+async def test_cancel_mid_transaction_rolls_back(bmdb_conn: bmdb.Connection) -> None:
+    async def write_then_hang(q: Queries) -> None:
+        await q.new_machine()
+        await trio.sleep_forever()
+
+    with trio.move_on_after(0.2):
+        await bmdb_conn.transact(write_then_hang)
+
+    async def count(q: Queries) -> int:
+        return len(await q.machines())
+
+    assert await bmdb_conn.transact(count) == 0
+
+
+async def test_needs_a_trio_asyncio_loop(bmdb_url: str) -> None:
+    with pytest.raises(RuntimeError, match="trio-asyncio loop"):
+        async with bmdb.open_connection(bmdb_url):
+            pass

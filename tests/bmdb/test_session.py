@@ -1,0 +1,129 @@
+"""Sessions: liveness, expiry cancelling what runs under them, cleanup."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import trio
+
+import bmdb
+from bmdb import Process, WorkEvent
+from bmdb.errors import InvalidArgument, SessionExpired
+from bmdb.model import Queries
+from tests.bmdb.helpers import add_provided_machines, agent_start_source, eventually
+
+
+async def session_rows(conn: bmdb.Connection) -> list[bmdb.model.SessionInfo]:
+    async def fn(q: Queries) -> list[bmdb.model.SessionInfo]:
+        return await q.sessions()
+
+    return await conn.transact(fn)
+
+
+async def expire_now(conn: bmdb.Connection, session_id: uuid.UUID) -> None:
+    """Push a session's deadline into the past, as if its owner had stalled."""
+
+    async def body(pg: bmdb._pg.PgConnection) -> None:
+        await pg.execute(
+            "UPDATE sessions SET session_deadline = now() - interval '1 second'"
+            " WHERE session_id = %s",
+            (session_id,),
+        )
+
+    await conn.run(bmdb.Isolation.READ_COMMITTED, body)
+
+
+async def test_session_row_lifecycle(bmdb_conn: bmdb.Connection) -> None:
+    async with bmdb_conn.session("shepherd-initializer", "host:1234", interval=0.4) as sess:
+        [row] = await session_rows(bmdb_conn)
+        assert (row.session_id, row.component, row.runtime_info, row.interval) == (
+            sess.id,
+            "shepherd-initializer",
+            "host:1234",
+            0.4,
+        )
+        first_deadline = row.deadline
+
+        # Outlive several intervals: the heartbeat keeps the session valid.
+        async def poked() -> bool:
+            return (await session_rows(bmdb_conn))[0].deadline > first_deadline
+
+        await eventually(poked)
+        await trio.sleep(1.0)
+        [row] = await session_rows(bmdb_conn)
+        assert not row.expired
+        assert await sess.transact(lambda q: q.sessions()) != []
+    assert await session_rows(bmdb_conn) == []
+    assert sess.expired
+    with pytest.raises(SessionExpired):
+        await sess.transact(lambda q: q.sessions())
+
+
+async def test_expiry_cancels_work_in_flight(bmdb_conn: bmdb.Connection) -> None:
+    [machine_id] = await add_provided_machines(bmdb_conn, 1)
+    in_flight_cancelled = False
+    with trio.fail_after(10), pytest.raises(SessionExpired):
+        async with bmdb_conn.session("test", interval=0.5) as sess:
+            work = await sess.work(Process.SHEPHERD_AGENT_START, agent_start_source)
+            async with work:
+                await expire_now(bmdb_conn, sess.id)
+                try:
+                    await trio.sleep_forever()  # e.g. a long SSH session
+                except trio.Cancelled:
+                    in_flight_cancelled = True
+                    raise
+    assert in_flight_cancelled
+    assert sess.expired
+    with pytest.raises(SessionExpired):
+        await sess.work(Process.SHEPHERD_AGENT_START, agent_start_source)
+    # The lock died with the session: the machine is free for a new session.
+    async with bmdb_conn.session("next") as nxt:
+        work = await nxt.work(Process.SHEPHERD_AGENT_START, agent_start_source)
+        assert work.machine_id == machine_id
+        await work.finish()
+
+    async def history(q: Queries) -> list[bmdb.model.HistoryEvent]:
+        return await q.history(machine_id)
+
+    events = await bmdb_conn.transact(history)
+    assert [(e.event, e.session_id) for e in events] == [
+        (WorkEvent.STARTED, sess.id),
+        (WorkEvent.CANCELED, sess.id),
+        (WorkEvent.STARTED, nxt.id),
+        (WorkEvent.FINISHED, nxt.id),
+    ]
+
+
+async def test_transact_checks_session(bmdb_conn: bmdb.Connection) -> None:
+    with pytest.raises(SessionExpired):
+        async with bmdb_conn.session("test", interval=30) as sess:
+            await expire_now(bmdb_conn, sess.id)
+            await sess.transact(lambda q: q.sessions())
+
+
+async def test_finish_after_expiry_fails(bmdb_conn: bmdb.Connection) -> None:
+    await add_provided_machines(bmdb_conn, 1)
+    with pytest.raises(SessionExpired):
+        async with bmdb_conn.session("test", interval=30) as sess:
+            work = await sess.work(Process.SHEPHERD_AGENT_START, agent_start_source)
+            await expire_now(bmdb_conn, sess.id)
+            await work.finish()
+    assert work.closed
+
+
+async def test_body_errors_propagate_unwrapped(bmdb_conn: bmdb.Connection) -> None:
+    with pytest.raises(KeyError):
+        async with bmdb_conn.session("test"):
+            raise KeyError("boom")
+    assert await session_rows(bmdb_conn) == []
+
+
+@pytest.mark.parametrize(("component", "interval"), [("", 5.0), ("x", 0.0), ("x", -1.0)])
+async def test_invalid_session_arguments(
+    bmdb_conn: bmdb.Connection, component: str, interval: float
+) -> None:
+    with pytest.raises(InvalidArgument):
+        async with bmdb_conn.session(component, interval=interval):
+            pass
+    assert await session_rows(bmdb_conn) == []
