@@ -38,6 +38,7 @@ __all__ = [
     "PKIError",
     "Usage",
     "certificate_public_key",
+    "crl_number",
     "decode_certificate",
     "decode_crl",
     "decode_private_key",
@@ -290,10 +291,11 @@ def revoke(
     """
     verify_crl(crl, ca_certificate)
     serials = set(serials) | {entry.serial_number for entry in crl}
-    return new_crl(ca_key, ca_certificate, serials, number=_crl_number(crl) + 1)
+    return new_crl(ca_key, ca_certificate, serials, number=crl_number(crl) + 1)
 
 
-def _crl_number(crl: x509.CertificateRevocationList) -> int:
+def crl_number(crl: x509.CertificateRevocationList) -> int:
+    """The CRL number extension (0 if absent): higher means newer, for one CA."""
     try:
         return crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
     except x509.ExtensionNotFound:

@@ -1,0 +1,456 @@
+"""The consensus service: this node's etcd member, run under the supervisor.
+
+Startup decides where the peer TLS material comes from::
+
+    JoinCluster given? ──yes──> write CA, peer cert, our key, CRL to data/etcd
+          │ no                  start etcd as a member of the existing cluster
+          v
+    peer PKI on disk? ──yes──> start etcd on its existing data
+          │ no
+          v
+    bootstrap: start etcd with plain-HTTP peers (a new one-member cluster),
+    create the CA, CRL and our peer certificate *in etcd*, write them to disk,
+    stop it; then start etcd with peer TLS as usual.
+
+Keeping the PKI inside etcd makes bootstrap restartable (re-running it
+finds the CA already there) and lets any member issue peer certificates
+later (``Status.add_node``).
+
+Once etcd answers and this member is a voter, two children run beside it::
+
+    consensus ──┬── etcd process (run_etcd; its log under "<name>.etcd")
+                ├── promoter: the raft leader turns caught-up learners into voters
+                └── crl:      etcd's CRL key ──watch──> data/etcd/peer_crl.pem
+
+and ``status`` is set to a running :class:`Status`. If etcd dies, the
+runnable fails and the supervisor restarts it, on the same data. When the
+runnable ends for any reason, ``status`` goes back to not running and the
+etcd process is stopped before ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TypeVar
+from urllib.parse import urlsplit
+
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from metropolis import identity, pki
+from metropolis.consensus import peerpki
+from metropolis.consensus.client import KV, Client, EtcdAPIError, EtcdUnavailable
+from metropolis.consensus.process import SOCKET_NAME, PeerTLS, ProcessConfig, Tuning, run_etcd
+from metropolis.event import Value
+from metropolis.localstorage import EtcdDataDirectory, atomic_write
+from metropolis.supervisor import Node
+
+__all__ = [
+    "CURATOR_NAMESPACE",
+    "DEFAULT_PEER_PORT",
+    "Config",
+    "ConsensusError",
+    "ExistingNode",
+    "JoinCluster",
+    "NotRunning",
+    "Service",
+    "Status",
+]
+
+#: Port peers use when nothing else is said (the node's consensus port).
+DEFAULT_PEER_PORT = 7834
+
+#: Where the curator keeps its data in etcd.
+CURATOR_NAMESPACE = b"namespaced/curator/"
+
+_T = TypeVar("_T")
+
+
+class ConsensusError(Exception):
+    """The consensus service cannot start or cannot do what was asked."""
+
+
+class NotRunning(ConsensusError):
+    """The local etcd member is not running (yet, or any more)."""
+
+
+@dataclass(frozen=True)
+class ExistingNode:
+    """A member of the cluster a node is joining: its etcd name and peer URL."""
+
+    name: str
+    url: str
+
+
+@dataclass(frozen=True)
+class JoinCluster:
+    """What a node needs to join an existing consensus cluster (from ``add_node``)."""
+
+    ca_certificate: x509.Certificate
+    #: The joining node's peer certificate, for its own key.
+    node_certificate: x509.Certificate
+    initial_crl: x509.CertificateRevocationList
+    #: Every current member (including not-yet-started learners) except the joiner.
+    existing_nodes: tuple[ExistingNode, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    """How to run this node's consensus member."""
+
+    #: ``data/etcd``: etcd data, peer PKI, CRL.
+    data: EtcdDataDirectory
+    #: etcd's working directory (``ephemeral/consensus``); the client socket lives here.
+    ephemeral: Path
+    node_private_key: Ed25519PrivateKey
+    #: ``host:port`` to listen on for peers; also the address advertised to them.
+    peer_address: str
+    #: Set to join an existing cluster; None to bootstrap (or restart from disk).
+    join_cluster: JoinCluster | None = None
+    tuning: Tuning = field(default_factory=Tuning)
+    #: How often the promoter looks for learners to promote.
+    promote_interval: float = 5.0
+    #: How long ``add_node`` keeps retrying while etcd refuses membership changes.
+    membership_timeout: float = 60.0
+
+    @property
+    def node_id(self) -> str:
+        return identity.node_id(self.node_private_key.public_key())
+
+    @property
+    def peer_url(self) -> str:
+        return f"https://{self.peer_address}"
+
+    @property
+    def client_socket(self) -> Path:
+        """Where etcd's client socket appears while the member runs."""
+        return self.ephemeral / SOCKET_NAME
+
+    def _process(
+        self, *, peer_tls: bool, initial: dict[str, str], state: Literal["new", "existing"]
+    ) -> ProcessConfig:
+        pki_dir = self.data.peer_pki
+        tls = PeerTLS(
+            ca_certificate=pki_dir.ca_certificate,
+            certificate=pki_dir.certificate,
+            key=pki_dir.key,
+            crl=self.data.peer_crl,
+        )
+        return ProcessConfig(
+            name=self.node_id,
+            data_dir=self.data.data,
+            working_dir=self.ephemeral,
+            peer_address=self.peer_address,
+            peer_tls=tls if peer_tls else None,
+            initial_cluster=initial,
+            cluster_state=state,
+            tuning=self.tuning,
+        )
+
+
+@dataclass(frozen=True)
+class Status:
+    """A snapshot of the consensus service, published through ``Service.status``.
+
+    While ``running``, the methods talk to the local etcd member; once a
+    newer status says not running, clients from this one fail with
+    :class:`~metropolis.consensus.client.EtcdUnavailable`.
+    """
+
+    running: bool
+    node_id: str
+    peer_url: str
+    member_id: int = 0
+    _client: Client | None = field(default=None, repr=False, compare=False)
+    _config: Config | None = field(default=None, repr=False, compare=False)
+
+    def _running(self) -> tuple[Client, Config]:
+        if not self.running or self._client is None or self._config is None:
+            raise NotRunning("consensus is not running")
+        return self._client, self._config
+
+    def curator_client(self) -> KV:
+        """The curator's view of etcd: keys under ``namespaced/curator/``."""
+        client, _ = self._running()
+        return client.namespaced(CURATOR_NAMESPACE)
+
+    async def add_node(self, public_key: bytes, *, peer_url: str | None = None) -> JoinCluster:
+        """Make the node with ``public_key`` a (future) member; return its join data.
+
+        Issues (or reuses) its peer certificate and, unless a member with
+        ``peer_url`` exists already, adds it as a non-voting learner; the
+        promoter makes it a voter once it has caught up. Idempotent, so it
+        also serves a node that is already a member (the bootstrapping node
+        asks for its own join data this way).
+
+        ``peer_url`` defaults to this node's own URL for its own key, and to
+        ``https://<node-id>:7834`` otherwise. etcd refuses membership changes
+        for a few seconds after one (and accepts only one learner at a
+        time); those refusals are retried for ``Config.membership_timeout``,
+        then :class:`ConsensusError` is raised.
+        """
+        client, config = self._running()
+        node = identity.node_id(public_key)
+        if peer_url is None:
+            peer_url = (
+                self.peer_url if node == self.node_id else f"https://{node}:{DEFAULT_PEER_PORT}"
+            )
+        host = urlsplit(peer_url).hostname
+        if not host:
+            raise ValueError(f"peer URL {peer_url!r} has no host")
+
+        pki_kv = client.namespaced(peerpki.NAMESPACE)
+        ca = await peerpki.load_ca(pki_kv)
+        certificate = await peerpki.issue_peer_certificate(pki_kv, ca, public_key, [host])
+        crl, _ = await peerpki.get_crl(pki_kv)
+
+        members = await client.member_list()
+        if not any(peer_url in m.peer_urls for m in members):
+            member = await _retry_transient(
+                lambda: client.member_add([peer_url], learner=True), config.membership_timeout
+            )
+            logging.getLogger("metropolis.consensus").info(
+                "added %s (%s) as learner %x", node, peer_url, member.id
+            )
+            members = await client.member_list()
+        existing = tuple(
+            # A learner that has not started yet has no name; etcd matches
+            # --initial-cluster by URL, so any unique placeholder will do.
+            ExistingNode(m.name or f"unstarted-{m.id:x}", m.peer_urls[0])
+            for m in members
+            if peer_url not in m.peer_urls and m.peer_urls
+        )
+        return JoinCluster(ca.certificate, certificate, crl, existing)
+
+
+async def _retry_transient(fn: Callable[[], Awaitable[_T]], patience: float) -> _T:
+    """Call ``fn`` until etcd stops refusing it transiently, for at most ``patience`` s."""
+    last: EtcdAPIError | None = None
+    with trio.move_on_after(patience):
+        while True:
+            try:
+                return await fn()
+            except EtcdAPIError as e:
+                if not e.transient:
+                    raise
+                last = e
+            await trio.sleep(0.5)
+    raise ConsensusError(f"etcd kept refusing the membership change for {patience}s: {last}")
+
+
+class Service:
+    """Runs this node's etcd member. ``run`` is a supervisor runnable.
+
+    ``status`` is set to a not-running :class:`Status` when ``run`` starts
+    and ends, and to a running one when the member is up and a voter.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.status: Value[Status] = Value()
+
+    def _stopped(self) -> Status:
+        return Status(running=False, node_id=self.config.node_id, peer_url=self.config.peer_url)
+
+    async def run(self, node: Node) -> None:
+        """Run etcd until cancelled. Raises (for the supervisor to restart us) if etcd dies.
+
+        Raises :class:`ConsensusError` before starting anything if the join
+        data does not fit our key, or if the on-disk state is inconsistent.
+        """
+        self.status.set(self._stopped())
+        try:
+            await self._run(node)
+        finally:
+            self.status.set(self._stopped())
+
+    async def _run(self, node: Node) -> None:
+        config = self.config
+        data = config.data
+        data.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        data.path.chmod(0o700)
+        data.peer_pki.create()
+        config.ephemeral.mkdir(mode=0o700, parents=True, exist_ok=True)
+        etcd_logger = logging.getLogger(f"{node.name}.etcd")
+
+        own = {config.node_id: config.peer_url}
+        join = config.join_cluster
+        if join is not None:
+            node.logger.info("joining existing cluster via %d members", len(join.existing_nodes))
+            self._write_join_pki(join)
+            initial = own | {n.name: n.url for n in join.existing_nodes}
+            process = config._process(peer_tls=True, initial=initial, state="existing")
+        else:
+            if data.peer_pki.all_absent():
+                await self._bootstrap_pki(node, etcd_logger)
+            elif not data.peer_pki.all_present():
+                raise ConsensusError(f"partial peer PKI in {data.peer_pki.path}: refusing to guess")
+            elif not (data.data / "member").exists():
+                # Starting a fresh single-member cluster here would split the
+                # node off the cluster its certificates belong to.
+                raise ConsensusError(
+                    f"peer PKI present but no etcd data in {data.data}; join data is needed"
+                )
+            process = config._process(peer_tls=True, initial=own, state="new")
+
+        async with Client(process.socket_path) as client, trio.open_nursery() as nursery:
+            await nursery.start(run_etcd, process, etcd_logger)
+            member_id = (await client.status()).member_id
+            await _wait_voter(client, member_id, node.logger)
+
+            node.run("promoter", lambda n: _promoter(n, client, config.promote_interval))
+            node.run("crl", lambda n: _sync_crl(n, client, config.data.peer_crl))
+            self.status.set(
+                Status(
+                    running=True,
+                    node_id=config.node_id,
+                    peer_url=config.peer_url,
+                    member_id=member_id,
+                    _client=client,
+                    _config=config,
+                )
+            )
+            node.logger.info("etcd member %x running", member_id)
+            node.signal_healthy()
+            # From here on the nursery just waits on run_etcd, which raises
+            # EtcdExited if etcd dies and stops etcd if we are cancelled.
+
+    def _write_join_pki(self, join: JoinCluster) -> None:
+        """Check the join data against our key, then write it (owner-only)."""
+        own_key = pki.public_key_bytes(self.config.node_private_key)
+        try:
+            cert_key = pki.public_key_bytes(pki.certificate_public_key(join.node_certificate))
+            pki.verify_signed_by(join.node_certificate, join.ca_certificate)
+            pki.verify_crl(join.initial_crl, join.ca_certificate)
+        except pki.PKIError as e:
+            raise ConsensusError(f"join data does not verify: {e}") from e
+        if cert_key != own_key:
+            raise ConsensusError("join data: peer certificate is not for this node's key")
+        self.config.data.peer_pki.write_all(
+            ca_certificate=pki.encode_certificate(join.ca_certificate),
+            certificate=pki.encode_certificate(join.node_certificate),
+            key=pki.encode_private_key(self.config.node_private_key),
+        )
+        if self._have_newer_crl(join):
+            return
+        atomic_write(self.config.data.peer_crl, pki.encode_crl(join.initial_crl))
+
+    def _have_newer_crl(self, join: JoinCluster) -> bool:
+        """Whether the CRL on disk is at least as new as the join data's.
+
+        Join data is replayed on every restart; its initial CRL must not
+        undo revocations that the CRL watcher has written since.
+        """
+        try:
+            current = pki.decode_crl(self.config.data.peer_crl.read_bytes())
+            pki.verify_crl(current, join.ca_certificate)
+        except (OSError, pki.PKIError):
+            return False
+        return pki.crl_number(current) >= pki.crl_number(join.initial_crl)
+
+    async def _bootstrap_pki(self, node: Node, etcd_logger: logging.Logger) -> None:
+        """Create a new cluster and its peer PKI; leave the PKI files on disk.
+
+        The temporary etcd listens for peers over plain HTTP (there are no
+        certificates yet, and no peers either) but already advertises the
+        https URL that the real start will serve.
+        """
+        config = self.config
+        node.logger.info("no peer PKI on disk: bootstrapping a new cluster")
+        process = config._process(
+            peer_tls=False, initial={config.node_id: config.peer_url}, state="new"
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_etcd, process, etcd_logger)
+            async with Client(process.socket_path) as client:
+                pki_kv = client.namespaced(peerpki.NAMESPACE)
+                ca = await peerpki.ensure_ca(pki_kv)
+                host = config.peer_address.rsplit(":", 1)[0]
+                own_key = pki.public_key_bytes(config.node_private_key)
+                certificate = await peerpki.issue_peer_certificate(pki_kv, ca, own_key, [host])
+                crl, _ = await peerpki.get_crl(pki_kv)
+            nursery.cancel_scope.cancel()
+        # CRL first, credentials last: all_present() then implies a usable CRL.
+        atomic_write(config.data.peer_crl, pki.encode_crl(crl))
+        config.data.peer_pki.write_all(
+            ca_certificate=pki.encode_certificate(ca.certificate),
+            certificate=pki.encode_certificate(certificate),
+            key=pki.encode_private_key(config.node_private_key),
+        )
+        node.logger.info("bootstrap PKI written; restarting etcd with peer TLS")
+
+
+async def _wait_voter(client: Client, member_id: int, logger: logging.Logger) -> None:
+    """Wait until this member is a voter (learners are promoted by the leader)."""
+    while True:
+        try:
+            members = await client.member_list()
+        except (EtcdAPIError, EtcdUnavailable) as e:
+            logger.info("member list not available yet: %s", e)
+        else:
+            me = [m for m in members if m.id == member_id]
+            if me and not me[0].is_learner:
+                return
+            logger.info("still a learner, waiting for promotion")
+        await trio.sleep(0.2)
+
+
+async def _promoter(node: Node, client: Client, interval: float) -> None:
+    """On the raft leader, promote every started learner; etcd refuses those not caught up.
+
+    Only the leader acts, so members do not all hammer etcd with the same
+    promotions; if leadership moves in between, a promotion is merely
+    refused or repeated, both harmless.
+    """
+    node.signal_healthy()
+    while True:
+        await trio.sleep(interval)
+        status = await client.status()
+        if status.leader != status.member_id:
+            continue
+        for member in await client.member_list():
+            if not member.is_learner or not member.name:
+                continue  # a voter, or a learner that has not started
+            try:
+                await client.member_promote(member.id)
+            except EtcdAPIError as e:
+                if not e.transient:
+                    raise
+                node.logger.info("learner %s not promotable yet: %s", member.name, e.message)
+            else:
+                node.logger.info("promoted %s (%x) to voter", member.name, member.id)
+
+
+async def _sync_crl(node: Node, client: Client, path: Path) -> None:
+    """Keep ``path`` equal to the CRL in etcd.
+
+    etcd re-reads the CRL file for every new peer connection but never
+    checks its signature, so only CRLs signed by the peer CA are written.
+    """
+    kv = client.namespaced(peerpki.NAMESPACE)
+    ca = await peerpki.load_ca(kv)
+    crl, revision = await peerpki.get_crl(kv)
+    _write_crl(crl, ca, path)
+    node.signal_healthy()
+    async with kv.watch(peerpki.KEY_CRL, start_revision=revision + 1) as watch:
+        async for response in watch:
+            for event in response.events:
+                if event.type != "PUT":
+                    node.logger.error("CRL deleted from etcd; keeping the last one")
+                    continue
+                try:
+                    crl = pki.decode_crl(event.kv.value)
+                    _write_crl(crl, ca, path)
+                except pki.PKIError as e:
+                    node.logger.error("ignoring bad CRL from etcd, keeping the last one: %s", e)
+                    continue
+                node.logger.info("CRL updated (%d revoked)", len(list(crl)))
+
+
+def _write_crl(crl: x509.CertificateRevocationList, ca: peerpki.PeerCA, path: Path) -> None:
+    pki.verify_crl(crl, ca.certificate)
+    atomic_write(path, pki.encode_crl(crl))

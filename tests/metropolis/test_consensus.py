@@ -1,0 +1,296 @@
+"""The consensus service on real etcd processes: bootstrap, join, crash, revocation."""
+
+from __future__ import annotations
+
+import ssl
+import stat
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from metropolis import identity, pki
+from metropolis.consensus import Config, JoinCluster, NotRunning, Service, Status, peerpki
+from metropolis.consensus.client import Client, EtcdUnavailable
+from metropolis.localstorage import Root
+from metropolis.supervisor import State, Supervisor, open_supervisor
+from tests.fixtures.etcd import LOOPBACK_TUNING, etcd_pid, free_port, kill_etcd
+
+# Safety bound for waits; joins include etcd's fixed 5 s member health window.
+BOUND = 60
+
+
+@dataclass
+class Machine:
+    """One simulated node: its storage, key and peer port."""
+
+    root: Root
+    key: Ed25519PrivateKey
+    port: int
+
+    @classmethod
+    def make(cls, path: Path) -> Machine:
+        root = Root(path)
+        root.create()
+        return cls(root, pki.generate_key(), free_port())
+
+    @property
+    def public_key(self) -> bytes:
+        return pki.public_key_bytes(self.key)
+
+    @property
+    def peer_url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def config(self, join: JoinCluster | None = None) -> Config:
+        return Config(
+            data=self.root.data.etcd,
+            ephemeral=self.root.ephemeral.consensus,
+            node_private_key=self.key,
+            peer_address=f"127.0.0.1:{self.port}",
+            join_cluster=join,
+            tuning=LOOPBACK_TUNING,
+            promote_interval=0.2,
+        )
+
+
+@asynccontextmanager
+async def running(
+    machine: Machine, join: JoinCluster | None = None
+) -> AsyncIterator[tuple[Service, Supervisor, Status]]:
+    """Run a consensus service under a supervisor; yield once it reports running."""
+    service = Service(machine.config(join))
+    async with open_supervisor(service.run, name="consensus") as supervisor:
+        with trio.fail_after(BOUND), service.status.watch() as watcher:
+            status = await watcher.get(lambda s: s.running)
+        yield service, supervisor, status
+
+
+async def eventually(predicate: Callable[[], bool]) -> None:
+    """Poll ``predicate`` until it holds (callers bound the wait)."""
+    while True:
+        if predicate():
+            return
+        await trio.sleep(0.05)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def test_bootstrap_single_node(tmp_path: Path) -> None:
+    machine = Machine.make(tmp_path / "n1")
+    etcd_dir = machine.root.data.etcd
+    async with running(machine) as (service, _, status):
+        assert status.node_id == identity.node_id(machine.public_key)
+        async with Client(service.config.client_socket) as client:
+            # etcd answers on the socket, and we are its only, voting member.
+            await client.put("hello", "world")
+            assert (await client.get("hello")).value == b"world"  # type: ignore[union-attr]
+            [member] = await client.member_list()
+            assert member.name == status.node_id and not member.is_learner
+            assert member.peer_urls == [machine.peer_url]
+
+            # The peer PKI lives in etcd, and the files on disk are that PKI.
+            pki_kv = client.namespaced(peerpki.NAMESPACE)
+            ca = await peerpki.load_ca(pki_kv)
+            on_disk_ca = pki.decode_certificate(etcd_dir.peer_pki.ca_certificate.read_bytes())
+            assert ca.certificate == on_disk_ca
+            stored = await pki_kv.get(b"certificates/" + status.node_id.encode())
+            assert stored is not None
+            on_disk_cert = pki.decode_certificate(etcd_dir.peer_pki.certificate.read_bytes())
+            assert pki.decode_certificate(stored.value) == on_disk_cert
+            pki.verify_signed_by(on_disk_cert, ca.certificate)
+            crl, _ = await peerpki.get_crl(pki_kv)
+            assert pki.decode_crl(etcd_dir.peer_crl.read_bytes()) == crl
+
+            # The curator's view is confined to its namespace.
+            await status.curator_client().put("nodes/x", "record")
+            assert await client.get("namespaced/curator/nodes/x") is not None
+
+            # Asking for our own join data adds nobody.
+            join = await status.add_node(machine.public_key)
+            assert join.node_certificate == on_disk_cert and join.existing_nodes == ()
+            assert len(await client.member_list()) == 1
+
+        # Secrets on disk are owner-only.
+        for directory in (etcd_dir.path, etcd_dir.peer_pki.path, service.config.ephemeral):
+            assert _mode(directory) == 0o700, directory
+        for path in (*etcd_dir.peer_pki.files(), etcd_dir.peer_crl):
+            assert _mode(path) == 0o600, path
+
+    # Leaving the supervisor stopped etcd and withdrew the status.
+    assert etcd_pid(service.config.ephemeral) is None
+    with service.status.watch() as watcher:
+        final = await watcher.get()
+    assert not final.running
+    with pytest.raises(NotRunning):
+        final.curator_client()
+    with pytest.raises(EtcdUnavailable, match="closed"):
+        await status.add_node(machine.public_key)  # an old snapshot's client is closed too
+
+
+async def test_sigkilled_etcd_is_restarted_on_same_data(tmp_path: Path) -> None:
+    machine = Machine.make(tmp_path / "n1")
+    async with running(machine) as (service, supervisor, status):
+        await status.curator_client().put("survivor", "yes")
+        old_pid = kill_etcd(service.config.ephemeral)
+
+        with trio.fail_after(BOUND), service.status.watch() as watcher:
+            await watcher.get(lambda s: not s.running)
+            restarted = await watcher.get(lambda s: s.running)
+        assert supervisor.restarts("consensus") >= 1
+        assert etcd_pid(service.config.ephemeral) not in (None, old_pid)
+        kv = await restarted.curator_client().get("survivor")
+        assert kv is not None and kv.value == b"yes"
+        assert restarted.member_id == status.member_id
+
+
+@dataclass
+class Started:
+    """A node running in the background; ``stop()`` takes it down for good."""
+
+    service: Service
+    status: Status
+    scope: trio.CancelScope
+    stopped: trio.Event
+
+    async def stop(self) -> None:
+        self.scope.cancel()
+        await self.stopped.wait()
+
+
+async def start(
+    nursery: trio.Nursery, machine: Machine, join: JoinCluster | None = None
+) -> Started:
+    async def run(*, task_status: trio.TaskStatus[Started]) -> None:
+        stopped = trio.Event()
+        try:
+            with trio.CancelScope() as scope:
+                async with running(machine, join) as (service, _, status):
+                    task_status.started(Started(service, status, scope, stopped))
+                    await trio.sleep_forever()
+        finally:
+            stopped.set()
+
+    started: Started = await nursery.start(run)
+    return started
+
+
+async def test_three_nodes_join_replicate_and_survive_a_loss(tmp_path: Path) -> None:
+    n1, n2, n3 = (Machine.make(tmp_path / f"n{i}") for i in (1, 2, 3))
+    async with trio.open_nursery() as nursery:
+        first = await start(nursery, n1)
+        join2 = await first.status.add_node(n2.public_key, peer_url=n2.peer_url)
+        assert [n.url for n in join2.existing_nodes] == [n1.peer_url]
+        second = await start(nursery, n2, join2)
+        # etcd takes one learner at a time, so this also waits for n2's promotion.
+        with trio.fail_after(BOUND):
+            join3 = await first.status.add_node(n3.public_key, peer_url=n3.peer_url)
+        assert {n.url for n in join3.existing_nodes} == {n1.peer_url, n2.peer_url}
+        third = await start(nursery, n3, join3)
+
+        async with (
+            Client(second.service.config.client_socket) as c2,
+            Client(third.service.config.client_socket) as c3,
+        ):
+            members = await c3.member_list()
+            assert sorted(m.name for m in members) == sorted(
+                s.status.node_id for s in (first, second, third)
+            )
+            assert not any(m.is_learner for m in members)
+
+            await c3.put("written-on", "n3")
+            kv = await c2.get("written-on")
+            assert kv is not None and kv.value == b"n3"
+
+            # Node 1, the bootstrapper, goes away for good.
+            await first.stop()
+            assert etcd_pid(n1.root.ephemeral.consensus) is None
+            with trio.fail_after(BOUND):
+                # Two of three voters: writes still commit, and are read elsewhere.
+                await c2.put("after-loss", "ok")
+                kv = await c3.get("after-loss")
+            assert kv is not None and kv.value == b"ok"
+            status = await c3.status()
+            assert status.leader in {second.status.member_id, third.status.member_id}
+        nursery.cancel_scope.cancel()
+
+
+async def _peer_request(peer_url: str, ca: bytes, cert: bytes, key: bytes, tmp: Path) -> int:
+    """GET /version on a peer port with the given client credentials; the HTTP status."""
+    (tmp / "cert.pem").write_bytes(cert)
+    (tmp / "key.pem").write_bytes(key)
+    context = ssl.create_default_context(cadata=ca.decode())
+    context.load_cert_chain(tmp / "cert.pem", tmp / "key.pem")
+    async with httpx.AsyncClient(verify=context, timeout=5) as http:
+        response = await http.get(f"{peer_url}/version")
+        return response.status_code
+
+
+async def test_revoked_peer_certificate_is_refused(tmp_path: Path) -> None:
+    machine = Machine.make(tmp_path / "n1")
+    outsider_key = pki.generate_key()
+    outsider_pub = pki.public_key_bytes(outsider_key)
+    creds = tmp_path / "outsider"
+    creds.mkdir()
+    async with running(machine) as (service, _, status):
+        # A node we admitted: it holds a valid peer certificate.
+        join = await status.add_node(outsider_pub, peer_url=f"https://127.0.0.1:{free_port()}")
+        ca_pem = pki.encode_certificate(join.ca_certificate)
+        cert_pem = pki.encode_certificate(join.node_certificate)
+        key_pem = pki.encode_private_key(outsider_key)
+        with trio.fail_after(BOUND):
+            assert await _peer_request(machine.peer_url, ca_pem, cert_pem, key_pem, creds) == 200
+
+        async with Client(service.config.client_socket) as client:
+            pki_kv = client.namespaced(peerpki.NAMESPACE)
+            ca = await peerpki.load_ca(pki_kv)
+            await peerpki.revoke_peer_certificate(pki_kv, ca, identity.node_id(outsider_pub))
+
+        # The CRL watcher writes the new list; etcd reads it per connection.
+        crl_path = service.config.data.peer_crl
+        with trio.fail_after(BOUND):
+            await eventually(
+                lambda: pki.is_revoked(pki.decode_crl(crl_path.read_bytes()), join.node_certificate)
+            )
+            with pytest.raises(httpx.TransportError):
+                await _peer_request(machine.peer_url, ca_pem, cert_pem, key_pem, creds)
+
+        # The member itself is unaffected.
+        async with Client(service.config.client_socket) as client:
+            await client.put("still", "fine")
+
+
+@pytest.mark.parametrize("damage", ["foreign-cert", "partial-pki"])
+async def test_inconsistent_setup_fails_clearly_and_writes_nothing(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = Machine.make(tmp_path / "good")
+    other = Machine.make(tmp_path / "other")
+    join: JoinCluster | None = None
+    async with running(good) as (_, _, status):
+        stolen = await status.add_node(good.public_key)
+    if damage == "foreign-cert":
+        # Join data for someone else's key: must not be accepted as ours.
+        join = stolen
+        expected = "not for this node's key"
+    else:
+        other.root.data.etcd.peer_pki.create()
+        other.root.data.etcd.peer_pki.ca_certificate.write_bytes(b"lonely CA")
+        expected = "partial peer PKI"
+
+    before = sorted(p.relative_to(other.root.path) for p in other.root.path.rglob("*"))
+    service = Service(other.config(join))
+    async with open_supervisor(service.run, name="consensus") as supervisor:
+        with trio.fail_after(BOUND):
+            await supervisor.wait_state("consensus", State.BACKOFF)
+    assert expected in caplog.text
+    after = sorted(p.relative_to(other.root.path) for p in other.root.path.rglob("*"))
+    assert after == before
+    assert etcd_pid(other.root.ephemeral.consensus) is None
