@@ -15,7 +15,15 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
-from metropolis.consensus import Config, JoinCluster, NotRunning, Service, Status, peerpki
+from metropolis.consensus import (
+    Config,
+    ExistingNode,
+    JoinCluster,
+    NotRunning,
+    Service,
+    Status,
+    peerpki,
+)
 from metropolis.consensus.client import Client, EtcdUnavailable
 from metropolis.localstorage import Root
 from metropolis.supervisor import State, Supervisor, open_supervisor
@@ -294,3 +302,34 @@ async def test_inconsistent_setup_fails_clearly_and_writes_nothing(
     after = sorted(p.relative_to(other.root.path) for p in other.root.path.rglob("*"))
     assert after == before
     assert etcd_pid(other.root.ephemeral.consensus) is None
+
+
+def test_replayed_join_data_keeps_a_newer_crl(tmp_path: Path) -> None:
+    """Join data comes again on every restart; it must not roll back revocations."""
+    machine = Machine.make(tmp_path / "n")
+    ca_key = pki.generate_key()
+    ca = pki.new_ca(ca_key, peerpki.CA_NAME)
+    cert = pki.issue_certificate(
+        ca_key, ca, machine.key.public_key(), identity.node_id(machine.public_key), pki.Usage.PEER
+    )
+    initial = pki.new_crl(ca_key, ca)
+    join = JoinCluster(ca, cert, initial, (ExistingNode("other", "https://127.0.0.1:1"),))
+    service = Service(machine.config(join))
+    crl_path = machine.root.data.etcd.peer_crl
+
+    service._write_join_pki(join)
+    assert pki.decode_crl(crl_path.read_bytes()) == initial
+    assert pki.decode_certificate(machine.root.data.etcd.peer_pki.certificate.read_bytes()) == cert
+
+    # The CRL watcher wrote a newer list since: a replay keeps it.
+    newer = pki.revoke(initial, ca_key, ca, [12345])
+    crl_path.write_bytes(pki.encode_crl(newer))
+    service._write_join_pki(join)
+    assert pki.decode_crl(crl_path.read_bytes()) == newer
+
+    # A list from another CA on disk is no reason to keep anything.
+    other_key = pki.generate_key()
+    forged = pki.new_crl(other_key, pki.new_ca(other_key, peerpki.CA_NAME), number=99)
+    crl_path.write_bytes(pki.encode_crl(forged))
+    service._write_join_pki(join)
+    assert pki.decode_crl(crl_path.read_bytes()) == initial
