@@ -360,7 +360,9 @@ class _Gateway:
                 self._decode(response, await response.aread())
             yield _Lines(self, response)
         finally:
-            await response.aclose()
+            # Shielded: a cancelled watch must still hand its connection back.
+            with trio.CancelScope(shield=True):
+                await response.aclose()
 
     @staticmethod
     def _decode(response: httpx.Response, content: bytes) -> dict[str, Any]:

@@ -256,3 +256,15 @@ async def test_members_and_status(client: Client) -> None:
 
     await client.member_remove(learner.id)
     assert [m.id for m in await client.member_list()] == [status.member_id]
+
+
+async def test_prefix_ranges_handle_0xff_bytes(client: Client) -> None:
+    # The end of the "a\xff" prefix is "b", not "a\x00" (a naive increment).
+    for key in (b"a\xff1", b"a\xff\xff", b"b", b"a\xfe"):
+        await client.put(key, "v")
+    ns = client.namespaced(b"a\xff")
+    assert [k.key for k in (await ns.range("", prefix=True)).kvs] == [b"1", b"\xff"]
+    all_ff = client.namespaced(b"\xff\xff")
+    await all_ff.put("x", "v")
+    # No key is above every "\xff\xff..." key: the range runs to the end.
+    assert [k.key for k in (await all_ff.range("", prefix=True)).kvs] == [b"x"]
