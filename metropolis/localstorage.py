@@ -32,6 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from metropolis.proto.common import ClusterDirectory
 from metropolis.proto.private import SealedConfiguration
 
 __all__ = [
@@ -257,6 +258,18 @@ class ESPDirectory:
     @property
     def cluster_directory(self) -> Path:
         return self.path / "cluster_directory.pb"
+
+    def write_cluster_directory(self, directory: ClusterDirectory) -> None:
+        """Store the cluster directory (world-readable: it only names public keys and hosts)."""
+        atomic_write(self.cluster_directory, bytes(directory), mode=0o644)
+
+    def read_cluster_directory(self) -> ClusterDirectory:
+        """Read the cluster directory; :class:`LocalStorageError` if it is missing."""
+        try:
+            raw = self.cluster_directory.read_bytes()
+        except OSError as e:
+            raise LocalStorageError(f"cannot read cluster directory: {e}") from e
+        return ClusterDirectory.parse(raw)
 
     @property
     def sealed_configuration(self) -> SealedConfigurationFile:

@@ -15,6 +15,11 @@ from metropolis.localstorage import (
     Root,
     atomic_write,
 )
+from metropolis.proto.common import (
+    ClusterDirectory,
+    ClusterDirectoryNode,
+    ClusterDirectoryNodeAddress,
+)
 from metropolis.proto.private import SealedConfiguration
 
 
@@ -110,3 +115,20 @@ def test_unseal_rejects_foreign_file(tmp_path: Path) -> None:
     sealed.path.write_bytes(b"\x0a\x01a")
     with pytest.raises(LocalStorageError, match="not an insecurely sealed"):
         sealed.unseal(insecure=True)
+
+
+def test_cluster_directory_round_trip(tmp_path: Path) -> None:
+    root = Root(tmp_path)
+    root.create()
+    with pytest.raises(LocalStorageError, match="cannot read"):
+        root.esp.read_cluster_directory()
+    directory = ClusterDirectory(
+        nodes=[
+            ClusterDirectoryNode(
+                public_key=b"k" * 32, addresses=[ClusterDirectoryNodeAddress(host="10.0.0.1")]
+            )
+        ]
+    )
+    root.esp.write_cluster_directory(directory)
+    assert _mode(root.esp.cluster_directory) == 0o644
+    assert root.esp.read_cluster_directory() == directory
