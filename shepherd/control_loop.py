@@ -14,7 +14,8 @@ what to do with it); :func:`run_control_loop` runs it::
                           processor.handle(work, task)    finishes the work itself
                             raises ProcessingFailed  ─▶ work.fail(cause, backoff)
                             raises another error     ─▶ work.fail("internal error: ..")
-                        SessionExpired / DatabaseUnavailable: new session after 1 s
+                        any BMDBError (session expired, database gone, ...):
+                          new session after 1 s
 
 Each worker has its own session, so a worker whose session expires (a long
 stall, a lost database connection) restarts alone and its locks die with its
@@ -123,6 +124,10 @@ class _Worker(Generic[T]):
                 self._log.warning("session lost, starting a new one: %s", exc)
             except DatabaseUnavailable as exc:
                 self._log.warning("BMDB unavailable, retrying: %s", exc)
+            except BMDBError as exc:
+                # E.g. a claim that kept failing to serialize. Whatever state
+                # the session was in, a fresh one is a clean start.
+                self._log.error("BMDB error, starting a new session: %s", exc)
             await trio.sleep(SESSION_RETRY_DELAY)
 
     async def _iteration(self, session: Session) -> None:

@@ -22,12 +22,16 @@ async def provide(conn: bmdb.Connection, provider_ids: list[str]) -> dict[str, u
     return await conn.transact(add)
 
 
-async def events(conn: bmdb.Connection, machine_id: uuid.UUID) -> list[tuple[WorkEvent, str]]:
+async def events(
+    conn: bmdb.Connection,
+    machine_id: uuid.UUID,
+    process: Process = Process.SHEPHERD_AGENT_START,
+) -> list[tuple[WorkEvent, str]]:
+    """The machine's history for ``process``: (event, cause or "")."""
+
     async def read(q: Queries) -> list[tuple[WorkEvent, str]]:
         return [
-            (h.event, h.cause or "")
-            for h in await q.history(machine_id)
-            if h.process == Process.SHEPHERD_AGENT_START
+            (h.event, h.cause or "") for h in await q.history(machine_id) if h.process == process
         ]
 
     return await conn.transact(read)
@@ -41,11 +45,15 @@ async def agent_keys(conn: bmdb.Connection) -> dict[uuid.UUID, bytes]:
     return await conn.run(Isolation.READ_COMMITTED, read)
 
 
-async def backoffs(conn: bmdb.Connection) -> dict[uuid.UUID, tuple[int, str]]:
+async def backoffs(
+    conn: bmdb.Connection, process: Process = Process.SHEPHERD_AGENT_START
+) -> dict[uuid.UUID, tuple[int, str]]:
+    """(last interval, cause) of every machine in backoff for ``process``."""
+
     async def read(pg: PgConnection) -> dict[uuid.UUID, tuple[int, str]]:
         rows = await pg.execute(
             "SELECT machine_id, last_interval_seconds, cause FROM work_backoff WHERE process = %s",
-            (Process.SHEPHERD_AGENT_START,),
+            (process,),
         )
         return {r[0]: (r[1], r[2]) for r in rows}
 
