@@ -1,1 +1,16 @@
-"""shepherd package."""
+"""The Shepherd: control loops that bring bare-metal machines under management.
+
+Modules, by concept:
+
+- :mod:`shepherd.initializer`: start the takeover agent on every provided
+  machine that lacks one (the ``ShepherdAgentStart`` process), on
+- :mod:`shepherd.control_loop`: N workers, each with its own BMDB session,
+  sourcing one machine per rate-limited iteration (:mod:`shepherd.rate_limit`);
+- :mod:`shepherd.takeover`: the per-machine step: dial, upload, run, check;
+- :mod:`shepherd.ssh`: the SSH client (the only module that uses asyncssh),
+  authenticating with the key from :mod:`shepherd.ssh_key`;
+- :mod:`shepherd.providers`: where machines come from (``static``: a TOML list);
+- :mod:`shepherd.agent`: the self-contained agent script that gets uploaded;
+- :mod:`shepherd.proto`: the takeover protocol messages;
+- :mod:`shepherd.cli`: ``python -m shepherd``.
+"""
