@@ -1,0 +1,126 @@
+"""The per-machine takeover step on its own: response checks, and SSH-side failures."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from shepherd.agent import agent_script
+from shepherd.proto.agent import TakeoverError, TakeoverInit, TakeoverResponse, TakeoverSuccess
+from shepherd.providers import Machine
+from shepherd.ssh import SSHClient
+from shepherd.ssh_key import SSHKey
+from shepherd.takeover import (
+    AgentConfig,
+    AgentError,
+    BadKeyLength,
+    EchoMismatch,
+    MalformedResponse,
+    TakeoverFailed,
+    UploadFailed,
+    parse_response,
+    start_agent,
+)
+from tests.fixtures.sshd import Sshd
+
+SENT = TakeoverInit(machine_id="m-1", bmaas_endpoint="e:443", ca_certificate=b"\x30\x00")
+
+
+def _success(init: TakeoverInit = SENT, key: bytes = bytes(32)) -> bytes:
+    return bytes(TakeoverResponse(success=TakeoverSuccess(init_message=init, key=key)))
+
+
+def test_good_response_gives_key_and_warnings() -> None:
+    response = TakeoverResponse(
+        success=TakeoverSuccess(init_message=SENT, key=b"k" * 32, warning=["w1", "w2"])
+    )
+    assert parse_response(bytes(response), SENT) == (b"k" * 32, ["w1", "w2"])
+
+
+@pytest.mark.parametrize(
+    ("stdout", "error", "message"),
+    [
+        (b"", MalformedResponse, "agent wrote nothing to stdout"),
+        (b"hello", MalformedResponse, "not a TakeoverResponse"),
+        (_success()[:-3], MalformedResponse, "past end of message"),
+        (b"\x0a\x03\x0a\x05a", MalformedResponse, "past end of message"),  # nested
+        (b"\x08\x01", MalformedResponse, "want an embedded message"),
+        (b"\x1a\x00", MalformedResponse, "neither success nor error"),  # unknown field only
+        (
+            bytes(TakeoverResponse(error=TakeoverError(message="disk on fire"))),
+            AgentError,
+            "agent returned error: disk on fire",
+        ),
+        (_success(TakeoverInit(machine_id="m-2", bmaas_endpoint="e:443")), EchoMismatch, "m-2"),
+        (_success(TakeoverInit()), EchoMismatch, "did not echo"),
+        (_success(key=bytes(31)), BadKeyLength, "31 bytes, want 32"),
+        (_success(key=b""), BadKeyLength, "0 bytes, want 32"),
+    ],
+)
+def test_bad_responses_say_what_is_wrong(
+    stdout: bytes, error: type[TakeoverFailed], message: str
+) -> None:
+    with pytest.raises(error, match=message) as caught:
+        parse_response(stdout, SENT, b"host key")
+    assert caught.value.host_key == b"host key"
+
+
+def test_agent_config_refuses_missing_pieces() -> None:
+    good = {
+        "executable": b"x",
+        "target_path": "/root/agent",
+        "endpoint": "e:443",
+        "endpoint_ca_certificate": b"",
+        "ssh_connect_timeout": 2.0,
+        "ssh_exec_timeout": 60.0,
+    }
+    for field, bad, message in [
+        ("executable", b"", "executable not configured"),
+        ("target_path", "", "target path must be set"),
+        ("endpoint", "", "endpoint must be set"),
+        ("ssh_connect_timeout", 0.0, "connect timeout must be positive"),
+        ("ssh_exec_timeout", -1.0, "exec timeout must be positive"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            AgentConfig(**{**good, field: bad})  # type: ignore[arg-type]
+
+
+async def test_upload_failure_is_its_own_cause(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    config = AgentConfig(
+        executable=agent_script(),
+        target_path=str(sshd.root / "no-such-dir" / "agent"),
+        endpoint="e:443",
+        endpoint_ca_certificate=b"",
+        ssh_connect_timeout=5.0,
+        ssh_exec_timeout=30.0,
+    )
+    client = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    machine = Machine("m-1", sshd.host, sshd.port)
+    with pytest.raises(UploadFailed, match=r"agent upload failed: .*SFTP: No such file") as caught:
+        await start_agent(client, machine, uuid.uuid4(), config, known_host_key=None)
+    assert caught.value.host_key == sshd.host_key
+
+
+async def test_start_agent_returns_key_and_host_key(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    config = AgentConfig(
+        executable=agent_script(),
+        target_path=str(sshd.root / "agent"),
+        endpoint="e:443",
+        endpoint_ca_certificate=b"",
+        ssh_connect_timeout=5.0,
+        ssh_exec_timeout=30.0,
+    )
+    client = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    machine = Machine("m-1", sshd.host, sshd.port)
+    first = await start_agent(client, machine, uuid.uuid4(), config, known_host_key=None)
+    again = await start_agent(client, machine, uuid.uuid4(), config, known_host_key=first.host_key)
+    assert first.host_key == sshd.host_key
+    assert len(first.key) == 32
+    # The agent keeps its key across runs: the machine's identity is stable.
+    assert again.key == first.key
+    assert first.warnings == again.warnings == []
