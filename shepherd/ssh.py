@@ -25,6 +25,7 @@ exceptions never escape this module.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import shlex
@@ -40,6 +41,11 @@ from asyncssh.public_key import decode_ssh_public_key
 from shepherd.ssh_key import SSHKey
 
 logger = logging.getLogger("shepherd.ssh")
+
+#: Most bytes :meth:`SSHConnection.run` accepts on stdout (and on stderr).
+DEFAULT_OUTPUT_LIMIT = 1 << 20
+
+_READ_SIZE = 1 << 16
 
 # How long closing a connection may take. Closing runs shielded from
 # cancellation (it is what cancellation needs to happen), so it needs its own
@@ -128,29 +134,60 @@ class SSHConnection:
             await sftp.chmod(tmp, mode)
             await sftp.posix_rename(tmp, path)
 
-    async def _run(self, command: str, stdin: bytes) -> asyncssh.SSHCompletedProcess:
+    async def _run(self, command: str, stdin: bytes, limit: int) -> ExecResult:
         # Not SSHClientConnection.run(input=...): it sends no EOF when the
-        # input is empty, and a command reading stdin would then never end.
+        # input is empty (a command reading stdin would never end), and it
+        # buffers output without bound.
         process = await self._conn.create_process(command, encoding=None)
         process.stdin.write(stdin)
         process.stdin.write_eof()
-        return await process.wait(check=False)
+        # A TaskGroup, so that one stream over its limit stops the other read.
+        try:
+            async with asyncio.TaskGroup() as group:
+                stdout = group.create_task(_read_bounded(process.stdout, limit, "stdout"))
+                stderr = group.create_task(_read_bounded(process.stderr, limit, "stderr"))
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        await process.wait_closed()
+        signal = process.exit_signal[0] if process.exit_signal else None
+        return ExecResult(stdout.result(), stderr.result(), process.exit_status, signal)
 
-    async def run(self, command: str, stdin: bytes = b"") -> ExecResult:
+    async def run(
+        self, command: str, stdin: bytes = b"", *, output_limit: int = DEFAULT_OUTPUT_LIMIT
+    ) -> ExecResult:
         """Run ``command`` remotely, feed it ``stdin`` then EOF, and wait for it to exit.
 
         A non-zero exit status is not an error: it is reported in the result.
-        Raises :class:`ChannelError` if the session fails. On cancellation the
+        Raises :class:`ChannelError` if the session fails, or if the command
+        writes more than ``output_limit`` bytes to stdout or to stderr (a
+        runaway program must not exhaust our memory). On cancellation the
         remote command is abandoned; closing the connection ends its session.
         """
         try:
-            done = await trio_asyncio.aio_as_trio(self._run)(command, stdin)
+            result: ExecResult = await trio_asyncio.aio_as_trio(self._run)(
+                command, stdin, output_limit
+            )
         except (asyncssh.Error, OSError) as exc:
             raise ChannelError(f"running {shlex.quote(command)} failed: {_describe(exc)}") from exc
-        stdout = done.stdout if isinstance(done.stdout, bytes) else b""
-        stderr = done.stderr if isinstance(done.stderr, bytes) else b""
-        signal = done.exit_signal[0] if done.exit_signal else None
-        return ExecResult(stdout, stderr, done.exit_status, signal)
+        except _OutputTooLarge as exc:
+            raise ChannelError(f"running {shlex.quote(command)} failed: {exc}") from None
+        return result
+
+
+class _OutputTooLarge(Exception):
+    pass
+
+
+async def _read_bounded(stream: asyncssh.SSHReader[bytes], limit: int, name: str) -> bytes:
+    """Read ``stream`` to EOF; raise _OutputTooLarge past ``limit`` bytes."""
+    chunks: list[bytes] = []
+    total = 0
+    while chunk := await stream.read(_READ_SIZE):
+        total += len(chunk)
+        if total > limit:
+            raise _OutputTooLarge(f"{name} exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class SSHClient:

@@ -115,6 +115,7 @@ HANG = b"#!/bin/sh\n# Never answers; dies of SIGPIPE once the session is gone.\n
 HANG += b"while sleep 0.1; do printf .; done\n"
 GARBAGE = b"#!/bin/sh\ncat >/dev/null\necho 'I am not protobuf at all'\n"
 EXIT_7 = b"#!/bin/sh\ncat >/dev/null\necho boom >&2\nexit 7\n"
+FLOOD = b"#!/bin/sh\ncat >/dev/null\nexec cat /dev/zero\n"
 # The real agent with one bug injected each.
 SCRIPT = agent_script()
 SHORT_KEY = SCRIPT.replace(b"ed25519_public_key(seed), warnings)", b"b'short', warnings)")
@@ -131,10 +132,11 @@ assert SHORT_KEY != SCRIPT and WRONG_ECHO != SCRIPT
         (WRONG_ECHO, False, 30, "agent did not echo the init message"),
         (SHORT_KEY, False, 30, "agent key is 5 bytes, want 32"),
         (EXIT_7, False, 30, "agent exited with status 7: stderr 'boom'"),
+        (FLOOD, False, 30, "running the agent failed: .*stdout exceeds 1048576 bytes"),
         (SCRIPT, True, 30, "agent returned error: key file .* holds 7 bytes, want 32"),
         (HANG, False, 1.5, "timed out after 1.5s while uploading or running the agent"),
     ],
-    ids=["garbage", "wrong-echo", "short-key", "exit-status", "agent-error", "hang"],
+    ids=["garbage", "wrong-echo", "short-key", "exit-status", "flood", "agent-error", "hang"],
 )
 async def test_broken_agent_fails_machines_with_cause_and_backoff(
     bmdb_conn: bmdb.Connection,

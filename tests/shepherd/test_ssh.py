@@ -11,6 +11,7 @@ import trio
 
 from shepherd.ssh import (
     AuthenticationError,
+    ChannelError,
     ConnectError,
     ConnectTimeout,
     HostKeyChanged,
@@ -49,6 +50,18 @@ async def test_upload_replaces_existing_file(
     async with _client(shepherd_ssh_key).connect(sshd.host, sshd.port, known_host_key=None) as c:
         await c.upload(str(target), b"new")
     assert target.read_bytes() == b"new"
+
+
+async def test_output_is_bounded(aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey) -> None:
+    async with _client(shepherd_ssh_key).connect(sshd.host, sshd.port, known_host_key=None) as c:
+        at_limit = await c.run("head -c 1000 /dev/zero", output_limit=1000)
+        assert at_limit.stdout == bytes(1000)
+        with pytest.raises(ChannelError, match="stdout exceeds 1000 bytes"):
+            await c.run("head -c 1001 /dev/zero", output_limit=1000)
+        with pytest.raises(ChannelError, match="stderr exceeds 1000 bytes"):
+            await c.run("cat /dev/zero >&2", output_limit=1000)
+        # The connection is still usable for the next command.
+        assert (await c.run("echo ok")).stdout == b"ok\n"
 
 
 async def test_recorded_host_key_is_accepted(
