@@ -1,0 +1,136 @@
+"""Event values: a variable that tasks can watch for newer contents.
+
+A :class:`Value` holds the newest of a series of values. Each
+:class:`Watcher` keeps its own position in that series::
+
+    value.set(a)   value.set(b)   value.set(c)
+         │              │              │
+    watcher.get() ─► a  │              │        first get: the current value
+    watcher.get() ──────┴─ (skipped) ──┴─► c    later gets: only newer values
+
+Guarantees, which callers rely on:
+
+* The first ``get()`` of a watcher returns the current value, waiting while
+  the value was never set. Each later ``get()`` returns a value set after the
+  one it returned before, waiting until there is one.
+* Only the newest value matters: values set between two ``get()`` calls are
+  skipped. A watcher never sees an older value after a newer one.
+* ``get(predicate)`` skips values for which ``predicate`` is false.
+* ``get()`` is cancellation-safe: when cancelled it has consumed nothing, so
+  the next ``get()`` returns what the cancelled one would have.
+* ``set()`` never blocks and costs O(watchers waiting) to wake them.
+* After ``Value.close()``, a watcher still gets the newest value if it has not
+  seen it, then ``get()`` raises :class:`Closed`. After ``Watcher.close()``,
+  that watcher's ``get()`` raises :class:`Closed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Generic, TypeGuard, TypeVar, overload
+
+import trio
+
+__all__ = ["Closed", "Value", "Watcher"]
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+
+class Closed(Exception):
+    """The value or the watcher was closed; no further values will come."""
+
+
+class Value(Generic[T]):
+    """The newest of a series of values of type ``T``; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._value: T | None = None
+        # Number of set() calls so far; version 0 means "never set".
+        self._version = 0
+        self._closed = False
+        # Set and replaced on every change; waiters wait on the one current
+        # when they started waiting, so no wake-up is ever missed.
+        self._changed = trio.Event()
+
+    def set(self, value: T) -> None:
+        """Make ``value`` the newest value and wake every waiting watcher.
+
+        Raises :class:`Closed` after ``close()``.
+        """
+        if self._closed:
+            raise Closed("set() on a closed Value")
+        self._value = value
+        self._version += 1
+        self._wake()
+
+    def close(self) -> None:
+        """End the series: watchers get the newest value, then :class:`Closed`."""
+        self._closed = True
+        self._wake()
+
+    def watch(self) -> Watcher[T]:
+        """A new watcher positioned before the current value."""
+        return Watcher(self)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+class Watcher(Generic[T]):
+    """One reader's position in a :class:`Value`'s series. Use as a context manager."""
+
+    def __init__(self, value: Value[T]) -> None:
+        self._source = value
+        self._seen = 0  # version of the last value this watcher returned
+        self._closed = False
+
+    @overload
+    async def get(self) -> T: ...
+    @overload
+    async def get(self, predicate: Callable[[T], TypeGuard[S]]) -> S: ...
+    @overload
+    async def get(self, predicate: Callable[[T], bool]) -> T: ...
+
+    async def get(self, predicate: Callable[[T], bool] | None = None) -> object:
+        """The next value (see the module docstring) for which ``predicate`` holds.
+
+        Raises :class:`Closed` when the watcher or its value was closed and no
+        qualifying value is left. Cancellation-safe.
+        """
+        await trio.lowlevel.checkpoint()
+        source = self._source
+        while True:
+            if self._closed:
+                raise Closed("get() on a closed Watcher")
+            if source._version > self._seen:
+                # Read and mark seen with no checkpoint in between: a
+                # cancellation can never lose a value.
+                self._seen = source._version
+                value: T = source._value  # type: ignore[assignment]  # set at version >= 1
+                if predicate is None or predicate(value):
+                    return value
+                continue
+            if source._closed:
+                raise Closed("the Value was closed")
+            await source._changed.wait()
+
+    def close(self) -> None:
+        """Stop watching; a ``get()`` waiting in another task raises :class:`Closed`."""
+        self._closed = True
+        # Wake everyone: the spurious wake-ups of other watchers are harmless
+        # (they re-check and wait again) and closing is rare.
+        self._source._wake()
+
+    def __enter__(self) -> Watcher[T]:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
