@@ -27,12 +27,14 @@ with the helpers at the bottom of this module.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
 import psycopg.errors
+import psycopg.waiting
 import trio
 import trio_asyncio
 from psycopg import pq
@@ -40,6 +42,15 @@ from psycopg import pq
 from bmdb.errors import DatabaseUnavailable
 
 logger = logging.getLogger("bmdb.pg")
+
+# trio-asyncio makes asyncio.get_running_loop() find its loop by patching the
+# asyncio module when trio_asyncio is first imported. psycopg.waiting binds
+# that function by name at its own import; if psycopg was imported first (by
+# anyone, anywhere in the process) it keeps the unpatched one, which cannot
+# see trio-asyncio's loop and every query fails with "no running event loop".
+# Point it at the patched function, whatever the import order was.
+if psycopg.waiting.get_running_loop is not asyncio.get_running_loop:  # type: ignore[attr-defined]
+    psycopg.waiting.get_running_loop = asyncio.get_running_loop  # type: ignore[attr-defined]
 
 Row = tuple[Any, ...]
 #: Statement parameters: positional (``%s``) or named (``%(name)s``).

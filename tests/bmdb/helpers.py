@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -9,7 +10,7 @@ import trio
 
 import bmdb
 from bmdb import Provider
-from bmdb.errors import NothingToDo
+from bmdb.errors import NothingToDo, WorkConflict
 from bmdb.model import Queries
 
 
@@ -74,3 +75,55 @@ async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
             if await check():
                 return
             await trio.sleep(0.05)
+
+
+async def finish_agent_start(work: bmdb.Work) -> None:
+    """Finish agent-start work the way the initializer does: set the tag."""
+    machine_id = work.machine_id
+
+    async def apply(q: Queries) -> None:
+        await q.set_agent_started(machine_id, datetime.datetime.now(datetime.UTC), KEY)
+
+    await work.finish(apply)
+
+
+#: The agent key the test workers record.
+KEY = bytes(32)
+
+
+async def agent_start_worker(conn: bmdb.Connection, name: str, processed: list[uuid.UUID]) -> None:
+    """Process agent-start work in one session until there is nothing left."""
+    async with conn.session("test-worker", name) as sess:
+        while True:
+            try:
+                work = await sess.work(bmdb.Process.SHEPHERD_AGENT_START, agent_start_source)
+            except NothingToDo:
+                return
+            except WorkConflict:
+                continue
+            async with work:
+                await finish_agent_start(work)
+            processed.append(work.machine_id)
+
+
+async def outcome_counts(conn: bmdb.Connection) -> dict[str, int]:
+    """Aggregate facts to check exactly-once processing with."""
+
+    async def body(pg: bmdb._pg.PgConnection) -> dict[str, int]:
+        [row] = await pg.execute(
+            """SELECT
+                 (SELECT count(*) FROM machines),
+                 (SELECT count(*) FROM machine_agent_started),
+                 (SELECT count(*) FROM work),
+                 (SELECT count(*) FROM (SELECT machine_id FROM work_history
+                                        WHERE event = 'Finished' GROUP BY machine_id
+                                        HAVING count(*) = 1) once),
+                 (SELECT count(*) FROM work_history WHERE event = 'Finished'),
+                 (SELECT count(*) FROM work_history WHERE event = 'Started'),
+                 (SELECT count(*) FROM machines m WHERE m.agent_started <> EXISTS (
+                      SELECT 1 FROM machine_agent_started a WHERE a.machine_id = m.machine_id))"""
+        )
+        keys = ("machines", "tagged", "work", "finished_once", "finished", "started", "mirror_off")
+        return dict(zip(keys, row, strict=True))
+
+    return await conn.run(bmdb.Isolation.REPEATABLE_READ, body)

@@ -3,6 +3,8 @@ and the connection is fit for the next user afterwards."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import trio
 import trio_asyncio
@@ -71,3 +73,26 @@ async def test_needs_a_trio_asyncio_loop(bmdb_url: str) -> None:
     with pytest.raises(RuntimeError, match="trio-asyncio loop"):
         async with bmdb.open_connection(bmdb_url):
             pass
+
+
+_IMPORT_ORDER_PROBE = """
+import sys
+import psycopg  # before trio_asyncio: psycopg binds asyncio.get_running_loop early
+import trio
+import trio_asyncio
+import bmdb
+
+async def main() -> None:
+    async with trio_asyncio.open_loop(), bmdb.open_connection(sys.argv[1]) as conn:
+        print(len(await conn.transact(lambda q: q.machines())))
+
+trio.run(main)
+"""
+
+
+async def test_works_when_psycopg_was_imported_first(bmdb_url: str) -> None:
+    result = await trio.run_process(
+        [sys.executable, "-c", _IMPORT_ORDER_PROBE, bmdb_url], capture_stdout=True, check=False
+    )
+    assert result.returncode == 0
+    assert result.stdout.strip() == b"0"
