@@ -147,6 +147,7 @@ class SSHConnection:
                 stdout = group.create_task(_read_bounded(process.stdout, limit, "stdout"))
                 stderr = group.create_task(_read_bounded(process.stderr, limit, "stderr"))
         except ExceptionGroup as failed:
+            process.close()  # stop the flood now, not when the connection closes
             raise failed.exceptions[0] from None
         await process.wait_closed()
         signal = process.exit_signal[0] if process.exit_signal else None
