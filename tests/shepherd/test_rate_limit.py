@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shepherd.rate_limit import Rate, RateLimiter, RateSyntaxError, parse_duration
 
@@ -69,6 +71,29 @@ def test_bucket_arithmetic() -> None:
     assert [limiter._reserve() for _ in range(2)] == pytest.approx([0.25, 0.5])
     clock.now = 10.0  # long idle: the bucket refills to its burst, no more
     assert [limiter._reserve() for _ in range(4)] == pytest.approx([0, 0, 0, 0.25])
+
+
+@settings(max_examples=200)
+@given(
+    arrivals=st.lists(st.floats(0, 50), min_size=1, max_size=40).map(sorted),
+    interval=st.floats(0.01, 5),
+    burst=st.integers(1, 10),
+)
+def test_no_window_gets_more_than_burst_plus_refills(
+    arrivals: list[float], interval: float, burst: int
+) -> None:
+    """However callers arrive, the tokens granted in any window [a, b] are at
+    most burst + (b - a) / interval, and grants keep arrival order."""
+    clock = FakeClock()
+    limiter = RateLimiter(Rate(interval, burst), clock=clock)
+    grants = []
+    for at in arrivals:
+        clock.now = at
+        grants.append(at + limiter._reserve())
+    assert grants == sorted(grants)
+    for i in range(len(grants)):
+        for j in range(i, len(grants)):
+            assert j - i + 1 <= burst + (grants[j] - grants[i]) / interval + 1e-6
 
 
 def test_zero_interval_means_unlimited() -> None:
