@@ -119,16 +119,26 @@ async def _sessions(conn: bmdb.Connection) -> str:
     return _table(header, rows)
 
 
-async def _run(args: argparse.Namespace) -> str:
+async def _command(args: argparse.Namespace) -> str:
+    if args.command == "migrate":
+        return await _migrate(args.url)
+    async with bmdb.open_connection(args.url, max_connections=1) as conn:
+        if args.command == "machines":
+            return await _machines(conn, args.limit)
+        if args.command == "history":
+            return await _history(conn, args.machine)
+        return await _sessions(conn)
+
+
+async def _run(args: argparse.Namespace) -> tuple[int, str]:
+    """Run the command; (exit status, text for stdout or stderr)."""
+    # Errors are caught inside the loop's block: leaving it, they would come
+    # out wrapped in the exception group of trio-asyncio's nursery.
     async with trio_asyncio.open_loop():
-        if args.command == "migrate":
-            return await _migrate(args.url)
-        async with bmdb.open_connection(args.url, max_connections=1) as conn:
-            if args.command == "machines":
-                return await _machines(conn, args.limit)
-            if args.command == "history":
-                return await _history(conn, args.machine)
-            return await _sessions(conn)
+        try:
+            return 0, await _command(args)
+        except BMDBError as e:
+            return 1, f"bmdb: error: {e}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,13 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    try:
-        output = trio.run(_run, args)
-    except BMDBError as e:
-        print(f"bmdb: error: {e}", file=sys.stderr)
-        return 1
-    print(output)
-    return 0
+    status, text = trio.run(_run, args)
+    print(text, file=sys.stderr if status else sys.stdout)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""``python -m bmdb``: migrate, listings, and clear errors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+import bmdb
+from bmdb import Process
+from tests.bmdb.helpers import add_provided_machines
+from tests.fixtures.postgres import PostgresServer
+
+
+async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    result = await trio.run_process(
+        [sys.executable, "-m", "bmdb", *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        env=env,
+    )
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+@pytest.fixture
+def fresh_db(postgres_server: PostgresServer) -> Iterator[str]:
+    postgres_server.admin("CREATE DATABASE bmdb_cli")
+    yield "bmdb_cli"
+    postgres_server.admin("DROP DATABASE bmdb_cli WITH (FORCE)")
+
+
+async def test_migrate_with_pg_environment(postgres_server: PostgresServer, fresh_db: str) -> None:
+    env = dict(
+        os.environ,
+        PGHOST="127.0.0.1",
+        PGPORT=str(postgres_server.port),
+        PGUSER="postgres",
+        PGDATABASE=fresh_db,
+    )
+    code, out, err = await cli("migrate", env=env)
+    assert (code, err) == (0, "")
+    assert "applied 0001_initial" in out
+    code, out, _ = await cli("migrate", env=env)
+    assert code == 0 and "up to date" in out
+    code, out, _ = await cli("sessions", env=env)
+    assert code == 0 and out.split() == [
+        "SESSION", "COMPONENT", "RUNTIME", "CREATED", "INTERVAL", "DEADLINE", "STATE"
+    ]  # fmt: skip
+
+
+async def test_listings(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
+    [machine_id, _] = await add_provided_machines(bmdb_conn, 2)
+    async with bmdb_conn.session("shepherd-initializer", "host:42") as sess:
+
+        async def first(q: bmdb.Queries) -> list[uuid.UUID]:
+            return [machine_id]
+
+        work = await sess.work(Process.SHEPHERD_AGENT_START, first)
+        await work.fail("no route to host")
+        held = await sess.work(Process.SHEPHERD_AGENT_START, first)
+
+        code, out, _ = await cli("--url", bmdb_url, "machines")
+        assert code == 0
+        lines = out.splitlines()
+        assert lines[0].split()[:3] == ["MACHINE", "PROVIDED", "ADDRESS"]
+        assert len(lines) == 3
+        assert f"{machine_id}  Static:static-0  10.0.0.0" in lines[1]
+        assert lines[1].rstrip().endswith("ShepherdAgentStart")  # held work
+
+        code, out, _ = await cli("--url", bmdb_url, "sessions")
+        assert code == 0 and "shepherd-initializer" in out and "host:42" in out and "live" in out
+        await held.cancel()
+
+    code, out, _ = await cli("--url", bmdb_url, "history", str(machine_id))
+    assert code == 0
+    rows = [line.split(None, 4) for line in out.splitlines()[1:]]
+    assert [(r[1], r[2]) for r in rows] == [
+        ("ShepherdAgentStart", "Started"),
+        ("ShepherdAgentStart", "Failed"),
+        ("ShepherdAgentStart", "Started"),
+        ("ShepherdAgentStart", "Canceled"),
+    ]
+    assert rows[1][4] == "no route to host"
+
+
+async def test_clear_errors(bmdb_url: str, postgres_server: PostgresServer) -> None:
+    code, out, err = await cli("--url", bmdb_url, "history", "not-a-uuid")
+    assert (code, out) == (1, "")
+    assert err.startswith("bmdb: error: not a machine id")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"postgresql://postgres@127.0.0.1:{s.getsockname()[1]}/x"
+    code, _, err = await cli("--url", dead, "machines")
+    assert code == 1 and err.startswith("bmdb: error: cannot connect to the BMDB")
+
+    postgres_server.admin(
+        "INSERT INTO schema_migrations (version, name) VALUES (42, 'from_the_future')",
+        db=bmdb_url.rsplit("/", 1)[1],
+    )
+    for command in ("machines", "migrate"):
+        code, _, err = await cli("--url", bmdb_url, command)
+        assert code == 1 and "newer than this code" in err, err
+
+    code, _, err = await cli("--url", bmdb_url, "history", str(uuid.uuid4()))
+    assert code == 1  # the schema check comes first

@@ -1,0 +1,85 @@
+"""PostgreSQL restarted under running workers: they recover with new
+sessions, and nothing is lost or half-written."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+import bmdb
+from bmdb import Process
+from bmdb.errors import DatabaseUnavailable, NothingToDo, SessionExpired, WorkConflict
+from tests.bmdb.helpers import (
+    agent_start_source,
+    bulk_provided_machines,
+    finish_agent_start,
+    outcome_counts,
+)
+from tests.fixtures.postgres import PostgresServer
+
+logger = logging.getLogger("tests.bmdb.restart")
+
+MACHINES = 400
+WORKERS = 8
+INTERVAL = 1.0
+
+
+async def _all_tagged(conn: bmdb.Connection) -> bool:
+    return (await outcome_counts(conn))["tagged"] == MACHINES
+
+
+async def resilient_worker(conn: bmdb.Connection, name: str, sessions: list[int]) -> None:
+    """Like a Shepherd control loop: a new session whenever one is lost."""
+    while True:
+        try:
+            async with conn.session("restart-worker", name, interval=INTERVAL) as sess:
+                sessions.append(1)
+                while True:
+                    try:
+                        work = await sess.work(Process.SHEPHERD_AGENT_START, agent_start_source)
+                    except NothingToDo:
+                        if await _all_tagged(conn):
+                            return
+                        # Left: machines whose dead locks have not expired yet.
+                        await trio.sleep(0.1)
+                        continue
+                    except WorkConflict:
+                        continue
+                    async with work:
+                        await finish_agent_start(work)
+        except (SessionExpired, DatabaseUnavailable) as e:
+            logger.info("%s: %s; starting over", name, e)
+            await trio.sleep(0.1)
+
+
+async def test_workers_survive_postgres_restart(
+    bmdb_conn: bmdb.Connection, postgres_server: PostgresServer
+) -> None:
+    await bulk_provided_machines(bmdb_conn, MACHINES)
+    sessions: list[int] = []
+
+    async def restart_midway() -> None:
+        async def some_done() -> bool:
+            return (await outcome_counts(bmdb_conn))["tagged"] >= MACHINES // 4
+
+        while True:
+            if await some_done():
+                break
+            await trio.sleep(0.05)
+        await trio.to_thread.run_sync(postgres_server.stop)
+        await trio.sleep(0.5)
+        await trio.to_thread.run_sync(postgres_server.start)
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart_midway)
+            for i in range(WORKERS):
+                nursery.start_soon(resilient_worker, bmdb_conn, f"w{i}", sessions)
+
+    counts = await outcome_counts(bmdb_conn)
+    assert counts["tagged"] == counts["finished"] == counts["finished_once"] == MACHINES
+    assert counts["work"] == 0
+    assert counts["mirror_off"] == 0
+    # The restart really cut the workers off: they had to start over.
+    assert len(sessions) > WORKERS
