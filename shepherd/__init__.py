@@ -10,6 +10,7 @@ Modules, by concept:
 - :mod:`shepherd.ssh`: the SSH client (the only module that uses asyncssh),
   authenticating with the key from :mod:`shepherd.ssh_key`;
 - :mod:`shepherd.providers`: where machines come from (``static``: a TOML list);
+- :mod:`shepherd.provisioner`: record a provider's machines in the BMDB;
 - :mod:`shepherd.agent`: the self-contained agent script that gets uploaded;
 - :mod:`shepherd.proto`: the takeover protocol messages;
 - :mod:`shepherd.cli`: ``python -m shepherd``.

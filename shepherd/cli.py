@@ -5,6 +5,7 @@ durations parsed) before anything starts; a bad or missing option exits with
 status 2 and a message naming it. Then::
 
     trio.run ─ trio_asyncio loop ─ bmdb.open_connection(url)
+                                     ├─ sync_provided(static list → BMDB)
                                      └─ run_control_loop(initializer, N workers)
 
 SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
@@ -36,6 +37,7 @@ from shepherd.control_loop import run_control_loop
 from shepherd.initializer import Initializer
 from shepherd.providers import Provider
 from shepherd.providers.static import StaticFileError, StaticProvider
+from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter, parse_duration
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey, SSHKeyError, load_or_create_ssh_key
@@ -257,6 +259,7 @@ async def run(options: Options) -> None:
             bmdb.open_connection(options.bmdb_url) as conn,
             trio.open_nursery() as nursery,
         ):
+            await sync_provided(conn, options.provider)
             nursery.start_soon(
                 lambda: run_control_loop(
                     conn,
