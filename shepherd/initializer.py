@@ -11,10 +11,11 @@ BMDB process ``ShepherdAgentStart``::
       takeover.start_agent(...)          ──TakeoverFailed──▶ fail with its cause
       finish: set_agent_started(now, key) [+ set_ssh_host_key on first use]
 
-SSH host keys are trusted on first use: the first key a machine presents is
-recorded, when the takeover succeeds or, if it fails after the connection was
-made, in a transaction of its own before the failure, so that a later impostor
-is refused even if the first attempt failed. A recorded key is never replaced
+SSH host keys are trusted on first use: the first key of a machine we could
+log into is recorded, when the takeover succeeds or, if it fails after the
+login, in a transaction of its own before the failure, so that a later
+impostor is refused even if the first attempt failed. (A server that refused
+our key has proven nothing, so its key is not recorded.) A recorded key is never replaced
 here; an operator who re-installed a machine deletes the record.
 """
 
