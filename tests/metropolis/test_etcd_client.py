@@ -268,3 +268,34 @@ async def test_prefix_ranges_handle_0xff_bytes(client: Client) -> None:
     await all_ff.put("x", "v")
     # No key is above every "\xff\xff..." key: the range runs to the end.
     assert [k.key for k in (await all_ff.range("", prefix=True)).kvs] == [b"x"]
+
+
+async def _silent_server(path: Path, *, task_status: trio.TaskStatus[None]) -> None:
+    """Accept connections on a UNIX socket and never answer (a hung etcd)."""
+    listener = trio.socket.socket(trio.socket.AF_UNIX)
+    await listener.bind(str(path))
+    listener.listen()
+    task_status.started()
+    accepted = []
+    with listener:
+        while True:
+            connection, _ = await listener.accept()
+            accepted.append(connection)  # keep it open, say nothing
+
+
+async def test_hung_etcd_cancellation_and_timeout(tmp_path: Path) -> None:
+    socket = tmp_path / "hung.sock"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_silent_server, socket)
+
+        # Trio cancellation reaches into httpx/anyio: the call gives up at once.
+        async with Client(socket) as client:
+            with trio.move_on_after(0.2) as scope:
+                await client.get("x")
+            assert scope.cancelled_caught
+
+        # Without a cancel scope, the client's own timeout ends the wait.
+        async with Client(socket, timeout=0.2) as client:
+            with trio.fail_after(BOUND), pytest.raises(EtcdUnavailable, match="Timeout"):
+                await client.get("x")
+        nursery.cancel_scope.cancel()
