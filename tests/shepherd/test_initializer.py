@@ -134,7 +134,7 @@ assert SHORT_KEY != SCRIPT and WRONG_ECHO != SCRIPT
         (EXIT_7, False, 30, "agent exited with status 7: stderr 'boom'"),
         (FLOOD, False, 30, "running the agent failed: .*stdout exceeds 1048576 bytes"),
         (SCRIPT, True, 30, "agent returned error: key file .* holds 7 bytes, want 32"),
-        (HANG, False, 1.5, "timed out after 1.5s while uploading or running the agent"),
+        (HANG, False, 3, "timed out after 3s while uploading or running the agent"),
     ],
     ids=["garbage", "wrong-echo", "short-key", "exit-status", "flood", "agent-error", "hang"],
 )

@@ -132,13 +132,25 @@ async def test_silent_server_hits_the_connect_timeout(
 async def test_trio_cancellation_crosses_the_bridge_and_closes(
     aio_loop: object, tmp_path: Path, shepherd_ssh_key: SSHKey
 ) -> None:
-    """A Trio timeout around a remote command cancels it and closes the connection."""
+    """Cancelling a Trio scope around a remote command (what the exec timeout
+    does) cancels the asyncio side and closes the connection."""
     async with open_fleet(tmp_path, count=1, authorized_key=shepherd_ssh_key.authorized_key) as f:
         machine = f.machines[0]
         client = _client(shepherd_ssh_key)
-        with trio.move_on_after(0.5) as scope:
-            async with client.connect("127.0.0.1", machine.port, known_host_key=None) as conn:
-                await conn.run("sleep 60")
+        scope = trio.CancelScope()
+
+        async def cancel_once_running() -> None:
+            await wait_until(lambda: machine.execs == 1)
+            scope.cancel()
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_once_running)
+                with scope:
+                    async with client.connect(
+                        "127.0.0.1", machine.port, known_host_key=None
+                    ) as conn:
+                        await conn.run("sleep 60")
         assert scope.cancelled_caught
         assert conn.closed
         # The server side sees the connection go and kills the command.
