@@ -57,6 +57,9 @@ class LoopRun:
     conn: bmdb.Connection
     initializer: Initializer
     parallelism: int = 2
+    # Long enough that a CPU-starved test machine does not expire sessions
+    # (which would, correctly, re-run agents and break "exactly once").
+    session_interval: float = 10.0
 
     async def until(self, done: Callable[[], Awaitable[bool]]) -> None:
         """Run the control loop until ``done()``, then cancel it."""
@@ -67,7 +70,7 @@ class LoopRun:
                     self.initializer,
                     parallelism=self.parallelism,
                     limiter=RateLimiter(Rate(0.005, 8)),
-                    session_interval=2.0,
+                    session_interval=self.session_interval,
                 )
             )
             with trio.fail_after(90):
@@ -263,7 +266,9 @@ async def test_worker_replaces_an_expired_session(
     provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
     ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
     config = agent_config(sshd.root / "agent", agent_script())
-    run = LoopRun(bmdb_conn, Initializer(provider, ssh, config), parallelism=1)
+    run = LoopRun(
+        bmdb_conn, Initializer(provider, ssh, config), parallelism=1, session_interval=2.0
+    )
     first: list[uuid.UUID] = []
     ids: dict[str, uuid.UUID] = {}
 
