@@ -17,8 +17,9 @@ agent packed as a zipapp padded to ``--agent-mib`` MiB) and the same stdin:
 - shepherd: the full initializer: BMDB (PostgreSQL) sourcing and work locks,
   static provider, asyncssh through trio-asyncio, response checks, finish().
 
-Prints machines/minute and the ratio shepherd/baseline per target. The
-rate limiter is set to 5ms,16 so that it does not bound the throughput.
+Prints machines/minute and the ratio shepherd/baseline per target (with
+``--rounds N``, N alternating pairs and the median ratio). The rate limiter is
+set to 5ms,16 so that it does not bound the throughput.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 import betterproto2
 import trio
@@ -57,6 +59,8 @@ from tests.fixtures.sshd import start_sshd, stop_sshd
 
 ROOT = Path(__file__).resolve().parent.parent
 ENDPOINT = "bmaas.example:443"
+BASELINE = "OpenSSH ssh+sftp, ControlMaster"
+SHEPHERD = "shepherd initializer + BMDB"
 
 
 @dataclass(frozen=True)
@@ -251,14 +255,18 @@ async def main_async(args: argparse.Namespace, work: Path) -> list[tuple[str, st
             fleet,
         ]
         async with trio_asyncio.open_loop():
+            # Baseline and shepherd alternate, round after round, so that
+            # a burst of noise from elsewhere hits both alike.
             for index, target in enumerate(targets):
-                seconds = await openssh_baseline(target, key_path, agent_path, args.parallelism)
-                results.append((target.name, "OpenSSH ssh+sftp, ControlMaster", seconds))
-                postgres.admin(f"CREATE DATABASE bench_{index}")
-                seconds = await shepherd_run(
-                    postgres.url(f"bench_{index}"), target, key, agent, args.parallelism
-                )
-                results.append((target.name, "shepherd initializer + BMDB", seconds))
+                for round_ in range(args.rounds):
+                    seconds = await openssh_baseline(target, key_path, agent_path, args.parallelism)
+                    results.append((target.name, BASELINE, seconds))
+                    database = f"bench_{index}_{round_}"
+                    postgres.admin(f"CREATE DATABASE {database}")
+                    seconds = await shepherd_run(
+                        postgres.url(database), target, key, agent, args.parallelism
+                    )
+                    results.append((target.name, SHEPHERD, seconds))
     finally:
         fleet_process.kill()
         fleet_process.wait()
@@ -273,6 +281,7 @@ def main() -> int:
     parser.add_argument("--machines", type=int, default=200)
     parser.add_argument("--parallelism", type=int, default=16)
     parser.add_argument("--agent-mib", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1, help="baseline/shepherd pairs per target")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-initializer-"))
     try:
@@ -285,11 +294,18 @@ def main() -> int:
     )
     print(f"{'target':<32} {'client':<34} {'seconds':>8} {'machines/min':>13} {'ratio':>6}")
     baseline = 0.0
+    ratios: dict[str, list[float]] = {}
     for target, client, seconds in results:
         rate = args.machines / seconds * 60
-        if client.startswith("OpenSSH"):
+        if client == BASELINE:
             baseline = rate
+        else:
+            ratios.setdefault(target, []).append(rate / baseline)
         print(f"{target:<32} {client:<34} {seconds:>8.1f} {rate:>13.0f} {rate / baseline:>6.2f}")
+    if args.rounds > 1:
+        print()
+        for target, values in ratios.items():
+            print(f"{target:<32} median ratio over {len(values)} rounds: {median(values):.2f}")
     return 0
 
 
