@@ -429,28 +429,31 @@ async def _sync_crl(node: Node, client: Client, path: Path) -> None:
     """Keep ``path`` equal to the CRL in etcd.
 
     etcd re-reads the CRL file for every new peer connection but never
-    checks its signature, so only CRLs signed by the peer CA are written.
+    checks its signature, so only CRLs signed by the peer CA are written;
+    anything else in etcd is logged and the last good list stays in force.
     """
     kv = client.namespaced(peerpki.NAMESPACE)
     ca = await peerpki.load_ca(kv)
-    crl, revision = await peerpki.get_crl(kv)
-    _write_crl(crl, ca, path)
+    current = await kv.get(peerpki.KEY_CRL)
+    if current is None:
+        raise peerpki.PeerPKIError("no CRL in etcd")
+    _apply_crl(current.value, ca, path, node.logger)
     node.signal_healthy()
-    async with kv.watch(peerpki.KEY_CRL, start_revision=revision + 1) as watch:
+    async with kv.watch(peerpki.KEY_CRL, start_revision=current.mod_revision + 1) as watch:
         async for response in watch:
             for event in response.events:
-                if event.type != "PUT":
+                if event.type == "PUT":
+                    _apply_crl(event.kv.value, ca, path, node.logger)
+                else:
                     node.logger.error("CRL deleted from etcd; keeping the last one")
-                    continue
-                try:
-                    crl = pki.decode_crl(event.kv.value)
-                    _write_crl(crl, ca, path)
-                except pki.PKIError as e:
-                    node.logger.error("ignoring bad CRL from etcd, keeping the last one: %s", e)
-                    continue
-                node.logger.info("CRL updated (%d revoked)", len(list(crl)))
 
 
-def _write_crl(crl: x509.CertificateRevocationList, ca: peerpki.PeerCA, path: Path) -> None:
-    pki.verify_crl(crl, ca.certificate)
+def _apply_crl(raw: bytes, ca: peerpki.PeerCA, path: Path, logger: logging.Logger) -> None:
+    try:
+        crl = pki.decode_crl(raw)
+        pki.verify_crl(crl, ca.certificate)
+    except pki.PKIError as e:
+        logger.error("ignoring bad CRL from etcd, keeping the last one: %s", e)
+        return
     atomic_write(path, pki.encode_crl(crl))
+    logger.info("CRL written (%d revoked)", len(list(crl)))

@@ -333,3 +333,28 @@ def test_replayed_join_data_keeps_a_newer_crl(tmp_path: Path) -> None:
     crl_path.write_bytes(pki.encode_crl(forged))
     service._write_join_pki(join)
     assert pki.decode_crl(crl_path.read_bytes()) == initial
+
+
+async def test_crl_watcher_writes_only_lists_signed_by_the_peer_ca(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd does not check the CRL file's signature, so the watcher must."""
+    machine = Machine.make(tmp_path / "n1")
+    async with running(machine) as (service, _, _):
+        crl_path = service.config.data.peer_crl
+        genuine = crl_path.read_bytes()
+        async with Client(service.config.client_socket) as client:
+            pki_kv = client.namespaced(peerpki.NAMESPACE)
+            other_key = pki.generate_key()
+            forged = pki.new_crl(other_key, pki.new_ca(other_key, peerpki.CA_NAME), number=99)
+            await pki_kv.put(peerpki.KEY_CRL, pki.encode_crl(forged, pki.Encoding.DER))
+            with trio.fail_after(BOUND):
+                await eventually(lambda: "ignoring bad CRL" in caplog.text)
+            assert crl_path.read_bytes() == genuine
+
+            # A genuine update after that still goes through.
+            ca = await peerpki.load_ca(pki_kv)
+            newer = pki.revoke(pki.decode_crl(genuine), ca.key, ca.certificate, [4242])
+            await pki_kv.put(peerpki.KEY_CRL, pki.encode_crl(newer, pki.Encoding.DER))
+            with trio.fail_after(BOUND):
+                await eventually(lambda: pki.decode_crl(crl_path.read_bytes()) == newer)

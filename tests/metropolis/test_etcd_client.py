@@ -299,3 +299,12 @@ async def test_hung_etcd_cancellation_and_timeout(tmp_path: Path) -> None:
             with trio.fail_after(BOUND), pytest.raises(EtcdUnavailable, match="Timeout"):
                 await client.get("x")
         nursery.cancel_scope.cancel()
+
+
+async def test_keep_alive_gives_up_when_etcd_stays_down(etcd: EtcdServer, client: Client) -> None:
+    lease = await client.grant(2)
+    with trio.fail_after(BOUND), pytest.RaisesGroup(LeaseExpired):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.keep_alive, lease)
+            await etcd.stop()
+            # keep_alive now retries until a full TTL has passed, then gives up.
