@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,9 @@ BOUND = 20
 
 
 @pytest.fixture
-async def client(etcd: EtcdServer) -> Client:
-    # Closing is not needed for correctness here, but keep tests tidy.
-    return Client(etcd.socket_path, timeout=10)
+async def client(etcd: EtcdServer) -> AsyncIterator[Client]:
+    async with Client(etcd.socket_path, timeout=10) as client:
+        yield client
 
 
 async def test_put_get_range_delete(client: Client) -> None:
