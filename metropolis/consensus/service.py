@@ -47,6 +47,7 @@ from metropolis.consensus.client import KV, Client, EtcdAPIError, EtcdUnavailabl
 from metropolis.consensus.process import SOCKET_NAME, PeerTLS, ProcessConfig, Tuning, run_etcd
 from metropolis.event import Value
 from metropolis.localstorage import EtcdDataDirectory, atomic_write
+from metropolis.proto.common import NodeRolesConsensusMember, NodeRolesConsensusMemberPeer
 from metropolis.supervisor import Node
 
 __all__ = [
@@ -96,6 +97,40 @@ class JoinCluster:
     initial_crl: x509.CertificateRevocationList
     #: Every current member (including not-yet-started learners) except the joiner.
     existing_nodes: tuple[ExistingNode, ...]
+
+    def to_proto(self) -> NodeRolesConsensusMember:
+        """The ConsensusMember role that carries this join data (DER encodings)."""
+        der = pki.Encoding.DER
+        return NodeRolesConsensusMember(
+            ca_certificate=pki.encode_certificate(self.ca_certificate, der),
+            peer_certificate=pki.encode_certificate(self.node_certificate, der),
+            initial_crl=pki.encode_crl(self.initial_crl, der),
+            peers=[
+                NodeRolesConsensusMemberPeer(name=n.name, url=n.url) for n in self.existing_nodes
+            ],
+        )
+
+    @classmethod
+    def from_proto(cls, role: NodeRolesConsensusMember) -> JoinCluster:
+        """Parse a ConsensusMember role. :class:`ConsensusError` says which part is bad.
+
+        Only parses: whether the parts fit this node's key is checked when
+        the service starts with them.
+        """
+        try:
+            ca = pki.decode_certificate(role.ca_certificate)
+        except pki.PKIError as e:
+            raise ConsensusError(f"ConsensusMember role: CA certificate: {e}") from e
+        try:
+            certificate = pki.decode_certificate(role.peer_certificate)
+        except pki.PKIError as e:
+            raise ConsensusError(f"ConsensusMember role: peer certificate: {e}") from e
+        try:
+            crl = pki.decode_crl(role.initial_crl)
+        except pki.PKIError as e:
+            raise ConsensusError(f"ConsensusMember role: initial CRL: {e}") from e
+        peers = tuple(ExistingNode(p.name, p.url) for p in role.peers)
+        return cls(ca, certificate, crl, peers)
 
 
 @dataclass(frozen=True)

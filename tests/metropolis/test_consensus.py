@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from metropolis import identity, pki
 from metropolis.consensus import (
     Config,
+    ConsensusError,
     ExistingNode,
     JoinCluster,
     NotRunning,
@@ -26,6 +27,7 @@ from metropolis.consensus import (
 )
 from metropolis.consensus.client import Client, EtcdUnavailable
 from metropolis.localstorage import Root
+from metropolis.proto.common import NodeRolesConsensusMember
 from metropolis.supervisor import State, Supervisor, open_supervisor
 from tests.fixtures.etcd import LOOPBACK_TUNING, etcd_pid, free_port, kill_etcd
 
@@ -358,3 +360,24 @@ async def test_crl_watcher_writes_only_lists_signed_by_the_peer_ca(
             await pki_kv.put(peerpki.KEY_CRL, pki.encode_crl(newer, pki.Encoding.DER))
             with trio.fail_after(BOUND):
                 await eventually(lambda: pki.decode_crl(crl_path.read_bytes()) == newer)
+
+
+def test_join_data_round_trips_through_the_node_role() -> None:
+    ca_key = pki.generate_key()
+    ca = pki.new_ca(ca_key, peerpki.CA_NAME)
+    node_key = pki.generate_key()
+    cert = pki.issue_certificate(ca_key, ca, node_key.public_key(), "n", pki.Usage.PEER)
+    join = JoinCluster(
+        ca,
+        cert,
+        pki.new_crl(ca_key, ca, [7]),
+        (ExistingNode("a", "https://127.0.0.1:1"), ExistingNode("b", "https://127.0.0.1:2")),
+    )
+    role = join.to_proto()
+    # Through the wire format, as the curator stores it in the node's roles.
+    parsed = JoinCluster.from_proto(NodeRolesConsensusMember.parse(bytes(role)))
+    assert parsed == join
+
+    role.initial_crl = b"garbage"
+    with pytest.raises(ConsensusError, match="initial CRL"):
+        JoinCluster.from_proto(role)
