@@ -150,7 +150,8 @@ async def issue_peer_certificate(
         try:
             ips.append(str(ipaddress.ip_address(host)))
         except ValueError:
-            names.append(host)
+            if host not in names:  # the default peer URL's host is the node ID itself
+                names.append(host)
     certificate = pki.issue_certificate(
         ca.key,
         ca.certificate,

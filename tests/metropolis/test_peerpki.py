@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
+from cryptography import x509
 
 from metropolis import identity, pki
 from metropolis.consensus import peerpki
@@ -54,8 +55,12 @@ async def test_peer_certificates_are_reused_until_hosts_change(pki_kv: KV) -> No
     pki.verify_signed_by(first, ca.certificate)
     assert await peerpki.issue_peer_certificate(pki_kv, ca, public, ["127.0.0.1"]) == first
 
-    moved = await peerpki.issue_peer_certificate(pki_kv, ca, public, ["node.example"])
+    moved = await peerpki.issue_peer_certificate(
+        pki_kv, ca, public, ["node.example", identity.node_id(public)]
+    )
     assert moved != first
+    sans = moved.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == [identity.node_id(public), "node.example"]
     stored = await pki_kv.get(peerpki.KEY_CERTIFICATES + identity.node_id(public).encode())
     assert stored is not None and pki.decode_certificate(stored.value) == moved
 
