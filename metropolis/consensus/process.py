@@ -5,7 +5,7 @@ the child process for exactly as long as it runs::
 
     run_etcd ──spawn──> etcd (cwd = working_dir)
         │                 ├─ client socket  <working_dir>/client.sock:0
-        │                 └─ stderr: zap JSON lines ──> logger (one record each)
+        │                 └─ stdout+stderr: zap JSON lines ──> logger (one record each)
         ├─ poll the socket until etcd answers ──> task_status.started()
         └─ wait: etcd exits  -> EtcdExited
                  cancelled   -> SIGTERM, up to 5 s grace, SIGKILL  (shielded)
@@ -157,7 +157,8 @@ async def run_etcd(
     Never returns normally: raises :class:`EtcdExited` when the process
     exits, before or after becoming ready. On cancellation the process is
     stopped (SIGTERM, then SIGKILL after a grace period) before the
-    cancellation propagates. Every stderr line is logged to ``logger``.
+    cancellation propagates. Every line etcd prints is logged to ``logger``
+    (zap JSON lines at their own level, anything else at INFO).
     """
     config.working_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     config.socket_path.unlink(missing_ok=True)
@@ -167,13 +168,15 @@ async def run_etcd(
         config.argv(),
         cwd=config.working_dir,
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        # One pipe for both: zap logs go to stderr, but nothing etcd prints
+        # (a Go panic, a flag error) may be lost.
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
-        assert process.stderr is not None
+        assert process.stdout is not None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump_logs, process.stderr, logger)
+            nursery.start_soon(_pump_logs, process.stdout, logger)
             async with trio.open_nursery() as waiters:
                 waiters.start_soon(_report_ready, config.socket_path, process, task_status)
                 returncode = await process.wait()

@@ -48,8 +48,13 @@ async def test_ready_then_cancel_leaves_no_process(
             nursery.cancel_scope.cancel()
     # Cancellation returned only after the process was gone.
     assert etcd_pid(config.working_dir) is None
-    # etcd's own log lines arrived as records of our logger.
-    assert any("became leader" in r.getMessage() for r in caplog.records if r.name == logger.name)
+    # etcd's own log lines arrived as records of our logger, at their own levels.
+    ours = [r for r in caplog.records if r.name == logger.name]
+    assert any("became leader" in r.getMessage() and r.levelno == logging.INFO for r in ours)
+    assert any(
+        "not cryptographically signed" in r.getMessage() and r.levelno == logging.WARNING
+        for r in ours
+    )
 
 
 async def test_crash_raises_etcd_exited(tmp_path: Path) -> None:
