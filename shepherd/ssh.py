@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import asyncssh
 import trio
 import trio_asyncio
-from asyncssh.public_key import decode_ssh_public_key
+from asyncssh.public_key import decode_ssh_public_key, get_default_public_key_algs
 
 from shepherd.ssh_key import SSHKey
 
@@ -218,15 +218,23 @@ class SSHClient:
         connection before it propagates; the close itself is shielded and
         bounded by a few seconds.
         """
-        if known_host_key is None:
-            known_hosts: object = None
-        else:
+        known_hosts: object = None
+        host_key_algs: object = "default"
+        if known_host_key is not None:
             try:
                 trusted = decode_ssh_public_key(known_host_key)
             except (asyncssh.KeyImportError, ValueError) as exc:
                 # Bad data in the BMDB must not turn into "accept anything".
                 raise HostKeyChanged(f"recorded host key is unreadable: {exc}") from exc
             known_hosts = ([trusted], [], [])
+            # Ask for the recorded key's type first, as OpenSSH does, but
+            # accept others: a server whose key changed type must fail as a
+            # changed key, not with the connection reset that sshd answers
+            # when no host key algorithm is common (asyncssh's default here).
+            own = list(trusted.sig_algorithms)
+            host_key_algs = [a.decode() for a in own] + [
+                a.decode() for a in get_default_public_key_algs() if a not in own
+            ]
         conn: asyncssh.SSHClientConnection | None = None
         with trio.move_on_after(self._connect_timeout) as timeout:
             try:
@@ -241,6 +249,7 @@ class SSHClient:
                     config=None,
                     agent_path=None,
                     preferred_auth="publickey",
+                    server_host_key_algs=host_key_algs,
                 )
             except asyncssh.HostKeyNotVerifiable as exc:
                 raise HostKeyChanged(

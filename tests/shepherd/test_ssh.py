@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import trio
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa as rsa_key
 
 from shepherd.ssh import (
     AuthenticationError,
@@ -81,6 +83,20 @@ async def test_changed_host_key_is_refused(
     with pytest.raises(HostKeyChanged, match="does not hold the recorded host key"):
         async with _client(shepherd_ssh_key).connect(sshd.host, sshd.port, known_host_key=recorded):
             pytest.fail("connected despite a changed host key")
+
+
+async def test_host_key_of_another_type_is_a_changed_host_key(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    rsa = rsa_key.generate_private_key(public_exponent=65537, key_size=1024)
+    recorded = base64.b64decode(
+        rsa.public_key()
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        .split()[1]
+    )
+    with pytest.raises(HostKeyChanged, match="does not hold the recorded host key"):
+        async with _client(shepherd_ssh_key).connect(sshd.host, sshd.port, known_host_key=recorded):
+            pytest.fail("connected although the server's key is not the recorded one")
 
 
 async def test_unreadable_recorded_host_key_is_refused(
