@@ -6,7 +6,7 @@ Two kinds of target, each serving ``--machines`` machines:
 
 - one real OpenSSH sshd on loopback (every machine is the same server);
 - asyncssh servers, one per machine, in a separate process
-  (``tests/shepherd/fleet.py``), so they do not share our CPU time slice.
+  (``shepherd/localfleet.py``), so they do not share our CPU time slice.
 
 Against each, with the same parallelism, the same agent (the real takeover
 agent packed as a zipapp padded to ``--agent-mib`` MiB) and the same stdin:
@@ -209,7 +209,7 @@ async def shepherd_run(
 
 
 def start_fleet(directory: Path, count: int, key: SSHKey) -> tuple[subprocess.Popen[str], Target]:
-    argv = [sys.executable, "-m", "tests.shepherd.fleet", str(directory), str(count)]
+    argv = [sys.executable, "-m", "shepherd.localfleet", str(directory), str(count)]
     process = subprocess.Popen(
         [*argv, key.authorized_key],
         cwd=ROOT,

@@ -20,6 +20,7 @@ from bmdb._pg import PgConnection
 from shepherd.agent import agent_script
 from shepherd.control_loop import run_control_loop
 from shepherd.initializer import DEFAULT_BACKOFF, Initializer
+from shepherd.localfleet import open_fleet
 from shepherd.providers import Machine
 from shepherd.providers.static import StaticProvider
 from shepherd.rate_limit import Rate, RateLimiter
@@ -27,7 +28,6 @@ from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
 from shepherd.takeover import AgentConfig
 from tests.fixtures.sshd import Sshd, start_sshd, stop_sshd
-from tests.shepherd.fleet import open_fleet
 from tests.shepherd.helpers import (
     agent_keys,
     backoffs,

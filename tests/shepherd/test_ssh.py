@@ -11,6 +11,7 @@ import trio
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa as rsa_key
 
+from shepherd.localfleet import open_fleet, wait_until
 from shepherd.ssh import (
     AuthenticationError,
     ChannelError,
@@ -21,7 +22,6 @@ from shepherd.ssh import (
 )
 from shepherd.ssh_key import SSHKey
 from tests.fixtures.sshd import Sshd
-from tests.shepherd.fleet import open_fleet, wait_until
 
 
 def _client(key: SSHKey, connect_timeout: float = 5.0) -> SSHClient:

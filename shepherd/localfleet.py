@@ -1,9 +1,10 @@
 """A fleet of real SSH servers on loopback, one per simulated machine (asyncssh).
 
-Used where a test or benchmark needs more machines than one OpenSSH sshd can
-stand in for. Each machine is an asyncssh server on its own 127.0.0.1 port,
-with its own Ed25519 host key, accepting one client key for ``root``, serving
-SFTP and running commands for real as subprocesses.
+Used by the demo (``python -m shepherd.demo``), and where a test or
+benchmark needs more machines than one OpenSSH sshd can stand in for. Each
+machine is an asyncssh server on its own 127.0.0.1 port, with its own Ed25519
+host key, accepting one client key for ``root``, serving SFTP and running
+commands for real as subprocesses.
 
 A machine's filesystem is a directory (its ``root``): SFTP is chrooted there,
 and an absolute program path in a command is resolved inside it the same way,
@@ -15,7 +16,7 @@ From Trio (inside ``trio_asyncio.open_loop()``)::
     async with open_fleet(tmp_path, count=100, authorized_key=key) as fleet:
         fleet.machines[0].port ...
 
-As a separate process (the benchmark), ``python -m tests.shepherd.fleet DIR
+As a separate process (the benchmark), ``python -m shepherd.localfleet DIR
 COUNT AUTHORIZED_KEY`` serves until killed and prints one JSON line per
 machine (port, root) and then ``ready``.
 """
@@ -175,8 +176,10 @@ async def open_fleet(directory: Path, *, count: int, authorized_key: str) -> Asy
 async def _serve_forever(directory: Path, count: int, authorized_key: str) -> None:
     fleet = await _start(directory, count, authorized_key)
     for machine in fleet.machines:
-        print(json.dumps({"port": machine.port, "root": str(machine.root)}), flush=True)
-    print("ready", flush=True)
+        line = json.dumps({"port": machine.port, "root": str(machine.root)})
+        sys.stdout.write(line + "\n")
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
     await asyncio.Event().wait()
 
 
