@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import trio
-import trio_asyncio
 
 import bmdb
 from bmdb import Process
@@ -64,10 +63,7 @@ async def _source(q: Queries) -> list[uuid.UUID]:
 
 
 async def _ours(url: str, workers: int, cycles: int) -> Result:
-    async with (
-        trio_asyncio.open_loop(),
-        bmdb.open_connection(url, max_connections=2 * workers + 2) as conn,
-    ):
+    async with bmdb.open_connection(url, max_connections=2 * workers + 2) as conn:
         remaining = cycles
         started = trio.Event()
         ready = 0

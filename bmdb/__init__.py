@@ -23,11 +23,12 @@ Public API::
                 await work.finish(apply)         # apply: async (q: Queries) -> None
                 # or: await work.fail("cause", Backoff(initial=60, maximum=600, exponent=2))
 
-Everything runs on Trio; psycopg's asyncio driver is used through
-trio-asyncio, so callers must be inside ``trio_asyncio.open_loop()``.
-Cancellation is Trio's: a cancelled call cancels its query on the server
-and rolls back. If the session expires, the ``async with conn.session()``
-block is cancelled and raises `SessionExpired`.
+Everything runs on Trio: psycopg's protocol is driven by Trio's own I/O
+waits (see `bmdb._pg` for why not the asyncio driver behind trio-asyncio),
+so no asyncio loop is needed. Cancellation is Trio's: a cancelled call
+cancels its query on the server and rolls back. If the session expires,
+the ``async with conn.session()`` block is cancelled and raises
+`SessionExpired`.
 
 Modules: `connection` (open_connection, Connection), `session` (Session,
 heartbeat, expired-session collection), `work` (claiming, Work),

@@ -20,7 +20,6 @@ import sys
 from collections.abc import Sequence
 
 import trio
-import trio_asyncio
 
 import bmdb
 from bmdb import migrations
@@ -132,13 +131,10 @@ async def _command(args: argparse.Namespace) -> str:
 
 async def _run(args: argparse.Namespace) -> tuple[int, str]:
     """Run the command; (exit status, text for stdout or stderr)."""
-    # Errors are caught inside the loop's block: leaving it, they would come
-    # out wrapped in the exception group of trio-asyncio's nursery.
-    async with trio_asyncio.open_loop():
-        try:
-            return 0, await _command(args)
-        except BMDBError as e:
-            return 1, f"bmdb: error: {e}"
+    try:
+        return 0, await _command(args)
+    except BMDBError as e:
+        return 1, f"bmdb: error: {e}"
 
 
 def main(argv: list[str] | None = None) -> int:

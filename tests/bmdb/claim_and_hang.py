@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import trio
-import trio_asyncio
 
 import bmdb
 from tests.bmdb.helpers import agent_start_source
@@ -19,7 +18,6 @@ from tests.bmdb.helpers import agent_start_source
 
 async def main(url: str, interval: float) -> None:
     async with (
-        trio_asyncio.open_loop(),
         bmdb.open_connection(url) as conn,
         conn.session("doomed-worker", "claim_and_hang", interval=interval) as sess,
     ):

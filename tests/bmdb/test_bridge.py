@@ -1,13 +1,9 @@
-"""The trio-asyncio bridge: Trio cancellation reaches the query on the server,
+"""Driving psycopg from Trio: cancellation reaches the query on the server,
 and the connection is fit for the next user afterwards."""
 
 from __future__ import annotations
 
-import sys
-
-import pytest
 import trio
-import trio_asyncio
 
 import bmdb
 from bmdb._pg import PgConnection
@@ -27,9 +23,7 @@ async def server_activity(conn: bmdb.Connection) -> list[tuple[str, str]]:
     return await conn.run(bmdb.Isolation.READ_COMMITTED, body)
 
 
-async def test_cancel_reaches_server_and_connection_is_reused(
-    bmdb_url: str, aio_loop: trio_asyncio.TrioEventLoop
-) -> None:
+async def test_cancel_reaches_server_and_connection_is_reused(bmdb_url: str) -> None:
     async with bmdb.open_connection(bmdb_url, max_connections=1) as conn:
 
         async def slow(q: Queries) -> None:
@@ -69,30 +63,6 @@ async def test_cancel_mid_transaction_rolls_back(bmdb_conn: bmdb.Connection) -> 
     assert await bmdb_conn.transact(count) == 0
 
 
-async def test_needs_a_trio_asyncio_loop(bmdb_url: str) -> None:
-    with pytest.raises(RuntimeError, match="trio-asyncio loop"):
-        async with bmdb.open_connection(bmdb_url):
-            pass
-
-
-_IMPORT_ORDER_PROBE = """
-import sys
-import psycopg  # before trio_asyncio: psycopg binds asyncio.get_running_loop early
-import trio
-import trio_asyncio
-import bmdb
-
-async def main() -> None:
-    async with trio_asyncio.open_loop(), bmdb.open_connection(sys.argv[1]) as conn:
-        print(len(await conn.transact(lambda q: q.machines())))
-
-trio.run(main)
-"""
-
-
-async def test_works_when_psycopg_was_imported_first(bmdb_url: str) -> None:
-    result = await trio.run_process(
-        [sys.executable, "-c", _IMPORT_ORDER_PROBE, bmdb_url], capture_stdout=True, check=False
-    )
-    assert result.returncode == 0
-    assert result.stdout.strip() == b"0"
+async def test_no_asyncio_loop_needed(bmdb_url: str) -> None:
+    async with bmdb.open_connection(bmdb_url) as conn:
+        assert await conn.transact(lambda q: q.sessions()) == []

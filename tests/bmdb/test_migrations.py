@@ -6,7 +6,6 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-import trio_asyncio
 
 import bmdb
 from bmdb import migrations
@@ -23,9 +22,7 @@ def empty_url(postgres_server: PostgresServer) -> Iterator[str]:
     postgres_server.admin("DROP DATABASE bmdb_empty WITH (FORCE)")
 
 
-async def test_migrate_fresh_database_once(
-    empty_url: str, aio_loop: trio_asyncio.TrioEventLoop
-) -> None:
+async def test_migrate_fresh_database_once(empty_url: str) -> None:
     with pytest.raises(SchemaNotMigrated, match="python -m bmdb migrate"):
         async with bmdb.open_connection(empty_url):
             pass
@@ -41,9 +38,7 @@ async def test_migrate_fresh_database_once(
         await pg.close()
 
 
-async def test_schema_too_new_is_refused(
-    bmdb_url: str, aio_loop: trio_asyncio.TrioEventLoop
-) -> None:
+async def test_schema_too_new_is_refused(bmdb_url: str) -> None:
     pg = await PgConnection.connect(bmdb_url)
     try:
         await pg.execute("INSERT INTO schema_migrations (version, name) VALUES (9999, 'future')")
@@ -55,7 +50,7 @@ async def test_schema_too_new_is_refused(
                 pass
 
 
-async def test_unreachable_database(aio_loop: trio_asyncio.TrioEventLoop) -> None:
+async def test_unreachable_database() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here

@@ -1,0 +1,200 @@
+"""A throwaway PostgreSQL 15 on loopback, for the demo, tests and benchmarks.
+
+``LocalPostgres(root)`` creates a cluster in ``root/data`` with ``initdb``
+and runs ``postgres`` on a free 127.0.0.1 port with its own socket folder,
+so it never touches a system cluster. PostgreSQL refuses to run as root, so
+when we are root the server runs as the ``postgres`` user (which Debian's
+package creates), on folders chowned to it. We switch user in ``subprocess``
+itself rather than through ``runuser``, so that our signals reach the
+postmaster directly.
+
+It trades durability for speed (``fsync=off``): a SIGKILL of the server
+loses nothing, because the operating system keeps the files, but a power
+cut would. Never point it at data you care about.
+
+The calls are synchronous (start-up takes about a second): run them before
+``trio.run``, or through ``trio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psycopg
+
+__all__ = ["LocalPostgres", "LocalPostgresError", "find_postgres_bin"]
+
+#: Where Debian's postgresql-15 package puts the server binaries.
+DEFAULT_BIN = Path("/usr/lib/postgresql/15/bin")
+_START_TIMEOUT = 30.0
+
+
+class LocalPostgresError(Exception):
+    """The local server could not be created or started; the message says why."""
+
+
+def find_postgres_bin() -> Path:
+    """The folder holding ``initdb`` and ``postgres`` (``$BMDB_PG_BIN`` overrides)."""
+    folder = Path(os.environ.get("BMDB_PG_BIN", DEFAULT_BIN))
+    if not (folder / "postgres").exists() or not (folder / "initdb").exists():
+        raise LocalPostgresError(
+            f"PostgreSQL server binaries not found in {folder}: install Debian's "
+            "'postgresql' package (15), or set BMDB_PG_BIN to their folder"
+        )
+    return folder
+
+
+class LocalPostgres:
+    """A private PostgreSQL server whose files live in ``root``.
+
+    ``create()`` once, then ``start()`` / ``stop()`` / ``kill()`` as often as
+    needed (a restart keeps the port). ``url(db)`` gives a libpq URL; the
+    superuser is ``postgres`` with trust authentication on loopback.
+    """
+
+    def __init__(self, root: Path, *, port: int | None = None) -> None:
+        self.root = root
+        self.data = root / "data"
+        self.socket_dir = root / "socket"
+        self.log_path = root / "postgres.log"
+        self.port = port or _free_port()
+        self._bin = find_postgres_bin()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._user = "postgres" if os.geteuid() == 0 else None
+
+    def url(self, dbname: str = "postgres") -> str:
+        """libpq URL of ``dbname`` on this server (over loopback TCP)."""
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None
+
+    def create(self) -> None:
+        """``initdb`` a new cluster (trust auth, superuser ``postgres``)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.socket_dir.mkdir(exist_ok=True)
+        if self._user:
+            try:
+                entry = pwd.getpwnam(self._user)
+            except KeyError:
+                raise LocalPostgresError(
+                    "running as root, but there is no 'postgres' user to run the server as"
+                ) from None
+            for path in (self.root, self.socket_dir):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        result = subprocess.run(
+            [
+                str(self._bin / "initdb"),
+                "-D", str(self.data),
+                "-U", "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E", "UTF8",
+                "--locale=C",
+            ],
+            user=self._user,
+            group=self._user,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise LocalPostgresError(f"initdb failed: {result.stderr.decode().strip()}")
+
+    def start(self) -> None:
+        """Start the server and wait until it accepts connections."""
+        if self._proc is not None:
+            raise LocalPostgresError("already running")
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [
+                    str(self._bin / "postgres"),
+                    "-D", str(self.data),
+                    "-p", str(self.port),
+                    "-k", str(self.socket_dir),
+                    "-c", "listen_addresses=127.0.0.1",
+                    "-c", "fsync=off",
+                    "-c", "synchronous_commit=off",
+                    "-c", "full_page_writes=off",
+                    "-c", "max_connections=300",
+                    "-c", "shared_buffers=128MB",
+                ],
+                user=self._user,
+                group=self._user,
+                stdout=log,
+                stderr=log,
+            )  # fmt: skip
+        deadline = time.monotonic() + _START_TIMEOUT
+        while True:
+            try:
+                with psycopg.connect(self.url(), connect_timeout=2):
+                    return
+            except psycopg.OperationalError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self._proc.kill()
+                    self._proc.wait()
+                    self._proc = None
+                    raise LocalPostgresError(
+                        f"postgres did not start; see {self.log_path}"
+                    ) from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Fast shutdown: abort transactions, disconnect clients, wait."""
+        self._signal(signal.SIGINT)
+
+    def kill(self) -> None:
+        """Crash the server (SIGKILL of the postmaster; its backends follow)."""
+        self._signal(signal.SIGKILL)
+
+    def create_database(self, name: str, *, template: str | None = None) -> str:
+        """Create database ``name`` (optionally from ``template``); return its URL."""
+        sql = f'CREATE DATABASE "{name}"'
+        if template:
+            sql += f' TEMPLATE "{template}"'
+        self.admin(sql)
+        return self.url(name)
+
+    def admin(self, sql: str, db: str = "postgres") -> None:
+        """Run one statement outside a transaction (CREATE/DROP DATABASE)."""
+        with psycopg.connect(self.url(db), autocommit=True) as conn:
+            conn.execute(sql.encode())
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self._proc is None:
+            return
+        self._proc.send_signal(sig)
+        try:
+            self._proc.wait(timeout=_START_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+        if sig == signal.SIGKILL:
+            # Orphaned backends keep the shared memory busy; wait for them.
+            _wait_for_no_backends(self.data)
+
+
+def _wait_for_no_backends(data: Path) -> None:
+    pid_file = data / "postmaster.pid"
+    deadline = time.monotonic() + _START_TIMEOUT
+    while pid_file.exists() and time.monotonic() < deadline:
+        pid = int(pid_file.read_text().split()[0])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
