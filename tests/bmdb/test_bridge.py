@@ -66,3 +66,16 @@ async def test_cancel_mid_transaction_rolls_back(bmdb_conn: bmdb.Connection) -> 
 async def test_no_asyncio_loop_needed(bmdb_url: str) -> None:
     async with bmdb.open_connection(bmdb_url) as conn:
         assert await conn.transact(lambda q: q.sessions()) == []
+
+
+async def test_statements_larger_than_socket_buffers(bmdb_conn: bmdb.Connection) -> None:
+    # Megabytes in and out: libpq cannot flush the query in one go, so the
+    # driver has to wait for the socket to be writable (or readable) again.
+    blob = b"\x01" * (16 << 20)
+
+    async def body(pg: PgConnection) -> tuple[int, bytes]:
+        [(length, echoed)] = await pg.execute("SELECT length(%s::bytea), %s::bytea", (blob, blob))
+        return length, echoed
+
+    length, echoed = await bmdb_conn.run(bmdb.Isolation.READ_COMMITTED, body)
+    assert length == len(blob) and echoed == blob

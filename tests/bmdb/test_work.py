@@ -11,7 +11,7 @@ from bmdb import Process, WorkEvent
 from bmdb.errors import InvalidArgument, NothingToDo, WorkClosed, WorkConflict
 from bmdb.model import Queries
 from bmdb.session import collect_expired
-from tests.bmdb.helpers import Source, add_provided_machines, agent_start_source
+from tests.bmdb.helpers import Source, add_provided_machines, agent_start_source, eventually
 
 
 def fixed(machine_id: uuid.UUID | str) -> Source:
@@ -207,3 +207,25 @@ async def test_collector_deletes_expired_sessions(bmdb_conn: bmdb.Connection) ->
         dead,
         "session expired",
     )
+
+
+async def test_heartbeat_collects_periodically(
+    bmdb_conn: bmdb.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bmdb.session, "GC_PERIOD", 0.2)
+    [machine_id] = await add_provided_machines(bmdb_conn, 1)
+    async with bmdb_conn.session("alive", interval=0.2):
+        # Died after our session started: only the heartbeat's periodic
+        # collection can remove it.
+        dead = await _dead_session_holding(bmdb_conn, machine_id)
+
+        async def collected() -> bool:
+            return not await work_rows(bmdb_conn)
+
+        await eventually(collected)
+
+    async def history(q: Queries) -> list[bmdb.model.HistoryEvent]:
+        return await q.history(machine_id)
+
+    [event] = await bmdb_conn.transact(history)
+    assert (event.event, event.session_id) == (WorkEvent.CANCELED, dead)
