@@ -26,7 +26,8 @@ from __future__ import annotations
 import enum
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -35,7 +36,7 @@ import trio
 from bmdb import _pg
 from bmdb._pg import PgConnection
 from bmdb._pool import Pool
-from bmdb.errors import BMDBError, InvalidArgument, TransactionFailed
+from bmdb.errors import BMDBError, DatabaseUnavailable, InvalidArgument, TransactionFailed
 
 logger = logging.getLogger("bmdb.transaction")
 
@@ -93,9 +94,8 @@ async def run_transaction(
     ``body`` raises (psycopg errors wrapped in `BMDBError`).
     """
     for attempt in range(1, policy.attempts + 1):
-        async with pool.connection() as pg:
+        async with _begun(pool, isolation) as pg:
             try:
-                await pg.execute(f"BEGIN ISOLATION LEVEL {isolation}")
                 result = await body(pg)
                 await pg.execute("COMMIT")
             except BaseException as e:
@@ -113,3 +113,24 @@ async def run_transaction(
         stats.retries += 1
         await trio.sleep(policy.delay(attempt))
     raise TransactionFailed(f"transaction still conflicting after {policy.attempts} attempts")
+
+
+@asynccontextmanager
+async def _begun(pool: Pool, isolation: Isolation) -> AsyncIterator[PgConnection]:
+    """A pooled connection with a transaction begun.
+
+    A connection that died while idle in the pool (the server restarted)
+    fails at BEGIN, before anything was done; the pool then drops its idle
+    connections, and we try once more on a fresh one instead of failing the
+    caller for a restart that is already over.
+    """
+    for last_try in (False, True):
+        async with pool.connection() as pg:
+            try:
+                await pg.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+            except DatabaseUnavailable:
+                if last_try:
+                    raise
+                continue
+            yield pg
+            return

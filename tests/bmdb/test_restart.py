@@ -83,3 +83,15 @@ async def test_workers_survive_postgres_restart(
     assert counts["mirror_off"] == 0
     # The restart really cut the workers off: they had to start over.
     assert len(sessions) > WORKERS
+
+
+async def test_pooled_connections_survive_a_restart_in_between(
+    bmdb_conn: bmdb.Connection, postgres_server: PostgresServer
+) -> None:
+    # Warm the pool: after this, an idle connection waits in it.
+    await bulk_provided_machines(bmdb_conn, 1)
+    await trio.to_thread.run_sync(postgres_server.stop)
+    await trio.to_thread.run_sync(postgres_server.start)
+    # The idle connection is dead; the transaction notices at BEGIN and
+    # runs on a fresh connection instead of failing.
+    assert (await outcome_counts(bmdb_conn))["machines"] == 1
