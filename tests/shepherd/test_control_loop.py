@@ -93,6 +93,84 @@ async def test_every_outcome_is_recorded_and_the_loop_goes_on(
     }
 
 
+class Barrier(Scripted):
+    """Holds every handled machine until ``width`` are being handled at once."""
+
+    def __init__(self, behaviour: dict[uuid.UUID, str], width: int) -> None:
+        super().__init__(behaviour)
+        self.width = width
+        self.sessions: set[uuid.UUID] = set()
+        self.all_in = trio.Event()
+
+    async def handle(self, work: Work, task: uuid.UUID) -> None:
+        self.sessions.add(work.session.id)
+        self.handled.append(task)
+        if len(self.handled) == self.width:
+            self.all_in.set()
+        await self.all_in.wait()
+        raise ProcessingFailed("released")
+
+
+async def test_workers_run_in_parallel_each_with_its_own_session(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    async def add(q: Queries) -> list[uuid.UUID]:
+        return [await q.new_machine() for _ in range(3)]
+
+    ids = await bmdb_conn.transact(add)
+    processor = Barrier(dict.fromkeys(ids, "fail"), width=3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: run_control_loop(
+                bmdb_conn, processor, parallelism=3, limiter=RateLimiter(Rate(0.005, 4))
+            )
+        )
+        # Fewer than 3 workers would never get 3 machines into handle() at once.
+        with trio.fail_after(30):
+            await processor.all_in.wait()
+        nursery.cancel_scope.cancel()
+    assert sorted(processor.handled) == sorted(ids)
+    assert len(processor.sessions) == 3
+
+
+class CountingLimiter(RateLimiter):
+    def __init__(self, rate: Rate) -> None:
+        super().__init__(rate)
+        self.calls = 0
+
+    async def acquire(self) -> None:
+        self.calls += 1
+        await super().acquire()
+
+
+async def test_every_iteration_takes_a_token_from_the_shared_limiter(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    async def add(q: Queries) -> list[uuid.UUID]:
+        return [await q.new_machine() for _ in range(6)]
+
+    ids = await bmdb_conn.transact(add)
+    processor = Scripted(dict.fromkeys(ids, "fail"))
+    # A bucket of 3 that refills once an hour: 3 iterations, then every worker waits.
+    limiter = CountingLimiter(Rate(3600, 3))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: run_control_loop(bmdb_conn, processor, parallelism=2, limiter=limiter)
+        )
+        with trio.fail_after(30):
+            # Calls 4 and 5 are the two workers, each waiting for a token after
+            # its last iteration; a loop that skipped the limiter would instead
+            # go through all six machines.
+            while limiter.calls < 5 and len(processor.handled) < len(ids):  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+    assert limiter.calls == 5
+    assert 1 <= len(processor.handled) <= 3
+    untouched = [m for m in ids if m not in processor.handled]
+    for mid in untouched:
+        assert await events(bmdb_conn, mid, PROCESS) == []
+
+
 async def test_parallelism_must_be_positive(bmdb_conn: bmdb.Connection) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         await run_control_loop(
