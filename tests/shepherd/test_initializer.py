@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
-from bmdb import Isolation, Queries, WorkEvent
+from bmdb import Backoff, Isolation, Queries, WorkEvent
 from bmdb._pg import PgConnection
 from shepherd.agent import agent_script
 from shepherd.control_loop import run_control_loop
@@ -77,6 +77,14 @@ class LoopRun:
                 while not await done():  # noqa: ASYNC110 (the state is in Postgres)
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
+
+
+def test_default_backoff_is_the_seeds() -> None:
+    # 5 minutes, growing by x1.2 up to 4 hours.
+    assert Backoff(initial=5 * 60, maximum=4 * 3600, exponent=1.2) == DEFAULT_BACKOFF
+    assert DEFAULT_BACKOFF.next() == 300
+    assert DEFAULT_BACKOFF.next(300) == 360
+    assert DEFAULT_BACKOFF.next(14000) == 4 * 3600
 
 
 def _public_key_of_seed_file(path: Path) -> bytes:

@@ -104,6 +104,36 @@ async def test_upload_failure_is_its_own_cause(
     assert caught.value.host_key == sshd.host_key
 
 
+async def test_agent_gets_the_init_message_on_stdin(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    """The bytes on the agent's stdin are TakeoverInit{machine_id, endpoint, CA DER}.
+
+    (The echo check cannot show this: an agent echoes whatever it was sent.)
+    """
+    target = sshd.root / "agent"
+    config = AgentConfig(
+        executable=b'#!/bin/sh\ncat > "$0.stdin"\n',
+        target_path=str(target),
+        endpoint="bmaas.example:443",
+        endpoint_ca_certificate=b"\x30\x82 CA DER",
+        ssh_connect_timeout=5.0,
+        ssh_exec_timeout=30.0,
+    )
+    client = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    machine_id = uuid.uuid4()
+    with pytest.raises(MalformedResponse, match="wrote nothing"):
+        await start_agent(
+            client, Machine("m-1", sshd.host, sshd.port), machine_id, config, known_host_key=None
+        )
+    received = TakeoverInit.parse((sshd.root / "agent.stdin").read_bytes())
+    assert received == TakeoverInit(
+        machine_id=str(machine_id),
+        bmaas_endpoint="bmaas.example:443",
+        ca_certificate=b"\x30\x82 CA DER",
+    )
+
+
 async def test_start_agent_returns_key_and_host_key(
     aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
