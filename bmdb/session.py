@@ -93,6 +93,11 @@ class Session:
         self.component = component
         self.interval = interval
         self._expired = False
+        self._why = ""
+        # Set by whoever first learns that the session is gone (the heartbeat,
+        # or a transaction that failed its session check): the heartbeat task
+        # then raises at once, cancelling everything under the session.
+        self._expired_event = trio.Event()
 
     @property
     def expired(self) -> bool:
@@ -100,7 +105,10 @@ class Session:
         return self._expired
 
     def _expire(self, why: str) -> SessionExpired:
-        self._expired = True
+        if not self._expired:
+            self._expired = True
+            self._why = why
+            self._expired_event.set()
         return SessionExpired(f"session {self.id} ({self.component}) expired: {why}")
 
     def _require_live(self) -> None:
@@ -173,13 +181,17 @@ class Session:
     async def _keep_alive(self) -> None:
         """Poke the session every interval/2 until cancelled; raise
         `SessionExpired` when the session is gone or cannot be poked before
-        its deadline (the database being unreachable counts)."""
+        its deadline (the database being unreachable counts), or as soon as
+        another task found it expired."""
         # Trio-clock estimate of the deadline, taken before each poke is sent,
         # so it never runs later than the server's.
         deadline = trio.current_time() + self.interval
         last_gc = trio.current_time()
         while True:
-            await trio.sleep(self.interval / 2)
+            with trio.move_on_after(self.interval / 2):
+                await self._expired_event.wait()
+            if self._expired:
+                raise self._expire(self._why)
             sent = trio.current_time()
             poked: bool | None = None
             with trio.move_on_at(deadline):
@@ -286,4 +298,7 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
             leaves.append(e)
 
     walk(group)
-    return leaves[0] if len(leaves) == 1 else group
+    if len(leaves) == 1 or all(isinstance(e, SessionExpired) for e in leaves):
+        # The body and the heartbeat may both have noticed the expiry.
+        return leaves[0]
+    return group

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 import pytest
@@ -127,3 +128,29 @@ async def test_invalid_session_arguments(
         async with bmdb_conn.session(component, interval=interval):
             pass
     assert await session_rows(bmdb_conn) == []
+
+
+async def test_expiry_seen_by_one_task_cancels_the_others(bmdb_conn: bmdb.Connection) -> None:
+    # The heartbeat would not look again for 30 s: only the transaction's
+    # session check can notice the expiry within the test's bound.
+    others_cancelled = False
+    with trio.fail_after(10), pytest.raises(SessionExpired):
+        async with bmdb_conn.session("test", interval=60) as sess, trio.open_nursery() as nursery:
+
+            async def other() -> None:
+                nonlocal others_cancelled
+                try:
+                    await trio.sleep_forever()
+                except trio.Cancelled:
+                    others_cancelled = True
+                    raise
+
+            async def sloppy() -> None:
+                await expire_now(bmdb_conn, sess.id)
+                # Swallowed: the session must end all the same.
+                with contextlib.suppress(SessionExpired):
+                    await sess.transact(lambda q: q.sessions())
+
+            nursery.start_soon(other)
+            nursery.start_soon(sloppy)
+    assert others_cancelled
