@@ -79,6 +79,31 @@ def test_atomic_write_failure_keeps_old_content(
     assert [p.name for p in tmp_path.iterdir()] == ["f"]
 
 
+def test_atomic_write_syncs_data_before_rename_and_directory_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the file fsync a crash can leave an empty file under the new
+    name; without the directory fsync it can undo the rename."""
+    target = tmp_path / "f"
+    steps: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+        steps.append("fsync dir" if is_dir else "fsync file")
+        real_fsync(fd)
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        steps.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    atomic_write(target, b"data")
+    assert steps == ["fsync file", "rename", "fsync dir"]
+    assert target.read_bytes() == b"data"
+
+
 def test_atomic_write_into_missing_directory_fails_cleanly(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         atomic_write(tmp_path / "missing" / "f", b"x")
