@@ -198,6 +198,10 @@ async def test_three_nodes_join_replicate_and_survive_a_loss(tmp_path: Path) -> 
         first = await start(nursery, n1)
         join2 = await first.status.add_node(n2.public_key, peer_url=n2.peer_url)
         assert [n.url for n in join2.existing_nodes] == [n1.peer_url]
+        # Added as a non-voting learner: an unstarted voter would cost the quorum.
+        async with Client(first.service.config.client_socket) as c1:
+            [joiner] = [m for m in await c1.member_list() if n2.peer_url in m.peer_urls]
+        assert joiner.is_learner
         second = await start(nursery, n2, join2)
         # etcd takes one learner at a time, so this also waits for n2's promotion.
         with trio.fail_after(BOUND):
