@@ -211,6 +211,17 @@ class Queries:
             (as_uuid(machine_id), _aware(started_at), bytes(public_key)),
         )
 
+    async def agent_started(self, machine_id: uuid.UUID | str) -> AgentStarted | None:
+        """The machine's agent-started tag, or None if no agent was started on it."""
+        rows = await self._run(
+            f"""SELECT a.machine_id, a.agent_started_at, a.agent_public_key, {_PROVIDED_COLUMNS}
+                FROM machine_agent_started a
+                LEFT JOIN machine_provided p ON p.machine_id = a.machine_id
+                WHERE a.machine_id = %s""",
+            (as_uuid(machine_id),),
+        )
+        return _agent_started(rows[0]) if rows else None
+
     async def set_agent_heartbeat(self, machine_id: uuid.UUID | str, at: datetime.datetime) -> None:
         """Record a heartbeat of the machine's agent."""
         await self._run(
@@ -309,15 +320,7 @@ class Queries:
         }
         sql = _AGENT_RECOVERY + (_LOCK_SUFFIX if self.locking else "")
         rows = await self._run(sql, params)
-        return [
-            AgentStarted(
-                machine_id=r[0],
-                started_at=r[1],
-                public_key=bytes(r[2]),
-                provided=_provided(r[3:]) if r[3] is not None else None,
-            )
-            for r in rows
-        ]
+        return [_agent_started(r) for r in rows]
 
     async def machines_for_process(self, process: Process | str, limit: int) -> list[uuid.UUID]:
         """Any machines without live work or active backoff for ``process``,
@@ -416,6 +419,16 @@ def _aware(at: datetime.datetime) -> datetime.datetime:
     if not isinstance(at, datetime.datetime) or at.tzinfo is None:
         raise InvalidArgument(f"need a timezone-aware datetime, got {at!r}")
     return at
+
+
+def _agent_started(r: Sequence[Any]) -> AgentStarted:
+    """An `AgentStarted` from (machine_id, started_at, public_key, *provided columns)."""
+    return AgentStarted(
+        machine_id=r[0],
+        started_at=r[1],
+        public_key=bytes(r[2]),
+        provided=_provided(r[3:]) if r[3] is not None else None,
+    )
 
 
 def _provided(r: Sequence[Any]) -> MachineProvided:

@@ -10,7 +10,7 @@ import pytest
 import bmdb
 from bmdb import Process, Provider, ProviderStatus
 from bmdb.errors import InvalidArgument
-from bmdb.model import Queries
+from bmdb.model import AgentStarted, Queries
 from tests.bmdb.helpers import add_provided_machines
 
 NOW = datetime.datetime.now(datetime.UTC)
@@ -136,6 +136,20 @@ async def test_agent_authentication_and_host_keys(bmdb_conn: bmdb.Connection) ->
         return before, good, bad, no_key, await q.get_ssh_host_key(machine_id)
 
     assert await bmdb_conn.transact(fn) == (False, True, False, None, b"ssh-ed25519 AAAA")
+
+
+async def test_agent_started_tag_reads_back(bmdb_conn: bmdb.Connection) -> None:
+    first, second = await add_provided_machines(bmdb_conn, 2)
+
+    async def fn(q: Queries) -> tuple[AgentStarted | None, AgentStarted | None]:
+        await q.set_agent_started(first, NOW, KEY)
+        return await q.agent_started(first), await q.agent_started(second)
+
+    started, never = await bmdb_conn.transact(fn)
+    assert never is None
+    assert started is not None
+    assert (started.machine_id, started.started_at, started.public_key) == (first, NOW, KEY)
+    assert started.provided is not None and started.provided.provider_id == "static-0"
 
 
 async def test_machine_summary(bmdb_conn: bmdb.Connection) -> None:
