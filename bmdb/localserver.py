@@ -22,6 +22,7 @@ import os
 import pwd
 import signal
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -87,6 +88,13 @@ class LocalPostgres:
                 raise LocalPostgresError(
                     "running as root, but there is no 'postgres' user to run the server as"
                 ) from None
+            blocked = _first_untraversable(self.root.parent.resolve(), entry)
+            if blocked is not None:
+                raise LocalPostgresError(
+                    f"the server runs as user {self._user!r}, which cannot enter {blocked}"
+                    f" (mode {blocked.stat().st_mode & 0o777:o}); put {self.root} in a folder"
+                    " that user can traverse (e.g. chmod o+x on it)"
+                )
             for path in (self.root, self.socket_dir):
                 os.chown(path, entry.pw_uid, entry.pw_gid)
         result = subprocess.run(
@@ -179,6 +187,21 @@ class LocalPostgres:
         if sig == signal.SIGKILL:
             # Orphaned backends keep the shared memory busy; wait for them.
             _wait_for_no_backends(self.data)
+
+
+def _first_untraversable(folder: Path, user: pwd.struct_passwd) -> Path | None:
+    """The first of ``folder`` and its ancestors that ``user`` may not enter."""
+    for path in (*reversed(folder.parents), folder):
+        st = path.stat()
+        if st.st_uid == user.pw_uid:
+            allowed = st.st_mode & stat.S_IXUSR
+        elif st.st_gid == user.pw_gid:
+            allowed = st.st_mode & stat.S_IXGRP
+        else:
+            allowed = st.st_mode & stat.S_IXOTH
+        if not allowed:
+            return path
+    return None
 
 
 def _wait_for_no_backends(data: Path) -> None:

@@ -1,0 +1,291 @@
+"""``python -m shepherd.demo``: the Shepherd taking over a fleet, all on this machine.
+
+Everything is real except the machines' hardware: a private PostgreSQL holds
+the BMDB, each machine is an SSH server on loopback that runs commands for
+real, and the initializer uploads the real agent and runs it::
+
+    private PostgreSQL 15 ─── BMDB (migrated on open)
+    machines.toml (static provider) ──sync_provided──▶ machine_provided tags
+    N machines: asyncssh servers on 127.0.0.1, M of them refusing our key
+    initializer control loop (P workers)
+        source machine ─▶ SSH ─▶ SFTP agent ─▶ run with TakeoverInit ─▶ key
+        success: finish() + AgentStarted    failure: fail() + backoff
+    progress line every second, until every good machine has an agent and
+    every broken one has failed (and is waiting out its backoff)
+
+Then it prints each machine's outcome as the BMDB records it, stops
+everything and removes its working folder (``--keep`` leaves it, with the
+Postgres log, the machines file and the SSH key, for a look around).
+Exit status: 0 when every machine ended as expected, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+import trio_asyncio
+
+import bmdb
+from bmdb.localserver import LocalPostgres, LocalPostgresError
+from bmdb.model import MachineSummary, Queries, WorkEvent
+from shepherd.agent import AGENT_SCRIPT_PATH
+from shepherd.control_loop import run_control_loop
+from shepherd.initializer import Initializer
+from shepherd.localfleet import Fleet, open_fleet
+from shepherd.providers.static import StaticProvider
+from shepherd.provisioner import sync_provided
+from shepherd.rate_limit import Rate, RateLimiter
+from shepherd.ssh import SSHClient
+from shepherd.ssh_key import SSHKey, load_or_create_ssh_key
+from shepherd.takeover import AgentConfig
+
+logger = logging.getLogger("shepherd.demo")
+
+
+@dataclass(frozen=True)
+class Options:
+    machines: int
+    broken: int
+    parallelism: int
+    timeout: float
+    workdir: Path
+    keep: bool
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the BMDB says happened to one machine."""
+
+    provider_id: str
+    address: str
+    agent_key: bytes | None
+    failure: str | None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m shepherd.demo",
+        description=(
+            "Start a private PostgreSQL and a fleet of SSH machines on loopback, then let "
+            "the Shepherd's initializer take them over: upload the agent, run it, record "
+            "its key in the BMDB. Some machines refuse the Shepherd's key, to show failure "
+            "handling. Needs Debian's postgresql (15) package."
+        ),
+    )
+    parser.add_argument("--machines", type=_positive, default=12, help="fleet size (default 12)")
+    parser.add_argument(
+        "--broken", type=_non_negative, default=2, help="how many refuse our key (default 2)"
+    )
+    parser.add_argument(
+        "--parallelism", type=_positive, default=4, help="initializer workers (default 4)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="give up after SECONDS (default 120)"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, help="working folder (default: a new temporary folder)"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the working folder")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def write_machines_file(path: Path, fleet: Fleet, first: int) -> list[str]:
+    """List the fleet's machines in the static provider's format; return their ids."""
+    ids = []
+    lines = ["# Machines of the demo fleet, as the static provider reads them.\n"]
+    for i, machine in enumerate(fleet.machines, start=first):
+        machine_id = f"demo-{i:03d}"
+        ids.append(machine_id)
+        lines.append(
+            f'\n[[machine]]\nid = "{machine_id}"\naddress = "127.0.0.1"\n'
+            f'port = {machine.port}\nlocation = "loopback"\n'
+        )
+    with open(path, "a") as f:
+        f.writelines(lines)
+    return ids
+
+
+async def outcomes(conn: bmdb.Connection) -> list[Outcome]:
+    """Every machine's outcome so far, in BMDB order (oldest first)."""
+
+    async def fn(q: Queries) -> list[Outcome]:
+        result = []
+        summaries: list[MachineSummary] = await q.machines()
+        for m in summaries:
+            if m.provided is None:
+                continue
+            key = None
+            if m.agent_started_at is not None:
+                started = await q.agent_started(m.machine_id)
+                key = started.public_key if started else None
+            failure = None
+            if key is None:
+                failed = [h for h in await q.history(m.machine_id) if h.event is WorkEvent.FAILED]
+                failure = failed[-1].cause if failed else None
+            address = f"{m.provided.address}"
+            result.append(Outcome(m.provided.provider_id, address, key, failure))
+        return result
+
+    return await conn.transact(fn, isolation=bmdb.Isolation.REPEATABLE_READ)
+
+
+def render(results: Sequence[Outcome], ports: dict[str, int]) -> str:
+    rows = [("MACHINE", "ADDRESS", "OUTCOME")]
+    for o in results:
+        if o.agent_key is not None:
+            what = f"agent started, key {o.agent_key.hex()[:16]}..."
+        elif o.failure is not None:
+            what = f"failed, retrying after backoff: {o.failure}"
+        else:
+            what = "pending"
+        rows.append((o.provider_id, f"{o.address}:{ports.get(o.provider_id, 22)}", what))
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c}" for a, b, c in rows)
+
+
+async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
+    """Run the fleet and the initializer until every machine has its expected outcome."""
+    key = load_or_create_ssh_key(options.workdir / "shepherd_ed25519")
+    stranger = SSHKey.generate()  # the broken machines trust this one instead
+    good_count = options.machines - options.broken
+    machines_file = options.workdir / "machines.toml"
+    machines_file.write_text("")
+
+    async with (
+        trio_asyncio.open_loop(),
+        open_fleet(
+            options.workdir / "fleet", count=good_count, authorized_key=key.authorized_key
+        ) as good,
+        open_fleet(
+            options.workdir / "broken", count=options.broken, authorized_key=stranger.authorized_key
+        ) as broken,
+        bmdb.open_connection(postgres.url("bmdb"), migrate=True) as conn,
+        trio.open_nursery() as nursery,
+    ):
+        good_ids = write_machines_file(machines_file, good, 0)
+        broken_ids = write_machines_file(machines_file, broken, good_count)
+        machines = good.machines + broken.machines
+        ports = {i: m.port for i, m in zip(good_ids + broken_ids, machines, strict=True)}
+        provider = StaticProvider.from_file(machines_file)
+        synced = await sync_provided(conn, provider)
+        logger.info("%d machines provided from %s", len(synced.added), machines_file)
+
+        config = AgentConfig(
+            executable=AGENT_SCRIPT_PATH.read_bytes(),
+            target_path="/root/agent",
+            endpoint="bmaas.demo.invalid:443",
+            endpoint_ca_certificate=b"",
+            ssh_connect_timeout=5.0,
+            ssh_exec_timeout=60.0,
+        )
+        for machine in machines:
+            (machine.root / "root").mkdir(exist_ok=True)  # holds /root/agent
+        ssh = SSHClient(key, username="root", connect_timeout=config.ssh_connect_timeout)
+        initializer = Initializer(provider, ssh, config)
+        nursery.start_soon(
+            lambda: run_control_loop(
+                conn,
+                initializer,
+                parallelism=options.parallelism,
+                limiter=RateLimiter(Rate(interval=0.01, burst=options.parallelism)),
+            )
+        )
+
+        expected = {i: True for i in good_ids} | {i: False for i in broken_ids}
+        finished = False
+        with trio.move_on_after(options.timeout):
+            while not finished:
+                await trio.sleep(1)
+                results = await outcomes(conn)
+                started = sum(o.agent_key is not None for o in results)
+                failed = sum(o.failure is not None and o.agent_key is None for o in results)
+                logger.info(
+                    "progress: %d/%d agents started, %d/%d machines failed (expected %d)",
+                    started,
+                    len(expected),
+                    failed,
+                    len(expected),
+                    options.broken,
+                )
+                finished = all(
+                    (o.agent_key is not None) == expected[o.provider_id]
+                    and (expected[o.provider_id] or o.failure is not None)
+                    for o in results
+                ) and len(results) == len(expected)
+        nursery.cancel_scope.cancel()
+
+    sys.stdout.write(render(results, ports) + "\n")
+    if not finished:
+        logger.error("gave up after %.0f s: not every machine reached its outcome", options.timeout)
+    return finished
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.broken > args.machines:
+        build_parser().error("--broken cannot exceed --machines")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("asyncssh").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shepherd-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    # As root, PostgreSQL runs as the postgres user, which must reach its
+    # folder inside ours (mkdtemp makes ours 0700).
+    workdir.chmod(0o711)
+    options = Options(
+        machines=args.machines,
+        broken=args.broken,
+        parallelism=args.parallelism,
+        timeout=args.timeout,
+        workdir=workdir,
+        keep=args.keep,
+    )
+    postgres = None
+    try:
+        postgres = LocalPostgres(workdir / "postgres")
+        logger.info("starting a private PostgreSQL in %s", postgres.root)
+        postgres.create()
+        postgres.start()
+        postgres.create_database("bmdb")
+        logger.info("BMDB at %s", postgres.url("bmdb"))
+        ok = trio.run(run_demo, options, postgres)
+    except LocalPostgresError as exc:
+        sys.stderr.write(f"shepherd.demo: {exc}\n")
+        return 1
+    finally:
+        if postgres is not None:
+            postgres.stop()
+        if options.keep:
+            logger.info("kept %s", workdir)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

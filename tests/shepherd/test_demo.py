@@ -1,0 +1,76 @@
+"""The demo that the README runs: a real private Postgres, real SSH machines, the real agent."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def run_demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shepherd.demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def traversable_dir() -> Iterator[Path]:
+    """A folder the postgres user can enter (pytest's tmp_path is 0700 when we are root)."""
+    path = Path(tempfile.mkdtemp(prefix="demo-test-"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_demo_takes_over_good_machines_and_fails_broken_ones(traversable_dir: Path) -> None:
+    workdir = traversable_dir / "demo"
+    result = run_demo("--machines", "4", "--broken", "1", "--workdir", str(workdir), "--keep")
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.splitlines()
+    assert table[0].split() == ["MACHINE", "ADDRESS", "OUTCOME"]
+    rows = {line.split()[0]: line for line in table[1:]}
+    assert sorted(rows) == ["demo-000", "demo-001", "demo-002", "demo-003"]
+    for good in ("demo-000", "demo-001", "demo-002"):
+        assert "agent started, key" in rows[good]
+    assert "failed, retrying after backoff" in rows["demo-003"]
+    assert "refused our key" in rows["demo-003"]
+    # --keep leaves the machines file, the key and the uploaded agents behind.
+    assert "demo-003" in (workdir / "machines.toml").read_text()
+    assert (workdir / "shepherd_ed25519").exists()
+    assert len(list((workdir / "fleet").glob("*/root/agent"))) == 3
+    assert "progress:" in result.stderr
+
+
+def test_demo_rejects_bad_flags() -> None:
+    result = run_demo("--machines", "2", "--broken", "3")
+    assert result.returncode == 2
+    assert "--broken cannot exceed --machines" in result.stderr
+    result = run_demo("--machines", "0")
+    assert result.returncode == 2
+    assert "must be at least 1" in result.stderr
+
+
+def test_demo_without_postgres_binaries_says_what_to_install(tmp_path: Path) -> None:
+    result = run_demo(env={"BMDB_PG_BIN": str(tmp_path / "nowhere")})
+    assert result.returncode == 1
+    assert "PostgreSQL server binaries not found" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root hands the server to another user")
+def test_demo_in_a_folder_postgres_cannot_enter_is_a_clear_error(tmp_path: Path) -> None:
+    tmp_path.chmod(0o700)
+    result = run_demo("--workdir", str(tmp_path / "inner" / "demo"))
+    assert result.returncode == 1
+    assert "cannot enter" in result.stderr
+    assert "Traceback" not in result.stderr
