@@ -3,9 +3,9 @@
 Claiming, and why it scales
 ---------------------------
 Many workers source machines for the same process at once. The Go original
-took the oldest candidate with ``LIMIT 1`` and no lock, so parallel workers
-all picked the same row and all but one failed on the unique key of
-``work``. Adding ``FOR UPDATE SKIP LOCKED`` to that joined query is not
+took the first candidate of an anti-join with ``LIMIT 1`` and no lock, so
+parallel workers all picked the same row and all but one failed on the
+unique key of ``work``. Adding ``FOR UPDATE SKIP LOCKED`` to that joined query is not
 enough: once the winner commits, its row lock is gone, and a worker whose
 snapshot predates the commit still sees the machine as free (the joined
 ``work`` row is not re-checked) and claims it again.
