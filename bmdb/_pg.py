@@ -109,7 +109,10 @@ class PgConnection:
             if self._conn.closed or self._conn.broken:
                 raise DatabaseUnavailable(f"lost the BMDB connection: {_first_line(e)}") from e
             raise
-        if cur.description is None:
+        # Checked on the result, not through `cur.description`, which builds
+        # column objects on every access (measurably costly per statement).
+        result = cur.pgresult
+        if result is None or result.status != pq.ExecStatus.TUPLES_OK:
             return []
         return cur.fetchall()
 
