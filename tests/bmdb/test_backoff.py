@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import bmdb
 from bmdb import Backoff, Process
@@ -124,3 +127,19 @@ async def test_fail_without_backoff_does_not_hide(bmdb_conn: bmdb.Connection) ->
         (bmdb.WorkEvent.STARTED, None),
         (bmdb.WorkEvent.FAILED, "try again"),
     ]
+
+
+@given(
+    initial=st.floats(min_value=0, max_value=3600),
+    extra=st.floats(min_value=0, max_value=3600),
+    exponent=st.floats(min_value=0.01, max_value=10),
+    steps=st.integers(min_value=1, max_value=30),
+)
+def test_interval_properties(initial: float, extra: float, exponent: float, steps: int) -> None:
+    backoff = Backoff(initial=initial, maximum=initial + extra, exponent=exponent)
+    seen = intervals(backoff, steps)
+    assert seen[0] == max(math.ceil(initial), 1)
+    assert all(1 <= s <= max(math.ceil(initial + extra), 1) for s in seen)
+    assert seen == sorted(seen)  # never shrinks while failures repeat
+    if exponent <= 1:
+        assert set(seen) == {seen[0]}
