@@ -9,7 +9,6 @@ conn.session(...)`` block.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
@@ -17,7 +16,6 @@ from typing import TypeVar
 from bmdb import migrations
 from bmdb._pg import PgConnection
 from bmdb._pool import Pool
-from bmdb.errors import InvalidArgument
 from bmdb.model import Queries
 from bmdb.session import DEFAULT_INTERVAL, Session, open_session
 from bmdb.transaction import Isolation, RetryPolicy, Stats, run_transaction
@@ -68,20 +66,6 @@ class Connection:
             self._pool, isolation, body, stats=self.stats, policy=self.retry
         )
 
-    async def new_machine_ids(self, count: int) -> list[uuid.UUID]:
-        """Create ``count`` bare machines at once (for bulk loads and tests)."""
-        if count < 1:
-            raise InvalidArgument("count must be positive")
-
-        async def body(pg: PgConnection) -> list[uuid.UUID]:
-            rows = await pg.execute(
-                "INSERT INTO machines SELECT FROM generate_series(1, %s) RETURNING machine_id",
-                (count,),
-            )
-            return [r[0] for r in rows]
-
-        return await self.run(Isolation.READ_COMMITTED, body)
-
     async def aclose(self) -> None:
         """Close the pooled connections."""
         await self._pool.aclose()
@@ -99,13 +83,14 @@ async def open_connection(
     means the standard ``PG*`` environment variables).
 
     With ``migrate`` the schema is brought up to date first; without it, the
-    schema is checked. Must run inside a trio-asyncio loop.
+    schema is checked.
 
     Raises `DatabaseUnavailable` if the server cannot be reached,
     `SchemaTooNew` if the database was migrated by a newer release, and
     `SchemaNotMigrated` if it lacks migrations and ``migrate`` is false.
     """
     pool = Pool(url or "", max_connections)
+    conn = Connection(pool, retry=retry)
     try:
         async with pool.connection() as pg:
             if migrate:
@@ -114,6 +99,6 @@ async def open_connection(
                     logger.info("applied %d migration(s)", len(applied))
             else:
                 await migrations.check_schema(pg)
-        yield Connection(pool, retry=retry)
+        yield conn
     finally:
-        await pool.aclose()
+        await conn.aclose()
