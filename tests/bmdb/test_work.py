@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import uuid
 
+import psycopg
 import pytest
 
 import bmdb
 from bmdb import Process, WorkEvent
+from bmdb._pg import PgConnection
 from bmdb.errors import InvalidArgument, NothingToDo, WorkClosed, WorkConflict
 from bmdb.model import Queries
 from bmdb.session import collect_expired
@@ -229,3 +231,26 @@ async def test_heartbeat_collects_periodically(
 
     [event] = await bmdb_conn.transact(history)
     assert (event.event, event.session_id) == (WorkEvent.CANCELED, dead)
+
+
+async def test_claim_invalidates_older_snapshots(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
+    """The invariant the claim relies on: a claimer whose snapshot predates
+    another claim of the same machine cannot lock that machine."""
+    [machine_id] = await add_provided_machines(bmdb_conn, 1)
+    late = await PgConnection.connect(bmdb_url)
+    try:
+        await late.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        # The late claimer's snapshot: the machine is free.
+        q = Queries(late)
+        assert [m.machine_id for m in await q.machines_for_agent_start(1)] == [machine_id]
+        async with bmdb_conn.session("early") as sess:
+            work = await sess.work(Process.SHEPHERD_AGENT_START, agent_start_source)
+            assert work.machine_id == machine_id
+            # Locking it now, from the old snapshot, must fail to serialize
+            # rather than let a second claim through.
+            with pytest.raises(psycopg.errors.SerializationFailure):
+                await Queries(late, locking=True).machines_for_agent_start(1)
+            await work.cancel()
+    finally:
+        await late.rollback_quietly()
+        await late.close()
