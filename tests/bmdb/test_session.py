@@ -154,3 +154,20 @@ async def test_expiry_seen_by_one_task_cancels_the_others(bmdb_conn: bmdb.Connec
             nursery.start_soon(other)
             nursery.start_soon(sloppy)
     assert others_cancelled
+
+
+async def test_closing_releases_work_left_open(bmdb_conn: bmdb.Connection) -> None:
+    [machine_id] = await add_provided_machines(bmdb_conn, 1)
+    async with bmdb_conn.session("test") as sess:
+        # Neither finished nor used as a context manager: a caller bug.
+        await sess.work(Process.SHEPHERD_AGENT_START, agent_start_source)
+
+    async def state(q: Queries) -> tuple[list[bmdb.model.WorkInfo], list[bmdb.model.HistoryEvent]]:
+        return await q.work(), await q.history(machine_id)
+
+    work, history = await bmdb_conn.transact(state)
+    assert work == []
+    assert [(e.event, e.cause) for e in history] == [
+        (WorkEvent.STARTED, None),
+        (WorkEvent.CANCELED, "session closed"),
+    ]
