@@ -23,6 +23,9 @@ from shepherd.ssh import (
 from shepherd.ssh_key import SSHKey
 from tests.fixtures.sshd import Sshd
 
+# Safety bound for anything that talks to a server; never asserted on.
+BOUND = 30
+
 
 def _client(key: SSHKey, connect_timeout: float = 5.0) -> SSHClient:
     return SSHClient(key, username="root", connect_timeout=connect_timeout)
@@ -32,10 +35,14 @@ async def test_upload_and_run_on_openssh(
     aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
     target = sshd.root / "prog"
-    async with _client(shepherd_ssh_key).connect(sshd.host, sshd.port, known_host_key=None) as c:
-        assert c.host_key == sshd.host_key
-        await c.upload(str(target), b"#!/bin/sh\ntr a-z A-Z\necho oops >&2\nexit 3\n")
-        result = await c.run(str(target), stdin=b"hello")
+    # The bound matters if stdin's EOF is lost: tr would then wait forever.
+    with trio.fail_after(BOUND):
+        async with _client(shepherd_ssh_key).connect(
+            sshd.host, sshd.port, known_host_key=None
+        ) as c:
+            assert c.host_key == sshd.host_key
+            await c.upload(str(target), b"#!/bin/sh\ntr a-z A-Z\necho oops >&2\nexit 3\n")
+            result = await c.run(str(target), stdin=b"hello")
     assert c.closed
     assert stat.S_IMODE(target.stat().st_mode) == 0o755
     assert (result.stdout, result.stderr, result.exit_status) == (b"HELLO", b"oops\n", 3)
