@@ -5,7 +5,7 @@ Startup decides where the peer TLS material comes from::
     JoinCluster given? ──yes──> write CA, peer cert, our key, CRL to data/etcd
           │ no                  start etcd as a member of the existing cluster
           v
-    peer PKI on disk? ──yes──> start etcd on its existing data
+    peer PKI on disk? ──yes──> check it is intact and ours; start etcd on its data
           │ no
           v
     bootstrap: start etcd with plain-HTTP peers (a new one-member cluster),
@@ -330,6 +330,8 @@ class Service:
                 raise ConsensusError(
                     f"peer PKI present but no etcd data in {data.data}; join data is needed"
                 )
+            else:
+                self._check_peer_pki()
             process = config._process(peer_tls=True, initial=own, state="new")
 
         async with Client(process.socket_path) as client, trio.open_nursery() as nursery:
@@ -353,6 +355,24 @@ class Service:
             node.signal_healthy()
             # From here on the nursery just waits on run_etcd, which raises
             # EtcdExited if etcd dies and stops etcd if we are cancelled.
+
+    def _check_peer_pki(self) -> None:
+        """Refuse peer credentials on disk that are damaged or not this node's.
+
+        etcd fails on an unreadable or mismatched key with a terse TLS error,
+        and runs happily with a certificate from a foreign CA (only its peers
+        would refuse it), so the files are checked before etcd sees them.
+        """
+        directory = self.config.data.peer_pki
+        try:
+            credentials = identity.NodeCredentials.load(directory)
+        except identity.CredentialsError as e:
+            raise ConsensusError(f"peer PKI: {e}") from e
+        if credentials.public_key != pki.public_key_bytes(self.config.node_private_key):
+            raise ConsensusError(
+                f"peer PKI in {directory.path} is for {credentials.node_id}, "
+                f"not this node ({self.config.node_id})"
+            )
 
     def _write_join_pki(self, join: JoinCluster) -> None:
         """Check the join data against our key, then write it (owner-only)."""

@@ -310,6 +310,50 @@ async def test_inconsistent_setup_fails_clearly_and_writes_nothing(
     assert etcd_pid(other.root.ephemeral.consensus) is None
 
 
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        ("corrupt-key", "private key: not a valid private key"),
+        ("mismatched-key", "private key does not match the node certificate"),
+        ("wrong-ca", "node certificate does not chain to the CA"),
+        ("another-node", "not this node"),
+    ],
+)
+async def test_damaged_peer_credentials_fail_clearly_and_are_kept(
+    tmp_path: Path, damage: str, expected: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restart on peer credentials that do not fit stops before etcd runs.
+
+    etcd itself would run happily with a certificate from a foreign CA (only
+    its peers would refuse it), so the service must check the files.
+    """
+    machine = Machine.make(tmp_path / "n1")
+    async with running(machine):
+        pass  # bootstrapped: etcd data, peer PKI and CRL on disk
+    peer_pki = machine.root.data.etcd.peer_pki
+    other_key = pki.generate_key()
+    if damage == "corrupt-key":
+        peer_pki.key.write_bytes(b"garbage")
+    elif damage == "mismatched-key":
+        peer_pki.key.write_bytes(pki.encode_private_key(other_key))
+    elif damage == "wrong-ca":
+        peer_pki.ca_certificate.write_bytes(
+            pki.encode_certificate(pki.new_ca(other_key, peerpki.CA_NAME))
+        )
+    else:
+        # Consistent credentials, but for a key that is not this node's.
+        machine.key = other_key
+    before = {p: p.read_bytes() for p in machine.root.path.rglob("*") if p.is_file()}
+
+    service = Service(machine.config())
+    async with open_supervisor(service.run, name="consensus") as supervisor:
+        with trio.fail_after(BOUND):
+            await supervisor.wait_state("consensus", State.BACKOFF)
+    assert expected in caplog.text
+    assert etcd_pid(machine.root.ephemeral.consensus) is None
+    assert {p: p.read_bytes() for p in peer_pki.files()} == {p: before[p] for p in peer_pki.files()}
+
+
 def test_replayed_join_data_keeps_a_newer_crl(tmp_path: Path) -> None:
     """Join data comes again on every restart; it must not roll back revocations."""
     machine = Machine.make(tmp_path / "n")
