@@ -21,7 +21,9 @@ PYTHON = "3.11"
 def tests(session: nox.Session) -> None:
     """Run the test suite (pytest in Trio mode) against real services."""
     session.install("-e", ".[dev]")
-    session.run("pytest", *session.posargs)
+    # Verbose, so that a CI log shows which tests ran, not just how many.
+    args = session.posargs or ["-v", "--durations=10"]
+    session.run("pytest", *args)
 
 
 @nox.session(python=PYTHON)
