@@ -236,12 +236,15 @@ async def test_three_nodes_join_replicate_and_survive_a_loss(tmp_path: Path) -> 
         nursery.cancel_scope.cancel()
 
 
-async def _peer_request(peer_url: str, ca: bytes, cert: bytes, key: bytes, tmp: Path) -> int:
+async def _peer_request(
+    peer_url: str, ca: bytes, cert: bytes | None, key: bytes | None, tmp: Path
+) -> int:
     """GET /version on a peer port with the given client credentials; the HTTP status."""
-    (tmp / "cert.pem").write_bytes(cert)
-    (tmp / "key.pem").write_bytes(key)
     context = ssl.create_default_context(cadata=ca.decode())
-    context.load_cert_chain(tmp / "cert.pem", tmp / "key.pem")
+    if cert is not None and key is not None:
+        (tmp / "cert.pem").write_bytes(cert)
+        (tmp / "key.pem").write_bytes(key)
+        context.load_cert_chain(tmp / "cert.pem", tmp / "key.pem")
     async with httpx.AsyncClient(verify=context, timeout=5) as http:
         response = await http.get(f"{peer_url}/version")
         return response.status_code
@@ -261,6 +264,23 @@ async def test_revoked_peer_certificate_is_refused(tmp_path: Path) -> None:
         key_pem = pki.encode_private_key(outsider_key)
         with trio.fail_after(BOUND):
             assert await _peer_request(machine.peer_url, ca_pem, cert_pem, key_pem, creds) == 200
+            # No certificate, or one from another CA (same name, other key): no way in.
+            stranger_key = pki.generate_key()
+            stranger_ca = pki.new_ca(stranger_key, peerpki.CA_NAME)
+            stranger_cert = pki.issue_certificate(
+                stranger_key,
+                stranger_ca,
+                stranger_key.public_key(),
+                identity.node_id(stranger_key.public_key()),
+                pki.Usage.PEER,
+                ip_addresses=["127.0.0.1"],
+            )
+            for cert, key in [
+                (None, None),
+                (pki.encode_certificate(stranger_cert), pki.encode_private_key(stranger_key)),
+            ]:
+                with pytest.raises(httpx.TransportError):
+                    await _peer_request(machine.peer_url, ca_pem, cert, key, creds)
 
         async with Client(service.config.client_socket) as client:
             pki_kv = client.namespaced(peerpki.NAMESPACE)
