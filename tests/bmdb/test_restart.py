@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import trio
 
 import bmdb
@@ -53,9 +54,12 @@ async def resilient_worker(conn: bmdb.Connection, name: str, sessions: list[int]
             await trio.sleep(0.1)
 
 
+@pytest.mark.parametrize("how", ["stop", "kill"])
 async def test_workers_survive_postgres_restart(
-    bmdb_conn: bmdb.Connection, postgres_server: PostgresServer
+    bmdb_conn: bmdb.Connection, postgres_server: PostgresServer, how: str
 ) -> None:
+    """``stop`` is a fast shutdown (clients are disconnected, transactions
+    aborted); ``kill`` a crash of every server process mid-transaction."""
     await bulk_provided_machines(bmdb_conn, MACHINES)
     sessions: list[int] = []
 
@@ -67,7 +71,7 @@ async def test_workers_survive_postgres_restart(
             if await some_done():
                 break
             await trio.sleep(0.05)
-        await trio.to_thread.run_sync(postgres_server.stop)
+        await trio.to_thread.run_sync(getattr(postgres_server, how))
         await trio.sleep(0.5)
         await trio.to_thread.run_sync(postgres_server.start)
 
