@@ -3,6 +3,8 @@ and the connection is fit for the next user afterwards."""
 
 from __future__ import annotations
 
+import uuid
+
 import trio
 
 import bmdb
@@ -79,3 +81,28 @@ async def test_statements_larger_than_socket_buffers(bmdb_conn: bmdb.Connection)
 
     length, echoed = await bmdb_conn.run(bmdb.Isolation.READ_COMMITTED, body)
     assert length == len(blob) and echoed == blob
+
+
+async def test_cancelled_claim_leaves_no_lock(bmdb_conn: bmdb.Connection) -> None:
+    async def add(q: Queries) -> None:
+        await q.add_provided(await q.new_machine(), "Static", "m-1")
+
+    await bmdb_conn.transact(add)
+
+    async def stuck_source(q: Queries) -> list[uuid.UUID]:
+        [machine] = await q.machines_for_agent_start(1)  # row locked now
+        await trio.sleep_forever()
+        return [machine.machine_id]
+
+    async def source(q: Queries) -> list[uuid.UUID]:
+        return [m.machine_id for m in await q.machines_for_agent_start(1)]
+
+    async with bmdb_conn.session("test") as sess:
+        with trio.move_on_after(0.3) as scope:
+            await sess.work(bmdb.Process.SHEPHERD_AGENT_START, stuck_source)
+        assert scope.cancelled_caught
+        # The row lock went with the rolled-back transaction: the machine is
+        # claimable at once (SKIP LOCKED would hide it otherwise).
+        with trio.fail_after(10):
+            work = await sess.work(bmdb.Process.SHEPHERD_AGENT_START, source)
+        await work.finish()
