@@ -37,10 +37,11 @@ import trio
 import bmdb
 from bmdb import Process
 from bmdb.errors import NothingToDo, WorkConflict
+from bmdb.localserver import LocalPostgres, find_postgres_bin
 from bmdb.model import Queries
 from bmdb.model import queries as sql_queries
 from bmdb.work import _CLAIM, _RELEASE
-from tests.fixtures.postgres import PG_BIN, TEMPLATE_DB, PostgresServer, _migrate
+from tests.fixtures.postgres import TEMPLATE_DB, _migrate
 
 KEY = bytes(32)
 PGBENCH_SESSION = uuid.UUID(int=1)
@@ -191,10 +192,10 @@ COMMIT;
 """
 
 
-def _pgbench(server: PostgresServer, db: str, script: Path, clients: int, cycles: int) -> Result:
+def _pgbench(server: LocalPostgres, db: str, script: Path, clients: int, cycles: int) -> Result:
     out = subprocess.run(
         [
-            str(PG_BIN / "pgbench"),
+            str(find_postgres_bin() / "pgbench"),
             "-n",
             "-M", "prepared",
             "-c", str(clients),
@@ -221,7 +222,7 @@ def _pgbench(server: PostgresServer, db: str, script: Path, clients: int, cycles
 # -- fleets -------------------------------------------------------------------
 
 
-def _prepare_templates(server: PostgresServer, machines: int, processed: int) -> None:
+def _prepare_templates(server: LocalPostgres, machines: int, processed: int) -> None:
     """bench_first: ``machines`` provided, none processed; bench_last: the
     oldest ``processed`` of them already have their agent started."""
     server.admin(f"CREATE DATABASE bench_first TEMPLATE {TEMPLATE_DB}")
@@ -248,7 +249,7 @@ def _prepare_templates(server: PostgresServer, machines: int, processed: int) ->
 _run_ids = iter(range(1_000_000))
 
 
-def _fresh(server: PostgresServer, template: str) -> str:
+def _fresh(server: LocalPostgres, template: str) -> str:
     name = f"run_{next(_run_ids)}"
     server.admin(f"CREATE DATABASE {name} TEMPLATE {template}")
     return name
@@ -264,7 +265,7 @@ def main() -> None:
     cycles = int(args.machines * args.share)
 
     root = Path(tempfile.mkdtemp(prefix="bmdb-bench-"))
-    server = PostgresServer(root)
+    server = LocalPostgres(root)
     try:
         server.create()
         server.start()

@@ -44,6 +44,7 @@ import trio_asyncio
 
 import bmdb
 from bmdb import Provider, Queries
+from bmdb.localserver import LocalPostgres
 from shepherd.agent import agent_script
 from shepherd.control_loop import run_control_loop
 from shepherd.initializer import Initializer
@@ -54,7 +55,6 @@ from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
 from shepherd.takeover import AgentConfig
-from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.sshd import start_sshd, stop_sshd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,7 +239,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> list[tuple[str, st
 
     # Its own temp dir: the server runs as the postgres user, which cannot
     # enter our private work directory.
-    postgres = PostgresServer(Path(tempfile.mkdtemp(prefix="bench-pg-")))
+    postgres = LocalPostgres(Path(tempfile.mkdtemp(prefix="bench-pg-")))
     postgres.create()
     postgres.start()
     sshd_process, sshd = start_sshd(work / "sshd", [key.authorized_key])

@@ -13,8 +13,8 @@ import trio
 
 import bmdb
 from bmdb import Process
+from bmdb.localserver import LocalPostgres
 from tests.bmdb.helpers import add_provided_machines
-from tests.fixtures.postgres import PostgresServer
 
 
 async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -29,13 +29,13 @@ async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, 
 
 
 @pytest.fixture
-def fresh_db(postgres_server: PostgresServer) -> Iterator[str]:
+def fresh_db(postgres_server: LocalPostgres) -> Iterator[str]:
     postgres_server.admin("CREATE DATABASE bmdb_cli")
     yield "bmdb_cli"
     postgres_server.admin("DROP DATABASE bmdb_cli WITH (FORCE)")
 
 
-async def test_migrate_with_pg_environment(postgres_server: PostgresServer, fresh_db: str) -> None:
+async def test_migrate_with_pg_environment(postgres_server: LocalPostgres, fresh_db: str) -> None:
     env = dict(
         os.environ,
         PGHOST="127.0.0.1",
@@ -89,7 +89,7 @@ async def test_listings(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
     assert rows[1][4] == "no route to host"
 
 
-async def test_clear_errors(bmdb_url: str, postgres_server: PostgresServer) -> None:
+async def test_clear_errors(bmdb_url: str, postgres_server: LocalPostgres) -> None:
     code, out, err = await cli("--url", bmdb_url, "history", "not-a-uuid")
     assert (code, out) == (1, "")
     assert err.startswith("bmdb: error: not a machine id")

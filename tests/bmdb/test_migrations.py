@@ -11,11 +11,11 @@ import bmdb
 from bmdb import migrations
 from bmdb._pg import PgConnection
 from bmdb.errors import DatabaseUnavailable, SchemaNotMigrated, SchemaTooNew
-from tests.fixtures.postgres import PostgresServer
+from bmdb.localserver import LocalPostgres
 
 
 @pytest.fixture
-def empty_url(postgres_server: PostgresServer) -> Iterator[str]:
+def empty_url(postgres_server: LocalPostgres) -> Iterator[str]:
     """A database without any schema."""
     postgres_server.admin("CREATE DATABASE bmdb_empty")
     yield postgres_server.url("bmdb_empty")

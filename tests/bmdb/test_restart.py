@@ -11,13 +11,13 @@ import trio
 import bmdb
 from bmdb import Process
 from bmdb.errors import DatabaseUnavailable, NothingToDo, SessionExpired, WorkConflict
+from bmdb.localserver import LocalPostgres
 from tests.bmdb.helpers import (
     agent_start_source,
     bulk_provided_machines,
     finish_agent_start,
     outcome_counts,
 )
-from tests.fixtures.postgres import PostgresServer
 
 logger = logging.getLogger("tests.bmdb.restart")
 
@@ -56,7 +56,7 @@ async def resilient_worker(conn: bmdb.Connection, name: str, sessions: list[int]
 
 @pytest.mark.parametrize("how", ["stop", "kill"])
 async def test_workers_survive_postgres_restart(
-    bmdb_conn: bmdb.Connection, postgres_server: PostgresServer, how: str
+    bmdb_conn: bmdb.Connection, postgres_server: LocalPostgres, how: str
 ) -> None:
     """``stop`` is a fast shutdown (clients are disconnected, transactions
     aborted); ``kill`` a crash of every server process mid-transaction."""
@@ -90,7 +90,7 @@ async def test_workers_survive_postgres_restart(
 
 
 async def test_pooled_connections_survive_a_restart_in_between(
-    bmdb_conn: bmdb.Connection, postgres_server: PostgresServer
+    bmdb_conn: bmdb.Connection, postgres_server: LocalPostgres
 ) -> None:
     # Warm the pool: after this, an idle connection waits in it.
     await bulk_provided_machines(bmdb_conn, 1)
