@@ -50,16 +50,7 @@ _PORTS: dict[Path, int] = {}
 def _bare_config(directory: Path) -> ProcessConfig:
     # A restart must advertise the peer URL its data was created with.
     port = _PORTS.setdefault(directory, free_port())
-    return ProcessConfig(
-        name="bench",
-        data_dir=directory / "data",
-        working_dir=directory / "run",
-        peer_address=f"127.0.0.1:{port}",
-        peer_tls=None,
-        initial_cluster={"bench": f"https://127.0.0.1:{port}"},
-        cluster_state="new",
-        tuning=LOOPBACK_TUNING,
-    )
+    return ProcessConfig.standalone("bench", directory, port, LOOPBACK_TUNING)
 
 
 async def bare_etcd_start(directory: Path) -> float:

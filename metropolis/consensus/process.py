@@ -102,6 +102,28 @@ class ProcessConfig:
     tuning: Tuning = field(default_factory=Tuning)
     cluster_token: str = "metropolis"
 
+    @classmethod
+    def standalone(
+        cls, name: str, directory: Path, peer_port: int, tuning: Tuning
+    ) -> ProcessConfig:
+        """A one-member cluster without peer TLS, its files under ``directory``.
+
+        For tools and tests that need a bare etcd; the consensus service
+        builds its own configurations. ``peer_port`` must stay the same when
+        the member restarts on the same data: etcd recorded the peer URL.
+        """
+        peer_address = f"127.0.0.1:{peer_port}"
+        return cls(
+            name=name,
+            data_dir=directory / "data",
+            working_dir=directory / "run",
+            peer_address=peer_address,
+            peer_tls=None,
+            initial_cluster={name: f"https://{peer_address}"},
+            cluster_state="new",
+            tuning=tuning,
+        )
+
     @property
     def socket_path(self) -> Path:
         return self.working_dir / SOCKET_NAME

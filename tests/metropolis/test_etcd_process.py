@@ -17,17 +17,7 @@ BOUND = 20
 
 
 def _config(tmp_path: Path) -> ProcessConfig:
-    port = free_port()
-    return ProcessConfig(
-        name="solo",
-        data_dir=tmp_path / "data",
-        working_dir=tmp_path / "run",
-        peer_address=f"127.0.0.1:{port}",
-        peer_tls=None,
-        initial_cluster={"solo": f"https://127.0.0.1:{port}"},
-        cluster_state="new",
-        tuning=LOOPBACK_TUNING,
-    )
+    return ProcessConfig.standalone("solo", tmp_path, free_port(), LOOPBACK_TUNING)
 
 
 async def test_ready_then_cancel_leaves_no_process(
