@@ -118,9 +118,6 @@ def _bind(sql: str, values: dict[str, str]) -> str:
 
 
 _OURS_VALUES = {
-    "limit": "1",
-    "window": str(sql_queries.SOURCING_WINDOW),
-    "busy": "'{ShepherdAgentStart,ShepherdRecovery}'",
     "process": "'ShepherdAgentStart'",
     "machine": ":machine_id::uuid",
     "session": ":session_id::uuid",
@@ -136,7 +133,7 @@ _SET_AGENT_STARTED = (
 
 
 def _ours_script() -> str:
-    source = _bind(sql_queries._AGENT_START_LOCK, _OURS_VALUES)
+    source = _bind(sql_queries._agent_start_lock(1), _OURS_VALUES)
     source = source.replace("SELECT p.machine_id,", "SELECT p.machine_id AS machine_id,", 1)
     return "\n".join(
         [

@@ -96,6 +96,14 @@ class PgConnection:
         """Run one statement (or, without params, several) and return the
         rows of the first result (empty if it returns none).
 
+        A statement given ``params`` (even empty ones) is prepared on its
+        first use on this connection and executed by name from then on, so
+        the server parses it once (and, if it chooses a generic plan, plans
+        it once). The BMDB's statements are a fixed set of texts run over and
+        over; psycopg's default would run each one unprepared five times per
+        connection first. Statements without params use the simple protocol,
+        which allows several in one call (migrations, ``BEGIN``, ``COMMIT``).
+
         Raises `DatabaseUnavailable` if the connection is lost, a
         `psycopg.Error` for errors reported by the server, and `trio.Cancelled`
         when cancelled (the query is then cancelled on the server too).
@@ -104,7 +112,8 @@ class PgConnection:
             raise DatabaseUnavailable("the BMDB connection is closed")
         cur = self._cursor
         try:
-            await self._drive(cur._execute_gen(query, params))
+            prepare = None if params is None else True
+            await self._drive(cur._execute_gen(query, params, prepare=prepare))
         except psycopg.OperationalError as e:
             if self._conn.closed or self._conn.broken:
                 raise DatabaseUnavailable(f"lost the BMDB connection: {_first_line(e)}") from e
