@@ -6,10 +6,17 @@ sync and asyncio connections differ only in the loop that drives those
 generators. We drive them with Trio's own I/O waits::
 
     PgConnection.execute(sql, params)
-        gen = cursor._execute_gen(sql, params)   # psycopg: protocol + adaptation
+        PostgresQuery(tx).convert(sql, params)   # psycopg: %(name)s -> $n, dump params
+        pgconn.send_query_prepared(...)          # libpq: buffered, no I/O yet
+        gen = generators.execute(pgconn)         # psycopg: flush, read the results
         loop: state = gen.send(ready)            # WAIT_R / WAIT_W / WAIT_RW
               ready = await trio.lowlevel.wait_readable / wait_writable(fd)
-        rows = cursor.fetchall()                 # already received, no I/O
+        rows = tx.load_rows(...)                 # already received, no I/O
+
+Driving libpq at this level (rather than through a psycopg cursor) lets one
+round trip carry several messages where the protocol allows it (libpq
+pipeline mode): a transaction's BEGIN with its first statement, and a
+statement's Parse with its first execution. See `PgConnection.begin`.
 
 Why not psycopg's asyncio connection behind trio-asyncio (what DESIGN.md
 suggests for asyncio libraries): measured on this machine, a round trip
@@ -17,9 +24,10 @@ through the bridge cost 3-4 times as much CPU as one driven natively (about
 480 us against 130 us per ``SELECT``, same load, see the commit that made the
 switch), and the BMDB's throughput is bounded by exactly that. The native
 loop also needs no asyncio event loop, so the BMDB works with or without
-``trio_asyncio.open_loop()``. The price is the use of one private psycopg
-entry point, ``Cursor._execute_gen`` (stable across psycopg 3.0-3.3; the
-tests exercise it, so an incompatible psycopg fails them loudly).
+``trio_asyncio.open_loop()``. The price is the use of psycopg's protocol
+generators (``psycopg.generators``) and one private class,
+``psycopg._queries.PostgresQuery`` (stable across psycopg 3.0-3.3; the
+tests exercise them, so an incompatible psycopg fails them loudly).
 
 Cancellation: when the calling Trio scope is cancelled while a query runs,
 we ask the server to cancel it (psycopg's ``cancel_safe``, in a thread: it
@@ -40,12 +48,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
 import trio
-from psycopg import pq
+from psycopg import adapt, generators, pq
+from psycopg._queries import PostgresQuery
+from psycopg.pq.abc import PGresult
 from psycopg.waiting import Ready, Wait
 
 from bmdb.errors import DatabaseUnavailable
@@ -55,6 +65,16 @@ logger = logging.getLogger("bmdb.pg")
 Row = tuple[Any, ...]
 #: Statement parameters: positional (``%s``) or named (``%(name)s``).
 Params = Sequence[Any] | Mapping[str, Any]
+
+T = TypeVar("T")
+
+TUPLES_OK = pq.ExecStatus.TUPLES_OK
+COMMAND_OK = pq.ExecStatus.COMMAND_OK
+FATAL_ERROR = pq.ExecStatus.FATAL_ERROR
+
+#: At most this many statements are prepared per connection; others run
+#: unnamed (the BMDB's own texts are far fewer).
+MAX_PREPARED = 256
 
 #: Seconds allowed to establish a connection before it counts as unavailable.
 CONNECT_TIMEOUT = 5
@@ -74,7 +94,18 @@ class PgConnection:
 
     def __init__(self, conn: psycopg.Connection[Row]) -> None:
         self._conn = conn
-        self._cursor = conn.cursor()
+        self._pgconn = conn.pgconn
+        self._encoding = conn.info.encoding
+        # One adapter context for every statement: it caches the dumpers and
+        # loaders it found per type, as a psycopg cursor does per query.
+        self._tx = adapt.Transformer(conn)
+        #: (query, parameter types) -> name of the server-side statement.
+        self._prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
+        #: A BEGIN to send together with the next statement (see `begin`).
+        self._begin: bytes | None = None
+        #: True if the last statement that carried a deferred BEGIN failed
+        #: because the connection was lost: nothing ran in that transaction.
+        self.lost_at_begin = False
 
     @classmethod
     async def connect(cls, conninfo: str) -> PgConnection:
@@ -92,17 +123,29 @@ class PgConnection:
             raise DatabaseUnavailable(f"cannot connect to the BMDB: {_first_line(e)}") from e
         return cls(conn)
 
+    def begin(self, isolation: str) -> None:
+        """Begin a transaction with the next statement.
+
+        ``BEGIN ISOLATION LEVEL <isolation>`` is not sent on its own: it
+        goes in the same round trip as the next statement (libpq pipeline
+        mode: BEGIN, the statement, one Sync). The server runs them in that
+        order, exactly as if BEGIN had been executed first; if BEGIN fails,
+        the statement is skipped. It saves one round trip per transaction,
+        which carried no information (about 1/8 of a claim+finish cycle).
+        """
+        self._begin = f"BEGIN ISOLATION LEVEL {isolation}".encode()
+
     async def execute(self, query: str, params: Params | None = None) -> list[Row]:
         """Run one statement (or, without params, several) and return the
         rows of the first result (empty if it returns none).
 
         A statement given ``params`` (even empty ones) is prepared on its
-        first use on this connection and executed by name from then on, so
-        the server parses it once (and, if it chooses a generic plan, plans
-        it once). The BMDB's statements are a fixed set of texts run over and
-        over; psycopg's default would run each one unprepared five times per
-        connection first. Statements without params use the simple protocol,
-        which allows several in one call (migrations, ``BEGIN``, ``COMMIT``).
+        first use on this connection (in the same round trip) and executed
+        by name from then on, so the server parses it once (and, if it
+        chooses a generic plan, plans it once): the BMDB's statements are a
+        fixed set of texts run over and over. Statements without params use
+        the simple protocol, which allows several in one call (migrations,
+        ``COMMIT``).
 
         Raises `DatabaseUnavailable` if the connection is lost, a
         `psycopg.Error` for errors reported by the server, and `trio.Cancelled`
@@ -110,24 +153,82 @@ class PgConnection:
         """
         if self._conn.closed:
             raise DatabaseUnavailable("the BMDB connection is closed")
-        cur = self._cursor
+        begin, self._begin = self._begin, None
+        self.lost_at_begin = False
         try:
-            prepare = None if params is None else True
-            await self._drive(cur._execute_gen(query, params, prepare=prepare))
+            if params is None:
+                if begin is not None:
+                    _check(await self._drive(self._simple(begin)), self._encoding)
+                results = await self._drive(self._simple(query.encode(self._encoding)))
+            else:
+                results = await self._drive(self._extended(query, params, begin))
+            _check(results, self._encoding)
         except psycopg.OperationalError as e:
             if self._conn.closed or self._conn.broken:
+                self.lost_at_begin = begin is not None
                 raise DatabaseUnavailable(f"lost the BMDB connection: {_first_line(e)}") from e
             raise
-        # Checked on the result, not through `cur.description`, which builds
-        # column objects on every access (measurably costly per statement).
-        result = cur.pgresult
-        if result is None or result.status != pq.ExecStatus.TUPLES_OK:
+        if not results or results[0].status != TUPLES_OK:
             return []
-        return cur.fetchall()
+        result = results[0]
+        self._tx.set_pgresult(result)
+        return self._tx.load_rows(0, result.ntuples, tuple)
 
-    async def _drive(self, gen: Generator[Wait, Ready, None]) -> None:
+    def _simple(self, query: bytes) -> Generator[Wait, Ready, list[PGresult]]:
+        """Send ``query`` with the simple protocol; its results."""
+        self._pgconn.send_query(query)
+        results: list[PGresult] = yield from generators.execute(self._pgconn)
+        return results
+
+    def _extended(
+        self, query: str, params: Params, begin: bytes | None
+    ) -> Generator[Wait, Ready, list[PGresult]]:
+        """Run one statement with the extended protocol, preparing it on first
+        use and preceded by ``begin`` if given; its results (the first error
+        instead, if any command failed)."""
+        pgconn = self._pgconn
+        pgq = PostgresQuery(self._tx)
+        pgq.convert(query, params)
+        key = (pgq.query, pgq.types)
+        name = self._prepared.get(key)
+        if name is not None and begin is None:
+            # The common case: one Bind/Execute of a prepared statement.
+            pgconn.send_query_prepared(name, pgq.params, param_formats=pgq.formats)
+            results: list[PGresult] = yield from generators.execute(pgconn)
+            return results
+        # Several messages in one round trip: pipeline mode, one Sync. The
+        # server runs them in order; after an error it skips the rest.
+        prepare = name is None and len(self._prepared) < MAX_PREPARED
+        if prepare:
+            name = b"bmdb_%d" % len(self._prepared)
+        pgconn.enter_pipeline_mode()
+        if begin is not None:
+            pgconn.send_query_params(begin, None)
+        if name is not None and prepare:
+            pgconn.send_prepare(name, pgq.query, param_types=pgq.types)
+        if name is not None:
+            pgconn.send_query_prepared(name, pgq.params, param_formats=pgq.formats)
+        else:
+            pgconn.send_query_params(
+                pgq.query, pgq.params, param_formats=pgq.formats, param_types=pgq.types
+            )
+        pgconn.pipeline_sync()
+        yield from generators.send(pgconn)
+        commands = 1 + (begin is not None) + prepare
+        replies: list[list[PGresult]] = []
+        for _ in range(commands + 1):  # each command's results, then the Sync's
+            replies.append((yield from generators.fetch_many(pgconn)))
+        pgconn.exit_pipeline_mode()
+        parsed = replies[commands - 2] if prepare else []
+        if name is not None and parsed and parsed[0].status == COMMAND_OK:
+            # Server-side statements outlive transactions, rolled back or not.
+            self._prepared[key] = name
+        errors = [r for reply in replies[:commands] for r in reply if r.status == FATAL_ERROR]
+        return errors or replies[commands - 1]
+
+    async def _drive(self, gen: Generator[Wait, Ready, T]) -> T:
         """Run one of psycopg's protocol generators to completion."""
-        fileno = self._conn.pgconn.socket
+        fileno = self._pgconn.socket
         try:
             state = next(gen)
             while True:
@@ -137,10 +238,11 @@ class PgConnection:
                     await self._abort(gen, fileno, state)
                     raise
                 state = gen.send(ready)
-        except StopIteration:
-            return
+        except StopIteration as stop:
+            value: T = stop.value
+            return value
 
-    async def _abort(self, gen: Generator[Wait, Ready, None], fileno: int, state: Wait) -> None:
+    async def _abort(self, gen: Generator[Wait, Ready, Any], fileno: int, state: Wait) -> None:
         """Cancel the running query on the server and drain the generator, so
         that the connection is not left mid-query (see the module docstring)."""
         with trio.CancelScope(shield=True) as scope:
@@ -177,6 +279,7 @@ class PgConnection:
         return (
             not self._conn.closed
             and self._conn.info.transaction_status == pq.TransactionStatus.IDLE
+            and self._pgconn.pipeline_status == pq.PipelineStatus.OFF
         )
 
     async def rollback_quietly(self) -> None:
@@ -185,6 +288,7 @@ class PgConnection:
         Runs shielded with a short bound: it is called while unwinding from
         errors and cancellation. If it fails the connection is not `reusable`.
         """
+        self._begin = None  # never sent: nothing to roll back
         with trio.CancelScope(shield=True) as scope:
             scope.relative_deadline = ABORT_TIMEOUT
             try:
@@ -202,6 +306,13 @@ class PgConnection:
             self._conn.close()
         except (psycopg.Error, OSError) as e:
             logger.debug("closing connection failed: %s", e)
+
+
+def _check(results: list[PGresult], encoding: str) -> None:
+    """Raise the error the server reported in ``results``, if any."""
+    for result in results:
+        if result.status == FATAL_ERROR:
+            raise psycopg.errors.error_from_result(result, encoding=encoding)
 
 
 async def _wait(fileno: int, state: Wait) -> Ready:

@@ -26,8 +26,7 @@ from __future__ import annotations
 import enum
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -94,43 +93,45 @@ async def run_transaction(
     ``body`` raises (psycopg errors wrapped in `BMDBError`).
     """
     for attempt in range(1, policy.attempts + 1):
-        async with _begun(pool, isolation) as pg:
-            try:
-                result = await body(pg)
-                await pg.execute("COMMIT")
-            except BaseException as e:
-                await pg.rollback_quietly()
-                if not _pg.is_retryable(e):
-                    if _pg.is_bad_data(e):
-                        raise InvalidArgument(_pg.error_message(e)) from e
-                    if _pg.is_database_error(e) and not isinstance(e, BMDBError):
-                        raise BMDBError(f"database error: {_pg.error_message(e)}") from e
-                    raise
-                logger.debug("attempt %d: %s, retrying", attempt, _pg.error_message(e))
-            else:
-                stats.commits += 1
-                return result
+        try:
+            result = await _attempt(pool, isolation, body)
+        except BaseException as e:
+            if not _pg.is_retryable(e):
+                if _pg.is_bad_data(e):
+                    raise InvalidArgument(_pg.error_message(e)) from e
+                if _pg.is_database_error(e) and not isinstance(e, BMDBError):
+                    raise BMDBError(f"database error: {_pg.error_message(e)}") from e
+                raise
+            logger.debug("attempt %d: %s, retrying", attempt, _pg.error_message(e))
+        else:
+            stats.commits += 1
+            return result
         stats.retries += 1
         await trio.sleep(policy.delay(attempt))
     raise TransactionFailed(f"transaction still conflicting after {policy.attempts} attempts")
 
 
-@asynccontextmanager
-async def _begun(pool: Pool, isolation: Isolation) -> AsyncIterator[PgConnection]:
-    """A pooled connection with a transaction begun.
+async def _attempt(
+    pool: Pool, isolation: Isolation, body: Callable[[PgConnection], Awaitable[T]]
+) -> T:
+    """One attempt: begin, run ``body``, commit; roll back on any exception.
 
+    BEGIN goes out with the body's first statement (`PgConnection.begin`).
     A connection that died while idle in the pool (the server restarted)
-    fails at BEGIN, before anything was done; the pool then drops its idle
-    connections, and we try once more on a fresh one instead of failing the
-    caller for a restart that is already over.
+    fails at that statement, before anything ran; the pool then drops its
+    idle connections, and we try once more on a fresh one instead of failing
+    the caller for a restart that is already over.
     """
     for last_try in (False, True):
         async with pool.connection() as pg:
+            pg.begin(isolation)
             try:
-                await pg.execute(f"BEGIN ISOLATION LEVEL {isolation}")
-            except DatabaseUnavailable:
-                if last_try:
-                    raise
-                continue
-            yield pg
-            return
+                result = await body(pg)
+                await pg.execute("COMMIT")
+            except BaseException as e:
+                await pg.rollback_quietly()
+                if isinstance(e, DatabaseUnavailable) and pg.lost_at_begin and not last_try:
+                    continue
+                raise
+            return result
+    raise AssertionError("unreachable")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import uuid
 
+import psycopg
+import pytest
 import trio
 
 import bmdb
@@ -106,3 +108,59 @@ async def test_cancelled_claim_leaves_no_lock(bmdb_conn: bmdb.Connection) -> Non
         with trio.fail_after(10):
             work = await sess.work(bmdb.Process.SHEPHERD_AGENT_START, source)
         await work.finish()
+
+
+async def test_begin_travels_with_the_first_statement(bmdb_url: str) -> None:
+    """`PgConnection.begin` defers BEGIN to the next statement's round trip;
+    the server still runs it first, with the isolation asked for."""
+    pg = await PgConnection.connect(bmdb_url)
+    try:
+        with trio.fail_after(10):
+            pg.begin("REPEATABLE READ")
+            assert not pg.in_transaction  # nothing sent yet
+            rows = await pg.execute("SELECT current_setting('transaction_isolation'), %s", (1,))
+            assert rows == [("repeatable read", 1)]
+            assert pg.in_transaction
+            await pg.execute("COMMIT")
+            assert pg.reusable
+
+            # A failing first statement leaves a failed transaction (BEGIN ran
+            # before it), which rolls back to a reusable connection.
+            pg.begin("SERIALIZABLE")
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                await pg.execute("SELECT 1 / %s", (0,))
+            assert pg.in_transaction and not pg.reusable
+            await pg.rollback_quietly()
+            assert pg.reusable
+            assert await pg.execute("SELECT current_setting('transaction_isolation')") == [
+                ("read committed",)
+            ]
+    finally:
+        await pg.close()
+
+
+async def test_statements_are_prepared_once(bmdb_url: str) -> None:
+    pg = await PgConnection.connect(bmdb_url)
+    try:
+        with trio.fail_after(10):
+            for i in range(3):
+                assert await pg.execute("SELECT %s::int + 1", (i,)) == [(i + 1,)]
+            rows = await pg.execute("SELECT statement FROM pg_prepared_statements")
+            assert [r[0] for r in rows] == ["SELECT $1::int + 1"]
+    finally:
+        await pg.close()
+
+
+async def test_cancel_of_a_statement_sent_with_begin(bmdb_url: str) -> None:
+    pg = await PgConnection.connect(bmdb_url)
+    try:
+        with trio.fail_after(10):
+            pg.begin("REPEATABLE READ")
+            with trio.move_on_after(0.3) as scope:
+                await pg.execute("SELECT pg_sleep(%s)", (60,))
+            assert scope.cancelled_caught
+            await pg.rollback_quietly()
+            assert pg.reusable
+            assert await pg.execute("SELECT %s::int", (7,)) == [(7,)]
+    finally:
+        await pg.close()
