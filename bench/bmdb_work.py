@@ -12,7 +12,10 @@ Every figure is measured here, against one PostgreSQL 15 started for the run:
   that the cost of a claim does not grow as machines get processed.
 - **pgbench, our SQL**: the same statements (generated from bmdb's own SQL
   text) through ``pgbench -M prepared`` with the same client count: the cost
-  of our Python stack (ratio a, goal >= 0.5 at 16 workers).
+  of our Python stack (ratio a, goal >= 0.5 at 16 workers). Same SQL, not
+  the same round trips: bmdb sends each BEGIN together with the statement
+  after it (`bmdb._pg.PgConnection.begin`), 6 round trips per cycle against
+  pgbench's 8 (pgbench cannot pipeline a statement with gset).
 - **pgbench, Go shape**: the Go original's cycle (anti-join ``LIMIT 1`` with
   no locking clause, SERIALIZABLE) with one client (more collide), on the
   same fleets: the quality of the design (ratio b, goal >= 3 at 16 workers).
