@@ -51,7 +51,7 @@ from bmdb.localserver import LocalPostgres, find_postgres_bin
 from bmdb.model import Queries
 from bmdb.model import queries as sql_queries
 from bmdb.work import _CLAIM, _RELEASE
-from tests.fixtures.postgres import TEMPLATE_DB, _migrate
+from tests.fixtures.postgres import TEMPLATE_DB, start_with_template
 
 KEY = bytes(32)
 PGBENCH_SESSION = uuid.UUID(int=1)
@@ -275,12 +275,8 @@ def main() -> None:
     cycles = int(args.machines * args.share)
 
     root = Path(tempfile.mkdtemp(prefix="bmdb-bench-"))
-    server = LocalPostgres(root)
+    server = start_with_template(root)
     try:
-        server.create()
-        server.start()
-        server.admin(f"CREATE DATABASE {TEMPLATE_DB}")
-        trio.run(_migrate, server.url(TEMPLATE_DB))
         _prepare_templates(server, args.machines, args.machines - cycles)
         ours_script = root / "ours.sql"
         ours_script.write_text(_ours_script())
