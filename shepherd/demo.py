@@ -39,7 +39,7 @@ from bmdb.model import MachineSummary, Queries, WorkEvent
 from shepherd.agent import AGENT_SCRIPT_PATH
 from shepherd.control_loop import run_control_loop
 from shepherd.initializer import Initializer
-from shepherd.localfleet import Fleet, open_fleet
+from shepherd.localfleet import FleetMachine, open_fleet
 from shepherd.providers.static import StaticProvider
 from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
@@ -112,19 +112,15 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def write_machines_file(path: Path, fleet: Fleet, first: int) -> list[str]:
-    """List the fleet's machines in the static provider's format; return their ids."""
-    ids = []
-    lines = ["# Machines of the demo fleet, as the static provider reads them.\n"]
-    for i, machine in enumerate(fleet.machines, start=first):
-        machine_id = f"demo-{i:03d}"
-        ids.append(machine_id)
-        lines.append(
-            f'\n[[machine]]\nid = "{machine_id}"\naddress = "127.0.0.1"\n'
-            f'port = {machine.port}\nlocation = "loopback"\n'
-        )
-    with open(path, "a") as f:
-        f.writelines(lines)
+def write_machines_file(path: Path, machines: Sequence[FleetMachine]) -> list[str]:
+    """List ``machines`` in the static provider's format; return their ids."""
+    ids = [f"demo-{i:03d}" for i in range(len(machines))]
+    entries = "".join(
+        f'\n[[machine]]\nid = "{machine_id}"\naddress = "127.0.0.1"\n'
+        f'port = {machine.port}\nlocation = "loopback"\n'
+        for machine_id, machine in zip(ids, machines, strict=True)
+    )
+    path.write_text("# Machines of the demo fleet, as the static provider reads them.\n" + entries)
     return ids
 
 
@@ -172,7 +168,6 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
     stranger = SSHKey.generate()  # the broken machines trust this one instead
     good_count = options.machines - options.broken
     machines_file = options.workdir / "machines.toml"
-    machines_file.write_text("")
 
     async with (
         trio_asyncio.open_loop(),
@@ -185,10 +180,10 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
         bmdb.open_connection(postgres.url("bmdb"), migrate=True) as conn,
         trio.open_nursery() as nursery,
     ):
-        good_ids = write_machines_file(machines_file, good, 0)
-        broken_ids = write_machines_file(machines_file, broken, good_count)
-        machines = good.machines + broken.machines
-        ports = {i: m.port for i, m in zip(good_ids + broken_ids, machines, strict=True)}
+        machines = good.machines + broken.machines  # the broken ones last
+        ids = write_machines_file(machines_file, machines)
+        good_ids, broken_ids = ids[:good_count], ids[good_count:]
+        ports = {i: m.port for i, m in zip(ids, machines, strict=True)}
         provider = StaticProvider.from_file(machines_file)
         synced = await sync_provided(conn, provider)
         logger.info("%d machines provided from %s", len(synced.added), machines_file)

@@ -45,7 +45,9 @@ def test_demo_takes_over_good_machines_and_fails_broken_ones(traversable_dir: Pa
     assert "failed, retrying after backoff" in rows["demo-003"]
     assert "refused our key" in rows["demo-003"]
     # --keep leaves the machines file, the key and the uploaded agents behind.
-    assert "demo-003" in (workdir / "machines.toml").read_text()
+    listed = (workdir / "machines.toml").read_text()
+    assert listed.count("[[machine]]") == 4 and "demo-003" in listed
+    assert listed.count("# Machines of the demo fleet") == 1
     assert (workdir / "shepherd_ed25519").exists()
     assert len(list((workdir / "fleet").glob("*/root/agent"))) == 3
     assert "progress:" in result.stderr
