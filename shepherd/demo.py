@@ -14,8 +14,10 @@ real, and the initializer uploads the real agent and runs it::
     every broken one has failed (and is waiting out its backoff)
 
 Then it prints each machine's outcome as the BMDB records it, stops
-everything and removes its working folder (``--keep`` leaves it, with the
-Postgres log, the machines file and the SSH key, for a look around).
+everything and removes what it created in its working folder (``--keep``
+leaves it, with the Postgres log, the machines file and the SSH key, for a
+look around). It never removes or chmods anything it did not create: a
+``--workdir`` that exists must be empty, and stays in place afterwards.
 Exit status: 0 when every machine ended as expected, 1 otherwise.
 """
 
@@ -91,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=120.0, help="give up after SECONDS (default 120)"
     )
     parser.add_argument(
-        "--workdir", type=Path, help="working folder (default: a new temporary folder)"
+        "--workdir",
+        type=Path,
+        help=(
+            "working folder: a new folder, or an empty one (default: a new temporary folder);"
+            " a non-empty folder is refused, and only what the demo created is removed"
+        ),
     )
     parser.add_argument("--keep", action="store_true", help="keep the working folder")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -238,6 +245,64 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
     return finished
 
 
+#: What the demo puts into its working folder; nothing else there is ever removed.
+_DEMO_ENTRIES = ("postgres", "fleet", "broken", "machines.toml", "shepherd_ed25519")
+
+
+class WorkdirError(Exception):
+    """The folder given with ``--workdir`` cannot be used; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Workdir:
+    """The demo's working folder and how much of it the demo may remove.
+
+    ``created`` is the outermost folder the demo created itself (``path`` or
+    one of its ancestors), removed whole at the end. When it is ``None`` the
+    folder was the user's (it existed, empty): the demo removes only the
+    entries it put there and never changes the folder's own mode.
+    """
+
+    path: Path
+    created: Path | None
+
+    @classmethod
+    def prepare(cls, requested: Path | None) -> Workdir:
+        if requested is None:
+            path = Path(tempfile.mkdtemp(prefix="shepherd-demo-"))
+            # As root, PostgreSQL runs as the postgres user, which must reach
+            # its folder inside ours (mkdtemp makes ours 0700).
+            path.chmod(0o711)
+            return cls(path, created=path)
+        path = requested.absolute()
+        if path.is_symlink() or path.exists():
+            if not path.is_dir() or path.is_symlink():
+                raise WorkdirError(f"--workdir {requested}: exists and is not a folder")
+            if any(path.iterdir()):
+                raise WorkdirError(
+                    f"--workdir {requested}: folder is not empty; give a new or empty folder"
+                    " (the demo removes what it creates, so it will not share a folder)"
+                )
+            return cls(path, created=None)
+        outermost = path
+        while not outermost.parent.exists():
+            outermost = outermost.parent
+        path.mkdir(parents=True)
+        return cls(path, created=outermost)
+
+    def remove(self) -> None:
+        """Remove what the demo created, and nothing else."""
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+            return
+        for name in _DEMO_ENTRIES:
+            entry = self.path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.broken > args.machines:
@@ -247,22 +312,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("asyncssh").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shepherd-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    # As root, PostgreSQL runs as the postgres user, which must reach its
-    # folder inside ours (mkdtemp makes ours 0700).
-    workdir.chmod(0o711)
+    try:
+        workdir = Workdir.prepare(args.workdir)
+    except (WorkdirError, OSError) as exc:
+        sys.stderr.write(f"shepherd.demo: {exc}\n")
+        return 2
     options = Options(
         machines=args.machines,
         broken=args.broken,
         parallelism=args.parallelism,
         timeout=args.timeout,
-        workdir=workdir,
+        workdir=workdir.path,
         keep=args.keep,
     )
     postgres = None
     try:
-        postgres = LocalPostgres(workdir / "postgres")
+        postgres = LocalPostgres(workdir.path / "postgres")
         logger.info("starting a private PostgreSQL in %s", postgres.root)
         postgres.create()
         postgres.start()
@@ -276,9 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if postgres is not None:
             postgres.stop()
         if options.keep:
-            logger.info("kept %s", workdir)
+            logger.info("kept %s", workdir.path)
         else:
-            shutil.rmtree(workdir, ignore_errors=True)
+            workdir.remove()
     return 0 if ok else 1
 
 

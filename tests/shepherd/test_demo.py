@@ -76,3 +76,42 @@ def test_demo_in_a_folder_postgres_cannot_enter_is_a_clear_error(tmp_path: Path)
     assert result.returncode == 1
     assert "cannot enter" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_demo_refuses_a_non_empty_workdir_and_leaves_it_alone(traversable_dir: Path) -> None:
+    precious = traversable_dir / "precious.txt"
+    precious.write_text("do not delete")
+    traversable_dir.chmod(0o750)
+    result = run_demo("--workdir", str(traversable_dir))
+    assert result.returncode == 2
+    assert "not empty" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert precious.read_text() == "do not delete"
+    assert sorted(p.name for p in traversable_dir.iterdir()) == ["precious.txt"]
+    assert traversable_dir.stat().st_mode & 0o777 == 0o750
+
+
+def test_demo_refuses_a_workdir_that_is_a_file(traversable_dir: Path) -> None:
+    target = traversable_dir / "file"
+    target.write_text("mine")
+    result = run_demo("--workdir", str(target))
+    assert result.returncode == 2
+    assert "not a folder" in result.stderr
+    assert target.read_text() == "mine"
+
+
+def test_demo_in_an_empty_workdir_keeps_the_folder_and_its_mode(traversable_dir: Path) -> None:
+    traversable_dir.chmod(0o755)
+    result = run_demo("--machines", "1", "--broken", "0", "--workdir", str(traversable_dir))
+    assert result.returncode == 0, result.stderr
+    assert traversable_dir.is_dir()
+    assert list(traversable_dir.iterdir()) == []
+    assert traversable_dir.stat().st_mode & 0o777 == 0o755
+
+
+def test_demo_removes_the_folders_it_created_and_no_more(traversable_dir: Path) -> None:
+    workdir = traversable_dir / "new" / "demo"
+    result = run_demo("--machines", "1", "--broken", "0", "--workdir", str(workdir))
+    assert result.returncode == 0, result.stderr
+    assert traversable_dir.is_dir()
+    assert list(traversable_dir.iterdir()) == []
