@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from shepherd.providers.base import (
     Availability,
+    Capability,
     Machine,
     MachineNotFound,
     Provider,
@@ -19,6 +20,7 @@ from shepherd.providers.base import (
 
 __all__ = [
     "Availability",
+    "Capability",
     "Machine",
     "MachineNotFound",
     "Provider",

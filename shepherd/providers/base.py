@@ -6,8 +6,10 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+from shepherd.errors import ShepherdError
 
-class ProviderError(Exception):
+
+class ProviderError(ShepherdError):
     """A provider could not answer. Subclasses say why."""
 
 
@@ -26,6 +28,21 @@ class Availability(enum.Enum):
     KNOWN_UNUSED = "known_unused"
     KNOWN_USED = "known_used"
     POSSIBLY_USED = "possibly_used"
+
+
+class Capability(enum.Enum):
+    """Something a provider can do beyond knowing its machines.
+
+    Callers check ``capability in provider.capabilities`` before they rely on
+    one, instead of finding out from a :class:`ProviderUnsupported` late.
+    """
+
+    CREATE = "create"
+    """``create_machine()`` makes new machines (e.g. deploys a reserved server)."""
+    REBOOT = "reboot"
+    """``reboot()`` power-cycles a machine (through the provider's API or a BMC)."""
+    REFRESH = "refresh"
+    """``get_machine()`` returns live state worth recording again (address, status)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,10 @@ class Provider(Protocol):
     @property
     def type(self) -> str: ...
 
+    #: What this provider can do beyond listing and getting machines.
+    @property
+    def capabilities(self) -> frozenset[Capability]: ...
+
     async def list_machines(self) -> list[Machine]:
         """All machines this provider knows about."""
         ...
@@ -64,5 +85,9 @@ class Provider(Protocol):
         ...
 
     async def create_machine(self) -> Machine:
-        """Make a new machine (e.g. deploy a reserved server) and return it."""
+        """Make a new machine; :class:`ProviderUnsupported` without ``Capability.CREATE``."""
+        ...
+
+    async def reboot(self, machine_id: str) -> None:
+        """Power-cycle a machine; :class:`ProviderUnsupported` without ``Capability.REBOOT``."""
         ...

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from shepherd.providers.base import (
     Availability,
+    Capability,
     Machine,
     MachineNotFound,
     ProviderError,
@@ -58,6 +59,10 @@ class StaticProvider:
     def type(self) -> str:
         return PROVIDER_TYPE
 
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        return frozenset()
+
     async def list_machines(self) -> list[Machine]:
         return list(self._machines.values())
 
@@ -69,6 +74,9 @@ class StaticProvider:
 
     async def create_machine(self) -> Machine:
         raise ProviderUnsupported("the static provider cannot create machines")
+
+    async def reboot(self, machine_id: str) -> None:
+        raise ProviderUnsupported("the static provider cannot reboot machines")
 
 
 def load_machines(path: Path) -> list[Machine]:

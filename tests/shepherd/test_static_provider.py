@@ -38,8 +38,11 @@ async def test_lists_and_gets_machines(tmp_path: Path) -> None:
     assert await provider.get_machine("rack1-02") == second
     with pytest.raises(MachineNotFound, match="no machine 'rack1-03'"):
         await provider.get_machine("rack1-03")
+    assert provider.capabilities == frozenset()
     with pytest.raises(ProviderUnsupported):
         await provider.create_machine()
+    with pytest.raises(ProviderUnsupported, match="cannot reboot"):
+        await provider.reboot("rack1-01")
 
 
 @pytest.mark.parametrize(
