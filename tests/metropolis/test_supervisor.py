@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 
 import pytest
 import trio
@@ -16,7 +17,15 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metropolis.supervisor import BackoffPolicy, Node, State, open_supervisor, supervise
+from metropolis.supervisor import (
+    BackoffPolicy,
+    Node,
+    RestartRequested,
+    RunnableInfo,
+    State,
+    open_supervisor,
+    supervise,
+)
 
 EXACT = BackoffPolicy(jitter=0.0)
 
@@ -320,7 +329,8 @@ async def test_cancelling_the_tree_stops_everything(
             scope.cancel()
     assert sorted(cleaned) == ["x", "y"]
     assert sup.state("root") is State.STOPPED
-    assert sup.state("root.x") is State.STOPPED
+    # The children ended with the root's attempt: their entries are gone.
+    assert [info.name for info in sup.snapshot()] == ["root"]
 
 
 async def test_instant_failure_loop_does_not_spin(autojump_clock: trio.testing.MockClock) -> None:
@@ -399,3 +409,433 @@ def test_backoff_jitter_stays_within_bounds(failures: int, seed: int) -> None:
     base = min(60.0, 0.5 * 1.5 ** min(failures - 1, 1000))
     delay = policy.delay(failures, random.Random(seed))
     assert base * 0.75 <= delay <= base * 1.25
+
+
+# -- exits ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exit_type", [SystemExit, KeyboardInterrupt])
+async def test_exit_from_a_grandchild_task_ends_supervise(
+    autojump_clock: trio.testing.MockClock, exit_type: type[BaseException]
+) -> None:
+    starts: list[str] = []
+
+    async def grandchild(node: Node) -> None:
+        starts.append(node.name)
+        node.signal_healthy()
+
+        async def task() -> None:
+            await trio.sleep(1)
+            raise exit_type(3)
+
+        # On Trio the exit arrives wrapped in (nested) exception groups.
+        async with trio.open_nursery() as outer:
+            outer.start_soon(trio.sleep_forever)
+            async with trio.open_nursery() as inner:
+                inner.start_soon(task)
+                inner.start_soon(trio.sleep_forever)
+
+    async def child(node: Node) -> None:
+        starts.append(node.name)
+        node.run("grandchild", grandchild)
+        await sleep_forever(node)
+
+    async def root(node: Node) -> None:
+        starts.append(node.name)
+        node.run("child", child)
+        await sleep_forever(node)
+
+    # A restart would loop until fail_after, which raises TooSlowError instead.
+    with trio.fail_after(3600), pytest.raises(exit_type) as caught:
+        await supervise(root, policy=EXACT)
+    assert caught.value.args == (3,)
+    assert starts == ["root", "root.child", "root.child.grandchild"]
+
+
+async def test_exit_inside_a_group_ends_open_supervisor(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    attempts = 0
+
+    async def root(node: Node) -> None:
+        nonlocal attempts
+        attempts += 1
+        node.signal_healthy()
+
+        async def task() -> None:
+            raise KeyboardInterrupt
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            nursery.start_soon(task)
+
+    with trio.fail_after(3600), pytest.raises(KeyboardInterrupt):
+        async with open_supervisor(root, policy=EXACT):
+            await trio.sleep_forever()
+    assert attempts == 1
+
+
+# -- scopes --------------------------------------------------------------------
+
+
+class Resource:
+    """Something a runnable lends its children; records use after close."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.uses = 0
+        self.used_after_close = 0
+
+    def use(self) -> None:
+        self.uses += 1
+        if self.closed:
+            self.used_after_close += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_scope_children_end_before_the_block_is_left(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    resource = Resource()
+    events: list[str] = []
+
+    async def borrower(node: Node) -> None:
+        node.signal_healthy()
+        try:
+            while True:
+                resource.use()
+                await trio.sleep(0.1)
+        finally:
+            # A slow goodbye that still needs the resource.
+            with trio.CancelScope(shield=True):
+                await trio.sleep(5)
+                resource.use()
+                events.append("child finished")
+
+    async def root(node: Node) -> None:
+        async with node.scope() as sub:
+            sub.run("borrower", borrower)
+            await trio.sleep(1)
+        events.append("block left")
+        resource.close()
+        node.signal_done()
+
+    async with open_supervisor(root, policy=EXACT) as sup:
+        await sup.wait_state("root", State.DONE)
+        await trio.sleep(60)  # room for a straggler to misuse the resource
+        assert sup.state("root.borrower") is None  # pruned with its scope
+    assert events == ["child finished", "block left"]
+    assert resource.uses > 10
+    assert resource.used_after_close == 0
+
+
+async def test_scope_children_end_first_when_the_runnable_is_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    resource = Resource()
+    events: list[str] = []
+
+    async def borrower(node: Node) -> None:
+        node.signal_healthy()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(5)
+                resource.use()
+                events.append("child finished")
+
+    async def root(node: Node) -> None:
+        node.signal_healthy()
+        try:
+            async with node.scope() as sub:
+                sub.run("borrower", borrower)
+                await trio.sleep_forever()
+        finally:
+            events.append("block left")
+            resource.close()
+
+    async with open_supervisor(root, policy=EXACT) as sup:
+        await sup.wait_healthy("root.borrower")
+    assert events == ["child finished", "block left"]
+    assert resource.used_after_close == 0
+
+
+async def test_nested_scopes_stop_inner_before_outer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stopped: list[str] = []
+
+    def child(label: str, goodbye: float) -> object:
+        async def runnable(node: Node) -> None:
+            node.signal_healthy()
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(goodbye)
+                stopped.append(label)
+
+        return runnable
+
+    async def root(node: Node) -> None:
+        node.signal_healthy()
+        async with node.scope() as outer:
+            # The outer child would stop first if both were cancelled together.
+            outer.run("outer", child("outer", 0))  # type: ignore[arg-type]
+            async with node.scope() as inner:
+                inner.run("inner", child("inner", 5))  # type: ignore[arg-type]
+                await trio.sleep_forever()
+
+    async with open_supervisor(root, policy=EXACT) as sup:
+        await sup.wait_healthy("root.inner")
+        await sup.wait_healthy("root.outer")
+    assert stopped == ["inner", "outer"]
+
+
+async def test_scope_child_name_is_reusable_after_the_block(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    runs: list[str] = []
+    checks: list[str] = []
+
+    async def worker(node: Node) -> None:
+        runs.append(node.name)
+        await sleep_forever(node)
+
+    async def root(node: Node) -> None:
+        async with node.scope() as sub:
+            sub.run("worker", worker)
+            with pytest.raises(ValueError, match="already runs"):
+                node.run("worker", worker)
+            with pytest.raises(ValueError, match="already runs"):
+                sub.run("worker", worker)
+            await trio.sleep(1)
+        with pytest.raises(RuntimeError, match="scope that was left"):
+            sub.run("late", worker)
+        async with node.scope() as again:
+            again.run("worker", worker)
+            await trio.sleep(1)
+        node.run("worker", worker)
+        checks.append("ok")
+        await sleep_forever(node)
+
+    async with open_supervisor(root, policy=EXACT) as sup:
+        await sup.wait_healthy("root")
+        await sup.wait_healthy("root.worker")
+    assert checks == ["ok"]
+    assert runs == ["root.worker"] * 3
+
+
+async def test_exception_from_a_scope_block_is_not_wrapped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    caught: list[BaseException] = []
+
+    async def root(node: Node) -> None:
+        try:
+            async with node.scope() as sub:
+                sub.run("x", sleep_forever)
+                await trio.sleep(1)
+                raise Boom("from the block")
+        except Boom as exc:
+            caught.append(exc)
+        node.signal_done()
+
+    async with open_supervisor(root, policy=EXACT) as sup:
+        await sup.wait_state("root", State.DONE)
+    assert [str(e) for e in caught] == ["from the block"]
+
+
+# -- restart on request --------------------------------------------------------
+
+
+async def test_restart_on_request_is_immediate_and_not_a_failure(
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    starts: list[float] = []
+    child_cleanups = 0
+
+    async def child(node: Node) -> None:
+        nonlocal child_cleanups
+        node.signal_healthy()
+        try:
+            await trio.sleep_forever()
+        finally:
+            child_cleanups += 1
+
+    async def runnable(node: Node) -> None:
+        starts.append(trio.current_time())
+        node.run("child", child)
+        attempt = len(starts)
+        await trio.sleep(1)
+        if attempt <= 2:
+            node.restart(f"config v{attempt + 1}")
+        node.signal_healthy()
+        await trio.sleep_forever()
+
+    with caplog.at_level(logging.DEBUG):
+        async with open_supervisor(runnable, policy=EXACT) as sup:
+            while len(starts) < 3:
+                await sup.wait_healthy("root")
+            await sup.wait_healthy("root.child")
+            info = sup.snapshot()[0]
+    # 1 s of work per attempt and nothing else: no backoff at all.
+    assert gaps_between(starts) == pytest.approx([1.0, 1.0])
+    assert child_cleanups == 3  # two restarts, then the end of the test
+    assert info == RunnableInfo("root", State.HEALTHY, 2, None, None)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    requests = [r for r in caplog.records if r.name == "root" and "on request" in r.message]
+    assert [r.levelno for r in requests] == [logging.INFO] * 2
+    assert "config v2" in requests[0].message
+    assert all(r.exc_info is None for r in requests)
+
+
+async def test_restart_on_request_keeps_the_failure_count(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    starts: list[float] = []
+
+    async def runnable(node: Node) -> None:
+        starts.append(trio.current_time())
+        attempt = len(starts)
+        if attempt in (1, 3):
+            raise Boom  # never healthy in between: failures 1, then 2
+        if attempt == 2:
+            # From a task in a nursery: a group of RestartRequested + Cancelled.
+            async def ask() -> None:
+                node.restart("new config")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.sleep_forever)
+                nursery.start_soon(ask)
+        node.signal_healthy()
+        await trio.sleep_forever()
+
+    async with open_supervisor(runnable, policy=EXACT) as sup:
+        while len(starts) < 4:
+            await sup.wait_healthy("root")
+        assert sup.restarts("root") == 3
+    # Had the request counted as a failure: 0.5, 0.75, 1.125.
+    assert gaps_between(starts) == pytest.approx([0.5, 0.0, 0.75])
+
+
+async def test_restart_request_mixed_with_an_error_is_a_failure(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    starts: list[float] = []
+
+    async def runnable(node: Node) -> None:
+        starts.append(trio.current_time())
+        if len(starts) == 1:
+            raise ExceptionGroup("both", [RestartRequested("x"), Boom("y")])
+        await sleep_forever(node)
+
+    async with open_supervisor(runnable, policy=EXACT) as sup:
+        await sup.wait_healthy("root")
+    assert gaps_between(starts) == pytest.approx([0.5])
+
+
+async def test_restart_request_restarts_the_whole_group_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    starts: dict[str, list[float]] = {"a": [], "b": []}
+
+    async def a(node: Node) -> None:
+        starts["a"].append(trio.current_time())
+        node.signal_healthy()
+        if len(starts["a"]) == 1:
+            await trio.sleep(1)
+            node.restart("a's config changed")
+        await trio.sleep_forever()
+
+    async def b(node: Node) -> None:
+        starts["b"].append(trio.current_time())
+        await sleep_forever(node)
+
+    async def root(node: Node) -> None:
+        node.run_group({"a": a, "b": b})
+        await sleep_forever(node)
+
+    async with open_supervisor(root, policy=EXACT) as sup:
+        await trio.sleep(10)
+        assert sup.restarts("root.b") == 1
+    # Both restarted when a asked, after its 1 s of work: no backoff passed.
+    assert starts == {"a": [0.0, 1.0], "b": [0.0, 1.0]}
+
+
+# -- snapshot ------------------------------------------------------------------
+
+
+async def test_snapshot_lists_the_tree_sorted_with_errors(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    crashes = 0
+
+    async def crashy(node: Node) -> None:
+        nonlocal crashes
+        crashes += 1
+        if crashes == 1:
+            raise Boom("kaboom")
+        await sleep_forever(node)
+
+    async def root(node: Node) -> None:
+        node.run("zeta", sleep_forever)
+        node.run("alpha", crashy)
+        await sleep_forever(node)
+
+    before = time.time()
+    async with open_supervisor(root, policy=EXACT) as sup:
+        await sup.wait_healthy("root.alpha")
+        await sup.wait_healthy("root.zeta")
+        snapshot = sup.snapshot()
+    after = time.time()
+    assert [(i.name, i.state, i.restarts) for i in snapshot] == [
+        ("root", State.HEALTHY, 0),
+        ("root.alpha", State.HEALTHY, 1),
+        ("root.zeta", State.HEALTHY, 0),
+    ]
+    alpha = snapshot[1]
+    assert alpha.last_error == "Boom: kaboom"
+    assert alpha.last_error_at is not None and before <= alpha.last_error_at <= after
+    assert snapshot[2].last_error is None and snapshot[2].last_error_at is None
+
+
+async def test_snapshot_prunes_children_that_ended(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    sizes: list[int] = []
+    sup_box: list[object] = []
+
+    async def once(node: Node) -> None:
+        node.signal_done()
+
+    async def parent(node: Node) -> None:
+        # A fresh batch of children every attempt, all done at once.
+        for i in range(3):
+            node.run(f"once{i}", once)
+        await trio.sleep(1)
+        node.restart("again")
+
+    async def root(node: Node) -> None:
+        node.run("parent", parent)
+        node.signal_healthy()
+        for i in range(20):
+            async with node.scope() as sub:
+                sub.run(f"scoped{i}", sleep_forever)
+                await trio.sleep(1)
+            sizes.append(len(sup_box[0].snapshot()))  # type: ignore[attr-defined]
+        await trio.sleep_forever()
+
+    async with open_supervisor(root, policy=EXACT) as sup:
+        sup_box.append(sup)
+        await trio.sleep(30)
+        names = [i.name for i in sup.snapshot()]
+        assert sup.restarts("root.parent") >= 20
+    # root, root.parent and at most one batch of root.parent.once*.
+    assert max(sizes) <= 5
+    assert not [n for n in names if "scoped" in n]
+    assert set(names) <= {"root", "root.parent"} | {f"root.parent.once{i}" for i in range(3)}
