@@ -18,6 +18,11 @@ Guarantees, which callers rely on:
 * ``get(predicate)`` skips values for which ``predicate`` is false.
 * ``get()`` is cancellation-safe: when cancelled it has consumed nothing, so
   the next ``get()`` returns what the cancelled one would have.
+* A watcher is one reader: a second ``get()`` while one is waiting on the
+  same watcher raises ``trio.BusyResourceError`` (two readers would silently
+  split the values between them). Each reader makes its own watcher.
+* :meth:`Value.readonly` gives a view that can only be watched: a service
+  publishes its status through it so that consumers cannot ``set()`` it.
 * ``set()`` never blocks and costs O(watchers waiting) to wake them.
 * After ``Value.close()``, a watcher still gets the newest value if it has not
   seen it, then ``get()`` raises :class:`Closed`. After ``Watcher.close()``,
@@ -32,7 +37,7 @@ from typing import Generic, TypeGuard, TypeVar, overload
 
 import trio
 
-__all__ = ["Closed", "Value", "Watcher"]
+__all__ = ["Closed", "ReadOnlyValue", "Value", "Watcher"]
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -74,9 +79,26 @@ class Value(Generic[T]):
         """A new watcher positioned before the current value."""
         return Watcher(self)
 
+    def readonly(self) -> ReadOnlyValue[T]:
+        """A view of this value that can be watched but not set or closed."""
+        return ReadOnlyValue(self)
+
     def _wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+
+class ReadOnlyValue(Generic[T]):
+    """A watch-only view of a :class:`Value`: it has ``watch()``, and no ``set()``."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Value[T]) -> None:
+        self._value = value
+
+    def watch(self) -> Watcher[T]:
+        """A new watcher of the underlying value, positioned before its current value."""
+        return self._value.watch()
 
 
 class Watcher(Generic[T]):
@@ -86,6 +108,7 @@ class Watcher(Generic[T]):
         self._source = value
         self._seen = 0  # version of the last value this watcher returned
         self._closed = False
+        self._getting = False  # a get() is in progress
 
     @overload
     async def get(self) -> T: ...
@@ -98,8 +121,18 @@ class Watcher(Generic[T]):
         """The next value (see the module docstring) for which ``predicate`` holds.
 
         Raises :class:`Closed` when the watcher or its value was closed and no
-        qualifying value is left. Cancellation-safe.
+        qualifying value is left, and ``trio.BusyResourceError`` when another
+        task is in ``get()`` on this watcher. Cancellation-safe.
         """
+        if self._getting:
+            raise trio.BusyResourceError("another task is already in get() on this Watcher")
+        self._getting = True
+        try:
+            return await self._get(predicate)
+        finally:
+            self._getting = False
+
+    async def _get(self, predicate: Callable[[T], bool] | None) -> object:
         await trio.lowlevel.checkpoint()
         source = self._source
         while True:

@@ -249,3 +249,47 @@ async def test_random_interleavings_never_go_back_nor_lose_the_newest(
         assert all(1 <= v <= last for v in values)
         if last:
             assert values and values[-1] == last, f"lost the newest {last}: {values}"
+
+
+async def test_concurrent_get_on_one_watcher_raises_busy() -> None:
+    value: Value[int] = Value()
+    watcher = value.watch()
+    got: list[int] = []
+
+    async def first() -> None:
+        got.append(await watcher.get())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        await trio.testing.wait_all_tasks_blocked()
+        # Without the check this get() would wait (and later steal a value).
+        with trio.fail_after(5), pytest.raises(trio.BusyResourceError):
+            await watcher.get()
+        # The refused get() took nothing: the waiting one still gets the value.
+        value.set(1)
+    assert got == [1]
+    # Free again once the first get() has returned.
+    value.set(2)
+    assert await watcher.get() == 2
+
+
+async def test_cancelled_get_frees_the_watcher() -> None:
+    value: Value[int] = Value()
+    watcher = value.watch()
+    with trio.move_on_after(0.01):
+        await watcher.get()
+    value.set(7)
+    assert await watcher.get() == 7
+
+
+async def test_readonly_view_watches_but_cannot_set() -> None:
+    value: Value[str] = Value()
+    view = value.readonly()
+    assert not hasattr(view, "set")
+    assert not hasattr(view, "close")
+    with view.watch() as watcher:
+        value.set("up")
+        assert await watcher.get() == "up"
+        value.close()
+        with pytest.raises(Closed):
+            await watcher.get()
