@@ -16,20 +16,26 @@ Keeping the PKI inside etcd makes bootstrap restartable (re-running it
 finds the CA already there) and lets any member issue peer certificates
 later (``Status.add_node``).
 
-Once etcd answers and this member is a voter, two children run beside it::
+Once etcd answers and this member is a voter, two children run beside it,
+in a supervisor scope that ends before the etcd client they use is closed::
 
     consensus ──┬── etcd process (run_etcd; its log under "<name>.etcd")
-                ├── promoter: the raft leader turns caught-up learners into voters
-                └── crl:      etcd's CRL key ──watch──> data/etcd/peer_crl.pem
+                └── scope ──┬── promoter: the raft leader turns caught-up learners into voters
+                            └── crl:      etcd's CRL key ──watch──> data/etcd/peer_crl.pem
 
-and ``status`` is set to a running :class:`Status`. If etcd dies, the
-runnable fails and the supervisor restarts it, on the same data. When the
-runnable ends for any reason, ``status`` goes back to not running and the
-etcd process is stopped before ``run`` returns.
+and ``status`` (a read-only view) says running. If etcd dies, the runnable
+fails and the supervisor restarts it, on the same data. When the runnable
+ends for any reason, ``status`` goes back to not running and the children
+are stopped, then the client is closed, and the etcd process is stopped
+before ``run`` returns.
+
+Files are written with fsync (``atomic_write``) in a worker thread, so a slow
+disk does not stall the other tasks of the node.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -45,7 +51,7 @@ from metropolis import identity, pki
 from metropolis.consensus import peerpki
 from metropolis.consensus.client import KV, Client, EtcdAPIError, EtcdUnavailable
 from metropolis.consensus.process import SOCKET_NAME, PeerTLS, ProcessConfig, Tuning, run_etcd
-from metropolis.event import Value
+from metropolis.event import ReadOnlyValue, Value
 from metropolis.localstorage import EtcdDataDirectory, atomic_write
 from metropolis.proto.common import NodeRolesConsensusMember, NodeRolesConsensusMemberPeer
 from metropolis.supervisor import Node
@@ -280,13 +286,19 @@ async def _retry_transient(fn: Callable[[], Awaitable[_T]], patience: float) -> 
 class Service:
     """Runs this node's etcd member. ``run`` is a supervisor runnable.
 
-    ``status`` is set to a not-running :class:`Status` when ``run`` starts
-    and ends, and to a running one when the member is up and a voter.
+    ``status`` says not running when ``run`` starts and ends, and running
+    when the member is up and a voter.
     """
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.status: Value[Status] = Value()
+        self._status: Value[Status] = Value()
+        self._status_view = self._status.readonly()
+
+    @property
+    def status(self) -> ReadOnlyValue[Status]:
+        """The service's :class:`Status`, to watch; only the service sets it."""
+        return self._status_view
 
     def _stopped(self) -> Status:
         return Status(running=False, node_id=self.config.node_id, peer_url=self.config.peer_url)
@@ -297,11 +309,11 @@ class Service:
         Raises :class:`ConsensusError` before starting anything if the join
         data does not fit our key, or if the on-disk state is inconsistent.
         """
-        self.status.set(self._stopped())
+        self._status.set(self._stopped())
         try:
             await self._run(node)
         finally:
-            self.status.set(self._stopped())
+            self._status.set(self._stopped())
 
     async def _run(self, node: Node) -> None:
         config = self.config
@@ -316,7 +328,7 @@ class Service:
         join = config.join_cluster
         if join is not None:
             node.logger.info("joining existing cluster via %d members", len(join.existing_nodes))
-            self._write_join_pki(join)
+            await self._write_join_pki(join)
             initial = own | {n.name: n.url for n in join.existing_nodes}
             process = config._process(peer_tls=True, initial=initial, state="existing")
         else:
@@ -339,22 +351,29 @@ class Service:
             member_id = (await client.status()).member_id
             await _wait_voter(client, member_id, node.logger)
 
-            node.run("promoter", lambda n: _promoter(n, client, config.promote_interval))
-            node.run("crl", lambda n: _sync_crl(n, client, config.data.peer_crl))
-            self.status.set(
-                Status(
-                    running=True,
-                    node_id=config.node_id,
-                    peer_url=config.peer_url,
-                    member_id=member_id,
-                    _client=client,
-                    _config=config,
+            # The children borrow the client: the scope ends them before the
+            # client is closed. It is left when run_etcd raises EtcdExited
+            # (which cancels this block) or when we are cancelled.
+            async with node.scope() as sub:
+                sub.run("promoter", lambda n: _promoter(n, client, config.promote_interval))
+                sub.run("crl", lambda n: _sync_crl(n, client, config.data.peer_crl))
+                self._status.set(
+                    Status(
+                        running=True,
+                        node_id=config.node_id,
+                        peer_url=config.peer_url,
+                        member_id=member_id,
+                        _client=client,
+                        _config=config,
+                    )
                 )
-            )
-            node.logger.info("etcd member %x running", member_id)
-            node.signal_healthy()
-            # From here on the nursery just waits on run_etcd, which raises
-            # EtcdExited if etcd dies and stops etcd if we are cancelled.
+                node.logger.info("etcd member %x running", member_id)
+                node.signal_healthy()
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    # Withdrawn before the client closes, not after.
+                    self._status.set(self._stopped())
 
     def _check_peer_pki(self) -> None:
         """Refuse peer credentials on disk that are damaged or not this node's.
@@ -374,7 +393,7 @@ class Service:
                 f"not this node ({self.config.node_id})"
             )
 
-    def _write_join_pki(self, join: JoinCluster) -> None:
+    async def _write_join_pki(self, join: JoinCluster) -> None:
         """Check the join data against our key, then write it (owner-only)."""
         own_key = pki.public_key_bytes(self.config.node_private_key)
         try:
@@ -385,14 +404,19 @@ class Service:
             raise ConsensusError(f"join data does not verify: {e}") from e
         if cert_key != own_key:
             raise ConsensusError("join data: peer certificate is not for this node's key")
-        self.config.data.peer_pki.write_all(
-            ca_certificate=pki.encode_certificate(join.ca_certificate),
-            certificate=pki.encode_certificate(join.node_certificate),
-            key=pki.encode_private_key(self.config.node_private_key),
+        await trio.to_thread.run_sync(
+            functools.partial(
+                self.config.data.peer_pki.write_all,
+                ca_certificate=pki.encode_certificate(join.ca_certificate),
+                certificate=pki.encode_certificate(join.node_certificate),
+                key=pki.encode_private_key(self.config.node_private_key),
+            )
         )
         if self._have_newer_crl(join):
             return
-        atomic_write(self.config.data.peer_crl, pki.encode_crl(join.initial_crl))
+        await trio.to_thread.run_sync(
+            atomic_write, self.config.data.peer_crl, pki.encode_crl(join.initial_crl)
+        )
 
     def _have_newer_crl(self, join: JoinCluster) -> bool:
         """Whether the CRL on disk is at least as new as the join data's.
@@ -430,11 +454,14 @@ class Service:
                 crl, _ = await peerpki.get_crl(pki_kv)
             nursery.cancel_scope.cancel()
         # CRL first, credentials last: all_present() then implies a usable CRL.
-        atomic_write(config.data.peer_crl, pki.encode_crl(crl))
-        config.data.peer_pki.write_all(
-            ca_certificate=pki.encode_certificate(ca.certificate),
-            certificate=pki.encode_certificate(certificate),
-            key=pki.encode_private_key(config.node_private_key),
+        await trio.to_thread.run_sync(atomic_write, config.data.peer_crl, pki.encode_crl(crl))
+        await trio.to_thread.run_sync(
+            functools.partial(
+                config.data.peer_pki.write_all,
+                ca_certificate=pki.encode_certificate(ca.certificate),
+                certificate=pki.encode_certificate(certificate),
+                key=pki.encode_private_key(config.node_private_key),
+            )
         )
         node.logger.info("bootstrap PKI written; restarting etcd with peer TLS")
 
@@ -492,23 +519,28 @@ async def _sync_crl(node: Node, client: Client, path: Path) -> None:
     current = await kv.get(peerpki.KEY_CRL)
     if current is None:
         raise peerpki.PeerPKIError("no CRL in etcd")
-    _apply_crl(current.value, ca, path, node.logger)
+    await _apply_crl(current.value, ca, path, node.logger)
     node.signal_healthy()
     async with kv.watch(peerpki.KEY_CRL, start_revision=current.mod_revision + 1) as watch:
         async for response in watch:
             for event in response.events:
                 if event.type == "PUT":
-                    _apply_crl(event.kv.value, ca, path, node.logger)
+                    await _apply_crl(event.kv.value, ca, path, node.logger)
                 else:
                     node.logger.error("CRL deleted from etcd; keeping the last one")
 
 
-def _apply_crl(raw: bytes, ca: peerpki.PeerCA, path: Path, logger: logging.Logger) -> None:
+async def _apply_crl(raw: bytes, ca: peerpki.PeerCA, path: Path, logger: logging.Logger) -> None:
+    """Write ``raw`` to ``path`` if it is a CRL signed by ``ca``; log and keep the old one if not.
+
+    The write (with fsync) runs in a worker thread; a cancellation waits for
+    it, so the file is always the old or the new list.
+    """
     try:
         crl = pki.decode_crl(raw)
         pki.verify_crl(crl, ca.certificate)
     except pki.PKIError as e:
         logger.error("ignoring bad CRL from etcd, keeping the last one: %s", e)
         return
-    atomic_write(path, pki.encode_crl(crl))
+    await trio.to_thread.run_sync(atomic_write, path, pki.encode_crl(crl))
     logger.info("CRL written (%d revoked)", len(list(crl)))

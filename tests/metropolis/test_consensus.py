@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 import stat
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +159,53 @@ async def test_sigkilled_etcd_is_restarted_on_same_data(tmp_path: Path) -> None:
         kv = await restarted.curator_client().get("survivor")
         assert kv is not None and kv.value == b"yes"
         assert restarted.member_id == status.member_id
+
+
+async def test_children_end_before_the_etcd_client_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # promoter and crl borrow the service's etcd client: they must have ended
+    # whenever it is closed, both when etcd dies and when the service stops.
+    from metropolis.consensus import service as service_module
+
+    live: set[str] = set()
+    at_close: list[set[str]] = []
+
+    def tracked(name: str, fn: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        async def wrapper(*args: object) -> None:
+            live.add(name)
+            try:
+                await fn(*args)
+            finally:
+                live.discard(name)
+
+        return wrapper
+
+    original_aclose = Client.aclose
+
+    async def recording_aclose(self: Client) -> None:
+        at_close.append(set(live))
+        await original_aclose(self)
+
+    monkeypatch.setattr(service_module, "_promoter", tracked("promoter", service_module._promoter))
+    monkeypatch.setattr(service_module, "_sync_crl", tracked("crl", service_module._sync_crl))
+    monkeypatch.setattr(Client, "aclose", recording_aclose)
+
+    machine = Machine.make(tmp_path / "n1")
+    async with running(machine) as (service, supervisor, _):
+        with trio.fail_after(BOUND):
+            await supervisor.wait_healthy("consensus.crl")
+            await supervisor.wait_healthy("consensus.promoter")
+        assert live == {"promoter", "crl"}
+        kill_etcd(service.config.ephemeral)
+        with trio.fail_after(BOUND), service.status.watch() as watcher:
+            await watcher.get(lambda s: not s.running)
+            await watcher.get(lambda s: s.running)
+            await supervisor.wait_healthy("consensus.crl")
+    assert not live
+    # Bootstrap's client, the first run's (etcd killed), the second run's.
+    assert len(at_close) >= 3
+    assert at_close == [set()] * len(at_close)
 
 
 @dataclass
@@ -374,7 +421,7 @@ async def test_damaged_peer_credentials_fail_clearly_and_are_kept(
     assert {p: p.read_bytes() for p in peer_pki.files()} == {p: before[p] for p in peer_pki.files()}
 
 
-def test_replayed_join_data_keeps_a_newer_crl(tmp_path: Path) -> None:
+async def test_replayed_join_data_keeps_a_newer_crl(tmp_path: Path) -> None:
     """Join data comes again on every restart; it must not roll back revocations."""
     machine = Machine.make(tmp_path / "n")
     ca_key = pki.generate_key()
@@ -387,21 +434,21 @@ def test_replayed_join_data_keeps_a_newer_crl(tmp_path: Path) -> None:
     service = Service(machine.config(join))
     crl_path = machine.root.data.etcd.peer_crl
 
-    service._write_join_pki(join)
+    await service._write_join_pki(join)
     assert pki.decode_crl(crl_path.read_bytes()) == initial
     assert pki.decode_certificate(machine.root.data.etcd.peer_pki.certificate.read_bytes()) == cert
 
     # The CRL watcher wrote a newer list since: a replay keeps it.
     newer = pki.revoke(initial, ca_key, ca, [12345])
     crl_path.write_bytes(pki.encode_crl(newer))
-    service._write_join_pki(join)
+    await service._write_join_pki(join)
     assert pki.decode_crl(crl_path.read_bytes()) == newer
 
     # A list from another CA on disk is no reason to keep anything.
     other_key = pki.generate_key()
     forged = pki.new_crl(other_key, pki.new_ca(other_key, peerpki.CA_NAME), number=99)
     crl_path.write_bytes(pki.encode_crl(forged))
-    service._write_join_pki(join)
+    await service._write_join_pki(join)
     assert pki.decode_crl(crl_path.read_bytes()) == initial
 
 
