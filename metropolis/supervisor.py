@@ -222,7 +222,9 @@ class Node:
         For a runnable whose configuration changed: its children are
         cancelled as on any restart, then it starts again in the same
         scheduler tick, without backoff and without counting a failure.
-        ``reason`` is logged at INFO.
+        ``reason`` is logged at INFO. It restarts the runnable whose task
+        raises it: called with a parent's node from inside a child runnable,
+        it restarts the child, not the parent.
         """
         raise RestartRequested(reason)
 

@@ -414,9 +414,10 @@ def test_backoff_jitter_stays_within_bounds(failures: int, seed: int) -> None:
 # -- exits ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("via", ["run", "scope"])
 @pytest.mark.parametrize("exit_type", [SystemExit, KeyboardInterrupt])
 async def test_exit_from_a_grandchild_task_ends_supervise(
-    autojump_clock: trio.testing.MockClock, exit_type: type[BaseException]
+    autojump_clock: trio.testing.MockClock, exit_type: type[BaseException], via: str
 ) -> None:
     starts: list[str] = []
 
@@ -437,8 +438,12 @@ async def test_exit_from_a_grandchild_task_ends_supervise(
 
     async def child(node: Node) -> None:
         starts.append(node.name)
-        node.run("grandchild", grandchild)
-        await sleep_forever(node)
+        if via == "run":
+            node.run("grandchild", grandchild)
+            await sleep_forever(node)
+        async with node.scope() as sub:
+            sub.run("grandchild", grandchild)
+            await sleep_forever(node)
 
     async def root(node: Node) -> None:
         starts.append(node.name)
