@@ -29,14 +29,30 @@ generators (``psycopg.generators``) and one private class,
 ``psycopg._queries.PostgresQuery`` (stable across psycopg 3.0-3.3; the
 tests exercise them, so an incompatible psycopg fails them loudly).
 
-Cancellation: when the calling Trio scope is cancelled while a query runs,
-we ask the server to cancel it (psycopg's ``cancel_safe``, in a thread: it
-opens its own short connection) and keep reading until the server has
-answered, all under a shield bounded by `ABORT_TIMEOUT`. The connection is
-then idle or in a failed transaction, never mid-query; if that cannot be
-reached in time, the connection is closed. Either way `reusable` tells the
-pool the truth. Opening a connection runs psycopg's blocking ``connect`` in a
-worker thread (abandoned, and the connection discarded, if cancelled).
+Cancellation: when the calling Trio scope is cancelled while a statement
+runs, `PgConnection.execute` raises a plain `trio.Cancelled` (never an
+exception group) after making sure the statement is not running on the
+server, all under a shield bounded by `ABORT_TIMEOUT`:
+
+1. If the statement is still being sent (libpq is flushing a message larger
+   than the socket buffers), the send is finished first. A half-sent message
+   would leave the protocol out of step, and the server drops a cancel request
+   that arrives while it is still reading the statement: it is idle then, and
+   "query cancel is supposed to be a no-op when there is no query in
+   progress" (PostgreSQL's ``postgres.c``).
+2. A cancel request goes to the server (libpq's ``PQcancelStart`` driven by
+   Trio when libpq >= 17, else psycopg's blocking ``cancel`` in a thread),
+   and we read until the server has answered. The server may still be
+   reading the tail of the statement from its socket when the first request
+   arrives, which drops it; so the request is repeated, at growing intervals
+   (`CANCEL_RETRY`), until the answer comes.
+
+The connection is then idle or in a failed transaction, never mid-statement;
+if that cannot be reached in time, the connection is closed (the server ends
+the backend when it reads the end of the stream). Either way `reusable`
+tells the pool the truth. Opening a connection runs psycopg's blocking
+``connect`` in a worker thread (abandoned, and the connection discarded, if
+cancelled).
 
 Errors: a lost or unreachable server becomes `DatabaseUnavailable`; errors
 reported by the server stay psycopg's (`psycopg.Error` subclasses) for the
@@ -53,7 +69,7 @@ from typing import Any, TypeVar
 import psycopg
 import psycopg.errors
 import trio
-from psycopg import adapt, generators, pq
+from psycopg import adapt, capabilities, generators, pq
 from psycopg._queries import PostgresQuery
 from psycopg.pq.abc import PGresult
 from psycopg.waiting import Ready, Wait
@@ -82,6 +98,10 @@ CONNECT_TIMEOUT = 5
 #: Seconds allowed to cancel a running query and drain its answer (and to
 #: roll back) before the connection is given up.
 ABORT_TIMEOUT = 5.0
+
+#: Seconds between repeated cancel requests for one statement: the first, then
+#: doubling up to the second (see the module docstring, step 2).
+CANCEL_RETRY = (0.05, 1.0)
 
 
 class PgConnection:
@@ -227,7 +247,11 @@ class PgConnection:
         return errors or replies[commands - 1]
 
     async def _drive(self, gen: Generator[Wait, Ready, T]) -> T:
-        """Run one of psycopg's protocol generators to completion."""
+        """Run one of psycopg's protocol generators to completion.
+
+        If cancelled, the statement is cancelled on the server first (see
+        `_abort`); then the plain `trio.Cancelled` propagates.
+        """
         fileno = self._pgconn.socket
         try:
             state = next(gen)
@@ -243,29 +267,62 @@ class PgConnection:
             return value
 
     async def _abort(self, gen: Generator[Wait, Ready, Any], fileno: int, state: Wait) -> None:
-        """Cancel the running query on the server and drain the generator, so
-        that the connection is not left mid-query (see the module docstring)."""
+        """Finish sending, cancel the statement on the server until it
+        answers, and drain the generator, so that the connection is not left
+        mid-statement (see the module docstring). Shielded, bounded by
+        `ABORT_TIMEOUT`; closes the connection if that is not enough. Never
+        raises."""
         with trio.CancelScope(shield=True) as scope:
             scope.relative_deadline = ABORT_TIMEOUT
             try:
-                if self._conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
-                    await trio.to_thread.run_sync(
-                        functools.partial(self._conn.cancel_safe, timeout=ABORT_TIMEOUT),
-                        abandon_on_cancel=True,
-                    )
-                while True:
+                # psycopg's generators wait for R/W only while flushing, and
+                # for R alone once everything is sent.
+                while state != Wait.R:
                     state = gen.send(await _wait(fileno, state))
+                interval, longest = CANCEL_RETRY
+                while True:
+                    if self._pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+                        await self._request_cancel()
+                    with trio.move_on_after(interval):
+                        while True:
+                            state = gen.send(await _wait(fileno, state))
+                    interval = min(2 * interval, longest)
             except StopIteration:
                 pass
             except (psycopg.Error, OSError) as e:
-                # QueryCanceled is the expected answer.
-                logger.debug("aborted query ended with: %s", _first_line(e))
+                # QueryCanceled is the expected answer; it comes as a result,
+                # so anything raised here means the connection is in trouble.
+                logger.debug("aborted statement ended with: %s", _first_line(e))
         if scope.cancelled_caught or self._conn.pgconn.transaction_status in (
             pq.TransactionStatus.ACTIVE,
             pq.TransactionStatus.UNKNOWN,
         ):
-            logger.warning("could not abort a cancelled query in time: closing the connection")
+            logger.warning("could not abort a cancelled statement in time: closing the connection")
             self._conn.close()
+
+    async def _request_cancel(self) -> None:
+        """Send the server one cancel request for this connection and wait
+        until the server took it (not until the statement ended).
+
+        Raises `psycopg.OperationalError` if the request cannot be sent.
+        Cancellation abandons the request.
+        """
+        if not capabilities.has_cancel_safe():
+            # libpq < 17: only the blocking PQcancel exists.
+            await trio.to_thread.run_sync(self._conn.cancel, abandon_on_cancel=True)
+            return
+        cancel_conn = self._pgconn.cancel_conn()
+        try:
+            cancel_conn.start()
+            steps = generators.cancel(cancel_conn)
+            try:
+                fileno, wait = next(steps)
+                while True:
+                    fileno, wait = steps.send(await _wait(fileno, wait))
+            except StopIteration:
+                pass
+        finally:
+            cancel_conn.finish()
 
     @property
     def in_transaction(self) -> bool:
@@ -333,10 +390,31 @@ async def _wait(fileno: int, state: Wait) -> Ready:
         ready |= flag
         scope.cancel()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(until, trio.lowlevel.wait_readable, Ready.R, nursery.cancel_scope)
-        nursery.start_soon(until, trio.lowlevel.wait_writable, Ready.W, nursery.cancel_scope)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(until, trio.lowlevel.wait_readable, Ready.R, nursery.cancel_scope)
+            nursery.start_soon(until, trio.lowlevel.wait_writable, Ready.W, nursery.cancel_scope)
+    except BaseExceptionGroup as group:
+        # A cancellation from outside reaches both waits, and the nursery
+        # groups their two Cancelled. Callers (and `_drive`, which must see
+        # the Cancelled to abort the statement) expect what a single wait
+        # raises: one exception, an error in preference to Cancelled.
+        raise _single(group) from None
     return Ready(ready)
+
+
+def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first error among the leaves of ``group``, else its first leaf."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending[:0] = exc.exceptions
+        else:
+            leaves.append(exc)
+    errors = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    return (errors or leaves)[0]
 
 
 def is_retryable(e: BaseException) -> bool:
