@@ -54,15 +54,19 @@ tells the pool the truth. Opening a connection runs psycopg's blocking
 ``connect`` in a worker thread (abandoned, and the connection discarded, if
 cancelled).
 
-Errors: a lost or unreachable server becomes `DatabaseUnavailable`; errors
-reported by the server stay psycopg's (`psycopg.Error` subclasses) for the
-transaction layer to classify with the helpers at the bottom.
+Errors: a lost or unreachable server, and any `psycopg.Error` at connect (a
+malformed URL too), become `DatabaseUnavailable` with a one-line message
+from which the password is removed; errors reported by the server stay
+psycopg's (`psycopg.Error` subclasses) for the transaction layer to classify
+with the helpers at the bottom.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
+import urllib.parse
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -71,6 +75,7 @@ import psycopg.errors
 import trio
 from psycopg import adapt, capabilities, generators, pq
 from psycopg._queries import PostgresQuery
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq.abc import PGresult
 from psycopg.waiting import Ready, Wait
 
@@ -132,16 +137,22 @@ class PgConnection:
         """Open a connection. ``conninfo`` is a libpq URL or key/value string;
         an empty string means the ``PG*`` environment variables.
 
-        Raises `DatabaseUnavailable` when the server cannot be reached.
+        Raises `DatabaseUnavailable` when the server cannot be reached, and
+        for any other `psycopg.Error` (a malformed ``conninfo`` too), with a
+        one-line message that never contains the password; the psycopg error
+        is not chained to it, as its text may (libpq quotes a malformed URL
+        whole).
         """
         connect = functools.partial(
             psycopg.Connection.connect, conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT
         )
         try:
             conn = await trio.to_thread.run_sync(connect, abandon_on_cancel=True)
-        except psycopg.OperationalError as e:
-            raise DatabaseUnavailable(f"cannot connect to the BMDB: {_first_line(e)}") from e
-        return cls(conn)
+        except psycopg.Error as e:
+            reason = _without_password(_one_line(e), conninfo)
+        else:
+            return cls(conn)
+        raise DatabaseUnavailable(f"cannot connect to the BMDB: {reason}")
 
     def begin(self, isolation: str) -> None:
         """Begin a transaction with the next statement.
@@ -455,3 +466,67 @@ def error_message(e: BaseException) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def _one_line(e: BaseException) -> str:
+    """All of ``str(e)`` on one line (libpq explains on indented lines)."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text or type(e).__name__
+
+
+#: A password in a key/value conninfo: ``password=x`` or ``password='x y'``.
+_KV_PASSWORD = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)")
+#: A quoted span in an error message (libpq uses "", psycopg '').
+_QUOTED = re.compile(r'"[^"]*"|\'[^\']*\'')
+
+
+def _passwords(conninfo: str) -> set[str]:
+    """Every spelling of the password that ``conninfo`` may contain, also
+    when it is too malformed to parse (then by a looser reading)."""
+    found: set[str] = set()
+    try:
+        password = conninfo_to_dict(conninfo).get("password")
+    except psycopg.Error:
+        password = None
+    if isinstance(password, str):
+        found.add(password)
+    _, sep, rest = conninfo.partition("://")
+    if sep and "@" in rest:
+        # libpq ends the userinfo at the first "@"; a password holding a raw
+        # "@" runs to the last.
+        for userinfo in (rest.split("@", 1)[0], rest.rsplit("@", 1)[0]):
+            _, colon, secret = userinfo.partition(":")
+            if colon:
+                found.update((secret, urllib.parse.unquote(secret)))
+    for match in _KV_PASSWORD.finditer(conninfo):
+        value = match.group(1)
+        found.update((value, value.strip("'")))
+    return {p for p in found if p}
+
+
+def _without_password(text: str, conninfo: str) -> str:
+    """``text`` with the password of ``conninfo`` replaced by ``***``, and
+    every quoted span that shares a piece of it too (libpq and psycopg quote
+    the parts of a malformed URL they could not read, which may cut the
+    password: ``bob:p@ss@host`` reads as host ``ss@host``)."""
+    passwords = _passwords(conninfo)
+    if not passwords:
+        return text
+
+    def shares_a_piece(inner: str, password: str) -> bool:
+        if inner in password:
+            return True
+        return any(password[i : i + 3] in inner for i in range(len(password) - 2))
+
+    def whole(text: str) -> str:
+        for password in sorted(passwords, key=len, reverse=True):
+            text = text.replace(password, "***")
+        return text
+
+    def quoted(match: re.Match[str]) -> str:
+        quote, inner = match.group()[0], whole(match.group()[1:-1])
+        if inner and any(shares_a_piece(inner, p) for p in passwords):
+            inner = "***"
+        return quote + inner + quote
+
+    return whole(_QUOTED.sub(quoted, text))

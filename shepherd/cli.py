@@ -4,9 +4,14 @@ Every option is checked (files read, certificates and keys parsed, rates and
 durations parsed) before anything starts; a bad or missing option exits with
 status 2 and a message naming it. Then::
 
-    trio.run ─ trio_asyncio loop ─ bmdb.open_connection(url)
-                                     ├─ sync_provided(static list → BMDB)
-                                     └─ run_control_loop(initializer, N workers)
+    trio.run ─ bmdb.open_connection(url) ─ trio_asyncio loop (for asyncssh)
+                                           ├─ sync_provided(static list → BMDB)
+                                           └─ run_control_loop(initializer, N workers)
+
+The BMDB needs no asyncio loop, so it is opened first, outside it: an
+unreachable or malformed ``--bmdb-url`` then fails as one plain
+`DatabaseUnavailable` (one line on stderr, exit status 1) rather than from
+inside the loop's nursery.
 
 SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
 sessions are deleted, and the process exits with status 0.
@@ -252,13 +257,14 @@ async def run(options: Options) -> None:
         options.ssh_key, username="root", connect_timeout=options.agent.ssh_connect_timeout
     )
     initializer = Initializer(options.provider, ssh, options.agent)
-    logger.info("SSH public key: %s", options.ssh_key.authorized_key)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with (
-            trio_asyncio.open_loop(),
             bmdb.open_connection(options.bmdb_url) as conn,
+            trio_asyncio.open_loop(),
             trio.open_nursery() as nursery,
         ):
+            # Once the BMDB is there: a failure to reach it is the only line.
+            logger.info("SSH public key: %s", options.ssh_key.authorized_key)
             await sync_provided(conn, options.provider)
             nursery.start_soon(
                 lambda: run_control_loop(
