@@ -96,7 +96,7 @@ def _public_key_of_seed_file(path: Path) -> bytes:
 
 
 async def test_end_to_end_on_openssh(
-    bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
+    aio_loop: object, bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
     ids = await provide(bmdb_conn, ["m-1"])
     mid = ids["m-1"]
@@ -150,6 +150,7 @@ assert SHORT_KEY != SCRIPT and WRONG_ECHO != SCRIPT
     ids=["garbage", "wrong-echo", "short-key", "exit-status", "flood", "agent-error", "hang"],
 )
 async def test_broken_agent_fails_machines_with_cause_and_backoff(
+    aio_loop: object,
     bmdb_conn: bmdb.Connection,
     sshd: Sshd,
     shepherd_ssh_key: SSHKey,
@@ -181,7 +182,11 @@ async def test_broken_agent_fails_machines_with_cause_and_backoff(
 
 
 async def test_unreachable_unauthorized_and_impostor_machines_fail_others_start(
-    bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey, tmp_path: Path
+    aio_loop: object,
+    bmdb_conn: bmdb.Connection,
+    sshd: Sshd,
+    shepherd_ssh_key: SSHKey,
+    tmp_path: Path,
 ) -> None:
     closed = trio.socket.socket()
     await closed.bind(("127.0.0.1", 0))
@@ -241,7 +246,7 @@ async def test_unreachable_unauthorized_and_impostor_machines_fail_others_start(
 
 
 async def test_cancelling_the_loop_leaves_nothing_locked(
-    bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
+    aio_loop: object, bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
     ids = await provide(bmdb_conn, ["m-1"])
     mid = ids["m-1"]
@@ -269,7 +274,7 @@ async def test_cancelling_the_loop_leaves_nothing_locked(
 
 
 async def test_worker_replaces_an_expired_session(
-    bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
+    aio_loop: object, bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
     provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
     ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
@@ -307,7 +312,7 @@ async def test_worker_replaces_an_expired_session(
 
 
 async def test_hundred_machines_started_exactly_once(
-    bmdb_conn: bmdb.Connection, shepherd_ssh_key: SSHKey, tmp_path: Path
+    aio_loop: object, bmdb_conn: bmdb.Connection, shepherd_ssh_key: SSHKey, tmp_path: Path
 ) -> None:
     count = 100
     async with open_fleet(
