@@ -27,7 +27,7 @@ import enum
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import trio
@@ -36,6 +36,7 @@ from bmdb import _pg
 from bmdb._pg import PgConnection
 from bmdb._pool import Pool
 from bmdb.errors import BMDBError, DatabaseUnavailable, InvalidArgument, TransactionFailed
+from monotrio.backoff import FULL_JITTER, ExponentialBackoff
 
 logger = logging.getLogger("bmdb.transaction")
 
@@ -52,15 +53,31 @@ class Isolation(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """How often and how patiently to retry serialization failures."""
+    """How often and how patiently to retry serialization failures.
+
+    The wait after failed attempt n is uniform in ``[0, min(max_delay,
+    base_delay * 2**n)]`` ("full jitter", `monotrio.backoff`), drawn from
+    ``rng`` (pass a seeded `random.Random` for reproducible runs).
+    """
 
     attempts: int = 20
     base_delay: float = 0.002
     max_delay: float = 0.2
+    rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
+
+    @property
+    def backoff(self) -> ExponentialBackoff:
+        """The waits between attempts, as a `monotrio.backoff` policy."""
+        return ExponentialBackoff(
+            initial=min(self.base_delay * 2, self.max_delay),
+            maximum=self.max_delay,
+            multiplier=2.0,
+            jitter=FULL_JITTER,
+        )
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait after failed ``attempt`` (1-based): full jitter."""
-        return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+        """Seconds to wait after failed ``attempt`` (1-based)."""
+        return self.backoff.delay(attempt, self.rng)
 
 
 @dataclass(slots=True)
