@@ -14,7 +14,7 @@ Every figure is measured here, against one PostgreSQL 15 started for the run:
   text) through ``pgbench -M prepared`` with the same client count: the cost
   of our Python stack (ratio a, goal >= 0.5 at 16 workers). Same SQL, not
   the same round trips: bmdb sends each BEGIN together with the statement
-  after it (`bmdb._pg.PgConnection.begin`), 6 round trips per cycle against
+  after it (see `bmdb.transaction`), 6 round trips per cycle against
   pgbench's 8 (pgbench cannot pipeline a statement with gset).
 - **pgbench, Go shape**: the Go original's cycle (anti-join ``LIMIT 1`` with
   no locking clause, SERIALIZABLE) with one client (more collide), on the
@@ -50,7 +50,7 @@ from bmdb.errors import NothingToDo, WorkConflict
 from bmdb.localserver import LocalPostgres, find_postgres_bin
 from bmdb.model import Queries
 from bmdb.model import queries as sql_queries
-from bmdb.work import _CLAIM, _RELEASE
+from bmdb.work import CLAIM_SQL, RELEASE_SQL
 from tests.fixtures.postgres import TEMPLATE_DB, start_with_template
 
 KEY = bytes(32)
@@ -143,16 +143,16 @@ _SET_AGENT_STARTED = (
 
 
 def _ours_script() -> str:
-    source = _bind(sql_queries._agent_start_lock(1), _OURS_VALUES)
+    source = _bind(sql_queries.agent_start_lock_sql(1), _OURS_VALUES)
     source = source.replace("SELECT p.machine_id,", "SELECT p.machine_id AS machine_id,", 1)
     return "\n".join(
         [
             "BEGIN ISOLATION LEVEL REPEATABLE READ;",
             f"{source} \\gset",
-            _bind(_CLAIM, _OURS_VALUES) + ";",
+            _bind(CLAIM_SQL, _OURS_VALUES) + ";",
             "COMMIT;",
             "BEGIN ISOLATION LEVEL REPEATABLE READ;",
-            _bind(_RELEASE, _OURS_VALUES) + ";",
+            _bind(RELEASE_SQL, _OURS_VALUES) + ";",
             _SET_AGENT_STARTED + ";",
             "COMMIT;",
         ]

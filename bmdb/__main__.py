@@ -23,7 +23,7 @@ import trio
 
 import bmdb
 from bmdb import migrations
-from bmdb._pg import PgConnection
+from bmdb.connection import migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
 
@@ -42,11 +42,7 @@ def _when(at: datetime.datetime | None) -> str:
 
 
 async def _migrate(url: str | None) -> str:
-    pg = await PgConnection.connect(url or "")
-    try:
-        applied = await migrations.migrate(pg)
-    finally:
-        await pg.close()
+    applied = await migrate(url)
     if not applied:
         return f"schema up to date (version {migrations.latest_version()})"
     return "\n".join(f"applied {m.version:04d}_{m.name}" for m in applied)

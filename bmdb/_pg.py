@@ -79,7 +79,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq.abc import PGresult
 from psycopg.waiting import Ready, Wait
 
-from bmdb.errors import DatabaseUnavailable
+from bmdb.errors import BMDBError, DatabaseUnavailable, InvalidArgument, SchemaNotMigrated
 
 logger = logging.getLogger("bmdb.pg")
 
@@ -454,6 +454,26 @@ def is_bad_data(e: BaseException) -> bool:
 def is_database_error(e: BaseException) -> bool:
     """True for any error reported by psycopg."""
     return isinstance(e, psycopg.Error)
+
+
+def as_bmdb_error(e: BaseException) -> BaseException | None:
+    """The one rule for what a psycopg error means to BMDB callers.
+
+    `BMDBError`s are returned as they are; constraint violations and
+    malformed values become `InvalidArgument`, unknown tables or types
+    `SchemaNotMigrated`, any other psycopg error a plain `BMDBError`.
+    Serialization failures and deadlocks (retried by the transaction layer)
+    and non-database exceptions give None.
+    """
+    if isinstance(e, BMDBError):
+        return e
+    if is_retryable(e) or not is_database_error(e):
+        return None
+    if is_bad_data(e):
+        return InvalidArgument(error_message(e))
+    if is_undefined_object(e):
+        return SchemaNotMigrated(f"{error_message(e)}: run `python -m bmdb migrate`")
+    return BMDBError(f"database error: {error_message(e)}")
 
 
 def error_message(e: BaseException) -> str:

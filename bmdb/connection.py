@@ -13,12 +13,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
-from bmdb import migrations
-from bmdb._pg import PgConnection
 from bmdb._pool import Pool
+from bmdb.migrations import Migration
 from bmdb.model import Queries
-from bmdb.session import DEFAULT_INTERVAL, Session, open_session
-from bmdb.transaction import Isolation, RetryPolicy, Stats, run_transaction
+from bmdb.session import DEFAULT_INTERVAL, Session, collect_expired, open_session
+from bmdb.transaction import Isolation, RetryPolicy, Stats, Transactor
 
 logger = logging.getLogger("bmdb.connection")
 
@@ -32,19 +31,30 @@ DEFAULT_MAX_CONNECTIONS = 32
 
 
 class Connection:
-    """An open BMDB. Create with `open_connection`."""
+    """An open BMDB. Create with `open_connection`.
 
-    def __init__(self, pool: Pool, *, retry: RetryPolicy) -> None:
-        self._pool = pool
-        self.retry = retry
-        #: Counters of transactions, retries and work claims (see `Stats`).
-        self.stats = Stats()
+    A thin facade over the transaction layer (`bmdb.transaction.Transactor`):
+    it starts sessions and runs session-less transactions.
+    """
+
+    def __init__(self, tx: Transactor) -> None:
+        self._tx = tx
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """How transactions retry serialization failures."""
+        return self._tx.retry
+
+    @property
+    def stats(self) -> Stats:
+        """Counters of transactions, retries and work claims (see `Stats`)."""
+        return self._tx.stats
 
     def session(
         self, component: str, runtime_info: str = "", *, interval: float = DEFAULT_INTERVAL
     ) -> AbstractAsyncContextManager[Session]:
         """Start a session of ``component``; see `bmdb.session.open_session`."""
-        return open_session(self, component, runtime_info, interval=interval)
+        return open_session(self._tx, component, runtime_info, interval=interval)
 
     async def transact(
         self,
@@ -54,21 +64,17 @@ class Connection:
     ) -> T:
         """Run ``fn`` in a transaction outside any session (for tools and
         read-only listings). Retries like `Session.transact`."""
+        return await self._tx.run(isolation, fn)
 
-        async def body(pg: PgConnection) -> T:
-            return await fn(Queries(pg))
-
-        return await self.run(isolation, body)
-
-    async def run(self, isolation: Isolation, body: Callable[[PgConnection], Awaitable[T]]) -> T:
-        """Low-level: run ``body`` on a raw connection in a retried transaction."""
-        return await run_transaction(
-            self._pool, isolation, body, stats=self.stats, policy=self.retry
-        )
+    async def collect_expired(self) -> None:
+        """Delete every session past its deadline now, releasing its work
+        (session owners do this on their own every `bmdb.session.GC_PERIOD`;
+        this is for tools and tests). Errors are logged, not raised."""
+        await collect_expired(self._tx)
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
-        await self._pool.aclose()
+        await self._tx.aclose()
 
 
 @asynccontextmanager
@@ -89,16 +95,24 @@ async def open_connection(
     `SchemaTooNew` if the database was migrated by a newer release, and
     `SchemaNotMigrated` if it lacks migrations and ``migrate`` is false.
     """
-    pool = Pool(url or "", max_connections)
-    conn = Connection(pool, retry=retry)
+    tx = Transactor(Pool(url or "", max_connections), retry)
     try:
-        async with pool.connection() as pg:
-            if migrate:
-                applied = await migrations.migrate(pg)
-                if applied:
-                    logger.info("applied %d migration(s)", len(applied))
-            else:
-                await migrations.check_schema(pg)
-        yield conn
+        applied = await tx.prepare_schema(migrate=migrate)
+        if applied:
+            logger.info("applied %d migration(s)", len(applied))
+        yield Connection(tx)
     finally:
-        await conn.aclose()
+        await tx.aclose()
+
+
+async def migrate(url: str | None = None) -> list[Migration]:
+    """Apply the migrations the BMDB at ``url`` lacks; return those applied.
+
+    Raises `DatabaseUnavailable` and `SchemaTooNew` like `open_connection`;
+    a failing migration is rolled back and its error raised.
+    """
+    tx = Transactor(Pool(url or "", 1), DEFAULT_RETRY)
+    try:
+        return await tx.prepare_schema(migrate=True)
+    finally:
+        await tx.aclose()

@@ -35,18 +35,14 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import trio
 
-from bmdb._pg import PgConnection
-from bmdb.errors import DatabaseUnavailable, InvalidArgument, NothingToDo, SessionExpired
-from bmdb.model import Process, Queries, as_uuid
-from bmdb.transaction import Isolation
-from bmdb.work import Work, claim
-
-if TYPE_CHECKING:
-    from bmdb.connection import Connection
+from bmdb.errors import DatabaseUnavailable, InvalidArgument, SessionExpired
+from bmdb.model import Process, Queries
+from bmdb.transaction import Isolation, Transactor
+from bmdb.work import Lease, Work, claim
 
 logger = logging.getLogger("bmdb.session")
 
@@ -57,8 +53,6 @@ DEFAULT_INTERVAL = 5.0
 
 #: Seconds between two collections of expired sessions by one owner.
 GC_PERIOD = 30.0
-
-_CHECK = "SELECT 1 FROM sessions WHERE session_id = %s AND session_deadline > now()"
 
 _POKE = """
     UPDATE sessions SET session_deadline = now() + make_interval(secs => session_interval_seconds)
@@ -85,35 +79,21 @@ class Session:
     and raises `SessionExpired` too.
     """
 
-    def __init__(
-        self, conn: Connection, session_id: uuid.UUID, component: str, interval: float
-    ) -> None:
-        self.connection = conn
-        self.id = session_id
-        self.component = component
+    def __init__(self, lease: Lease, interval: float) -> None:
+        # The lease is shared with every Work claimed under this session;
+        # whoever first learns that the session is gone expires it, and the
+        # heartbeat task then raises at once, cancelling everything under
+        # the session.
+        self._lease = lease
+        self._tx = lease.tx
+        self.id = lease.id
+        self.component = lease.component
         self.interval = interval
-        self._expired = False
-        self._why = ""
-        # Set by whoever first learns that the session is gone (the heartbeat,
-        # or a transaction that failed its session check): the heartbeat task
-        # then raises at once, cancelling everything under the session.
-        self._expired_event = trio.Event()
 
     @property
     def expired(self) -> bool:
         """True once the session is known to have expired."""
-        return self._expired
-
-    def _expire(self, why: str) -> SessionExpired:
-        if not self._expired:
-            self._expired = True
-            self._why = why
-            self._expired_event.set()
-        return SessionExpired(f"session {self.id} ({self.component}) expired: {why}")
-
-    def _require_live(self) -> None:
-        if self._expired:
-            raise SessionExpired(f"session {self.id} ({self.component}) has expired")
+        return self._lease.expired
 
     async def transact(self, fn: Callable[[Queries], Awaitable[T]]) -> T:
         """Run ``fn(queries)`` in a SERIALIZABLE transaction and return its result.
@@ -124,14 +104,7 @@ class Session:
         must only have effects through ``queries``. Whatever ``fn`` raises
         rolls the transaction back and propagates.
         """
-        self._require_live()
-
-        async def body(pg: PgConnection) -> T:
-            if not await pg.execute(_CHECK, (self.id,)):
-                raise self._expire("deadline passed")
-            return await fn(Queries(pg))
-
-        return await self.connection.run(Isolation.SERIALIZABLE, body)
+        return await self._lease.transact(fn)
 
     async def work(
         self, process: Process | str, source: Callable[[Queries], Awaitable[list[uuid.UUID]]]
@@ -150,33 +123,13 @@ class Session:
         returned `Work` must be finished, failed or canceled; use it as an
         ``async with`` block to cancel it on any other way out.
         """
-        self._require_live()
-        parsed = Process.parse(process)
-        stats = self.connection.stats
-
-        async def body(pg: PgConnection) -> uuid.UUID:
-            ids = await source(Queries(pg, locking=True))
-            if not ids:
-                raise NothingToDo(f"no machine to work on for {parsed}")
-            if len(ids) != 1:
-                raise InvalidArgument(f"a work source must return one machine, got {len(ids)}")
-            machine_id = as_uuid(ids[0])
-            await claim(pg, self, machine_id, parsed)
-            return machine_id
-
-        try:
-            machine_id = await self.connection.run(Isolation.REPEATABLE_READ, body)
-        except NothingToDo:
-            stats.nothing_to_do += 1
-            raise
-        stats.claims += 1
-        return Work(self, machine_id, parsed)
+        return await claim(self._lease, process, source)
 
     async def _poke(self) -> bool:
-        async def body(pg: PgConnection) -> bool:
-            return bool(await pg.execute(_POKE, (self.id,)))
+        async def body(q: Queries) -> bool:
+            return bool(await q.execute(_POKE, (self.id,)))
 
-        return await self.connection.run(Isolation.READ_COMMITTED, body)
+        return await self._tx.run(Isolation.READ_COMMITTED, body)
 
     async def _keep_alive(self) -> None:
         """Poke the session every interval/2 until cancelled; raise
@@ -189,9 +142,9 @@ class Session:
         last_gc = trio.current_time()
         while True:
             with trio.move_on_after(self.interval / 2):
-                await self._expired_event.wait()
-            if self._expired:
-                raise self._expire(self._why)
+                await self._lease.wait_expired()
+            if self._lease.expired:
+                raise self._lease.expire(self._lease.why)
             sent = trio.current_time()
             poked: bool | None = None
             with trio.move_on_at(deadline):
@@ -202,13 +155,13 @@ class Session:
                         logger.warning("session %s: cannot poke: %s", self.id, e)
                         await trio.sleep(min(0.5, self.interval / 4))
             if poked is None:
-                raise self._expire("could not reach the database before the deadline")
+                raise self._lease.expire("could not reach the database before the deadline")
             if not poked:
-                raise self._expire("deadline passed")
+                raise self._lease.expire("deadline passed")
             deadline = sent + self.interval
             if trio.current_time() - last_gc >= GC_PERIOD:
                 last_gc = trio.current_time()
-                await collect_expired(self.connection)
+                await collect_expired(self._tx)
 
     async def _close(self) -> None:
         """Delete the session row, releasing leftover work (shielded, bounded,
@@ -216,37 +169,35 @@ class Session:
         with trio.CancelScope(shield=True) as scope:
             scope.relative_deadline = max(self.interval, 1.0)
             try:
-                await _delete_sessions(
-                    self.connection, "session_id = %(id)s", self.id, "session closed"
-                )
+                await _delete_sessions(self._tx, "session_id = %(id)s", self.id, "session closed")
             except Exception as e:
                 logger.warning("session %s: could not delete on close: %s", self.id, e)
-        self._expired = True
+        self._lease.expire("session closed")
 
 
-async def collect_expired(conn: Connection) -> None:
+async def collect_expired(tx: Transactor) -> None:
     """Delete every session past its deadline, releasing its work. Errors
     are logged, not raised: collection is best effort and runs again later."""
     try:
-        await _delete_sessions(conn, "session_deadline <= now()", None, "session expired")
+        await _delete_sessions(tx, "session_deadline <= now()", None, "session expired")
     except Exception as e:
         logger.warning("collecting expired sessions failed: %s", e)
 
 
 async def _delete_sessions(
-    conn: Connection, condition: str, session_id: uuid.UUID | None, cause: str
+    tx: Transactor, condition: str, session_id: uuid.UUID | None, cause: str
 ) -> None:
     sql = _DELETE_SESSIONS.format(condition=condition)
 
-    async def body(pg: PgConnection) -> None:
-        await pg.execute(sql, {"id": session_id, "cause": cause})
+    async def body(q: Queries) -> None:
+        await q.execute(sql, {"id": session_id, "cause": cause})
 
-    await conn.run(Isolation.READ_COMMITTED, body)
+    await tx.run(Isolation.READ_COMMITTED, body)
 
 
 @asynccontextmanager
 async def open_session(
-    conn: Connection, component: str, runtime_info: str, *, interval: float
+    tx: Transactor, component: str, runtime_info: str, *, interval: float
 ) -> AsyncIterator[Session]:
     """Create a session row and keep it alive for the duration of the block.
 
@@ -260,8 +211,8 @@ async def open_session(
     if not interval > 0:
         raise InvalidArgument(f"session interval must be positive, got {interval!r}")
 
-    async def create(pg: PgConnection) -> uuid.UUID:
-        rows = await pg.execute(
+    async def create(q: Queries) -> uuid.UUID:
+        rows = await q.execute(
             """INSERT INTO sessions (session_component_name, session_runtime_info,
                    session_interval_seconds, session_deadline)
                VALUES (%s, %s, %s, now() + make_interval(secs => %s))
@@ -271,8 +222,9 @@ async def open_session(
         session_id: uuid.UUID = rows[0][0]
         return session_id
 
-    await collect_expired(conn)
-    session = Session(conn, await conn.run(Isolation.READ_COMMITTED, create), component, interval)
+    await collect_expired(tx)
+    session_id = await tx.run(Isolation.READ_COMMITTED, create)
+    session = Session(Lease(tx, session_id, component), interval)
     logger.info("session %s started for %s (%s)", session.id, component, runtime_info)
     try:
         async with trio.open_nursery() as nursery:

@@ -3,7 +3,7 @@
 PostgreSQL aborts SERIALIZABLE and REPEATABLE READ transactions that would
 break isolation (SQLSTATE 40001) and breaks deadlocks by aborting one side
 (40P01). Neither is a bug: the transaction can run again from the start.
-`run_transaction` does that, a bounded number of times, sleeping a jittered,
+`Transactor.run` does that, a bounded number of times, sleeping a jittered,
 growing delay between attempts so that colliding transactions spread out::
 
     attempt 1: BEGIN ─ body(pg) ─ COMMIT ──────────────────────▶ result
@@ -15,8 +15,9 @@ growing delay between attempts so that colliding transactions spread out::
                    TransactionFailed
 
 Any other exception rolls back and propagates: `BMDBError`s as they are,
-constraint violations and malformed values as `InvalidArgument`, other
-psycopg errors wrapped in `BMDBError`. Cancellation rolls back (under a
+database errors translated by one rule (`bmdb._pg.as_bmdb_error`:
+constraint violations and malformed values as `InvalidArgument`, unknown
+tables as `SchemaNotMigrated`, the rest as `BMDBError`). Cancellation rolls back (under a
 shield) and propagates. Because the body runs again on retry, it must not
 have effects outside the transaction other than idempotent ones.
 """
@@ -32,10 +33,10 @@ from typing import TypeVar
 
 import trio
 
-from bmdb import _pg
-from bmdb._pg import PgConnection
+from bmdb import _pg, migrations
 from bmdb._pool import Pool
-from bmdb.errors import BMDBError, DatabaseUnavailable, InvalidArgument, TransactionFailed
+from bmdb.errors import DatabaseUnavailable, TransactionFailed
+from bmdb.model import Queries
 from monotrio.backoff import FULL_JITTER, ExponentialBackoff
 
 logger = logging.getLogger("bmdb.transaction")
@@ -95,45 +96,77 @@ class Stats:
     nothing_to_do: int = 0
 
 
-async def run_transaction(
-    pool: Pool,
-    isolation: Isolation,
-    body: Callable[[PgConnection], Awaitable[T]],
-    *,
-    stats: Stats,
-    policy: RetryPolicy = RetryPolicy(),
-) -> T:
-    """Run ``body`` in a transaction on a pooled connection and commit.
+class Transactor:
+    """The transaction layer of one open BMDB: its connection pool, its
+    retry policy and its counters. `Connection`, `Session` and `Work` all run
+    their statements through one.
 
-    Raises `TransactionFailed` when retries are exhausted,
-    `DatabaseUnavailable` when the server cannot be reached, and whatever
-    ``body`` raises (psycopg errors wrapped in `BMDBError`).
+    Bodies get a `Queries` bound to the open transaction (its ``execute`` is
+    there for the few raw statements of sessions and work); nothing above
+    this layer sees a driver connection.
     """
-    for attempt in range(1, policy.attempts + 1):
-        try:
-            result = await _attempt(pool, isolation, body)
-        except BaseException as e:
-            if not _pg.is_retryable(e):
-                if _pg.is_bad_data(e):
-                    raise InvalidArgument(_pg.error_message(e)) from e
-                if _pg.is_database_error(e) and not isinstance(e, BMDBError):
-                    raise BMDBError(f"database error: {_pg.error_message(e)}") from e
-                raise
-            logger.debug("attempt %d: %s, retrying", attempt, _pg.error_message(e))
-        else:
-            stats.commits += 1
-            return result
-        stats.retries += 1
-        await trio.sleep(policy.delay(attempt))
-    raise TransactionFailed(f"transaction still conflicting after {policy.attempts} attempts")
+
+    def __init__(self, pool: Pool, retry: RetryPolicy) -> None:
+        self._pool = pool
+        self.retry = retry
+        #: Counters of transactions, retries and work claims.
+        self.stats = Stats()
+
+    async def run(
+        self,
+        isolation: Isolation,
+        body: Callable[[Queries], Awaitable[T]],
+        *,
+        locking: bool = False,
+    ) -> T:
+        """Run ``body(queries)`` in a transaction and commit, retrying
+        serialization failures and deadlocks (so ``body`` may run more than
+        once). ``locking`` makes sourcing queries lock what they return.
+
+        Raises `TransactionFailed` when retries are exhausted,
+        `DatabaseUnavailable` when the server cannot be reached, and whatever
+        ``body`` raises (database errors as `BMDBError`s). Cancellation rolls
+        back and propagates.
+        """
+        policy = self.retry
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                result = await _attempt(self._pool, isolation, body, locking)
+            except BaseException as e:
+                if not _pg.is_retryable(e):
+                    translated = _pg.as_bmdb_error(e)
+                    if translated is not None and translated is not e:
+                        raise translated from e
+                    raise
+                logger.debug("attempt %d: %s, retrying", attempt, _pg.error_message(e))
+            else:
+                self.stats.commits += 1
+                return result
+            self.stats.retries += 1
+            await trio.sleep(policy.delay(attempt))
+        raise TransactionFailed(f"transaction still conflicting after {policy.attempts} attempts")
+
+    async def prepare_schema(self, *, migrate: bool) -> list[migrations.Migration]:
+        """Bring the schema up to date (``migrate``) or check it; return the
+        migrations applied. Raises `SchemaTooNew`, `SchemaNotMigrated`,
+        `DatabaseUnavailable`."""
+        async with self._pool.connection() as pg:
+            if migrate:
+                return await migrations.migrate(pg)
+            await migrations.check_schema(pg)
+            return []
+
+    async def aclose(self) -> None:
+        """Close the pooled connections."""
+        await self._pool.aclose()
 
 
 async def _attempt(
-    pool: Pool, isolation: Isolation, body: Callable[[PgConnection], Awaitable[T]]
+    pool: Pool, isolation: Isolation, body: Callable[[Queries], Awaitable[T]], locking: bool
 ) -> T:
     """One attempt: begin, run ``body``, commit; roll back on any exception.
 
-    BEGIN goes out with the body's first statement (`PgConnection.begin`).
+    BEGIN goes out with the body's first statement (`bmdb._pg`'s ``begin``).
     A connection that died while idle in the pool (the server restarted)
     fails at that statement, before anything ran; the pool then drops its
     idle connections, and we try once more on a fresh one instead of failing
@@ -143,7 +176,7 @@ async def _attempt(
         async with pool.connection() as pg:
             pg.begin(isolation)
             try:
-                result = await body(pg)
+                result = await body(Queries(pg, locking=locking))
                 await pg.execute("COMMIT")
             except BaseException as e:
                 await pg.rollback_quietly()

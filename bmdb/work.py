@@ -47,6 +47,13 @@ expired lock (an UPDATE of that row) and a late finish cannot both commit
 (the loser gets a serialization failure, retries, and finds the row gone:
 `SessionExpired`). The ``apply`` function of `Work.finish` only writes the
 tags of its own locked machine, which nothing else writes meanwhile.
+
+Layering
+--------
+Work sits under `bmdb.session` and above `bmdb.transaction`. What it needs
+of its session (the id, the transaction layer, and a way to report that the
+session is gone) is a `Lease`, which `Session` creates and shares; so this
+module never imports `bmdb.session`.
 """
 
 from __future__ import annotations
@@ -55,26 +62,25 @@ import logging
 import types
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import trio
 
-from bmdb._pg import PgConnection
 from bmdb.backoff import Backoff
 from bmdb.errors import (
     BMDBError,
     InvalidArgument,
+    NothingToDo,
     SessionExpired,
     WorkClosed,
     WorkConflict,
 )
-from bmdb.model import Process, Queries
-from bmdb.transaction import Isolation
-
-if TYPE_CHECKING:
-    from bmdb.session import Session
+from bmdb.model import Process, Queries, as_uuid
+from bmdb.transaction import Isolation, Transactor
 
 logger = logging.getLogger("bmdb.work")
+
+T = TypeVar("T")
 
 #: Seconds allowed for the shielded cancel when a work block is left early.
 CANCEL_TIMEOUT = 5.0
@@ -83,7 +89,9 @@ _LIVE_SESSION = """
     SELECT 1 FROM sessions WHERE session_id = %(session)s AND session_deadline > now()
 """
 
-_CLAIM = f"""
+#: The claim statement (see the module docstring). Public so that the
+#: benchmark can replay exactly this SQL through pgbench.
+CLAIM_SQL = f"""
     WITH live AS ({_LIVE_SESSION}),
     claimed AS (
         INSERT INTO work (machine_id, session_id, process)
@@ -104,9 +112,10 @@ _CLAIM = f"""
     SELECT EXISTS (SELECT 1 FROM live), EXISTS (SELECT 1 FROM claimed)
 """
 
-# Release the work row; record the outcome. The event is 'Finished', 'Failed'
-# or 'Canceled'. Finishing also clears the backoff.
-_RELEASE = f"""
+#: Release the work row; record the outcome. The event is 'Finished',
+#: 'Failed' or 'Canceled'. Finishing also clears the backoff. Public for the
+#: benchmark, like `CLAIM_SQL`.
+RELEASE_SQL = f"""
     WITH live AS ({_LIVE_SESSION}),
     released AS (
         DELETE FROM work
@@ -142,20 +151,94 @@ _SET_BACKOFF = """
 """
 
 
+class Lease:
+    """A session as the work under it sees it: its id, the transaction layer
+    it runs on, and whether it is known to be gone.
+
+    `bmdb.session.Session` creates one and keeps it alive; every `Work` it
+    claims holds the same lease. Whoever first learns that the session is
+    gone calls `expire`, which wakes `wait_expired` (the session's heartbeat
+    then cancels everything under the session).
+    """
+
+    def __init__(self, tx: Transactor, session_id: uuid.UUID, component: str) -> None:
+        self.tx = tx
+        self.id = session_id
+        self.component = component
+        self.why = ""
+        self._expired = trio.Event()
+
+    @property
+    def expired(self) -> bool:
+        """True once the session is known to have expired."""
+        return self._expired.is_set()
+
+    def expire(self, why: str) -> SessionExpired:
+        """Record that the session is gone (the first reason wins) and return
+        the `SessionExpired` to raise."""
+        if not self._expired.is_set():
+            self.why = why
+            self._expired.set()
+        return SessionExpired(f"session {self.id} ({self.component}) expired: {why}")
+
+    async def wait_expired(self) -> None:
+        """Return once `expire` was called."""
+        await self._expired.wait()
+
+    def require_live(self) -> None:
+        """Raise `SessionExpired` if the session is known to be gone."""
+        if self.expired:
+            raise SessionExpired(f"session {self.id} ({self.component}) has expired")
+
+    async def transact(self, fn: Callable[[Queries], Awaitable[T]]) -> T:
+        """Run ``fn(queries)`` in a SERIALIZABLE transaction that first checks
+        the session is still valid; see `bmdb.session.Session.transact`."""
+        self.require_live()
+
+        async def body(q: Queries) -> T:
+            if not await q.execute(_LIVE_SESSION, {"session": self.id}):
+                raise self.expire("deadline passed")
+            return await fn(q)
+
+        return await self.tx.run(Isolation.SERIALIZABLE, body)
+
+
 async def claim(
-    pg: PgConnection, session: Session, machine_id: uuid.UUID, process: Process
-) -> None:
-    """Insert the work row for ``machine_id`` in the open transaction (see
-    the module docstring). Raises `SessionExpired` or `WorkConflict`."""
-    rows = await pg.execute(
-        _CLAIM, {"machine": machine_id, "session": session.id, "process": process}
-    )
-    live, claimed = rows[0]
-    if not live:
-        raise session._expire("deadline passed")
-    if not claimed:
-        session.connection.stats.conflicts += 1
-        raise WorkConflict(f"machine {machine_id} already has live {process} work")
+    lease: Lease,
+    process: Process | str,
+    source: Callable[[Queries], Awaitable[list[uuid.UUID]]],
+) -> Work:
+    """Source one machine with ``source`` and lock it for ``process`` under
+    ``lease``; see `bmdb.session.Session.work` for the contract."""
+    lease.require_live()
+    parsed = Process.parse(process)
+    stats = lease.tx.stats
+
+    async def body(q: Queries) -> uuid.UUID:
+        ids = await source(q)
+        if not ids:
+            raise NothingToDo(f"no machine to work on for {parsed}")
+        if len(ids) != 1:
+            raise InvalidArgument(f"a work source must return one machine, got {len(ids)}")
+        machine_id = as_uuid(ids[0])
+        rows = await q.execute(
+            CLAIM_SQL, {"machine": machine_id, "session": lease.id, "process": parsed}
+        )
+        live, claimed = rows[0]
+        if not live:
+            raise lease.expire("deadline passed")
+        if not claimed:
+            stats.conflicts += 1
+            raise WorkConflict(f"machine {machine_id} already has live {parsed} work")
+        return machine_id
+
+    try:
+        machine_id = await lease.tx.run(Isolation.REPEATABLE_READ, body, locking=True)
+    except NothingToDo:
+        stats.nothing_to_do += 1
+        raise
+    stats.claims += 1
+    return Work(lease, machine_id, parsed)
 
 
 class Work:
@@ -169,11 +252,21 @@ class Work:
     `CANCEL_TIMEOUT`).
     """
 
-    def __init__(self, session: Session, machine_id: uuid.UUID, process: Process) -> None:
-        self.session = session
+    def __init__(self, lease: Lease, machine_id: uuid.UUID, process: Process) -> None:
+        self._lease = lease
         self.machine_id = machine_id
         self.process = process
         self._closed = False
+
+    @property
+    def session_id(self) -> uuid.UUID:
+        """The id of the session holding this work."""
+        return self._lease.id
+
+    async def transact(self, fn: Callable[[Queries], Awaitable[T]]) -> T:
+        """Run ``fn(queries)`` in a transaction of the session holding this
+        work, apart from the work's outcome (exactly as `Session.transact`)."""
+        return await self._lease.transact(fn)
 
     @property
     def closed(self) -> bool:
@@ -211,10 +304,10 @@ class Work:
         """
         self._require_open()
 
-        async def body(pg: PgConnection) -> None:
-            await self._release(pg, "Finished", None)
+        async def body(q: Queries) -> None:
+            await self._release(q, "Finished", None)
             if apply is not None:
-                await apply(Queries(pg))
+                await apply(q)
 
         await self._close_with(Isolation.REPEATABLE_READ, body)
 
@@ -230,12 +323,12 @@ class Work:
         if not cause:
             raise InvalidArgument("a failure needs a cause")
 
-        async def body(pg: PgConnection) -> None:
-            await self._release(pg, "Failed", cause)
+        async def body(q: Queries) -> None:
+            await self._release(q, "Failed", cause)
             if backoff is not None:
-                rows = await pg.execute(_PREVIOUS_BACKOFF, (self.machine_id, self.process))
+                rows = await q.execute(_PREVIOUS_BACKOFF, (self.machine_id, self.process))
                 seconds = backoff.next(rows[0][0] if rows else None)
-                await pg.execute(
+                await q.execute(
                     _SET_BACKOFF,
                     {
                         "machine": self.machine_id,
@@ -257,8 +350,8 @@ class Work:
         if self._closed:
             return
 
-        async def body(pg: PgConnection) -> None:
-            await self._release(pg, "Canceled", None)
+        async def body(q: Queries) -> None:
+            await self._release(q, "Canceled", None)
 
         try:
             await self._close_with(Isolation.READ_COMMITTED, body)
@@ -271,28 +364,28 @@ class Work:
             raise WorkClosed(f"{self!r} was already finished, failed or canceled")
 
     async def _close_with(
-        self, isolation: Isolation, body: Callable[[PgConnection], Awaitable[None]]
+        self, isolation: Isolation, body: Callable[[Queries], Awaitable[None]]
     ) -> None:
         try:
-            await self.session.connection.run(isolation, body)
+            await self._lease.tx.run(isolation, body)
         except SessionExpired:
             self._closed = True
             raise
         self._closed = True
 
-    async def _release(self, pg: PgConnection, event: str, cause: str | None) -> None:
-        rows = await pg.execute(
-            _RELEASE,
+    async def _release(self, q: Queries, event: str, cause: str | None) -> None:
+        rows = await q.execute(
+            RELEASE_SQL,
             {
                 "machine": self.machine_id,
                 "process": self.process,
-                "session": self.session.id,
+                "session": self._lease.id,
                 "event": event,
                 "cause": cause,
             },
         )
         live, released = rows[0]
         if not live:
-            raise self.session._expire("deadline passed")
+            raise self._lease.expire("deadline passed")
         if not released:
             raise SessionExpired(f"{self!r}: the work row is gone (taken over or deleted)")

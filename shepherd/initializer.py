@@ -119,5 +119,5 @@ class Initializer:
             if await q.get_ssh_host_key(mid) is None:
                 await q.set_ssh_host_key(mid, host_key)
 
-        await work.session.transact(record)
+        await work.transact(record)
         logger.info("machine %s: recorded SSH host key on first use", mid)

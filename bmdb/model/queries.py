@@ -20,11 +20,11 @@ import datetime
 import functools
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from bmdb import _pg
-from bmdb._pg import Params, PgConnection, Row
-from bmdb.errors import InvalidArgument, SchemaNotMigrated
+from bmdb._pg import Params, Row
+from bmdb.errors import InvalidArgument
 from bmdb.model.enums import Process, Provider, ProviderStatus, WorkEvent
 from bmdb.model.rows import (
     AgentStarted,
@@ -78,7 +78,7 @@ _AGENT_START_LIST = f"""
 
 
 @functools.lru_cache(maxsize=16)
-def _agent_start_lock(limit: int) -> str:
+def agent_start_lock_sql(limit: int) -> str:
     """The locking agent-start source for ``limit`` machines, with every value
     written into the text rather than sent as a parameter.
 
@@ -130,6 +130,12 @@ _FOR_PROCESS = f"""
 _LOCK_SUFFIX = " FOR UPDATE OF m SKIP LOCKED"
 
 
+class Executor(Protocol):
+    """What `Queries` runs its statements on: an open transaction."""
+
+    async def execute(self, query: str, params: Params | None = None) -> list[Row]: ...
+
+
 class Queries:
     """The BMDB's statements, run in the transaction of ``pg``.
 
@@ -137,27 +143,32 @@ class Queries:
     queries then lock what they return (see the module docstring).
     """
 
-    def __init__(self, pg: PgConnection, *, locking: bool = False) -> None:
+    def __init__(self, pg: Executor, *, locking: bool = False) -> None:
         self._pg = pg
         self.locking = locking
 
-    async def _run(self, sql: str, params: Params | None = None) -> list[Row]:
+    async def execute(self, sql: str, params: Params | None = None) -> list[Row]:
+        """Run one raw statement in this transaction and return its rows.
+
+        For the BMDB's own session and work statements, and for tools and
+        tests that need a statement no method offers; prefer the methods.
+        Database errors are raised as `BMDBError`s (see
+        `bmdb._pg.as_bmdb_error`), except serialization failures, which the
+        surrounding transaction retries.
+        """
         try:
             return await self._pg.execute(sql, params)
         except Exception as e:
-            if _pg.is_bad_data(e):
-                raise InvalidArgument(_pg.error_message(e)) from e
-            if _pg.is_undefined_object(e):
-                raise SchemaNotMigrated(
-                    f"{_pg.error_message(e)}: run `python -m bmdb migrate`"
-                ) from e
-            raise
+            translated = _pg.as_bmdb_error(e)
+            if translated is None or translated is e:
+                raise
+            raise translated from e
 
     # Machines and their tags.
 
     async def new_machine(self) -> uuid.UUID:
         """Create a machine without tags and return its id."""
-        rows = await self._run("INSERT INTO machines DEFAULT VALUES RETURNING machine_id")
+        rows = await self.execute("INSERT INTO machines DEFAULT VALUES RETURNING machine_id")
         machine_id: uuid.UUID = rows[0][0]
         return machine_id
 
@@ -177,7 +188,7 @@ class Queries:
         """
         if not provider_id:
             raise InvalidArgument("provider_id must not be empty")
-        await self._run(
+        await self.execute(
             """INSERT INTO machine_provided (machine_id, provider, provider_id, provider_address,
                    provider_location, provider_status)
                VALUES (%s, %s, %s, %s, %s, %s)""",
@@ -200,7 +211,7 @@ class Queries:
     ) -> bool:
         """Refresh what the provider says about a machine. Returns False if the
         machine has no provider tag."""
-        rows = await self._run(
+        rows = await self.execute(
             """UPDATE machine_provided
                SET provider_address = %s, provider_location = %s, provider_status = %s
                WHERE machine_id = %s RETURNING 1""",
@@ -210,7 +221,7 @@ class Queries:
 
     async def provided_by_provider(self, provider: Provider | str) -> list[MachineProvided]:
         """Every machine of ``provider``, by provider id."""
-        rows = await self._run(
+        rows = await self.execute(
             f"SELECT {_PROVIDED_COLUMNS} FROM machine_provided p WHERE p.provider = %s"
             " ORDER BY p.provider_id",
             (Provider.parse(provider),),
@@ -223,7 +234,7 @@ class Queries:
         """Record that the agent runs on the machine with ``public_key``."""
         if not public_key:
             raise InvalidArgument("public_key must not be empty")
-        await self._run(
+        await self.execute(
             """INSERT INTO machine_agent_started (machine_id, agent_started_at, agent_public_key)
                VALUES (%s, %s, %s)
                ON CONFLICT (machine_id) DO UPDATE
@@ -234,7 +245,7 @@ class Queries:
 
     async def agent_started(self, machine_id: uuid.UUID | str) -> AgentStarted | None:
         """The machine's agent-started tag, or None if no agent was started on it."""
-        rows = await self._run(
+        rows = await self.execute(
             f"""SELECT a.machine_id, a.agent_started_at, a.agent_public_key, {_PROVIDED_COLUMNS}
                 FROM machine_agent_started a
                 LEFT JOIN machine_provided p ON p.machine_id = a.machine_id
@@ -245,7 +256,7 @@ class Queries:
 
     async def set_agent_heartbeat(self, machine_id: uuid.UUID | str, at: datetime.datetime) -> None:
         """Record a heartbeat of the machine's agent."""
-        await self._run(
+        await self.execute(
             """INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at) VALUES (%s, %s)
                ON CONFLICT (machine_id) DO UPDATE
                SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at""",
@@ -254,7 +265,7 @@ class Queries:
 
     async def set_hardware_report(self, machine_id: uuid.UUID | str, report: bytes) -> None:
         """Store the agent's (serialized) hardware report of the machine."""
-        await self._run(
+        await self.execute(
             """INSERT INTO machine_hardware_report (machine_id, hardware_report_raw) VALUES (%s, %s)
                ON CONFLICT (machine_id) DO UPDATE
                SET hardware_report_raw = EXCLUDED.hardware_report_raw""",
@@ -265,7 +276,7 @@ class Queries:
         self, machine_id: uuid.UUID | str, generation: int, request: bytes
     ) -> None:
         """Ask the agent to install an OS (``generation`` orders requests)."""
-        await self._run(
+        await self.execute(
             """INSERT INTO machine_os_installation_request
                    (machine_id, generation, os_installation_request_raw) VALUES (%s, %s, %s)
                ON CONFLICT (machine_id) DO UPDATE
@@ -278,7 +289,7 @@ class Queries:
         self, machine_id: uuid.UUID | str, generation: int, report: bytes
     ) -> None:
         """Store the agent's report on the OS installation of ``generation``."""
-        await self._run(
+        await self.execute(
             """INSERT INTO machine_os_installation_report
                    (machine_id, generation, os_installation_report_raw) VALUES (%s, %s, %s)
                ON CONFLICT (machine_id) DO UPDATE
@@ -289,7 +300,7 @@ class Queries:
 
     async def authenticate_agent(self, machine_id: uuid.UUID | str, public_key: bytes) -> bool:
         """True if the machine's started agent has exactly ``public_key``."""
-        rows = await self._run(
+        rows = await self.execute(
             """SELECT 1 FROM machine_agent_started
                WHERE machine_id = %s AND agent_public_key = %s""",
             (as_uuid(machine_id), bytes(public_key)),
@@ -298,7 +309,7 @@ class Queries:
 
     async def get_ssh_host_key(self, machine_id: uuid.UUID | str) -> bytes | None:
         """The SSH host key first seen on the machine, if any."""
-        rows = await self._run(
+        rows = await self.execute(
             "SELECT public_key FROM machine_ssh_host_key WHERE machine_id = %s",
             (as_uuid(machine_id),),
         )
@@ -308,7 +319,7 @@ class Queries:
         """Record (or replace) the machine's trusted SSH host key."""
         if not key:
             raise InvalidArgument("key must not be empty")
-        await self._run(
+        await self.execute(
             """INSERT INTO machine_ssh_host_key (machine_id, public_key) VALUES (%s, %s)
                ON CONFLICT (machine_id) DO UPDATE
                SET public_key = EXCLUDED.public_key, first_seen = now()""",
@@ -323,14 +334,14 @@ class Queries:
         (approximately, among the oldest `SOURCING_WINDOW`, when locking)."""
         if self.locking:
             # Empty parameters, not None: sent as a prepared statement.
-            rows = await self._run(_agent_start_lock(_limit(limit)), ())
+            rows = await self.execute(agent_start_lock_sql(_limit(limit)), ())
         else:
             params = {
                 "limit": _limit(limit),
                 "busy": list(_AGENT_PROCESSES),
                 "process": Process.SHEPHERD_AGENT_START,
             }
-            rows = await self._run(_AGENT_START_LIST, params)
+            rows = await self.execute(_AGENT_START_LIST, params)
         return [_provided(r) for r in rows]
 
     async def machines_for_agent_recovery(self, limit: int) -> list[AgentStarted]:
@@ -343,7 +354,7 @@ class Queries:
             "process": Process.SHEPHERD_RECOVERY,
         }
         sql = _AGENT_RECOVERY + (_LOCK_SUFFIX if self.locking else "")
-        rows = await self._run(sql, params)
+        rows = await self.execute(sql, params)
         return [_agent_started(r) for r in rows]
 
     async def machines_for_process(self, process: Process | str, limit: int) -> list[uuid.UUID]:
@@ -352,13 +363,13 @@ class Queries:
         p = Process.parse(process)
         params = {"limit": _limit(limit), "busy": [p], "process": p}
         sql = _FOR_PROCESS + (_LOCK_SUFFIX if self.locking else "")
-        return [r[0] for r in await self._run(sql, params)]
+        return [r[0] for r in await self.execute(sql, params)]
 
     # Introspection.
 
     async def history(self, machine_id: uuid.UUID | str) -> list[HistoryEvent]:
         """The machine's work history, oldest first."""
-        rows = await self._run(
+        rows = await self.execute(
             """SELECT machine_id, process, event, at, session_id, cause FROM work_history
                WHERE machine_id = %s ORDER BY id""",
             (as_uuid(machine_id),),
@@ -377,7 +388,7 @@ class Queries:
 
     async def sessions(self) -> list[SessionInfo]:
         """Every session row, including expired ones not yet collected."""
-        rows = await self._run(
+        rows = await self.execute(
             """SELECT session_id, session_component_name, session_runtime_info,
                       session_created_at, session_interval_seconds, session_deadline,
                       session_deadline <= now()
@@ -387,12 +398,12 @@ class Queries:
 
     async def work(self) -> list[WorkInfo]:
         """Every work row (live or stale)."""
-        rows = await self._run("SELECT machine_id, process, session_id FROM work ORDER BY 1, 2")
+        rows = await self.execute("SELECT machine_id, process, session_id FROM work ORDER BY 1, 2")
         return [WorkInfo(r[0], Process(r[1]), r[2]) for r in rows]
 
     async def machines(self, limit: int = 1000) -> list[MachineSummary]:
         """Machines with their tags, oldest first."""
-        rows = await self._run(
+        rows = await self.execute(
             f"""SELECT m.machine_id, m.machine_created_at, a.agent_started_at,
                        h.agent_heartbeat_at, r.machine_id IS NOT NULL,
                        ARRAY(SELECT w.process::text FROM work w

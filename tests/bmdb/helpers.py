@@ -31,8 +31,8 @@ async def add_provided_machines(conn: bmdb.Connection, count: int) -> list[uuid.
 async def bulk_provided_machines(conn: bmdb.Connection, count: int) -> None:
     """Create ``count`` provided machines in one statement (for big fleets)."""
 
-    async def body(pg: bmdb._pg.PgConnection) -> None:
-        await pg.execute(
+    async def body(q: bmdb.Queries) -> None:
+        await q.execute(
             """WITH m AS (INSERT INTO machines (machine_created_at)
                           SELECT now() + make_interval(secs => g / 1000.0)
                           FROM generate_series(1, %s) g RETURNING machine_id)
@@ -41,7 +41,7 @@ async def bulk_provided_machines(conn: bmdb.Connection, count: int) -> None:
             (count,),
         )
 
-    await conn.run(bmdb.Isolation.READ_COMMITTED, body)
+    await conn.transact(body, isolation=bmdb.Isolation.READ_COMMITTED)
 
 
 async def agent_start_source(q: Queries) -> list[uuid.UUID]:
@@ -109,8 +109,8 @@ async def agent_start_worker(conn: bmdb.Connection, name: str, processed: list[u
 async def outcome_counts(conn: bmdb.Connection) -> dict[str, int]:
     """Aggregate facts to check exactly-once processing with."""
 
-    async def body(pg: bmdb._pg.PgConnection) -> dict[str, int]:
-        [row] = await pg.execute(
+    async def body(q: bmdb.Queries) -> dict[str, int]:
+        [row] = await q.execute(
             """SELECT
                  (SELECT count(*) FROM machines),
                  (SELECT count(*) FROM machine_agent_started),
@@ -126,4 +126,4 @@ async def outcome_counts(conn: bmdb.Connection) -> dict[str, int]:
         keys = ("machines", "tagged", "work", "finished_once", "finished", "started", "mirror_off")
         return dict(zip(keys, row, strict=True))
 
-    return await conn.run(bmdb.Isolation.REPEATABLE_READ, body)
+    return await conn.transact(body, isolation=bmdb.Isolation.REPEATABLE_READ)

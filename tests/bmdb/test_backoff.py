@@ -59,13 +59,13 @@ def test_invalid_parameters(kwargs: dict[str, float]) -> None:
 
 
 async def _stored_interval(conn: bmdb.Connection, machine_id: uuid.UUID) -> int | None:
-    async def body(pg: bmdb._pg.PgConnection) -> int | None:
-        rows = await pg.execute(
+    async def body(q: bmdb.Queries) -> int | None:
+        rows = await q.execute(
             "SELECT last_interval_seconds FROM work_backoff WHERE machine_id = %s", (machine_id,)
         )
         return rows[0][0] if rows else None
 
-    return await conn.run(bmdb.Isolation.READ_COMMITTED, body)
+    return await conn.transact(body, isolation=bmdb.Isolation.READ_COMMITTED)
 
 
 async def _candidates(sess: bmdb.Session) -> list[uuid.UUID]:

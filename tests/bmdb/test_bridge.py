@@ -17,21 +17,21 @@ from bmdb.model import Queries
 async def server_activity(conn: bmdb.Connection) -> list[tuple[str, str]]:
     """(state, query) of every other backend connected to our database."""
 
-    async def body(pg: PgConnection) -> list[tuple[str, str]]:
-        rows = await pg.execute(
+    async def body(q: bmdb.Queries) -> list[tuple[str, str]]:
+        rows = await q.execute(
             """SELECT state, query FROM pg_stat_activity
                WHERE datname = current_database() AND pid <> pg_backend_pid()"""
         )
         return [(r[0], r[1]) for r in rows]
 
-    return await conn.run(bmdb.Isolation.READ_COMMITTED, body)
+    return await conn.transact(body, isolation=bmdb.Isolation.READ_COMMITTED)
 
 
 async def test_cancel_reaches_server_and_connection_is_reused(bmdb_url: str) -> None:
     async with bmdb.open_connection(bmdb_url, max_connections=1) as conn:
 
         async def slow(q: Queries) -> None:
-            await q._run("SELECT pg_sleep(60)")
+            await q.execute("SELECT pg_sleep(60)")
 
         with trio.fail_after(10):
             with trio.move_on_after(0.3) as scope:
@@ -77,11 +77,11 @@ async def test_statements_larger_than_socket_buffers(bmdb_conn: bmdb.Connection)
     # driver has to wait for the socket to be writable (or readable) again.
     blob = b"\x01" * (16 << 20)
 
-    async def body(pg: PgConnection) -> tuple[int, bytes]:
-        [(length, echoed)] = await pg.execute("SELECT length(%s::bytea), %s::bytea", (blob, blob))
+    async def body(q: bmdb.Queries) -> tuple[int, bytes]:
+        [(length, echoed)] = await q.execute("SELECT length(%s::bytea), %s::bytea", (blob, blob))
         return length, echoed
 
-    length, echoed = await bmdb_conn.run(bmdb.Isolation.READ_COMMITTED, body)
+    length, echoed = await bmdb_conn.transact(body, isolation=bmdb.Isolation.READ_COMMITTED)
     assert length == len(blob) and echoed == blob
 
 

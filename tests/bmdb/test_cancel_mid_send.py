@@ -115,11 +115,11 @@ async def test_cancel_mid_send_through_the_pool(
     next transaction."""
     async with bmdb.open_connection(bmdb_url, max_connections=1) as conn:
 
-        async def body(pg: PgConnection) -> object:
-            return await pg.execute("SELECT pg_sleep(%s), length(%s::bytea)", (SLEEP, BLOB))
+        async def body(q: bmdb.Queries) -> object:
+            return await q.execute("SELECT pg_sleep(%s), length(%s::bytea)", (SLEEP, BLOB))
 
         async def statement() -> object:
-            return await conn.run(bmdb.Isolation.SERIALIZABLE, body)
+            return await conn.transact(body)
 
         with trio.fail_after(60):
             spy = CancelMidSend(monkeypatch)

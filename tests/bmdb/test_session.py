@@ -25,14 +25,14 @@ async def session_rows(conn: bmdb.Connection) -> list[bmdb.model.SessionInfo]:
 async def expire_now(conn: bmdb.Connection, session_id: uuid.UUID) -> None:
     """Push a session's deadline into the past, as if its owner had stalled."""
 
-    async def body(pg: bmdb._pg.PgConnection) -> None:
-        await pg.execute(
+    async def body(q: bmdb.Queries) -> None:
+        await q.execute(
             "UPDATE sessions SET session_deadline = now() - interval '1 second'"
             " WHERE session_id = %s",
             (session_id,),
         )
 
-    await conn.run(bmdb.Isolation.READ_COMMITTED, body)
+    await conn.transact(body, isolation=bmdb.Isolation.READ_COMMITTED)
 
 
 async def test_session_row_lifecycle(bmdb_conn: bmdb.Connection) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import bmdb
-from bmdb._pg import PgConnection
 from bmdb.errors import TransactionFailed
+from bmdb.model import Queries
 
 # A real serialization failure (SQLSTATE 40001), raised by the server.
 _FAIL_TO_SERIALIZE = "DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$"
@@ -17,28 +17,28 @@ FAST = bmdb.RetryPolicy(attempts=4, base_delay=0.0001, max_delay=0.001)
 async def test_retries_until_success(bmdb_url: str) -> None:
     calls = 0
 
-    async def body(pg: PgConnection) -> str:
+    async def body(q: Queries) -> str:
         nonlocal calls
         calls += 1
-        await pg.execute("INSERT INTO machines DEFAULT VALUES")
+        await q.execute("INSERT INTO machines DEFAULT VALUES")
         if calls < 3:
-            await pg.execute(_FAIL_TO_SERIALIZE)
+            await q.execute(_FAIL_TO_SERIALIZE)
         return "done"
 
     async with bmdb.open_connection(bmdb_url, retry=FAST) as conn:
-        assert await conn.run(bmdb.Isolation.SERIALIZABLE, body) == "done"
+        assert await conn.transact(body) == "done"
         assert (calls, conn.stats.retries, conn.stats.commits) == (3, 2, 1)
         # The failed attempts were rolled back: one machine, not three.
         assert len(await conn.transact(lambda q: q.machines())) == 1
 
 
 async def test_gives_up_after_the_last_attempt(bmdb_url: str) -> None:
-    async def body(pg: PgConnection) -> None:
-        await pg.execute(_FAIL_TO_SERIALIZE)
+    async def body(q: Queries) -> None:
+        await q.execute(_FAIL_TO_SERIALIZE)
 
     async with bmdb.open_connection(bmdb_url, retry=FAST) as conn:
         with pytest.raises(TransactionFailed, match="4 attempts"):
-            await conn.run(bmdb.Isolation.SERIALIZABLE, body)
+            await conn.transact(body)
         assert conn.stats.retries == 4
 
 

@@ -12,7 +12,6 @@ from bmdb import Process, WorkEvent
 from bmdb._pg import PgConnection
 from bmdb.errors import InvalidArgument, NothingToDo, WorkClosed, WorkConflict
 from bmdb.model import Queries
-from bmdb.session import collect_expired
 from tests.bmdb.helpers import Source, add_provided_machines, agent_start_source, eventually
 
 
@@ -155,20 +154,20 @@ async def _dead_session_holding(conn: bmdb.Connection, machine_id: uuid.UUID) ->
     """Write the leftovers of a crashed worker: a session past its deadline
     that still holds agent-start work on the machine."""
 
-    async def body(pg: bmdb._pg.PgConnection) -> uuid.UUID:
-        rows = await pg.execute(
+    async def body(q: bmdb.Queries) -> uuid.UUID:
+        rows = await q.execute(
             """INSERT INTO sessions (session_component_name, session_runtime_info,
                    session_interval_seconds, session_deadline)
                VALUES ('crashed', 'gone', 5, now() - interval '1 second')
                RETURNING session_id"""
         )
         session_id: uuid.UUID = rows[0][0]
-        await pg.execute(
+        await q.execute(
             "INSERT INTO work VALUES (%s, %s, 'ShepherdAgentStart')", (machine_id, session_id)
         )
         return session_id
 
-    return await conn.run(bmdb.Isolation.READ_COMMITTED, body)
+    return await conn.transact(body, isolation=bmdb.Isolation.READ_COMMITTED)
 
 
 async def test_stale_work_does_not_block(bmdb_conn: bmdb.Connection) -> None:
@@ -191,7 +190,7 @@ async def test_collector_deletes_expired_sessions(bmdb_conn: bmdb.Connection) ->
     dead = await _dead_session_holding(bmdb_conn, machine_id)
     async with bmdb_conn.session("alive") as sess:
         # Starting a session collects; a second run finds nothing more to do.
-        await collect_expired(bmdb_conn)
+        await bmdb_conn.collect_expired()
 
         async def sessions(q: Queries) -> list[bmdb.model.SessionInfo]:
             return await q.sessions()

@@ -6,7 +6,6 @@ import uuid
 
 import bmdb
 from bmdb import Isolation, Process, Provider, Queries, WorkEvent
-from bmdb._pg import PgConnection
 
 
 async def provide(conn: bmdb.Connection, provider_ids: list[str]) -> dict[str, uuid.UUID]:
@@ -38,11 +37,11 @@ async def events(
 
 
 async def agent_keys(conn: bmdb.Connection) -> dict[uuid.UUID, bytes]:
-    async def read(pg: PgConnection) -> dict[uuid.UUID, bytes]:
-        rows = await pg.execute("SELECT machine_id, agent_public_key FROM machine_agent_started")
+    async def read(q: Queries) -> dict[uuid.UUID, bytes]:
+        rows = await q.execute("SELECT machine_id, agent_public_key FROM machine_agent_started")
         return {r[0]: bytes(r[1]) for r in rows}
 
-    return await conn.run(Isolation.READ_COMMITTED, read)
+    return await conn.transact(read, isolation=Isolation.READ_COMMITTED)
 
 
 async def backoffs(
@@ -50,14 +49,14 @@ async def backoffs(
 ) -> dict[uuid.UUID, tuple[int, str]]:
     """(last interval, cause) of every machine in backoff for ``process``."""
 
-    async def read(pg: PgConnection) -> dict[uuid.UUID, tuple[int, str]]:
-        rows = await pg.execute(
+    async def read(q: Queries) -> dict[uuid.UUID, tuple[int, str]]:
+        rows = await q.execute(
             "SELECT machine_id, last_interval_seconds, cause FROM work_backoff WHERE process = %s",
             (process,),
         )
         return {r[0]: (r[1], r[2]) for r in rows}
 
-    return await conn.run(Isolation.READ_COMMITTED, read)
+    return await conn.transact(read, isolation=Isolation.READ_COMMITTED)
 
 
 async def host_key_of(conn: bmdb.Connection, machine_id: uuid.UUID) -> bytes | None:

@@ -103,7 +103,7 @@ class Barrier(Scripted):
         self.all_in = trio.Event()
 
     async def handle(self, work: Work, task: uuid.UUID) -> None:
-        self.sessions.add(work.session.id)
+        self.sessions.add(work.session_id)
         self.handled.append(task)
         if len(self.handled) == self.width:
             self.all_in.set()

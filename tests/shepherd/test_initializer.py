@@ -16,7 +16,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
 from bmdb import Backoff, Isolation, Queries, WorkEvent
-from bmdb._pg import PgConnection
 from shepherd.agent import agent_script
 from shepherd.control_loop import run_control_loop
 from shepherd.initializer import DEFAULT_BACKOFF, Initializer
@@ -296,10 +295,10 @@ async def test_worker_replaces_an_expired_session(
                 # (or an operator) would, then give it a machine.
                 first.extend(sessions)
 
-                async def kill(pg: PgConnection) -> None:
-                    await pg.execute("DELETE FROM sessions")
+                async def kill(q: Queries) -> None:
+                    await q.execute("DELETE FROM sessions")
 
-                await bmdb_conn.run(Isolation.READ_COMMITTED, kill)
+                await bmdb_conn.transact(kill, isolation=Isolation.READ_COMMITTED)
                 ids.update(await provide(bmdb_conn, ["m-1"]))
             return False
         return await settled(bmdb_conn, list(ids.values()))
