@@ -47,11 +47,10 @@ import trio
 import bmdb
 from bmdb import Process
 from bmdb.errors import NothingToDo, WorkConflict
-from bmdb.localserver import LocalPostgres, find_postgres_bin
+from bmdb.localserver import TEMPLATE_DB, LocalPostgres, find_postgres_bin, start_with_template
 from bmdb.model import Queries
 from bmdb.model import queries as sql_queries
 from bmdb.work import CLAIM_SQL, RELEASE_SQL
-from tests.fixtures.postgres import TEMPLATE_DB, start_with_template
 
 KEY = bytes(32)
 PGBENCH_SESSION = uuid.UUID(int=1)

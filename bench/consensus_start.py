@@ -36,10 +36,11 @@ import trio
 from metropolis import pki
 from metropolis.consensus import Config, Service
 from metropolis.consensus.client import Client
+from metropolis.consensus.localetcd import LOOPBACK_TUNING
 from metropolis.consensus.process import ProcessConfig, run_etcd
 from metropolis.localstorage import Root
 from metropolis.supervisor import open_supervisor
-from tests.fixtures.etcd import LOOPBACK_TUNING, free_port
+from monotrio.net import free_loopback_port
 
 logger = logging.getLogger("bench.consensus_start")
 
@@ -49,7 +50,7 @@ _PORTS: dict[Path, int] = {}
 
 def _bare_config(directory: Path) -> ProcessConfig:
     # A restart must advertise the peer URL its data was created with.
-    port = _PORTS.setdefault(directory, free_port())
+    port = _PORTS.setdefault(directory, free_loopback_port())
     return ProcessConfig.standalone("bench", directory, port, LOOPBACK_TUNING)
 
 
@@ -120,7 +121,7 @@ async def main(runs: int, puts: int) -> None:
         bare = await _median(runs, lambda i: bare_etcd_start(base / f"bare{i}"))
         bare_restart = await _median(runs, lambda i: bare_etcd_start(base / f"bare{i}"))
 
-        ports = [free_port() for _ in range(runs)]
+        ports = [free_loopback_port() for _ in range(runs)]
         bootstrap = await _median(runs, lambda i: service_start(Root(base / f"n{i}"), ports[i]))
         restart = await _median(runs, lambda i: service_start(Root(base / f"n{i}"), ports[i]))
 

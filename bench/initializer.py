@@ -46,8 +46,9 @@ import bmdb
 from bmdb import Provider, Queries
 from bmdb.localserver import LocalPostgres
 from shepherd.agent import agent_script
-from shepherd.control_loop import run_control_loop
+from shepherd.control_loop import start_control_loop
 from shepherd.initializer import Initializer
+from shepherd.localsshd import start_sshd, stop_sshd
 from shepherd.proto.agent import TakeoverInit, TakeoverResponse
 from shepherd.providers import Machine
 from shepherd.providers.static import StaticProvider
@@ -55,7 +56,6 @@ from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
 from shepherd.takeover import AgentConfig
-from tests.fixtures.sshd import start_sshd, stop_sshd
 
 ROOT = Path(__file__).resolve().parent.parent
 ENDPOINT = "bmaas.example:443"
@@ -185,13 +185,12 @@ async def shepherd_run(
 
         start = trio.current_time()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                lambda: run_control_loop(
-                    conn,
-                    initializer,
-                    parallelism=parallelism,
-                    limiter=RateLimiter(Rate(0.005, parallelism)),
-                )
+            start_control_loop(
+                nursery,
+                conn,
+                initializer,
+                parallelism=parallelism,
+                limiter=RateLimiter(Rate(0.005, parallelism)),
             )
             while True:
                 done, failed = await conn.transact(started)

@@ -21,22 +21,35 @@ from __future__ import annotations
 import os
 import pwd
 import signal
-import socket
 import stat
 import subprocess
 import time
 from pathlib import Path
 
 import psycopg
+import trio
 
-__all__ = ["LocalPostgres", "LocalPostgresError", "find_postgres_bin"]
+from bmdb.connection import migrate
+from bmdb.errors import BMDBError
+from monotrio.net import free_loopback_port
+
+__all__ = [
+    "TEMPLATE_DB",
+    "LocalPostgres",
+    "LocalPostgresError",
+    "find_postgres_bin",
+    "start_with_template",
+]
 
 #: Where Debian's postgresql-15 package puts the server binaries.
 DEFAULT_BIN = Path("/usr/lib/postgresql/15/bin")
 _START_TIMEOUT = 30.0
 
+#: The migrated database `start_with_template` leaves to copy BMDBs from.
+TEMPLATE_DB = "bmdb_template"
 
-class LocalPostgresError(Exception):
+
+class LocalPostgresError(BMDBError):
     """The local server could not be created or started; the message says why."""
 
 
@@ -64,7 +77,7 @@ class LocalPostgres:
         self.data = root / "data"
         self.socket_dir = root / "socket"
         self.log_path = root / "postgres.log"
-        self.port = port or _free_port()
+        self.port = port or free_loopback_port()
         self._bin = find_postgres_bin()
         self._proc: subprocess.Popen[bytes] | None = None
         self._user = "postgres" if os.geteuid() == 0 else None
@@ -216,8 +229,19 @@ def _wait_for_no_backends(data: Path) -> None:
         time.sleep(0.05)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def start_with_template(root: Path) -> LocalPostgres:
+    """A started server in ``root`` holding a migrated `TEMPLATE_DB` to copy
+    fresh BMDBs from (``CREATE DATABASE ... TEMPLATE``), as the tests'
+    fixtures and the benchmarks do. The caller stops it. Raises
+    `LocalPostgresError`, or what migrating raises (the server is then
+    stopped)."""
+    server = LocalPostgres(root)
+    server.create()
+    server.start()
+    try:
+        server.admin(f"CREATE DATABASE {TEMPLATE_DB}")
+        trio.run(migrate, server.url(TEMPLATE_DB))
+    except BaseException:
+        server.stop()
+        raise
+    return server

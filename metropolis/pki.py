@@ -21,7 +21,8 @@ from __future__ import annotations
 import datetime
 import enum
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -31,6 +32,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+_T = TypeVar("_T")
 
 __all__ = [
     "UNKNOWN_NOT_AFTER",
@@ -117,20 +120,29 @@ def _random_serial() -> int:
     return x509.random_serial_number()
 
 
-def new_ca(key: Ed25519PrivateKey, common_name: str) -> x509.Certificate:
-    """Return a self-signed CA certificate for ``key``."""
-    public = key.public_key()
-    builder = (
+def _builder(
+    subject: x509.Name, issuer: x509.Name, public_key: Ed25519PublicKey, usage: Usage
+) -> x509.CertificateBuilder:
+    """What every certificate we issue has in common: a random serial,
+    backdated validity without end, basic constraints and key usage."""
+    return (
         x509.CertificateBuilder()
-        .subject_name(_name(common_name))
-        .issuer_name(_name(common_name))
-        .public_key(public)
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
         .serial_number(_random_serial())
         .not_valid_before(_now() - _BACKDATE)
         .not_valid_after(UNKNOWN_NOT_AFTER)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(_key_usage(Usage.CA), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .add_extension(x509.BasicConstraints(ca=usage is Usage.CA, path_length=None), critical=True)
+        .add_extension(_key_usage(usage), critical=True)
+    )
+
+
+def new_ca(key: Ed25519PrivateKey, common_name: str) -> x509.Certificate:
+    """Return a self-signed CA certificate for ``key``."""
+    public = key.public_key()
+    builder = _builder(_name(common_name), _name(common_name), public, Usage.CA).add_extension(
+        x509.SubjectKeyIdentifier.from_public_key(public), critical=False
     )
     return builder.sign(key, None)
 
@@ -168,15 +180,7 @@ def issue_certificate(
     sans += [x509.IPAddress(ip) for ip in ips]
 
     builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name))
-        .issuer_name(ca_certificate.subject)
-        .public_key(public_key)
-        .serial_number(_random_serial())
-        .not_valid_before(_now() - _BACKDATE)
-        .not_valid_after(UNKNOWN_NOT_AFTER)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_key_usage(usage), critical=True)
+        _builder(_name(common_name), ca_certificate.subject, public_key, usage)
         .add_extension(_extended_key_usage(usage), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
@@ -330,14 +334,18 @@ def encode_certificate(certificate: x509.Certificate, encoding: Encoding = Encod
     return certificate.public_bytes(encoding)
 
 
+def _decode(data: bytes, pem: Callable[[bytes], _T], der: Callable[[bytes], _T], what: str) -> _T:
+    try:
+        return pem(data) if _is_pem(data) else der(data)
+    except ValueError as e:
+        raise PKIError(f"not a valid {what}: {e}") from e
+
+
 def decode_certificate(data: bytes) -> x509.Certificate:
     """Parse a PEM or DER certificate. Raises :class:`PKIError` on garbage."""
-    try:
-        if _is_pem(data):
-            return x509.load_pem_x509_certificate(data)
-        return x509.load_der_x509_certificate(data)
-    except ValueError as e:
-        raise PKIError(f"not a valid certificate: {e}") from e
+    return _decode(
+        data, x509.load_pem_x509_certificate, x509.load_der_x509_certificate, "certificate"
+    )
 
 
 def encode_crl(crl: x509.CertificateRevocationList, encoding: Encoding = Encoding.PEM) -> bytes:
@@ -347,12 +355,7 @@ def encode_crl(crl: x509.CertificateRevocationList, encoding: Encoding = Encodin
 
 def decode_crl(data: bytes) -> x509.CertificateRevocationList:
     """Parse a PEM or DER CRL. Raises :class:`PKIError` on garbage."""
-    try:
-        if _is_pem(data):
-            return x509.load_pem_x509_crl(data)
-        return x509.load_der_x509_crl(data)
-    except ValueError as e:
-        raise PKIError(f"not a valid CRL: {e}") from e
+    return _decode(data, x509.load_pem_x509_crl, x509.load_der_x509_crl, "CRL")
 
 
 def encode_private_key(key: Ed25519PrivateKey, encoding: Encoding = Encoding.PEM) -> bytes:

@@ -38,7 +38,7 @@ from cryptography import x509
 import bmdb
 from bmdb.errors import BMDBError
 from shepherd.agent import AGENT_SCRIPT_PATH
-from shepherd.control_loop import run_control_loop
+from shepherd.control_loop import start_control_loop
 from shepherd.initializer import Initializer
 from shepherd.providers import Provider
 from shepherd.providers.static import StaticFileError, StaticProvider
@@ -266,13 +266,12 @@ async def run(options: Options) -> None:
             # Once the BMDB is there: a failure to reach it is the only line.
             logger.info("SSH public key: %s", options.ssh_key.authorized_key)
             await sync_provided(conn, options.provider)
-            nursery.start_soon(
-                lambda: run_control_loop(
-                    conn,
-                    initializer,
-                    parallelism=options.parallelism,
-                    limiter=RateLimiter(options.rate),
-                )
+            start_control_loop(
+                nursery,
+                conn,
+                initializer,
+                parallelism=options.parallelism,
+                limiter=RateLimiter(options.rate),
             )
             async for signum in signals:
                 logger.info("got %s, stopping", signal.Signals(signum).name)

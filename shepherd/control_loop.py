@@ -26,6 +26,7 @@ so nothing stays locked.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -172,6 +173,34 @@ class _Worker(Generic[T]):
         await work.fail(cause, backoff)
 
 
+def start_control_loop(
+    nursery: trio.Nursery,
+    conn: Connection,
+    processor: Processor[T],
+    *,
+    parallelism: int,
+    limiter: RateLimiter,
+    runtime_info: str | None = None,
+    session_interval: float = DEFAULT_SESSION_INTERVAL,
+) -> None:
+    """Start `run_control_loop` as a task of ``nursery``; cancel the
+    nursery's scope to stop it. Raises `ValueError` at once for a
+    ``parallelism`` below 1."""
+    if parallelism < 1:
+        raise ValueError(f"parallelism must be at least 1, got {parallelism}")
+    nursery.start_soon(
+        functools.partial(
+            run_control_loop,
+            conn,
+            processor,
+            parallelism=parallelism,
+            limiter=limiter,
+            runtime_info=runtime_info,
+            session_interval=session_interval,
+        )
+    )
+
+
 def default_runtime_info() -> str:
     """``host:pid``, to tell sessions of different processes apart."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -191,8 +220,9 @@ async def run_control_loop(
     ``session_interval`` is how long a stalled worker keeps its locks (see
     ``bmdb.Connection.session``). Never returns. Failures of single machines
     are recorded and logged, lost sessions are replaced; only cancellation
-    (or a bug in this module) ends it. Must run inside
-    ``trio_asyncio.open_loop()`` (the BMDB needs it).
+    (or a bug in this module) ends it. The BMDB needs no asyncio loop; run
+    it inside ``trio_asyncio.open_loop()`` only if the processor uses asyncio
+    libraries (the `Initializer`'s SSH client does).
     """
     if parallelism < 1:
         raise ValueError(f"parallelism must be at least 1, got {parallelism}")

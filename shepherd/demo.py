@@ -39,7 +39,7 @@ import bmdb
 from bmdb.localserver import LocalPostgres, LocalPostgresError
 from bmdb.model import MachineSummary, Queries, WorkEvent
 from shepherd.agent import AGENT_SCRIPT_PATH
-from shepherd.control_loop import run_control_loop
+from shepherd.control_loop import start_control_loop
 from shepherd.initializer import Initializer
 from shepherd.localfleet import FleetMachine, open_fleet
 from shepherd.providers.static import StaticProvider
@@ -207,13 +207,12 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
             (machine.root / "root").mkdir(exist_ok=True)  # holds /root/agent
         ssh = SSHClient(key, username="root", connect_timeout=config.ssh_connect_timeout)
         initializer = Initializer(provider, ssh, config)
-        nursery.start_soon(
-            lambda: run_control_loop(
-                conn,
-                initializer,
-                parallelism=options.parallelism,
-                limiter=RateLimiter(Rate(interval=0.01, burst=options.parallelism)),
-            )
+        start_control_loop(
+            nursery,
+            conn,
+            initializer,
+            parallelism=options.parallelism,
+            limiter=RateLimiter(Rate(interval=0.01, burst=options.parallelism)),
         )
 
         expected = {i: True for i in good_ids} | {i: False for i in broken_ids}

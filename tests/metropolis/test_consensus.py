@@ -26,10 +26,11 @@ from metropolis.consensus import (
     peerpki,
 )
 from metropolis.consensus.client import Client, EtcdUnavailable
+from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRolesConsensusMember
 from metropolis.supervisor import State, Supervisor, open_supervisor
-from tests.fixtures.etcd import LOOPBACK_TUNING, etcd_pid, free_port, kill_etcd
+from monotrio.net import free_loopback_port
 
 # Safety bound for waits; joins include etcd's fixed 5 s member health window.
 BOUND = 60
@@ -47,7 +48,7 @@ class Machine:
     def make(cls, path: Path) -> Machine:
         root = Root(path)
         root.create()
-        return cls(root, pki.generate_key(), free_port())
+        return cls(root, pki.generate_key(), free_loopback_port())
 
     @property
     def public_key(self) -> bytes:
@@ -305,7 +306,9 @@ async def test_revoked_peer_certificate_is_refused(tmp_path: Path) -> None:
     creds.mkdir()
     async with running(machine) as (service, _, status):
         # A node we admitted: it holds a valid peer certificate.
-        join = await status.add_node(outsider_pub, peer_url=f"https://127.0.0.1:{free_port()}")
+        join = await status.add_node(
+            outsider_pub, peer_url=f"https://127.0.0.1:{free_loopback_port()}"
+        )
         ca_pem = pki.encode_certificate(join.ca_certificate)
         cert_pem = pki.encode_certificate(join.node_certificate)
         key_pem = pki.encode_private_key(outsider_key)

@@ -26,7 +26,7 @@ from metropolis.consensus.client import (
     WatchCompacted,
     WatchResponse,
 )
-from tests.fixtures.etcd import EtcdServer
+from metropolis.consensus.localetcd import EtcdServer
 
 # Safety bound for anything that waits on etcd; never asserted on.
 BOUND = 20

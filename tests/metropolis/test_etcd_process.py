@@ -10,14 +10,15 @@ import pytest
 import trio
 
 from metropolis.consensus.client import Client
+from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.consensus.process import EtcdExited, ProcessConfig, run_etcd
-from tests.fixtures.etcd import LOOPBACK_TUNING, etcd_pid, free_port, kill_etcd
+from monotrio.net import free_loopback_port
 
 BOUND = 20
 
 
 def _config(tmp_path: Path) -> ProcessConfig:
-    return ProcessConfig.standalone("solo", tmp_path, free_port(), LOOPBACK_TUNING)
+    return ProcessConfig.standalone("solo", tmp_path, free_loopback_port(), LOOPBACK_TUNING)
 
 
 async def test_ready_then_cancel_leaves_no_process(

@@ -11,7 +11,7 @@ from cryptography import x509
 from metropolis import identity, pki
 from metropolis.consensus import peerpki
 from metropolis.consensus.client import KV, Client
-from tests.fixtures.etcd import EtcdServer
+from metropolis.consensus.localetcd import EtcdServer
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ import bmdb
 from bmdb import WorkEvent
 from shepherd.agent import agent_script
 from shepherd.cli import parse_options
+from shepherd.localsshd import Sshd
 from shepherd.ssh_key import SSHKey, load_ssh_key
-from tests.fixtures.sshd import Sshd
 from tests.shepherd.helpers import agent_keys, events
 
 MACHINES = '[[machine]]\nid = "m-1"\naddress = "127.0.0.1"\n'

@@ -9,7 +9,7 @@ import trio
 
 import bmdb
 from bmdb import Backoff, Process, Queries, Work, WorkEvent
-from shepherd.control_loop import ProcessingFailed, run_control_loop
+from shepherd.control_loop import ProcessingFailed, run_control_loop, start_control_loop
 from shepherd.rate_limit import Rate, RateLimiter
 from tests.shepherd.helpers import backoffs, events
 
@@ -64,14 +64,13 @@ async def test_every_outcome_is_recorded_and_the_loop_goes_on(
         return True
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            lambda: run_control_loop(
-                bmdb_conn,
-                processor,
-                parallelism=2,
-                limiter=RateLimiter(Rate(0.005, 4)),
-                session_interval=2.0,
-            )
+        start_control_loop(
+            nursery,
+            bmdb_conn,
+            processor,
+            parallelism=2,
+            limiter=RateLimiter(Rate(0.005, 4)),
+            session_interval=2.0,
         )
         with trio.fail_after(30):
             while not await all_seen():  # noqa: ASYNC110 (the state is in Postgres)
@@ -120,10 +119,8 @@ async def test_workers_run_in_parallel_each_with_its_own_session(
     ids = await bmdb_conn.transact(add)
     processor = Barrier(dict.fromkeys(ids, "fail"), width=3)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            lambda: run_control_loop(
-                bmdb_conn, processor, parallelism=3, limiter=RateLimiter(Rate(0.005, 4))
-            )
+        start_control_loop(
+            nursery, bmdb_conn, processor, parallelism=3, limiter=RateLimiter(Rate(0.005, 4))
         )
         # Fewer than 3 workers would never get 3 machines into handle() at once.
         with trio.fail_after(30):
@@ -154,9 +151,7 @@ async def test_every_iteration_takes_a_token_from_the_shared_limiter(
     # A bucket of 3 that refills once an hour: 3 iterations, then every worker waits.
     limiter = CountingLimiter(Rate(3600, 3))
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            lambda: run_control_loop(bmdb_conn, processor, parallelism=2, limiter=limiter)
-        )
+        start_control_loop(nursery, bmdb_conn, processor, parallelism=2, limiter=limiter)
         with trio.fail_after(30):
             # Calls 4 and 5 are the two workers, each waiting for a token after
             # its last iteration; a loop that skipped the limiter would instead

@@ -17,16 +17,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 import bmdb
 from bmdb import Backoff, Isolation, Queries, WorkEvent
 from shepherd.agent import agent_script
-from shepherd.control_loop import run_control_loop
+from shepherd.control_loop import start_control_loop
 from shepherd.initializer import DEFAULT_BACKOFF, Initializer
 from shepherd.localfleet import open_fleet
+from shepherd.localsshd import Sshd, start_sshd, stop_sshd
 from shepherd.providers import Machine
 from shepherd.providers.static import StaticProvider
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
 from shepherd.takeover import AgentConfig
-from tests.fixtures.sshd import Sshd, start_sshd, stop_sshd
 from tests.shepherd.helpers import (
     agent_keys,
     backoffs,
@@ -63,14 +63,13 @@ class LoopRun:
     async def until(self, done: Callable[[], Awaitable[bool]]) -> None:
         """Run the control loop until ``done()``, then cancel it."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                lambda: run_control_loop(
-                    self.conn,
-                    self.initializer,
-                    parallelism=self.parallelism,
-                    limiter=RateLimiter(Rate(0.005, 8)),
-                    session_interval=self.session_interval,
-                )
+            start_control_loop(
+                nursery,
+                self.conn,
+                self.initializer,
+                parallelism=self.parallelism,
+                limiter=RateLimiter(Rate(0.005, 8)),
+                session_interval=self.session_interval,
             )
             with trio.fail_after(90):
                 while not await done():  # noqa: ASYNC110 (the state is in Postgres)

@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa as rsa_key
 
 from shepherd.localfleet import open_fleet, wait_until
+from shepherd.localsshd import Sshd
 from shepherd.ssh import (
     AuthenticationError,
     ChannelError,
@@ -21,7 +22,6 @@ from shepherd.ssh import (
     SSHClient,
 )
 from shepherd.ssh_key import SSHKey
-from tests.fixtures.sshd import Sshd
 
 # Safety bound for anything that talks to a server; never asserted on.
 BOUND = 30

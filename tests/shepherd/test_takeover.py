@@ -7,6 +7,7 @@ import uuid
 import pytest
 
 from shepherd.agent import agent_script
+from shepherd.localsshd import Sshd
 from shepherd.proto.agent import TakeoverError, TakeoverInit, TakeoverResponse, TakeoverSuccess
 from shepherd.providers import Machine
 from shepherd.ssh import SSHClient
@@ -22,7 +23,6 @@ from shepherd.takeover import (
     parse_response,
     start_agent,
 )
-from tests.fixtures.sshd import Sshd
 
 SENT = TakeoverInit(machine_id="m-1", bmaas_endpoint="e:443", ca_certificate=b"\x30\x00")
 
