@@ -31,7 +31,8 @@ import logging
 import os
 import socket
 import uuid
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 import trio
 
@@ -42,6 +43,7 @@ from shepherd.rate_limit import RateLimiter
 logger = logging.getLogger("shepherd.control_loop")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 T_contra = TypeVar("T_contra", contravariant=True)
 
 #: Seconds a worker's BMDB session survives without a heartbeat.
@@ -173,34 +175,6 @@ class _Worker(Generic[T]):
         await work.fail(cause, backoff)
 
 
-def start_control_loop(
-    nursery: trio.Nursery,
-    conn: Connection,
-    processor: Processor[T],
-    *,
-    parallelism: int,
-    limiter: RateLimiter,
-    runtime_info: str | None = None,
-    session_interval: float = DEFAULT_SESSION_INTERVAL,
-) -> None:
-    """Start `run_control_loop` as a task of ``nursery``; cancel the
-    nursery's scope to stop it. Raises `ValueError` at once for a
-    ``parallelism`` below 1."""
-    if parallelism < 1:
-        raise ValueError(f"parallelism must be at least 1, got {parallelism}")
-    nursery.start_soon(
-        functools.partial(
-            run_control_loop,
-            conn,
-            processor,
-            parallelism=parallelism,
-            limiter=limiter,
-            runtime_info=runtime_info,
-            session_interval=session_interval,
-        )
-    )
-
-
 def default_runtime_info() -> str:
     """``host:pid``, to tell sessions of different processes apart."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -234,3 +208,18 @@ async def run_control_loop(
     async with trio.open_nursery() as nursery:
         for worker in workers:
             nursery.start_soon(worker.run)
+
+
+def _in_nursery(
+    fn: Callable[P, Awaitable[None]],
+) -> Callable[Concatenate[trio.Nursery, P], None]:
+    def start(nursery: trio.Nursery, /, *args: P.args, **kwargs: P.kwargs) -> None:
+        nursery.start_soon(functools.partial(fn, *args, **kwargs))
+
+    return start
+
+
+#: ``start_control_loop(nursery, conn, processor, parallelism=N, limiter=L,
+#: ...)``: start `run_control_loop` (same arguments) as a task of ``nursery``;
+#: cancel the nursery's scope to stop it.
+start_control_loop = _in_nursery(run_control_loop)

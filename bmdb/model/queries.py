@@ -25,15 +25,8 @@ from typing import Any, Protocol
 from bmdb import _pg
 from bmdb._pg import Params, Row
 from bmdb.errors import InvalidArgument
+from bmdb.model import rows as records
 from bmdb.model.enums import Process, Provider, ProviderStatus, WorkEvent
-from bmdb.model.rows import (
-    AgentStarted,
-    HistoryEvent,
-    MachineProvided,
-    MachineSummary,
-    SessionInfo,
-    WorkInfo,
-)
 
 #: How many of the oldest candidates a locking agent-start source picks from.
 #: Larger than any sane worker count, so that workers rarely pick the same row.
@@ -219,7 +212,7 @@ class Queries:
         )
         return bool(rows)
 
-    async def provided_by_provider(self, provider: Provider | str) -> list[MachineProvided]:
+    async def provided_by_provider(self, provider: Provider | str) -> list[records.MachineProvided]:
         """Every machine of ``provider``, by provider id."""
         rows = await self.execute(
             f"SELECT {_PROVIDED_COLUMNS} FROM machine_provided p WHERE p.provider = %s"
@@ -243,7 +236,7 @@ class Queries:
             (as_uuid(machine_id), _aware(started_at), bytes(public_key)),
         )
 
-    async def agent_started(self, machine_id: uuid.UUID | str) -> AgentStarted | None:
+    async def agent_started(self, machine_id: uuid.UUID | str) -> records.AgentStarted | None:
         """The machine's agent-started tag, or None if no agent was started on it."""
         rows = await self.execute(
             f"""SELECT a.machine_id, a.agent_started_at, a.agent_public_key, {_PROVIDED_COLUMNS}
@@ -328,7 +321,7 @@ class Queries:
 
     # Sourcing.
 
-    async def machines_for_agent_start(self, limit: int) -> list[MachineProvided]:
+    async def machines_for_agent_start(self, limit: int) -> list[records.MachineProvided]:
         """Provided machines whose agent has not started, without live
         agent-start/recovery work or agent-start backoff, oldest first
         (approximately, among the oldest `SOURCING_WINDOW`, when locking)."""
@@ -344,7 +337,7 @@ class Queries:
             rows = await self.execute(_AGENT_START_LIST, params)
         return [_provided(r) for r in rows]
 
-    async def machines_for_agent_recovery(self, limit: int) -> list[AgentStarted]:
+    async def machines_for_agent_recovery(self, limit: int) -> list[records.AgentStarted]:
         """Machines whose agent started but went silent: no heartbeat 30
         minutes after the start, or the last heartbeat older than 10 minutes;
         without live agent work or recovery backoff; oldest first."""
@@ -367,7 +360,7 @@ class Queries:
 
     # Introspection.
 
-    async def history(self, machine_id: uuid.UUID | str) -> list[HistoryEvent]:
+    async def history(self, machine_id: uuid.UUID | str) -> list[records.HistoryEvent]:
         """The machine's work history, oldest first."""
         rows = await self.execute(
             """SELECT machine_id, process, event, at, session_id, cause FROM work_history
@@ -375,7 +368,7 @@ class Queries:
             (as_uuid(machine_id),),
         )
         return [
-            HistoryEvent(
+            records.HistoryEvent(
                 machine_id=r[0],
                 process=Process(r[1]),
                 event=WorkEvent(r[2]),
@@ -386,7 +379,7 @@ class Queries:
             for r in rows
         ]
 
-    async def sessions(self) -> list[SessionInfo]:
+    async def sessions(self) -> list[records.SessionInfo]:
         """Every session row, including expired ones not yet collected."""
         rows = await self.execute(
             """SELECT session_id, session_component_name, session_runtime_info,
@@ -394,14 +387,14 @@ class Queries:
                       session_deadline <= now()
                FROM sessions ORDER BY session_created_at, session_id"""
         )
-        return [SessionInfo(*r) for r in rows]
+        return [records.SessionInfo(*r) for r in rows]
 
-    async def work(self) -> list[WorkInfo]:
+    async def work(self) -> list[records.WorkInfo]:
         """Every work row (live or stale)."""
         rows = await self.execute("SELECT machine_id, process, session_id FROM work ORDER BY 1, 2")
-        return [WorkInfo(r[0], Process(r[1]), r[2]) for r in rows]
+        return [records.WorkInfo(r[0], Process(r[1]), r[2]) for r in rows]
 
-    async def machines(self, limit: int = 1000) -> list[MachineSummary]:
+    async def machines(self, limit: int = 1000) -> list[records.MachineSummary]:
         """Machines with their tags, oldest first."""
         rows = await self.execute(
             f"""SELECT m.machine_id, m.machine_created_at, a.agent_started_at,
@@ -419,7 +412,7 @@ class Queries:
             (_limit(limit),),
         )
         return [
-            MachineSummary(
+            records.MachineSummary(
                 machine_id=r[0],
                 created_at=r[1],
                 agent_started_at=r[2],
@@ -456,9 +449,9 @@ def _aware(at: datetime.datetime) -> datetime.datetime:
     return at
 
 
-def _agent_started(r: Sequence[Any]) -> AgentStarted:
+def _agent_started(r: Sequence[Any]) -> records.AgentStarted:
     """An `AgentStarted` from (machine_id, started_at, public_key, *provided columns)."""
-    return AgentStarted(
+    return records.AgentStarted(
         machine_id=r[0],
         started_at=r[1],
         public_key=bytes(r[2]),
@@ -466,8 +459,8 @@ def _agent_started(r: Sequence[Any]) -> AgentStarted:
     )
 
 
-def _provided(r: Sequence[Any]) -> MachineProvided:
-    return MachineProvided(
+def _provided(r: Sequence[Any]) -> records.MachineProvided:
+    return records.MachineProvided(
         machine_id=r[0],
         provider=Provider(r[1]),
         provider_id=r[2],
