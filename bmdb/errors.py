@@ -12,11 +12,19 @@
     ├── TransactionFailed        retries of serialization failures exhausted
     ├── NothingToDo              a work source found no machine
     ├── WorkConflict             the sourced machine is already being worked on
-    └── WorkClosed               finish/fail on work that was already closed
+    ├── WorkClosed               finish/fail on work that was already closed
+    └── LocalPostgresError       bmdb.localserver: the local server did not start
 
 `NothingToDo` is also what a work source raises to say it found nothing; it
 is an expected outcome rather than a failure, and callers usually wait and
 try again.
+
+Database errors never escape as psycopg's own: the transaction layer
+translates them by one rule (`bmdb._pg.as_bmdb_error`). Other exceptions a
+public function may raise are Python's own, for misuse (`ValueError` for a
+bad argument, `RuntimeError` for a closed pool), and Trio's
+`trio.Cancelled`. ``tests/test_error_trees.py`` checks the tree and what
+public functions raise.
 """
 
 from __future__ import annotations

@@ -1,14 +1,50 @@
-"""The root of every error the ``metropolis`` package raises.
+"""The exceptions of the ``metropolis`` package, one hierarchy rooted at
+`MetropolisError`.
 
-Each module's errors derive from :class:`MetropolisError`, so a caller can
-catch the whole package's failures in one clause and let anything else (a
-bug) propagate.
+::
+
+    MetropolisError
+    ├── ConsensusError             metropolis.consensus: the etcd member or its data
+    │   ├── NotRunning             .service: the local member is not running (yet)
+    │   ├── EtcdExited             .process: the etcd process ended
+    │   ├── PeerPKIError           .peerpki: the peer CA, certificates or CRL in etcd
+    │   └── EtcdError              .client: anything the etcd client raises
+    │       ├── EtcdUnavailable    etcd cannot be reached (socket gone, refused,
+    │       │                      dropped, garbled answer, client closed)
+    │       ├── EtcdAPIError       etcd answered with an error (``code``, ``transient``)
+    │       ├── LeaseExpired       the lease is gone
+    │       └── WatchCompacted     the revision to watch from was compacted
+    ├── PKIError                   metropolis.pki: bad key, certificate or CRL
+    ├── CredentialsError           metropolis.identity: node credentials do not check out
+    ├── LocalStorageError          metropolis.localstorage: the node's on-disk state
+    │   └── InsecureSealError      a sealed file or folder is readable by others
+    ├── Closed                     metropolis.event: the value was closed
+    └── RestartRequested           metropolis.supervisor: a runnable asked to restart
+
+A caller catches the whole package's failures with one ``except
+MetropolisError`` and lets anything else (a bug) propagate. Other
+exceptions a public function may raise are Python's own, for misuse:
+`ValueError` for a bad argument, `RuntimeError` for a call in the wrong
+state; and Trio's `trio.Cancelled`, which is never caught here. The etcd
+client lets no httpx error escape untranslated.
+``tests/test_error_trees.py`` checks the tree and what public functions
+raise.
 """
 
 from __future__ import annotations
 
-__all__ = ["MetropolisError"]
+__all__ = ["ConsensusError", "MetropolisError"]
 
 
 class MetropolisError(Exception):
     """Base class of every error raised by the ``metropolis`` package."""
+
+
+class ConsensusError(MetropolisError):
+    """The consensus service (the local etcd member, its peer PKI, the etcd
+    client) cannot start or cannot do what was asked.
+
+    Defined here rather than in `metropolis.consensus.service` so that the
+    lower consensus modules (client, process, peerpki) can derive from it
+    without importing the service; `metropolis.consensus` re-exports it.
+    """

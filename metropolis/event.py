@@ -37,13 +37,15 @@ from typing import Generic, TypeGuard, TypeVar, overload
 
 import trio
 
+from metropolis.errors import MetropolisError
+
 __all__ = ["Closed", "ReadOnlyValue", "Value", "Watcher"]
 
 T = TypeVar("T")
 S = TypeVar("S")
 
 
-class Closed(Exception):
+class Closed(MetropolisError):
     """The value or the watcher was closed; no further values will come."""
 
 

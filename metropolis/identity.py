@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from cryptography.x509.oid import NameOID
 
 from metropolis import pki
+from metropolis.errors import MetropolisError
 from metropolis.localstorage import PKIDirectory
 
 __all__ = ["NODE_ID_PREFIX", "CredentialsError", "NodeCredentials", "node_id"]
@@ -42,7 +43,7 @@ def node_id(public_key: Ed25519PublicKey | bytes) -> str:
     return NODE_ID_PREFIX + raw[:16].hex()
 
 
-class CredentialsError(Exception):
+class CredentialsError(MetropolisError):
     """Node credentials are unreadable, malformed, or do not fit together."""
 
 

@@ -32,6 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from metropolis.errors import MetropolisError
 from metropolis.proto.common import ClusterDirectory
 from metropolis.proto.private import SealedConfiguration
 
@@ -55,7 +56,7 @@ PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 
 
-class LocalStorageError(Exception):
+class LocalStorageError(MetropolisError):
     """A local storage file is missing, unreadable or malformed."""
 
 

@@ -33,6 +33,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from metropolis.errors import MetropolisError
+
 _T = TypeVar("_T")
 
 __all__ = [
@@ -72,7 +74,7 @@ UNKNOWN_NOT_AFTER = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.
 _BACKDATE = datetime.timedelta(minutes=5)
 
 
-class PKIError(Exception):
+class PKIError(MetropolisError):
     """Certificate material is malformed, of the wrong kind, or does not verify."""
 
 

@@ -38,6 +38,7 @@ import trio
 
 from bmdb import Backoff, Connection, Process, Queries, Session, Work
 from bmdb.errors import BMDBError, DatabaseUnavailable, NothingToDo, SessionExpired, WorkConflict
+from shepherd.errors import ShepherdError
 from shepherd.rate_limit import RateLimiter
 
 logger = logging.getLogger("shepherd.control_loop")
@@ -53,7 +54,7 @@ DEFAULT_SESSION_INTERVAL = 5.0
 SESSION_RETRY_DELAY = 1.0
 
 
-class ProcessingFailed(Exception):
+class ProcessingFailed(ShepherdError):
     """Raised by a processor: fail this machine's work with ``str(exc)`` as the cause.
 
     ``backoff`` overrides the processor's default backoff for this failure.

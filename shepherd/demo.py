@@ -40,6 +40,7 @@ from bmdb.localserver import LocalPostgres, LocalPostgresError
 from bmdb.model import MachineSummary, Queries, WorkEvent
 from shepherd.agent import AGENT_SCRIPT_PATH
 from shepherd.control_loop import start_control_loop
+from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
 from shepherd.localfleet import FleetMachine, open_fleet
 from shepherd.providers.static import StaticProvider
@@ -248,7 +249,7 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
 _DEMO_ENTRIES = ("postgres", "fleet", "broken", "machines.toml", "shepherd_ed25519")
 
 
-class WorkdirError(Exception):
+class WorkdirError(ShepherdError):
     """The folder given with ``--workdir`` cannot be used; nothing was changed."""
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import trio
 
+from shepherd.errors import ShepherdError
+
 SYNTAX = "'duration,count' eg. '2m,10' for a 10-sized bucket refilled at one token every 2 minutes"
 
 _UNITS = {
@@ -32,7 +34,7 @@ _UNITS = {
 _COMPONENT = re.compile(r"(\d*(?:\.\d*)?)([^\d.]*)")
 
 
-class RateSyntaxError(ValueError):
+class RateSyntaxError(ShepherdError, ValueError):
     """A rate or duration string is malformed. The message says what is wrong."""
 
 

@@ -38,6 +38,7 @@ import trio
 import trio_asyncio
 from asyncssh.public_key import decode_ssh_public_key, get_default_public_key_algs
 
+from shepherd.errors import ShepherdError
 from shepherd.ssh_key import SSHKey
 
 logger = logging.getLogger("shepherd.ssh")
@@ -53,7 +54,7 @@ _READ_SIZE = 1 << 16
 _CLOSE_TIMEOUT = 5.0
 
 
-class SSHError(Exception):
+class SSHError(ShepherdError):
     """Base class of everything this module raises."""
 
 
@@ -175,7 +176,7 @@ class SSHConnection:
         return result
 
 
-class _OutputTooLarge(Exception):
+class _OutputTooLarge(ShepherdError):
     pass
 
 

@@ -16,10 +16,12 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from shepherd.errors import ShepherdError
+
 logger = logging.getLogger("shepherd.ssh_key")
 
 
-class SSHKeyError(Exception):
+class SSHKeyError(ShepherdError):
     """The key file exists but cannot be used (unreadable, not a key, not Ed25519)."""
 
 

@@ -34,6 +34,7 @@ import betterproto2
 import trio
 
 from shepherd.agent.takeover import WIRE_LEN, DecodeError, iter_fields
+from shepherd.errors import ShepherdError
 from shepherd.proto.agent import TakeoverInit, TakeoverResponse
 from shepherd.providers import Machine
 from shepherd.ssh import (
@@ -96,7 +97,7 @@ class AgentStarted:
     warnings: list[str]
 
 
-class TakeoverFailed(Exception):
+class TakeoverFailed(ShepherdError):
     """Starting the agent failed; ``str(exc)`` is the cause to record.
 
     ``host_key`` is the machine's SSH host key if the connection got that far

@@ -8,22 +8,12 @@
 * :mod:`.process`: the etcd child process.
 """
 
-from metropolis.consensus.service import (
-    Config,
-    ConsensusError,
-    ExistingNode,
-    JoinCluster,
-    NotRunning,
-    Service,
-    Status,
-)
-
-__all__ = [
-    "Config",
-    "ConsensusError",
-    "ExistingNode",
-    "JoinCluster",
-    "NotRunning",
-    "Service",
-    "Status",
-]
+# Re-exported (``X as X``) rather than listed again in an __all__: the list
+# lives once, in metropolis.consensus.service.
+from metropolis.consensus.service import Config as Config
+from metropolis.consensus.service import ConsensusError as ConsensusError
+from metropolis.consensus.service import ExistingNode as ExistingNode
+from metropolis.consensus.service import JoinCluster as JoinCluster
+from metropolis.consensus.service import NotRunning as NotRunning
+from metropolis.consensus.service import Service as Service
+from metropolis.consensus.service import Status as Status

@@ -21,11 +21,13 @@ The gateway's wire quirks (etcd 3.4), handled here and nowhere else:
 * streaming calls (watch, lease keep-alive) answer one JSON object per line,
   each wrapped in ``{"result": ...}``.
 
-Errors: everything raised is an :class:`EtcdError`. :class:`EtcdUnavailable`
+Errors: everything raised is an :class:`EtcdError` (httpx's errors never
+escape: every ``httpx.RequestError`` becomes one). :class:`EtcdUnavailable`
 means etcd could not be reached at all (socket missing, connection refused
-or dropped, client closed); :class:`EtcdAPIError` means etcd answered with an
-error. Cancellation is plain Trio cancellation: it interrupts any call, and an
-interrupted write may or may not have been applied (as with any etcd client).
+or dropped, an answer httpx cannot decode, client closed);
+:class:`EtcdAPIError` means etcd answered with an error. Cancellation is
+plain Trio cancellation: it interrupts any call, and an interrupted write
+may or may not have been applied (as with any etcd client).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from typing import Any, Literal, NoReturn
 
 import httpx
 import trio
+
+from metropolis.errors import ConsensusError
 
 __all__ = [
     "KV",
@@ -83,7 +87,7 @@ GRPC_UNAVAILABLE = 14
 # --- errors -------------------------------------------------------------------
 
 
-class EtcdError(Exception):
+class EtcdError(ConsensusError):
     """Base of every error this client raises."""
 
 
@@ -339,7 +343,7 @@ class _Gateway:
             raise EtcdUnavailable("etcd client is closed")
         try:
             response = await self._http.post(f"/v3/{path}", json=body)
-        except httpx.TransportError as e:
+        except httpx.RequestError as e:
             raise self._unavailable(e) from e
         return self._decode(response, response.content)
 
@@ -353,11 +357,15 @@ class _Gateway:
                 "POST", f"/v3/{path}", json=body, timeout=httpx.Timeout(None, connect=2.0)
             )
             response = await self._http.send(request, stream=True)
-        except httpx.TransportError as e:
+        except httpx.RequestError as e:
             raise self._unavailable(e) from e
         try:
             if response.status_code != 200:
-                self._decode(response, await response.aread())
+                try:
+                    content = await response.aread()
+                except httpx.RequestError as e:
+                    raise self._unavailable(e) from e
+                self._decode(response, content)
             yield _Lines(self, response)
         finally:
             # Shielded: a cancelled watch must still hand its connection back.
@@ -409,7 +417,7 @@ class _Lines:
                 line = await anext(self._lines)
             except StopAsyncIteration:
                 raise EtcdUnavailable("etcd closed the stream") from None
-            except httpx.TransportError as e:
+            except httpx.RequestError as e:
                 raise self._gateway._unavailable(e) from e
             if not line.strip():
                 continue

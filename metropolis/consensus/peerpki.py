@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
 from metropolis.consensus.client import KV, Compare, Get, Put, RangeResult
+from metropolis.errors import ConsensusError
 
 __all__ = [
     "NAMESPACE",
@@ -52,7 +53,7 @@ KEY_CERTIFICATES = b"certificates/"
 CA_NAME = "Metropolis etcd peer CA"
 
 
-class PeerPKIError(Exception):
+class PeerPKIError(ConsensusError):
     """The peer PKI in etcd is missing, damaged, or refuses the request."""
 
 

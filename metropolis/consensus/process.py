@@ -34,6 +34,7 @@ from typing import Literal
 import trio
 
 from metropolis.consensus.client import Client, EtcdError
+from metropolis.errors import ConsensusError
 
 __all__ = ["SOCKET_NAME", "EtcdExited", "PeerTLS", "ProcessConfig", "Tuning", "run_etcd"]
 
@@ -55,7 +56,7 @@ _LEVELS = {
 }
 
 
-class EtcdExited(Exception):
+class EtcdExited(ConsensusError):
     """The etcd process exited on its own (crash, kill, bad flags, lost data dir)."""
 
     def __init__(self, returncode: int) -> None:

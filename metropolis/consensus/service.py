@@ -51,6 +51,7 @@ from metropolis import identity, pki
 from metropolis.consensus import peerpki
 from metropolis.consensus.client import KV, Client, EtcdAPIError, EtcdUnavailable
 from metropolis.consensus.process import SOCKET_NAME, PeerTLS, ProcessConfig, Tuning, run_etcd
+from metropolis.errors import ConsensusError
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.localstorage import EtcdDataDirectory, atomic_write
 from metropolis.proto.common import NodeRolesConsensusMember, NodeRolesConsensusMemberPeer
@@ -75,10 +76,6 @@ DEFAULT_PEER_PORT = 7834
 CURATOR_NAMESPACE = b"namespaced/curator/"
 
 _T = TypeVar("_T")
-
-
-class ConsensusError(Exception):
-    """The consensus service cannot start or cannot do what was asked."""
 
 
 class NotRunning(ConsensusError):

@@ -309,3 +309,31 @@ async def test_keep_alive_gives_up_when_etcd_stays_down(etcd: EtcdServer, client
             await nursery.start(client.keep_alive, lease)
             await etcd.stop()
             # keep_alive now retries until a full TTL has passed, then gives up.
+
+
+async def test_no_httpx_error_escapes(tmp_path: Path) -> None:
+    """An answer httpx cannot decode (a gzip body that is not gzip) raises
+    `EtcdUnavailable`, not httpx's own ``DecodingError``."""
+    path = tmp_path / "garbled.sock"
+    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await listener.bind(str(path))
+    listener.listen()
+    garbled = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"Content-Encoding: gzip\r\nContent-Length: 9\r\n\r\nnot gzip!"
+    )
+
+    async def serve() -> None:
+        while True:
+            conn, _ = await listener.accept()
+            with conn:
+                await conn.recv(65536)
+                await conn.send(garbled)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        async with Client(path, timeout=10) as client:
+            with pytest.raises(EtcdUnavailable, match="DecodingError"):
+                await client.get("k")
+        nursery.cancel_scope.cancel()
+    listener.close()
