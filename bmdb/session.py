@@ -43,6 +43,7 @@ from bmdb.errors import DatabaseUnavailable, InvalidArgument, SessionExpired
 from bmdb.model import Process, Queries
 from bmdb.transaction import Isolation, Transactor
 from bmdb.work import Lease, Work, claim
+from monotrio.backoff import ExponentialBackoff, Retrier
 
 logger = logging.getLogger("bmdb.session")
 
@@ -140,6 +141,9 @@ class Session:
         # so it never runs later than the server's.
         deadline = trio.current_time() + self.interval
         last_gc = trio.current_time()
+        # An unreachable database is retried at a steady pace until the deadline.
+        pause = min(0.5, self.interval / 4)
+        retrier = Retrier(ExponentialBackoff(initial=pause, maximum=pause, multiplier=1.0))
         while True:
             with trio.move_on_after(self.interval / 2):
                 await self._lease.wait_expired()
@@ -153,7 +157,7 @@ class Session:
                         poked = await self._poke()
                     except DatabaseUnavailable as e:
                         logger.warning("session %s: cannot poke: %s", self.id, e)
-                        await trio.sleep(min(0.5, self.interval / 4))
+                        await retrier.sleep()
             if poked is None:
                 raise self._lease.expire("could not reach the database before the deadline")
             if not poked:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -60,6 +59,7 @@ from typing import NoReturn
 import trio
 
 from metropolis.errors import MetropolisError
+from monotrio.backoff import ExponentialBackoff
 
 __all__ = [
     "BackoffPolicy",
@@ -108,18 +108,24 @@ class BackoffPolicy:
     jitter: float = 0.25
 
     def __post_init__(self) -> None:
-        if not (self.initial > 0 and self.multiplier >= 1 and self.maximum >= self.initial):
-            raise ValueError(f"invalid backoff policy: {self}")
         if not 0 <= self.jitter < 1:
             raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
+        # Building the policy validates the rest (ValueError).
+        self.backoff.ceiling(1)
+
+    @property
+    def backoff(self) -> ExponentialBackoff:
+        """The same waits as a `monotrio.backoff` policy."""
+        return ExponentialBackoff(
+            initial=self.initial,
+            maximum=self.maximum,
+            multiplier=self.multiplier,
+            jitter=(1 - self.jitter, 1 + self.jitter),
+        )
 
     def delay(self, failures: int, rng: random.Random) -> float:
         """The wait after ``failures`` consecutive failures (``failures >= 1``)."""
-        exponent = min(failures - 1, 1000)  # far past the cap; avoids float overflow
-        base = min(self.maximum, self.initial * math.pow(self.multiplier, exponent))
-        if self.jitter:
-            base *= rng.uniform(1 - self.jitter, 1 + self.jitter)
-        return base
+        return self.backoff.delay(failures, rng)
 
 
 class RestartRequested(MetropolisError):

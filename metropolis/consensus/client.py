@@ -45,6 +45,7 @@ import httpx
 import trio
 
 from metropolis.errors import ConsensusError
+from monotrio.backoff import ExponentialBackoff, Retrier
 
 __all__ = [
     "KV",
@@ -82,6 +83,11 @@ GRPC_NOT_FOUND = 5
 GRPC_FAILED_PRECONDITION = 9
 GRPC_OUT_OF_RANGE = 11
 GRPC_UNAVAILABLE = 14
+
+
+#: The lease keep-alive retries an unreachable etcd every second (but never
+#: past the moment the lease must have expired).
+_KEEP_ALIVE_RETRY = ExponentialBackoff(initial=1.0, maximum=1.0, multiplier=1.0)
 
 
 # --- errors -------------------------------------------------------------------
@@ -621,6 +627,7 @@ class KV:
         """
         started = False
         deadline = trio.current_time() + lease.ttl
+        retrier = Retrier(_KEEP_ALIVE_RETRY)
         while True:
             try:
                 ttl = await self.keep_alive_once(lease.id)
@@ -628,8 +635,9 @@ class KV:
                 if trio.current_time() >= deadline:
                     raise LeaseExpired(lease.id) from e
                 logger.warning("lease %x keep-alive failed, retrying: %s", lease.id, e)
-                await trio.sleep(min(1.0, max(0.0, deadline - trio.current_time())))
+                await retrier.sleep(at_most=deadline - trio.current_time())
                 continue
+            retrier.reset()
             deadline = trio.current_time() + ttl
             if not started:
                 started = True
@@ -675,8 +683,8 @@ class Watch:
     :class:`EtcdAPIError` for other errors etcd reports.
     """
 
-    _BACKOFF_INITIAL = 0.1
-    _BACKOFF_MAX = 2.0
+    #: Waits between reconnection attempts: 0.1 s, doubling up to 2 s.
+    _BACKOFF = ExponentialBackoff(initial=0.1, maximum=2.0)
 
     def __init__(self, kv: KV, key: Key, *, prefix: bool, start_revision: int) -> None:
         self._kv = kv
@@ -712,7 +720,7 @@ class Watch:
             pending = self._pending
             self._pending = None
             return pending
-        delay = self._BACKOFF_INITIAL
+        retrier = Retrier(self._BACKOFF)
         while True:
             try:
                 if self._stream is None:
@@ -721,9 +729,9 @@ class Watch:
                 obj = await self._stream.next()
             except EtcdUnavailable as e:
                 await self._disconnect()
+                delay = retrier.next_delay()
                 logger.warning("watch on %r broken, reconnecting in %.1fs: %s", self._key, delay, e)
                 await trio.sleep(delay)
-                delay = min(delay * 2, self._BACKOFF_MAX)
                 continue
             response = await self._handle(obj)
             if response is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import bmdb
@@ -47,3 +49,12 @@ def test_retry_delays_are_bounded_and_jittered() -> None:
     delays = [policy.delay(n) for n in range(1, 11) for _ in range(20)]
     assert all(0 <= d <= 0.05 for d in delays)
     assert len(set(delays)) > 1
+
+
+def test_retry_delays_come_from_the_injected_rng() -> None:
+    def delays(seed: int) -> list[float]:
+        policy = bmdb.RetryPolicy(base_delay=0.01, max_delay=0.5, rng=random.Random(seed))
+        return [policy.delay(n) for n in range(1, 8)]
+
+    assert delays(3) == delays(3)
+    assert delays(3) != delays(4)
