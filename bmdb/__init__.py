@@ -30,8 +30,8 @@ cancels its query on the server and rolls back. If the session expires,
 the ``async with conn.session()`` block is cancelled and raises
 `SessionExpired`.
 
-Where this departs from DESIGN.md section 5, and why (details in the
-modules named):
+Where this departs from Monogon's Go BMDB, and why (details in the modules
+named; the layers and rules are in ARCHITECTURE.md at the repository root):
 
 - Work transactions (claim, finish, fail) run REPEATABLE READ, not
   SERIALIZABLE: SSI's page-level predicate locks made concurrent finishes
@@ -47,10 +47,17 @@ modules named):
   passes (sourcing ignores them, claims take their rows over); collection
   only tidies up and records "Canceled" (`bmdb.session`).
 
-Modules: `connection` (open_connection, Connection), `session` (Session,
-heartbeat, expired-session collection), `work` (claiming, Work),
-`transaction` (isolation, retries, stats), `backoff`, `model` (enums, rows,
-Queries), `migrations` (SQL files and runner), `errors`. ``python -m bmdb``
+Modules, top down (each imports only those below it)::
+
+    __main__ (CLI) -> connection -> session -> work -> transaction -> model, _pool -> _pg
+
+`connection` (open_connection, Connection: a thin facade), `session`
+(Session, heartbeat, expired-session collection), `work` (claiming, Work,
+the Lease it shares with its Session), `transaction` (Transactor: pool,
+isolation, retries, stats), `backoff` (work backoff intervals), `model`
+(enums, rows, Queries), `migrations` (SQL files and runner), `_pg` (the
+driver), `errors`, `localserver` (a throwaway PostgreSQL for the demo,
+tests and benchmarks). ``python -m bmdb``
 is the command-line tool (migrate, machines, history, sessions).
 """
 

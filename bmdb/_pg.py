@@ -18,8 +18,8 @@ round trip carry several messages where the protocol allows it (libpq
 pipeline mode): a transaction's BEGIN with its first statement, and a
 statement's Parse with its first execution. See `PgConnection.begin`.
 
-Why not psycopg's asyncio connection behind trio-asyncio (what DESIGN.md
-suggests for asyncio libraries): measured on this machine, a round trip
+Why not psycopg's asyncio connection behind trio-asyncio (the usual way to
+use an asyncio library from Trio): measured on this machine, a round trip
 through the bridge cost 3-4 times as much CPU as one driven natively (about
 480 us against 130 us per ``SELECT``, same load, see the commit that made the
 switch), and the BMDB's throughput is bounded by exactly that. The native

@@ -36,6 +36,10 @@ from dataclasses import dataclass
 import asyncssh
 import trio
 import trio_asyncio
+
+# Not exported by asyncssh's top level (asyncssh.public_key is an internal
+# module), so an asyncssh release may move them; tests/shepherd/test_ssh.py
+# connects with a recorded host key, which fails loudly if they do.
 from asyncssh.public_key import decode_ssh_public_key, get_default_public_key_algs
 
 from shepherd.errors import ShepherdError

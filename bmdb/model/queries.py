@@ -268,7 +268,10 @@ class Queries:
     async def set_os_installation_request(
         self, machine_id: uuid.UUID | str, generation: int, request: bytes
     ) -> None:
-        """Ask the agent to install an OS (``generation`` orders requests)."""
+        """Ask the agent to install an OS (``generation`` orders requests).
+
+        Nothing calls this yet: the OS installation flow is not built (see
+        ARCHITECTURE.md); the query mirrors the Go BMDB's and is tested."""
         await self.execute(
             """INSERT INTO machine_os_installation_request
                    (machine_id, generation, os_installation_request_raw) VALUES (%s, %s, %s)
@@ -281,7 +284,9 @@ class Queries:
     async def set_os_installation_report(
         self, machine_id: uuid.UUID | str, generation: int, report: bytes
     ) -> None:
-        """Store the agent's report on the OS installation of ``generation``."""
+        """Store the agent's report on the OS installation of ``generation``.
+
+        Nothing calls this yet (see `set_os_installation_request`)."""
         await self.execute(
             """INSERT INTO machine_os_installation_report
                    (machine_id, generation, os_installation_report_raw) VALUES (%s, %s, %s)

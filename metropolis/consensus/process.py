@@ -23,6 +23,7 @@ unlinked before every start.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import subprocess
@@ -187,28 +188,33 @@ async def run_etcd(
     config.socket_path.unlink(missing_ok=True)
     logger.info("starting etcd: %s", " ".join(config.argv()))
 
-    process = await trio.lowlevel.open_process(
-        config.argv(),
-        cwd=config.working_dir,
-        stdin=subprocess.DEVNULL,
-        # One pipe for both: zap logs go to stderr, but nothing etcd prints
-        # (a Go panic, a flag error) may be lost.
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    async with trio.open_nursery() as nursery:
+        # trio.run_process owns the process: on cancellation it calls
+        # _terminate (SIGTERM, grace, SIGKILL) and reaps the process under a
+        # shield before the cancellation goes on, which is the invariant above.
+        process: trio.Process = await nursery.start(
+            functools.partial(
+                trio.run_process,
+                config.argv(),
+                cwd=config.working_dir,
+                stdin=subprocess.DEVNULL,
+                # One pipe for both: zap logs go to stderr, but nothing etcd
+                # prints (a Go panic, a flag error) may be lost.
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                check=False,
+                deliver_cancel=functools.partial(_terminate, logger=logger),
+            )
+        )
         assert process.stdout is not None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump_logs, process.stdout, logger)
-            async with trio.open_nursery() as waiters:
-                waiters.start_soon(_report_ready, config.socket_path, process, task_status)
-                returncode = await process.wait()
-                waiters.cancel_scope.cancel()
-            # The last lines usually say why etcd died: give them a moment to
-            # reach the log, then stop reading (a grandchild could hold the pipe).
-            nursery.cancel_scope.deadline = trio.current_time() + 1.0
-    finally:
-        await _stop(process, logger)
+        nursery.start_soon(_pump_logs, process.stdout, logger)
+        async with trio.open_nursery() as waiters:
+            waiters.start_soon(_report_ready, config.socket_path, process, task_status)
+            returncode = await process.wait()
+            waiters.cancel_scope.cancel()
+        # The last lines usually say why etcd died: give them a moment to
+        # reach the log, then stop reading (a grandchild could hold the pipe).
+        nursery.cancel_scope.deadline = trio.current_time() + 1.0
     raise EtcdExited(returncode)
 
 
@@ -226,19 +232,16 @@ async def _report_ready(
             return
 
 
-async def _stop(process: trio.Process, logger: logging.Logger) -> None:
-    """Terminate and reap ``process``; shielded, so it also runs during cancellation."""
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            # SIGTERM lets a leader hand over leadership before going, which
-            # spares the rest of the cluster an election timeout.
-            process.terminate()
-            with trio.move_on_after(_STOP_GRACE):
-                await process.wait()
-            if process.returncode is None:
-                logger.warning("etcd did not stop within %.0fs, killing it", _STOP_GRACE)
-                process.kill()
+async def _terminate(process: trio.Process, *, logger: logging.Logger) -> None:
+    """How `trio.run_process` stops etcd when `run_etcd` is cancelled."""
+    # SIGTERM lets a leader hand over leadership before going, which spares
+    # the rest of the cluster an election timeout.
+    process.terminate()
+    with trio.move_on_after(_STOP_GRACE):
         await process.wait()
+    if process.returncode is None:
+        logger.warning("etcd did not stop within %.0fs, killing it", _STOP_GRACE)
+        process.kill()
 
 
 async def _pump_logs(stream: trio.abc.ReceiveStream, logger: logging.Logger) -> None:

@@ -57,6 +57,7 @@ class Machine:
     location: str | None = None
     availability: Availability = Availability.UNKNOWN
     #: The provider reports the machine as broken (e.g. failed provisioning).
+    #: Nothing reads it yet: the recoverer will (not built; see ARCHITECTURE.md).
     failed: bool = False
 
 
