@@ -14,4 +14,7 @@ Modules, by concept:
 - :mod:`shepherd.agent`: the self-contained agent script that gets uploaded;
 - :mod:`shepherd.proto`: the takeover protocol messages;
 - :mod:`shepherd.cli`: ``python -m shepherd``.
+
+A machine's way through these steps, and the rules every module keeps, are
+in ARCHITECTURE.md at the repository root.
 """
