@@ -16,8 +16,9 @@ import logging
 import re
 from dataclasses import dataclass
 from importlib import resources
+from typing import Protocol
 
-from bmdb._pg import PgConnection
+from bmdb._pg import Params, Row
 from bmdb.errors import SchemaNotMigrated, SchemaTooNew
 
 logger = logging.getLogger("bmdb.migrations")
@@ -34,6 +35,16 @@ _CREATE_TABLE = """
         applied_at timestamptz NOT NULL DEFAULT now()
     )
 """
+
+
+class Connection(Protocol):
+    """What migrating needs of a database connection in autocommit mode: run
+    statements (its own BEGIN/COMMIT among them), and roll back whatever is
+    open while unwinding from an error (shielded, never raising)."""
+
+    async def execute(self, query: str, params: Params | None = None) -> list[Row]: ...
+
+    async def rollback_quietly(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +75,7 @@ def latest_version() -> int:
     return available()[-1].version
 
 
-async def applied_versions(pg: PgConnection) -> list[int]:
+async def applied_versions(pg: Connection) -> list[int]:
     """Versions recorded in the database (empty for a fresh database)."""
     rows = await pg.execute("SELECT to_regclass('schema_migrations') IS NOT NULL")
     if not rows[0][0]:
@@ -72,7 +83,7 @@ async def applied_versions(pg: PgConnection) -> list[int]:
     return [r[0] for r in await pg.execute("SELECT version FROM schema_migrations ORDER BY 1")]
 
 
-async def migrate(pg: PgConnection) -> list[Migration]:
+async def migrate(pg: Connection) -> list[Migration]:
     """Apply every migration the database lacks; return those applied.
 
     Raises `SchemaTooNew` if the database knows a newer version than this
@@ -104,7 +115,7 @@ async def migrate(pg: PgConnection) -> list[Migration]:
     return applied
 
 
-async def check_schema(pg: PgConnection) -> None:
+async def check_schema(pg: Connection) -> None:
     """Raise `SchemaTooNew` or `SchemaNotMigrated` unless the database has
     exactly the migrations this code ships."""
     done = set(await applied_versions(pg))

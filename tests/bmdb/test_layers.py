@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import bmdb
-
 #: Each module's layer; a module may import only from lower layers. The
 #: modules of one package (bmdb.model, bmdb.migrations) share their layer.
 LAYERS = {
@@ -26,7 +24,8 @@ LAYERS = {
     "bmdb.__main__": 9,
 }
 
-ROOT = Path(bmdb.__file__).parent
+#: Read as source, not imported, so that the check works on any tree.
+ROOT = Path(__file__).resolve().parents[2] / "bmdb"
 
 
 def _unit(module: str) -> str:
@@ -74,3 +73,22 @@ def test_imports_only_go_down() -> None:
             if target != unit and LAYERS[target] >= LAYERS[unit]:
                 upward.append(f"{name} imports {imported}")
     assert not upward, upward
+
+
+def test_no_public_signature_shows_the_driver_connection() -> None:
+    """Above the driver, code sees `Queries` (or a protocol), never
+    ``bmdb._pg.PgConnection``: the driver can change without the API."""
+    shown = []
+    for name, path in sorted(_modules().items()):
+        if any(part.startswith("_") and part != "__main__" for part in name.split(".")):
+            continue  # private modules (the driver, the pool) may
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if node.name.startswith("_") and not node.name.startswith("__"):
+                continue
+            annotations = [a.annotation for a in (*node.args.args, *node.args.kwonlyargs)]
+            annotations.append(node.returns)
+            if any(a is not None and "PgConnection" in ast.unparse(a) for a in annotations):
+                shown.append(f"{name}.{node.name}")
+    assert not shown, shown
