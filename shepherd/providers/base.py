@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+from bmdb import ProviderStatus
 from shepherd.errors import ShepherdError
 
 
@@ -19,6 +20,16 @@ class MachineNotFound(ProviderError):
 
 class ProviderUnsupported(ProviderError):
     """The provider cannot do this at all (e.g. a static list creating machines)."""
+
+
+class PowerState(enum.Enum):
+    """A machine's power state as its BMC reports it (Redfish ``PowerState`` values)."""
+
+    ON = "On"
+    OFF = "Off"
+    POWERING_ON = "PoweringOn"
+    POWERING_OFF = "PoweringOff"
+    PAUSED = "Paused"
 
 
 class Availability(enum.Enum):
@@ -38,11 +49,12 @@ class Capability(enum.Enum):
     """
 
     CREATE = "create"
-    """``create_machine()`` makes new machines (e.g. deploys a reserved server)."""
+    """``creation_slots()`` and ``create_machine()`` make new machines
+    (e.g. deploy a server on a hardware reservation)."""
     REBOOT = "reboot"
     """``reboot()`` power-cycles a machine (through the provider's API or a BMC)."""
     REFRESH = "refresh"
-    """``get_machine()`` returns live state worth recording again (address, status)."""
+    """``refresh()`` returns live state worth recording again (address, status, power)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,12 @@ class Machine:
     #: The provider reports the machine as broken (e.g. failed provisioning).
     #: Nothing reads it yet: the recoverer will (not built; see ARCHITECTURE.md).
     failed: bool = False
+    #: What the provider says about the machine's life cycle, None if it says nothing.
+    status: ProviderStatus | None = None
+    #: Power state read from the machine's BMC, None if not known (no BMC, not asked).
+    power: PowerState | None = None
+    #: Redfish ComputerSystem URL of the machine's BMC, None if it has none.
+    bmc: str | None = None
 
 
 class Provider(Protocol):
@@ -85,10 +103,32 @@ class Provider(Protocol):
         """The machine with provider id ``machine_id``; :class:`MachineNotFound` if none."""
         ...
 
-    async def create_machine(self) -> Machine:
-        """Make a new machine; :class:`ProviderUnsupported` without ``Capability.CREATE``."""
+    async def creation_slots(self) -> list[str]:
+        """Where new machines can be made now (e.g. free hardware reservation ids).
+
+        Empty without ``Capability.CREATE``. Slots that recently failed are
+        left out by the provider itself.
+        """
+        ...
+
+    async def create_machine(self, slot: str) -> Machine:
+        """Make a new machine in ``slot`` (one of :meth:`creation_slots`).
+
+        Must be idempotent: called again for the same slot after an error, it
+        returns the machine made by the first call instead of making a second.
+        :class:`ProviderUnsupported` without ``Capability.CREATE``.
+        """
+        ...
+
+    async def refresh(self, machine_id: str) -> Machine:
+        """Live state of one machine (address, status and, with a BMC, power).
+
+        Slower than :meth:`get_machine` (it may ask a BMC). Without
+        ``Capability.REFRESH`` it returns what :meth:`get_machine` returns.
+        """
         ...
 
     async def reboot(self, machine_id: str) -> None:
-        """Power-cycle a machine; :class:`ProviderUnsupported` without ``Capability.REBOOT``."""
+        """Power-cycle a machine; :class:`ProviderUnsupported` without ``Capability.REBOOT``
+        (or for a machine the provider cannot reboot, e.g. one without a BMC)."""
         ...

@@ -7,6 +7,12 @@ File format, one ``[[machine]]`` table per machine::
     address = "192.0.2.10"     # required: host name or IP address to dial
     port = 22                  # optional, default 22
     location = "fra1"          # optional
+    bmc = "https://10.0.0.10/redfish/v1/Systems/1"   # optional: Redfish BMC
+
+A machine with a ``bmc`` can be power-cycled and its power state read; the
+BMC's credentials come from a separate file or the environment (see
+:func:`shepherd.providers.redfish.load_credentials`), never from this file:
+a BMC URL with user info in it is rejected.
 
 Anything else (an unknown key, a wrong type, a duplicate id) is rejected when
 the file is loaded, with the file and line in the error, so that a typo such
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shepherd.providers.base import (
@@ -28,11 +34,17 @@ from shepherd.providers.base import (
     ProviderError,
     ProviderUnsupported,
 )
+from shepherd.providers.redfish import (
+    BMCConfigError,
+    BMCCredentials,
+    RedfishClient,
+    parse_system_url,
+)
 
 PROVIDER_TYPE = "Static"
 
 _REQUIRED = {"id": str, "address": str}
-_OPTIONAL = {"port": int, "location": str}
+_OPTIONAL = {"port": int, "location": str, "bmc": str}
 _KNOWN = sorted([*_REQUIRED, *_OPTIONAL])
 
 
@@ -41,19 +53,36 @@ class StaticFileError(ProviderError):
 
 
 class StaticProvider:
-    """Machines from a fixed list. Cannot create machines."""
+    """Machines from a fixed list. Cannot create machines.
 
-    def __init__(self, machines: list[Machine]) -> None:
+    Machines with a BMC can be rebooted and refreshed (power state) over
+    Redfish, using ``credentials``; the provider then has the REBOOT and
+    REFRESH capabilities. ``bmc_timeout`` bounds each Redfish request and
+    ``bmc_verify`` is the TLS verification setting for BMCs (see
+    :class:`~shepherd.providers.redfish.RedfishClient`).
+    """
+
+    def __init__(
+        self,
+        machines: list[Machine],
+        *,
+        credentials: BMCCredentials | None = None,
+        bmc_timeout: float = 10.0,
+        bmc_verify: bool | str = True,
+    ) -> None:
         self._machines: dict[str, Machine] = {}
         for machine in machines:
             if machine.id in self._machines:
                 raise ValueError(f"duplicate machine id {machine.id!r}")
             self._machines[machine.id] = machine
+        self._credentials = credentials or BMCCredentials()
+        self._bmc_timeout = bmc_timeout
+        self._bmc_verify = bmc_verify
 
     @classmethod
-    def from_file(cls, path: Path) -> StaticProvider:
+    def from_file(cls, path: Path, *, credentials: BMCCredentials | None = None) -> StaticProvider:
         """Load the machine list from ``path``; :class:`StaticFileError` if invalid."""
-        return cls(load_machines(path))
+        return cls(load_machines(path), credentials=credentials)
 
     @property
     def type(self) -> str:
@@ -61,7 +90,31 @@ class StaticProvider:
 
     @property
     def capabilities(self) -> frozenset[Capability]:
+        if any(m.bmc for m in self._machines.values()):
+            return frozenset({Capability.REBOOT, Capability.REFRESH})
         return frozenset()
+
+    async def creation_slots(self) -> list[str]:
+        return []
+
+    async def refresh(self, machine_id: str) -> Machine:
+        """The listed machine, with its BMC's power state if it has a BMC.
+
+        Raises :class:`~shepherd.providers.redfish.BMCError` if the BMC fails.
+        """
+        machine = await self.get_machine(machine_id)
+        if machine.bmc is None:
+            return machine
+        async with self._redfish() as redfish:
+            power = await redfish.power_state(
+                machine.bmc, self._credentials.for_machine(machine.id)
+            )
+        return replace(machine, power=power)
+
+    def _redfish(self) -> RedfishClient:
+        # A client per operation: BMC calls are rare (a reboot, an updater
+        # pass), and nothing then has to be closed when the provider goes.
+        return RedfishClient(timeout=self._bmc_timeout, verify=self._bmc_verify)
 
     async def list_machines(self) -> list[Machine]:
         return list(self._machines.values())
@@ -72,11 +125,20 @@ class StaticProvider:
         except KeyError:
             raise MachineNotFound(f"static provider has no machine {machine_id!r}") from None
 
-    async def create_machine(self) -> Machine:
+    async def create_machine(self, slot: str) -> Machine:
         raise ProviderUnsupported("the static provider cannot create machines")
 
     async def reboot(self, machine_id: str) -> None:
-        raise ProviderUnsupported("the static provider cannot reboot machines")
+        """Power-cycle the machine through its BMC.
+
+        :class:`ProviderUnsupported` if the machine has no ``bmc``,
+        :class:`~shepherd.providers.redfish.BMCError` if the BMC fails.
+        """
+        machine = await self.get_machine(machine_id)
+        if machine.bmc is None:
+            raise ProviderUnsupported(f"static machine {machine_id!r} has no BMC to reboot it")
+        async with self._redfish() as redfish:
+            await redfish.power_cycle(machine.bmc, self._credentials.for_machine(machine.id))
 
 
 def load_machines(path: Path) -> list[Machine]:
@@ -134,12 +196,19 @@ def load_machines(path: Path) -> list[Machine]:
                 f"(first at line {seen[machine_id]})"
             )
         seen[machine_id] = lines.key(index, "id")
+        bmc = table.get("bmc")
+        if bmc is not None:
+            try:
+                bmc = parse_system_url(bmc)
+            except BMCConfigError as exc:
+                raise StaticFileError(f"{path}:{lines.key(index, 'bmc')}: {exc}") from None
         machines.append(
             Machine(
                 id=machine_id,
                 address=table["address"],
                 port=port,
                 location=table.get("location"),
+                bmc=bmc,
                 # Listed by the operator for the Shepherd to take over.
                 availability=Availability.KNOWN_UNUSED,
             )

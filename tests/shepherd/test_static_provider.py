@@ -40,8 +40,9 @@ async def test_lists_and_gets_machines(tmp_path: Path) -> None:
         await provider.get_machine("rack1-03")
     assert provider.capabilities == frozenset()
     with pytest.raises(ProviderUnsupported):
-        await provider.create_machine()
-    with pytest.raises(ProviderUnsupported, match="cannot reboot"):
+        await provider.create_machine("slot")
+    assert await provider.creation_slots() == []
+    with pytest.raises(ProviderUnsupported, match="has no BMC"):
         await provider.reboot("rack1-01")
 
 
@@ -50,7 +51,7 @@ async def test_lists_and_gets_machines(tmp_path: Path) -> None:
     [
         (
             GOOD + '[[machine]]\nid = "x"\nadress = "192.0.2.1"\n',
-            r":13: unknown field 'adress' in machine #3 \(known fields: address, id,",
+            r":13: unknown field 'adress' in machine #3 \(known fields: address, bmc, id,",
         ),
         (GOOD + '[[machine]]\nid = "x"\n', r":11: machine #3 lacks required 'address'"),
         (GOOD + '[[machine]]\nid = "x"\naddress = "a"\nport = "22"\n', r":14: field 'port' must"),
