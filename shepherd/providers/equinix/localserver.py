@@ -248,6 +248,10 @@ class LocalEquinix:
                 payload = b"" if result is None else json.dumps(result).encode()
             except _HTTPError as exc:
                 status, payload = exc.status, json.dumps({"errors": exc.messages}).encode()
+            except Exception as exc:
+                # A bug here must look like the real API's bad day, not kill the server.
+                logger.exception("local Equinix API: %s %s crashed", method, path)
+                status, payload = 500, json.dumps({"errors": [repr(exc)]}).encode()
             if fault is not None and fault.drop:
                 self.requests.append(Request(method, path, 0))
                 return False
@@ -283,6 +287,10 @@ class LocalEquinix:
                 return 201, self._create_device(self._json(body))
             case "GET", ["devices", device_id]:
                 return 200, self._settle(self._device(device_id))
+            case "DELETE", ["devices", device_id]:
+                self._device(device_id)
+                self.delete_device(device_id)
+                return 204, None
             case "POST", ["devices", device_id, "actions"]:
                 self._action(self._device(device_id), self._json(body))
                 return 202, None
@@ -368,6 +376,15 @@ class LocalEquinix:
     def _settle_all(self) -> None:
         for device_id in list(self._ready_at):
             self._settle(self.devices[device_id])
+
+    def delete_device(self, device_id: str) -> None:
+        """Delete a device (as ``DELETE /devices/{id}``), freeing its reservation."""
+        del self.devices[device_id]
+        self._ready_at.pop(device_id, None)
+        for reservation in self.reservations.values():
+            if (reservation["device"] or {}).get("id") == device_id:
+                reservation["device"] = None
+                reservation["provisionable"] = True
 
     def _create_device(self, request: JSON) -> JSON:
         errors = [
