@@ -111,7 +111,9 @@ async def _run_command(machine: FleetMachine, process: asyncssh.SSHServerProcess
         await communicate
 
 
-async def _start_machine(root: Path, authorized_key: str) -> FleetMachine:
+async def _start_machine(
+    root: Path, authorized_key: str, host: str = "127.0.0.1", port: int = 0
+) -> FleetMachine:
     host_key = asyncssh.generate_private_key("ssh-ed25519")
     machine = FleetMachine(port=0, root=root, host_key=host_key.public_data)
 
@@ -120,8 +122,8 @@ async def _start_machine(root: Path, authorized_key: str) -> FleetMachine:
 
     acceptor = await asyncssh.create_server(
         lambda: _Server(machine),
-        "127.0.0.1",
-        0,
+        host,
+        port,
         server_host_keys=[host_key],
         authorized_client_keys=asyncssh.import_authorized_keys(authorized_key),
         sftp_factory=lambda chan: asyncssh.SFTPServer(chan, chroot=str(root).encode()),
@@ -141,9 +143,21 @@ def _make_roots(directory: Path, count: int) -> list[Path]:
     return roots
 
 
-async def _start(directory: Path, count: int, authorized_key: str) -> Fleet:
+async def _start(
+    directory: Path,
+    count: int,
+    authorized_key: str,
+    hosts: list[str] | None = None,
+    port: int = 0,
+) -> Fleet:
     roots = _make_roots(directory, count)
-    return Fleet([await _start_machine(root, authorized_key) for root in roots])
+    hosts = hosts or ["127.0.0.1"] * count
+    return Fleet(
+        [
+            await _start_machine(root, authorized_key, host, port)
+            for root, host in zip(roots, hosts, strict=True)
+        ]
+    )
 
 
 async def wait_until(predicate: Callable[[], bool]) -> None:
@@ -164,9 +178,23 @@ async def _stop(fleet: Fleet) -> None:
 
 
 @asynccontextmanager
-async def open_fleet(directory: Path, *, count: int, authorized_key: str) -> AsyncIterator[Fleet]:
-    """Serve ``count`` machines under ``directory`` for the duration of the block."""
-    fleet = await trio_asyncio.aio_as_trio(_start)(directory, count, authorized_key)
+async def open_fleet(
+    directory: Path,
+    *,
+    count: int,
+    authorized_key: str,
+    hosts: list[str] | None = None,
+    port: int = 0,
+) -> AsyncIterator[Fleet]:
+    """Serve ``count`` machines under ``directory`` for the duration of the block.
+
+    By default each machine listens on its own port of 127.0.0.1. With
+    ``hosts`` (one loopback address per machine) and ``port``, they all
+    listen on the same port of different addresses, as real machines do on
+    port 22 (a provider that only knows addresses, like Equinix, can then
+    reach them).
+    """
+    fleet = await trio_asyncio.aio_as_trio(_start)(directory, count, authorized_key, hosts, port)
     try:
         yield fleet
     finally:
