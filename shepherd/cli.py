@@ -1,17 +1,26 @@
-"""``python -m shepherd``: run the initializer against a BMDB and a provider.
+"""``python -m shepherd``: run the Shepherd's loops against a BMDB and a provider.
 
 Every option is checked (files read, certificates and keys parsed, rates and
-durations parsed) before anything starts; a bad or missing option exits with
-status 2 and a message naming it. Then::
+durations parsed, Equinix names free of ``FIXME``) before anything starts; a
+bad or missing option exits with status 2 and a message naming it. Then::
 
     trio.run ─ bmdb.open_connection(url) ─ trio_asyncio loop (for asyncssh)
-                                           ├─ sync_provided(static list → BMDB)
+                                           ├─ (equinix) ensure the SSH key under its label
+                                           ├─ provisioner.run    (reconcile, create)
+                                           ├─ updater.run        (unless --no-updater-enable)
                                            └─ run_control_loop(initializer, N workers)
 
 The BMDB needs no asyncio loop, so it is opened first, outside it: an
 unreachable or malformed ``--bmdb-url`` then fails as one plain
 `DatabaseUnavailable` (one line on stderr, exit status 1) rather than from
 inside the loop's nursery.
+
+``--provider static`` reads ``--static-machines-path`` (machines may name a
+Redfish BMC; credentials from ``--static-bmc-credentials-path`` or
+``SHEPHERD_BMC_USERNAME``/``SHEPHERD_BMC_PASSWORD``). ``--provider equinix``
+talks to the Equinix Metal API with the token of ``--equinix-api-token`` or
+``METAL_AUTH_TOKEN``. A provider that refuses us at start (bad token, unknown
+project) ends the process with status 1 and the API's message.
 
 SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
 sessions are deleted, and the process exits with status 0.
@@ -23,11 +32,12 @@ import argparse
 import base64
 import binascii
 import logging
+import os
 import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -40,13 +50,21 @@ from bmdb.errors import BMDBError
 from shepherd.agent import AGENT_SCRIPT_PATH
 from shepherd.control_loop import start_control_loop
 from shepherd.initializer import Initializer
-from shepherd.providers import Provider
+from shepherd.providers import Provider, ProviderError
+from shepherd.providers.equinix.client import DEFAULT_API_URL, EquinixClient
+from shepherd.providers.equinix.provider import (
+    EquinixConfig,
+    EquinixConfigError,
+    EquinixProvider,
+)
+from shepherd.providers.redfish import BMCConfigError, load_credentials
 from shepherd.providers.static import StaticFileError, StaticProvider
-from shepherd.provisioner import sync_provided
+from shepherd.provisioner import Provisioner, ProvisionerConfig
 from shepherd.rate_limit import Rate, RateLimiter, parse_duration
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey, SSHKeyError, load_or_create_ssh_key
 from shepherd.takeover import AgentConfig
+from shepherd.updater import Updater, UpdaterConfig
 
 logger = logging.getLogger("shepherd.cli")
 
@@ -66,6 +84,11 @@ class Options:
     rate: Rate
     parallelism: int
     verbose: bool
+    provisioner: ProvisionerConfig = field(default_factory=ProvisionerConfig)
+    #: None: the updater does not run.
+    updater: UpdaterConfig | None = field(default_factory=UpdaterConfig)
+    #: The Equinix API client to close at exit (``--provider equinix`` only).
+    equinix_client: EquinixClient | None = None
 
 
 def _arg_type(name: str, parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -118,6 +141,13 @@ def _parallelism(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must not be negative, got {value}")
+    return value
+
+
 def _nonempty_file(path: str) -> bytes:
     data = _read_file(path)
     if not data:
@@ -136,11 +166,121 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     prov = parser.add_argument_group("provider")
-    prov.add_argument("--provider", required=True, choices=["static"], help="machine provider")
+    prov.add_argument(
+        "--provider", required=True, choices=["static", "equinix"], help="machine provider"
+    )
     prov.add_argument(
         "--static-machines-path",
         metavar="PATH",
         help="TOML file listing the machines (required with --provider static)",
+    )
+    prov.add_argument(
+        "--static-bmc-credentials-path",
+        type=Path,
+        metavar="PATH",
+        help="TOML file of Redfish BMC credentials ([default], [machine.ID]); "
+        "else SHEPHERD_BMC_USERNAME / SHEPHERD_BMC_PASSWORD",
+    )
+
+    eq = parser.add_argument_group("Equinix Metal (--provider equinix)")
+    eq.add_argument(
+        "--equinix-project-id", default="", metavar="UUID", help="project to manage devices in"
+    )
+    eq.add_argument(
+        "--equinix-ssh-key-label",
+        default="shepherd-FIXME",
+        metavar="LABEL",
+        help="label of the Shepherd's SSH key in the project (default: %(default)s, "
+        "refused: set it)",
+    )
+    eq.add_argument(
+        "--equinix-device-prefix",
+        default="shepherd-FIXME-",
+        metavar="PREFIX",
+        help="hostname prefix of the devices the Shepherd manages (default: %(default)s, "
+        "refused: set it)",
+    )
+    eq.add_argument(
+        "--equinix-api-url",
+        default=DEFAULT_API_URL,
+        metavar="URL",
+        help="API base URL (default: %(default)s)",
+    )
+    eq.add_argument(
+        "--equinix-api-token",
+        default=None,
+        metavar="TOKEN",
+        help="API token (default: $METAL_AUTH_TOKEN; prefer the environment)",
+    )
+    eq.add_argument(
+        "--equinix-api-parallelism",
+        type=_arg_type("count", _parallelism),
+        default=4,
+        metavar="N",
+        help="API requests in flight at once (default: 4)",
+    )
+
+    provision = parser.add_argument_group("provisioner")
+    provision.add_argument(
+        "--provisioner-os",
+        default="ubuntu_20_04",
+        metavar="SLUG",
+        help="OS deployed on new Equinix devices (default: %(default)s)",
+    )
+    provision.add_argument(
+        "--provisioner-max-machines",
+        type=_arg_type("count", _count),
+        default=50,
+        metavar="N",
+        help="stop creating machines at this many; 0 for no limit (default: 50)",
+    )
+    provision.add_argument(
+        "--provisioner-reservation-chunk-size",
+        type=_arg_type("count", _parallelism),
+        default=20,
+        metavar="N",
+        help="machines created per reconciliation at most (default: 20)",
+    )
+    provision.add_argument(
+        "--provisioner-device-creation-rate",
+        type=_arg_type("rate", Rate.parse),
+        default=Rate.parse("5s,1"),
+        metavar="DURATION,BURST",
+        help="rate limit of device creation (default: 5s,1)",
+    )
+    provision.add_argument(
+        "--provisioner-reconciler-rate",
+        type=_arg_type("rate", Rate.parse),
+        default=Rate.parse("1m,1"),
+        metavar="DURATION,BURST",
+        help="rate limit of reconciliations (default: 1m,1)",
+    )
+    provision.add_argument(
+        "--provisioner-assimilate",
+        action="store_true",
+        help="add devices under the prefix that the BMDB lacks, instead of reporting them",
+    )
+
+    update = parser.add_argument_group("updater")
+    update.add_argument(
+        "--updater-enable",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="refresh provided machines' address, location and status (default: on)",
+    )
+    update.add_argument(
+        "--updater-iteration-rate",
+        type=_arg_type("duration", _positive_duration),
+        default=60.0,
+        metavar="DURATION",
+        help="at most one updater pass per DURATION (default: 1m)",
+    )
+    update.add_argument(
+        "--updater-batch-size",
+        type=_arg_type("count", _parallelism),
+        default=50,
+        metavar="N",
+        help="machines refreshed at once and written in one transaction (default: 50)",
     )
 
     ssh = parser.add_argument_group("SSH")
@@ -220,14 +360,46 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     args = parser.parse_args(argv)
     if args.provider == "static" and not args.static_machines_path:
         parser.error("the following arguments are required: --static-machines-path")
-    try:
-        provider = StaticProvider.from_file(Path(args.static_machines_path))
-    except StaticFileError as exc:
-        parser.error(f"argument --static-machines-path: {exc}")
+    equinix: EquinixConfig | None = None
+    token = ""
+    if args.provider == "equinix":
+        equinix = EquinixConfig(
+            args.equinix_project_id,
+            args.equinix_ssh_key_label,
+            args.equinix_device_prefix,
+            args.provisioner_os,
+        )
+        try:
+            equinix.check()
+        except EquinixConfigError as exc:
+            parser.error(str(exc))
+        token = args.equinix_api_token or os.environ.get("METAL_AUTH_TOKEN", "")
+        if not token:
+            parser.error("--equinix-api-token or METAL_AUTH_TOKEN must be set")
+    else:
+        try:
+            credentials = load_credentials(args.static_bmc_credentials_path)
+        except BMCConfigError as exc:
+            parser.error(f"argument --static-bmc-credentials-path: {exc}")
+        try:
+            static = StaticProvider.from_file(
+                Path(args.static_machines_path), credentials=credentials
+            )
+        except StaticFileError as exc:
+            parser.error(f"argument --static-machines-path: {exc}")
     try:
         key = load_or_create_ssh_key(args.ssh_key_path)
     except SSHKeyError as exc:
         parser.error(f"argument --ssh-key-path: {exc}")
+    client: EquinixClient | None = None
+    provider: Provider
+    if equinix is not None:
+        client = EquinixClient(
+            token, base_url=args.equinix_api_url, parallelism=args.equinix_api_parallelism
+        )
+        provider = EquinixProvider(client, equinix, key.authorized_key)
+    else:
+        provider = static
     executable = args.agent_executable_path or AGENT_SCRIPT_PATH.read_bytes()
     try:
         agent = AgentConfig(
@@ -248,35 +420,74 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
         rate=args.initializer_db_query_rate,
         parallelism=args.initializer_parallelism,
         verbose=args.verbose,
+        provisioner=ProvisionerConfig(
+            max_machines=args.provisioner_max_machines,
+            chunk_size=args.provisioner_reservation_chunk_size,
+            creation_rate=args.provisioner_device_creation_rate,
+            reconciler_rate=args.provisioner_reconciler_rate,
+            assimilate=args.provisioner_assimilate,
+        ),
+        updater=UpdaterConfig(
+            iteration_interval=args.updater_iteration_rate, batch_size=args.updater_batch_size
+        )
+        if args.updater_enable
+        else None,
+        equinix_client=client,
     )
 
 
 async def run(options: Options) -> None:
-    """Run the initializer until SIGINT/SIGTERM. Raises BMDBError if the BMDB is unusable."""
+    """Run the loops until SIGINT/SIGTERM.
+
+    Raises BMDBError if the BMDB is unusable, ProviderError if the provider
+    refuses us at start (e.g. the Equinix SSH key cannot be ensured).
+    """
     ssh = SSHClient(
         options.ssh_key, username="root", connect_timeout=options.agent.ssh_connect_timeout
     )
-    initializer = Initializer(options.provider, ssh, options.agent)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with (
-            bmdb.open_connection(options.bmdb_url) as conn,
-            trio_asyncio.open_loop(),
-            trio.open_nursery() as nursery,
-        ):
-            # Once the BMDB is there: a failure to reach it is the only line.
-            logger.info("SSH public key: %s", options.ssh_key.authorized_key)
-            await sync_provided(conn, options.provider)
-            start_control_loop(
-                nursery,
-                conn,
-                initializer,
-                parallelism=options.parallelism,
-                limiter=RateLimiter(options.rate),
-            )
-            async for signum in signals:
-                logger.info("got %s, stopping", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
+    provider = options.provider
+    initializer = Initializer(provider, ssh, options.agent)
+    provisioner = Provisioner(provider, options.provisioner)
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with (
+                bmdb.open_connection(options.bmdb_url) as conn,
+                trio_asyncio.open_loop(),
+                trio.open_nursery() as nursery,
+            ):
+                # Once the BMDB is there: a failure to reach it is the only line.
+                logger.info("SSH public key: %s", options.ssh_key.authorized_key)
+                if isinstance(provider, EquinixProvider):
+                    await provider.ensure_ssh_key()
+                nursery.start_soon(provisioner.run, conn)
+                if options.updater is not None:
+                    nursery.start_soon(Updater(provider, options.updater).run, conn)
+                start_control_loop(
+                    nursery,
+                    conn,
+                    initializer,
+                    parallelism=options.parallelism,
+                    limiter=RateLimiter(options.rate),
+                )
+                async for signum in signals:
+                    logger.info("got %s, stopping", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    break
+    finally:
+        if options.equinix_client is not None:
+            with trio.CancelScope(shield=True):
+                await options.equinix_client.aclose()
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions of a (possibly nested) exception group."""
+    leaves: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            leaves += _leaves(exc)
+        else:
+            leaves.append(exc)
+    return leaves
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -287,12 +498,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # asyncssh logs every connection at INFO; our own logs say what matters.
     logging.getLogger("asyncssh").setLevel(logging.DEBUG if options.verbose else logging.WARNING)
-    errors: list[BaseException] = []
+    # httpx logs every request at INFO; failures are logged by our clients.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if options.verbose else logging.WARNING)
+    errors: list[str] = []
     try:
         trio.run(run, options)
     except* BMDBError as group:
         # Raised through trio-asyncio's nursery, hence possibly grouped.
-        errors.extend(group.exceptions)
-    for exc in errors:
-        print(f"shepherd: BMDB: {exc}", file=sys.stderr)
+        errors.extend(f"BMDB: {exc}" for exc in _leaves(group))
+    except* ProviderError as group:
+        errors.extend(f"{options.provider.type}: {exc}" for exc in _leaves(group))
+    for message in errors:
+        print(f"shepherd: {message}", file=sys.stderr)
     return 1 if errors else 0

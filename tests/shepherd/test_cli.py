@@ -182,7 +182,12 @@ def test_bad_files_are_clear_errors(
         ("--agent-ssh-connect-timeout", "2", "missing unit in duration"),
         ("--agent-ssh-exec-timeout", "0s", "duration must be positive"),
         ("--initializer-parallelism", "0", "must be at least 1"),
-        ("--provider", "equinix", "invalid choice: 'equinix'"),
+        ("--provider", "openstack", "invalid choice: 'openstack'"),
+        ("--provisioner-max-machines", "-1", "must not be negative"),
+        ("--provisioner-reservation-chunk-size", "0", "must be at least 1"),
+        ("--provisioner-device-creation-rate", "5s", "invalid syntax"),
+        ("--updater-batch-size", "0", "must be at least 1"),
+        ("--static-bmc-credentials-path", "/nonexistent/bmc.toml", "cannot read BMC credentials"),
     ],
 )
 def test_bad_values_are_clear_errors(

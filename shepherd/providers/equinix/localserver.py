@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import http
 import itertools
 import json
 import logging
@@ -259,7 +260,9 @@ class LocalEquinix:
                 payload = fault.malformed
         self.requests.append(Request(method, path, status))
         headers += [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
-        await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)))
+        reason = http.HTTPStatus(status).phrase.encode()
+        response = h11.Response(status_code=status, headers=headers, reason=reason)
+        await stream.send_all(conn.send(response))
         await stream.send_all(conn.send(h11.Data(data=payload)))
         await stream.send_all(conn.send(h11.EndOfMessage()))
         return True
