@@ -24,7 +24,7 @@ is in memory and inspectable (``devices``, ``reservations``, ``ssh_keys``,
 ``requests``).
 
 Run it alone with ``python -m shepherd.providers.equinix.localserver
---reservations 30`` (prints the URL, project id and token).
+--reservations 30 [--devices N]`` (prints the URL, project id and token).
 """
 
 from __future__ import annotations
@@ -502,6 +502,8 @@ class LocalEquinix:
 async def _main(args: argparse.Namespace) -> None:
     api = LocalEquinix(provisioning_delay=args.provisioning_delay)
     api.add_reservations(args.reservations)
+    for n in range(args.devices):
+        api.add_device(f"{args.device_prefix}{n}")
     async with trio.open_nursery() as nursery:
         url = await nursery.start(api.serve)
         sys.stdout.write(f"url={url} project={api.project_id} token={api.token}\n")
@@ -512,6 +514,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reservations", type=int, default=10)
     parser.add_argument("--provisioning-delay", type=float, default=5.0)
+    parser.add_argument("--devices", type=int, default=0, help="active devices to start with")
+    parser.add_argument("--device-prefix", default="shepherd-local-")
     trio.run(_main, parser.parse_args())
 
 
