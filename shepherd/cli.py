@@ -141,6 +141,11 @@ def _parallelism(text: str) -> int:
     return value
 
 
+def _ca_bundle(path: str) -> str:
+    pem_certificate_der(path)  # readable, and a certificate
+    return path
+
+
 def _count(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -180,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="TOML file of Redfish BMC credentials ([default], [machine.ID]); "
         "else SHEPHERD_BMC_USERNAME / SHEPHERD_BMC_PASSWORD",
+    )
+
+    prov.add_argument(
+        "--static-bmc-ca-certificate-path",
+        type=_arg_type("certificate", _ca_bundle),
+        default=None,
+        metavar="PATH",
+        help="PEM CA certificate(s) BMCs' HTTPS certificates are checked against "
+        "(default: system CAs)",
     )
 
     eq = parser.add_argument_group("Equinix Metal (--provider equinix)")
@@ -383,7 +397,9 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
             parser.error(f"argument --static-bmc-credentials-path: {exc}")
         try:
             static = StaticProvider.from_file(
-                Path(args.static_machines_path), credentials=credentials
+                Path(args.static_machines_path),
+                credentials=credentials,
+                bmc_verify=args.static_bmc_ca_certificate_path or True,
             )
         except StaticFileError as exc:
             parser.error(f"argument --static-machines-path: {exc}")

@@ -132,3 +132,17 @@ class Provider(Protocol):
         """Power-cycle a machine; :class:`ProviderUnsupported` without ``Capability.REBOOT``
         (or for a machine the provider cannot reboot, e.g. one without a BMC)."""
         ...
+
+
+def describe(exc: BaseException) -> str:
+    """The first non-empty message along ``exc``'s cause chain.
+
+    Some library errors (httpx connection errors under Trio) carry no message
+    of their own; the reason (refused, TLS verification failed) is in a cause.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if str(seen):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return "no detail"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import tomllib
 import urllib.parse
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from shepherd.providers.base import PowerState, ProviderError
+from shepherd.providers.base import PowerState, ProviderError, describe
 
 logger = logging.getLogger("shepherd.providers.redfish")
 
@@ -163,7 +164,10 @@ class RedfishClient:
     """
 
     def __init__(self, *, timeout: float = 10.0, verify: bool | str = True) -> None:
-        self._http = httpx.AsyncClient(timeout=timeout, verify=verify)
+        tls: bool | ssl.SSLContext = (
+            ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
+        )
+        self._http = httpx.AsyncClient(timeout=timeout, verify=tls)
 
     async def __aenter__(self) -> RedfishClient:
         return self
@@ -181,7 +185,7 @@ class RedfishClient:
         try:
             response = await self._http.request(method, url, auth=auth, json=body)
         except httpx.HTTPError as exc:
-            raise BMCError(f"BMC {url}: {type(exc).__name__}: {exc or 'no detail'}") from exc
+            raise BMCError(f"BMC {url}: {type(exc).__name__}: {describe(exc)}") from exc
         if response.status_code in (401, 403):
             who = f"user {credentials.username!r}" if credentials else "no credentials"
             raise BMCError(

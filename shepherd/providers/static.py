@@ -80,9 +80,15 @@ class StaticProvider:
         self._bmc_verify = bmc_verify
 
     @classmethod
-    def from_file(cls, path: Path, *, credentials: BMCCredentials | None = None) -> StaticProvider:
+    def from_file(
+        cls,
+        path: Path,
+        *,
+        credentials: BMCCredentials | None = None,
+        bmc_verify: bool | str = True,
+    ) -> StaticProvider:
         """Load the machine list from ``path``; :class:`StaticFileError` if invalid."""
-        return cls(load_machines(path), credentials=credentials)
+        return cls(load_machines(path), credentials=credentials, bmc_verify=bmc_verify)
 
     @property
     def type(self) -> str:

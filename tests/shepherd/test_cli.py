@@ -188,6 +188,7 @@ def test_bad_files_are_clear_errors(
         ("--provisioner-device-creation-rate", "5s", "invalid syntax"),
         ("--updater-batch-size", "0", "must be at least 1"),
         ("--static-bmc-credentials-path", "/nonexistent/bmc.toml", "cannot read BMC credentials"),
+        ("--static-bmc-ca-certificate-path", "/nonexistent/ca.pem", "could not read"),
     ],
 )
 def test_bad_values_are_clear_errors(

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import socket
 from pathlib import Path
 
 import pytest
 import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from shepherd.providers import Capability, Machine, PowerState, ProviderUnsupported
 from shepherd.providers.redfish import (
@@ -19,7 +25,7 @@ from shepherd.providers.redfish import (
     parse_system_url,
 )
 from shepherd.providers.static import StaticFileError, StaticProvider, load_machines
-from tests.fixtures.sushy import PASSWORD, SYSTEMS, USERNAME, Sushy
+from tests.fixtures.sushy import PASSWORD, SYSTEMS, USERNAME, Sushy, running_sushy
 
 GOOD = BMCCredentials(default=Credentials(USERNAME, PASSWORD))
 
@@ -172,3 +178,60 @@ def test_credentials_from_file_and_environment(tmp_path: Path) -> None:
     path.write_text("[default\n")
     with pytest.raises(BMCConfigError, match=r"bmc\.toml"):
         load_credentials(path, environ={})
+
+
+def _tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA, and a certificate it signed for 127.0.0.1: (ca.pem, cert.pem, key.pem)."""
+    now = datetime.datetime.now(datetime.UTC)
+
+    def build(
+        subject: str,
+        issuer: x509.Name,
+        key: ec.EllipticCurvePrivateKey,
+        signer: ec.EllipticCurvePrivateKey,
+        ca: bool,
+    ) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False,
+            )
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test BMC CA")])
+    ca = build("test BMC CA", ca_name, ca_key, ca_key, ca=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = build("127.0.0.1", ca_name, key, ca_key, ca=False)
+    paths = directory / "ca.pem", directory / "cert.pem", directory / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+async def test_https_bmc_is_checked_against_the_given_ca(tmp_path: Path) -> None:
+    ca, cert, key = _tls_files(tmp_path)
+    with running_sushy(tmp_path / "sushy", tls=(cert, key)) as server:
+        assert server.base_url.startswith("https://")
+        machines = [Machine("m", "192.0.2.1", bmc=server.system_url(SYSTEMS[0]))]
+        trusting = StaticProvider(machines, credentials=GOOD, bmc_verify=str(ca))
+        assert (await trusting.refresh("m")).power == PowerState.ON
+        with pytest.raises(BMCError, match="CERTIFICATE_VERIFY_FAILED"):
+            await StaticProvider(machines, credentials=GOOD).refresh("m")

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import trio
 
-from shepherd.providers.base import ProviderError
+from shepherd.providers.base import ProviderError, describe
 
 logger = logging.getLogger("shepherd.providers.equinix.client")
 
@@ -165,8 +165,8 @@ class EquinixClient:
         async with self._slots:
             try:
                 response = await self._http.request(method, path, params=params, json=body)
-            except httpx.TransportError as exc:
-                raise _Transient(f"{type(exc).__name__}: {exc or 'no detail'}") from None
+            except httpx.RequestError as exc:  # connection, timeout, protocol, decoding
+                raise _Transient(f"{type(exc).__name__}: {describe(exc)}") from None
         status = response.status_code
         if status == 429 or status >= 500:
             raise _Transient(
