@@ -1,6 +1,6 @@
 """Provisioner reconciliation cost against just listing the devices, measured in one run.
 
-    python -m bench.provisioner [--devices 5000] [--rounds 5] [--per-page 1000]
+    python -m bench.provisioner [--devices 5000] [--rounds 9] [--per-page 1000]
 
 The local Equinix API server runs in its own process with ``--devices``
 active devices under the prefix; a BMDB (PostgreSQL) holds the same devices
@@ -8,7 +8,8 @@ as provided machines. Alternating, ``--rounds`` times each:
 
 - baseline: ``EquinixClient.list_devices`` (all pages, same client, same HTTP);
 - reconcile: one ``Provisioner.reconcile`` (devices and BMDB listed at the
-  same time, compared, nothing to create: the fleet is at its limit).
+  same time, compared, nothing to create: the fleet is at its limit);
+- for insight only, the BMDB listing alone.
 
 Prints the median seconds of each and the ratio reconcile/baseline (goal:
 at most 1.5).
@@ -31,7 +32,7 @@ import trio
 import trio_asyncio
 
 import bmdb
-from bmdb import Isolation
+from bmdb import Isolation, Provider, Queries
 from bmdb._pg import PgConnection
 from shepherd.providers.equinix.client import EquinixClient
 from shepherd.providers.equinix.provider import EquinixConfig, EquinixProvider
@@ -85,7 +86,7 @@ async def fill_bmdb(conn: bmdb.Connection, devices: list[dict[str, object]]) -> 
 async def main_async(
     args: argparse.Namespace, url: str, project: str, token: str, db: str
 ) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"list devices": [], "reconcile": []}
+    times: dict[str, list[float]] = {"list devices": [], "reconcile": [], "(list BMDB)": []}
     async with (
         trio_asyncio.open_loop(),
         bmdb.open_connection(db) as conn,
@@ -99,6 +100,10 @@ async def main_async(
             max_machines=args.devices, creation_rate=Rate(0.0, 1), reconciler_rate=Rate(0.0, 1)
         )
         provisioner = Provisioner(provider, config)
+
+        async def read_bmdb(q: Queries) -> object:
+            return await q.provided_by_provider(Provider.EQUINIX)
+
         for _ in range(args.rounds):
             start = time.perf_counter()
             listed = await client.list_devices(project)
@@ -108,13 +113,16 @@ async def main_async(
             result = await provisioner.reconcile(conn)
             times["reconcile"].append(time.perf_counter() - start)
             assert result.managed == args.devices and not result.refused
+            start = time.perf_counter()
+            await conn.transact(read_bmdb)
+            times["(list BMDB)"].append(time.perf_counter() - start)
     return times
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=5000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--per-page", type=int, default=1000)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-provisioner-"))
