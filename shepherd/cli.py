@@ -290,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most one updater pass per DURATION (default: 1m)",
     )
     update.add_argument(
+        "--updater-settled-interval",
+        type=_arg_type("duration", _positive_duration),
+        default=1800.0,
+        metavar="DURATION",
+        help="how often a Running machine whose state did not change is asked again (default: 30m)",
+    )
+    update.add_argument(
         "--updater-batch-size",
         type=_arg_type("count", _parallelism),
         default=50,
@@ -444,7 +451,9 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
             assimilate=args.provisioner_assimilate,
         ),
         updater=UpdaterConfig(
-            iteration_interval=args.updater_iteration_rate, batch_size=args.updater_batch_size
+            iteration_interval=args.updater_iteration_rate,
+            batch_size=args.updater_batch_size,
+            settled_interval=args.updater_settled_interval,
         )
         if args.updater_enable
         else None,

@@ -4,12 +4,19 @@ Every pass (at most one per ``--updater-iteration-rate``)::
 
     machine_provided rows of the provider's type
       minus machines in backoff after a failure
+      minus settled machines checked less than --updater-settled-interval ago
       in batches of --updater-batch-size:
         provider.refresh(id) for the whole batch at once
           address, location, status changed? → one transaction per batch
           MachineNotFound                    → status Missing (never deleted)
           any other ProviderError            → that machine backs off
                                                (x2 per failure, 1 min .. 30 min)
+
+A machine is settled when its last refresh changed nothing and it is
+Running: as in the seed, such machines are asked again only every 30
+minutes by default, so that a large fleet does not cost one API call per
+machine per minute. Everything else (provisioning, stopped, just changed) is
+asked every pass.
 
 The status is the provider's (Equinix: the device state) or, for a machine
 with a BMC, its power state: On is Running; Off, Paused and the transitions
@@ -53,6 +60,8 @@ class UpdaterConfig:
     iteration_interval: float = 60.0
     #: Machines refreshed at once, and written in one transaction.
     batch_size: int = 50
+    #: A settled machine (unchanged and Running) is refreshed again after this long.
+    settled_interval: float = 1800.0
     #: Backoff of a machine whose refresh failed: first, growth, cap (seconds).
     backoff_initial: float = 60.0
     backoff_exponent: float = 2.0
@@ -106,6 +115,8 @@ class Updater:
         self.config = config or UpdaterConfig()
         self._clock = clock
         self._backoff: dict[str, _Backoff] = {}
+        #: Provider id → when a settled machine is due again.
+        self._settled: dict[str, float] = {}
         #: The last few passes (or the errors that ended them), for tests and status.
         self.history: list[UpdatePass | BaseException] = []
 
@@ -133,7 +144,8 @@ class Updater:
         due = []
         for row in rows:
             backoff = self._backoff.get(row.provider_id)
-            if backoff is not None and backoff.until > now:
+            failed_recently = backoff is not None and backoff.until > now
+            if failed_recently or self._settled.get(row.provider_id, now) > now:
                 result.skipped += 1
             else:
                 due.append(row)
@@ -186,6 +198,11 @@ class Updater:
                 )
             if want != (row.address, row.location, row.status):
                 changes.append((row, *want))
+                self._settled.pop(row.provider_id, None)
+            elif row.status == ProviderStatus.RUNNING:
+                self._settled[row.provider_id] = self._clock() + self.config.settled_interval
+            else:
+                self._settled.pop(row.provider_id, None)
         if not changes:
             return
 

@@ -83,12 +83,16 @@ async def test_equinix_status_address_and_disappearance_are_recorded_in_batches(
     assert rows[broken].status == ProviderStatus.PROVISIONING
     assert {rows[p].status for p in set(created) - {gone, broken}} == {ProviderStatus.RUNNING}
 
-    # The broken one backs off; the others are checked again.
+    # The broken one backs off; the others, just changed, are checked again.
     again = await updater.update_once(bmdb_conn)
-    assert (again.skipped, again.checked, again.failed) == (1, 6, {})
+    assert (again.skipped, again.checked, again.failed, again.updated) == (1, 6, {}, [])
     clock.now += 61
     healed = await updater.update_once(bmdb_conn)
-    assert healed.updated == [broken]
+    # The five Running ones are settled now: asked again only after 30 minutes.
+    # ("gone" is Missing, never settled.)
+    assert (healed.updated, healed.skipped, healed.checked) == ([broken], 5, 2)
+    clock.now += 1800
+    assert (await updater.update_once(bmdb_conn)).checked == 7
 
 
 async def test_bmc_power_state_is_recorded_and_bmc_failures_back_off(
@@ -121,7 +125,8 @@ async def test_bmc_power_state_is_recorded_and_bmc_failures_back_off(
     async with RedfishClient() as redfish:
         await redfish.reset(sushy.system_url(SYSTEMS[0]), good, "ForceOff")
     clock = Clock()
-    updater = Updater(provider, UpdaterConfig(batch_size=2), clock=clock)
+    # Settled machines asked every pass: the fake BMC's ForceOff lands 1..11 s late.
+    updater = Updater(provider, UpdaterConfig(batch_size=2, settled_interval=0), clock=clock)
 
     result = await updater.update_once(bmdb_conn)
 
