@@ -9,8 +9,14 @@ Modules, by concept:
 - :mod:`shepherd.takeover`: the per-machine step: dial, upload, run, check;
 - :mod:`shepherd.ssh`: the SSH client (the only module that uses asyncssh),
   authenticating with the key from :mod:`shepherd.ssh_key`;
-- :mod:`shepherd.providers`: where machines come from (``static``: a TOML list);
-- :mod:`shepherd.provisioner`: record a provider's machines in the BMDB;
+- :mod:`shepherd.providers`: where machines come from (``static``: a TOML
+  list, whose machines may have Redfish BMCs, :mod:`shepherd.providers.redfish`;
+  ``equinix``: Equinix Metal devices on hardware reservations, with a local
+  API server for tests and demos);
+- :mod:`shepherd.provisioner`: reconcile a provider's machines with the BMDB,
+  creating new ones where the provider can;
+- :mod:`shepherd.updater`: refresh provided machines' address, location and
+  status (power state, for BMCs) in the BMDB;
 - :mod:`shepherd.agent`: the self-contained agent script that gets uploaded;
 - :mod:`shepherd.proto`: the takeover protocol messages;
 - :mod:`shepherd.cli`: ``python -m shepherd``.
