@@ -14,7 +14,7 @@ import trio
 import bmdb
 from bmdb import Provider, Queries
 from shepherd.cli import parse_options
-from shepherd.providers.equinix.localserver import LocalEquinix
+from shepherd.providers.equinix.localserver import Fault, LocalEquinix
 from shepherd.providers.equinix.provider import EquinixProvider
 
 PROJECT = "11111111-1111-4111-8111-111111111111"
@@ -150,6 +150,76 @@ async def test_python_m_shepherd_equinix_provisions_and_stops_on_sigterm(
     assert len(equinix.devices) == 2
     assert [k["label"] for k in equinix.ssh_keys.values()] == ["shepherd-cli"]
     assert "got SIGTERM, stopping" in log.read_text()
+
+
+async def test_sigkill_after_device_creation_makes_no_second_device_on_restart(
+    bmdb_conn: bmdb.Connection, bmdb_url: str, equinix: LocalEquinix, tmp_path: Path
+) -> None:
+    equinix.add_reservations(2)
+    # The API creates the device, then sits on the answer: the Shepherd is
+    # killed knowing nothing of it, before any BMDB write.
+    devices = f"/projects/{equinix.project_id}/devices"
+    equinix.inject("POST", devices, Fault(delay=600, after=True))
+    argv = [
+        "--bmdb-url",
+        bmdb_url,
+        "--provider",
+        "equinix",
+        "--ssh-key-path",
+        str(tmp_path / "id_ed25519"),
+        "--agent-endpoint",
+        "bmaas.example:443",
+        "--equinix-api-url",
+        equinix.url,
+        "--equinix-api-token",
+        equinix.token,
+        "--equinix-project-id",
+        equinix.project_id,
+        "--equinix-ssh-key-label",
+        "shepherd-cli",
+        "--equinix-device-prefix",
+        "shepherd-cli-",
+        "--provisioner-max-machines",
+        "1",
+        "--provisioner-reconciler-rate",
+        "100ms,1",
+    ]
+    first = await _run_shepherd(argv, tmp_path / "first.log")
+    try:
+        with trio.fail_after(60):
+            while not equinix.devices:  # noqa: ASYNC110 (state in the API server)
+                await trio.sleep(0.05)
+    finally:
+        first.kill()
+        await first.wait()
+    (orphan,) = equinix.devices
+
+    second_log = tmp_path / "second.log"
+    second = await _run_shepherd(argv, second_log)
+    try:
+        with trio.fail_after(60):
+            while "provider and BMDB disagree" not in second_log.read_text():  # noqa: ASYNC110
+                await trio.sleep(0.05)
+            # A few more reconciliations, to be sure none creates anything.
+            reconciled = len(equinix.requests)
+            while len(equinix.requests) < reconciled + 10:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+            second.send_signal(signal.SIGTERM)
+            assert await second.wait() == 0
+    finally:
+        if second.returncode is None:
+            second.kill()
+            await second.wait()
+
+    async def recorded(q: Queries) -> int:
+        return len(await q.provided_by_provider(Provider.EQUINIX))
+
+    assert list(equinix.devices) == [orphan]
+    assert await bmdb_conn.transact(recorded) == 0
+    text = second_log.read_text()
+    assert f"Equinix machine {orphan} is at the provider but not in the BMDB" in text
+    posts = [r for r in equinix.requests if r.method == "POST" and r.path == devices]
+    assert posts == []  # the first POST never answered; the restart sent none
 
 
 async def test_python_m_shepherd_equinix_unknown_project_exits_with_the_api_message(

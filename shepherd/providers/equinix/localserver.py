@@ -61,13 +61,16 @@ class Fault:
     message: str = "injected failure"
     #: ``Retry-After`` header value (seconds) on the error answer.
     retry_after: float | None = None
-    #: Sleep this long before answering (or before the fault).
+    #: Sleep this long before handling the request (with ``after``: after
+    #: handling it, before answering: a client that dies meanwhile never
+    #: learns that its request succeeded).
     delay: float = 0.0
     #: Answer 200 with this body (not JSON) instead of the real answer.
     malformed: bytes | None = None
     #: Close the connection without answering (after handling the request,
     #: when ``after`` is set: a create that happened but whose answer was lost).
     drop: bool = False
+    #: Apply ``drop`` and ``delay`` after the request was handled.
     after: bool = False
 
 
@@ -227,7 +230,7 @@ class LocalEquinix:
         path = target.path.removeprefix("/metal/v1")
         query = dict(urllib.parse.parse_qsl(target.query))
         fault = self._fault(method, path)
-        if fault is not None and fault.delay:
+        if fault is not None and fault.delay and not fault.after:
             await trio.sleep(fault.delay)
         headers: list[tuple[str, str]] = []
         status = 200
@@ -253,6 +256,8 @@ class LocalEquinix:
                 # A bug here must look like the real API's bad day, not kill the server.
                 logger.exception("local Equinix API: %s %s crashed", method, path)
                 status, payload = 500, json.dumps({"errors": [repr(exc)]}).encode()
+            if fault is not None and fault.after and fault.delay:
+                await trio.sleep(fault.delay)
             if fault is not None and fault.drop:
                 self.requests.append(Request(method, path, 0))
                 return False
