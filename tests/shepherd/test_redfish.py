@@ -235,3 +235,15 @@ async def test_https_bmc_is_checked_against_the_given_ca(tmp_path: Path) -> None
         assert (await trusting.refresh("m")).power == PowerState.ON
         with pytest.raises(BMCError, match="CERTIFICATE_VERIFY_FAILED"):
             await StaticProvider(machines, credentials=GOOD).refresh("m")
+
+
+@pytest.mark.parametrize("key", ["password", "username", "bmc_password"])
+def test_credentials_in_the_machines_file_are_refused(tmp_path: Path, key: str) -> None:
+    path = tmp_path / "machines.toml"
+    path.write_text(
+        f'[[machine]]\nid = "m"\naddress = "a"\n'
+        f'bmc = "https://b/redfish/v1/Systems/1"\n{key} = "hunter2"\n'
+    )
+    with pytest.raises(StaticFileError, match=rf"machines.toml:5: unknown field '{key}'") as info:
+        load_machines(path)
+    assert "hunter2" not in str(info.value)
