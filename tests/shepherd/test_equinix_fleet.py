@@ -40,6 +40,7 @@ def _shared_port() -> int:
 
 
 async def test_provisioner_and_initializer_bring_devices_to_agent_started(
+    aio_loop: object,
     bmdb_conn: bmdb.Connection,
     equinix: LocalEquinix,
     shepherd_ssh_key: SSHKey,
