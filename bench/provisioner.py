@@ -33,13 +33,12 @@ import trio_asyncio
 
 import bmdb
 from bmdb import Isolation, Provider, Queries
-from bmdb._pg import PgConnection
+from bmdb.localserver import TEMPLATE_DB, start_with_template
 from shepherd.providers.equinix.client import EquinixClient
 from shepherd.providers.equinix.provider import EquinixConfig, EquinixProvider
 from shepherd.provisioner import Provisioner, ProvisionerConfig
 from shepherd.rate_limit import Rate
 from shepherd.ssh_key import SSHKey
-from tests.fixtures.postgres import TEMPLATE_DB, start_with_template
 
 PREFIX = "bench-"
 
@@ -70,17 +69,17 @@ async def fill_bmdb(conn: bmdb.Connection, devices: list[dict[str, object]]) -> 
     machine_ids = [uuid.uuid4() for _ in devices]
     provider_ids = [str(d["id"]) for d in devices]
 
-    async def fill(pg: PgConnection) -> None:
-        await pg.execute(
+    async def fill(q: Queries) -> None:
+        await q.execute(
             "INSERT INTO machines (machine_id) SELECT unnest(%s::uuid[])", (machine_ids,)
         )
-        await pg.execute(
+        await q.execute(
             "INSERT INTO machine_provided (machine_id, provider, provider_id, provider_status)"
             " SELECT unnest(%s::uuid[]), 'Equinix', unnest(%s::text[]), 'Running'",
             (machine_ids, provider_ids),
         )
 
-    await conn.run(Isolation.READ_COMMITTED, fill)
+    await conn.transact(fill, isolation=Isolation.READ_COMMITTED)
 
 
 async def main_async(

@@ -40,6 +40,7 @@ import bmdb
 from bmdb import ProviderStatus, Queries
 from bmdb.errors import BMDBError
 from bmdb.model import MachineProvided
+from monotrio.backoff import ExponentialBackoff
 from shepherd.providers import Machine, MachineNotFound, PowerState, Provider, ProviderError
 from shepherd.rate_limit import Rate, RateLimiter
 
@@ -87,7 +88,7 @@ class UpdatePass:
 @dataclass
 class _Backoff:
     until: float
-    interval: float
+    failures: int
 
 
 def status_of(machine: Machine) -> ProviderStatus | None:
@@ -224,13 +225,13 @@ class Updater:
 
     def _fail(self, provider_id: str, cause: str, result: UpdatePass) -> None:
         previous = self._backoff.get(provider_id)
+        failures = 1 if previous is None else previous.failures + 1
         config = self.config
-        interval = (
-            config.backoff_initial
-            if previous is None
-            else min(config.backoff_maximum, previous.interval * config.backoff_exponent)
+        policy = ExponentialBackoff(
+            config.backoff_initial, config.backoff_maximum, config.backoff_exponent
         )
-        self._backoff[provider_id] = _Backoff(self._clock() + interval, interval)
+        interval = policy.delay(failures)
+        self._backoff[provider_id] = _Backoff(self._clock() + interval, failures)
         result.failed[provider_id] = cause
         logger.warning(
             "%s machine %s: refresh failed, next try in %.0fs: %s",

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import trio
 
+from monotrio.backoff import ExponentialBackoff
 from shepherd.providers.base import ProviderError, describe
 
 logger = logging.getLogger("shepherd.providers.equinix.client")
@@ -82,13 +83,16 @@ class RetryPolicy:
     max_retry_after: float = 300.0
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
-        backoff = min(self.maximum, self.initial * self.multiplier ** (attempt - 1))
+        """The wait after failed ``attempt`` (1-based), given the server's ``Retry-After``."""
+        backoff = ExponentialBackoff(self.initial, self.maximum, self.multiplier).delay(attempt)
         if retry_after is not None:
             return max(backoff, min(retry_after, self.max_retry_after))
         return backoff
 
 
-class _Transient(Exception):
+class _Transient(EquinixError):
+    """A failure worth retrying; never escapes the client (see ``_retrying``)."""
+
     def __init__(
         self, cause: str, retry_after: float | None = None, *, malformed: bool = False
     ) -> None:

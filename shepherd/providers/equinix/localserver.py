@@ -47,6 +47,8 @@ from typing import Any
 import h11
 import trio
 
+from shepherd.errors import ShepherdError
+
 logger = logging.getLogger("shepherd.providers.equinix.localserver")
 
 JSON = dict[str, Any]
@@ -99,7 +101,9 @@ def _iso(at: datetime.datetime) -> str:
     return at.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class _HTTPError(Exception):
+class _HTTPError(ShepherdError):
+    """An API error answer; never escapes the server (it becomes the response)."""
+
     def __init__(self, status: int, *messages: str) -> None:
         super().__init__(status, messages)
         self.status = status
