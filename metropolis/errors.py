@@ -14,6 +14,8 @@
     │       ├── EtcdAPIError       etcd answered with an error (``code``, ``transient``)
     │       ├── LeaseExpired       the lease is gone
     │       └── WatchCompacted     the revision to watch from was compacted
+    ├── RPCError                   metropolis.rpc: a call ended with a gRPC status
+    │                              other than OK (``code``, ``leader``)
     ├── PKIError                   metropolis.pki: bad key, certificate or CRL
     ├── CredentialsError           metropolis.identity: node credentials do not check out
     ├── LocalStorageError          metropolis.localstorage: the node's on-disk state

@@ -1,0 +1,354 @@
+"""A gRPC server on Trio: mutual TLS, per-method access, leader-only methods.
+
+Register handlers for :class:`~metropolis.rpc.method.Method` values, then
+run :meth:`Server.serve` in a nursery (``await nursery.start(...)`` returns
+the bound port)::
+
+    server = Server(tls.server_context(credentials), security)
+    server.unary(GET_NODES, get_nodes)          # async (req, ctx) -> resp
+    server.stream(WATCH, watch)                 # async (req, ctx, send) -> None
+    port = await nursery.start(server.serve, "127.0.0.1", 0)
+
+Order of checks for each call, all before the handler runs: known method
+(UNIMPLEMENTED), well-formed request (INTERNAL/RESOURCE_EXHAUSTED), caller
+admitted by the method's access (UNAUTHENTICATED/PERMISSION_DENIED, see
+:mod:`metropolis.rpc.auth`), then for ``leader_only`` methods, leadership
+(UNAVAILABLE with trailers ``metropolis-leader-node-id`` and
+``metropolis-leader-address`` naming the leader). Handlers answer an error
+by raising :class:`~metropolis.rpc.status.RPCError`; any other exception is
+logged and answered INTERNAL.
+
+Cancellation:
+- The caller cancels (RST_STREAM), disconnects, or its ``grpc-timeout``
+  passes: the handler's task is cancelled (it sees ``trio.Cancelled`` at its
+  next checkpoint; a streaming handler also when ``send`` finds the stream
+  gone). Nothing more is sent to a caller that left; a passed deadline is
+  answered DEADLINE_EXCEEDED.
+- ``serve`` is cancelled: every handler is cancelled, each connection gets
+  a GOAWAY and is closed; callers see UNAVAILABLE and go elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypeVar
+
+import trio
+from cryptography import x509
+
+from metropolis.rpc import auth, tls, wire
+from metropolis.rpc.method import Message, Method
+from metropolis.rpc.status import LeaderHint, RPCError, Status
+from metropolis.rpc.transport import Closed, Connection, Data, End, Reset, StreamGone
+
+__all__ = ["CallContext", "Server"]
+
+_log = logging.getLogger("metropolis.rpc.server")
+
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+
+LEADER_NODE_HEADER = "metropolis-leader-node-id"
+LEADER_ADDRESS_HEADER = "metropolis-leader-address"
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a handler knows about its call besides the request."""
+
+    peer: auth.Peer
+    method: Method[Any, Any]
+    #: Request metadata (lower-case keys; ``-bin`` values still base64).
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+UnaryHandler = Callable[[Req, CallContext], Awaitable[Resp]]
+StreamHandler = Callable[[Req, CallContext, Callable[[Resp], Awaitable[None]]], Awaitable[None]]
+
+
+@dataclass
+class _Route:
+    method: Method[Any, Any]
+    handler: Callable[..., Awaitable[Any]]
+
+
+class Server:
+    """Serves registered methods; see the module docstring."""
+
+    def __init__(
+        self,
+        ssl_context: Any,
+        security: auth.ServerSecurity,
+        *,
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        self._ssl = ssl_context
+        self._security = security
+        self._handshake_timeout = handshake_timeout
+        self._routes: dict[str, _Route] = {}
+        self._replay = auth.ReplayCache()
+
+    def unary(self, method: Method[Req, Resp], handler: UnaryHandler[Req, Resp]) -> None:
+        if method.streaming:
+            raise ValueError(f"{method.path} is streaming; register it with stream()")
+        self._routes[method.path] = _Route(method, handler)
+
+    def stream(self, method: Method[Req, Resp], handler: StreamHandler[Req, Resp]) -> None:
+        if not method.streaming:
+            raise ValueError(f"{method.path} is unary; register it with unary()")
+        self._routes[method.path] = _Route(method, handler)
+
+    async def serve(
+        self,
+        host: str,
+        port: int = 0,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> NoReturn:
+        """Listen on ``host:port`` (0: any free port, reported through ``task_status``).
+
+        Runs until cancelled. A connection that fails its handshake is
+        dropped and logged at debug level; the server goes on.
+        """
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()[1]
+        _log.info("curator RPC listening on %s:%d", host, bound)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self.handle_connection, listeners)
+            task_status.started(bound)
+            await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def handle_connection(self, tcp: trio.SocketStream) -> None:
+        """Serve one accepted TCP connection until it ends. Never raises."""
+        stream = trio.SSLStream(tcp, self._ssl, server_side=True, https_compatible=True)
+        try:
+            with trio.fail_after(self._handshake_timeout):
+                await stream.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as e:
+            _log.debug("TLS handshake failed: %r", e.__cause__ or e)
+            await _send_alert(stream)
+            await trio.aclose_forcefully(stream)
+            return
+        if stream.selected_alpn_protocol() != "h2":
+            _log.debug("peer did not negotiate h2")
+            await trio.aclose_forcefully(stream)
+            return
+        certificate = tls.peer_certificate(stream)
+        async with trio.open_nursery() as nursery:
+
+            def on_request(sid: int, headers: dict[str, str]) -> None:
+                nursery.start_soon(self._call, conn, sid, headers, certificate)
+
+            conn = Connection(stream, client_side=False, on_request=on_request)
+            try:
+                await conn.start()
+                await conn.run()
+            except StreamGone:
+                pass
+            finally:
+                # The peer is gone (or we are shutting down): so are its calls.
+                nursery.cancel_scope.cancel()
+                await conn.aclose()
+
+    async def _call(
+        self,
+        conn: Connection,
+        sid: int,
+        headers: dict[str, str],
+        certificate: x509.Certificate | None,
+    ) -> None:
+        call = _Call(conn, sid)
+        try:
+            await self._dispatch(call, headers, certificate)
+        except StreamGone:
+            pass  # the caller left; there is no one to answer
+        finally:
+            conn.forget(sid)
+
+    async def _dispatch(
+        self, call: _Call, headers: dict[str, str], certificate: x509.Certificate | None
+    ) -> None:
+        path = headers.get(":path", "")
+        route = self._routes.get(path)
+        if route is None:
+            await call.fail(RPCError(Status.UNIMPLEMENTED, f"unknown method {path}"))
+            return
+        if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith(
+            wire.CONTENT_TYPE
+        ):
+            await call.fail(RPCError(Status.INTERNAL, "not a gRPC request"))
+            return
+        timeout: float | None = None
+        if "grpc-timeout" in headers:
+            try:
+                timeout = wire.decode_timeout(headers["grpc-timeout"])
+            except ValueError as e:
+                await call.fail(RPCError(Status.INTERNAL, str(e)))
+                return
+
+        deadline = trio.current_time() + timeout if timeout is not None else float("inf")
+        with trio.CancelScope(deadline=deadline) as deadline_scope:
+            try:
+                raw = await call.read_request()
+                peer = auth.authenticate(
+                    route.method.access,
+                    path,
+                    certificate,
+                    headers,
+                    raw,
+                    self._security,
+                    self._replay,
+                )
+                if route.method.leader_only:
+                    leadership = self._security.leadership()
+                    if not leadership.is_leader:
+                        raise RPCError(
+                            Status.UNAVAILABLE,
+                            "this curator is not the leader",
+                            leader=leadership.leader,
+                        )
+                try:
+                    request = route.method.request_type.parse(raw)
+                except Exception as e:  # betterproto2 raises assorted types on garbage
+                    raise RPCError(Status.INTERNAL, f"cannot parse request: {e}") from None
+                context = CallContext(peer=peer, method=route.method, metadata=headers)
+                _log.debug("%s from %s %s", path, peer.kind.value, peer.node_id)
+                await call.run(route, request, context)
+            except RPCError as e:
+                await call.fail(e)
+            except (StreamGone, trio.Cancelled):
+                raise
+            except Exception:
+                _log.exception("handler of %s failed", path)
+                await call.fail(RPCError(Status.INTERNAL, "internal error"))
+        if deadline_scope.cancelled_caught and not call.gone:
+            await call.fail(RPCError(Status.DEADLINE_EXCEEDED, "deadline exceeded"))
+
+
+async def _send_alert(stream: trio.SSLStream[trio.SocketStream]) -> None:
+    """Send the TLS alert OpenSSL wrote when it refused the handshake.
+
+    Trio's SSLStream marks itself broken on a handshake error without
+    sending what OpenSSL queued, which is the alert saying *why* (unknown
+    CA, expired certificate). Without it the client sees a bare EOF and
+    cannot tell a refusal from a crash. The queue is Trio's private
+    ``_outgoing`` BIO, so this degrades to sending nothing if that changes.
+    """
+    outgoing = getattr(stream, "_outgoing", None)
+    if not isinstance(outgoing, ssl.MemoryBIO):
+        return
+    data = outgoing.read()
+    if data:
+        with trio.move_on_after(1):
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                await stream.transport_stream.send_all(data)
+
+
+class _Call:
+    """One server-side stream: reads the request, runs the handler, answers."""
+
+    def __init__(self, conn: Connection, sid: int) -> None:
+        self.conn = conn
+        self.sid = sid
+        self.headers_sent = False
+        self.done = False
+        #: The caller reset the stream or the connection ended.
+        self.gone = False
+
+    async def read_request(self) -> bytes:
+        decoder = wire.MessageDecoder()
+        messages: list[bytes] = []
+        while True:
+            event = await self.conn.receive(self.sid)
+            match event:
+                case Data(data=data):
+                    messages += decoder.feed(data)
+                case End():
+                    break
+                case Reset() | Closed():
+                    self.gone = True
+                    raise StreamGone("caller left before sending its request")
+                case _:
+                    pass
+        if decoder.pending or len(messages) != 1:
+            raise RPCError(Status.INTERNAL, f"expected one request message, got {len(messages)}")
+        return messages[0]
+
+    async def _watch_caller(self, handler_scope: trio.CancelScope) -> None:
+        # After the request, only a reset or the connection's end can come.
+        while True:
+            event = await self.conn.receive(self.sid)
+            if isinstance(event, Reset | Closed):
+                self.gone = True
+                handler_scope.cancel()
+                return
+
+    async def run(self, route: _Route, request: Message, context: CallContext) -> None:
+        # The handler's exception is carried out of the nursery by hand: a
+        # nursery would wrap it in an ExceptionGroup.
+        error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as handler_scope:
+                nursery.start_soon(self._watch_caller, handler_scope)
+                try:
+                    if route.method.streaming:
+
+                        async def send(message: Message) -> None:
+                            await self._send_message(message, handler_scope)
+
+                        await route.handler(request, context, send)
+                    else:
+                        response = await route.handler(request, context)
+                        await self._send_message(response, handler_scope)
+                except Exception as e:
+                    error = e
+                finally:
+                    nursery.cancel_scope.cancel()
+        if self.gone:
+            raise StreamGone("caller left")
+        if error is not None:
+            raise error
+        await self.finish(Status.OK, "")
+
+    async def _send_message(self, message: Message, handler_scope: trio.CancelScope) -> None:
+        try:
+            if not self.headers_sent:
+                self.headers_sent = True
+                await self.conn.send_headers(
+                    self.sid, [(":status", "200"), ("content-type", wire.CONTENT_TYPE)]
+                )
+            await self.conn.send_data(self.sid, wire.frame(bytes(message)))
+        except StreamGone:
+            # The caller is gone: the handler ends by cancellation, not by an
+            # exception it might catch and mistake for its own failure.
+            self.gone = True
+            handler_scope.cancel()
+            await trio.lowlevel.checkpoint()
+            raise
+
+    async def finish(self, code: Status, message: str, leader: LeaderHint | None = None) -> None:
+        if self.done or self.gone:
+            return
+        self.done = True
+        trailers = [("grpc-status", str(int(code)))]
+        if message:
+            trailers.append(("grpc-message", wire.encode_grpc_message(message)))
+        if leader is not None:
+            trailers.append((LEADER_NODE_HEADER, leader.node_id))
+            if leader.address:
+                trailers.append((LEADER_ADDRESS_HEADER, leader.address))
+        if not self.headers_sent:
+            # Trailers-only response: one HEADERS frame that ends the stream.
+            self.headers_sent = True
+            trailers = [(":status", "200"), ("content-type", wire.CONTENT_TYPE), *trailers]
+        await self.conn.send_headers(self.sid, trailers, end_stream=True)
+
+    async def fail(self, error: RPCError) -> None:
+        if error.code is not Status.UNAVAILABLE or error.leader is None:
+            _log.debug("answering %s: %s", error.code.name, error.message)
+        await self.finish(error.code, error.message, error.leader)

@@ -1,0 +1,131 @@
+"""TLS contexts for the curator RPC: TLS 1.3, Ed25519, ALPN ``h2``, cluster CA.
+
+The **server** presents its node certificate and *requests* a client
+certificate (``CERT_OPTIONAL``): callers that register or join have none yet
+and prove possession of a key instead (:mod:`metropolis.rpc.auth`). A
+certificate that is presented must chain to the cluster CA and be within its
+validity period, or OpenSSL refuses the handshake (Python's ``ssl`` offers
+no callback to accept it and decide later); our client reports that as
+UNAUTHENTICATED, a Go client as UNAVAILABLE ("authentication handshake
+failed"), which is what a Go server with the same policy would cause.
+Revocation is checked per call against the curator's current CRL, not in
+the handshake, because the CRL changes while the server runs.
+
+The **client** verifies the server against the cluster CA. Node
+certificates name the node ID, not an address, so host names are not
+checked; the client checks instead that the server's key is the one the
+cluster directory lists for that address (:func:`check_server_key`).
+
+gRPC requires TLS 1.2+ and ALPN ``h2``; we require TLS 1.3, which every
+Ed25519-capable gRPC implementation speaks.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
+
+from metropolis import pki
+from metropolis.identity import NodeCredentials
+from metropolis.rpc.status import RPCError, Status
+
+#: Ed25519 in the cluster; other types only where a test peer needs them.
+PrivateKey = CertificateIssuerPrivateKeyTypes
+
+__all__ = [
+    "check_server_key",
+    "client_context",
+    "peer_certificate",
+    "server_context",
+    "server_context_for",
+]
+
+
+def _load_chain(context: ssl.SSLContext, certificate: x509.Certificate, key: PrivateKey) -> None:
+    # load_cert_chain only reads files. An anonymous in-memory file keeps the
+    # private key off every disk; /proc/self/fd makes it a path.
+    pem = pki.encode_certificate(certificate) + key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.memfd_create("metropolis-rpc-credentials", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, pem)
+        context.load_cert_chain(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _base(purpose: ssl.Purpose, ca_certificate: x509.Certificate) -> ssl.SSLContext:
+    context = ssl.create_default_context(purpose)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.set_alpn_protocols(["h2"])
+    context.load_verify_locations(cadata=pki.encode_certificate(ca_certificate, pki.Encoding.DER))
+    return context
+
+
+def server_context(credentials: NodeCredentials) -> ssl.SSLContext:
+    """Context for a curator serving with ``credentials`` (its node certificate)."""
+    return server_context_for(
+        credentials.certificate, credentials.private_key, credentials.ca_certificate
+    )
+
+
+def server_context_for(
+    certificate: x509.Certificate, key: PrivateKey, ca_certificate: x509.Certificate
+) -> ssl.SSLContext:
+    """Like :func:`server_context`, for a certificate and key of any type TLS takes.
+
+    For tests against peers that cannot verify Ed25519 (grpcio's BoringSSL).
+    """
+    context = _base(ssl.Purpose.CLIENT_AUTH, ca_certificate)
+    context.verify_mode = ssl.CERT_OPTIONAL
+    _load_chain(context, certificate, key)
+    return context
+
+
+def client_context(
+    ca_certificate: x509.Certificate,
+    certificate: x509.Certificate | None = None,
+    key: PrivateKey | None = None,
+) -> ssl.SSLContext:
+    """Context for calling curators of the cluster with ``ca_certificate``.
+
+    ``certificate`` and ``key`` (an Ed25519 private key) are the caller's
+    identity: a node certificate or the owner's; None to call with a proof
+    of possession only.
+    """
+    context = _base(ssl.Purpose.SERVER_AUTH, ca_certificate)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_REQUIRED
+    if certificate is not None:
+        if key is None:
+            raise ValueError("a client certificate needs its private key")
+        _load_chain(context, certificate, key)
+    return context
+
+
+def peer_certificate(stream: trio.SSLStream[trio.SocketStream]) -> x509.Certificate | None:
+    """The certificate the peer presented (already verified by the handshake), if any."""
+    der = stream.getpeercert(binary_form=True)
+    return None if der is None else x509.load_der_x509_certificate(der)
+
+
+def check_server_key(stream: trio.SSLStream[trio.SocketStream], expected: bytes | None) -> None:
+    """Raise UNAVAILABLE if the server's key is not ``expected`` (None: any CA-issued key)."""
+    if expected is None:
+        return
+    certificate = peer_certificate(stream)
+    got = (
+        None
+        if certificate is None
+        else pki.public_key_bytes(pki.certificate_public_key(certificate))
+    )
+    if got != expected:
+        raise RPCError(Status.UNAVAILABLE, "curator's key is not the one the directory lists")
