@@ -58,13 +58,21 @@ Cancellation semantics are stated in :mod:`~metropolis.rpc.server` and
 """
 
 from metropolis.rpc.auth import Leadership, Peer, PeerKind, ServerSecurity, sign_proof
-from metropolis.rpc.client import Client, Endpoint, StreamCall, open_client
+from metropolis.rpc.client import (
+    CURATOR_PORT,
+    Client,
+    Endpoint,
+    StreamCall,
+    endpoints_from_directory,
+    open_client,
+)
 from metropolis.rpc.method import Access, Method
 from metropolis.rpc.server import CallContext, Server
 from metropolis.rpc.status import LeaderHint, RPCError, Status
 from metropolis.rpc.tls import client_context, server_context
 
 __all__ = [
+    "CURATOR_PORT",
     "Access",
     "CallContext",
     "Client",
@@ -80,6 +88,7 @@ __all__ = [
     "Status",
     "StreamCall",
     "client_context",
+    "endpoints_from_directory",
     "open_client",
     "server_context",
     "sign_proof",

@@ -50,6 +50,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity
 from metropolis.errors import MetropolisError
+from metropolis.proto.common import ClusterDirectory
 from metropolis.rpc import auth, tls, wire
 from metropolis.rpc.method import Access, Message, Method
 from metropolis.rpc.server import LEADER_ADDRESS_HEADER, LEADER_NODE_HEADER
@@ -65,9 +66,22 @@ from metropolis.rpc.transport import (
     peer_refused_certificate,
 )
 
-__all__ = ["Client", "Endpoint", "StreamCall", "open_client"]
+__all__ = [
+    "CURATOR_PORT",
+    "KEEPALIVE",
+    "Client",
+    "Endpoint",
+    "StreamCall",
+    "endpoints_from_directory",
+    "open_client",
+]
 
 _log = logging.getLogger("metropolis.rpc.client")
+
+#: TCP port of the curator service on every node (Monogon's).
+CURATOR_PORT = 7835
+#: Default (interval, timeout) in seconds of keepalive PINGs.
+KEEPALIVE = (10.0, 10.0)
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
@@ -91,6 +105,22 @@ class Endpoint:
         return self.public_key is not None and identity.node_id(self.public_key) == hint.node_id
 
 
+def endpoints_from_directory(
+    directory: ClusterDirectory, port: int = CURATOR_PORT
+) -> list[Endpoint]:
+    """One endpoint per address of each node in the cluster directory, keyed by its node key.
+
+    The directory lists nodes that run curators; binding each address to
+    the node's public key means a curator is believed only if it holds
+    that node's key.
+    """
+    return [
+        Endpoint(address.host, port, node.public_key)
+        for node in directory.nodes
+        for address in node.addresses
+    ]
+
+
 class _Retry(MetropolisError):
     """The call did not run on this curator; try another."""
 
@@ -107,18 +137,22 @@ async def open_client(
     *,
     proof_key: Ed25519PrivateKey | None = None,
     connect_timeout: float = 5.0,
+    keepalive: tuple[float, float] = KEEPALIVE,
 ) -> AsyncIterator[Client]:
     """A :class:`Client` for ``endpoints``, usable inside the block.
 
     ``proof_key`` signs proofs of possession for methods with
     :attr:`Access.PROOF` (register, join); without it, such calls carry only
-    the metadata the caller passes.
+    the metadata the caller passes. ``keepalive`` is (interval, timeout) of
+    HTTP/2 PINGs that detect a curator that vanished without closing.
     """
     if not endpoints:
         raise ValueError("no curator endpoints")
     try:
         async with trio.open_nursery() as nursery:
-            client = Client(nursery, list(endpoints), ssl_context, proof_key, connect_timeout)
+            client = Client(
+                nursery, list(endpoints), ssl_context, proof_key, connect_timeout, keepalive
+            )
             try:
                 yield client
             finally:
@@ -143,12 +177,14 @@ class Client:
         ssl_context: Any,
         proof_key: Ed25519PrivateKey | None,
         connect_timeout: float,
+        keepalive: tuple[float, float],
     ) -> None:
         self._nursery = nursery
         self._endpoints = endpoints
         self._ssl = ssl_context
         self._proof_key = proof_key
         self._connect_timeout = connect_timeout
+        self._keepalive = keepalive
         self._current = 0
         self._conn: Connection | None = None
         self._conn_endpoint = 0
@@ -323,6 +359,7 @@ class Client:
         if conn.closed:
             _raise_if_refused(conn.read_failure)
             raise StreamGone(f"connection closed during setup: {conn.failure!r}")
+        self._nursery.start_soon(conn.keepalive, *self._keepalive)
         return conn
 
     async def aclose(self) -> None:

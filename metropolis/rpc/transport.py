@@ -135,6 +135,8 @@ class Connection:
         self.read_failure: BaseException | None = None
         #: Set when the peer's SETTINGS arrived, or the connection ended.
         self.settled = trio.Event()
+        self._pings: dict[bytes, trio.Event] = {}
+        self._ping_counter = 0
 
     async def start(self) -> None:
         """Send our connection preface and SETTINGS."""
@@ -223,6 +225,8 @@ class Connection:
                     self.settled.set()
                 self._window_changed.set()
                 self._window_changed = trio.Event()
+            case h2.events.PingAckReceived(ping_data=data) if data in self._pings:
+                self._pings.pop(data).set()
             case h2.events.ConnectionTerminated():
                 # GOAWAY: no new streams; streams already running may finish.
                 self.closed = True
@@ -313,6 +317,39 @@ class Connection:
                 return  # the stream or the whole connection is already closed
             with contextlib.suppress(StreamGone):
                 await self._flush()
+
+    async def keepalive(self, interval: float, answer_within: float) -> None:
+        """PING the peer every ``interval`` s; break the connection if an answer
+        takes longer than ``answer_within`` s. Returns when the connection ends.
+
+        A peer that vanished without closing (power loss, partition) leaves
+        TCP silent for many minutes; this bounds how long calls and streams
+        wait on it.
+        """
+        while not self.closed:
+            await trio.sleep(interval)
+            self._ping_counter += 1
+            data = self._ping_counter.to_bytes(8, "big")
+            answered = self._pings[data] = trio.Event()
+            async with self._lock:
+                if self.closed:
+                    return
+                try:
+                    self._h2.ping(data)
+                except h2.exceptions.ProtocolError:
+                    return
+                try:
+                    await self._flush()
+                except StreamGone:
+                    return
+            with trio.move_on_after(answer_within):
+                await answered.wait()
+            if not answered.is_set():
+                _log.warning("peer did not answer a PING within %s s; dropping it", answer_within)
+                self._pings.pop(data, None)
+                self._fail(TimeoutError(f"no PING answer within {answer_within} s"))
+                await trio.aclose_forcefully(self.stream)
+                return
 
     def forget(self, sid: int) -> None:
         """Stop routing events to ``sid`` (its owner is done with it)."""

@@ -25,8 +25,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
 
 from metropolis import identity, pki
-from metropolis.proto.common import ClusterDirectory, ClusterDirectoryNode
+from metropolis.proto.common import (
+    ClusterDirectory,
+    ClusterDirectoryNode,
+    ClusterDirectoryNodeAddress,
+)
 from metropolis.rpc import (
+    CURATOR_PORT,
     Access,
     CallContext,
     Endpoint,
@@ -39,6 +44,7 @@ from metropolis.rpc import (
     Status,
     auth,
     client_context,
+    endpoints_from_directory,
     open_client,
     server_context,
     wire,
@@ -687,3 +693,69 @@ async def test_our_client_calls_a_grpcio_server(cluster: Cluster) -> None:
     finally:
         await trio.to_thread.run_sync(lambda: grpc_server.stop(None).wait())
     assert pki.decode_certificate(seen[0]) == client_cert
+
+
+# --- a curator that vanishes without closing, and the cluster directory ------------------
+
+
+@asynccontextmanager
+async def freezable_proxy(target_port: int) -> AsyncIterator[tuple[int, trio.Event]]:
+    """A TCP proxy to ``target_port``; setting the event makes it drop all bytes, silently.
+
+    That is what a partitioned or powered-off peer looks like: no FIN, no RST.
+    """
+    frozen = trio.Event()
+
+    async def pump(source: trio.SocketStream, sink: trio.SocketStream) -> None:
+        while data := await source.receive_some(65536):
+            if not frozen.is_set():
+                await sink.send_all(data)
+
+    async def handle(client: trio.SocketStream) -> None:
+        upstream = await trio.open_tcp_stream("127.0.0.1", target_port)
+        async with client, upstream, trio.open_nursery() as nursery:
+            nursery.start_soon(pump, client, upstream)
+            nursery.start_soon(pump, upstream, client)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, handle, 0)
+        yield listeners[0].socket.getsockname()[1], frozen
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_curator_is_detected_by_keepalive(
+    cluster: Cluster, server: tuple[int, State]
+) -> None:
+    port, state = server
+    one = ClusterDirectory(nodes=[ClusterDirectoryNode()])
+    async with freezable_proxy(port) as (proxy_port, frozen):
+        endpoints = [Endpoint("127.0.0.1", proxy_port)]
+        async with open_client(endpoints, _node_context(cluster), keepalive=(0.1, 0.5)) as client:
+            with pytest.raises(RPCError) as e, trio.fail_after(60):
+                async with client.stream(WATCH, one) as s:
+                    async for _ in s:
+                        frozen.set()
+            assert e.value.code is Status.UNAVAILABLE
+    assert state.watch_sent == 1
+
+
+def test_endpoints_come_from_the_cluster_directory() -> None:
+    a, b = b"a" * 32, b"b" * 32
+    directory = ClusterDirectory(
+        nodes=[
+            ClusterDirectoryNode(
+                public_key=a,
+                addresses=[
+                    ClusterDirectoryNodeAddress(host="10.0.0.1"),
+                    ClusterDirectoryNodeAddress(host="fd00::1"),
+                ],
+            ),
+            ClusterDirectoryNode(public_key=b, addresses=[ClusterDirectoryNodeAddress("10.0.0.2")]),
+        ]
+    )
+    assert endpoints_from_directory(directory) == [
+        Endpoint("10.0.0.1", CURATOR_PORT, a),
+        Endpoint("fd00::1", CURATOR_PORT, a),
+        Endpoint("10.0.0.2", CURATOR_PORT, b),
+    ]
+    assert endpoints_from_directory(directory, 1234)[0].port == 1234
