@@ -51,6 +51,13 @@ We weighed three stacks:
    depends on it) and is the maintained HTTP/2 state machine that hypercorn
    and httpx use.
 
+Speed (``python -m bench.rpc``, CPU time of server and client in one
+process, Ed25519 mutual TLS on loopback, ratios to grpclib on plain asyncio
+in the same run): a unary call costs about 1.15x, like grpclib with Trio on
+both ends across trio-asyncio (about 1.1x); a streamed message about 3.3x,
+where the bridged grpclib pays about 5.7x. Both stay far below what the
+curator needs (a Watch sends one message per change of a node record).
+
 Cancellation semantics are stated in :mod:`~metropolis.rpc.server` and
 :mod:`~metropolis.rpc.client`; errors are
 :class:`~metropolis.rpc.status.RPCError` (a

@@ -398,17 +398,14 @@ class StreamCall(Generic[Resp]):
             *metadata.items(),
         ]
         try:
-            self._sid = await self._conn.open_stream(headers)
+            self._sid = await self._conn.open_stream(headers, wire.frame(payload))
         except StreamGone as e:
-            # TLS 1.3: a refused client certificate shows only after the
-            # handshake, and may have closed the connection by now.
+            # The request did not leave whole (a write failed), so no curator
+            # ran it: safe to try another. But in TLS 1.3 a refused client
+            # certificate shows only after the handshake, as a closed
+            # connection: that is no reason to try elsewhere.
             _raise_if_refused(self._conn.read_failure)
             raise _Retry(RPCError(Status.UNAVAILABLE, "connection closing")) from e
-        try:
-            await self._conn.send_data(self._sid, wire.frame(payload), end_stream=True)
-        except StreamGone as e:
-            await self._fail_transport()
-            raise AssertionError("unreachable") from e
 
     async def wait_headers(self) -> None:
         """Wait for the response headers; a not-leader or refused stream becomes a retry."""

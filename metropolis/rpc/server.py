@@ -52,6 +52,7 @@ _log = logging.getLogger("metropolis.rpc.server")
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
 
+_RESPONSE_HEADERS = [(":status", "200"), ("content-type", wire.CONTENT_TYPE)]
 LEADER_NODE_HEADER = "metropolis-leader-node-id"
 LEADER_ADDRESS_HEADER = "metropolis-leader-address"
 
@@ -292,6 +293,7 @@ class _Call:
         # The handler's exception is carried out of the nursery by hand: a
         # nursery would wrap it in an ExceptionGroup.
         error: Exception | None = None
+        response: Message | None = None
         async with trio.open_nursery() as nursery:
             with trio.CancelScope() as handler_scope:
                 nursery.start_soon(self._watch_caller, handler_scope)
@@ -304,7 +306,6 @@ class _Call:
                         await route.handler(request, context, send)
                     else:
                         response = await route.handler(request, context)
-                        await self._send_message(response, handler_scope)
                 except Exception as e:
                     error = e
                 finally:
@@ -313,16 +314,23 @@ class _Call:
             raise StreamGone("caller left")
         if error is not None:
             raise error
+        if response is not None:
+            # Unary: headers, the message and the OK trailers in one write.
+            self.headers_sent = self.done = True
+            await self.conn.send(
+                self.sid,
+                headers=_RESPONSE_HEADERS,
+                data=wire.frame(bytes(response)),
+                trailers=[("grpc-status", "0")],
+            )
+            return
         await self.finish(Status.OK, "")
 
     async def _send_message(self, message: Message, handler_scope: trio.CancelScope) -> None:
         try:
-            if not self.headers_sent:
-                self.headers_sent = True
-                await self.conn.send_headers(
-                    self.sid, [(":status", "200"), ("content-type", wire.CONTENT_TYPE)]
-                )
-            await self.conn.send_data(self.sid, wire.frame(bytes(message)))
+            headers = None if self.headers_sent else _RESPONSE_HEADERS
+            self.headers_sent = True
+            await self.conn.send(self.sid, headers=headers, data=wire.frame(bytes(message)))
         except StreamGone:
             # The caller is gone: the handler ends by cancellation, not by an
             # exception it might catch and mistake for its own failure.
@@ -345,8 +353,9 @@ class _Call:
         if not self.headers_sent:
             # Trailers-only response: one HEADERS frame that ends the stream.
             self.headers_sent = True
-            trailers = [(":status", "200"), ("content-type", wire.CONTENT_TYPE), *trailers]
-        await self.conn.send_headers(self.sid, trailers, end_stream=True)
+            await self.conn.send(self.sid, headers=[*_RESPONSE_HEADERS, *trailers], end_stream=True)
+            return
+        await self.conn.send(self.sid, trailers=trailers)
 
     async def fail(self, error: RPCError) -> None:
         if error.code is not Status.UNAVAILABLE or error.leader is None:

@@ -9,10 +9,11 @@ and hands each HTTP/2 stream's events to whoever owns that stream:
   peer closes, and raises nothing for a broken connection: it records why
   (:attr:`Connection.failure`) and wakes every stream so that their owners
   fail instead of hanging.
-- Writers (:meth:`send_headers`, :meth:`send_data`, :meth:`reset`) take
-  one lock around "mutate h2 state, send its output", so frames leave in the
-  order h2 produced them.
-- Flow control is honoured both ways: :meth:`send_data` waits for window,
+- Writers (:meth:`open_stream`, :meth:`send`, :meth:`reset`) take one lock
+  around "mutate h2 state, send its output", so frames leave in the order
+  h2 produced them; a unary answer (headers, message, trailers) or request
+  leaves in one write.
+- Flow control is honoured both ways: :meth:`send` waits for window,
   and received DATA is acknowledged only when its owner takes it out of the
   queue (:meth:`receive`), so a slow consumer slows the peer down instead of
   growing a buffer.
@@ -101,6 +102,38 @@ class StreamGone(MetropolisError):
     """
 
 
+class _FastLock:
+    """``async with`` a Trio lock without a scheduling round when it is free.
+
+    ``trio.Lock`` always yields to the scheduler on acquire; every write
+    here goes on to ``send_all``, which checkpoints anyway, so taking a free
+    lock at once saves one scheduler round per frame written.
+    """
+
+    def __init__(self, lock: trio.Lock) -> None:
+        self._lock = lock
+
+    async def __aenter__(self) -> None:
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+@dataclass
+class _Outgoing:
+    """What remains to be sent of one :meth:`Connection.send`."""
+
+    headers: list[tuple[str, str]] | None
+    data: memoryview
+    trailers: list[tuple[str, str]] | None
+    end_after_data: bool
+    done: bool = False
+
+
 class _Stream:
     def __init__(self) -> None:
         self.send, self.receive = trio.open_memory_channel[tuple[StreamEvent, int]](float("inf"))
@@ -124,6 +157,7 @@ class Connection:
         self._h2 = h2.connection.H2Connection(config)
         self._on_request = on_request
         self._lock = trio.Lock()
+        self._locked = _FastLock(self._lock)
         self._streams: dict[int, _Stream] = {}
         self._window_changed = trio.Event()
         #: Set once the connection can carry no new streams (GOAWAY, EOF, error).
@@ -140,14 +174,32 @@ class Connection:
 
     async def start(self) -> None:
         """Send our connection preface and SETTINGS."""
-        async with self._lock:
+        async with self._locked:
             self._h2.initiate_connection()
             self._h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW})
             self._h2.increment_flow_control_window(_WINDOW)
             await self._flush()
 
     async def _flush(self) -> None:
+        """Send what h2 has queued. The caller holds the lock."""
+        await self._send_raw(self._h2.data_to_send())
+
+    async def _send_control(self) -> None:
+        """Send control frames h2 queued by itself (ACKs, WINDOW_UPDATE), if any.
+
+        Without the lock unless there is something to send: this runs for
+        every read and every message taken, and almost always finds nothing
+        (h2 batches window updates). Draining outside the lock is safe
+        because writers drain inside it right after each change, so at any
+        await point h2's queue holds only control frames, whose order does
+        not matter, never HEADERS (whose HPACK state would).
+        """
         data = self._h2.data_to_send()
+        if data:
+            async with self._locked:
+                await self._send_raw(data)
+
+    async def _send_raw(self, data: bytes) -> None:
         if not data:
             return
         # Shielded: a caller cancelled in the middle of send_all would leave
@@ -186,8 +238,7 @@ class Connection:
                 events = self._h2.receive_data(data)
                 for event in events:
                     self._dispatch(event)
-                async with self._lock:
-                    await self._flush()
+                await self._send_control()
         except (trio.BrokenResourceError, trio.ClosedResourceError, StreamGone) as e:
             self.read_failure = e
             self._fail(e)
@@ -246,16 +297,19 @@ class Connection:
         """The next event of stream ``sid``; DATA is acknowledged as it is taken."""
         event, size = await self._streams[sid].receive.receive()
         if size:
-            async with self._lock:
-                self._acknowledge(sid, size)
-                await self._flush()
+            self._acknowledge(sid, size)
+            await self._send_control()
         return event
 
     # --- writing ---------------------------------------------------------------
 
-    async def open_stream(self, headers: list[tuple[str, str]]) -> int:
-        """Client side: start a request stream with ``headers``; return its ID."""
-        async with self._lock:
+    async def open_stream(self, headers: list[tuple[str, str]], body: bytes) -> int:
+        """Client side: start a request stream, send ``body`` and end it; return its ID.
+
+        Headers and a body that fits the peer's window leave in one write.
+        """
+        out = _Outgoing(None, memoryview(body), None, end_after_data=True)
+        async with self._locked:
             if self.closed:
                 raise StreamGone("connection closed")
             try:
@@ -264,53 +318,85 @@ class Connection:
             except h2.exceptions.ProtocolError as e:
                 raise StreamGone("connection closed") from e
             self._streams[sid] = _Stream()
-            await self._flush()
-            return sid
-
-    async def send_headers(
-        self, sid: int, headers: list[tuple[str, str]], *, end_stream: bool = False
-    ) -> None:
-        async with self._lock:
             try:
-                self._h2.send_headers(sid, headers, end_stream=end_stream)
-            except h2.exceptions.ProtocolError as e:
-                raise StreamGone(f"stream {sid} closed") from e
-            await self._flush()
+                self._queue(sid, out)
+                await self._flush()
+            except BaseException:
+                self.forget(sid)
+                raise
+        if not out.done:
+            try:
+                await self._send_rest(sid, out)
+            except BaseException:
+                self.forget(sid)
+                raise
+        return sid
 
-    async def send_data(self, sid: int, data: bytes, *, end_stream: bool = False) -> None:
-        """Send ``data`` as DATA frames, waiting for flow-control window as needed."""
-        view = memoryview(data)
+    async def send(
+        self,
+        sid: int,
+        *,
+        headers: list[tuple[str, str]] | None = None,
+        data: bytes = b"",
+        trailers: list[tuple[str, str]] | None = None,
+        end_stream: bool = False,
+    ) -> None:
+        """Send headers, then data, then trailers on stream ``sid``, each if given.
+
+        The stream ends after the trailers, or after the data when
+        ``end_stream`` and there are no trailers. Everything leaves in one
+        write unless flow control makes us wait for window in between;
+        raises :class:`StreamGone` if the stream or connection is gone.
+        """
+        out = _Outgoing(headers, memoryview(data), trailers, end_stream and trailers is None)
+        await self._send_rest(sid, out)
+
+    async def _send_rest(self, sid: int, out: _Outgoing) -> None:
         while True:
-            async with self._lock:
+            async with self._locked:
                 if self.closed and self.failure is not None:
                     raise StreamGone("connection broken")
-                try:
-                    window = self._h2.local_flow_control_window(sid)
-                    size = min(window, self._h2.max_outbound_frame_size, len(view))
-                    if size > 0 or not view:
-                        last = size == len(view)
-                        self._h2.send_data(sid, bytes(view[:size]), end_stream=end_stream and last)
-                        view = view[size:]
-                        await self._flush()
-                        if last:
-                            return
-                        continue
-                except h2.exceptions.ProtocolError as e:
-                    raise StreamGone(f"stream {sid} closed") from e
+                self._queue(sid, out)
+                await self._flush()
+                if out.done:
+                    return
                 changed = self._window_changed
             await changed.wait()
 
-    async def end_stream(self, sid: int) -> None:
-        async with self._lock:
-            try:
+    def _queue(self, sid: int, out: _Outgoing) -> None:
+        """Hand h2 as much of ``out`` as flow control allows (caller holds the lock)."""
+        try:
+            if out.headers is not None:
+                last = out.end_after_data and not out.data
+                self._h2.send_headers(sid, out.headers, end_stream=last)
+                out.headers = None
+                if last:
+                    out.end_after_data = False
+            while out.data:
+                window = self._h2.local_flow_control_window(sid)
+                size = min(window, self._h2.max_outbound_frame_size, len(out.data))
+                if size <= 0:
+                    return
+                whole = size == len(out.data)
+                self._h2.send_data(
+                    sid, bytes(out.data[:size]), end_stream=out.end_after_data and whole
+                )
+                out.data = out.data[size:]
+                if whole:
+                    out.end_after_data = False
+            if out.trailers is not None:
+                self._h2.send_headers(sid, out.trailers, end_stream=True)
+                out.trailers = None
+            elif out.end_after_data:
                 self._h2.end_stream(sid)
-            except h2.exceptions.ProtocolError as e:
-                raise StreamGone(f"stream {sid} closed") from e
-            await self._flush()
+                out.end_after_data = False
+            out.done = True
+        except h2.exceptions.ProtocolError as e:
+            raise StreamGone(f"stream {sid} closed") from e
 
     async def reset(self, sid: int, code: int = h2.errors.ErrorCodes.CANCEL) -> None:
         """Reset stream ``sid`` if it is still open; never raises for a gone stream."""
-        async with self._lock:
+        async with self._locked:
             try:
                 self._h2.reset_stream(sid, code)
             except h2.exceptions.ProtocolError:
@@ -331,7 +417,7 @@ class Connection:
             self._ping_counter += 1
             data = self._ping_counter.to_bytes(8, "big")
             answered = self._pings[data] = trio.Event()
-            async with self._lock:
+            async with self._locked:
                 if self.closed:
                     return
                 try:
@@ -360,7 +446,7 @@ class Connection:
         with trio.CancelScope(shield=True):
             if self.failure is None:
                 with trio.move_on_after(1):
-                    async with self._lock:
+                    async with self._locked:
                         try:
                             self._h2.close_connection()
                             await self._flush()
