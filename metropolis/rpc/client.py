@@ -252,6 +252,11 @@ class Client:
         metadata: Mapping[str, str] | None,
     ) -> StreamCall[Resp]:
         payload = bytes(request)
+        if len(payload) > wire.MAX_MESSAGE:
+            raise RPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"request of {len(payload)} bytes exceeds {wire.MAX_MESSAGE}",
+            )
         extra = dict(metadata or {})
         deadline = trio.current_effective_deadline()
         if deadline != float("inf") and "grpc-timeout" not in extra:

@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
+import h2.errors
 import trio
 from cryptography import x509
 
@@ -166,6 +167,11 @@ class Server:
         call = _Call(conn, sid)
         try:
             await self._dispatch(call, headers, certificate)
+            if not call.request_complete and not call.gone:
+                # Answered before the whole request arrived (refused, too
+                # large): tell the caller to stop sending, as gRPC servers do,
+                # or it would wait for flow-control window forever.
+                await conn.reset(sid, h2.errors.ErrorCodes.NO_ERROR)
         except StreamGone:
             pass  # the caller left; there is no one to answer
         finally:
@@ -260,6 +266,8 @@ class _Call:
         self.done = False
         #: The caller reset the stream or the connection ended.
         self.gone = False
+        #: The caller's half of the stream ended (the whole request is in).
+        self.request_complete = False
 
     async def read_request(self) -> bytes:
         decoder = wire.MessageDecoder()
@@ -270,6 +278,7 @@ class _Call:
                 case Data(data=data):
                     messages += decoder.feed(data)
                 case End():
+                    self.request_complete = True
                     break
                 case Reset() | Closed():
                     self.gone = True

@@ -271,6 +271,10 @@ class Connection:
                 self._deliver(sid, End())
             case h2.events.StreamReset(stream_id=sid, error_code=code):
                 self._deliver(sid, Reset(int(code or 0)))
+                # A writer waiting for window on this stream must wake to
+                # find it gone.
+                self._window_changed.set()
+                self._window_changed = trio.Event()
             case h2.events.WindowUpdated() | h2.events.RemoteSettingsChanged():
                 if isinstance(event, h2.events.RemoteSettingsChanged):
                     self.settled.set()
@@ -307,6 +311,9 @@ class Connection:
         """Client side: start a request stream, send ``body`` and end it; return its ID.
 
         Headers and a body that fits the peer's window leave in one write.
+        Raises :class:`StreamGone` if the connection is closed or breaks;
+        a server that resets the stream before taking the whole body does
+        not raise here: read its answer with :meth:`receive`.
         """
         out = _Outgoing(None, memoryview(body), None, end_after_data=True)
         async with self._locked:
@@ -327,6 +334,13 @@ class Connection:
         if not out.done:
             try:
                 await self._send_rest(sid, out)
+            except StreamGone:
+                if self.closed:
+                    self.forget(sid)
+                    raise
+                # The peer ended the stream before taking the whole body: it
+                # answered early (refused, unknown method), and that answer
+                # waits in the stream's events.
             except BaseException:
                 self.forget(sid)
                 raise

@@ -341,6 +341,69 @@ async def test_bad_proofs_of_possession_are_refused(
     assert state.calls == [REGISTER.path]
 
 
+async def test_a_certificate_that_is_neither_node_nor_owner_is_refused(
+    cluster: Cluster, server: tuple[int, State]
+) -> None:
+    port, state = server
+    key = pki.generate_key()
+    # From the cluster CA, but its name is not the node ID of its key.
+    impostor = pki.issue_certificate(
+        cluster.ca_key, cluster.ca, key.public_key(), cluster.node.node_id, pki.Usage.CLIENT
+    )
+    for method in (WHO_NODE, WHO_OWNER):
+        error = await _refused(port, client_context(cluster.ca, impostor, key), method)
+        assert error.code is Status.UNAUTHENTICATED
+        assert "neither" in error.message
+    assert state.calls == []
+
+
+async def test_messages_larger_than_the_flow_control_window(
+    cluster: Cluster, server: tuple[int, State]
+) -> None:
+    port, state = server
+    big = bytes(range(256)) * (3 * 4096)  # 3 MiB: three times the window
+    async with open_client([Endpoint("127.0.0.1", port)], _node_context(cluster)) as client:
+        got = await client.unary(WHO_NODE, _who(big))
+        assert got.nodes[1].public_key == big
+        with pytest.raises(RPCError) as e:
+            await client.unary(WHO_NODE, _who(b"x" * (5 << 20)))
+        assert e.value.code is Status.RESOURCE_EXHAUSTED
+        # Answered before the request is in: the server resets the stream so
+        # that the caller stops waiting for window to send the rest.
+        unknown = Method("/test.Test/Nope", ClusterDirectory, ClusterDirectory, Access.NODE)
+        with pytest.raises(RPCError) as e, trio.fail_after(60):
+            await client.unary(unknown, _who(big))
+        assert e.value.code is Status.UNIMPLEMENTED
+        # The connection carries on.
+        await client.unary(WHO_NODE, ClusterDirectory())
+    assert state.calls == [WHO_NODE.path] * 2
+
+
+async def test_many_concurrent_calls_and_streams_on_one_client(
+    cluster: Cluster, server: tuple[int, State]
+) -> None:
+    port, state = server
+    results: dict[int, bytes] = {}
+    async with open_client([Endpoint("127.0.0.1", port)], _node_context(cluster)) as client:
+
+        async def call(i: int) -> None:
+            got = await client.unary(WHO_NODE, _who(i.to_bytes(4, "big") * 1000))
+            results[i] = got.nodes[1].public_key
+
+        async def watch() -> None:
+            three = ClusterDirectory(nodes=[ClusterDirectoryNode()] * 3)
+            async with client.stream(WATCH, three) as s:
+                assert [m.nodes[0].public_key[0] async for m in s] == [0, 1, 2]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                nursery.start_soon(call, i)
+                if i % 10 == 0:
+                    nursery.start_soon(watch)
+    assert results == {i: i.to_bytes(4, "big") * 1000 for i in range(40)}
+    assert state.calls.count(WHO_NODE.path) == 40
+
+
 async def test_handler_errors_become_statuses(cluster: Cluster, server: tuple[int, State]) -> None:
     port, _ = server
     async with open_client([Endpoint("127.0.0.1", port)], _node_context(cluster)) as client:
@@ -597,7 +660,9 @@ async def test_grpcio_client_calls_our_server(
     """Google's client, with an Ed25519 node certificate, against our server."""
     port, state = ecdsa_server
 
-    def call() -> tuple[bytes, list[bytes], tuple[grpc.StatusCode, str], grpc.StatusCode]:
+    def call() -> tuple[
+        bytes, list[bytes], tuple[grpc.StatusCode, str], grpc.StatusCode, grpc.StatusCode
+    ]:
         with _grpcio_channel(cluster, port, cluster.node) as channel:
             unary = channel.unary_unary(
                 WHO_NODE.path, request_serializer=_identity, response_deserializer=_identity
@@ -615,6 +680,11 @@ async def test_grpcio_client_calls_our_server(
                 raise AssertionError("FAIL did not fail")
             except grpc.RpcError as e:
                 failed = (e.code(), e.details())
+            try:
+                unary(bytes(_who(b"o" * (5 << 20))), timeout=30)
+                raise AssertionError("an oversized request was taken")
+            except grpc.RpcError as e:
+                oversized = e.code()
             owner = channel.unary_unary(
                 WHO_OWNER.path, request_serializer=_identity, response_deserializer=_identity
             )
@@ -623,15 +693,16 @@ async def test_grpcio_client_calls_our_server(
                 raise AssertionError("a node called an owner method")
             except grpc.RpcError as e:
                 denied = e.code()
-            return reply, streamed, failed, denied
+            return reply, streamed, failed, denied, oversized
 
-    reply, streamed, failed, denied = await trio.to_thread.run_sync(call)
+    reply, streamed, failed, denied, oversized = await trio.to_thread.run_sync(call)
     parsed = ClusterDirectory.parse(reply)
     assert parsed.nodes[0].public_key == cluster.node.public_key
     assert parsed.nodes[1].public_key == b"g" * 32
     assert [ClusterDirectory.parse(m).nodes[0].public_key[0] for m in streamed] == [0, 1, 2]
     assert failed == (grpc.StatusCode.NOT_FOUND, "no such node: ünïcode % ok")
     assert denied == grpc.StatusCode.PERMISSION_DENIED
+    assert oversized == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert state.calls == [WHO_NODE.path, WATCH.path, FAIL.path]
 
 
