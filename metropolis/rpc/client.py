@@ -390,6 +390,8 @@ class StreamCall(Generic[Resp]):
         self._headers_seen = False
         #: The server refused the stream unprocessed (RST_STREAM REFUSED_STREAM).
         self._refused = False
+        #: The server sent a status (as opposed to the connection failing).
+        self._answered = False
 
     async def open(self, path: str, payload: bytes, metadata: Mapping[str, str]) -> None:
         headers = [
@@ -418,7 +420,10 @@ class StreamCall(Generic[Resp]):
             try:
                 await self._step()
             except RPCError as e:
-                if e.code is Status.UNAVAILABLE and (e.leader is not None or self._refused):
+                # UNAVAILABLE from the curator itself (not a lost connection)
+                # before any response: it did not take the call (not the
+                # leader, or no leader known yet). Another curator may.
+                if e.code is Status.UNAVAILABLE and (self._answered or self._refused):
                     raise _Retry(e, e.leader) from e
                 raise
 
@@ -463,6 +468,7 @@ class StreamCall(Generic[Resp]):
 
     def _status(self, headers: dict[str, str]) -> None:
         self._finished = True
+        self._answered = True
         try:
             code = Status(int(headers.get("grpc-status", "")))
         except ValueError:

@@ -113,6 +113,9 @@ class Server:
     ) -> NoReturn:
         """Listen on ``host:port`` (0: any free port, reported through ``task_status``).
 
+        ``host`` is one address (``0.0.0.0`` for all of IPv4): a name that
+        resolves to several would get a different free port for each.
+
         Runs until cancelled. A connection that fails its handshake is
         dropped and logged at debug level; the server goes on.
         """
@@ -168,9 +171,9 @@ class Server:
         try:
             await self._dispatch(call, headers, certificate)
             if not call.request_complete and not call.gone:
-                # Answered before the whole request arrived (refused, too
-                # large): tell the caller to stop sending, as gRPC servers do,
-                # or it would wait for flow-control window forever.
+                # Answered before the whole request arrived (unknown method,
+                # too large): tell the caller to stop sending a body no one
+                # will read, as gRPC servers do.
                 await conn.reset(sid, h2.errors.ErrorCodes.NO_ERROR)
         except StreamGone:
             pass  # the caller left; there is no one to answer

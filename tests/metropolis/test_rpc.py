@@ -448,8 +448,13 @@ async def test_follower_names_the_leader_and_the_client_goes_there(cluster: Clus
         async with open_client([follower, leader], _node_context(cluster)) as client:
             await client.unary(WHO_NODE, ClusterDirectory())
             assert client.endpoint == leader
+        # A follower that does not know the leader yet: the client tries the others.
+        follower_state.leadership = Leadership(is_leader=False)
+        async with open_client([follower, leader], _node_context(cluster)) as client:
+            await client.unary(WHO_NODE, ClusterDirectory())
+            assert client.endpoint == leader
         assert follower_state.calls == [ANY_LEADER.path]
-        assert leader_state.calls == [WHO_NODE.path]
+        assert leader_state.calls == [WHO_NODE.path] * 2
 
 
 async def test_follower_refusal_carries_the_leader(cluster: Cluster) -> None:
