@@ -306,7 +306,11 @@ class Client:
                 return
 
     def _drop(self) -> None:
-        """Forget the current connection (it broke, or we move elsewhere); close it in the back."""
+        """Forget the current connection (it broke, or we move elsewhere); close it in the back.
+
+        Calls still running on it end with UNAVAILABLE: when we move because
+        a curator does not lead, its streams (a Watch) should move too.
+        """
         conn, self._conn = self._conn, None
         if conn is not None:
             self._nursery.start_soon(conn.aclose)
