@@ -58,6 +58,16 @@ both ends across trio-asyncio (about 1.1x); a streamed message about 3.3x,
 where the bridged grpclib pays about 5.7x. Both stay far below what the
 curator needs (a Watch sends one message per change of a node record).
 
+Wiring a curator: a :class:`Server` with :func:`server_context` (the
+node's credentials) and a :class:`ServerSecurity` whose three hooks answer
+from state the curator keeps current (the initial owner key, the cluster
+CA's CRL, and the election: a leader says ``is_leader``, a follower names
+the leader's node ID and, from its node status, its curator address);
+handlers registered for the methods in :mod:`metropolis.rpc.api`; served
+on :data:`CURATOR_PORT`. A node calls through :func:`open_client` with
+:func:`endpoints_from_directory` and :func:`client_context` (its node
+certificate), or with a proof key and no certificate to register.
+
 Cancellation semantics are stated in :mod:`~metropolis.rpc.server` and
 :mod:`~metropolis.rpc.client`; errors are
 :class:`~metropolis.rpc.status.RPCError` (a
