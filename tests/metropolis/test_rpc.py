@@ -8,7 +8,6 @@ the handler never ran. The wire is checked against Google's gRPC runtime
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import math
 import ssl
 import time
@@ -20,8 +19,6 @@ import grpc
 import pytest
 import trio
 from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
 
 from metropolis import identity, pki
@@ -50,6 +47,8 @@ from metropolis.rpc import (
     wire,
 )
 from metropolis.rpc.tls import server_context_for
+from tests.fixtures.rpc import ClusterPKI as Cluster
+from tests.fixtures.rpc import ecdsa_leaf, issue_node
 
 # The test service: requests and responses are ClusterDirectory messages, whose
 # first node's public key carries the caller's identity back.
@@ -67,42 +66,9 @@ def _who(key: bytes) -> ClusterDirectory:
     return ClusterDirectory(nodes=[ClusterDirectoryNode(public_key=key)])
 
 
-@dataclass
-class Cluster:
-    ca_key: Ed25519PrivateKey
-    ca: x509.Certificate
-    server: identity.NodeCredentials
-    node: identity.NodeCredentials
-    owner_key: Ed25519PrivateKey
-    owner_cert: x509.Certificate
-
-    def issue_node(self, *, ca_key: Ed25519PrivateKey | None = None) -> identity.NodeCredentials:
-        key = pki.generate_key()
-        ca_key = ca_key or self.ca_key
-        ca = self.ca if ca_key is self.ca_key else pki.new_ca(ca_key, "other CA")
-        cert = pki.issue_certificate(
-            ca_key,
-            ca,
-            key.public_key(),
-            identity.node_id(key.public_key()),
-            pki.Usage.PEER,
-            dns_names=["localhost"],
-            ip_addresses=["127.0.0.1"],
-        )
-        return identity.NodeCredentials(key, cert, ca)
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Cluster:
-    ca_key = pki.generate_key()
-    ca = pki.new_ca(ca_key, "cluster CA")
-    c = Cluster(ca_key, ca, None, None, pki.generate_key(), None)  # type: ignore[arg-type]
-    c.server = c.issue_node()
-    c.node = c.issue_node()
-    c.owner_cert = pki.issue_certificate(
-        ca_key, ca, c.owner_key.public_key(), "owner", pki.Usage.CLIENT
-    )
-    return c
+    return Cluster.new()
 
 
 @dataclass
@@ -245,7 +211,8 @@ async def test_certificate_from_another_ca_is_refused(
     cluster: Cluster, server: tuple[int, State]
 ) -> None:
     port, state = server
-    foreign = cluster.issue_node(ca_key=pki.generate_key())
+    other_ca_key = pki.generate_key()
+    foreign = issue_node(other_ca_key, pki.new_ca(other_ca_key, "other CA"))
     error = await _refused(port, _node_context(cluster, foreign), WHO_NODE)
     assert error.code is Status.UNAUTHENTICATED, error
     assert "UNKNOWN_CA" in error.message
@@ -277,7 +244,7 @@ async def test_expired_certificate_is_refused(cluster: Cluster, server: tuple[in
 
 async def test_revoked_certificate_is_refused(cluster: Cluster, server: tuple[int, State]) -> None:
     port, state = server
-    revoked = cluster.issue_node()
+    revoked = issue_node(cluster.ca_key, cluster.ca)
     state.crl = pki.new_crl(cluster.ca_key, cluster.ca, [revoked.certificate.serial_number])
     error = await _refused(port, _node_context(cluster, revoked), WHO_NODE)
     assert error.code is Status.UNAUTHENTICATED
@@ -604,36 +571,8 @@ async def test_deadline_is_sent_and_enforced(cluster: Cluster, server: tuple[int
 
 # --- the wire, checked by Google's gRPC runtime ------------------------------------------
 #
-# grpcio bundles BoringSSL, which leaves Ed25519 out of the signature
-# algorithms it verifies in TLS handshakes and offers no knob for it through
-# grpcio. So wherever grpcio must *verify* a handshake signature, the peer
-# uses an ECDSA P-256 certificate from the same (Ed25519) cluster CA; the
-# other side stays Ed25519. Go's crypto/tls verifies Ed25519 in TLS 1.3 both
-# ways (Monogon's curators rely on it); Ed25519 on both sides is what every
-# other test here runs.
-
-
-def _ecdsa_leaf(cluster: Cluster, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(cluster.ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .sign(cluster.ca_key, None)
-    )
-    return cert, key
+# Where grpcio verifies a handshake signature, the peer holds an ECDSA
+# certificate (see tests.fixtures.rpc for why).
 
 
 def _grpcio_channel(cluster: Cluster, port: int, creds: identity.NodeCredentials) -> grpc.Channel:
@@ -653,7 +592,7 @@ def _identity(b: bytes) -> bytes:
 async def ecdsa_server(cluster: Cluster) -> AsyncIterator[tuple[int, State]]:
     """The test service with an ECDSA server certificate, for grpcio clients."""
     state = State(owner=pki.public_key_bytes(cluster.owner_key))
-    cert, key = _ecdsa_leaf(cluster, "ecdsa server")
+    cert, key = ecdsa_leaf(cluster, "ecdsa server")
     context = server_context_for(cert, key, cluster.ca)
     async with running_server(cluster, state, context) as port:
         yield port, state
@@ -753,7 +692,7 @@ async def test_our_client_calls_a_grpcio_server(cluster: Cluster) -> None:
     )
     port = grpc_server.add_secure_port("127.0.0.1:0", credentials)
     grpc_server.start()
-    client_cert, client_key = _ecdsa_leaf(cluster, "ecdsa client")
+    client_cert, client_key = ecdsa_leaf(cluster, "ecdsa client")
     try:
         endpoints = [Endpoint("127.0.0.1", port, cluster.server.public_key)]
         context = client_context(cluster.ca, client_cert, client_key)
