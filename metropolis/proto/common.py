@@ -4,20 +4,28 @@ from metropolis.proto.gen.metropolis.proto.common import (
     ClusterDirectory,
     ClusterDirectoryNode,
     ClusterDirectoryNodeAddress,
+    ClusterState,
     NodeRoles,
     NodeRolesConsensusMember,
     NodeRolesConsensusMemberPeer,
     NodeRolesKubernetesController,
     NodeRolesKubernetesWorker,
+    NodeState,
+    NodeStatus,
+    NodeStatusRunningCurator,
 )
 
 __all__ = [
     "ClusterDirectory",
     "ClusterDirectoryNode",
     "ClusterDirectoryNodeAddress",
+    "ClusterState",
     "NodeRoles",
     "NodeRolesConsensusMember",
     "NodeRolesConsensusMemberPeer",
     "NodeRolesKubernetesController",
     "NodeRolesKubernetesWorker",
+    "NodeState",
+    "NodeStatus",
+    "NodeStatusRunningCurator",
 ]

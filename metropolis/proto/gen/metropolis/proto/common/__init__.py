@@ -7,13 +7,18 @@ __all__ = (
     "ClusterDirectory",
     "ClusterDirectoryNode",
     "ClusterDirectoryNodeAddress",
+    "ClusterState",
     "NodeRoles",
     "NodeRolesConsensusMember",
     "NodeRolesConsensusMemberPeer",
     "NodeRolesKubernetesController",
     "NodeRolesKubernetesWorker",
+    "NodeState",
+    "NodeStatus",
+    "NodeStatusRunningCurator",
 )
 
+import datetime
 from dataclasses import dataclass
 
 import betterproto2
@@ -22,6 +27,98 @@ from ....message_pool import default_message_pool
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
+
+
+class ClusterState(betterproto2.Enum):
+    """
+    ClusterState is how a node sees the cluster it belongs to.
+    """
+
+    INVALID = 0
+
+    UNKNOWN = 1
+
+    FOREIGN = 2
+
+    TRUSTED = 3
+
+    HOME = 4
+
+    DISOWNING = 5
+
+    SPLIT = 6
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "CLUSTER_STATE_INVALID",
+            1: "CLUSTER_STATE_UNKNOWN",
+            2: "CLUSTER_STATE_FOREIGN",
+            3: "CLUSTER_STATE_TRUSTED",
+            4: "CLUSTER_STATE_HOME",
+            5: "CLUSTER_STATE_DISOWNING",
+            6: "CLUSTER_STATE_SPLIT",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "CLUSTER_STATE_INVALID": 0,
+            "CLUSTER_STATE_UNKNOWN": 1,
+            "CLUSTER_STATE_FOREIGN": 2,
+            "CLUSTER_STATE_TRUSTED": 3,
+            "CLUSTER_STATE_HOME": 4,
+            "CLUSTER_STATE_DISOWNING": 5,
+            "CLUSTER_STATE_SPLIT": 6,
+        }
+
+
+class NodeState(betterproto2.Enum):
+    """
+    NodeState is where a node is in its life as seen by the cluster.
+    """
+
+    INVALID = 0
+
+    NEW = 1
+    """
+    Registered, not yet approved.
+    """
+
+    STANDBY = 2
+    """
+    Approved, waiting to join.
+    """
+
+    UP = 3
+    """
+    Part of the cluster.
+    """
+
+    DISOWNED = 4
+    """
+    Removed from the cluster.
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "NODE_STATE_INVALID",
+            1: "NODE_STATE_NEW",
+            2: "NODE_STATE_STANDBY",
+            3: "NODE_STATE_UP",
+            4: "NODE_STATE_DISOWNED",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "NODE_STATE_INVALID": 0,
+            "NODE_STATE_NEW": 1,
+            "NODE_STATE_STANDBY": 2,
+            "NODE_STATE_UP": 3,
+            "NODE_STATE_DISOWNED": 4,
+        }
 
 
 @dataclass(eq=False, repr=False)
@@ -151,3 +248,50 @@ class NodeRolesKubernetesWorker(betterproto2.Message):
 default_message_pool.register_message(
     "metropolis.proto.common", "NodeRoles.KubernetesWorker", NodeRolesKubernetesWorker
 )
+
+
+@dataclass(eq=False, repr=False)
+class NodeStatus(betterproto2.Message):
+    """
+    NodeStatus is what a node reports about itself.
+    """
+
+    external_address: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Address at which other nodes reach this node.
+    """
+
+    timestamp: "datetime.datetime | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, unwrap=lambda: ___google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When the node sent this status. Declared before field 3 on purpose:
+    betterproto2 encodes in declaration order, Google's runtime in field
+    number order, and the bytes must be the same.
+    """
+
+    running_curator: "NodeStatusRunningCurator | None" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    Set while the node runs a curator.
+    """
+
+
+default_message_pool.register_message("metropolis.proto.common", "NodeStatus", NodeStatus)
+
+
+@dataclass(eq=False, repr=False)
+class NodeStatusRunningCurator(betterproto2.Message):
+    port: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
+    """
+    Port on which the node's curator listens.
+    """
+
+
+default_message_pool.register_message(
+    "metropolis.proto.common", "NodeStatus.RunningCurator", NodeStatusRunningCurator
+)
+
+
+from ....google import protobuf as ___google__protobuf__
