@@ -46,8 +46,8 @@ We weighed three stacks:
    the caller's RST_STREAM or by the connection ending, and a cancelled
    client call sends RST_STREAM. The cost is code: about 900 lines with
    docstrings for server, client, framing and transport, because we need
-   only what the curator uses: unary and server-streaming calls, no
-   compression, no client streaming. ``h2`` was already installed (grpclib
+   only what the curator uses: unary, server-streaming and bidirectional
+   calls, no compression. ``h2`` was already installed (grpclib
    depends on it) and is the maintained HTTP/2 state machine that hypercorn
    and httpx use.
 

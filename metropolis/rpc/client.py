@@ -245,14 +245,38 @@ class Client:
         finally:
             await call.aclose()
 
+    @asynccontextmanager
+    async def bidi(
+        self,
+        method: Method[Req, Resp],
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[StreamCall[Resp]]:
+        """Call a bidirectional method: ``send()`` requests, ``done_sending()``,
+        and iterate the block's value for responses.
+
+        Unlike unary and server-streaming calls, a curator that is not the
+        leader is not skipped transparently (its refusal may come after
+        messages were sent): the first read raises its UNAVAILABLE, which
+        names the leader. Leaving the block early cancels the call.
+        """
+        if not method.client_streaming:
+            raise ValueError(f"{method.path} is not client-streaming")
+        call = await self._start(method, None, metadata)
+        try:
+            yield call
+        finally:
+            await call.aclose()
+
     async def _start(
         self,
         method: Method[Req, Resp],
-        request: Req,
+        request: Req | None,
         metadata: Mapping[str, str] | None,
     ) -> StreamCall[Resp]:
-        payload = bytes(request)
-        if len(payload) > wire.MAX_MESSAGE:
+        # A client stream opens with no message; its proof covers b"".
+        payload = None if request is None else bytes(request)
+        if payload is not None and len(payload) > wire.MAX_MESSAGE:
             raise RPCError(
                 Status.RESOURCE_EXHAUSTED,
                 f"request of {len(payload)} bytes exceeds {wire.MAX_MESSAGE}",
@@ -267,13 +291,14 @@ class Client:
             tried.add(self._current)
             if method.access is Access.PROOF and self._proof_key is not None:
                 # Signed per attempt: each curator must see a fresh, unused proof.
-                extra.update(auth.sign_proof(self._proof_key, method.path, payload))
+                extra.update(auth.sign_proof(self._proof_key, method.path, payload or b""))
             call: StreamCall[Resp] | None = None
             try:
                 conn, endpoint = await self._connection()
                 call = StreamCall(self, conn, method.response_type, endpoint)
                 await call.open(method.path, payload, extra)
-                await call.wait_headers()
+                if payload is not None:
+                    await call.wait_headers()
                 return call
             except _Retry as retry:
                 last = retry.error
@@ -396,8 +421,10 @@ class StreamCall(Generic[Resp]):
         self._refused = False
         #: The server sent a status (as opposed to the connection failing).
         self._answered = False
+        #: done_sending() was called (bidirectional calls).
+        self._sent_all = False
 
-    async def open(self, path: str, payload: bytes, metadata: Mapping[str, str]) -> None:
+    async def open(self, path: str, payload: bytes | None, metadata: Mapping[str, str]) -> None:
         headers = [
             (":method", "POST"),
             (":scheme", "https"),
@@ -409,7 +436,8 @@ class StreamCall(Generic[Resp]):
             *metadata.items(),
         ]
         try:
-            self._sid = await self._conn.open_stream(headers, wire.frame(payload))
+            body = None if payload is None else wire.frame(payload)
+            self._sid = await self._conn.open_stream(headers, body)
         except StreamGone as e:
             # The request did not leave whole (a write failed), so no curator
             # ran it: safe to try another. But in TLS 1.3 a refused client
@@ -484,6 +512,35 @@ class StreamCall(Generic[Resp]):
         if LEADER_NODE_HEADER in headers:
             leader = LeaderHint(headers[LEADER_NODE_HEADER], headers.get(LEADER_ADDRESS_HEADER, ""))
         raise RPCError(code, message, leader=leader)
+
+    async def send(self, message: Message) -> None:
+        """Send one request (bidirectional calls).
+
+        Raises the server's status if it ended the call with an error; if
+        it ended it with OK, the message is dropped (responses stay readable).
+        """
+        if self._sent_all:
+            raise RuntimeError("send() after done_sending()")
+        await self._send(data=wire.frame(bytes(message)))
+
+    async def done_sending(self) -> None:
+        """Half-close: the server's request stream ends. Idempotent."""
+        if not self._sent_all:
+            self._sent_all = True
+            await self._send(end_stream=True)
+
+    async def _send(self, *, data: bytes = b"", end_stream: bool = False) -> None:
+        assert self._sid is not None
+        if self._finished:
+            return
+        try:
+            await self._conn.send(self._sid, data=data, end_stream=end_stream)
+        except StreamGone:
+            if self._conn.closed:
+                await self._fail_transport()
+            # The server ended the stream: its answer says how.
+            while not self._finished:
+                await self._step()
 
     def __aiter__(self) -> Self:
         return self

@@ -37,7 +37,9 @@ class Access(enum.Enum):
     OWNER = "owner"
     #: Anyone who proves possession of an Ed25519 key by a fresh signature
     #: over the request (see :mod:`metropolis.rpc.auth`): a node that has no
-    #: cluster certificate yet (register, join).
+    #: cluster certificate yet (register, join). For client-streaming
+    #: methods the signature covers an empty request: the proof is checked
+    #: before any message arrives.
     PROOF = "proof"
 
 
@@ -46,8 +48,9 @@ class Method(Generic[Req, Resp]):
     """One RPC method.
 
     ``path`` is gRPC's ``/package.Service/Method``. ``streaming`` means
-    server-streaming (one request, many responses); client streaming is not
-    supported. ``leader_only`` methods are answered UNAVAILABLE, naming the
+    the server sends a stream of responses; ``client_streaming`` that the
+    client sends a stream of requests (both: bidirectional, as Monogon's
+    Heartbeat and Escrow). ``leader_only`` methods are answered UNAVAILABLE, naming the
     leader, by a curator that is not the leader.
     """
 
@@ -57,8 +60,11 @@ class Method(Generic[Req, Resp]):
     access: Access
     streaming: bool = False
     leader_only: bool = True
+    client_streaming: bool = False
 
     def __post_init__(self) -> None:
+        if self.client_streaming and not self.streaming:
+            raise ValueError(f"{self.path}: client streaming needs a streamed response too")
         parts = self.path.split("/")
         if len(parts) != 3 or parts[0] or not parts[1] or not parts[2]:
             raise ValueError(f"method path must be /package.Service/Method, got {self.path!r}")

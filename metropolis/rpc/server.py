@@ -7,6 +7,7 @@ the bound port)::
     server = Server(tls.server_context(credentials), security)
     server.unary(GET_NODES, get_nodes)          # async (req, ctx) -> resp
     server.stream(WATCH, watch)                 # async (req, ctx, send) -> None
+    server.bidi(HEARTBEAT, heartbeat)           # async (requests, ctx, send) -> None
     port = await nursery.start(server.serve, "127.0.0.1", 0)
 
 Order of checks for each call, all before the handler runs: known method
@@ -70,6 +71,10 @@ class CallContext:
 
 UnaryHandler = Callable[[Req, CallContext], Awaitable[Resp]]
 StreamHandler = Callable[[Req, CallContext, Callable[[Resp], Awaitable[None]]], Awaitable[None]]
+BidiHandler = Callable[
+    [trio.MemoryReceiveChannel[Req], CallContext, Callable[[Resp], Awaitable[None]]],
+    Awaitable[None],
+]
 
 
 @dataclass
@@ -100,8 +105,18 @@ class Server:
         self._routes[method.path] = _Route(method, handler)
 
     def stream(self, method: Method[Req, Resp], handler: StreamHandler[Req, Resp]) -> None:
-        if not method.streaming:
-            raise ValueError(f"{method.path} is unary; register it with unary()")
+        if not method.streaming or method.client_streaming:
+            raise ValueError(f"{method.path} is not server-streaming")
+        self._routes[method.path] = _Route(method, handler)
+
+    def bidi(self, method: Method[Req, Resp], handler: BidiHandler[Req, Resp]) -> None:
+        """Serve a bidirectional method: ``handler(requests, ctx, send)``.
+
+        ``requests`` yields the caller's messages until it stops sending;
+        a malformed one ends the call (INTERNAL) and cancels the handler.
+        """
+        if not method.client_streaming:
+            raise ValueError(f"{method.path} is not client-streaming")
         self._routes[method.path] = _Route(method, handler)
 
     async def serve(
@@ -204,7 +219,8 @@ class Server:
         deadline = trio.current_time() + timeout if timeout is not None else float("inf")
         with trio.CancelScope(deadline=deadline) as deadline_scope:
             try:
-                raw = await call.read_request()
+                # A client stream's proof covers an empty request (see auth).
+                raw = b"" if route.method.client_streaming else await call.read_request()
                 peer = auth.authenticate(
                     route.method.access,
                     path,
@@ -222,10 +238,9 @@ class Server:
                             "this curator is not the leader",
                             leader=leadership.leader,
                         )
-                try:
-                    request = route.method.request_type.parse(raw)
-                except Exception as e:  # betterproto2 raises assorted types on garbage
-                    raise RPCError(Status.INTERNAL, f"cannot parse request: {e}") from None
+                request: Message | None = None
+                if not route.method.client_streaming:
+                    request = _parse(route.method.request_type, raw)
                 context = CallContext(peer=peer, method=route.method, metadata=headers)
                 _log.debug("%s from %s %s", path, peer.kind.value, peer.node_id)
                 await call.run(route, request, context)
@@ -238,6 +253,13 @@ class Server:
                 await call.fail(RPCError(Status.INTERNAL, "internal error"))
         if deadline_scope.cancelled_caught and not call.gone:
             await call.fail(RPCError(Status.DEADLINE_EXCEEDED, "deadline exceeded"))
+
+
+def _parse(message_type: type[Message], raw: bytes) -> Message:
+    try:
+        return message_type.parse(raw)
+    except Exception as e:  # betterproto2 raises assorted types on garbage
+        raise RPCError(Status.INTERNAL, f"cannot parse request: {e}") from None
 
 
 async def _send_alert(stream: trio.SSLStream[trio.SocketStream]) -> None:
@@ -271,6 +293,8 @@ class _Call:
         self.gone = False
         #: The caller's half of the stream ended (the whole request is in).
         self.request_complete = False
+        #: A client-streamed message was malformed.
+        self.pump_error: RPCError | None = None
 
     async def read_request(self) -> bytes:
         decoder = wire.MessageDecoder()
@@ -301,20 +325,64 @@ class _Call:
                 handler_scope.cancel()
                 return
 
-    async def run(self, route: _Route, request: Message, context: CallContext) -> None:
+    async def _pump(
+        self,
+        handler_scope: trio.CancelScope,
+        requests: trio.MemorySendChannel[Message],
+        request_type: type[Message],
+    ) -> None:
+        # Client streaming: the caller's messages go to the handler one at a
+        # time (an unbuffered channel), so a handler that reads slowly slows
+        # the caller through flow control.
+        decoder = wire.MessageDecoder()
+        async with requests:
+            while not self.request_complete:
+                event = await self.conn.receive(self.sid)
+                match event:
+                    case Data(data=data):
+                        try:
+                            messages = [_parse(request_type, m) for m in decoder.feed(data)]
+                        except RPCError as e:
+                            self.pump_error = e
+                            handler_scope.cancel()
+                            return
+                        for message in messages:
+                            with contextlib.suppress(trio.BrokenResourceError):
+                                await requests.send(message)
+                    case End():
+                        self.request_complete = True
+                    case Reset() | Closed():
+                        self.gone = True
+                        handler_scope.cancel()
+                        return
+                    case _:
+                        pass
+        await self._watch_caller(handler_scope)
+
+    async def run(self, route: _Route, request: Message | None, context: CallContext) -> None:
         # The handler's exception is carried out of the nursery by hand: a
         # nursery would wrap it in an ExceptionGroup.
         error: Exception | None = None
         response: Message | None = None
         async with trio.open_nursery() as nursery:
             with trio.CancelScope() as handler_scope:
-                nursery.start_soon(self._watch_caller, handler_scope)
+                requests: trio.MemoryReceiveChannel[Message] | None = None
+                if route.method.client_streaming:
+                    send_requests, requests = trio.open_memory_channel[Message](0)
+                    nursery.start_soon(
+                        self._pump, handler_scope, send_requests, route.method.request_type
+                    )
+                else:
+                    nursery.start_soon(self._watch_caller, handler_scope)
                 try:
-                    if route.method.streaming:
 
-                        async def send(message: Message) -> None:
-                            await self._send_message(message, handler_scope)
+                    async def send(message: Message) -> None:
+                        await self._send_message(message, handler_scope)
 
+                    if requests is not None:
+                        async with requests:
+                            await route.handler(requests, context, send)
+                    elif route.method.streaming:
                         await route.handler(request, context, send)
                     else:
                         response = await route.handler(request, context)
@@ -324,6 +392,8 @@ class _Call:
                     nursery.cancel_scope.cancel()
         if self.gone:
             raise StreamGone("caller left")
+        if self.pump_error is not None:
+            raise self.pump_error
         if error is not None:
             raise error
         if response is not None:

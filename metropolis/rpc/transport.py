@@ -307,15 +307,16 @@ class Connection:
 
     # --- writing ---------------------------------------------------------------
 
-    async def open_stream(self, headers: list[tuple[str, str]], body: bytes) -> int:
+    async def open_stream(self, headers: list[tuple[str, str]], body: bytes | None) -> int:
         """Client side: start a request stream, send ``body`` and end it; return its ID.
 
-        Headers and a body that fits the peer's window leave in one write.
-        Raises :class:`StreamGone` if the connection is closed or breaks;
-        a server that resets the stream before taking the whole body does
-        not raise here: read its answer with :meth:`receive`.
+        ``body`` None leaves the stream open for :meth:`send` (client
+        streaming). Headers and a body that fits the peer's window leave in
+        one write. Raises :class:`StreamGone` if the connection is closed or
+        breaks; a server that resets the stream before taking the whole body
+        does not raise here: read its answer with :meth:`receive`.
         """
-        out = _Outgoing(None, memoryview(body), None, end_after_data=True)
+        out = _Outgoing(None, memoryview(body or b""), None, end_after_data=body is not None)
         async with self._locked:
             if self.closed:
                 raise StreamGone("connection closed")

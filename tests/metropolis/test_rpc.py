@@ -11,7 +11,7 @@ import datetime
 import math
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -60,6 +60,22 @@ ANY_LEADER = Method(
 )
 WATCH = Method("/test.Test/Watch", ClusterDirectory, ClusterDirectory, Access.NODE, streaming=True)
 FAIL = Method("/test.Test/Fail", ClusterDirectory, ClusterDirectory, Access.NODE)
+ECHO = Method(
+    "/test.Test/Echo",
+    ClusterDirectory,
+    ClusterDirectory,
+    Access.NODE,
+    streaming=True,
+    client_streaming=True,
+)
+ECHO_PROOF = Method(
+    "/test.Test/EchoProof",
+    ClusterDirectory,
+    ClusterDirectory,
+    Access.PROOF,
+    streaming=True,
+    client_streaming=True,
+)
 
 
 def _who(key: bytes) -> ClusterDirectory:
@@ -81,6 +97,7 @@ class State:
     leadership: Leadership = field(default_factory=lambda: Leadership(is_leader=True))
     watch_cancelled: trio.Event = field(default_factory=trio.Event)
     watch_sent: int = 0
+    echo_cancelled: trio.Event = field(default_factory=trio.Event)
     #: grpc-timeout header of each Watch call (None: no deadline sent).
     watch_timeouts: list[str | None] = field(default_factory=list)
 
@@ -129,6 +146,26 @@ async def running_server(
             state.watch_cancelled.set()
             raise
 
+    async def echo(
+        requests: trio.MemoryReceiveChannel[ClusterDirectory],
+        ctx: CallContext,
+        send: Callable[[ClusterDirectory], Awaitable[None]],
+    ) -> None:
+        """Answers each request with the caller's key and the request's nodes."""
+        state.calls.append(ctx.method.path)
+        try:
+            async for req in requests:
+                await send(
+                    ClusterDirectory(
+                        nodes=[ClusterDirectoryNode(public_key=ctx.peer.public_key), *req.nodes]
+                    )
+                )
+        except trio.Cancelled:
+            state.echo_cancelled.set()
+            raise
+
+    server.bidi(ECHO, echo)
+    server.bidi(ECHO_PROOF, echo)
     for method in (WHO_NODE, WHO_OWNER, REGISTER, ANY_LEADER):
         server.unary(method, who)
     server.unary(FAIL, fail)
@@ -569,6 +606,53 @@ async def test_deadline_is_sent_and_enforced(cluster: Cluster, server: tuple[int
     assert state.watch_cancelled.is_set()
 
 
+async def test_bidirectional_stream_echoes_until_the_caller_is_done(
+    cluster: Cluster, server: tuple[int, State]
+) -> None:
+    port, state = server
+    async with (
+        open_client([Endpoint("127.0.0.1", port)], _node_context(cluster)) as client,
+        client.bidi(ECHO) as call,
+    ):
+        got = []
+        for i in range(3):
+            await call.send(_who(bytes([i]) * 32))
+            reply = await call.__anext__()
+            got.append((reply.nodes[0].public_key, reply.nodes[1].public_key[0]))
+        await call.done_sending()
+        assert [m async for m in call] == []  # ends with OK
+    assert got == [(cluster.node.public_key, i) for i in range(3)]
+    assert state.calls == [ECHO.path]
+
+
+async def test_bidirectional_stream_checks_access_first_and_cancels_cleanly(
+    cluster: Cluster, server: tuple[int, State]
+) -> None:
+    port, state = server
+    # No certificate: refused before the handler runs.
+    async with open_client([Endpoint("127.0.0.1", port)], client_context(cluster.ca)) as client:
+        with pytest.raises(RPCError) as e:
+            async with client.bidi(ECHO) as call:
+                await call.send(ClusterDirectory())
+                await call.__anext__()
+        assert e.value.code is Status.UNAUTHENTICATED
+    assert state.calls == []
+    # A proof of possession for a client stream covers the empty request.
+    key = pki.generate_key()
+    async with (
+        open_client(
+            [Endpoint("127.0.0.1", port)], client_context(cluster.ca), proof_key=key
+        ) as client,
+        client.bidi(ECHO_PROOF) as call,
+    ):
+        await call.send(ClusterDirectory())
+        assert (await call.__anext__()).nodes[0].public_key == pki.public_key_bytes(key)
+        # Leaving the block mid-stream cancels the handler.
+    with trio.fail_after(30):
+        await state.echo_cancelled.wait()
+    assert state.calls == [ECHO_PROOF.path]
+
+
 # --- the wire, checked by Google's gRPC runtime ------------------------------------------
 #
 # Where grpcio verifies a handshake signature, the peer holds an ECDSA
@@ -605,7 +689,12 @@ async def test_grpcio_client_calls_our_server(
     port, state = ecdsa_server
 
     def call() -> tuple[
-        bytes, list[bytes], tuple[grpc.StatusCode, str], grpc.StatusCode, grpc.StatusCode
+        bytes,
+        list[bytes],
+        tuple[grpc.StatusCode, str],
+        grpc.StatusCode,
+        grpc.StatusCode,
+        list[bytes],
     ]:
         with _grpcio_channel(cluster, port, cluster.node) as channel:
             unary = channel.unary_unary(
@@ -624,6 +713,10 @@ async def test_grpcio_client_calls_our_server(
                 raise AssertionError("FAIL did not fail")
             except grpc.RpcError as e:
                 failed = (e.code(), e.details())
+            echo = channel.stream_stream(
+                ECHO.path, request_serializer=_identity, response_deserializer=_identity
+            )
+            echoed = list(echo(iter([bytes(_who(bytes([i]) * 32)) for i in range(3)]), timeout=30))
             try:
                 unary(bytes(_who(b"o" * (5 << 20))), timeout=30)
                 raise AssertionError("an oversized request was taken")
@@ -637,9 +730,9 @@ async def test_grpcio_client_calls_our_server(
                 raise AssertionError("a node called an owner method")
             except grpc.RpcError as e:
                 denied = e.code()
-            return reply, streamed, failed, denied, oversized
+            return reply, streamed, failed, denied, oversized, echoed
 
-    reply, streamed, failed, denied, oversized = await trio.to_thread.run_sync(call)
+    reply, streamed, failed, denied, oversized, echoed = await trio.to_thread.run_sync(call)
     parsed = ClusterDirectory.parse(reply)
     assert parsed.nodes[0].public_key == cluster.node.public_key
     assert parsed.nodes[1].public_key == b"g" * 32
@@ -647,7 +740,8 @@ async def test_grpcio_client_calls_our_server(
     assert failed == (grpc.StatusCode.NOT_FOUND, "no such node: ünïcode % ok")
     assert denied == grpc.StatusCode.PERMISSION_DENIED
     assert oversized == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert state.calls == [WHO_NODE.path, WATCH.path, FAIL.path]
+    assert [ClusterDirectory.parse(m).nodes[1].public_key[0] for m in echoed] == [0, 1, 2]
+    assert state.calls == [WHO_NODE.path, WATCH.path, FAIL.path, ECHO.path]
 
 
 async def test_our_client_calls_a_grpcio_server(cluster: Cluster) -> None:
