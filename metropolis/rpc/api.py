@@ -13,9 +13,8 @@ replaces Monogon's per-method authorization option:
 
 Every method is leader-only: a follower answers UNAVAILABLE naming the
 leader (Monogon's followers forward instead; a client here goes to the
-leader itself). Not here: ``Curator.Heartbeat`` (bidirectional streaming,
-which :mod:`metropolis.rpc` does not serve, so it is answered
-UNIMPLEMENTED) and ``CuratorLocal`` (node-local in Monogon).
+leader itself). Heartbeat is bidirectional (node certificate). Not here:
+``CuratorLocal`` (node-local in Monogon).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ __all__ = [
     "GET_CLUSTER_INFO",
     "GET_NODES",
     "GET_REGISTER_TICKET",
+    "HEARTBEAT",
     "JOIN_NODE",
     "REGISTER_NODE",
     "UPDATE_NODE_ROLES",
@@ -41,6 +41,14 @@ _CURATOR = "/metropolis.node.core.curator.proto.api.Curator/"
 _MANAGEMENT = "/metropolis.proto.api.Management/"
 
 WATCH = Method(_CURATOR + "Watch", c.WatchRequest, c.WatchEvent, Access.NODE, streaming=True)
+HEARTBEAT = Method(
+    _CURATOR + "Heartbeat",
+    c.HeartbeatUpdateRequest,
+    c.HeartbeatUpdateResponse,
+    Access.NODE,
+    streaming=True,
+    client_streaming=True,
+)
 UPDATE_NODE_STATUS = Method(
     _CURATOR + "UpdateNodeStatus",
     c.UpdateNodeStatusRequest,

@@ -389,8 +389,7 @@ class CuratorStub(betterproto2_grpclib.ServiceStub):
         metadata: "MetadataLike | None" = None,
     ) -> "AsyncIterator[HeartbeatUpdateResponse]":
         """
-        Bidirectional streaming, which metropolis.rpc does not serve: answered
-        UNIMPLEMENTED. Declared so the service matches Monogon's.
+        The caller says it is alive, the curator acknowledges (node certificate).
         """
 
         async for response in self._stream_stream(
@@ -526,8 +525,7 @@ class CuratorBase(betterproto2_grpclib.ServiceBase):
         self, messages: "AsyncIterator[HeartbeatUpdateRequest]"
     ) -> "AsyncIterator[HeartbeatUpdateResponse]":
         """
-        Bidirectional streaming, which metropolis.rpc does not serve: answered
-        UNIMPLEMENTED. Declared so the service matches Monogon's.
+        The caller says it is alive, the curator acknowledges (node certificate).
         """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
