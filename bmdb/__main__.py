@@ -8,7 +8,8 @@
 Without ``--url`` the standard libpq ``PG*`` environment variables (PGHOST,
 PGPORT, PGDATABASE, PGUSER, ...) say where the database is. Errors (database
 unreachable, schema newer than this program, bad machine id) are printed as
-one line on stderr, with exit status 1.
+one line on stderr, with exit status 1; a closed stdout (``| head``) ends the
+command quietly (see :mod:`monotrio.cli`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import sys
 from collections.abc import Sequence
 
 import trio
@@ -26,6 +26,7 @@ from bmdb import migrations
 from bmdb.connection import migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
+from monotrio.cli import run_main
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -125,14 +126,6 @@ async def _command(args: argparse.Namespace) -> str:
         return await _sessions(conn)
 
 
-async def _run(args: argparse.Namespace) -> tuple[int, str]:
-    """Run the command; (exit status, text for stdout or stderr)."""
-    try:
-        return 0, await _command(args)
-    except BMDBError as e:
-        return 1, f"bmdb: error: {e}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="bmdb",
@@ -153,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    status, text = trio.run(_run, args)
-    print(text, file=sys.stderr if status else sys.stdout)
-    return status
+
+    def body() -> int:
+        print(trio.run(_command, args))
+        return 0
+
+    return run_main("bmdb", body, known=(BMDBError,))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from bmdb.model import Process, Queries
 from bmdb.transaction import Isolation, Transactor
 from bmdb.work import Lease, Work, claim
 from monotrio.backoff import ExponentialBackoff, Retrier
+from monotrio.cli import leaf_errors
 
 logger = logging.getLogger("bmdb.session")
 
@@ -244,16 +245,7 @@ async def open_session(
 
 
 def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for inner in e.exceptions:
-                walk(inner)
-        else:
-            leaves.append(e)
-
-    walk(group)
+    leaves = leaf_errors(group)
     if len(leaves) == 1 or all(isinstance(e, SessionExpired) for e in leaves):
         # The body and the heartbeat may both have noticed the expiry.
         return leaves[0]

@@ -35,7 +35,6 @@ import logging
 import os
 import re
 import signal
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +46,10 @@ from cryptography import x509
 
 import bmdb
 from bmdb.errors import BMDBError
+from monotrio.cli import run_main
 from shepherd.agent import AGENT_SCRIPT_PATH
 from shepherd.control_loop import start_control_loop
+from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
 from shepherd.providers import Provider, ProviderError
 from shepherd.providers.equinix.client import DEFAULT_API_URL, EquinixClient
@@ -504,17 +505,6 @@ async def run(options: Options) -> None:
                 await options.equinix_client.aclose()
 
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    """The exceptions of a (possibly nested) exception group."""
-    leaves: list[BaseException] = []
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            leaves += _leaves(exc)
-        else:
-            leaves.append(exc)
-    return leaves
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse_options(argv)
     logging.basicConfig(
@@ -525,14 +515,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("asyncssh").setLevel(logging.DEBUG if options.verbose else logging.WARNING)
     # httpx logs every request at INFO; failures are logged by our clients.
     logging.getLogger("httpx").setLevel(logging.DEBUG if options.verbose else logging.WARNING)
-    errors: list[str] = []
-    try:
+
+    def body() -> int:
         trio.run(run, options)
-    except* BMDBError as group:
-        # Raised through trio-asyncio's nursery, hence possibly grouped.
-        errors.extend(f"BMDB: {exc}" for exc in _leaves(group))
-    except* ProviderError as group:
-        errors.extend(f"{options.provider.type}: {exc}" for exc in _leaves(group))
-    for message in errors:
-        print(f"shepherd: {message}", file=sys.stderr)
-    return 1 if errors else 0
+        return 0
+
+    # Errors arrive grouped (our nursery inside trio-asyncio's); run_main
+    # prints each leaf: a BMDB or Shepherd error as one line (a provider's
+    # named after it), a bug with its traceback.
+    return run_main(
+        "shepherd",
+        body,
+        known=(BMDBError, ShepherdError),
+        labels=[(ProviderError, options.provider.type)],
+    )

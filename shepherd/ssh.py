@@ -42,6 +42,7 @@ import trio_asyncio
 # connects with a recorded host key, which fails loudly if they do.
 from asyncssh.public_key import decode_ssh_public_key, get_default_public_key_algs
 
+from monotrio.cli import leaf_errors
 from shepherd.errors import ShepherdError
 from shepherd.ssh_key import SSHKey
 
@@ -153,7 +154,7 @@ class SSHConnection:
                 stderr = group.create_task(_read_bounded(process.stderr, limit, "stderr"))
         except ExceptionGroup as failed:
             process.close()  # stop the flood now, not when the connection closes
-            raise failed.exceptions[0] from None
+            raise leaf_errors(failed)[0] from None
         await process.wait_closed()
         signal = process.exit_signal[0] if process.exit_signal else None
         return ExecResult(stdout.result(), stderr.result(), process.exit_status, signal)

@@ -110,3 +110,23 @@ async def test_clear_errors(bmdb_url: str, postgres_server: LocalPostgres) -> No
 
     code, _, err = await cli("--url", bmdb_url, "history", str(uuid.uuid4()))
     assert code == 1  # the schema check comes first
+
+
+async def test_closed_stdout_ends_quietly(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
+    # `bmdb history ... | head` where head has already gone: our stdout is a
+    # pipe without a reader. Closing the read end before the command writes
+    # makes the write fail every time (no race with a reader's pace).
+    [machine_id] = await add_provided_machines(bmdb_conn, 1)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = await trio.run_process(
+            [sys.executable, "-m", "bmdb", "--url", bmdb_url, "history", str(machine_id)],
+            stdout=write_end,
+            capture_stderr=True,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr.decode() == ""
+    assert result.returncode == 141

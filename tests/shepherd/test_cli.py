@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from cryptography.x509.oid import NameOID
 
 import bmdb
 from bmdb import WorkEvent
+from bmdb.localserver import LocalPostgres
 from shepherd.agent import agent_script
 from shepherd.cli import parse_options
 from shepherd.localsshd import Sshd
@@ -267,3 +269,33 @@ async def test_python_m_shepherd_starts_an_agent_and_stops_on_sigterm(
         return len(await q.sessions())
 
     assert await bmdb_conn.transact(leftovers) == 0
+
+
+async def test_bmdb_errors_reach_the_operator_as_one_line(
+    files: dict[str, Path], postgres_server: LocalPostgres
+) -> None:
+    """Unreachable and unmigrated databases: the leaf error, not a group's summary."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"postgresql://postgres@127.0.0.1:{s.getsockname()[1]}/x"
+    postgres_server.admin("CREATE DATABASE shepherd_cli_unmigrated")
+    try:
+        for url, want in [
+            (dead, "shepherd: error: cannot connect to the BMDB"),
+            (postgres_server.url("shepherd_cli_unmigrated"), "shepherd: error: "),
+        ]:
+            argv = _argv(files)
+            argv[argv.index("--bmdb-url") + 1] = url
+            result = await trio.run_process(
+                [sys.executable, "-m", "shepherd", *argv],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+            err = result.stderr.decode()
+            last = err.strip().splitlines()[-1]
+            assert result.returncode == 1, err
+            assert last.startswith(want), err
+            assert "Trio nursery" not in err and "Traceback" not in err, err
+    finally:
+        postgres_server.admin("DROP DATABASE shepherd_cli_unmigrated WITH (FORCE)")
