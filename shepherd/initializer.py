@@ -11,12 +11,14 @@ BMDB process ``ShepherdAgentStart``::
       takeover.start_agent(...)          ──TakeoverFailed──▶ fail with its cause
       finish: set_agent_started(now, key) [+ set_ssh_host_key on first use]
 
-SSH host keys are trusted on first use: the first key of a machine we could
-log into is recorded, when the takeover succeeds or, if it fails after the
-login, in a transaction of its own before the failure, so that a later
-impostor is refused even if the first attempt failed. (A server that refused
-our key has proven nothing, so its key is not recorded.) A recorded key is never replaced
-here; an operator who re-installed a machine deletes the record.
+SSH host keys are trusted on first use: the key of a machine whose SSH
+handshake completed (the server proved it holds the key) is recorded, when
+the takeover succeeds or, if it fails after the handshake (our key refused,
+upload or agent failed), in a transaction of its own before the failure, so
+that a later impostor is refused even if the first attempt failed. A recorded
+key is never replaced here, not even by the success path of a worker that
+sourced the machine before the key was recorded; an operator who re-installed
+a machine deletes the record.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class Initializer:
         async def apply(q: Queries) -> None:
             await q.set_agent_started(mid, now, started.key)
             if first_use:
-                await q.set_ssh_host_key(mid, started.host_key)
+                await _record_if_none(q, mid, started.host_key)
 
         await work.finish(apply)
         logger.info("machine %s: agent started, key %s", mid, started.key.hex())
@@ -114,10 +116,25 @@ class Initializer:
         mid = work.machine_id
 
         async def record(q: Queries) -> None:
-            # Another worker cannot hold this machine (we hold its work), but
-            # a recovery process might have recorded one meanwhile: keep that.
-            if await q.get_ssh_host_key(mid) is None:
-                await q.set_ssh_host_key(mid, host_key)
+            await _record_if_none(q, mid, host_key)
 
         await work.transact(record)
+
+
+async def _record_if_none(q: Queries, mid: uuid.UUID, host_key: bytes) -> None:
+    """Record ``host_key`` unless the machine already has one: never replace it.
+
+    Another worker cannot hold this machine (we hold its work), but another
+    process (a recoverer, an operator) may have recorded a key since we
+    sourced the machine: that record stands.
+    """
+    recorded = await q.get_ssh_host_key(mid)
+    if recorded is None:
+        await q.set_ssh_host_key(mid, host_key)
         logger.info("machine %s: recorded SSH host key on first use", mid)
+    elif recorded != host_key:
+        logger.warning(
+            "machine %s: an SSH host key was recorded meanwhile and differs from the one "
+            "seen; keeping the recorded one",
+            mid,
+        )

@@ -60,7 +60,17 @@ _CLOSE_TIMEOUT = 5.0
 
 
 class SSHError(ShepherdError):
-    """Base class of everything this module raises."""
+    """Base class of everything this module raises.
+
+    ``host_key`` is the server's host key (SSH wire format) when the failure
+    came after a completed key exchange, in which the server proved that it
+    holds that key: trust on first use may record it even though the
+    connection failed. None before that point, and for :class:`HostKeyChanged`.
+    """
+
+    def __init__(self, message: str, host_key: bytes | None = None) -> None:
+        super().__init__(message)
+        self.host_key = host_key
 
 
 class ConnectError(SSHError):
@@ -242,11 +252,13 @@ class SSHClient:
                 a.decode() for a in get_default_public_key_algs() if a not in own
             ]
         conn: asyncssh.SSHClientConnection | None = None
+        observer = _Observer()
         with trio.move_on_after(self._connect_timeout) as timeout:
             try:
                 conn = await trio_asyncio.aio_as_trio(asyncssh.connect)(
                     host,
                     port,
+                    client_factory=lambda: observer,
                     username=self._username,
                     client_keys=[self._key],
                     known_hosts=known_hosts,
@@ -258,19 +270,29 @@ class SSHClient:
                     server_host_key_algs=host_key_algs,
                 )
             except asyncssh.HostKeyNotVerifiable as exc:
+                presented = (
+                    f"it presented {observer.presented.get_algorithm()} key "
+                    f"{observer.presented.get_fingerprint('sha256')}"
+                    if observer.presented is not None
+                    else exc.reason
+                )
                 raise HostKeyChanged(
-                    f"{host}:{port} does not hold the recorded host key ({exc.reason})"
+                    f"{host}:{port} does not hold the recorded host key ({presented})"
                 ) from exc
             except asyncssh.PermissionDenied as exc:
                 raise AuthenticationError(
-                    f"{host}:{port} refused our key for user {self._username!r}"
+                    f"{host}:{port} refused our key for user {self._username!r}",
+                    observer.host_key,
                 ) from exc
             except (asyncssh.Error, OSError) as exc:
-                raise ConnectError(f"cannot connect to {host}:{port}: {_describe(exc)}") from exc
+                raise ConnectError(
+                    f"cannot connect to {host}:{port}: {_describe(exc)}", observer.host_key
+                ) from exc
         if conn is None:
             assert timeout.cancelled_caught
             raise ConnectTimeout(
-                f"connecting to {host}:{port} took longer than {self._connect_timeout:g}s"
+                f"connecting to {host}:{port} took longer than {self._connect_timeout:g}s",
+                observer.host_key,
             )
         try:
             yield SSHConnection(conn)
@@ -278,6 +300,39 @@ class SSHClient:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
                 conn.close()
                 await trio_asyncio.aio_as_trio(conn.wait_closed)()
+
+
+class _Observer(asyncssh.SSHClient):
+    """Watches one connection's handshake for what the errors must report.
+
+    ``presented`` is the host key the server offered when it was not the
+    recorded one (asyncssh asks us about it before refusing it), for the
+    mismatch message. ``host_key`` is set once authentication begins, which
+    asyncssh only does after the key exchange completed and the server's
+    signature checked out: from then on the key is proven, even if
+    authentication or anything later fails.
+    """
+
+    def __init__(self) -> None:
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self.presented: asyncssh.SSHKey | None = None
+        self.host_key: bytes | None = None
+
+    def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
+        self._conn = conn
+
+    def validate_host_public_key(
+        self, host: str, addr: str, port: int, key: asyncssh.SSHKey
+    ) -> bool:
+        # Only called for a key that is not the recorded one: refuse it.
+        self.presented = key
+        return False
+
+    def begin_auth(self, username: str) -> None:
+        assert self._conn is not None
+        server_key = self._conn.get_server_host_key()
+        if server_key is not None:
+            self.host_key = server_key.public_data
 
 
 def _describe(exc: BaseException) -> str:

@@ -28,14 +28,12 @@ import logging
 import shlex
 import uuid
 from dataclasses import dataclass
-from typing import TypeAlias
 
-import betterproto2
 import trio
 
 from shepherd.agent.takeover import WIRE_LEN, DecodeError, iter_fields
 from shepherd.errors import ShepherdError
-from shepherd.proto.agent import TakeoverInit, TakeoverResponse
+from shepherd.proto.agent import TakeoverInit
 from shepherd.providers import Machine
 from shepherd.ssh import (
     AuthenticationError,
@@ -202,7 +200,8 @@ async def start_agent(
         except HostKeyChanged as exc:
             raise HostKeyMismatch(f"SSH host key changed: {exc}") from exc
         except (ConnectError, AuthenticationError) as exc:
-            raise DialFailed(f"SSH dial failed: {exc}") from exc
+            # exc.host_key is set if the handshake completed: record it.
+            raise DialFailed(f"SSH dial failed: {exc}", exc.host_key) from exc
     if result is None:
         assert deadline.cancelled_caught
         stage = "connecting" if host_key is None else "uploading or running the agent"
@@ -227,24 +226,80 @@ async def start_agent(
     return AgentStarted(key, host_key, warnings)
 
 
-# The nesting of message fields in TakeoverResponse, for the strict wire check:
-# response.success(1).init_message(1), response.error(2).
-_Shape: TypeAlias = dict[int, "_Shape"]
-_RESPONSE_SHAPE: _Shape = {1: {1: {}}, 2: {}}
+def _bytes(number: int, wire_type: int, value: bytes | int) -> bytes:
+    if wire_type != WIRE_LEN or not isinstance(value, bytes):
+        raise DecodeError(f"field {number}: wire type {wire_type}, want length-delimited")
+    return value
 
 
-def _check_wire(data: bytes, shape: _Shape) -> None:
-    """Raise DecodeError unless ``data`` is well-formed protobuf, recursively.
+def _text(number: int, wire_type: int, value: bytes | int) -> str:
+    try:
+        return _bytes(number, wire_type, value).decode("utf-8")
+    except UnicodeDecodeError:
+        raise DecodeError(f"field {number}: string is not UTF-8") from None
 
-    betterproto2's parser is lenient: it turns truncated or arbitrary bytes
-    into an empty message instead of failing. The initializer must tell
-    "the agent printed garbage" apart from "the agent answered nothing".
-    """
+
+@dataclass(frozen=True)
+class _Reply:
+    """A decoded TakeoverResponse: exactly one of error / success."""
+
+    error: str | None = None
+    init: TakeoverInit | None = None
+    key: bytes = b""
+    warnings: tuple[str, ...] = ()
+
+
+def _decode_init(data: bytes) -> TakeoverInit:
+    machine_id, endpoint, ca = "", "", b""
     for number, wire_type, value in iter_fields(data):
-        if number in shape:
-            if wire_type != WIRE_LEN or not isinstance(value, bytes):
-                raise DecodeError(f"field {number}: want an embedded message")
-            _check_wire(value, shape[number])
+        if number == 1:
+            machine_id = _text(number, wire_type, value)
+        elif number == 2:
+            endpoint = _text(number, wire_type, value)
+        elif number == 3:
+            ca = _bytes(number, wire_type, value)
+    return TakeoverInit(machine_id=machine_id, bmaas_endpoint=endpoint, ca_certificate=ca)
+
+
+def _decode_reply(data: bytes) -> _Reply:
+    """Decode a TakeoverResponse strictly; raise DecodeError on anything odd.
+
+    Our own decoder rather than betterproto2's, which is lenient where a
+    hostile machine must not be: it turns truncated bytes into an empty
+    message, accepts a field of the wrong wire type, and resolves a reply
+    with both oneof members set by taking the last. Here each of those is an
+    error, as is a repeated singular field. Unknown fields are skipped, as
+    the protobuf rules say (a newer agent may add some).
+    """
+    results = [(n, w, v) for n, w, v in iter_fields(data) if n in (1, 2)]
+    if len(results) > 1:
+        names = {1: "success", 2: "error"}
+        raise DecodeError("more than one result set: " + ", ".join(names[n] for n, _, _ in results))
+    if not results:
+        return _Reply()
+    number, wire_type, value = results[0]
+    body = _bytes(number, wire_type, value)
+    if number == 2:
+        message = ""
+        for n, w, v in iter_fields(body):
+            if n == 1:
+                message = _text(n, w, v)
+        return _Reply(error=message)
+    init: TakeoverInit | None = None
+    key: bytes | None = None
+    warnings: list[str] = []
+    for n, w, v in iter_fields(body):
+        if n == 1:
+            if init is not None:
+                raise DecodeError("success.init_message set twice")
+            init = _decode_init(_bytes(n, w, v))
+        elif n == 2:
+            if key is not None:
+                raise DecodeError("success.key set twice")
+            key = _bytes(n, w, v)
+        elif n == 3:
+            warnings.append(_text(n, w, v))
+    return _Reply(init=init or TakeoverInit(), key=key or b"", warnings=tuple(warnings))
 
 
 def parse_response(
@@ -252,34 +307,31 @@ def parse_response(
 ) -> tuple[bytes, list[str]]:
     """Check the agent's answer to ``sent``; return (key, warnings).
 
-    Raises :class:`MalformedResponse`, :class:`AgentError`,
-    :class:`EchoMismatch` or :class:`BadKeyLength`.
+    Raises :class:`MalformedResponse` (not a well-formed TakeoverResponse,
+    or neither/both results set), :class:`AgentError`,
+    :class:`EchoMismatch` or :class:`BadKeyLength`; never anything else,
+    whatever the bytes.
     """
     if not stdout:
         raise MalformedResponse("agent wrote nothing to stdout", host_key)
     try:
-        _check_wire(stdout, _RESPONSE_SHAPE)
-        response = TakeoverResponse.parse(stdout)
-    except Exception as exc:
+        reply = _decode_reply(stdout)
+    except DecodeError as exc:
         excerpt = stdout[:64]
         raise MalformedResponse(
             f"agent reply is not a TakeoverResponse ({exc}); first bytes {excerpt!r}", host_key
         ) from exc
-    which, _ = betterproto2.which_one_of(response, "result")
-    if which == "error":
-        assert response.error is not None
-        raise AgentError(f"agent returned error: {response.error.message}", host_key)
-    if which != "success":
+    if reply.error is not None:
+        raise AgentError(f"agent returned error: {reply.error}", host_key)
+    if reply.init is None:
         raise MalformedResponse("agent reply has neither success nor error", host_key)
-    success = response.success
-    assert success is not None
-    if success.init_message != sent:
+    if reply.init != sent:
         raise EchoMismatch(
-            f"agent did not echo the init message: sent {sent!r}, got {success.init_message!r}",
+            f"agent did not echo the init message: sent {sent!r}, got {reply.init!r}",
             host_key,
         )
-    if len(success.key) != AGENT_KEY_LENGTH:
+    if len(reply.key) != AGENT_KEY_LENGTH:
         raise BadKeyLength(
-            f"agent key is {len(success.key)} bytes, want {AGENT_KEY_LENGTH}", host_key
+            f"agent key is {len(reply.key)} bytes, want {AGENT_KEY_LENGTH}", host_key
         )
-    return success.key, list(success.warning)
+    return reply.key, list(reply.warnings)

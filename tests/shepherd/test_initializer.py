@@ -223,7 +223,8 @@ async def test_unreachable_unauthorized_and_impostor_machines_fail_others_start(
     expected = {
         "closed": f"SSH dial failed: cannot connect to 127.0.0.1:{closed_port}",
         "wrong-key": "SSH dial failed: .* refused our key for user 'root'",
-        "impostor": "SSH host key changed: .* does not hold the recorded host key",
+        "impostor": "SSH host key changed: .* does not hold the recorded host key "
+        r"\(it presented ssh-ed25519 key SHA256:",
         "no-address": "machine has no address",
         "ghost": "failed to fetch machine from provider: static provider has no machine 'ghost'",
     }
@@ -239,10 +240,10 @@ async def test_unreachable_unauthorized_and_impostor_machines_fail_others_start(
     ]
     assert list(await agent_keys(bmdb_conn)) == [ids["good"]]
     # The impostor's key did not replace the recorded one; the unauthorized
-    # server's key was seen before authentication failed, but not recorded:
-    # a machine we could not log into has not proven anything.
+    # server completed the handshake (proving it holds its key) before
+    # refusing ours, so its key is recorded: a later impostor is refused.
     assert await host_key_of(bmdb_conn, ids["impostor"]) == base64.b64decode(impostor_key)
-    assert await host_key_of(bmdb_conn, ids["wrong-key"]) is None
+    assert await host_key_of(bmdb_conn, ids["wrong-key"]) == other_sshd.host_key
 
 
 async def test_cancelling_the_loop_leaves_nothing_locked(
@@ -341,3 +342,36 @@ async def test_hundred_machines_started_exactly_once(
             ]
             assert keys[mid] == _public_key_of_seed_file(machine.root / "agent.key")
             assert await host_key_of(bmdb_conn, mid) == machine.host_key
+
+
+async def test_success_never_overwrites_a_host_key_recorded_meanwhile(
+    bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    """A worker sourced the machine with no key recorded; another process
+    recorded one before the takeover succeeded. That record stands."""
+    ids = await provide(bmdb_conn, ["m-1"])
+    mid = ids["m-1"]
+    provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
+    ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    initializer = Initializer(provider, ssh, agent_config(sshd.root / "agent", agent_script()))
+    # The recorded key is the server's own (a recoverer saw the same machine),
+    # stored with a different first_seen; an overwrite would be an UPDATE.
+    async with bmdb_conn.session("test", "here") as session:
+        tasks = []
+
+        async def source(q: Queries) -> list[uuid.UUID]:
+            task = await initializer.source(q)
+            assert task is not None and task.known_host_key is None
+            tasks.append(task)
+            return [task.machine.machine_id]
+
+        work = await session.work(initializer.process, source)
+        other = base64.b64decode(SSHKey.generate().authorized_key.split()[1])
+
+        async def record(q: Queries) -> None:
+            await q.set_ssh_host_key(mid, other)
+
+        await bmdb_conn.transact(record)
+        await initializer.handle(work, tasks[0])
+    assert await host_key_of(bmdb_conn, mid) == other
+    assert list(await agent_keys(bmdb_conn)) == [mid]

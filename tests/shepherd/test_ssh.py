@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import base64
+import re
 import stat
 from pathlib import Path
 
+import asyncssh
 import pytest
 import trio
 from cryptography.hazmat.primitives import serialization
@@ -117,9 +119,25 @@ async def test_unreadable_recorded_host_key_is_refused(
 
 
 async def test_wrong_client_key_is_an_authentication_error(aio_loop: object, sshd: Sshd) -> None:
-    with pytest.raises(AuthenticationError, match="refused our key for user 'root'"):
+    with pytest.raises(AuthenticationError, match="refused our key for user 'root'") as caught:
         async with _client(SSHKey.generate()).connect(sshd.host, sshd.port, known_host_key=None):
             pytest.fail("logged in with a key that is not authorized")
+    # The handshake completed before authentication failed: the server proved
+    # it holds this key, so trust on first use can record it.
+    assert caught.value.host_key == sshd.host_key
+
+
+async def test_changed_host_key_names_the_presented_fingerprint(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    presented = asyncssh.import_public_key(
+        b"ssh-ed25519 " + base64.b64encode(sshd.host_key)
+    ).get_fingerprint("sha256")
+    recorded = base64.b64decode(SSHKey.generate().authorized_key.split()[1])
+    with pytest.raises(HostKeyChanged, match=re.escape(f"ssh-ed25519 key {presented}")) as caught:
+        async with _client(shepherd_ssh_key).connect(sshd.host, sshd.port, known_host_key=recorded):
+            pytest.fail("connected despite a changed host key")
+    assert caught.value.host_key is None  # never record an impostor's key
 
 
 async def test_closed_port_is_a_connect_error(aio_loop: object, shepherd_ssh_key: SSHKey) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shepherd.agent import agent_script
 from shepherd.localsshd import Sshd
@@ -25,6 +28,14 @@ from shepherd.takeover import (
 )
 
 SENT = TakeoverInit(machine_id="m-1", bmaas_endpoint="e:443", ca_certificate=b"\x30\x00")
+SENT_BYTES = bytes(SENT)
+KEY = bytes(32)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (payloads here are shorter than 128 bytes)."""
+    assert len(payload) < 128
+    return bytes([number << 3 | 2, len(payload)]) + payload
 
 
 def _success(init: TakeoverInit = SENT, key: bytes = bytes(32)) -> bytes:
@@ -45,7 +56,7 @@ def test_good_response_gives_key_and_warnings() -> None:
         (b"hello", MalformedResponse, "not a TakeoverResponse"),
         (_success()[:-3], MalformedResponse, "past end of message"),
         (b"\x0a\x03\x0a\x05a", MalformedResponse, "past end of message"),  # nested
-        (b"\x08\x01", MalformedResponse, "want an embedded message"),
+        (b"\x08\x01", MalformedResponse, "want length-delimited"),
         (b"\x1a\x00", MalformedResponse, "neither success nor error"),  # unknown field only
         (
             bytes(TakeoverResponse(error=TakeoverError(message="disk on fire"))),
@@ -56,6 +67,27 @@ def test_good_response_gives_key_and_warnings() -> None:
         (_success(TakeoverInit()), EchoMismatch, "did not echo"),
         (_success(key=bytes(31)), BadKeyLength, "31 bytes, want 32"),
         (_success(key=b""), BadKeyLength, "0 bytes, want 32"),
+        # A hostile agent: both oneof members set, in either order.
+        (
+            _success() + bytes(TakeoverResponse(error=TakeoverError(message="x"))),
+            MalformedResponse,
+            "more than one result set: success, error",
+        ),
+        (
+            bytes(TakeoverResponse(error=TakeoverError(message="x"))) + _success(),
+            MalformedResponse,
+            "more than one result set: error, success",
+        ),
+        # Fields of the wrong wire type, at every level.
+        (_field(1, _field(1, SENT_BYTES) + b"\x10\x05"), MalformedResponse, "field 2: wire type 0"),
+        (_field(1, _field(1, SENT_BYTES) + b"\x18\x05"), MalformedResponse, "field 3: wire type 0"),
+        (_field(1, b"\x08\x01"), MalformedResponse, "field 1: wire type 0"),
+        (_field(1, _field(1, b"\x08\x01")), MalformedResponse, "field 1: wire type 0"),
+        (_field(2, b"\x08\x01"), MalformedResponse, "field 1: wire type 0"),
+        (_field(2, _field(1, b"\xff")), MalformedResponse, "not UTF-8"),
+        (_field(1, _field(1, SENT_BYTES) + _field(3, b"\xff")), MalformedResponse, "not UTF-8"),
+        # A singular field given twice (a parser taking the last would be fooled).
+        (_field(1, _field(2, KEY) + _field(2, KEY)), MalformedResponse, "key set twice"),
     ],
 )
 def test_bad_responses_say_what_is_wrong(
@@ -154,3 +186,36 @@ async def test_start_agent_returns_key_and_host_key(
     # The agent keeps its key across runs: the machine's identity is stable.
     assert again.key == first.key
     assert first.warnings == again.warnings == []
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200))
+def test_fuzz_any_bytes_parse_or_fail_cleanly(stdout: bytes) -> None:
+    """Whatever a machine prints, the parser returns or raises TakeoverFailed."""
+    try:
+        key, warnings = parse_response(stdout, SENT)
+    except TakeoverFailed:
+        return
+    assert len(key) == 32 and all(isinstance(w, str) for w in warnings)
+
+
+# Messages built from protobuf-shaped pieces reach deeper than random bytes.
+_fields = st.recursive(
+    st.tuples(st.integers(1, 4), st.integers(0, 300)).map(
+        lambda nv: bytes([nv[0] << 3]) + bytes([nv[1] & 0x7F])
+    )
+    | st.binary(max_size=40).map(lambda b: _field(1, b))
+    | st.just(_field(1, bytes(SENT)))
+    | st.just(_field(2, bytes(32))),
+    lambda inner: st.tuples(st.integers(1, 3), st.lists(inner, max_size=4)).map(
+        lambda nf: _field(nf[0], b"".join(nf[1])[:127])
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_fields, max_size=4).map(b"".join))
+def test_fuzz_structured_replies_parse_or_fail_cleanly(stdout: bytes) -> None:
+    with contextlib.suppress(TakeoverFailed):
+        parse_response(stdout, SENT)
