@@ -27,9 +27,13 @@ from bmdb.connection import migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
 from monotrio.cli import run_main
+from monotrio.text import printable
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    # Cells hold text from machines (causes quote agents and SSH servers):
+    # escaped, so that none can drive the terminal or forge a row.
+    rows = [[printable(str(cell)) for cell in row] for row in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
     lines = [
         "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()

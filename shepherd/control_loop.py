@@ -38,6 +38,7 @@ import trio
 
 from bmdb import Backoff, Connection, Process, Queries, Session, Work
 from bmdb.errors import BMDBError, DatabaseUnavailable, NothingToDo, SessionExpired, WorkConflict
+from monotrio.text import printable
 from shepherd.errors import ShepherdError
 from shepherd.rate_limit import RateLimiter
 
@@ -172,6 +173,9 @@ class _Worker(Generic[T]):
                     self._log.error("machine %s: processor left its work open", work.machine_id)
 
     async def _fail(self, work: Work, cause: str, backoff: Backoff) -> None:
+        # Causes quote machines (an agent's error, a server's disconnect
+        # reason): bounded and escaped before they reach the history and log.
+        cause = printable(cause)
         self._log.warning("machine %s: failed: %s", work.machine_id, cause)
         await work.fail(cause, backoff)
 

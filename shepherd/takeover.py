@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import trio
 
+from monotrio.text import printable
 from shepherd.agent.takeover import WIRE_LEN, DecodeError, iter_fields
 from shepherd.errors import ShepherdError
 from shepherd.proto.agent import TakeoverInit
@@ -50,6 +51,9 @@ AGENT_KEY_LENGTH = 32
 
 # How much of the agent's stderr goes into a failure cause.
 _STDERR_EXCERPT = 300
+
+#: Agent warnings kept from one reply; a flood beyond is summed up in one line.
+MAX_WARNINGS = 16
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,7 @@ async def start_agent(
         raise AgentExited(f"agent {how}: stderr {stderr[:_STDERR_EXCERPT]!r}", host_key)
     key, warnings = parse_response(result.stdout, init, host_key)
     for warning in warnings:
-        logger.warning("machine %s: agent warning: %s", machine_id, warning)
+        logger.warning("machine %s: agent warning: %s", machine_id, printable(warning))
     return AgentStarted(key, host_key, warnings)
 
 
@@ -322,7 +326,7 @@ def parse_response(
             f"agent reply is not a TakeoverResponse ({exc}); first bytes {excerpt!r}", host_key
         ) from exc
     if reply.error is not None:
-        raise AgentError(f"agent returned error: {reply.error}", host_key)
+        raise AgentError(f"agent returned error: {printable(reply.error)}", host_key)
     if reply.init is None:
         raise MalformedResponse("agent reply has neither success nor error", host_key)
     if reply.init != sent:
@@ -330,8 +334,11 @@ def parse_response(
             f"agent did not echo the init message: sent {sent!r}, got {reply.init!r}",
             host_key,
         )
+    warnings = list(reply.warnings[:MAX_WARNINGS])
+    if len(reply.warnings) > MAX_WARNINGS:
+        warnings.append(f"({len(reply.warnings) - MAX_WARNINGS} more warnings not shown)")
     if len(reply.key) != AGENT_KEY_LENGTH:
         raise BadKeyLength(
             f"agent key is {len(reply.key)} bytes, want {AGENT_KEY_LENGTH}", host_key
         )
-    return reply.key, list(reply.warnings)
+    return reply.key, warnings

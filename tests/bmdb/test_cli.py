@@ -130,3 +130,20 @@ async def test_closed_stdout_ends_quietly(bmdb_conn: bmdb.Connection, bmdb_url: 
         os.close(write_end)
     assert result.stderr.decode() == ""
     assert result.returncode == 141
+
+
+async def test_history_escapes_machine_text(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
+    # A cause written raw (by an older Shepherd, or another writer) must not
+    # reach the terminal raw: no escape sequences, no forged rows.
+    [machine_id] = await add_provided_machines(bmdb_conn, 1)
+    async with bmdb_conn.session("shepherd-initializer", "host:42") as sess:
+
+        async def first(q: bmdb.Queries) -> list[uuid.UUID]:
+            return [machine_id]
+
+        work = await sess.work(Process.SHEPHERD_AGENT_START, first)
+        await work.fail("\x1b[2Jcleared\n2099-01-01T00:00:00  forged  row")
+    code, out, _ = await cli("--url", bmdb_url, "history", str(machine_id))
+    assert code == 0
+    assert "\x1b" not in out and len(out.splitlines()) == 3
+    assert "\\x1b[2Jcleared\\n2099-01-01T00:00:00  forged  row" in out

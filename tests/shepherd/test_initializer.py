@@ -375,3 +375,30 @@ async def test_success_never_overwrites_a_host_key_recorded_meanwhile(
         await initializer.handle(work, tasks[0])
     assert await host_key_of(bmdb_conn, mid) == other
     assert list(await agent_keys(bmdb_conn)) == [mid]
+
+
+# An agent that answers with a huge error full of terminal escapes and a
+# forged log line.
+HOSTILE_ERROR = SCRIPT.replace(
+    b"seed = load_or_create_seed(key_file, warnings)",
+    b"raise AgentError('\\x1b[2J\\x1b[31mred\\nFAKE LOG LINE\\u202e' + 'A' * 5000)",
+)
+assert HOSTILE_ERROR != SCRIPT
+
+
+async def test_machine_text_is_bounded_and_escaped_in_history(
+    bmdb_conn: bmdb.Connection, bmdb_url: str, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    ids = await provide(bmdb_conn, ["m-1"])
+    mid = ids["m-1"]
+    provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
+    ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    config = agent_config(sshd.root / "agent", HOSTILE_ERROR)
+    await LoopRun(bmdb_conn, Initializer(provider, ssh, config)).until(
+        lambda: settled(bmdb_conn, [mid])
+    )
+    [(_, _), (event, cause)] = await events(bmdb_conn, mid)
+    assert event == WorkEvent.FAILED
+    assert cause.startswith("agent returned error: \\x1b[2J\\x1b[31mred\\nFAKE LOG LINE\\u202eAAA")
+    assert len(cause) < 500 and "more characters)" in cause
+    assert cause.isprintable()

@@ -16,6 +16,7 @@ from shepherd.providers import Machine
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
 from shepherd.takeover import (
+    MAX_WARNINGS,
     AgentConfig,
     AgentError,
     BadKeyLength,
@@ -219,3 +220,25 @@ _fields = st.recursive(
 def test_fuzz_structured_replies_parse_or_fail_cleanly(stdout: bytes) -> None:
     with contextlib.suppress(TakeoverFailed):
         parse_response(stdout, SENT)
+
+
+async def test_agent_warnings_are_capped(
+    aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> None:
+    flood = agent_script().replace(
+        b"encode_success(init_bytes, ed25519_public_key(seed), warnings)",
+        b"encode_success(init_bytes, ed25519_public_key(seed), ['w\\x1b[2J'] * 5000)",
+    )
+    config = AgentConfig(
+        executable=flood,
+        target_path=str(sshd.root / "agent"),
+        endpoint="e:443",
+        endpoint_ca_certificate=b"",
+        ssh_connect_timeout=5.0,
+        ssh_exec_timeout=30.0,
+    )
+    client = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    machine = Machine("m-1", sshd.host, sshd.port)
+    started = await start_agent(client, machine, uuid.uuid4(), config, known_host_key=None)
+    assert len(started.warnings) == MAX_WARNINGS + 1
+    assert started.warnings[-1] == f"({5000 - MAX_WARNINGS} more warnings not shown)"
