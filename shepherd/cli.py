@@ -379,7 +379,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_options(argv: Sequence[str] | None = None) -> Options:
     """Parse and validate the command line; exit with status 2 on any problem."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    return validate_options(parser, parser.parse_args(argv))
+
+
+def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Options:
+    """Check ``args`` (from ``parser``); exit with status 2 on any problem.
+
+    The SSH key comes last: a missing key is generated, and a command line
+    that fails any other check must leave nothing behind.
+    """
     if args.provider == "static" and not args.static_machines_path:
         parser.error("the following arguments are required: --static-machines-path")
     equinix: EquinixConfig | None = None
@@ -411,19 +419,6 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
             )
         except StaticFileError as exc:
             parser.error(f"argument --static-machines-path: {exc}")
-    try:
-        key = load_or_create_ssh_key(args.ssh_key_path)
-    except SSHKeyError as exc:
-        parser.error(f"argument --ssh-key-path: {exc}")
-    client: EquinixClient | None = None
-    provider: Provider
-    if equinix is not None:
-        client = EquinixClient(
-            token, base_url=args.equinix_api_url, parallelism=args.equinix_api_parallelism
-        )
-        provider = EquinixProvider(client, equinix, key.authorized_key)
-    else:
-        provider = static
     executable = args.agent_executable_path or AGENT_SCRIPT_PATH.read_bytes()
     try:
         agent = AgentConfig(
@@ -436,6 +431,23 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    # Resolved once, so the file used is the one logged, whatever the
+    # working directory later becomes.
+    key_path = args.ssh_key_path.absolute()
+    logger.info("SSH key file: %s", key_path)
+    try:
+        key = load_or_create_ssh_key(key_path)
+    except SSHKeyError as exc:
+        parser.error(f"argument --ssh-key-path: {exc}")
+    client: EquinixClient | None = None
+    provider: Provider
+    if equinix is not None:
+        client = EquinixClient(
+            token, base_url=args.equinix_api_url, parallelism=args.equinix_api_parallelism
+        )
+        provider = EquinixProvider(client, equinix, key.authorized_key)
+    else:
+        provider = static
     return Options(
         bmdb_url=args.bmdb_url,
         provider=provider,
@@ -506,15 +518,18 @@ async def run(options: Options) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    options = parse_options(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Logging first: validation logs which key file it uses, or creates.
     logging.basicConfig(
-        level=logging.DEBUG if options.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # asyncssh logs every connection at INFO; our own logs say what matters.
-    logging.getLogger("asyncssh").setLevel(logging.DEBUG if options.verbose else logging.WARNING)
+    logging.getLogger("asyncssh").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     # httpx logs every request at INFO; failures are logged by our clients.
-    logging.getLogger("httpx").setLevel(logging.DEBUG if options.verbose else logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    options = validate_options(parser, args)
 
     def body() -> int:
         trio.run(run, options)

@@ -135,6 +135,7 @@ def test_missing_required_option_is_named(
 def _write(tmp_path: Path, name: str, data: bytes) -> str:
     path = tmp_path / name
     path.write_bytes(data)
+    path.chmod(0o600)  # as a key file must be
     return str(path)
 
 
@@ -299,3 +300,32 @@ async def test_bmdb_errors_reach_the_operator_as_one_line(
             assert "Trio nursery" not in err and "Traceback" not in err, err
     finally:
         postgres_server.admin("DROP DATABASE shepherd_cli_unmigrated WITH (FORCE)")
+
+
+def test_no_key_is_created_when_validation_fails(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_options([*_argv(files, drop="--agent-endpoint"), "--agent-endpoint", ""])
+    assert "agent endpoint must be set" in capsys.readouterr().err
+    assert not files["key"].exists()
+
+
+async def test_key_creation_is_logged_with_its_absolute_path(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"postgresql://postgres@127.0.0.1:{s.getsockname()[1]}/x"
+    argv = _argv(files, drop="--ssh-key-path")
+    argv[argv.index("--bmdb-url") + 1] = dead
+    result = await trio.run_process(
+        [sys.executable, "-m", "shepherd", *argv, "--ssh-key-path", "relative_key"],
+        cwd=tmp_path,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert f"generated new SSH key {tmp_path / 'relative_key'}: ssh-ed25519 " in err
