@@ -26,8 +26,10 @@ says so (:meth:`Root.create`, :func:`atomic_write`, :meth:`SealedConfigurationFi
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,7 @@ __all__ = [
     "Root",
     "SealedConfigurationFile",
     "atomic_write",
+    "read_file",
 ]
 
 logger = logging.getLogger("metropolis.localstorage")
@@ -96,19 +99,85 @@ def atomic_write(path: Path, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None
 
 
 def _fsync_directory(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_dir(name: str | Path, where: Path, dir_fd: int | None = None) -> int:
+    """Open directory ``name`` without following a symlink; refuse one not ours."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise LocalStorageError(f"{where} is a symbolic link or not a directory") from e
+        raise LocalStorageError(f"cannot open {where}: {e.strerror}") from e
+    owner = os.fstat(fd).st_uid
+    if owner != os.geteuid():
+        os.close(fd)
+        raise LocalStorageError(f"{where} is owned by uid {owner}, not by us ({os.geteuid()})")
+    return fd
+
+
+def _dir_at(parent_fd: int, name: str, mode: int, where: Path) -> int:
+    """Create (or open) ``name`` in ``parent_fd`` with exactly ``mode``; its descriptor.
+
+    Everything through descriptors: no path is resolved twice, so nothing
+    can be swapped for a symlink between the check and the chmod. mkdir's
+    mode is filtered by the umask and not applied to existing directories,
+    hence the explicit fchmod (a directory left 0755 by an older layout
+    would otherwise keep leaking file names).
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, mode, dir_fd=parent_fd)
+    fd = _open_dir(name, where, dir_fd=parent_fd)
+    os.fchmod(fd, mode)
+    return fd
+
+
 def _make_private_dir(path: Path) -> None:
-    # mkdir's mode is filtered by the umask and not applied to existing
-    # directories, so chmod explicitly: a directory left 0755 by an older
-    # layout would otherwise keep leaking file names.
-    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-    path.chmod(PRIVATE_DIR_MODE)
+    # Parents are the caller's business (a Root checks its own tree); the
+    # directory itself must be a real, owned, private one.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    parent = _open_dir(path.parent, path.parent)
+    try:
+        os.close(_dir_at(parent, path.name, PRIVATE_DIR_MODE, path))
+    finally:
+        os.close(parent)
+
+
+def read_file(path: Path) -> bytes:
+    """The bytes of ``path``, refusing to follow a symlink there.
+
+    Raises :class:`LocalStorageError` naming the file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LocalStorageError(f"{path} is a symbolic link; refusing it") from e
+        raise LocalStorageError(f"cannot read {path}: {e.strerror}") from e
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _refuse_symlinks(directory_fd: int, where: Path) -> None:
+    """Raise if anything below ``directory_fd`` is a symlink or a folder not ours."""
+    with os.scandir(directory_fd) as entries:
+        for entry in entries:
+            if entry.is_symlink():
+                raise LocalStorageError(f"{where / entry.name} is a symbolic link; refusing it")
+            if entry.is_dir(follow_symlinks=False):
+                fd = _open_dir(entry.name, where / entry.name, dir_fd=directory_fd)
+                try:
+                    _refuse_symlinks(fd, where / entry.name)
+                finally:
+                    os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -240,10 +309,7 @@ class SealedConfigurationFile:
         """
         if not insecure:
             raise InsecureSealError("no TPM available to unseal; pass insecure=True")
-        try:
-            raw = self.path.read_bytes()
-        except OSError as e:
-            raise LocalStorageError(f"cannot read sealed configuration {self.path}: {e}") from e
+        raw = read_file(self.path)
         if not raw.startswith(self._INSECURE_MAGIC):
             raise LocalStorageError(f"{self.path} is not an insecurely sealed configuration")
         logger.warning("no TPM: reading plaintext sealed configuration %s", self.path)
@@ -266,10 +332,7 @@ class ESPDirectory:
 
     def read_cluster_directory(self) -> ClusterDirectory:
         """Read the cluster directory; :class:`LocalStorageError` if it is missing."""
-        try:
-            raw = self.cluster_directory.read_bytes()
-        except OSError as e:
-            raise LocalStorageError(f"cannot read cluster directory: {e}") from e
+        raw = read_file(self.cluster_directory)
         return ClusterDirectory.parse(raw)
 
     @property
@@ -296,20 +359,49 @@ class Root:
         return ESPDirectory(self.path / "esp")
 
     def create(self) -> None:
-        """Create every directory of the layout (idempotent).
+        """Create every directory of the layout (idempotent), refusing a hostile root.
 
         ``data/`` and ``ephemeral/`` and everything below are forced to 0700
         even if they existed with looser modes; ``esp/`` is 0755 (it only holds
         the public cluster directory and the sealed, owner-only configuration).
+
+        Raises :class:`LocalStorageError` if the root is a symlink, is not
+        ours, or is writable by group or others (someone else could swap its
+        contents), or if anything under it is a symlink or a folder owned by
+        someone else. Every directory is created, checked and chmodded
+        through descriptors opened without following symlinks.
         """
-        for private in (
-            self.data.path,
-            self.data.etcd.path,
-            self.data.etcd.peer_pki.path,
-            self.data.node_credentials.path.parent,
-            self.data.node_credentials.path,
-            self.ephemeral.path,
-            self.ephemeral.consensus,
-        ):
-            _make_private_dir(private)
-        self.esp.path.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            self.path.mkdir(mode=0o755)
+        root = _open_dir(self.path, self.path)
+        try:
+            mode = stat.S_IMODE(os.fstat(root).st_mode)
+            if mode & 0o022:
+                raise LocalStorageError(
+                    f"{self.path} is writable by group or others (mode {mode:04o}); refusing it"
+                )
+            _refuse_symlinks(root, self.path)
+            for parts, dir_mode in _LAYOUT:
+                fd = os.dup(root)
+                try:
+                    where = self.path
+                    for part in parts:
+                        where = where / part
+                        child = _dir_at(fd, part, dir_mode, where)
+                        os.close(fd)
+                        fd = child
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(root)
+
+
+# Every folder of the layout: path under the root, and the mode of each of its
+# components that we create or tighten.
+_LAYOUT: list[tuple[tuple[str, ...], int]] = [
+    (("data", "etcd", "peer_pki"), PRIVATE_DIR_MODE),
+    (("data", "node", "credentials"), PRIVATE_DIR_MODE),
+    (("ephemeral", "consensus"), PRIVATE_DIR_MODE),
+    (("esp",), 0o755),
+]

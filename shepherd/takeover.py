@@ -79,6 +79,10 @@ class AgentConfig:
             raise ValueError("agent executable not configured (empty)")
         if not self.target_path:
             raise ValueError("agent target path must be set")
+        if not self.target_path.startswith("/"):
+            # Relative to whatever directory the remote shell starts in: the
+            # agent and its key would land somewhere nobody chose.
+            raise ValueError(f"agent target path must be absolute, got {self.target_path!r}")
         if not self.endpoint:
             raise ValueError("agent endpoint must be set")
         if self.ssh_connect_timeout <= 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import stat
 from pathlib import Path
 
@@ -157,3 +158,64 @@ def test_cluster_directory_round_trip(tmp_path: Path) -> None:
     root.esp.write_cluster_directory(directory)
     assert _mode(root.esp.cluster_directory) == 0o644
     assert root.esp.read_cluster_directory() == directory
+
+
+def _nobody() -> pwd.struct_passwd:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give files to another user")
+    return pwd.getpwnam("nobody")
+
+
+def test_root_writable_by_others_is_refused(tmp_path: Path) -> None:
+    root = Root(tmp_path / "node")
+    root.path.mkdir()
+    for mode in (0o777, 0o775, 0o1777):
+        os.chmod(root.path, mode)
+        with pytest.raises(LocalStorageError, match="writable by group or others"):
+            root.create()
+    assert list(root.path.iterdir()) == []
+
+
+def test_symlinks_under_the_root_are_refused_and_not_followed(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o755)
+    os.chmod(elsewhere, 0o755)
+    root = Root(tmp_path / "node")
+    root.path.mkdir()
+    (root.path / "data").symlink_to(elsewhere)
+    with pytest.raises(LocalStorageError, match="data is a symbolic link"):
+        root.create()
+    assert _mode(elsewhere) == 0o755 and list(elsewhere.iterdir()) == []
+
+    # Deeper down, and a file rather than a folder.
+    (root.path / "data").unlink()
+    root.create()
+    (root.esp.path / "cluster_directory.pb").symlink_to(elsewhere / "secret")
+    with pytest.raises(LocalStorageError, match=r"cluster_directory\.pb is a symbolic link"):
+        root.create()
+    with pytest.raises(LocalStorageError, match="symbolic link"):
+        root.esp.read_cluster_directory()
+
+
+def test_root_or_folder_of_another_user_is_refused(tmp_path: Path) -> None:
+    nobody = _nobody()
+    root = Root(tmp_path / "node")
+    root.create()
+    os.chown(root.data.etcd.path, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(LocalStorageError, match=f"etcd is owned by uid {nobody.pw_uid}"):
+        root.create()
+    os.chown(root.data.etcd.path, 0, 0)
+    root.create()
+    os.chown(root.path, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(LocalStorageError, match=f"node is owned by uid {nobody.pw_uid}"):
+        root.create()
+
+
+def test_sealed_configuration_is_not_read_through_a_symlink(tmp_path: Path) -> None:
+    root = Root(tmp_path / "node")
+    root.create()
+    target = tmp_path / "planted"
+    target.write_bytes(b"METROPOLIS-INSECURE-SEAL-V1\n")
+    root.esp.sealed_configuration.path.symlink_to(target)
+    with pytest.raises(LocalStorageError, match="symbolic link"):
+        root.esp.sealed_configuration.unseal(insecure=True)

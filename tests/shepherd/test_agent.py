@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import pwd
 import stat
 import subprocess
 import sys
@@ -265,3 +266,49 @@ def test_agent_script_is_self_contained() -> None:
             imports.add(node.module.split(".")[0])
     assert "hashlib" in imports  # the walk found the imports at all
     assert imports <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def _init() -> bytes:
+    return bytes(bp.TakeoverInit(machine_id="m", bmaas_endpoint="e"))
+
+
+def test_agent_refuses_a_symlinked_key_file(
+    tmp_path: Path, run_agent: Callable[[bytes], bp.TakeoverResponse]
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(os.urandom(32))
+    elsewhere.chmod(0o644)
+    (tmp_path / "agent.key").symlink_to(elsewhere)
+    response = run_agent(_init())
+    assert response.error is not None and "symbolic link" in response.error.message
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o644  # not chmodded through the link
+    # A dangling link is not a missing key either: nothing is created through it.
+    (tmp_path / "agent.key").unlink()
+    (tmp_path / "agent.key").symlink_to(tmp_path / "planted")
+    response = run_agent(_init())
+    assert response.error is not None and "symbolic link" in response.error.message
+    assert not (tmp_path / "planted").exists()
+
+
+def test_agent_refuses_a_key_file_of_another_user(
+    tmp_path: Path, run_agent: Callable[[bytes], bp.TakeoverResponse]
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a file to another user")
+    nobody = pwd.getpwnam("nobody")
+    key_file = tmp_path / "agent.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    os.chown(key_file, nobody.pw_uid, nobody.pw_gid)
+    response = run_agent(_init())
+    assert response.error is not None
+    assert f"owned by uid {nobody.pw_uid}, not by us" in response.error.message
+
+
+def test_agent_answers_an_error_for_a_key_path_that_is_no_file(
+    tmp_path: Path, run_agent: Callable[[bytes], bp.TakeoverResponse]
+) -> None:
+    # A FIFO would block a plain open() forever; the agent must answer.
+    os.mkfifo(tmp_path / "agent.key")
+    response = run_agent(_init())
+    assert response.error is not None and "not a regular file" in response.error.message

@@ -111,6 +111,8 @@ def test_agent_config_refuses_missing_pieces() -> None:
     for field, bad, message in [
         ("executable", b"", "executable not configured"),
         ("target_path", "", "target path must be set"),
+        ("target_path", "agent", "target path must be absolute, got 'agent'"),
+        ("target_path", "~/agent", "target path must be absolute"),
         ("endpoint", "", "endpoint must be set"),
         ("ssh_connect_timeout", 0.0, "connect timeout must be positive"),
         ("ssh_exec_timeout", -1.0, "exec timeout must be positive"),
