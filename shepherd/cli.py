@@ -105,16 +105,24 @@ def _arg_type(name: str, parse: Callable[[str], T]) -> Callable[[str], T]:
     return convert
 
 
-def _read_file(path: str) -> bytes:
+#: Largest CA certificate file accepted; a certificate chain is kilobytes.
+MAX_CERTIFICATE_FILE = 1 << 20
+
+
+def _read_file(path: str, limit: int | None = None) -> bytes:
     try:
-        return Path(path).read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(-1 if limit is None else limit + 1)
     except OSError as exc:
         raise ValueError(f"could not read {path}: {exc.strerror}") from exc
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"{path}: larger than {limit // (1 << 20)} MiB; refusing it")
+    return data
 
 
 def pem_certificate_der(path: str) -> bytes:
     """The DER bytes of the first PEM block of ``path``, which must be a certificate."""
-    data = _read_file(path)
+    data = _read_file(path, MAX_CERTIFICATE_FILE)
     match = _PEM_BLOCK.search(data)
     if match is None:
         raise ValueError(f"{path}: no PEM block found")

@@ -21,6 +21,8 @@ as ``adress`` fails at start instead of leaving a machine unreachable.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import re
 import tomllib
 from dataclasses import dataclass, replace
@@ -42,6 +44,13 @@ from shepherd.providers.redfish import (
 )
 
 PROVIDER_TYPE = "Static"
+
+#: Largest machine list accepted: thousands of machines fit in far less.
+MAX_FILE_SIZE = 4 << 20
+
+_MAX_ID_LENGTH = 255
+
+logger = logging.getLogger("shepherd.providers.static")
 
 _REQUIRED = {"id": str, "address": str}
 _OPTIONAL = {"port": int, "location": str, "bmc": str}
@@ -153,14 +162,26 @@ def load_machines(path: Path) -> list[Machine]:
     Raises :class:`StaticFileError` with ``<path>:<line>: <problem>``.
     """
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StaticFileError(f"{path}: cannot read machine list: {exc}") from exc
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_SIZE + 1)
+    except OSError as exc:
+        raise StaticFileError(f"{path}: cannot read machine list: {exc.strerror}") from exc
+    if len(data) > MAX_FILE_SIZE:
+        raise StaticFileError(
+            f"{path}: machine list is larger than {MAX_FILE_SIZE // (1 << 20)} MiB; refusing it"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StaticFileError(f"{path}: machine list is not UTF-8: {exc}") from exc
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         # tomllib's message already ends with "(at line N, column M)".
         raise StaticFileError(f"{path}: {exc}") from exc
+    except RecursionError:
+        # tomllib parses nested arrays and inline tables recursively.
+        raise StaticFileError(f"{path}: arrays or tables nested too deeply") from None
     lines = _KeyLines(text)
     for key in document:
         if key != "machine":
@@ -196,6 +217,16 @@ def load_machines(path: Path) -> list[Machine]:
         if not 1 <= port <= 65535:
             raise StaticFileError(f"{path}:{lines.key(index, 'port')}: port {port} out of range")
         machine_id = table["id"]
+        if len(machine_id) > _MAX_ID_LENGTH or not machine_id.isprintable():
+            raise StaticFileError(
+                f"{path}:{lines.key(index, 'id')}: machine id {machine_id[:_MAX_ID_LENGTH]!r} "
+                f"must be printable text of at most {_MAX_ID_LENGTH} characters"
+            )
+        if not _is_host(table["address"]):
+            raise StaticFileError(
+                f"{path}:{lines.key(index, 'address')}: address {table['address'][:300]!r} "
+                "is neither a host name nor an IP address"
+            )
         if machine_id in seen:
             raise StaticFileError(
                 f"{path}:{lines.key(index, 'id')}: duplicate machine id {machine_id!r} "
@@ -219,8 +250,24 @@ def load_machines(path: Path) -> list[Machine]:
                 availability=Availability.KNOWN_UNUSED,
             )
         )
+    if not machines:
+        logger.warning("%s lists no machines; the static provider will provide none", path)
     return machines
 
+
+def _is_host(address: str) -> bool:
+    """A host name (RFC 1123 labels) or an IPv4/IPv6 literal: what we may dial."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        pass
+    else:
+        return True
+    name = address.removesuffix(".")
+    return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
+
+
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", re.ASCII)
 
 _HEADER = re.compile(r"^\s*\[\[\s*machine\s*\]\]")
 _TABLE = re.compile(r"^\s*\[")

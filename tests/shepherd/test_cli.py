@@ -153,6 +153,11 @@ def _write(tmp_path: Path, name: str, data: bytes) -> str:
             b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
             "invalid certificate",
         ),
+        (
+            "--agent-endpoint-ca-certificate-path",
+            b"-----BEGIN CERTIFICATE-----\n" + b"A" * (1 << 20) + b"\n-----END CERTIFICATE-----\n",
+            "larger than 1 MiB; refusing it",
+        ),
         ("--agent-executable-path", b"", "is empty"),
         ("--static-machines-path", b'[[machine]]\nid = "a"\nadres = "b"\n', ":3: unknown field"),
         ("--ssh-key-path", b"not a key", "not a valid unencrypted private key"),
