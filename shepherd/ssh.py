@@ -38,9 +38,9 @@ import trio
 import trio_asyncio
 
 # Not exported by asyncssh's top level (asyncssh.public_key is an internal
-# module), so an asyncssh release may move them; tests/shepherd/test_ssh.py
-# connects with a recorded host key, which fails loudly if they do.
-from asyncssh.public_key import decode_ssh_public_key, get_default_public_key_algs
+# module), so an asyncssh release may move it; tests/shepherd/test_ssh.py
+# connects with a recorded host key, which fails loudly if it does.
+from asyncssh.public_key import decode_ssh_public_key
 
 from monotrio.cli import leaf_errors
 from shepherd.errors import ShepherdError
@@ -57,6 +57,47 @@ _READ_SIZE = 1 << 16
 # cancellation (it is what cancellation needs to happen), so it needs its own
 # bound in case the peer stops reading.
 _CLOSE_TIMEOUT = 5.0
+
+
+# Modern algorithms only, as OpenSSH's defaults: nothing built on SHA-1
+# (diffie-hellman-group14-sha1, ssh-rsa signatures, hmac-sha1), no CBC or
+# arcfour ciphers, no 64-bit-tag MACs. The order is our preference.
+KEX_ALGORITHMS = (
+    "mlkem768x25519-sha256",
+    "curve25519-sha256",
+    "curve25519-sha256@libssh.org",
+    "ecdh-sha2-nistp256",
+    "ecdh-sha2-nistp384",
+    "ecdh-sha2-nistp521",
+    "diffie-hellman-group-exchange-sha256",
+    "diffie-hellman-group16-sha512",
+    "diffie-hellman-group18-sha512",
+    "diffie-hellman-group14-sha256",
+)
+HOST_KEY_ALGORITHMS = (
+    "ssh-ed25519",
+    "ecdsa-sha2-nistp256",
+    "ecdsa-sha2-nistp384",
+    "ecdsa-sha2-nistp521",
+    "rsa-sha2-512",
+    "rsa-sha2-256",
+)
+CIPHERS = (
+    "chacha20-poly1305@openssh.com",
+    "aes256-gcm@openssh.com",
+    "aes128-gcm@openssh.com",
+    "aes256-ctr",
+    "aes192-ctr",
+    "aes128-ctr",
+)
+MACS = (
+    "hmac-sha2-256-etm@openssh.com",
+    "hmac-sha2-512-etm@openssh.com",
+    "umac-128-etm@openssh.com",
+    "hmac-sha2-256",
+    "hmac-sha2-512",
+    "umac-128@openssh.com",
+)
 
 
 class SSHError(ShepherdError):
@@ -235,7 +276,7 @@ class SSHClient:
         bounded by a few seconds.
         """
         known_hosts: object = None
-        host_key_algs: object = "default"
+        host_key_algs: list[str] = list(HOST_KEY_ALGORITHMS)
         if known_host_key is not None:
             try:
                 trusted = decode_ssh_public_key(known_host_key)
@@ -247,10 +288,8 @@ class SSHClient:
             # accept others: a server whose key changed type must fail as a
             # changed key, not with the connection reset that sshd answers
             # when no host key algorithm is common (asyncssh's default here).
-            own = list(trusted.sig_algorithms)
-            host_key_algs = [a.decode() for a in own] + [
-                a.decode() for a in get_default_public_key_algs() if a not in own
-            ]
+            own = [a.decode() for a in trusted.sig_algorithms if a.decode() in HOST_KEY_ALGORITHMS]
+            host_key_algs = own + [a for a in HOST_KEY_ALGORITHMS if a not in own]
         conn: asyncssh.SSHClientConnection | None = None
         observer = _Observer()
         with trio.move_on_after(self._connect_timeout) as timeout:
@@ -268,6 +307,14 @@ class SSHClient:
                     agent_path=None,
                     preferred_auth="publickey",
                     server_host_key_algs=host_key_algs,
+                    kex_algs=list(KEX_ALGORITHMS),
+                    encryption_algs=list(CIPHERS),
+                    mac_algs=list(MACS),
+                    # Never GSS-API (Kerberos): no gss-* key exchange, no
+                    # gssapi-with-mic authentication, whatever is installed.
+                    gss_host=None,
+                    gss_kex=False,
+                    gss_auth=False,
                 )
             except asyncssh.HostKeyNotVerifiable as exc:
                 presented = (

@@ -201,3 +201,58 @@ async def test_trio_cancellation_crosses_the_bridge_and_closes(
         # The bridge is still usable afterwards.
         async with client.connect("127.0.0.1", machine.port, known_host_key=None) as conn:
             assert (await conn.run("echo again")).stdout == b"again\n"
+
+
+async def _client_kexinit(client: SSHClient, known_host_key: bytes | None) -> list[list[str]]:
+    """What ``client`` offers: the name-lists of its KEXINIT, caught by a
+    hostile server that answers the version exchange and then reads it."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    offered: list[list[str]] = []
+
+    async def serve(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"SSH-2.0-Hostile_1.0\r\n")
+        data = b""
+        while b"\r\n" not in data:
+            data += await stream.receive_some()
+        data = data.split(b"\r\n", 1)[1]
+        while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+            data += await stream.receive_some()
+        payload = data[5 : 4 + int.from_bytes(data[:4], "big")]
+        assert payload[0] == 20  # SSH_MSG_KEXINIT
+        pos = 17  # message type and cookie
+        for _ in range(10):
+            length = int.from_bytes(payload[pos : pos + 4], "big")
+            offered.append(payload[pos + 4 : pos + 4 + length].decode().split(","))
+            pos += 4 + length
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, serve, listeners)
+        with trio.fail_after(BOUND), pytest.raises(ConnectError):
+            async with client.connect("127.0.0.1", port, known_host_key=known_host_key):
+                pass
+        nursery.cancel_scope.cancel()
+    return offered
+
+
+async def test_only_modern_algorithms_are_offered(
+    aio_loop: object, shepherd_ssh_key: SSHKey
+) -> None:
+    rsa = rsa_key.generate_private_key(public_exponent=65537, key_size=1024)
+    recorded_rsa = base64.b64decode(
+        rsa.public_key()
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        .split()[1]
+    )
+    for known in (None, recorded_rsa):
+        kex, host_key, cipher, _, mac, _, *_ = await _client_kexinit(
+            _client(shepherd_ssh_key), known
+        )
+        offered = [*kex, *host_key, *cipher, *mac]
+        for legacy in ("sha1", "ssh-rsa", "ssh-dss", "cbc", "arcfour", "md5", "umac-64", "gss"):
+            assert not [alg for alg in offered if legacy in alg], (legacy, offered)
+        assert "curve25519-sha256" in kex and "ssh-ed25519" in host_key
+        assert "chacha20-poly1305@openssh.com" in cipher and "hmac-sha2-256-etm@openssh.com" in mac
+        if known is not None:
+            assert set(host_key[:2]) == {"rsa-sha2-512", "rsa-sha2-256"}  # recorded type first
