@@ -210,7 +210,7 @@ def _pgbench(server: LocalPostgres, db: str, script: Path, clients: int, cycles:
             "--max-tries", "1000",
             "-D", f"session_id={PGBENCH_SESSION}",
             "-f", str(script),
-            "-h", "127.0.0.1",
+            "-h", str(server.socket_dir),
             "-p", str(server.port),
             "-U", "postgres",
             db,

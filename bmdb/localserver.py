@@ -1,10 +1,17 @@
-"""A throwaway PostgreSQL 15 on loopback, for the demo, tests and benchmarks.
+"""A throwaway, private PostgreSQL 15, for the demo, tests and benchmarks.
 
 ``LocalPostgres(root)`` creates a cluster in ``root/data`` with ``initdb``
-and runs ``postgres`` on a free 127.0.0.1 port with its own socket folder,
-so it never touches a system cluster. PostgreSQL refuses to run as root, so
-when we are root the server runs as the ``postgres`` user (which Debian's
-package creates), on folders chowned to it. We switch user in ``subprocess``
+and runs ``postgres`` listening only on a Unix socket in its own socket
+folder (mode 0700, owned by the server's user), so it never touches a system
+cluster and no other local user can reach it: it accepts its superuser
+without a password, which must not be open to everyone on 127.0.0.1. TCP is
+off (``listen_addresses=''``) and ``pg_hba.conf`` rejects every host
+connection in case it is turned on. ``url()`` names the socket folder as the
+host, with a port number that only tells the socket file's name.
+
+PostgreSQL refuses to run as root, so when we are root the server runs as
+the ``postgres`` user (which Debian's package creates), on folders chowned
+to it. We switch user in ``subprocess``
 itself rather than through ``runuser``, so that our signals reach the
 postmaster directly.
 
@@ -24,6 +31,7 @@ import signal
 import stat
 import subprocess
 import time
+import urllib.parse
 from pathlib import Path
 
 import psycopg
@@ -69,7 +77,8 @@ class LocalPostgres:
 
     ``create()`` once, then ``start()`` / ``stop()`` / ``kill()`` as often as
     needed (a restart keeps the port). ``url(db)`` gives a libpq URL; the
-    superuser is ``postgres`` with trust authentication on loopback.
+    superuser is ``postgres`` with trust authentication on the private
+    socket only.
     """
 
     def __init__(self, root: Path, *, port: int | None = None) -> None:
@@ -77,14 +86,17 @@ class LocalPostgres:
         self.data = root / "data"
         self.socket_dir = root / "socket"
         self.log_path = root / "postgres.log"
+        # Only names the socket file (.s.PGSQL.<port>): TCP is off. A free
+        # loopback port keeps it unique and easy to recognise.
         self.port = port or free_loopback_port()
         self._bin = find_postgres_bin()
         self._proc: subprocess.Popen[bytes] | None = None
         self._user = "postgres" if os.geteuid() == 0 else None
 
     def url(self, dbname: str = "postgres") -> str:
-        """libpq URL of ``dbname`` on this server (over loopback TCP)."""
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+        """libpq URL of ``dbname`` on this server (over its private Unix socket)."""
+        host = urllib.parse.quote(str(self.socket_dir), safe="")
+        return f"postgresql://postgres@{host}:{self.port}/{dbname}"
 
     @property
     def running(self) -> bool:
@@ -92,8 +104,17 @@ class LocalPostgres:
 
     def create(self) -> None:
         """``initdb`` a new cluster (trust auth, superuser ``postgres``)."""
+        socket_file = self.socket_dir / f".s.PGSQL.{self.port}"
+        if len(os.fsencode(socket_file)) > _MAX_SOCKET_PATH:
+            raise LocalPostgresError(
+                f"socket path {socket_file} is longer than {_MAX_SOCKET_PATH} bytes, which "
+                "Unix sockets cannot be; use a shorter folder"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         self.socket_dir.mkdir(exist_ok=True)
+        # The socket folder is the only gate in front of a password-less
+        # superuser: nobody but the server's user (and root) may enter it.
+        os.chmod(self.socket_dir, 0o700)
         if self._user:
             try:
                 entry = pwd.getpwnam(self._user)
@@ -115,7 +136,10 @@ class LocalPostgres:
                 str(self._bin / "initdb"),
                 "-D", str(self.data),
                 "-U", "postgres",
-                "--auth=trust",
+                # Trust only the private socket; no host (TCP) connection
+                # is accepted, even if someone turns TCP on.
+                "--auth-local=trust",
+                "--auth-host=reject",
                 "--no-sync",
                 "-E", "UTF8",
                 "--locale=C",
@@ -139,7 +163,8 @@ class LocalPostgres:
                     "-D", str(self.data),
                     "-p", str(self.port),
                     "-k", str(self.socket_dir),
-                    "-c", "listen_addresses=127.0.0.1",
+                    "-c", "listen_addresses=",
+                    "-c", "unix_socket_permissions=0700",
                     "-c", "fsync=off",
                     "-c", "synchronous_commit=off",
                     "-c", "full_page_writes=off",
@@ -227,6 +252,10 @@ def _wait_for_no_backends(data: Path) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.05)
+
+
+# sun_path is 108 bytes on Linux, NUL included.
+_MAX_SOCKET_PATH = 107
 
 
 def start_with_template(root: Path) -> LocalPostgres:

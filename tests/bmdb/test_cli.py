@@ -38,7 +38,7 @@ def fresh_db(postgres_server: LocalPostgres) -> Iterator[str]:
 async def test_migrate_with_pg_environment(postgres_server: LocalPostgres, fresh_db: str) -> None:
     env = dict(
         os.environ,
-        PGHOST="127.0.0.1",
+        PGHOST=str(postgres_server.socket_dir),
         PGPORT=str(postgres_server.port),
         PGUSER="postgres",
         PGDATABASE=fresh_db,
