@@ -345,7 +345,7 @@ async def test_hundred_machines_started_exactly_once(
 
 
 async def test_success_never_overwrites_a_host_key_recorded_meanwhile(
-    bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
+    aio_loop: object, bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
     """A worker sourced the machine with no key recorded; another process
     recorded one before the takeover succeeded. That record stands."""
@@ -387,7 +387,11 @@ assert HOSTILE_ERROR != SCRIPT
 
 
 async def test_machine_text_is_bounded_and_escaped_in_history(
-    bmdb_conn: bmdb.Connection, bmdb_url: str, sshd: Sshd, shepherd_ssh_key: SSHKey
+    aio_loop: object,
+    bmdb_conn: bmdb.Connection,
+    bmdb_url: str,
+    sshd: Sshd,
+    shepherd_ssh_key: SSHKey,
 ) -> None:
     ids = await provide(bmdb_conn, ["m-1"])
     mid = ids["m-1"]
