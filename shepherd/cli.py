@@ -81,6 +81,7 @@ class Options:
     bmdb_url: str
     provider: Provider
     ssh_key: SSHKey
+    ssh_key_path: Path
     agent: AgentConfig
     rate: Rate
     parallelism: int
@@ -442,7 +443,6 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     # Resolved once, so the file used is the one logged, whatever the
     # working directory later becomes.
     key_path = args.ssh_key_path.absolute()
-    logger.info("SSH key file: %s", key_path)
     try:
         key = load_or_create_ssh_key(key_path)
     except SSHKeyError as exc:
@@ -460,6 +460,7 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         bmdb_url=args.bmdb_url,
         provider=provider,
         ssh_key=key,
+        ssh_key_path=key_path,
         agent=agent,
         rate=args.initializer_db_query_rate,
         parallelism=args.initializer_parallelism,
@@ -502,7 +503,11 @@ async def run(options: Options) -> None:
                 trio.open_nursery() as nursery,
             ):
                 # Once the BMDB is there: a failure to reach it is the only line.
-                logger.info("SSH public key: %s", options.ssh_key.authorized_key)
+                logger.info(
+                    "SSH key %s, public key: %s",
+                    options.ssh_key_path,
+                    options.ssh_key.authorized_key,
+                )
                 if isinstance(provider, EquinixProvider):
                     await provider.ensure_ssh_key()
                 nursery.start_soon(provisioner.run, conn)
@@ -528,7 +533,7 @@ async def run(options: Options) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # Logging first: validation logs which key file it uses, or creates.
+    # Logging first: validation generates a missing SSH key, and says so.
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

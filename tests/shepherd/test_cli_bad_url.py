@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from shepherd.ssh_key import SSHKey
 from tests.bmdb.test_cli_bad_url import BAD_URLS, assert_one_clean_line
 
 
@@ -16,6 +17,11 @@ from tests.bmdb.test_cli_bad_url import BAD_URLS, assert_one_clean_line
 async def test_malformed_bmdb_url_is_one_line_without_password(url: str, tmp_path: Path) -> None:
     machines = tmp_path / "machines.toml"
     machines.write_text('[[machine]]\nid = "m-1"\naddress = "127.0.0.1"\n')
+    # An existing key: generating one is logged (the operator must learn of
+    # a new key), and that line is not what this test is about.
+    key = tmp_path / "id_ed25519"
+    key.write_bytes(SSHKey.generate().openssh_private)
+    key.chmod(0o600)
     argv = [
         sys.executable,
         "-m",
