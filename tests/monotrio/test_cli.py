@@ -69,3 +69,15 @@ def test_broken_pipe_is_quiet(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert run_main("tool", body, known=(KnownError,)) == BROKEN_PIPE_STATUS
     assert capsys.readouterr().err == ""
+
+
+def test_labels_name_where_an_error_came_from(capsys: pytest.CaptureFixture[str]) -> None:
+    class ProviderTrouble(KnownError):
+        pass
+
+    def body() -> int:
+        raise ExceptionGroup("g", [ProviderTrouble("404"), KnownError("other")])
+
+    labels = [(ProviderTrouble, "Equinix")]
+    assert run_main("tool", body, known=(KnownError,), labels=labels) == 1
+    assert capsys.readouterr().err == "tool: Equinix: 404\ntool: error: other\n"
