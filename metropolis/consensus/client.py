@@ -24,7 +24,9 @@ The gateway's wire quirks (etcd 3.4), handled here and nowhere else:
 Errors: everything raised is an :class:`EtcdError` (httpx's errors never
 escape: every ``httpx.RequestError`` becomes one). :class:`EtcdUnavailable`
 means etcd could not be reached at all (socket missing, connection refused
-or dropped, an answer httpx cannot decode, client closed);
+or dropped, an answer httpx cannot decode), which may pass;
+:class:`EtcdClosed` means this client was closed, which never passes, so
+nothing retries it (watches and keep-alives raise it at once);
 :class:`EtcdAPIError` means etcd answered with an error. Cancellation is
 plain Trio cancellation: it interrupts any call, and an interrupted write
 may or may not have been applied (as with any etcd client).
@@ -35,6 +37,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -55,6 +58,7 @@ __all__ = [
     "DeleteResult",
     "EndpointStatus",
     "EtcdAPIError",
+    "EtcdClosed",
     "EtcdError",
     "EtcdUnavailable",
     "Event",
@@ -66,10 +70,12 @@ __all__ = [
     "Put",
     "PutResult",
     "RangeResult",
+    "SocketPathTooLong",
     "TxnResult",
     "Watch",
     "WatchCompacted",
     "WatchResponse",
+    "check_socket_path",
 ]
 
 logger = logging.getLogger("metropolis.consensus.client")
@@ -99,6 +105,36 @@ class EtcdError(ConsensusError):
 
 class EtcdUnavailable(EtcdError):
     """etcd could not be reached: no socket, refused or dropped connection, closed client."""
+
+
+class EtcdClosed(EtcdError):
+    """This client was closed (its owner stopped); no call through it can succeed again.
+
+    Not an :class:`EtcdUnavailable`: code that retries an unreachable etcd
+    must not spin on a client that is gone for good.
+    """
+
+
+class SocketPathTooLong(EtcdError):
+    """A UNIX socket path is longer than the kernel's 108-byte ``sun_path``."""
+
+
+#: Size of ``sockaddr_un.sun_path`` on Linux.
+_SUN_PATH_MAX = 108
+
+
+def check_socket_path(path: Path) -> None:
+    """Raise :class:`SocketPathTooLong` if ``path`` cannot be connected to.
+
+    Without this check the failure shows up later as an opaque connection
+    error (or etcd refusing to start) far from its cause.
+    """
+    size = len(os.fsencode(path))
+    if size > _SUN_PATH_MAX:
+        raise SocketPathTooLong(
+            f"UNIX socket path is {size} bytes, the kernel allows {_SUN_PATH_MAX}: {path} "
+            "(use a shorter root directory)"
+        )
 
 
 class EtcdAPIError(EtcdError):
@@ -331,6 +367,7 @@ class _Gateway:
     """JSON calls to etcd's gateway; turns transport and API failures into typed errors."""
 
     def __init__(self, socket_path: Path, timeout: float) -> None:
+        check_socket_path(socket_path)
         self.socket_path = socket_path
         self._http = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=str(socket_path)),
@@ -341,15 +378,21 @@ class _Gateway:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    @property
+    def closed(self) -> bool:
+        return self._http.is_closed
+
     def _unavailable(self, e: Exception) -> EtcdUnavailable:
         return EtcdUnavailable(f"etcd at {self.socket_path} is unavailable: {e!r}")
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self._http.is_closed:
-            raise EtcdUnavailable("etcd client is closed")
+            raise EtcdClosed("etcd client is closed")
         try:
             response = await self._http.post(f"/v3/{path}", json=body)
         except httpx.RequestError as e:
+            if self._http.is_closed:
+                raise EtcdClosed("etcd client was closed during the call") from e
             raise self._unavailable(e) from e
         return self._decode(response, response.content)
 
@@ -357,13 +400,15 @@ class _Gateway:
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[_Lines]:
         """POST and yield the response's JSON lines (each unwrapped from ``result``)."""
         if self._http.is_closed:
-            raise EtcdUnavailable("etcd client is closed")
+            raise EtcdClosed("etcd client is closed")
         try:
             request = self._http.build_request(
                 "POST", f"/v3/{path}", json=body, timeout=httpx.Timeout(None, connect=2.0)
             )
             response = await self._http.send(request, stream=True)
         except httpx.RequestError as e:
+            if self._http.is_closed:
+                raise EtcdClosed("etcd client was closed during the call") from e
             raise self._unavailable(e) from e
         try:
             if response.status_code != 200:
@@ -632,6 +677,8 @@ class KV:
             try:
                 ttl = await self.keep_alive_once(lease.id)
             except EtcdUnavailable as e:
+                if self._gw.closed:
+                    raise EtcdClosed("etcd client was closed under the keep-alive") from e
                 if trio.current_time() >= deadline:
                     raise LeaseExpired(lease.id) from e
                 logger.warning("lease %x keep-alive failed, retrying: %s", lease.id, e)
@@ -729,6 +776,10 @@ class Watch:
                 obj = await self._stream.next()
             except EtcdUnavailable as e:
                 await self._disconnect()
+                if self._kv._gw.closed:
+                    # The stream broke because the client went away: retrying
+                    # would spin. EtcdClosed from _connect says the same.
+                    raise EtcdClosed("etcd client was closed under the watch") from e
                 delay = retrier.next_delay()
                 logger.warning("watch on %r broken, reconnecting in %.1fs: %s", self._key, delay, e)
                 await trio.sleep(delay)
@@ -825,7 +876,7 @@ class Client(KV):
 
     async def aclose(self) -> None:
         """Close the connection pool. Later calls (also on namespaced views) raise
-        :class:`EtcdUnavailable`."""
+        :class:`EtcdClosed`."""
         with trio.CancelScope(shield=True):
             await self._gw.aclose()
 

@@ -39,7 +39,9 @@ __all__ = [
     "get_crl",
     "issue_peer_certificate",
     "load_ca",
+    "new_ca",
     "revoke_peer_certificate",
+    "store_bootstrap",
 ]
 
 #: Prefix of the PKI keys in etcd (relative to the root of the keyspace).
@@ -73,6 +75,80 @@ def _parse_ca(key: bytes, certificate: bytes) -> PeerCA:
     ):
         raise PeerPKIError("peer CA in etcd: key does not match certificate")
     return ca
+
+
+def new_ca() -> tuple[PeerCA, x509.CertificateRevocationList]:
+    """A fresh peer CA and its empty CRL, made locally (no etcd needed)."""
+    key = pki.generate_key()
+    certificate = pki.new_ca(key, CA_NAME)
+    return PeerCA(key, certificate), pki.new_crl(key, certificate)
+
+
+def peer_hosts(peer_address: str) -> list[str]:
+    """The host of a ``host:port`` peer address, as a certificate SAN wants it.
+
+    ``[::1]:7834`` gives ``::1`` (an IP SAN, not a DNS name ``[::1]``).
+    """
+    host = peer_address.rsplit(":", 1)[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return [host]
+
+
+def issue_local_certificate(
+    ca: PeerCA, public_key: bytes, hosts: Sequence[str]
+) -> x509.Certificate:
+    """A peer certificate for ``public_key``, made locally (see :func:`issue_peer_certificate`)."""
+    node = identity.node_id(public_key)
+    ips: list[str] = []
+    names: list[str] = [node]
+    for host in hosts:
+        try:
+            ips.append(str(ipaddress.ip_address(host)))
+        except ValueError:
+            if host not in names:  # the default peer URL's host is the node ID itself
+                names.append(host)
+    return pki.issue_certificate(
+        ca.key,
+        ca.certificate,
+        pki.decode_public_key(public_key),
+        node,
+        pki.Usage.PEER,
+        dns_names=names,
+        ip_addresses=ips,
+    )
+
+
+async def store_bootstrap(
+    kv: KV,
+    ca: PeerCA,
+    crl: x509.CertificateRevocationList,
+    certificate: x509.Certificate,
+) -> None:
+    """Store a PKI made by :func:`new_ca` before etcd ran, in one create-if-absent txn.
+
+    Lets bootstrap start etcd once, with peer TLS from the start. Idempotent:
+    if the same CA is stored already (a bootstrap that crashed after this
+    step), nothing changes; a *different* CA raises :class:`PeerPKIError`.
+    """
+    der = pki.Encoding.DER
+    node = identity.node_id(pki.public_key_bytes(pki.certificate_public_key(certificate)))
+    result = await kv.txn(
+        [Compare.absent(KEY_CA_CERTIFICATE)],
+        [
+            Put(KEY_CA_CERTIFICATE, pki.encode_certificate(ca.certificate, der)),
+            Put(KEY_CA_KEY, pki.encode_private_key(ca.key, der)),
+            Put(KEY_CRL, pki.encode_crl(crl, der)),
+            Put(KEY_CERTIFICATES + node.encode(), pki.encode_certificate(certificate, der)),
+        ],
+        [Get(KEY_CA_CERTIFICATE)],
+    )
+    if result.succeeded:
+        return
+    [stored] = result.responses
+    assert isinstance(stored, RangeResult)
+    if stored.kvs[0].value != pki.encode_certificate(ca.certificate, der):
+        raise PeerPKIError("etcd holds a different peer CA than the one this node bootstrapped")
 
 
 async def ensure_ca(kv: KV) -> PeerCA:
@@ -145,23 +221,7 @@ async def issue_peer_certificate(
         if same_key and _covers(certificate, hosts):
             return certificate
 
-    ips: list[str] = []
-    names: list[str] = [node]
-    for host in hosts:
-        try:
-            ips.append(str(ipaddress.ip_address(host)))
-        except ValueError:
-            if host not in names:  # the default peer URL's host is the node ID itself
-                names.append(host)
-    certificate = pki.issue_certificate(
-        ca.key,
-        ca.certificate,
-        pki.decode_public_key(public_key),
-        node,
-        pki.Usage.PEER,
-        dns_names=names,
-        ip_addresses=ips,
-    )
+    certificate = issue_local_certificate(ca, public_key, hosts)
     await kv.put(path, pki.encode_certificate(certificate, pki.Encoding.DER))
     return certificate
 

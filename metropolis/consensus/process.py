@@ -15,6 +15,14 @@ and been reaped, whatever the reason (cancellation included); the stop is
 shielded from cancellation so that no etcd can outlive its owner and keep
 the data directory and ports busy.
 
+And when the owner itself dies without running any cleanup (SIGKILL, OOM),
+etcd dies with it: it runs under ``setpriv --pdeathsig KILL``, so the
+kernel sends it SIGKILL when the thread that spawned it exits. That is why
+etcd is spawned from the Trio thread itself and not through
+``trio.run_process`` / ``trio.lowlevel.open_process``, which fork in a
+worker thread: Trio ends idle worker threads after a few seconds, and with
+them the etcd.
+
 etcd 3.4 only accepts a UNIX client socket spelt ``unix://NAME:0``, relative
 to its working directory, and creates a file literally called ``NAME:0``. A
 socket file left by a killed etcd makes the next start fail, so it is
@@ -23,9 +31,10 @@ unlinked before every start.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
+import os
+import signal
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,7 +43,7 @@ from typing import Literal
 
 import trio
 
-from metropolis.consensus.client import Client, EtcdError
+from metropolis.consensus.client import Client, EtcdError, check_socket_path
 from metropolis.errors import ConsensusError
 
 __all__ = ["SOCKET_NAME", "EtcdExited", "PeerTLS", "ProcessConfig", "Tuning", "run_etcd"]
@@ -184,43 +193,87 @@ async def run_etcd(
     cancellation propagates. Every line etcd prints is logged to ``logger``
     (zap JSON lines at their own level, anything else at INFO).
     """
+    check_socket_path(config.socket_path)
     config.working_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     config.socket_path.unlink(missing_ok=True)
     logger.info("starting etcd: %s", " ".join(config.argv()))
 
-    async with trio.open_nursery() as nursery:
-        # trio.run_process owns the process: on cancellation it calls
-        # _terminate (SIGTERM, grace, SIGKILL) and reaps the process under a
-        # shield before the cancellation goes on, which is the invariant above.
-        process: trio.Process = await nursery.start(
-            functools.partial(
-                trio.run_process,
-                config.argv(),
-                cwd=config.working_dir,
-                stdin=subprocess.DEVNULL,
-                # One pipe for both: zap logs go to stderr, but nothing etcd
-                # prints (a Go panic, a flag error) may be lost.
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                check=False,
-                deliver_cancel=functools.partial(_terminate, logger=logger),
-            )
-        )
-        assert process.stdout is not None
-        nursery.start_soon(_pump_logs, process.stdout, logger)
-        async with trio.open_nursery() as waiters:
-            waiters.start_soon(_report_ready, config.socket_path, process, task_status)
-            returncode = await process.wait()
-            waiters.cancel_scope.cancel()
-        # The last lines usually say why etcd died: give them a moment to
-        # reach the log, then stop reading (a grandchild could hold the pipe).
-        nursery.cancel_scope.deadline = trio.current_time() + 1.0
+    process = _Child.spawn(config.argv(), config.working_dir)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_pump_logs, process.output, logger)
+            async with trio.open_nursery() as waiters:
+                waiters.start_soon(_report_ready, config.socket_path, process, task_status)
+                returncode = await process.wait()
+                waiters.cancel_scope.cancel()
+            # The last lines usually say why etcd died: give them a moment to
+            # reach the log, then stop reading (a grandchild could hold the pipe).
+            nursery.cancel_scope.deadline = trio.current_time() + 1.0
+    finally:
+        await _stop(process, logger)
+        with trio.CancelScope(shield=True):
+            await process.output.aclose()
     raise EtcdExited(returncode)
 
 
-async def _report_ready(
-    socket: Path, process: trio.Process, task_status: trio.TaskStatus[None]
-) -> None:
+class _Child:
+    """The etcd process: a Popen spawned from the Trio thread, awaited through a pidfd."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], output: trio.lowlevel.FdStream) -> None:
+        self._popen = popen
+        self.output = output
+        self._pidfd = os.pidfd_open(popen.pid)
+
+    @classmethod
+    def spawn(cls, argv: list[str], cwd: Path) -> _Child:
+        """Start ``argv`` in ``cwd``; it gets SIGKILL when this thread exits.
+
+        Blocks the Trio thread for the fork (milliseconds); see the module
+        docstring for why it must be this thread.
+        """
+        read_end, write_end = os.pipe()
+        try:
+            popen = subprocess.Popen(
+                ["setpriv", "--pdeathsig", "KILL", "--", *argv],
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                # One pipe for both: zap logs go to stderr, but nothing etcd
+                # prints (a Go panic, a flag error) may be lost.
+                stdout=write_end,
+                stderr=write_end,
+            )
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        return cls(popen, trio.lowlevel.FdStream(read_end))
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    async def wait(self) -> int:
+        """Wait until the process exits and reap it; return its exit status."""
+        if self._popen.returncode is None:
+            await trio.lowlevel.wait_readable(self._pidfd)
+        returncode = self._popen.wait()
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        return returncode
+
+    def send_signal(self, sig: signal.Signals) -> None:
+        # Until wait() reaped it, the pid cannot have been reused.
+        if self._popen.returncode is None:
+            self._popen.send_signal(sig)
+
+
+async def _report_ready(socket: Path, process: _Child, task_status: trio.TaskStatus[None]) -> None:
     async with Client(socket, timeout=2.0) as client:
         while process.returncode is None:
             try:
@@ -232,16 +285,19 @@ async def _report_ready(
             return
 
 
-async def _terminate(process: trio.Process, *, logger: logging.Logger) -> None:
-    """How `trio.run_process` stops etcd when `run_etcd` is cancelled."""
-    # SIGTERM lets a leader hand over leadership before going, which spares
-    # the rest of the cluster an election timeout.
-    process.terminate()
-    with trio.move_on_after(_STOP_GRACE):
+async def _stop(process: _Child, logger: logging.Logger) -> None:
+    """Terminate and reap ``process``; shielded, so it also runs during cancellation."""
+    with trio.CancelScope(shield=True):
+        if process.returncode is None:
+            # SIGTERM lets a leader hand over leadership before going, which
+            # spares the rest of the cluster an election timeout.
+            process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(_STOP_GRACE):
+                await process.wait()
+            if process.returncode is None:
+                logger.warning("etcd did not stop within %.0fs, killing it", _STOP_GRACE)
+                process.send_signal(signal.SIGKILL)
         await process.wait()
-    if process.returncode is None:
-        logger.warning("etcd did not stop within %.0fs, killing it", _STOP_GRACE)
-        process.kill()
 
 
 async def _pump_logs(stream: trio.abc.ReceiveStream, logger: logging.Logger) -> None:

@@ -8,13 +8,16 @@ Startup decides where the peer TLS material comes from::
     peer PKI on disk? ──yes──> check it is intact and ours; start etcd on its data
           │ no
           v
-    bootstrap: start etcd with plain-HTTP peers (a new one-member cluster),
-    create the CA, CRL and our peer certificate *in etcd*, write them to disk,
-    stop it; then start etcd with peer TLS as usual.
+    bootstrap: make the CA, CRL and our peer certificate here, write them
+    to disk (the CA key too, as "bootstrap_ca_key.pem"), start etcd once with
+    peer TLS as a new one-member cluster, store the PKI *in etcd*
+    (create-if-absent), then delete the CA key file.
 
-Keeping the PKI inside etcd makes bootstrap restartable (re-running it
-finds the CA already there) and lets any member issue peer certificates
-later (``Status.add_node``).
+Keeping the PKI inside etcd lets any member issue peer certificates later
+(``Status.add_node``). Making it before etcd runs means bootstrap starts
+etcd once (starting it twice, first with plain-HTTP peers, cost 3.2x a bare
+start). A crash anywhere in between resumes: while the CA key file exists,
+the PKI is not in etcd yet; if etcd never ran, everything is made anew.
 
 Once etcd answers and this member is a voter, two children run beside it,
 in a supervisor scope that ends before the etcd client they use is closed::
@@ -77,6 +80,9 @@ CURATOR_NAMESPACE = b"namespaced/curator/"
 
 _T = TypeVar("_T")
 
+#: The new peer CA's key, on disk only from bootstrap until etcd stores it.
+_PENDING_CA_KEY = "bootstrap_ca_key.pem"
+
 
 class NotRunning(ConsensusError):
     """The local etcd member is not running (yet, or any more)."""
@@ -112,6 +118,23 @@ class JoinCluster:
                 NodeRolesConsensusMemberPeer(name=n.name, url=n.url) for n in self.existing_nodes
             ],
         )
+
+    def check(self, node_private_key: Ed25519PrivateKey) -> None:
+        """Raise :class:`ConsensusError` unless this join data is for that node's key.
+
+        Checks that the peer certificate certifies the key and is signed by
+        the CA, and that the CRL is the CA's. Pure; usable before etcd starts
+        (the role server uses it to skip bad roles instead of failing later).
+        """
+        own_key = pki.public_key_bytes(node_private_key)
+        try:
+            cert_key = pki.public_key_bytes(pki.certificate_public_key(self.node_certificate))
+            pki.verify_signed_by(self.node_certificate, self.ca_certificate)
+            pki.verify_crl(self.initial_crl, self.ca_certificate)
+        except pki.PKIError as e:
+            raise ConsensusError(f"join data does not verify: {e}") from e
+        if cert_key != own_key:
+            raise ConsensusError("join data: peer certificate is not for this node's key")
 
     @classmethod
     def from_proto(cls, role: NodeRolesConsensusMember) -> JoinCluster:
@@ -225,18 +248,20 @@ class Status:
         also serves a node that is already a member (the bootstrapping node
         asks for its own join data this way).
 
-        ``peer_url`` defaults to this node's own URL for its own key, and to
-        ``https://<node-id>:7834`` otherwise. etcd refuses membership changes
-        for a few seconds after one (and accepts only one learner at a
-        time); those refusals are retried for ``Config.membership_timeout``,
-        then :class:`ConsensusError` is raised.
+        ``peer_url`` defaults to this node's own URL for its own key; for any
+        other node it must be given (``ValueError`` otherwise): a guessed URL
+        would add a member nobody can reach, and etcd then refuses every
+        further membership change until it is removed. etcd refuses
+        membership changes for a few seconds after one (and accepts only one
+        learner at a time); those refusals are retried for
+        ``Config.membership_timeout``, then :class:`ConsensusError` is raised.
         """
         client, config = self._running()
         node = identity.node_id(public_key)
         if peer_url is None:
-            peer_url = (
-                self.peer_url if node == self.node_id else f"https://{node}:{DEFAULT_PEER_PORT}"
-            )
+            if node != self.node_id:
+                raise ValueError(f"add_node({node}): another node's peer URL must be given")
+            peer_url = self.peer_url
         host = urlsplit(peer_url).hostname
         if not host:
             raise ValueError(f"peer URL {peer_url!r} has no host")
@@ -263,6 +288,42 @@ class Status:
             if peer_url not in m.peer_urls and m.peer_urls
         )
         return JoinCluster(ca.certificate, certificate, crl, existing)
+
+    async def remove_node(self, public_key: bytes) -> x509.CertificateRevocationList:
+        """Take the node with ``public_key`` out of the cluster; return the new CRL.
+
+        Removes its etcd member (if it has one), revokes its peer certificate
+        so it cannot reconnect, and writes the new CRL to this node's disk at
+        once (every member's CRL watcher does the same). Refuses to remove
+        this node itself (``ValueError``): a member cannot stop itself
+        cleanly this way. Transient refusals are retried as for ``add_node``.
+        """
+        client, config = self._running()
+        node = identity.node_id(public_key)
+        if node == self.node_id:
+            raise ValueError("remove_node: a member cannot remove itself")
+        pki_kv = client.namespaced(peerpki.NAMESPACE)
+        ca = await peerpki.load_ca(pki_kv)
+        stored = await pki_kv.get(peerpki.KEY_CERTIFICATES + node.encode())
+        urls: set[str] = set()
+        if stored is not None:
+            certificate = pki.decode_certificate(stored.value)
+            sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+            urls = {str(ip) for ip in sans.value.get_values_for_type(x509.IPAddress)}
+            urls |= set(sans.value.get_values_for_type(x509.DNSName))
+        for member in await client.member_list():
+            hosts = {urlsplit(u).hostname for u in member.peer_urls}
+            if member.name == node or (not member.name and hosts & urls):
+                await _retry_transient(
+                    lambda m=member.id: client.member_remove(m),  # type: ignore[misc]
+                    config.membership_timeout,
+                )
+                logging.getLogger("metropolis.consensus").info(
+                    "removed member %x (%s)", member.id, node
+                )
+        crl = await peerpki.revoke_peer_certificate(pki_kv, ca, node)
+        await trio.to_thread.run_sync(atomic_write, config.data.peer_crl, pki.encode_crl(crl))
+        return crl
 
 
 async def _retry_transient(fn: Callable[[], Awaitable[_T]], patience: float) -> _T:
@@ -297,6 +358,15 @@ class Service:
         """The service's :class:`Status`, to watch; only the service sets it."""
         return self._status_view
 
+    async def wait_running(self) -> Status:
+        """Wait until the member runs (now or later) and return that status.
+
+        Cancellable; a status that is no longer current when the caller uses
+        it fails with :class:`NotRunning` or a closed client, never silently.
+        """
+        with self.status.watch() as watcher:
+            return await watcher.get(lambda s: s.running)
+
     def _stopped(self) -> Status:
         return Status(running=False, node_id=self.config.node_id, peer_url=self.config.peer_url)
 
@@ -329,11 +399,16 @@ class Service:
             initial = own | {n.name: n.url for n in join.existing_nodes}
             process = config._process(peer_tls=True, initial=initial, state="existing")
         else:
+            pending = data.path / _PENDING_CA_KEY
+            if pending.exists() and not (data.data / "member").exists():
+                # A bootstrap that crashed before etcd ever ran: the CA never
+                # left this machine, so start over rather than trust half a PKI.
+                self._discard_unstarted_bootstrap(node)
             if data.peer_pki.all_absent():
-                await self._bootstrap_pki(node, etcd_logger)
+                await self._prepare_bootstrap_pki(node)
             elif not data.peer_pki.all_present():
                 raise ConsensusError(f"partial peer PKI in {data.peer_pki.path}: refusing to guess")
-            elif not (data.data / "member").exists():
+            elif not (data.data / "member").exists() and not pending.exists():
                 # Starting a fresh single-member cluster here would split the
                 # node off the cluster its certificates belong to.
                 raise ConsensusError(
@@ -345,6 +420,8 @@ class Service:
 
         async with Client(process.socket_path) as client, trio.open_nursery() as nursery:
             await nursery.start(run_etcd, process, etcd_logger)
+            if (data.path / _PENDING_CA_KEY).exists():
+                await self._store_bootstrap_pki(node, client)
             member_id = (await client.status()).member_id
             await _wait_voter(client, member_id, node.logger)
 
@@ -392,15 +469,7 @@ class Service:
 
     async def _write_join_pki(self, join: JoinCluster) -> None:
         """Check the join data against our key, then write it (owner-only)."""
-        own_key = pki.public_key_bytes(self.config.node_private_key)
-        try:
-            cert_key = pki.public_key_bytes(pki.certificate_public_key(join.node_certificate))
-            pki.verify_signed_by(join.node_certificate, join.ca_certificate)
-            pki.verify_crl(join.initial_crl, join.ca_certificate)
-        except pki.PKIError as e:
-            raise ConsensusError(f"join data does not verify: {e}") from e
-        if cert_key != own_key:
-            raise ConsensusError("join data: peer certificate is not for this node's key")
+        join.check(self.config.node_private_key)
         await trio.to_thread.run_sync(
             functools.partial(
                 self.config.data.peer_pki.write_all,
@@ -428,39 +497,52 @@ class Service:
             return False
         return pki.crl_number(current) >= pki.crl_number(join.initial_crl)
 
-    async def _bootstrap_pki(self, node: Node, etcd_logger: logging.Logger) -> None:
-        """Create a new cluster and its peer PKI; leave the PKI files on disk.
+    def _discard_unstarted_bootstrap(self, node: Node) -> None:
+        data = self.config.data
+        node.logger.warning("resuming a bootstrap that stopped before etcd ran: starting over")
+        for path in (*data.peer_pki.files(), data.peer_crl, data.path / _PENDING_CA_KEY):
+            path.unlink(missing_ok=True)
 
-        The temporary etcd listens for peers over plain HTTP (there are no
-        certificates yet, and no peers either) but already advertises the
-        https URL that the real start will serve.
-        """
+    async def _prepare_bootstrap_pki(self, node: Node) -> None:
+        """Make a new peer PKI on disk, with the CA key kept aside until etcd has it."""
         config = self.config
         node.logger.info("no peer PKI on disk: bootstrapping a new cluster")
-        process = config._process(
-            peer_tls=False, initial={config.node_id: config.peer_url}, state="new"
+        ca, crl = peerpki.new_ca()
+        own_key = pki.public_key_bytes(config.node_private_key)
+        certificate = peerpki.issue_local_certificate(
+            ca, own_key, peerpki.peer_hosts(config.peer_address)
         )
-        async with trio.open_nursery() as nursery:
-            await nursery.start(run_etcd, process, etcd_logger)
-            async with Client(process.socket_path) as client:
-                pki_kv = client.namespaced(peerpki.NAMESPACE)
-                ca = await peerpki.ensure_ca(pki_kv)
-                host = config.peer_address.rsplit(":", 1)[0]
-                own_key = pki.public_key_bytes(config.node_private_key)
-                certificate = await peerpki.issue_peer_certificate(pki_kv, ca, own_key, [host])
-                crl, _ = await peerpki.get_crl(pki_kv)
-            nursery.cancel_scope.cancel()
-        # CRL first, credentials last: all_present() then implies a usable CRL.
-        await trio.to_thread.run_sync(atomic_write, config.data.peer_crl, pki.encode_crl(crl))
-        await trio.to_thread.run_sync(
-            functools.partial(
-                config.data.peer_pki.write_all,
+
+        def write() -> None:
+            # The CA key first: its presence marks a bootstrap in progress.
+            # Then the CRL, and the credentials last, so all_present()
+            # implies a CRL.
+            atomic_write(config.data.path / _PENDING_CA_KEY, pki.encode_private_key(ca.key))
+            atomic_write(config.data.peer_crl, pki.encode_crl(crl))
+            config.data.peer_pki.write_all(
                 ca_certificate=pki.encode_certificate(ca.certificate),
                 certificate=pki.encode_certificate(certificate),
                 key=pki.encode_private_key(config.node_private_key),
             )
-        )
-        node.logger.info("bootstrap PKI written; restarting etcd with peer TLS")
+
+        await trio.to_thread.run_sync(write)
+
+    async def _store_bootstrap_pki(self, node: Node, client: Client) -> None:
+        """Put the PKI made before etcd started into etcd, then drop the CA key file."""
+        data = self.config.data
+        pending = data.path / _PENDING_CA_KEY
+        try:
+            ca = peerpki.PeerCA(
+                pki.decode_private_key(pending.read_bytes()),
+                pki.decode_certificate(data.peer_pki.ca_certificate.read_bytes()),
+            )
+            crl = pki.decode_crl(data.peer_crl.read_bytes())
+            certificate = pki.decode_certificate(data.peer_pki.certificate.read_bytes())
+        except (OSError, pki.PKIError) as e:
+            raise ConsensusError(f"bootstrap PKI on disk is damaged: {e}") from e
+        await peerpki.store_bootstrap(client.namespaced(peerpki.NAMESPACE), ca, crl, certificate)
+        pending.unlink()
+        node.logger.info("bootstrap peer PKI stored in etcd")
 
 
 async def _wait_voter(client: Client, member_id: int, logger: logging.Logger) -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import ssl
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import trio
+from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
@@ -25,7 +28,7 @@ from metropolis.consensus import (
     Status,
     peerpki,
 )
-from metropolis.consensus.client import Client, EtcdUnavailable
+from metropolis.consensus.client import Client, EtcdClosed
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRolesConsensusMember
@@ -124,10 +127,18 @@ async def test_bootstrap_single_node(tmp_path: Path) -> None:
             await status.curator_client().put("nodes/x", "record")
             assert await client.get("namespaced/curator/nodes/x") is not None
 
-            # Asking for our own join data adds nobody.
+            # Asking for our own join data adds nobody; another node needs its URL.
             join = await status.add_node(machine.public_key)
             assert join.node_certificate == on_disk_cert and join.existing_nodes == ()
             assert len(await client.member_list()) == 1
+            with pytest.raises(ValueError, match="peer URL"):
+                await status.add_node(pki.public_key_bytes(pki.generate_key()))
+            assert len(await client.member_list()) == 1
+
+            # The join data fits our key and no other.
+            join.check(machine.key)
+            with pytest.raises(ConsensusError, match="not for this node"):
+                join.check(pki.generate_key())
 
         # Secrets on disk are owner-only.
         for directory in (etcd_dir.path, etcd_dir.peer_pki.path, service.config.ephemeral):
@@ -142,8 +153,57 @@ async def test_bootstrap_single_node(tmp_path: Path) -> None:
     assert not final.running
     with pytest.raises(NotRunning):
         final.curator_client()
-    with pytest.raises(EtcdUnavailable, match="closed"):
+    with pytest.raises(EtcdClosed):
         await status.add_node(machine.public_key)  # an old snapshot's client is closed too
+
+
+async def test_bootstrap_starts_etcd_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    machine = Machine.make(tmp_path / "n1")
+    caplog.set_level(logging.INFO, logger="consensus.etcd")
+    async with running(machine) as (service, _, status):
+        assert await service.wait_running() == status
+    starts = [r for r in caplog.records if r.getMessage().startswith("starting etcd:")]
+    assert len(starts) == 1, [r.getMessage()[:80] for r in starts]
+    assert "--peer-cert-file" in starts[0].getMessage()  # peer TLS from the first start
+    assert not (machine.root.data.etcd.path / "bootstrap_ca_key.pem").exists()
+
+
+async def test_bootstrap_interrupted_before_the_pki_is_stored_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd ran, but the node died before the PKI reached etcd: the next start stores it."""
+    machine = Machine.make(tmp_path / "n1")
+    real = peerpki.store_bootstrap
+    calls = 0
+
+    async def crash_once(*args: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("injected crash before the PKI is stored")
+        await real(*args)
+
+    monkeypatch.setattr(peerpki, "store_bootstrap", crash_once)
+    async with running(machine) as (service, supervisor, status):
+        assert supervisor.restarts("consensus") == 1
+        async with Client(service.config.client_socket) as client:
+            ca = await peerpki.load_ca(client.namespaced(peerpki.NAMESPACE))
+        on_disk = pki.decode_certificate(
+            machine.root.data.etcd.peer_pki.ca_certificate.read_bytes()
+        )
+        assert ca.certificate == on_disk
+        assert not (machine.root.data.etcd.path / "bootstrap_ca_key.pem").exists()
+        join = await status.add_node(machine.public_key)
+        assert join.ca_certificate == on_disk
+
+
+def test_ipv6_peer_address_gets_an_ip_san() -> None:
+    ca, _ = peerpki.new_ca()
+    key = pki.public_key_bytes(pki.generate_key())
+    certificate = peerpki.issue_local_certificate(ca, key, peerpki.peer_hosts("[::1]:7834"))
+    sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["::1"]
+    assert sans.get_values_for_type(x509.DNSName) == [identity.node_id(key)]
 
 
 async def test_sigkilled_etcd_is_restarted_on_same_data(tmp_path: Path) -> None:
@@ -333,16 +393,18 @@ async def test_revoked_peer_certificate_is_refused(tmp_path: Path) -> None:
                     await _peer_request(machine.peer_url, ca_pem, cert, key, creds)
 
         async with Client(service.config.client_socket) as client:
-            pki_kv = client.namespaced(peerpki.NAMESPACE)
-            ca = await peerpki.load_ca(pki_kv)
-            await peerpki.revoke_peer_certificate(pki_kv, ca, identity.node_id(outsider_pub))
+            assert len(await client.member_list()) == 2  # the outsider, as a learner
+            with trio.fail_after(BOUND):
+                crl = await status.remove_node(outsider_pub)
+            assert pki.is_revoked(crl, join.node_certificate)
+            assert len(await client.member_list()) == 1
+        with pytest.raises(ValueError, match="itself"):
+            await status.remove_node(machine.public_key)
 
-        # The CRL watcher writes the new list; etcd reads it per connection.
+        # remove_node wrote the new list at once; etcd reads it per connection.
         crl_path = service.config.data.peer_crl
+        assert pki.is_revoked(pki.decode_crl(crl_path.read_bytes()), join.node_certificate)
         with trio.fail_after(BOUND):
-            await eventually(
-                lambda: pki.is_revoked(pki.decode_crl(crl_path.read_bytes()), join.node_certificate)
-            )
             with pytest.raises(httpx.TransportError):
                 await _peer_request(machine.peer_url, ca_pem, cert_pem, key_pem, creds)
 

@@ -16,12 +16,14 @@ from metropolis.consensus.client import (
     Delete,
     DeleteResult,
     EtcdAPIError,
+    EtcdClosed,
     EtcdUnavailable,
     Get,
     LeaseExpired,
     Put,
     PutResult,
     RangeResult,
+    SocketPathTooLong,
     Watch,
     WatchCompacted,
     WatchResponse,
@@ -235,8 +237,41 @@ async def test_errors_are_typed(client: Client, tmp_path: Path) -> None:
             await down.get("x")
     closed = Client(client._gw.socket_path)
     await closed.aclose()
-    with pytest.raises(EtcdUnavailable, match="closed"):
+    with pytest.raises(EtcdClosed):
         await closed.namespaced("p/").get("x")
+
+    with pytest.raises(SocketPathTooLong, match="109 bytes"):
+        Client(Path("/" + "x" * 108))
+
+
+async def test_closing_the_client_ends_watches_and_keep_alives(client: Client) -> None:
+    """A watch or keep-alive on a client that goes away raises, instead of retrying forever."""
+    other = Client(client._gw.socket_path)
+    lease = await other.grant(10)
+    watch_error: list[BaseException] = []
+    keep_alive_error: list[BaseException] = []
+
+    async def watch() -> None:
+        try:
+            async with other.watch("w") as w:
+                async for _ in w:
+                    pass
+        except EtcdClosed as e:
+            watch_error.append(e)
+
+    async def keep_alive() -> None:
+        try:
+            await other.keep_alive(lease)
+        except EtcdClosed as e:
+            keep_alive_error.append(e)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            nursery.start_soon(keep_alive)
+            await trio.sleep(0.3)  # both are connected (or fail the same way if not)
+            await other.aclose()
+    assert watch_error and keep_alive_error
 
 
 async def test_members_and_status(client: Client) -> None:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,3 +72,59 @@ async def test_bad_configuration_fails_before_ready(
         await run_etcd(config, logging.getLogger("test.bad"))
     # The reason is in the log, not lost with the process.
     assert "couldn't find local name" in caplog.text
+
+
+_OWNER = """
+import logging, sys, trio
+from pathlib import Path
+from metropolis.consensus.process import ProcessConfig, Tuning, run_etcd
+
+async def main() -> None:
+    config = ProcessConfig.standalone("solo", Path(sys.argv[1]), int(sys.argv[2]), Tuning(20, 200))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_etcd, config, logging.getLogger("owner"))
+        print("ready", flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+async def test_etcd_dies_with_its_owner_even_on_sigkill(tmp_path: Path) -> None:
+    """No orphan: SIGKILL of the owning process takes etcd along (PR_SET_PDEATHSIG).
+
+    etcd must also survive the owner's idle Trio worker threads ending
+    (after 10 s): the death signal follows the thread that spawned it.
+    """
+    config = _config(tmp_path)
+    owner = await trio.lowlevel.open_process(
+        [sys.executable, "-c", _OWNER, str(tmp_path), str(config.peer_address.split(":")[1])],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert owner.stdout is not None
+        with trio.fail_after(BOUND):
+            assert b"ready" in await owner.stdout.receive_some()
+        pid = etcd_pid(config.working_dir)
+        assert pid is not None
+        await trio.sleep(11)  # Trio's idle worker threads are gone by now
+        assert etcd_pid(config.working_dir) == pid
+        owner.send_signal(signal.SIGKILL)
+        await owner.wait()
+        with trio.fail_after(BOUND):
+            await _eventually(lambda: etcd_pid(config.working_dir) is None)
+    finally:
+        with trio.CancelScope(shield=True):
+            owner.kill()
+            await owner.wait()
+            leftover = etcd_pid(config.working_dir)
+            if leftover is not None:
+                os.kill(leftover, signal.SIGKILL)
+
+
+async def _eventually(predicate: Callable[[], bool]) -> None:
+    """Poll ``predicate`` until it holds (callers bound the wait)."""
+    while True:
+        if predicate():
+            return
+        await trio.sleep(0.05)
