@@ -1,0 +1,142 @@
+"""Making a new cluster out of its first node, in one idempotent step.
+
+Monogon's seed does this in several calls (new node, add to consensus,
+enable roles, ensure the CA, issue the node certificate, store node, owner
+and join key) and leaves a TODO to collapse them. :func:`bootstrap_cluster`
+is that collapse::
+
+    consensus.add_node(own key)          -> ConsensusMember join data (idempotent)
+    cluster CA + node certificate         made locally
+    one txn: if node, owner, join key and CA are all absent
+               then put CA, node certificate, node record, owner, join key
+               else read what is there and return it if it is ours
+
+A crash at any point leaves either nothing or everything in etcd, and
+running it again returns the same cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from metropolis import identity, pki
+from metropolis.consensus.client import Compare, Get, Put, RangeResult
+from metropolis.consensus.service import Status
+from metropolis.curator.state import (
+    CA_CERTIFICATE_KEY,
+    CA_KEY_KEY,
+    INITIAL_OWNER_KEY,
+    CuratorError,
+    issued_certificate_key,
+    join_key_key,
+    node_key,
+    parse_node,
+)
+from metropolis.proto.common import (
+    NodeRoles,
+    NodeRolesKubernetesController,
+    NodeState,
+)
+from metropolis.proto.curator import InitialOwner, Node
+
+__all__ = ["CLUSTER_CA_NAME", "BootstrapResult", "bootstrap_cluster", "node_certificate"]
+
+CLUSTER_CA_NAME = "Metropolis Cluster CA"
+
+
+@dataclass(frozen=True)
+class BootstrapResult:
+    """What the first node needs from the new cluster."""
+
+    ca_certificate: x509.Certificate
+    node_certificate: x509.Certificate
+    #: The node's record as stored (roles: ConsensusMember, KubernetesController).
+    record: Node
+
+
+def node_certificate(
+    ca_key: Ed25519PrivateKey, ca: x509.Certificate, public_key: bytes
+) -> x509.Certificate:
+    """The node certificate for ``public_key``: CN and DNS name are its node ID."""
+    node = identity.node_id(public_key)
+    return pki.issue_certificate(
+        ca_key, ca, pki.decode_public_key(public_key), node, pki.Usage.PEER, dns_names=[node]
+    )
+
+
+async def bootstrap_cluster(
+    consensus: Status,
+    *,
+    node_public_key: bytes,
+    join_public_key: bytes,
+    cluster_unlock_key: bytes,
+    owner_public_key: bytes,
+) -> BootstrapResult:
+    """Create the cluster's curator state for its first node; idempotent.
+
+    ``consensus`` must be running (on this node). Returns the cluster CA,
+    the node's certificate and its record. Raises :class:`CuratorError` if
+    etcd already holds a different cluster (another node, or partial state
+    that no bootstrap writes), and the etcd client's errors as they come.
+    Cancellation at any point leaves either nothing or everything written.
+    """
+    node = identity.node_id(node_public_key)
+    join = await consensus.add_node(node_public_key)
+    kv = consensus.curator_client()
+
+    ca_key = pki.generate_key()
+    ca = pki.new_ca(ca_key, CLUSTER_CA_NAME)
+    certificate = node_certificate(ca_key, ca, node_public_key)
+    record = Node(
+        public_key=node_public_key,
+        cluster_unlock_key=cluster_unlock_key,
+        fsm_state=NodeState.UP,
+        roles=NodeRoles(
+            consensus_member=join.to_proto(),
+            kubernetes_controller=NodeRolesKubernetesController(),
+        ),
+        join_key=join_public_key,
+    )
+    der = pki.Encoding.DER
+    result = await kv.txn(
+        [
+            Compare.absent(node_key(node)),
+            Compare.absent(INITIAL_OWNER_KEY),
+            Compare.absent(join_key_key(join_public_key)),
+            Compare.absent(CA_CERTIFICATE_KEY),
+        ],
+        [
+            Put(CA_CERTIFICATE_KEY, pki.encode_certificate(ca, der)),
+            Put(CA_KEY_KEY, pki.encode_private_key(ca_key, der)),
+            Put(issued_certificate_key(node), pki.encode_certificate(certificate, der)),
+            Put(node_key(node), bytes(record)),
+            Put(INITIAL_OWNER_KEY, bytes(InitialOwner(public_key=owner_public_key))),
+            Put(join_key_key(join_public_key), node),
+        ],
+        [Get(node_key(node)), Get(CA_CERTIFICATE_KEY), Get(issued_certificate_key(node))],
+    )
+    if result.succeeded:
+        return BootstrapResult(ca, certificate, record)
+
+    # Already bootstrapped: by us (a retry), or something else is here.
+    stored_node, stored_ca, stored_cert = result.responses
+    assert isinstance(stored_node, RangeResult)
+    assert isinstance(stored_ca, RangeResult) and isinstance(stored_cert, RangeResult)
+    if not (stored_node.kvs and stored_ca.kvs and stored_cert.kvs):
+        raise CuratorError(
+            "etcd already holds cluster state that is not this node's bootstrap; refusing"
+        )
+    existing = parse_node(stored_node.kvs[0].value, node)
+    if existing.public_key != node_public_key or existing.join_key != join_public_key:
+        raise CuratorError(f"etcd holds a different record for {node}; refusing")
+    try:
+        return BootstrapResult(
+            pki.decode_certificate(stored_ca.kvs[0].value),
+            pki.decode_certificate(stored_cert.kvs[0].value),
+            existing,
+        )
+    except pki.PKIError as e:
+        raise CuratorError(f"cluster PKI in etcd is damaged: {e}") from e

@@ -1,0 +1,152 @@
+"""Curator leader election on an etcd lease.
+
+Every curator grants a lease (TTL 10 s, as in Monogon) and tries to create
+the election key on it, create-if-absent::
+
+    txn: if /leader absent -> put LeaderElectionValue{node id, ttl} on our lease
+         else              -> read it: we follow its holder
+    follower: watch /leader until it is deleted (lease expired or revoked), retry
+    leader:   keep the lease alive; losing it ends the term (the runnable fails)
+
+The leader's writes are guarded by the election key's create revision
+(:meth:`Leader.guard`), so a leader that lost its lease without noticing
+cannot overwrite its successor's work. A key left by this same node's
+previous life (the process died, its lease lives on for up to a TTL) is
+deleted at once: no other curator can hold our node ID.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from metropolis.consensus.client import (
+    KV,
+    Compare,
+    Delete,
+    EtcdError,
+    Get,
+    Op,
+    Put,
+    RangeResult,
+    TxnResult,
+)
+from metropolis.curator.state import LEADER_KEY, CuratorError
+from metropolis.event import Value
+from metropolis.proto.curator import LeaderElectionValue
+
+__all__ = ["DEFAULT_TTL", "ElectionState", "Follower", "Leader", "NotLeader", "run_election"]
+
+#: Seconds a dead leader can block the election (Monogon's default).
+DEFAULT_TTL = 10
+
+
+class NotLeader(CuratorError):
+    """A guarded write failed because this curator no longer leads."""
+
+
+@dataclass(frozen=True)
+class Leader:
+    """This curator leads while its lease lives."""
+
+    node_id: str
+    lease_id: int
+    #: Create revision of the election key: the term's identity.
+    revision: int
+
+    def guard(self) -> Compare:
+        """True while this term's election key is the current one."""
+        return Compare.create_revision(LEADER_KEY, "==", self.revision)
+
+    async def txn(
+        self, kv: KV, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        """A transaction that only applies while we lead; :class:`NotLeader` otherwise.
+
+        ``compare`` failing (with leadership intact) returns the failed result.
+        """
+        result = await kv.txn([self.guard(), *compare], success, [Get(LEADER_KEY), *failure])
+        if not result.succeeded:
+            held = result.responses[0]
+            assert isinstance(held, RangeResult)
+            if not held.kvs or held.kvs[0].create_revision != self.revision:
+                raise NotLeader(f"leadership of term {self.revision} was lost")
+            result = TxnResult(False, result.responses[1:], result.revision)
+        return result
+
+
+@dataclass(frozen=True)
+class Follower:
+    """Another curator leads (``leader`` None: unknown or unreadable)."""
+
+    leader: LeaderElectionValue | None
+
+
+ElectionState = Leader | Follower
+
+
+async def run_election(
+    kv: KV,
+    node_id: str,
+    state: Value[ElectionState],
+    *,
+    ttl: int = DEFAULT_TTL,
+    logger: logging.Logger | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Campaign until cancelled, publishing the state to ``state``.
+
+    Signals ``task_status.started()`` once the lease is held. Raises the
+    etcd client's errors (``LeaseExpired`` when the lease is lost, which
+    ends a term; ``EtcdClosed`` when the client goes away). On the way out
+    the lease is revoked (best effort), so that another curator can lead
+    at once instead of after a TTL.
+    """
+    log = logger or logging.getLogger("metropolis.curator.election")
+    value = bytes(LeaderElectionValue(node_id=node_id, ttl=ttl))
+    lease = await kv.grant(ttl)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(kv.keep_alive, lease)
+            task_status.started()
+            while True:
+                result = await kv.txn(
+                    [Compare.absent(LEADER_KEY)],
+                    [Put(LEADER_KEY, value, lease=lease.id)],
+                    [Get(LEADER_KEY)],
+                )
+                if result.succeeded:
+                    log.info("this curator leads (term %d)", result.revision)
+                    state.set(Leader(node_id, lease.id, result.revision))
+                    await trio.sleep_forever()  # until keep_alive loses the lease
+                held = result.responses[0]
+                assert isinstance(held, RangeResult)
+                if not held.kvs:
+                    continue  # deleted in between: try again
+                current = held.kvs[0]
+                try:
+                    leader: LeaderElectionValue | None = LeaderElectionValue.parse(current.value)
+                except Exception:  # betterproto2 raises assorted errors on bad input
+                    leader = None
+                if leader is not None and leader.node_id == node_id:
+                    log.info("removing the election key of this node's previous life")
+                    await kv.txn(
+                        [Compare.mod_revision(LEADER_KEY, "==", current.mod_revision)],
+                        [Delete(LEADER_KEY)],
+                    )
+                    continue
+                log.info("following %s", leader.node_id if leader else "an unknown leader")
+                state.set(Follower(leader))
+                async with kv.watch(LEADER_KEY, start_revision=result.revision + 1) as watch:
+                    async for response in watch:
+                        if any(e.type == "DELETE" for e in response.events):
+                            break
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(2):
+            try:
+                await kv.revoke(lease.id)
+            except EtcdError as e:
+                log.info("lease not revoked on exit: %s", e)

@@ -1,0 +1,73 @@
+"""The curator as a supervised runnable: it follows consensus and campaigns.
+
+::
+
+    curator ── waits for a running consensus status, takes its etcd view
+       ├── election (in the curator's own task): lease, campaign, lead/follow
+       └── follower of consensus: a newer consensus status (restarted,
+           stopped) means the etcd client in hand is gone -> restart on request
+
+The curator never retries on a client that is gone: a newer consensus
+status, or ``EtcdClosed`` from the election, restarts it (``node.restart``,
+no backoff), and the restart waits for consensus to run again. The RPC API
+is served from here later; it reads :attr:`Curator.election` to know
+whether to answer or forward.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from metropolis.consensus.client import EtcdClosed
+from metropolis.consensus.service import Status
+from metropolis.curator.election import DEFAULT_TTL, ElectionState, Follower, run_election
+from metropolis.event import ReadOnlyValue, Value
+from metropolis.supervisor import Node
+
+__all__ = ["Curator"]
+
+
+class Curator:
+    """This node's curator. ``run`` is a supervisor runnable."""
+
+    def __init__(self, consensus: ReadOnlyValue[Status], node_id: str, *, ttl: int = DEFAULT_TTL):
+        self._consensus = consensus
+        self.node_id = node_id
+        self.ttl = ttl
+        self._election: Value[ElectionState] = Value()
+        self.election: ReadOnlyValue[ElectionState] = self._election.readonly()
+
+    async def run(self, node: Node) -> None:
+        """Run until cancelled; restarts itself (on request) when consensus changes.
+
+        Raises the etcd client's errors other than a closed client (the
+        supervisor restarts it with backoff).
+        """
+        self._election.set(Follower(None))
+        with self._consensus.watch() as watcher:
+            node.logger.info("waiting for consensus")
+            status = await watcher.get(lambda s: s.running)
+            kv = status.curator_client()
+            node.logger.info("consensus is running; campaigning")
+            async with trio.open_nursery() as nursery:
+
+                async def follow_consensus() -> None:
+                    await watcher.get()
+                    node.restart("consensus changed; its etcd client is gone")
+
+                async def elect(task_status: trio.TaskStatus[None]) -> None:
+                    try:
+                        await run_election(
+                            kv,
+                            self.node_id,
+                            self._election,
+                            ttl=self.ttl,
+                            logger=node.logger,
+                            task_status=task_status,
+                        )
+                    except EtcdClosed:
+                        node.restart("the etcd client closed")
+
+                nursery.start_soon(follow_consensus)
+                await nursery.start(elect)
+                node.signal_healthy()

@@ -1,0 +1,194 @@
+"""The curator core on a real etcd: records, bootstrap, election, following consensus."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from metropolis import identity, pki
+from metropolis.consensus import Config, Service, Status
+from metropolis.consensus.client import KV, Compare, Put
+from metropolis.curator.bootstrap import bootstrap_cluster
+from metropolis.curator.election import Follower, Leader, NotLeader, run_election
+from metropolis.curator.service import Curator
+from metropolis.curator.state import CuratorError, node_key, read_node, watch_node
+from metropolis.event import Value
+from metropolis.localstorage import Root
+from metropolis.proto.common import NodeRoles, NodeRolesKubernetesWorker, NodeState
+from metropolis.proto.curator import LeaderElectionValue, Node
+from metropolis.supervisor import Supervisor, open_supervisor
+from tests.fixtures.etcd import LOOPBACK_TUNING, free_port, kill_etcd
+
+BOUND = 60
+
+
+@asynccontextmanager
+async def consensus(tmp_path: Path) -> AsyncIterator[tuple[Service, Supervisor, Status]]:
+    root = Root(tmp_path / "n")
+    root.create()
+    service = Service(
+        Config(
+            data=root.data.etcd,
+            ephemeral=root.ephemeral.consensus,
+            node_private_key=pki.generate_key(),
+            peer_address=f"127.0.0.1:{free_port()}",
+            tuning=LOOPBACK_TUNING,
+        )
+    )
+    async with open_supervisor(service.run, name="consensus") as supervisor:
+        with trio.fail_after(BOUND):
+            status = await service.wait_running()
+        yield service, supervisor, status
+
+
+def _keys() -> dict[str, bytes]:
+    return {name: pki.public_key_bytes(pki.generate_key()) for name in ("node", "join", "owner")}
+
+
+async def _all_keys(status: Status) -> list[bytes]:
+    result = await status.curator_client().range(b"/", prefix=True)
+    return [kv.key for kv in result.kvs]
+
+
+async def test_bootstrap_cluster_is_one_idempotent_step(tmp_path: Path) -> None:
+    async with consensus(tmp_path) as (service, _, status):
+        key = pki.public_key_bytes(service.config.node_private_key)
+        join, owner = _keys()["join"], _keys()["owner"]
+        kwargs: dict[str, bytes] = dict(
+            node_public_key=key,
+            join_public_key=join,
+            cluster_unlock_key=b"cuk",
+            owner_public_key=owner,
+        )
+        first = await bootstrap_cluster(status, **kwargs)
+        keys = await _all_keys(status)
+        node = identity.node_id(key)
+        assert sorted(keys) == sorted(
+            [
+                b"/cluster-pki/ca/certificate",
+                b"/cluster-pki/ca/key",
+                b"/cluster-pki/issued/node-" + node.encode(),
+                b"/global/initial_owner",
+                b"/join_keys/" + join.hex().encode(),
+                node_key(node),
+            ]
+        )
+        record = await read_node(status.curator_client(), node)
+        assert record is not None and record == first.record
+        assert record.fsm_state == NodeState.UP
+        assert record.roles is not None
+        assert record.roles.consensus_member is not None
+        assert record.roles.kubernetes_controller is not None
+        # The node certificate makes valid node credentials.
+        identity.NodeCredentials(
+            service.config.node_private_key, first.node_certificate, first.ca_certificate
+        )
+
+        # Again: same cluster, nothing new written.
+        second = await bootstrap_cluster(status, **kwargs)
+        assert second.ca_certificate == first.ca_certificate
+        assert second.node_certificate == first.node_certificate
+        assert await _all_keys(status) == keys
+
+        # Another node's bootstrap on the same cluster is refused.
+        other = dict(kwargs, join_public_key=_keys()["join"])
+        with pytest.raises(CuratorError):
+            await bootstrap_cluster(status, **other)
+
+
+async def test_election_one_leader_failover_and_guarded_writes(tmp_path: Path) -> None:
+    async with consensus(tmp_path) as (_, _, status):
+        kv = status.curator_client()
+        a_state: Value[Leader | Follower] = Value()
+        b_state: Value[Leader | Follower] = Value()
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                a_scope = trio.CancelScope()
+
+                async def run_a(task_status: trio.TaskStatus[None]) -> None:
+                    with a_scope:
+                        await run_election(kv, "node-a", a_state, task_status=task_status)
+
+                await nursery.start(run_a)
+                with a_state.watch() as w:
+                    a_lead = await w.get(lambda s: isinstance(s, Leader))
+                nursery.start_soon(lambda: run_election(kv, "node-b", b_state))
+                with b_state.watch() as w:
+                    b_follow = await w.get()
+                assert isinstance(b_follow, Follower) and b_follow.leader is not None
+                assert b_follow.leader == LeaderElectionValue(node_id="node-a", ttl=10)
+
+                assert isinstance(a_lead, Leader)
+                assert (await a_lead.txn(kv, [], [Put(b"x", b"a")])).succeeded
+                # a stops (its lease is revoked): b takes over without waiting a TTL.
+                a_scope.cancel()
+                with b_state.watch() as w:
+                    b_lead = await w.get(lambda s: isinstance(s, Leader))
+                assert isinstance(b_lead, Leader)
+                with pytest.raises(NotLeader):
+                    await a_lead.txn(kv, [], [Put(b"x", b"stale")])
+                assert (await kv.get(b"x")).value == b"a"  # type: ignore[union-attr]
+                # A failing compare with leadership intact is just a failed txn.
+                failed = await b_lead.txn(kv, [Compare.absent(b"x")], [Put(b"x", b"b")])
+                assert not failed.succeeded
+                nursery.cancel_scope.cancel()
+
+
+async def test_stale_election_key_of_this_node_is_taken_over(tmp_path: Path) -> None:
+    async with consensus(tmp_path) as (_, _, status):
+        kv = status.curator_client()
+        # The key of our previous life, on a lease that lives on (TTL 60 s).
+        lease = await kv.grant(60)
+        await kv.put(b"/leader", bytes(LeaderElectionValue(node_id="me", ttl=10)), lease=lease.id)
+        state: Value[Leader | Follower] = Value()
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: run_election(kv, "me", state))
+                with state.watch() as w:
+                    assert isinstance(await w.get(lambda s: isinstance(s, Leader)), Leader)
+                nursery.cancel_scope.cancel()
+
+
+async def test_watch_node_sees_the_record_and_every_change(tmp_path: Path) -> None:
+    async with consensus(tmp_path) as (_, _, status):
+        kv: KV = status.curator_client()
+        seen: list[NodeRoles | None] = []
+        with trio.fail_after(BOUND):
+            async with watch_node(kv, "n1") as records:
+                await kv.put(node_key("n1"), bytes(Node(roles=NodeRoles())))
+                await kv.put(
+                    node_key("n1"),
+                    bytes(Node(roles=NodeRoles(kubernetes_worker=NodeRolesKubernetesWorker()))),
+                )
+                await kv.delete(node_key("n1"))
+                async for record in records:
+                    seen.append(None if record is None else record.roles)
+                    if len(seen) == 4:
+                        break
+        assert seen[0] is None  # nothing at first
+        assert seen[1] == NodeRoles()
+        assert seen[2] is not None and seen[2].kubernetes_worker is not None
+        assert seen[3] is None
+
+
+async def test_curator_leads_and_restarts_when_consensus_restarts(tmp_path: Path) -> None:
+    async with consensus(tmp_path) as (service, _, status):
+        curator = Curator(service.status, status.node_id)
+        with trio.fail_after(BOUND):
+            async with open_supervisor(curator.run, name="curator") as cs:
+                with curator.election.watch() as w:
+                    await w.get(lambda s: isinstance(s, Leader))
+                # Consensus restarts (a new etcd client): the curator restarts
+                # on request, which is not a failure, and leads again.
+                kill_etcd(service.config.ephemeral)
+                with service.status.watch() as sw:
+                    await sw.get(lambda s: not s.running)
+                with curator.election.watch() as w:
+                    await w.get(lambda s: isinstance(s, Follower))
+                    await w.get(lambda s: isinstance(s, Leader))
+                [info] = [i for i in cs.snapshot() if i.name == "curator"]
+                assert info.restarts >= 1 and info.last_error is None
