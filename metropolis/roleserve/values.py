@@ -1,0 +1,74 @@
+"""The role server's inputs and outputs, held in event values.
+
+* :class:`BootstrapData`: set once on the first node of a new cluster.
+* :class:`ClusterMembership`: how this node reaches the cluster: its
+  credentials, the cluster directory, and the local consensus and curator
+  when it runs them. It is *home* once it has credentials and a directory.
+* ``NodeRoles`` (``metropolis.proto.common``): what the cluster wants this
+  node to run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from metropolis import pki
+from metropolis.consensus.service import Service as ConsensusService
+from metropolis.curator.service import Curator
+from metropolis.identity import NodeCredentials
+from metropolis.proto.common import ClusterDirectory
+
+__all__ = ["BootstrapData", "ClusterMembership", "join_key_bytes"]
+
+
+@dataclass(frozen=True)
+class BootstrapData:
+    """What the first node needs to create a cluster (from the bootstrap command)."""
+
+    node_private_key: Ed25519PrivateKey
+    #: The key the node later proves itself with when it rejoins.
+    join_private_key: Ed25519PrivateKey
+    #: The cluster's half of the node's data partition key (kept in etcd).
+    cluster_unlock_key: bytes
+    #: The node's half (kept in the sealed configuration).
+    node_unlock_key: bytes
+    #: Ed25519 public key of the cluster's owner.
+    initial_owner_key: bytes
+
+    @property
+    def node_public_key(self) -> bytes:
+        return pki.public_key_bytes(self.node_private_key)
+
+    @property
+    def join_public_key(self) -> bytes:
+        return pki.public_key_bytes(self.join_private_key)
+
+
+def join_key_bytes(key: Ed25519PrivateKey) -> bytes:
+    """The join key as Go's ed25519 stores a private key: 64 bytes, seed + public key."""
+    seed = key.private_bytes(
+        serialization.Encoding.Raw,
+        serialization.PrivateFormat.Raw,
+        serialization.NoEncryption(),
+    )
+    return seed + pki.public_key_bytes(key)
+
+
+@dataclass(frozen=True)
+class ClusterMembership:
+    """How this node belongs to the cluster. Compared by identity of its services."""
+
+    public_key: bytes
+    credentials: NodeCredentials | None = None
+    #: Curators to reach (the cluster directory); this node's own included when local.
+    remote_curators: ClusterDirectory | None = None
+    local_consensus: ConsensusService | None = field(default=None, compare=False)
+    local_curator: Curator | None = field(default=None, compare=False)
+
+    @property
+    def home(self) -> bool:
+        """Whether the node can talk to its cluster: credentials and a directory."""
+        return self.credentials is not None and self.remote_curators is not None
