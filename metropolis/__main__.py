@@ -1,14 +1,127 @@
-"""Command-line entry point of the `metropolis` package."""
+"""Command-line entry point of the ``metropolis`` package.
+
+``metropolis node bootstrap --root DIR --address HOST --owner-key-out FILE
+[--insecure-seal]`` creates a cluster with this node as its first member and
+keeps running; ``metropolis node run --root DIR`` restarts a node from its
+saved state. SIGINT or SIGTERM stops everything (etcd included) and exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from metropolis import pki
+from metropolis.consensus.process import Tuning
+from metropolis.errors import MetropolisError
+from metropolis.localstorage import Root, atomic_write
+from metropolis.roleserve import disk
+from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.values import BootstrapData
+from metropolis.supervisor import Node, supervise
+
+log = logging.getLogger("metropolis.cli")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metropolis", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    node = commands.add_parser("node", help="run a cluster node")
+    actions = node.add_subparsers(dest="action", required=True)
+
+    boot = actions.add_parser("bootstrap", help="create a new cluster and run its first node")
+    boot.add_argument("--root", type=Path, required=True, help="the node's data directory")
+    boot.add_argument("--address", required=True, help="IP or name other nodes reach it at")
+    boot.add_argument(
+        "--owner-key-out", type=Path, required=True, help="where to write the owner's private key"
+    )
+    boot.add_argument(
+        "--insecure-seal",
+        action="store_true",
+        help="no TPM: store the sealed configuration in plain text",
+    )
+    boot.add_argument("--peer-port", type=int, default=7834, help="consensus peer port")
+    boot.add_argument(
+        "--raft-tuning",
+        default="100,1000",
+        metavar="HEARTBEAT_MS,ELECTION_MS",
+        help="etcd raft timing (loopback clusters can use 20,200)",
+    )
+
+    run = actions.add_parser("run", help="restart a node from its saved state")
+    run.add_argument("--root", type=Path, required=True, help="the node's data directory")
+    return parser
+
+
+def _bootstrap(args: argparse.Namespace) -> Root:
+    if not args.insecure_seal:
+        raise MetropolisError("no TPM support: pass --insecure-seal to store secrets in plain text")
+    heartbeat, election = (int(x) for x in args.raft_tuning.split(","))
+    root = Root(args.root.resolve())
+    if root.path.exists() and any(root.path.iterdir()):
+        raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
+    owner = pki.generate_key()
+    data = BootstrapData(
+        node_private_key=pki.generate_key(),
+        join_private_key=pki.generate_key(),
+        cluster_unlock_key=os.urandom(32),
+        node_unlock_key=os.urandom(32),
+        initial_owner_key=pki.public_key_bytes(owner),
+    )
+    settings = disk.NodeSettings(
+        address=args.address,
+        peer_port=args.peer_port,
+        tuning=Tuning(heartbeat, election),
+        insecure_seal=True,
+    )
+    args.owner_key_out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(args.owner_key_out.resolve(), pki.encode_private_key(owner))
+    disk.save_settings_and_intent(root, settings, data)
+    log.info("bootstrap intent saved in %s; owner key in %s", root.path, args.owner_key_out)
+    return root
+
+
+async def _run_node(root: Root) -> None:
+    saved = disk.load(root)
+    server = RoleServer(root, saved)
+
+    async def main(node: Node) -> None:
+        node.run("role", server.run)
+        node.signal_healthy()
+        await trio.sleep_forever()
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervise, main)
+            async for signum in signals:
+                log.info("%s: stopping", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="metropolis", description=__doc__)
-    parser.parse_args(argv)
-    parser.print_help()
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # One line per etcd request drowns the node's own log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        root = _bootstrap(args) if args.action == "bootstrap" else Root(args.root.resolve())
+        if args.action == "run":
+            disk.load(root)  # fail before starting anything
+        trio.run(_run_node, root)
+    except MetropolisError as e:
+        log.error("%s", e)
+        return 2
     return 0
 
 

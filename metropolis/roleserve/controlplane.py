@@ -1,0 +1,275 @@
+"""The control-plane worker: runs this node's consensus and curator when it should.
+
+Monogon's seed (``worker_controlplane.go``), reshaped for Trio::
+
+    bootstrap data ─ map-bootstrap-data ─┐
+    membership (home) ─ map-membership ──┼─▶ one memory channel ─▶ reduce ─▶ startup value
+    node roles ─ map-roles ──────────────┘       (a group: they restart together)
+                                                                  │
+    launcher: watches the startup value; runs consensus + curator ◀┘
+              inside a scope, which it leaves and re-enters (restart on
+              request) only when changed() says the control plane
+              appears or disappears.
+
+Bootstrap (as the seed, made restartable): start consensus (it bootstraps
+etcd), wait until it runs, :func:`~metropolis.curator.bootstrap.bootstrap_cluster`,
+save roles, cluster directory, sealed configuration and credentials
+(fsynced, credentials last), drop the bootstrap intent, start the curator,
+publish the new membership and the roles. Every step is idempotent, so a
+crash anywhere resumes on the next start.
+
+Bad join data in the roles is logged and skipped by ``reduce()``; nothing
+here fails on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+
+import trio
+
+from metropolis import consensus, pki
+from metropolis.curator.bootstrap import bootstrap_cluster
+from metropolis.curator.service import Curator
+from metropolis.event import ReadOnlyValue, Value
+from metropolis.identity import NodeCredentials
+from metropolis.localstorage import Root
+from metropolis.proto.common import (
+    ClusterDirectory,
+    ClusterDirectoryNode,
+    ClusterDirectoryNodeAddress,
+    NodeRoles,
+)
+from metropolis.proto.private import SealedConfiguration
+from metropolis.roleserve import disk
+from metropolis.roleserve.startup import (
+    BootstrapControlPlane,
+    BootstrapMessage,
+    ControlPlaneStartup,
+    JoinControlPlane,
+    MembershipMessage,
+    Message,
+    NoControlPlane,
+    ReduceState,
+    RolesMessage,
+    changed,
+    reduce,
+)
+from metropolis.roleserve.values import BootstrapData, ClusterMembership, join_key_bytes
+from metropolis.supervisor import Node, Scope
+
+__all__ = ["CRASH_ENV", "ControlPlaneWorker"]
+
+#: Test hook: the name of a bootstrap step at which the node SIGKILLs itself.
+CRASH_ENV = "METROPOLIS_TEST_CRASH_AT"
+
+
+def _crash_point(step: str) -> None:
+    """Die here, as a power cut would, if the test hook names ``step``."""
+    if os.environ.get(CRASH_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ControlPlaneWorker:
+    """The worker; ``run`` is a supervisor runnable. See the module docstring.
+
+    Reads ``bootstrap`` and ``roles``; reads and writes ``membership`` and
+    (after a bootstrap) ``roles``. ``startup`` is its internal decision,
+    exposed read-only for observers.
+    """
+
+    def __init__(
+        self,
+        *,
+        root: Root,
+        settings: disk.NodeSettings,
+        bootstrap: ReadOnlyValue[BootstrapData],
+        membership: Value[ClusterMembership],
+        roles: Value[NodeRoles],
+    ) -> None:
+        self._root = root
+        self._settings = settings
+        self._bootstrap = bootstrap
+        self._membership = membership
+        self._roles = roles
+        self._startup: Value[ControlPlaneStartup] = Value()
+        self.startup = self._startup.readonly()
+
+    async def run(self, node: Node) -> None:
+        """Run the mappers, the reducer and the launcher until cancelled."""
+        send, receive = trio.open_memory_channel[Message](0)
+
+        async def map_bootstrap(n: Node) -> None:
+            n.signal_healthy()
+            with self._bootstrap.watch() as w:
+                while True:
+                    await send.send(BootstrapMessage(await w.get()))
+
+        async def map_membership(n: Node) -> None:
+            n.signal_healthy()
+            with self._membership.watch() as w:
+                while True:
+                    await send.send(MembershipMessage(await w.get(lambda m: m.home)))
+
+        async def map_roles(n: Node) -> None:
+            n.signal_healthy()
+            with self._roles.watch() as w:
+                while True:
+                    await send.send(RolesMessage(await w.get()))
+
+        async def reducer(n: Node) -> None:
+            n.signal_healthy()
+            state = ReduceState()
+            last: ControlPlaneStartup | None = None
+            async for message in receive:
+                decision = reduce(state, message)
+                state = decision.state
+                if decision.problem is not None:
+                    n.logger.error("%s", decision.problem)
+                startup = decision.startup
+                if startup is not None and startup != last:
+                    n.logger.info("control plane: %s", type(startup).__name__)
+                    self._startup.set(startup)
+                    last = startup
+
+        # One channel between the members of one group: they restart together.
+        node.run_group(
+            {
+                "map-bootstrap-data": map_bootstrap,
+                "map-cluster-membership": map_membership,
+                "map-roles": map_roles,
+                "reduce": reducer,
+            }
+        )
+        node.run("launcher", self._launcher)
+        node.signal_healthy()
+        await trio.sleep_forever()
+
+    async def _launcher(self, node: Node) -> None:
+        node.logger.info("waiting for start data")
+        with self._startup.watch() as watcher:
+            current = await watcher.get()
+            # Two scopes, so that the curator (inner) stops before the
+            # consensus whose etcd client it uses (outer).
+            async with node.scope() as outer, node.scope() as inner:
+                if isinstance(current, NoControlPlane):
+                    node.logger.info("no control plane on this node")
+                    await self._publish_without_control_plane()
+                else:
+                    await self._start(node, outer, inner, current)
+                node.signal_healthy()
+                while True:
+                    new = await watcher.get()
+                    if changed(current, new):
+                        node.restart(f"control plane changes: {type(new).__name__}")
+                    current = new
+
+    async def _publish_without_control_plane(self) -> None:
+        """Drop the local services from the membership, if it names them."""
+        # The node sets a membership before the worker starts, so this
+        # returns at once.
+        with self._membership.watch() as w:
+            current = await w.get()
+        if current.local_consensus or current.local_curator:
+            self._membership.set(
+                ClusterMembership(current.public_key, current.credentials, current.remote_curators)
+            )
+
+    async def _start(
+        self,
+        node: Node,
+        outer: Scope,
+        inner: Scope,
+        startup: BootstrapControlPlane | JoinControlPlane,
+    ) -> None:
+        settings = self._settings
+        if isinstance(startup, BootstrapControlPlane):
+            key = startup.data.node_private_key
+            join = None
+        else:
+            key = startup.credentials.private_key
+            join = startup.join
+        config = consensus.Config(
+            data=self._root.data.etcd,
+            ephemeral=self._root.ephemeral.consensus,
+            node_private_key=key,
+            peer_address=settings.peer_address,
+            join_cluster=join,
+            tuning=settings.tuning,
+        )
+        service = consensus.Service(config)
+        node.logger.info("starting consensus and curator")
+        outer.run("consensus", service.run)
+
+        roles: NodeRoles | None = None
+        if isinstance(startup, BootstrapControlPlane):
+            credentials, directory, roles = await self._bootstrap_cluster(node, service, startup)
+        else:
+            credentials = startup.credentials
+            directory = startup.membership.remote_curators or ClusterDirectory()
+            directory = _with_node(directory, credentials.public_key, settings.address)
+
+        curator = Curator(service.status, credentials.node_id)
+        inner.run("curator", curator.run)
+        self._membership.set(
+            ClusterMembership(
+                public_key=credentials.public_key,
+                credentials=credentials,
+                remote_curators=directory,
+                local_consensus=service,
+                local_curator=curator,
+            )
+        )
+        if roles is not None:
+            self._roles.set(roles)
+
+    async def _bootstrap_cluster(
+        self, node: Node, service: consensus.Service, startup: BootstrapControlPlane
+    ) -> tuple[NodeCredentials, ClusterDirectory, NodeRoles]:
+        data = startup.data
+        node.logger.info("bootstrapping: waiting for consensus")
+        status = await service.wait_running()
+        node.logger.info("bootstrapping: creating the cluster")
+        result = await bootstrap_cluster(
+            status,
+            node_public_key=data.node_public_key,
+            join_public_key=data.join_public_key,
+            cluster_unlock_key=data.cluster_unlock_key,
+            owner_public_key=data.initial_owner_key,
+        )
+        _crash_point("after-bootstrap-cluster")
+        credentials = NodeCredentials(
+            data.node_private_key, result.node_certificate, result.ca_certificate
+        )
+        directory = _with_node(ClusterDirectory(), credentials.public_key, self._settings.address)
+        sealed = SealedConfiguration(
+            node_unlock_key=data.node_unlock_key,
+            join_key=join_key_bytes(data.join_private_key),
+            cluster_ca=pki.encode_certificate(result.ca_certificate, pki.Encoding.DER),
+        )
+        roles = result.record.roles or NodeRoles()
+        await trio.to_thread.run_sync(
+            functools.partial(
+                disk.finish_bootstrap,
+                self._root,
+                self._settings,
+                roles=roles,
+                directory=directory,
+                sealed=sealed,
+                credentials=credentials,
+            )
+        )
+        node.logger.info("bootstrap complete: %s", credentials.node_id)
+        return credentials, directory, roles
+
+
+def _with_node(directory: ClusterDirectory, public_key: bytes, host: str) -> ClusterDirectory:
+    """``directory`` with this node in it (added once, reachable at ``host``)."""
+    if any(n.public_key == public_key for n in directory.nodes):
+        return directory
+    node = ClusterDirectoryNode(
+        public_key=public_key, addresses=[ClusterDirectoryNodeAddress(host=host)]
+    )
+    return ClusterDirectory(nodes=[*directory.nodes, node])

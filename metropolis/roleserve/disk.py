@@ -1,0 +1,195 @@
+"""What a node keeps on disk to bootstrap a cluster and to restart from.
+
+In ``<root>/data/node/`` (owner-only), beside the credentials::
+
+    settings.json    address, peer port, raft timing, sealing mode   written first
+    bootstrap.json   the bootstrap intent: node key, join key, unlock keys, owner
+                     (present only until the bootstrap has finished)
+    roles.pb         the node's roles, as last received
+    credentials/     written last by a bootstrap: their presence means done
+
+and the cluster directory and sealed configuration under ``esp/``. A
+bootstrap saves roles, directory and sealed configuration, then the
+credentials, then removes the intent, so a node restarts from whatever a
+crash left: credentials -> run; intent without credentials -> resume the
+bootstrap (it is idempotent); neither -> a half-written root, refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from metropolis import pki
+from metropolis.consensus.process import Tuning
+from metropolis.errors import MetropolisError
+from metropolis.identity import CredentialsError, NodeCredentials
+from metropolis.localstorage import LocalStorageError, Root, atomic_write
+from metropolis.proto.common import ClusterDirectory, NodeRoles
+from metropolis.proto.private import SealedConfiguration
+from metropolis.roleserve.values import BootstrapData
+
+__all__ = [
+    "NodeRootError",
+    "NodeSettings",
+    "SavedNode",
+    "bootstrap_path",
+    "finish_bootstrap",
+    "load",
+    "roles_path",
+    "save_roles",
+    "save_settings_and_intent",
+]
+
+
+class NodeRootError(MetropolisError):
+    """The node's root directory is missing, foreign, or half-written."""
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """How this node runs; chosen at bootstrap, kept for every restart."""
+
+    #: Host (IP or name) other nodes reach this node at.
+    address: str
+    peer_port: int = 7834
+    tuning: Tuning = field(default_factory=Tuning)
+    #: No TPM: the sealed configuration is stored in plain text (logged).
+    insecure_seal: bool = False
+
+    @property
+    def peer_address(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.peer_port}"
+
+
+def settings_path(root: Root) -> Path:
+    return root.data.path / "node" / "settings.json"
+
+
+def bootstrap_path(root: Root) -> Path:
+    return root.data.path / "node" / "bootstrap.json"
+
+
+def roles_path(root: Root) -> Path:
+    return root.data.path / "node" / "roles.pb"
+
+
+def save_settings_and_intent(root: Root, settings: NodeSettings, data: BootstrapData) -> None:
+    """Create the root's layout and persist the settings and bootstrap intent (fsynced).
+
+    Refuses (:class:`NodeRootError`) a root that already holds a node.
+    """
+    if settings_path(root).exists() or root.data.node_credentials.all_present():
+        raise NodeRootError(f"{root.path} already holds a node; use 'run'")
+    root.create()
+    settings_raw = {
+        "address": settings.address,
+        "peer_port": settings.peer_port,
+        "heartbeat_ms": settings.tuning.heartbeat_ms,
+        "election_ms": settings.tuning.election_ms,
+        "insecure_seal": settings.insecure_seal,
+    }
+    intent = {
+        "node_private_key": pki.encode_private_key(data.node_private_key, pki.Encoding.DER).hex(),
+        "join_private_key": pki.encode_private_key(data.join_private_key, pki.Encoding.DER).hex(),
+        "cluster_unlock_key": data.cluster_unlock_key.hex(),
+        "node_unlock_key": data.node_unlock_key.hex(),
+        "initial_owner_key": data.initial_owner_key.hex(),
+    }
+    # The intent first: settings mark the root as a node's, and a node
+    # root must always tell how to go on.
+    atomic_write(bootstrap_path(root), json.dumps(intent).encode())
+    atomic_write(settings_path(root), json.dumps(settings_raw).encode())
+
+
+def save_roles(root: Root, roles: NodeRoles) -> None:
+    atomic_write(roles_path(root), bytes(roles))
+
+
+@dataclass(frozen=True)
+class SavedNode:
+    """What :func:`load` found: settings, and either a finished node or a bootstrap."""
+
+    settings: NodeSettings
+    bootstrap: BootstrapData | None
+    credentials: NodeCredentials | None
+    directory: ClusterDirectory | None
+    roles: NodeRoles | None
+
+
+def load(root: Root) -> SavedNode:
+    """Read a node's saved state; :class:`NodeRootError` says what is wrong."""
+    if not root.path.is_dir():
+        raise NodeRootError(f"{root.path}: no such directory (bootstrap a node first)")
+    try:
+        raw = json.loads(settings_path(root).read_bytes())
+        settings = NodeSettings(
+            address=str(raw["address"]),
+            peer_port=int(raw["peer_port"]),
+            tuning=Tuning(int(raw["heartbeat_ms"]), int(raw["election_ms"])),
+            insecure_seal=bool(raw["insecure_seal"]),
+        )
+    except FileNotFoundError:
+        raise NodeRootError(
+            f"{root.path} is not a node's root (no {settings_path(root)})"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise NodeRootError(f"{settings_path(root)} is damaged: {e}") from e
+
+    if root.data.node_credentials.all_present():
+        try:
+            credentials = NodeCredentials.load(root.data.node_credentials)
+            directory = root.esp.read_cluster_directory()
+            roles = NodeRoles.parse(roles_path(root).read_bytes())
+        except (CredentialsError, LocalStorageError, OSError) as e:
+            raise NodeRootError(f"{root.path} is half-written: {e}") from e
+        return SavedNode(settings, None, credentials, directory, roles)
+
+    try:
+        intent = json.loads(bootstrap_path(root).read_bytes())
+        data = BootstrapData(
+            node_private_key=pki.decode_private_key(bytes.fromhex(intent["node_private_key"])),
+            join_private_key=pki.decode_private_key(bytes.fromhex(intent["join_private_key"])),
+            cluster_unlock_key=bytes.fromhex(intent["cluster_unlock_key"]),
+            node_unlock_key=bytes.fromhex(intent["node_unlock_key"]),
+            initial_owner_key=bytes.fromhex(intent["initial_owner_key"]),
+        )
+    except FileNotFoundError:
+        raise NodeRootError(
+            f"{root.path} is half-written: neither credentials nor a bootstrap intent"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError, pki.PKIError) as e:
+        raise NodeRootError(f"{bootstrap_path(root)} is damaged: {e}") from e
+    return SavedNode(settings, data, None, None, None)
+
+
+def finish_bootstrap(
+    root: Root,
+    settings: NodeSettings,
+    *,
+    roles: NodeRoles,
+    directory: ClusterDirectory,
+    sealed: SealedConfiguration,
+    credentials: NodeCredentials,
+) -> None:
+    """Persist a finished bootstrap in crash-safe order, then drop the intent.
+
+    Blocking I/O (fsync): call it from a worker thread.
+    """
+    save_roles(root, roles)
+    root.esp.write_cluster_directory(directory)
+    root.esp.sealed_configuration.seal(sealed, insecure=settings.insecure_seal)
+    credentials.save(root.data.node_credentials)
+    bootstrap_path(root).unlink(missing_ok=True)
+    _fsync_dir(bootstrap_path(root).parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

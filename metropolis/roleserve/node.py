@@ -1,0 +1,76 @@
+"""A whole node: its role server values, the control-plane worker, persisted roles.
+
+::
+
+    root ── role ──┬── controlplane ──┬── map-*, reduce (a group)
+                   │                  └── launcher ──┬── consensus (etcd)
+                   │                                 └── curator
+                   └── persist-roles: roles ──> data/node/roles.pb
+
+:class:`RoleServer` publishes what :func:`~.disk.load` found (a finished
+node: credentials, directory, roles; or a bootstrap intent) and runs the
+worker on it. Roles are written to disk whenever they change, so a
+single-node cluster restarts from its disk alone.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import trio
+
+from metropolis.event import Value
+from metropolis.localstorage import Root
+from metropolis.proto.common import NodeRoles
+from metropolis.roleserve import disk
+from metropolis.roleserve.controlplane import ControlPlaneWorker
+from metropolis.roleserve.values import BootstrapData, ClusterMembership
+from metropolis.supervisor import Node
+
+__all__ = ["RoleServer"]
+
+
+class RoleServer:
+    """The role server of one node; ``run`` is a supervisor runnable.
+
+    Its values are public for observers and (in tests, and later the
+    curator's role fetch) for feeding roles in.
+    """
+
+    def __init__(self, root: Root, saved: disk.SavedNode) -> None:
+        self.root = root
+        self.settings = saved.settings
+        self.bootstrap: Value[BootstrapData] = Value()
+        self.membership: Value[ClusterMembership] = Value()
+        self.roles: Value[NodeRoles] = Value()
+        if saved.credentials is not None:
+            self.membership.set(
+                ClusterMembership(saved.credentials.public_key, saved.credentials, saved.directory)
+            )
+        elif saved.bootstrap is not None:
+            self.membership.set(ClusterMembership(saved.bootstrap.node_public_key))
+            self.bootstrap.set(saved.bootstrap)
+        else:  # load() never returns this
+            raise disk.NodeRootError("saved node has neither credentials nor a bootstrap intent")
+        if saved.roles is not None:
+            self.roles.set(saved.roles)
+        self.worker = ControlPlaneWorker(
+            root=root,
+            settings=self.settings,
+            bootstrap=self.bootstrap.readonly(),
+            membership=self.membership,
+            roles=self.roles,
+        )
+
+    async def run(self, node: Node) -> None:
+        node.run("controlplane", self.worker.run)
+        node.run("persist-roles", self._persist_roles)
+        node.signal_healthy()
+        await trio.sleep_forever()
+
+    async def _persist_roles(self, node: Node) -> None:
+        node.signal_healthy()
+        with self.roles.watch() as watcher:
+            while True:
+                roles = await watcher.get()
+                await trio.to_thread.run_sync(functools.partial(disk.save_roles, self.root, roles))
