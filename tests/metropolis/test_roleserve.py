@@ -1,0 +1,196 @@
+"""The role server in-process on real etcd: bootstrap from nothing, and the launcher.
+
+The node's values are fed directly (as the curator's role fetch will), and
+the tests watch etcd's pid to tell a restarted control plane from a kept one.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from metropolis import pki
+from metropolis.consensus.client import Client
+from metropolis.consensus.process import SOCKET_NAME
+from metropolis.curator.election import Leader
+from metropolis.identity import NodeCredentials, node_id
+from metropolis.localstorage import Root
+from metropolis.proto.common import (
+    NodeRoles,
+    NodeRolesConsensusMember,
+    NodeRolesKubernetesController,
+)
+from metropolis.roleserve import disk
+from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.values import BootstrapData, ClusterMembership
+from metropolis.supervisor import Supervisor, open_supervisor
+from tests.fixtures.etcd import LOOPBACK_TUNING, etcd_pid, free_port
+
+BOUND = 90
+
+
+def new_root(path: Path) -> tuple[Root, BootstrapData]:
+    root = Root(path)
+    data = BootstrapData(
+        node_private_key=pki.generate_key(),
+        join_private_key=pki.generate_key(),
+        cluster_unlock_key=b"c" * 32,
+        node_unlock_key=b"n" * 32,
+        initial_owner_key=pki.public_key_bytes(pki.generate_key()),
+    )
+    settings = disk.NodeSettings(
+        address="127.0.0.1", peer_port=free_port(), tuning=LOOPBACK_TUNING, insecure_seal=True
+    )
+    disk.save_settings_and_intent(root, settings, data)
+    return root, data
+
+
+def _local(m: ClusterMembership) -> bool:
+    return m.home and m.local_consensus is not None and m.local_curator is not None
+
+
+@asynccontextmanager
+async def node(root: Root) -> AsyncIterator[tuple[RoleServer, Supervisor, ClusterMembership]]:
+    server = RoleServer(root, disk.load(root))
+    async with open_supervisor(server.run, name="role") as supervisor:
+        with trio.fail_after(BOUND), server.membership.watch() as w:
+            membership = await w.get(_local)
+        yield server, supervisor, membership
+
+
+async def _leader(membership: ClusterMembership) -> Leader:
+    assert membership.local_curator is not None
+    with membership.local_curator.election.watch() as w:
+        state = await w.get(lambda s: isinstance(s, Leader))
+    assert isinstance(state, Leader)
+    return state
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def test_bootstrap_from_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root, data = new_root(tmp_path / "n")
+    caplog.set_level(logging.INFO)
+    async with node(root) as (_, _, membership):
+        with trio.fail_after(BOUND):
+            await _leader(membership)
+        me = node_id(data.node_public_key)
+        assert membership.credentials is not None and membership.credentials.node_id == me
+
+        # The expected keys, each exactly once.
+        async with Client(root.ephemeral.consensus / SOCKET_NAME) as etcd:
+            keys = [kv.key for kv in (await etcd.range(b"", prefix=True)).kvs]
+        curator = sorted(k for k in keys if k.startswith(b"namespaced/curator/"))
+        assert curator == sorted(
+            b"namespaced/curator/" + k
+            for k in [
+                b"/cluster-pki/ca/certificate",
+                b"/cluster-pki/ca/key",
+                b"/cluster-pki/issued/node-" + me.encode(),
+                b"/global/initial_owner",
+                b"/join_keys/" + data.join_public_key.hex().encode(),
+                b"/leader",
+                b"/nodes/" + me.encode(),
+            ]
+        )
+        assert len(keys) == len(set(keys))
+        assert sum(k.startswith(b"namespaced/etcd-pki/ca/certificate") for k in keys) == 1
+
+    # On disk, with the right modes, and parsing back.
+    creds_dir = root.data.node_credentials
+    for path in creds_dir.files():
+        assert _mode(path) == 0o600, path
+    assert _mode(creds_dir.path) == 0o700
+    credentials = NodeCredentials.load(creds_dir)
+    assert credentials.public_key == data.node_public_key
+    directory = root.esp.read_cluster_directory()
+    assert _mode(root.esp.cluster_directory) == 0o644
+    assert [(n.public_key, [a.host for a in n.addresses]) for n in directory.nodes] == [
+        (data.node_public_key, ["127.0.0.1"])
+    ]
+    sealed_path = root.esp.sealed_configuration.path
+    assert _mode(sealed_path) == 0o600
+    sealed = root.esp.sealed_configuration.unseal(insecure=True)
+    assert sealed.node_unlock_key == data.node_unlock_key
+    assert len(sealed.join_key) == 64 and sealed.join_key[32:] == data.join_public_key
+    assert pki.decode_certificate(sealed.cluster_ca) == credentials.ca_certificate
+    roles = NodeRoles.parse(disk.roles_path(root).read_bytes())
+    assert roles.consensus_member is not None and roles.kubernetes_controller is not None
+    assert not disk.bootstrap_path(root).exists()
+    # Consensus started etcd once, and the bootstrap ran once.
+    starts = [r for r in caplog.records if r.getMessage().startswith("starting etcd:")]
+    assert len(starts) == 1
+    assert etcd_pid(root.ephemeral.consensus) is None
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while True:
+        if predicate():
+            return
+        await trio.sleep(0.05)
+
+
+async def test_launcher_restarts_only_when_the_control_plane_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, _ = new_root(tmp_path / "n")
+    caplog.set_level(logging.INFO)
+    launcher = "role.controlplane.launcher"
+    async with node(root) as (server, supervisor, membership):
+        pid = etcd_pid(root.ephemeral.consensus)
+        assert pid is not None
+        with server.roles.watch() as w:
+            roles = await w.get()
+        assert roles.consensus_member is not None
+
+        def restarts() -> int:
+            return next(i.restarts for i in supervisor.snapshot() if i.name == launcher)
+
+        with trio.fail_after(BOUND):
+            # KubernetesController off and on, membership churn: nothing restarts.
+            server.roles.set(NodeRoles(consensus_member=roles.consensus_member))
+            server.membership.set(
+                ClusterMembership(
+                    membership.public_key,
+                    membership.credentials,
+                    membership.remote_curators,
+                    membership.local_consensus,
+                    membership.local_curator,
+                )
+            )
+            server.roles.set(roles)
+            # Corrupt join data: logged and skipped. Messages are handled in
+            # order, so once it is logged everything before was handled too.
+            bad = NodeRolesConsensusMember(ca_certificate=b"junk", peer_certificate=b"junk")
+            server.roles.set(NodeRoles(consensus_member=bad))
+            await _until(lambda: any("role skipped" in r.getMessage() for r in caplog.records))
+            assert etcd_pid(root.ephemeral.consensus) == pid
+            assert restarts() == 0
+
+            # Without ConsensusMember: consensus and curator stop.
+            server.roles.set(NodeRoles(kubernetes_controller=NodeRolesKubernetesController()))
+            with server.membership.watch() as mw:
+                await mw.get(lambda m: m.home and m.local_consensus is None)
+            await _until(lambda: etcd_pid(root.ephemeral.consensus) is None)
+            assert restarts() == 1
+            assert disk.load(root).roles == NodeRoles(
+                kubernetes_controller=NodeRolesKubernetesController()
+            )
+
+            # And back: they start again, and lead again.
+            server.roles.set(roles)
+            with server.membership.watch() as mw:
+                again = await mw.get(_local)
+            await _leader(again)
+            assert etcd_pid(root.ephemeral.consensus) not in (None, pid)
+            assert restarts() == 2
+        info = next(i for i in supervisor.snapshot() if i.name == launcher)
+        assert info.last_error is None  # restarts on request, never failures
