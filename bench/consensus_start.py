@@ -7,8 +7,8 @@ Start-up, each on a fresh directory, median of ``--runs``:
 - baseline: a bare ``etcd`` (plain peers, new data dir) until it answers on
   its UNIX socket;
 - bootstrap: the consensus service on an empty node until its status says
-  running (two etcd starts: a plain one to create the PKI in etcd, then the
-  TLS one), with supervisor, CRL watcher and promoter;
+  running (one etcd start, with peer TLS; the PKI is made before and stored
+  in etcd after), with supervisor, CRL watcher and promoter;
 - restart: the same service again on the data the bootstrap left, against
   bare etcd restarted on its own data (the second baseline).
 

@@ -49,6 +49,7 @@ __all__ = [
     "Root",
     "SealedConfigurationFile",
     "atomic_write",
+    "make_durable",
     "read_file",
 ]
 
@@ -67,7 +68,9 @@ class InsecureSealError(LocalStorageError):
     """Sealing or unsealing needs a TPM, or explicit consent to do without one."""
 
 
-def atomic_write(path: Path, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:
+def atomic_write(
+    path: Path, data: bytes, mode: int = PRIVATE_FILE_MODE, *, durable: bool = True
+) -> None:
     """Replace ``path`` with ``data`` so that readers see the old or the new file, never a mix.
 
     The steps, and why each is there::
@@ -80,6 +83,11 @@ def atomic_write(path: Path, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None
 
     On any error the temp file is removed and ``path`` is untouched. Blocking
     I/O: call from a thread (``trio.to_thread.run_sync``) if latency matters.
+
+    ``durable=False`` skips both fsyncs: still atomic for readers, but not
+    yet crash-proof; the caller must :func:`make_durable` the path before
+    anything depends on it surviving a power cut (this lets the syncing
+    overlap other work).
     """
     directory = path.parent
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
@@ -89,13 +97,27 @@ def atomic_write(path: Path, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    _fsync_directory(directory)
+    if durable:
+        _fsync_directory(directory)
+
+
+def make_durable(paths: list[Path]) -> None:
+    """fsync each file, then each of their directories (once): what ``atomic_write`` skipped."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for directory in dict.fromkeys(p.parent for p in paths):
+        _fsync_directory(directory)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -210,16 +232,18 @@ class PKIDirectory:
     def create(self) -> None:
         _make_private_dir(self.path)
 
-    def write_all(self, ca_certificate: bytes, certificate: bytes, key: bytes) -> None:
+    def write_all(
+        self, ca_certificate: bytes, certificate: bytes, key: bytes, *, durable: bool = True
+    ) -> None:
         """Write all three files (owner-only) atomically each, the key last.
 
         The key goes last so that a crash part-way leaves no key paired with
         a stale certificate without the loader noticing the mismatch.
         """
         self.create()
-        atomic_write(self.ca_certificate, ca_certificate)
-        atomic_write(self.certificate, certificate)
-        atomic_write(self.key, key)
+        atomic_write(self.ca_certificate, ca_certificate, durable=durable)
+        atomic_write(self.certificate, certificate, durable=durable)
+        atomic_write(self.key, key, durable=durable)
 
 
 @dataclass(frozen=True)

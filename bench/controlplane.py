@@ -1,0 +1,131 @@
+"""Control-plane start against bare etcd, measured in one run.
+
+    python -m bench.controlplane [--runs 5]
+
+Each on a fresh directory, median of ``--runs``:
+
+- baseline: a bare ``etcd`` (plain peers, new data dir) until it answers on
+  its UNIX socket; and the same etcd restarted on its own data;
+- bootstrap to home: a role server on a root holding only a bootstrap
+  intent, until its membership is home with local consensus and curator
+  (etcd started with peer TLS, cluster created in etcd, credentials,
+  directory, sealed configuration and roles fsynced); and until the
+  curator leads;
+- run to home: the same role server restarted on what the bootstrap left
+  (ratio against the bare restart).
+
+In-process (no Python start-up): the node's own work is what is measured.
+All etcds use the loopback raft timing (heartbeat 20 ms, election 200 ms).
+Prints one table; each figure is also given as a ratio to its baseline.
+Goal: <= 1.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+from metropolis import pki
+from metropolis.consensus.process import ProcessConfig, run_etcd
+from metropolis.curator.election import Leader
+from metropolis.localstorage import Root
+from metropolis.roleserve import disk
+from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.values import BootstrapData
+from metropolis.supervisor import open_supervisor
+from tests.fixtures.etcd import LOOPBACK_TUNING, free_port
+
+logger = logging.getLogger("bench.controlplane")
+_PORTS: dict[Path, int] = {}
+
+
+async def bare_etcd_start(directory: Path) -> float:
+    """A bare etcd until it answers (a restart when ``directory`` has its data)."""
+    # A restart must advertise the peer URL its data was created with.
+    port = _PORTS.setdefault(directory, free_port())
+    config = ProcessConfig.standalone("bench", directory, port, LOOPBACK_TUNING)
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        await nursery.start(run_etcd, config, logger)
+        elapsed = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    return elapsed
+
+
+def prepare(root: Root) -> None:
+    data = BootstrapData(
+        node_private_key=pki.generate_key(),
+        join_private_key=pki.generate_key(),
+        cluster_unlock_key=b"c" * 32,
+        node_unlock_key=b"n" * 32,
+        initial_owner_key=pki.public_key_bytes(pki.generate_key()),
+    )
+    settings = disk.NodeSettings(
+        address="127.0.0.1", peer_port=free_port(), tuning=LOOPBACK_TUNING, insecure_seal=True
+    )
+    disk.save_settings_and_intent(root, settings, data)
+
+
+async def node_start(root: Root) -> tuple[float, float]:
+    """Seconds until home with a running local control plane, and until the curator leads."""
+    server = RoleServer(root, disk.load(root))
+    start = trio.current_time()
+    async with open_supervisor(server.run, name="role"):
+        with server.membership.watch() as w:
+            membership = await w.get(
+                lambda m: m.home and m.local_consensus is not None and m.local_curator is not None
+            )
+        assert membership.local_consensus is not None and membership.local_curator is not None
+        await membership.local_consensus.wait_running()
+        home = trio.current_time() - start
+        with membership.local_curator.election.watch() as e:
+            await e.get(lambda s: isinstance(s, Leader))
+        leads = trio.current_time() - start
+    return home, leads
+
+
+async def _median(runs: int, measure: Callable[[int], Awaitable[float]]) -> float:
+    return statistics.median([await measure(i) for i in range(runs)])
+
+
+async def main(runs: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-cp-") as tmp:
+        base = Path(tmp)
+        bare = await _median(runs, lambda i: bare_etcd_start(base / f"bare{i}"))
+        bare_restart = await _median(runs, lambda i: bare_etcd_start(base / f"bare{i}"))
+
+        roots = [Root(base / f"n{i}") for i in range(runs)]
+        for root in roots:
+            prepare(root)
+        boots = [await node_start(root) for root in roots]
+        restarts = [await node_start(root) for root in roots]
+
+    boot_home = statistics.median(b[0] for b in boots)
+    boot_leads = statistics.median(b[1] for b in boots)
+    run_home = statistics.median(r[0] for r in restarts)
+    run_leads = statistics.median(r[1] for r in restarts)
+    rows = [
+        ("etcd bare start (baseline)", bare, 1.0),
+        ("bootstrap to home", boot_home, boot_home / bare),
+        ("bootstrap to curator leading", boot_leads, boot_leads / bare),
+        ("etcd bare restart (baseline)", bare_restart, 1.0),
+        ("run to home", run_home, run_home / bare_restart),
+        ("run to curator leading", run_leads, run_leads / bare_restart),
+    ]
+    print(f"{'measure':<40} {'value':>10} {'ratio':>8}")
+    for name, seconds, ratio in rows:
+        print(f"{name:<40} {seconds * 1000:>7.0f} ms {ratio:>8.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    trio.run(main, args.runs)
