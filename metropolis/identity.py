@@ -111,7 +111,7 @@ class NodeCredentials:
             ca_certificate=_decode("CA certificate", pki.decode_certificate, ca_certificate),
         )
 
-    def save(self, directory: PKIDirectory) -> None:
+    def save(self, directory: PKIDirectory, *, durable: bool = True) -> None:
         """Write the three PEM files into ``directory``, owner-only, each atomically.
 
         The credentials are valid by construction, so nothing invalid can be
@@ -121,6 +121,7 @@ class NodeCredentials:
             ca_certificate=pki.encode_certificate(self.ca_certificate),
             certificate=pki.encode_certificate(self.certificate),
             key=pki.encode_private_key(self.private_key),
+            durable=durable,
         )
 
     @classmethod

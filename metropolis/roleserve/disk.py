@@ -26,7 +26,7 @@ from metropolis import pki
 from metropolis.consensus.process import Tuning
 from metropolis.errors import MetropolisError
 from metropolis.identity import CredentialsError, NodeCredentials
-from metropolis.localstorage import LocalStorageError, Root, atomic_write
+from metropolis.localstorage import LocalStorageError, Root, atomic_write, make_durable
 from metropolis.proto.common import ClusterDirectory, NodeRoles
 from metropolis.proto.private import SealedConfiguration
 from metropolis.roleserve.values import BootstrapData
@@ -179,10 +179,15 @@ def finish_bootstrap(
 
     Blocking I/O (fsync): call it from a worker thread.
     """
-    save_roles(root, roles)
-    root.esp.write_cluster_directory(directory)
-    root.esp.sealed_configuration.seal(sealed, insecure=settings.insecure_seal)
-    credentials.save(root.data.node_credentials)
+    # Two rounds of parallel fsyncs keep the order that matters: the
+    # credentials (which mean "done") only after everything else is durable.
+    atomic_write(roles_path(root), bytes(roles), durable=False)
+    root.esp.write_cluster_directory(directory, durable=False)
+    sealed_file = root.esp.sealed_configuration
+    sealed_file.seal(sealed, insecure=settings.insecure_seal, durable=False)
+    make_durable([roles_path(root), root.esp.cluster_directory, sealed_file.path])
+    credentials.save(root.data.node_credentials, durable=False)
+    make_durable(list(root.data.node_credentials.files()))
     bootstrap_path(root).unlink(missing_ok=True)
     _fsync_dir(bootstrap_path(root).parent)
 
