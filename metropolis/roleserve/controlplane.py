@@ -239,6 +239,7 @@ class ControlPlaneWorker:
             cluster_unlock_key=data.cluster_unlock_key,
             owner_public_key=data.initial_owner_key,
         )
+        node.logger.info("bootstrapping: cluster created in etcd; saving credentials")
         _crash_point("after-bootstrap-cluster")
         credentials = NodeCredentials(
             data.node_private_key, result.node_certificate, result.ca_certificate
