@@ -2,7 +2,9 @@
 
     python -m bench.controlplane [--runs 5]
 
-Each on a fresh directory, median of ``--runs``:
+Each on a fresh directory, ``--runs`` times, each node start right after
+its baseline (interleaved: the machine's load drifts); figures are medians,
+ratios the median of the per-pair ratios:
 
 - baseline: a bare ``etcd`` (plain peers, new data dir) until it answers on
   its UNIX socket; and the same etcd restarted on its own data;
@@ -26,7 +28,6 @@ import argparse
 import logging
 import statistics
 import tempfile
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -90,35 +91,37 @@ async def node_start(root: Root) -> tuple[float, float]:
     return home, leads
 
 
-async def _median(runs: int, measure: Callable[[int], Awaitable[float]]) -> float:
-    return statistics.median([await measure(i) for i in range(runs)])
-
-
 async def main(runs: int) -> None:
+    # Interleaved, so that a load change on this shared machine hits a node
+    # start and its baseline alike; each ratio is the median of per-pair ratios.
+    bare: list[float] = []
+    boots: list[tuple[float, float]] = []
+    bare_restart: list[float] = []
+    restarts: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cp-") as tmp:
         base = Path(tmp)
-        bare = await _median(runs, lambda i: bare_etcd_start(base / f"bare{i}"))
-        bare_restart = await _median(runs, lambda i: bare_etcd_start(base / f"bare{i}"))
-
         roots = [Root(base / f"n{i}") for i in range(runs)]
-        for root in roots:
+        for i, root in enumerate(roots):
             prepare(root)
-        boots = [await node_start(root) for root in roots]
-        restarts = [await node_start(root) for root in roots]
+            bare.append(await bare_etcd_start(base / f"bare{i}"))
+            boots.append(await node_start(root))
+        for i, root in enumerate(roots):
+            bare_restart.append(await bare_etcd_start(base / f"bare{i}"))
+            restarts.append(await node_start(root))
 
-    boot_home = statistics.median(b[0] for b in boots)
-    boot_leads = statistics.median(b[1] for b in boots)
-    run_home = statistics.median(r[0] for r in restarts)
-    run_leads = statistics.median(r[1] for r in restarts)
+    def row(name: str, values: list[float], baseline: list[float]) -> tuple[str, float, float]:
+        ratio = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
+        return name, statistics.median(values), ratio
+
     rows = [
-        ("etcd bare start (baseline)", bare, 1.0),
-        ("bootstrap to home", boot_home, boot_home / bare),
-        ("bootstrap to curator leading", boot_leads, boot_leads / bare),
-        ("etcd bare restart (baseline)", bare_restart, 1.0),
-        ("run to home", run_home, run_home / bare_restart),
-        ("run to curator leading", run_leads, run_leads / bare_restart),
+        row("etcd bare start (baseline)", bare, bare),
+        row("bootstrap to home", [b[0] for b in boots], bare),
+        row("bootstrap to curator leading", [b[1] for b in boots], bare),
+        row("etcd bare restart (baseline)", bare_restart, bare_restart),
+        row("run to home", [r[0] for r in restarts], bare_restart),
+        row("run to curator leading", [r[1] for r in restarts], bare_restart),
     ]
-    print(f"{'measure':<40} {'value':>10} {'ratio':>8}")
+    print(f"{'measure':<40} {'median':>10} {'ratio':>8}")
     for name, seconds, ratio in rows:
         print(f"{name:<40} {seconds * 1000:>7.0f} ms {ratio:>8.2f}")
 

@@ -18,7 +18,6 @@ bootstrap (it is idempotent); neither -> a half-written root, refused.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,13 +187,6 @@ def finish_bootstrap(
     make_durable([roles_path(root), root.esp.cluster_directory, sealed_file.path])
     credentials.save(root.data.node_credentials, durable=False)
     make_durable(list(root.data.node_credentials.files()))
+    # Not fsynced: should the intent come back after a power cut, load()
+    # prefers the credentials and the intent is ignored.
     bootstrap_path(root).unlink(missing_ok=True)
-    _fsync_dir(bootstrap_path(root).parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
