@@ -128,6 +128,9 @@ async def test_bootstrap_then_run_after_clean_stop_and_after_sigkill(tmp_path: P
     with trio.fail_after(BOUND):
         async with node(*bootstrap_args(tmp_path)) as first:
             await first.wait_for(LEADS)
+            # Logs carry the supervisor's dotted names.
+            assert first.logged(" root.role.controlplane.launcher.curator: ")
+            assert first.logged(" root.role.controlplane.launcher.consensus.etcd: ")
             keys = await _curator_keys(root)
             identity = _identity(root)
             first.process.send_signal(signal.SIGTERM)
@@ -210,3 +213,28 @@ def test_run_refuses_a_bad_root(tmp_path: Path, damage: str) -> None:
         "half-written": "half-written",
     }[damage]
     assert expected in result.stderr
+
+
+def test_bootstrap_refuses_a_used_root_and_needs_insecure_seal(tmp_path: Path) -> None:
+    args = bootstrap_args(tmp_path)
+    used = tmp_path / "n"
+    used.mkdir()
+    (used / "data").mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "metropolis", "node", *args],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    assert result.returncode == 2 and "not empty" in result.stderr
+
+    no_seal = [a for a in args if a != "--insecure-seal"]
+    no_seal[no_seal.index("--root") + 1] = str(tmp_path / "fresh")
+    result = subprocess.run(
+        [sys.executable, "-m", "metropolis", "node", *no_seal],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    assert result.returncode == 2 and "--insecure-seal" in result.stderr
+    assert not (tmp_path / "fresh").exists()
