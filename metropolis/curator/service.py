@@ -65,7 +65,8 @@ class Curator:
                             logger=node.logger,
                             task_status=task_status,
                         )
-                    except EtcdClosed:
+                    except* EtcdClosed:
+                        # Also from inside the election's nursery (keep-alive).
                         node.restart("the etcd client closed")
 
                 nursery.start_soon(follow_consensus)
