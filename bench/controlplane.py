@@ -33,6 +33,7 @@ from pathlib import Path
 import trio
 
 from metropolis import pki
+from metropolis.consensus.localetcd import LOOPBACK_TUNING
 from metropolis.consensus.process import ProcessConfig, run_etcd
 from metropolis.curator.election import Leader
 from metropolis.localstorage import Root
@@ -40,7 +41,7 @@ from metropolis.roleserve import disk
 from metropolis.roleserve.node import RoleServer
 from metropolis.roleserve.values import BootstrapData
 from metropolis.supervisor import open_supervisor
-from tests.fixtures.etcd import LOOPBACK_TUNING, free_port
+from monotrio.net import free_loopback_port
 
 logger = logging.getLogger("bench.controlplane")
 _PORTS: dict[Path, int] = {}
@@ -49,7 +50,7 @@ _PORTS: dict[Path, int] = {}
 async def bare_etcd_start(directory: Path) -> float:
     """A bare etcd until it answers (a restart when ``directory`` has its data)."""
     # A restart must advertise the peer URL its data was created with.
-    port = _PORTS.setdefault(directory, free_port())
+    port = _PORTS.setdefault(directory, free_loopback_port())
     config = ProcessConfig.standalone("bench", directory, port, LOOPBACK_TUNING)
     async with trio.open_nursery() as nursery:
         start = trio.current_time()
@@ -68,7 +69,10 @@ def prepare(root: Root) -> None:
         initial_owner_key=pki.public_key_bytes(pki.generate_key()),
     )
     settings = disk.NodeSettings(
-        address="127.0.0.1", peer_port=free_port(), tuning=LOOPBACK_TUNING, insecure_seal=True
+        address="127.0.0.1",
+        peer_port=free_loopback_port(),
+        tuning=LOOPBACK_TUNING,
+        insecure_seal=True,
     )
     disk.save_settings_and_intent(root, settings, data)
 

@@ -10,10 +10,16 @@
     │   ├── PeerPKIError           .peerpki: the peer CA, certificates or CRL in etcd
     │   └── EtcdError              .client: anything the etcd client raises
     │       ├── EtcdUnavailable    etcd cannot be reached (socket gone, refused,
-    │       │                      dropped, garbled answer, client closed)
+    │       │                      dropped, garbled answer): may pass, retried
+    │       ├── EtcdClosed         this client was closed: never passes, never retried
+    │       ├── SocketPathTooLong  a UNIX socket path over the kernel's 108 bytes
     │       ├── EtcdAPIError       etcd answered with an error (``code``, ``transient``)
     │       ├── LeaseExpired       the lease is gone
     │       └── WatchCompacted     the revision to watch from was compacted
+    ├── CuratorError               metropolis.curator: cluster state in etcd
+    │   └── NotLeader              .election: a guarded write after leadership was lost
+    ├── NodeRootError              metropolis.roleserve.disk: a node root that is
+    │                              missing, foreign or half-written
     ├── RPCError                   metropolis.rpc: a call ended with a gRPC status
     │                              other than OK (``code``, ``leader``)
     ├── PKIError                   metropolis.pki: bad key, certificate or CRL

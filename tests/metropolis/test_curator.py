@@ -12,6 +12,7 @@ import trio
 from metropolis import identity, pki
 from metropolis.consensus import Config, Service, Status
 from metropolis.consensus.client import KV, Compare, Put
+from metropolis.consensus.localetcd import LOOPBACK_TUNING, kill_etcd
 from metropolis.curator.bootstrap import bootstrap_cluster
 from metropolis.curator.election import Follower, Leader, NotLeader, run_election
 from metropolis.curator.service import Curator
@@ -21,7 +22,7 @@ from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRoles, NodeRolesKubernetesWorker, NodeState
 from metropolis.proto.curator import LeaderElectionValue, Node
 from metropolis.supervisor import Supervisor, open_supervisor
-from tests.fixtures.etcd import LOOPBACK_TUNING, free_port, kill_etcd
+from monotrio.net import free_loopback_port
 
 BOUND = 60
 
@@ -35,7 +36,7 @@ async def consensus(tmp_path: Path) -> AsyncIterator[tuple[Service, Supervisor, 
             data=root.data.etcd,
             ephemeral=root.ephemeral.consensus,
             node_private_key=pki.generate_key(),
-            peer_address=f"127.0.0.1:{free_port()}",
+            peer_address=f"127.0.0.1:{free_loopback_port()}",
             tuning=LOOPBACK_TUNING,
         )
     )

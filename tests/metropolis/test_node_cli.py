@@ -20,12 +20,13 @@ import trio
 
 from metropolis import pki
 from metropolis.consensus.client import Client
+from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.identity import NodeCredentials
 from metropolis.localstorage import Root
 from metropolis.roleserve import disk
 from metropolis.roleserve.controlplane import CRASH_ENV
-from tests.fixtures.etcd import etcd_pid, free_port
+from monotrio.net import free_loopback_port
 
 BOUND = 120
 LEADS = "this curator leads"
@@ -93,7 +94,7 @@ def bootstrap_args(tmp_path: Path) -> list[str]:
         str(tmp_path / "owner.pem"),
         "--insecure-seal",
         "--peer-port",
-        str(free_port()),
+        str(free_loopback_port()),
         "--raft-tuning",
         "20,200",
     ]

@@ -17,6 +17,7 @@ import trio
 
 from metropolis import pki
 from metropolis.consensus.client import Client
+from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.curator.election import Leader
 from metropolis.identity import NodeCredentials, node_id
@@ -30,7 +31,7 @@ from metropolis.roleserve import disk
 from metropolis.roleserve.node import RoleServer
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
 from metropolis.supervisor import Supervisor, open_supervisor
-from tests.fixtures.etcd import LOOPBACK_TUNING, etcd_pid, free_port
+from monotrio.net import free_loopback_port
 
 BOUND = 90
 
@@ -45,7 +46,10 @@ def new_root(path: Path) -> tuple[Root, BootstrapData]:
         initial_owner_key=pki.public_key_bytes(pki.generate_key()),
     )
     settings = disk.NodeSettings(
-        address="127.0.0.1", peer_port=free_port(), tuning=LOOPBACK_TUNING, insecure_seal=True
+        address="127.0.0.1",
+        peer_port=free_loopback_port(),
+        tuning=LOOPBACK_TUNING,
+        insecure_seal=True,
     )
     disk.save_settings_and_intent(root, settings, data)
     return root, data
