@@ -84,6 +84,7 @@ logger = logging.getLogger("metropolis.consensus.client")
 Key = str | bytes
 
 # gRPC status codes that etcd puts in the gateway's "code" field.
+GRPC_CANCELED = 1
 GRPC_INVALID_ARGUMENT = 3
 GRPC_NOT_FOUND = 5
 GRPC_FAILED_PRECONDITION = 9
@@ -486,8 +487,11 @@ class _Lines:
                 return _check(result, 200)
             except EtcdAPIError as e:
                 # The gateway ends a stream with UNAVAILABLE ("transport is
-                # closing") when etcd goes away under it.
-                if e.code == GRPC_UNAVAILABLE:
+                # closing") when etcd goes away under it, or with CANCELED
+                # ("the client connection is closing") when etcd shuts down
+                # gracefully: which one depends on a race inside etcd. We
+                # never cancel a stream we still read, so both mean etcd left.
+                if e.code in (GRPC_UNAVAILABLE, GRPC_CANCELED):
                     raise EtcdUnavailable(f"etcd stream ended: {e.message}") from e
                 raise
 
