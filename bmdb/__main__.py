@@ -1,7 +1,8 @@
 """The BMDB command-line tool.
 
     python -m bmdb [--url URL] migrate            apply pending schema migrations
-    python -m bmdb [--url URL] machines [--limit N]
+    python -m bmdb [--url URL] machines [--state S] [--provider P] [--limit N] [--json]
+    python -m bmdb [--url URL] machine MACHINE_ID [--json]
     python -m bmdb [--url URL] history MACHINE_ID
     python -m bmdb [--url URL] sessions
 
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 from collections.abc import Sequence
 
 import trio
 
 import bmdb
-from bmdb import migrations
+from bmdb import migrations, overview
 from bmdb.connection import migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
@@ -53,35 +55,146 @@ async def _migrate(url: str | None) -> str:
     return "\n".join(f"applied {m.version:04d}_{m.name}" for m in applied)
 
 
-async def _machines(conn: bmdb.Connection, limit: int) -> str:
-    async def fn(q: Queries) -> list[bmdb.model.MachineSummary]:
-        return await q.machines(limit)
+def _oneline(text: str | None) -> str:
+    """A database text as one table cell: control characters made visible."""
+    if not text:
+        return "-"
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
-    machines = await conn.transact(fn, isolation=bmdb.Isolation.REPEATABLE_READ)
+
+def _left(until: datetime.datetime | None, now: datetime.datetime) -> str:
+    """``until`` and the time left to it, e.g. ``2026-01-02T03:04:05+00:00 (4m05s)``."""
+    if until is None:
+        return "-"
+    seconds = max(0, int((until - now).total_seconds()))
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    left = f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+    return f"{_when(until)} ({left})"
+
+
+async def _machines(conn: bmdb.Connection, args: argparse.Namespace) -> str:
+    machines = await overview.machines(
+        conn, limit=args.limit, state=args.state, provider=args.provider, after=args.after
+    )
+    if args.json:
+        return json.dumps([m.to_json() for m in machines], indent=1)
+    now = datetime.datetime.now(datetime.UTC)
     rows = [
         (
             str(m.machine_id),
-            f"{m.provided.provider}:{m.provided.provider_id}" if m.provided else "-",
-            (m.provided.address or "-") if m.provided else "-",
-            str(m.provided.status) if m.provided else "-",
-            _when(m.agent_started_at),
+            m.state,
+            f"{m.provider}:{_oneline(m.provider_id)}" if m.provider else "-",
+            _oneline(m.address),
             _when(m.agent_heartbeat_at),
-            "yes" if m.has_hardware_report else "no",
             ",".join(m.work) or "-",
+            _left(m.backoff_until, now),
+            _oneline(m.cause),
         )
         for m in machines
     ]
-    header = (
-        "MACHINE",
-        "PROVIDED",
-        "ADDRESS",
-        "STATUS",
-        "AGENT STARTED",
-        "HEARTBEAT",
-        "HW",
-        "WORK",
-    )
+    header = ("MACHINE", "STATE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK", "BACKOFF", "CAUSE")
     return _table(header, rows)
+
+
+async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
+    detail = await overview.machine(conn, args.machine)
+    if detail is None:
+        raise BMDBError(f"no machine {args.machine}")
+    m = detail.summary
+    if args.json:
+        return json.dumps(_detail_json(detail), indent=1)
+    fields = [
+        ("machine", str(m.machine_id)),
+        ("created", _when(m.created_at)),
+        ("state", m.state),
+        ("provider", f"{m.provider}:{_oneline(m.provider_id)}" if m.provider else "-"),
+        ("address", _oneline(m.address)),
+        ("location", _oneline(detail.location)),
+        ("provider status", m.provider_status or "-"),
+        ("agent started", _when(m.agent_started_at)),
+        ("agent key", detail.agent_public_key.hex() if detail.agent_public_key else "-"),
+        ("heartbeat", _when(m.agent_heartbeat_at)),
+        ("hardware report", _size(detail.hardware_report_bytes)),
+        ("os install request", _generation(detail.os_installation_request_generation)),
+        ("os install report", _generation(detail.os_installation_report_generation)),
+        ("ssh host key first seen", _when(detail.ssh_host_key_first_seen)),
+        ("last failure", _when(m.failed_at)),
+        ("last failure cause", _oneline(m.failed_cause)),
+    ]
+    width = max(len(k) for k, _ in fields)
+    out = [f"{k + ':':<{width + 1}} {v}" for k, v in fields]
+    out += ["", "WORK"]
+    out.append(
+        _table(
+            ("PROCESS", "SESSION", "COMPONENT", "STATE"),
+            [
+                (w.process, str(w.session_id), _oneline(w.component), "live" if w.live else "dead")
+                for w in detail.work
+            ],
+        )
+    )
+    out += ["", "BACKOFF"]
+    out.append(
+        _table(
+            ("PROCESS", "UNTIL", "INTERVAL", "STATE", "CAUSE"),
+            [
+                (
+                    b.process,
+                    _left(b.until, detail.now) if b.active else _when(b.until),
+                    f"{b.interval_seconds}s",
+                    "active" if b.active else "over",
+                    _oneline(b.cause),
+                )
+                for b in detail.backoffs
+            ],
+        )
+    )
+    out += ["", "HISTORY"]
+    out.append(
+        _table(
+            ("AT", "PROCESS", "EVENT", "SESSION", "CAUSE"),
+            [
+                (_when(e.at), e.process, e.event, str(e.session_id or "-"), _oneline(e.cause))
+                for e in detail.history
+            ],
+        )
+    )
+    return "\n".join(out)
+
+
+def _size(n: int | None) -> str:
+    return "-" if n is None else f"{n} bytes"
+
+
+def _generation(n: int | None) -> str:
+    return "-" if n is None else f"generation {n}"
+
+
+def _detail_json(d: overview.MachineDetail) -> dict[str, object]:
+    return d.summary.to_json() | {
+        "location": d.location,
+        "agent_public_key": d.agent_public_key.hex() if d.agent_public_key else None,
+        "hardware_report_bytes": d.hardware_report_bytes,
+        "os_installation_request_generation": d.os_installation_request_generation,
+        "os_installation_report_generation": d.os_installation_report_generation,
+        "ssh_host_key": d.ssh_host_key.hex() if d.ssh_host_key else None,
+        "work": [
+            {"process": w.process, "session_id": str(w.session_id), "component": w.component,
+             "live": w.live}
+            for w in d.work
+        ],
+        "backoffs": [
+            {"process": b.process, "until": b.until.isoformat(), "cause": b.cause,
+             "interval_seconds": b.interval_seconds, "active": b.active}
+            for b in d.backoffs
+        ],
+        "history": [
+            {"at": e.at.isoformat(), "process": e.process, "event": e.event,
+             "session_id": e.session_id and str(e.session_id), "cause": e.cause}
+            for e in d.history
+        ],
+    }  # fmt: skip
 
 
 async def _history(conn: bmdb.Connection, machine: str) -> str:
@@ -124,7 +237,9 @@ async def _command(args: argparse.Namespace) -> str:
         return await _migrate(args.url)
     async with bmdb.open_connection(args.url, max_connections=1) as conn:
         if args.command == "machines":
-            return await _machines(conn, args.limit)
+            return await _machines(conn, args)
+        if args.command == "machine":
+            return await _machine(conn, args)
         if args.command == "history":
             return await _history(conn, args.machine)
         return await _sessions(conn)
@@ -140,8 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("migrate", help="apply pending schema migrations")
-    machines = commands.add_parser("machines", help="list machines and their tags")
+    machines = commands.add_parser(
+        "machines", help="list machines: state, work, backoff end and last failure cause"
+    )
     machines.add_argument("--limit", type=int, default=1000, help="at most this many (oldest)")
+    machines.add_argument(
+        "--state",
+        choices=[str(s) for s in overview.State],
+        help="only machines in this state (failed: in backoff)",
+    )
+    machines.add_argument("--provider", choices=[str(p) for p in bmdb.Provider])
+    machines.add_argument("--after", metavar="MACHINE_ID", help="start after this machine")
+    machines.add_argument("--json", action="store_true", help="JSON for scripts")
+    machine = commands.add_parser("machine", help="everything about one machine")
+    machine.add_argument("machine", metavar="MACHINE_ID")
+    machine.add_argument("--json", action="store_true", help="JSON for scripts")
     history = commands.add_parser("history", help="show the work history of a machine")
     history.add_argument("machine", metavar="MACHINE_ID")
     commands.add_parser("sessions", help="list sessions")

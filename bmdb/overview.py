@@ -1,0 +1,394 @@
+"""What an operator asks of the fleet: each machine's state and why, read-only.
+
+One idea: classify machines into operator-facing *states* in SQL, so that the
+CLI listings, the web UI and the metrics all say the same thing::
+
+    failed             an active backoff of any process (cause and end shown)
+    unprovided         no provider tag
+    needs-agent-start  provided, no agent started
+    started            agent started, no heartbeat yet, within 30 minutes
+    heartbeating       last heartbeat within 10 minutes
+    silent             agent started, but no heartbeat for 30 minutes after the
+                       start or none for 10 minutes (what recovery looks for)
+
+"failed" wins over the others: a machine in backoff is hidden from a process,
+which is what an operator needs to see first. The 10 and 30 minutes are the
+recovery sourcing's thresholds (`bmdb.model.queries`).
+
+Every function here runs one statement in a REPEATABLE READ transaction
+(`Connection.run`); errors are those of `Connection.run` (`DatabaseUnavailable`,
+`InvalidArgument` for a bad machine id). Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bmdb._pg import PgConnection, Row
+from bmdb.connection import Connection
+from bmdb.errors import InvalidArgument
+from bmdb.model import HistoryEvent, Process, Provider, WorkEvent, as_uuid
+from bmdb.transaction import Isolation
+
+
+class State(enum.StrEnum):
+    """An operator-facing machine state (see the module docstring)."""
+
+    FAILED = "failed"
+    UNPROVIDED = "unprovided"
+    NEEDS_AGENT_START = "needs-agent-start"
+    STARTED = "started"
+    HEARTBEATING = "heartbeating"
+    SILENT = "silent"
+
+    @classmethod
+    def parse(cls, value: str) -> State:
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise InvalidArgument(f"unknown state {value!r} (known: {known})") from None
+
+
+#: The state of machine ``m`` given its joined tags p, a, h and backoff b.
+STATE_SQL = """
+    CASE WHEN b.until IS NOT NULL THEN 'failed'
+         WHEN p.machine_id IS NULL THEN 'unprovided'
+         WHEN a.machine_id IS NULL THEN 'needs-agent-start'
+         WHEN h.agent_heartbeat_at >= now() - interval '10 minutes' THEN 'heartbeating'
+         WHEN h.machine_id IS NULL AND a.agent_started_at >= now() - interval '30 minutes'
+              THEN 'started'
+         ELSE 'silent' END
+"""
+
+# The tags and the latest-ending active backoff of machine m.
+_JOINS = """
+    LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
+    LEFT JOIN machine_agent_started a ON a.machine_id = m.machine_id
+    LEFT JOIN machine_agent_heartbeat h ON h.machine_id = m.machine_id
+    LEFT JOIN LATERAL (
+        SELECT b.process, b.until, b.cause FROM work_backoff b
+        WHERE b.machine_id = m.machine_id AND b.until > now()
+        ORDER BY b.until DESC LIMIT 1) b ON true
+"""
+
+# One page of machines in creation order, after the machine %(after)s (keyset
+# paging: a page costs the same wherever it is), optionally of one state and
+# provider. The last failure comes from the history (newest 'Failed' row).
+MACHINES_SQL = f"""
+SELECT * FROM (
+    SELECT m.machine_id, m.machine_created_at, p.provider, p.provider_id, p.provider_address,
+           p.provider_status, a.agent_started_at, h.agent_heartbeat_at,
+           b.process AS backoff_process, b.until, b.cause AS backoff_cause,
+           f.at AS failed_at, f.process AS failed_process, f.cause AS failed_cause,
+           ARRAY(SELECT w.process::text FROM work w JOIN sessions s ON s.session_id = w.session_id
+                 WHERE w.machine_id = m.machine_id AND s.session_deadline > now()
+                 ORDER BY 1) AS work,
+           {STATE_SQL} AS state
+    FROM machines m
+    {_JOINS}
+    LEFT JOIN LATERAL (
+        SELECT x.at, x.process, x.cause FROM work_history x
+        WHERE x.machine_id = m.machine_id AND x.event = 'Failed'
+        ORDER BY x.id DESC LIMIT 1) f ON true
+    WHERE (%(after)s::uuid IS NULL OR (m.machine_created_at, m.machine_id) >
+           (SELECT machine_created_at, machine_id FROM machines WHERE machine_id = %(after)s::uuid))
+      AND (%(provider)s::provider IS NULL OR p.provider = %(provider)s::provider)
+) v
+WHERE (%(state)s::text IS NULL OR v.state = %(state)s::text)
+ORDER BY v.machine_created_at, v.machine_id
+LIMIT %(limit)s
+"""
+
+# How many machines are in each state (of one provider, or all).
+STATE_COUNTS_SQL = f"""
+SELECT {STATE_SQL} AS state, count(*)
+FROM machines m
+{_JOINS}
+WHERE %(provider)s::provider IS NULL OR p.provider = %(provider)s::provider
+GROUP BY 1
+"""
+
+
+@dataclass(frozen=True)
+class MachineState:
+    """One line of the machines listing."""
+
+    machine_id: uuid.UUID
+    created_at: datetime.datetime
+    state: State
+    provider: Provider | None
+    provider_id: str | None
+    address: str | None
+    provider_status: str | None
+    agent_started_at: datetime.datetime | None
+    agent_heartbeat_at: datetime.datetime | None
+    #: The active backoff ending last, if any.
+    backoff_process: Process | None
+    backoff_until: datetime.datetime | None
+    backoff_cause: str | None
+    #: The newest failure in the history, if any (its backoff may be over).
+    failed_at: datetime.datetime | None
+    failed_process: Process | None
+    failed_cause: str | None
+    #: Processes with live work on the machine now.
+    work: tuple[Process, ...]
+
+    @property
+    def cause(self) -> str | None:
+        """Why the machine is in trouble: the backoff's cause, else the last failure's."""
+        return self.backoff_cause or self.failed_cause
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON types (ids and times as strings); `from_json` reverses it."""
+        return {
+            "machine_id": str(self.machine_id),
+            "created_at": _iso(self.created_at),
+            "state": str(self.state),
+            "provider": self.provider and str(self.provider),
+            "provider_id": self.provider_id,
+            "address": self.address,
+            "provider_status": self.provider_status,
+            "agent_started_at": _iso(self.agent_started_at),
+            "agent_heartbeat_at": _iso(self.agent_heartbeat_at),
+            "backoff_process": self.backoff_process and str(self.backoff_process),
+            "backoff_until": _iso(self.backoff_until),
+            "backoff_cause": self.backoff_cause,
+            "failed_at": _iso(self.failed_at),
+            "failed_process": self.failed_process and str(self.failed_process),
+            "failed_cause": self.failed_cause,
+            "work": [str(w) for w in self.work],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> MachineState:
+        def opt(kind: Any, key: str) -> Any:
+            return None if d[key] is None else kind(d[key])
+
+        return cls(
+            machine_id=uuid.UUID(d["machine_id"]),
+            created_at=datetime.datetime.fromisoformat(d["created_at"]),
+            state=State(d["state"]),
+            provider=opt(Provider, "provider"),
+            provider_id=d["provider_id"],
+            address=d["address"],
+            provider_status=d["provider_status"],
+            agent_started_at=opt(datetime.datetime.fromisoformat, "agent_started_at"),
+            agent_heartbeat_at=opt(datetime.datetime.fromisoformat, "agent_heartbeat_at"),
+            backoff_process=opt(Process, "backoff_process"),
+            backoff_until=opt(datetime.datetime.fromisoformat, "backoff_until"),
+            backoff_cause=d["backoff_cause"],
+            failed_at=opt(datetime.datetime.fromisoformat, "failed_at"),
+            failed_process=opt(Process, "failed_process"),
+            failed_cause=d["failed_cause"],
+            work=tuple(Process(w) for w in d["work"]),
+        )
+
+
+def _iso(at: datetime.datetime | None) -> str | None:
+    return at.isoformat() if at else None
+
+
+def _machine_state(r: Row) -> MachineState:
+    return MachineState(
+        machine_id=r[0],
+        created_at=r[1],
+        provider=Provider(r[2]) if r[2] else None,
+        provider_id=r[3],
+        address=r[4],
+        provider_status=r[5],
+        agent_started_at=r[6],
+        agent_heartbeat_at=r[7],
+        backoff_process=Process(r[8]) if r[8] else None,
+        backoff_until=r[9],
+        backoff_cause=r[10],
+        failed_at=r[11],
+        failed_process=Process(r[12]) if r[12] else None,
+        failed_cause=r[13],
+        work=tuple(Process(w) for w in r[14]),
+        state=State(r[15]),
+    )
+
+
+def machines_params(
+    *,
+    limit: int,
+    state: State | str | None = None,
+    provider: Provider | str | None = None,
+    after: uuid.UUID | str | None = None,
+) -> dict[str, Any]:
+    """Validated parameters of `MACHINES_SQL` (also used by the benchmark)."""
+    if not isinstance(limit, int) or limit < 1:
+        raise InvalidArgument(f"limit must be a positive integer, got {limit!r}")
+    return {
+        "limit": limit,
+        "state": None if state is None else str(State.parse(str(state))),
+        "provider": None if provider is None else Provider.parse(str(provider)),
+        "after": None if after is None else as_uuid(after),
+    }
+
+
+async def machines(
+    conn: Connection,
+    *,
+    limit: int = 1000,
+    state: State | str | None = None,
+    provider: Provider | str | None = None,
+    after: uuid.UUID | str | None = None,
+) -> list[MachineState]:
+    """Up to ``limit`` machines in creation order after machine ``after``,
+    optionally only those in ``state`` and of ``provider``."""
+    params = machines_params(limit=limit, state=state, provider=provider, after=after)
+
+    async def body(pg: PgConnection) -> list[Row]:
+        return await pg.execute(MACHINES_SQL, params)
+
+    return [_machine_state(r) for r in await conn.run(Isolation.REPEATABLE_READ, body)]
+
+
+async def machines_page(
+    conn: Connection,
+    *,
+    limit: int,
+    state: State | str | None = None,
+    provider: Provider | str | None = None,
+    after: uuid.UUID | str | None = None,
+) -> tuple[list[MachineState], dict[State, int]]:
+    """A page of `machines` and the machine count per state, from one snapshot
+    (two statements in one transaction)."""
+    params = machines_params(limit=limit, state=state, provider=provider, after=after)
+
+    async def body(pg: PgConnection) -> tuple[list[Row], list[Row]]:
+        return await pg.execute(MACHINES_SQL, params), await pg.execute(STATE_COUNTS_SQL, params)
+
+    rows, counts = await conn.run(Isolation.REPEATABLE_READ, body)
+    by_state = dict.fromkeys(State, 0)
+    for name, count in counts:
+        by_state[State(name)] = count
+    return [_machine_state(r) for r in rows], by_state
+
+
+@dataclass(frozen=True)
+class WorkRow:
+    """A work lock on the machine, with its session."""
+
+    process: Process
+    session_id: uuid.UUID
+    component: str
+    live: bool
+
+
+@dataclass(frozen=True)
+class BackoffRow:
+    """A stored backoff of the machine (possibly over already)."""
+
+    process: Process
+    until: datetime.datetime
+    cause: str
+    interval_seconds: int
+    active: bool
+
+
+@dataclass(frozen=True)
+class MachineDetail:
+    """Everything the BMDB knows about one machine."""
+
+    summary: MachineState
+    location: str | None
+    agent_public_key: bytes | None
+    hardware_report_bytes: int | None
+    os_installation_request_generation: int | None
+    os_installation_report_generation: int | None
+    ssh_host_key: bytes | None
+    ssh_host_key_first_seen: datetime.datetime | None
+    work: tuple[WorkRow, ...]
+    backoffs: tuple[BackoffRow, ...]
+    history: tuple[HistoryEvent, ...]
+    #: The database's clock when this was read (for "time left").
+    now: datetime.datetime
+
+
+_DETAIL_SQL = f"""
+SELECT v.*, p.provider_location, a.agent_public_key, octet_length(r.hardware_report_raw),
+       oq.generation, orp.generation, k.public_key, k.first_seen,
+       (SELECT coalesce(json_agg(json_build_array(w.process, w.session_id,
+                                                  s.session_component_name,
+                                                  s.session_deadline > now())
+                                 ORDER BY w.process), '[]')
+        FROM work w JOIN sessions s ON s.session_id = w.session_id
+        WHERE w.machine_id = v.machine_id),
+       (SELECT coalesce(json_agg(json_build_array(b.process, b.until, b.cause,
+                                                  b.last_interval_seconds, b.until > now())
+                                 ORDER BY b.process), '[]')
+        FROM work_backoff b WHERE b.machine_id = v.machine_id),
+       now()
+FROM ({MACHINES_SQL.replace("LIMIT %(limit)s", "")}) v
+LEFT JOIN machine_provided p ON p.machine_id = v.machine_id
+LEFT JOIN machine_agent_started a ON a.machine_id = v.machine_id
+LEFT JOIN machine_hardware_report r ON r.machine_id = v.machine_id
+LEFT JOIN machine_os_installation_request oq ON oq.machine_id = v.machine_id
+LEFT JOIN machine_os_installation_report orp ON orp.machine_id = v.machine_id
+LEFT JOIN machine_ssh_host_key k ON k.machine_id = v.machine_id
+WHERE v.machine_id = %(machine)s
+"""
+
+_HISTORY_SQL = """
+SELECT machine_id, process, event, at, session_id, cause FROM work_history
+WHERE machine_id = %s ORDER BY id
+"""
+
+
+async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetail | None:
+    """Everything about one machine (two statements, one snapshot), or None
+    if there is no such machine. `InvalidArgument` if ``machine_id`` is not a UUID."""
+    mid = as_uuid(machine_id)
+    params = machines_params(limit=1) | {"machine": mid}
+
+    async def body(pg: PgConnection) -> tuple[list[Row], list[Row]]:
+        return await pg.execute(_DETAIL_SQL, params), await pg.execute(_HISTORY_SQL, (mid,))
+
+    rows, history = await conn.run(Isolation.REPEATABLE_READ, body)
+    if not rows:
+        return None
+    r = rows[0]
+    extra = r[16:]
+    return MachineDetail(
+        summary=_machine_state(r[:16]),
+        location=extra[0],
+        agent_public_key=None if extra[1] is None else bytes(extra[1]),
+        hardware_report_bytes=extra[2],
+        os_installation_request_generation=extra[3],
+        os_installation_report_generation=extra[4],
+        ssh_host_key=None if extra[5] is None else bytes(extra[5]),
+        ssh_host_key_first_seen=extra[6],
+        work=tuple(WorkRow(Process(w[0]), uuid.UUID(w[1]), w[2], w[3]) for w in _json(extra[7])),
+        backoffs=tuple(
+            BackoffRow(Process(b[0]), datetime.datetime.fromisoformat(b[1]), b[2], b[3], b[4])
+            for b in _json(extra[8])
+        ),
+        history=tuple(
+            HistoryEvent(
+                machine_id=h[0],
+                process=Process(h[1]),
+                event=WorkEvent(h[2]),
+                at=h[3],
+                session_id=h[4],
+                cause=h[5],
+            )
+            for h in history
+        ),
+        now=extra[9],
+    )
+
+
+def _json(value: Any) -> Sequence[Any]:
+    # psycopg loads json columns already; a str means a text loader was used.
+    loaded = json.loads(value) if isinstance(value, str) else value
+    assert isinstance(loaded, list)
+    return loaded
