@@ -5,6 +5,7 @@
     python -m bmdb [--url URL] machine MACHINE_ID [--json]
     python -m bmdb [--url URL] history MACHINE_ID
     python -m bmdb [--url URL] sessions
+    python -m bmdb [--url URL] web [--listen HOST:PORT]   read-only web UI
 
 Without ``--url`` the standard libpq ``PG*`` environment variables (PGHOST,
 PGPORT, PGDATABASE, PGUSER, ...) say where the database is. Errors (database
@@ -19,6 +20,7 @@ import argparse
 import datetime
 import json
 import logging
+import signal
 from collections.abc import Sequence
 
 import trio
@@ -30,6 +32,9 @@ from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
 from monotrio.cli import run_main
 from monotrio.text import printable
+
+#: Database connections of the web UI: pages are served concurrently.
+WEB_CONNECTIONS = 8
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -232,10 +237,28 @@ async def _sessions(conn: bmdb.Connection) -> str:
     return _table(header, rows)
 
 
+async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
+    """Serve the web UI (and metrics, if asked) until SIGINT or SIGTERM."""
+    from bmdb.web.server import serve  # imports hypercorn: only when serving
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(serve, conn, args.listen)
+            print(f"serving on {' '.join(urls)}", flush=True)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+    return "stopped"
+
+
 async def _command(args: argparse.Namespace) -> str:
     if args.command == "migrate":
         return await _migrate(args.url)
-    async with bmdb.open_connection(args.url, max_connections=1) as conn:
+    # The web UI answers several browsers at once; the listings need one.
+    pool = WEB_CONNECTIONS if args.command == "web" else 1
+    async with bmdb.open_connection(args.url, max_connections=pool) as conn:
+        if args.command == "web":
+            return await _web(conn, args)
         if args.command == "machines":
             return await _machines(conn, args)
         if args.command == "machine":
@@ -273,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     history = commands.add_parser("history", help="show the work history of a machine")
     history.add_argument("machine", metavar="MACHINE_ID")
     commands.add_parser("sessions", help="list sessions")
+    web = commands.add_parser("web", help="serve the read-only web UI until SIGINT/SIGTERM")
+    web.add_argument(
+        "--listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="(default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

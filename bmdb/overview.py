@@ -392,3 +392,55 @@ def _json(value: Any) -> Sequence[Any]:
     loaded = json.loads(value) if isinstance(value, str) else value
     assert isinstance(loaded, list)
     return loaded
+
+
+_SESSIONS_SQL = """
+SELECT session_id, session_component_name, session_runtime_info, session_created_at,
+       session_interval_seconds, session_deadline, session_deadline <= now(),
+       (SELECT count(*) FROM work w WHERE w.session_id = s.session_id)
+FROM sessions s ORDER BY session_created_at, session_id
+"""
+
+# Work outcomes per hour over the last day (the history has no index on
+# `at`: this scans it, fine for a page an operator opens now and then).
+_OUTCOMES_SQL = """
+SELECT date_trunc('hour', at), event, count(*) FROM work_history
+WHERE at > now() - interval '24 hours' AND event <> 'Started'
+GROUP BY 1, 2 ORDER BY 1, 2
+"""
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """A session and how many work locks it holds."""
+
+    session_id: uuid.UUID
+    component: str
+    runtime_info: str
+    created_at: datetime.datetime
+    interval: float
+    deadline: datetime.datetime
+    expired: bool
+    work: int
+
+
+@dataclass(frozen=True)
+class Activity:
+    """Sessions, and work outcomes (Finished, Failed, Canceled) per hour."""
+
+    sessions: list[SessionRow]
+    #: (hour, event, count), oldest first.
+    outcomes: list[tuple[datetime.datetime, WorkEvent, int]]
+
+
+async def activity(conn: Connection) -> Activity:
+    """Every session and the last 24 hours' work outcomes (two statements, one snapshot)."""
+
+    async def body(pg: PgConnection) -> tuple[list[Row], list[Row]]:
+        return await pg.execute(_SESSIONS_SQL), await pg.execute(_OUTCOMES_SQL)
+
+    sessions, outcomes = await conn.run(Isolation.REPEATABLE_READ, body)
+    return Activity(
+        sessions=[SessionRow(*r) for r in sessions],
+        outcomes=[(r[0], WorkEvent(r[1]), r[2]) for r in outcomes],
+    )

@@ -1,0 +1,22 @@
+"""The BMDB's read-only web UI: ``python -m bmdb web``.
+
+Server-rendered HTML, no JavaScript, served by hypercorn's Trio worker in
+the same Trio run as the BMDB connection::
+
+    hypercorn (trio) ─ asgi.App ─ GET /machines?state=&provider=&after=
+                                      overview.machines_page   (2 statements)
+                                  GET /machine/ID
+                                      overview.machine         (2 statements)
+                                  GET /sessions
+                                      overview.activity        (2 statements)
+                       pages.* render with render.* (everything escaped)
+
+Nothing writes to the BMDB and nothing secret is shown (agent keys are
+public keys; hardware reports are shown by size only). The cluster half
+(nodes, roles, leader, a node's supervision tree) waits for the role
+server.
+
+Modules: `render` (HTML building blocks, escaping, the SVG charts), `pages`
+(one function per page), `asgi` (routing, errors, headers), `server`
+(hypercorn under Trio).
+"""

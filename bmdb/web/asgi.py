@@ -1,0 +1,118 @@
+"""The web UI as an ASGI application: routing, parameters, errors, headers.
+
+Only GET and HEAD are answered (405 otherwise): the UI never writes. Errors
+become short pages: 400 for bad parameters, 404 for unknown paths and
+machines, 503 when the BMDB cannot be reached, 500 (logged) for anything
+else. Each response says how long its handler took in a ``Server-Timing``
+header (``app;dur=MS``), which the page benchmark reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import parse_qs
+
+from bmdb.connection import Connection
+from bmdb.errors import DatabaseUnavailable, InvalidArgument
+from bmdb.web import pages
+from bmdb.web.render import Html, esc, page
+
+logger = logging.getLogger("bmdb.web")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_HEADERS = [
+    (b"content-type", b"text/html; charset=utf-8"),
+    # No scripts at all; inline styles only. Escaping is the defence, this
+    # is the second line.
+    (b"content-security-policy", b"default-src 'none'; style-src 'unsafe-inline'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"cache-control", b"no-store"),
+]
+
+
+class App:
+    """The ASGI callable; ``conn`` is an open BMDB `Connection` it only reads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        started = time.perf_counter()
+        status, body = await self._respond(scope)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        headers = [*_HEADERS, (b"server-timing", f"app;dur={elapsed_ms:.3f}".encode())]
+        data = body.encode()
+        headers.append((b"content-length", str(len(data)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send(
+            {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else data}
+        )
+
+    async def _respond(self, scope: Scope) -> tuple[int, Html]:
+        if scope["method"] not in ("GET", "HEAD"):
+            return 405, _error("Method not allowed", "This UI is read-only.")
+        path: str = scope["path"]
+        query = {k: v[-1] for k, v in parse_qs(scope["query_string"].decode("latin-1")).items()}
+        try:
+            if path in ("/", "/machines"):
+                limit = _int(query.get("limit"), pages.PAGE_SIZE)
+                return 200, await pages.machines(
+                    self.conn,
+                    state=query.get("state") or None,
+                    provider=query.get("provider") or None,
+                    after=query.get("after") or None,
+                    limit=min(limit, pages.MAX_PAGE_SIZE),
+                )
+            if path.startswith("/machine/"):
+                return 200, await pages.machine(self.conn, path.removeprefix("/machine/"))
+            if path == "/sessions":
+                return 200, await pages.sessions(self.conn)
+            return 404, _error("Not found", f"No page at {path}.")
+        except pages.NotFound as e:
+            return 404, _error("Not found", str(e))
+        except InvalidArgument as e:
+            return 400, _error("Bad request", str(e))
+        except DatabaseUnavailable as e:
+            return 503, _error("BMDB unavailable", str(e))
+        except Exception:
+            logger.exception("GET %s failed", path)
+            return 500, _error("Internal error", "See the server's log.")
+
+
+def _int(text: str | None, default: int) -> int:
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidArgument(f"not a number: {text!r}") from None
+    if value < 1:
+        raise InvalidArgument(f"must be positive: {value}")
+    return value
+
+
+def _error(title: str, text: str) -> Html:
+    return page(title, Html(f"<p>{esc(text)}</p>"))
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    # Nothing to set up: the connection is opened (and closed) by the caller.
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,243 @@
+"""The web UI's pages: each reads one `bmdb.overview` snapshot and renders it.
+
+Each function returns the page as `Html`; it raises what `bmdb.overview`
+raises (`InvalidArgument` for bad parameters, `DatabaseUnavailable`, ...)
+and `NotFound` for an unknown machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+
+from bmdb import overview
+from bmdb.connection import Connection
+from bmdb.errors import BMDBError
+from bmdb.model import Provider, WorkEvent
+from bmdb.overview import MachineState, State
+from bmdb.web.render import (
+    Html,
+    ago,
+    columns,
+    duration,
+    esc,
+    fields,
+    link,
+    page,
+    stacked_bar,
+    table,
+    url,
+)
+
+#: Machines per page unless asked otherwise, and the most one may ask for.
+PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+class NotFound(BMDBError):
+    """The page's subject does not exist (answered with 404)."""
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def _state(state: State) -> Html:
+    return Html(f'<span class="state-{esc(state)}">{esc(state)}</span>')
+
+
+def _machine_link(machine_id: uuid.UUID) -> Html:
+    return link(f"/machine/{machine_id}", machine_id, **{"class": "mono"})
+
+
+async def machines(
+    conn: Connection,
+    *,
+    state: str | None,
+    provider: str | None,
+    after: str | None,
+    limit: int = PAGE_SIZE,
+) -> Html:
+    """The machines list: state counts (filter links), a page of machines."""
+    rows, counts = await overview.machines_page(
+        conn, limit=limit + 1, state=state, provider=provider, after=after
+    )
+    more = len(rows) > limit
+    rows = rows[:limit]
+    now = _now()
+    total = sum(counts.values())
+    filt = ['<p class="filters">state: ']
+    filt.append(
+        link(url("/machines", {"provider": provider}), f"all ({total})", **_on(state is None))
+    )
+    for s in State:
+        filt.append(
+            link(
+                url("/machines", {"state": s, "provider": provider}),
+                f"{s} ({counts[s]})",
+                **_on(state == s),
+            )
+        )
+    filt.append("<br>provider: ")
+    filt.append(link(url("/machines", {"state": state}), "all", **_on(provider is None)))
+    for p in Provider:
+        filt.append(
+            link(url("/machines", {"state": state, "provider": p}), p, **_on(provider == p))
+        )
+    filt.append("</p>")
+    chart = stacked_bar([(str(s), counts[s]) for s in State])
+    body = table(
+        _MACHINE_COLUMNS,
+        (_machine_row(m, now) for m in rows),
+        empty="no machines",
+    )
+    pager = [link(url("/machines", {"state": state, "provider": provider}), "first page")]
+    if more:
+        next_url = url(
+            "/machines", {"state": state, "provider": provider, "after": rows[-1].machine_id}
+        )
+        pager.append(link(next_url, "next page", rel="next", id="next"))
+    content = Html(
+        "".join(esc(x) for x in filt) + chart + body + "<p>" + " | ".join(pager) + "</p>"
+    )
+    title = "Machines" + (f": {state}" if state else "") + (f" of {provider}" if provider else "")
+    return page(title, content, footer=f"{len(rows)} shown, {total} in all")
+
+
+_MACHINE_COLUMNS = (
+    "machine", "state", "provider", "provider id", "address", "heartbeat", "work",
+    "backoff ends", "cause",
+)  # fmt: skip
+
+
+def _on(on: bool) -> dict[str, str]:
+    return {"class": "on"} if on else {}
+
+
+def _machine_row(m: MachineState, now: datetime.datetime) -> tuple[object, ...]:
+    return (
+        _machine_link(m.machine_id),
+        _state(m.state),
+        m.provider or "-",
+        m.provider_id or "-",
+        m.address or "-",
+        ago(m.agent_heartbeat_at, now),
+        ", ".join(m.work) or "-",
+        ago(m.backoff_until, now) if m.backoff_until else "-",
+        m.cause or "",
+    )
+
+
+async def machine(conn: Connection, machine_id: str) -> Html:
+    """Everything about one machine: tags, work, backoffs, history."""
+    d = await overview.machine(conn, machine_id)
+    if d is None:
+        raise NotFound(f"no machine {machine_id}")
+    m, now = d.summary, d.now
+    tags = fields(
+        [
+            ("state", _state(m.state)),
+            ("created", ago(m.created_at, now)),
+            ("provider", m.provider or "-"),
+            ("provider id", m.provider_id or "-"),
+            ("address", m.address or "-"),
+            ("location", d.location or "-"),
+            ("provider status", m.provider_status or "-"),
+            ("agent started", ago(m.agent_started_at, now)),
+            ("agent public key", d.agent_public_key.hex() if d.agent_public_key else "-"),
+            ("heartbeat", ago(m.agent_heartbeat_at, now)),
+            (
+                "hardware report",
+                f"{d.hardware_report_bytes} bytes" if d.hardware_report_bytes is not None else "-",
+            ),
+            ("OS installation request", _gen(d.os_installation_request_generation)),
+            ("OS installation report", _gen(d.os_installation_report_generation)),
+            ("SSH host key", d.ssh_host_key.hex() if d.ssh_host_key else "-"),
+            ("SSH host key first seen", ago(d.ssh_host_key_first_seen, now)),
+            ("last failure", ago(m.failed_at, now)),
+            ("last failure cause", m.failed_cause or "-"),
+        ]
+    )
+    work = table(
+        ("process", "session", "component", "lock"),
+        ((w.process, w.session_id, w.component, "live" if w.live else "dead") for w in d.work),
+        empty="no work",
+    )
+    backoffs = table(
+        ("process", "until", "time left", "interval", "cause"),
+        (
+            (
+                b.process,
+                ago(b.until, now),
+                duration_left(b.until, now) if b.active else "over",
+                f"{b.interval_seconds}s",
+                b.cause,
+            )
+            for b in d.backoffs
+        ),
+        empty="no backoff",
+    )
+    history = table(
+        ("at", "process", "event", "session", "cause"),
+        (
+            (ago(e.at, now), e.process, _event(e.event), e.session_id or "-", e.cause or "")
+            for e in d.history
+        ),
+        empty="no history",
+    )
+    body = Html(
+        f"{tags}<h2>Work</h2>{work}<h2>Backoff</h2>{backoffs}"
+        f"<h2>History ({len(d.history)})</h2>{history}"
+    )
+    return page(f"Machine {m.machine_id}", body)
+
+
+def duration_left(until: datetime.datetime, now: datetime.datetime) -> str:
+    return duration(max(0.0, (until - now).total_seconds()))
+
+
+def _gen(n: int | None) -> str:
+    return "-" if n is None else f"generation {n}"
+
+
+def _event(event: WorkEvent) -> Html:
+    return (
+        Html(f'<span class="state-failed">{esc(event)}</span>') if event == "Failed" else esc(event)
+    )
+
+
+async def sessions(conn: Connection) -> Html:
+    """Sessions, and work outcomes per hour over the last day."""
+    act = await overview.activity(conn)
+    now = _now()
+    hours = [
+        (now - datetime.timedelta(hours=h)).replace(minute=0, second=0, microsecond=0)
+        for h in range(23, -1, -1)
+    ]
+    index = {h: i for i, h in enumerate(hours)}
+    events = (WorkEvent.FINISHED, WorkEvent.FAILED, WorkEvent.CANCELED)
+    series = {str(e): [0] * len(hours) for e in events}
+    for hour, event, count in act.outcomes:
+        i = index.get(hour.astimezone(datetime.UTC))
+        if i is not None:
+            series[str(event)][i] += count
+    chart = columns([h.strftime("%H:00") for h in hours], series)
+    rows = table(
+        ("session", "component", "runtime", "created", "interval", "deadline", "state", "work"),
+        (
+            (
+                s.session_id,
+                s.component,
+                s.runtime_info,
+                ago(s.created_at, now),
+                f"{s.interval:g}s",
+                ago(s.deadline, now),
+                "expired" if s.expired else "live",
+                s.work,
+            )
+            for s in act.sessions
+        ),
+        empty="no sessions",
+    )
+    body = Html(f"<h2>Work outcomes, last 24 hours</h2>{chart}<h2>Sessions</h2>{rows}")
+    return page("Sessions", body, footer=f"{len(act.sessions)} sessions")

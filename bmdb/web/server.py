@@ -1,0 +1,40 @@
+"""Serving the web UI with hypercorn's Trio worker, inside the caller's Trio run."""
+
+from __future__ import annotations
+
+import logging
+from typing import cast
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.typing import ASGIFramework
+
+from bmdb.connection import Connection
+from bmdb.web.asgi import App
+
+logger = logging.getLogger("bmdb.web")
+
+
+def _config(listen: str) -> Config:
+    config = Config()
+    config.bind = [listen]
+    # hypercorn's access log would go to stderr per request; ours is quiet.
+    config.accesslog = None
+    config.errorlog = logging.getLogger("bmdb.web.hypercorn")
+    return config
+
+
+async def serve(
+    conn: Connection,
+    listen: str,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the UI of ``conn`` on ``listen`` (``HOST:PORT``; port 0 picks
+    one) until cancelled. ``task_status.started`` gets the bound addresses
+    (``http://HOST:PORT``). Raises OSError if the address cannot be bound."""
+    # App types its scopes and messages as plain mappings; hypercorn's
+    # TypedDict unions say the same thing in more words.
+    app = cast(ASGIFramework, App(conn))
+    await hypercorn_serve(app, _config(listen), mode="asgi", task_status=task_status)
