@@ -31,6 +31,7 @@ from bmdb.connection import migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
 from monotrio.cli import run_main
+from monotrio.listen import listen_address
 from monotrio.text import printable
 
 #: Database connections of the web UI: pages are served concurrently.
@@ -239,10 +240,23 @@ async def _sessions(conn: bmdb.Connection) -> str:
 
 async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     """Serve the web UI (and metrics, if asked) until SIGINT or SIGTERM."""
-    from bmdb.web.server import serve  # imports hypercorn: only when serving
+    # Imported here: hypercorn and prometheus_client only when serving.
+    from prometheus_client import CollectorRegistry
+
+    from bmdb.metrics import ConnectionCollector, FleetGauges
+    from bmdb.web.server import serve
+    from monotrio.metrics import serve_metrics
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+            if args.metrics_listen:
+                registry = CollectorRegistry()
+                fleet = FleetGauges(conn, args.metrics_fleet_period)
+                registry.register(ConnectionCollector(conn, "bmdb-web"))
+                registry.register(fleet)
+                metrics = await nursery.start(serve_metrics, registry, args.metrics_listen)
+                print(f"metrics on {metrics[0]}/metrics", flush=True)
+                nursery.start_soon(fleet.run)
             urls = await nursery.start(serve, conn, args.listen)
             print(f"serving on {' '.join(urls)}", flush=True)
             async for _ in signals:
@@ -299,6 +313,19 @@ def main(argv: list[str] | None = None) -> int:
     web = commands.add_parser("web", help="serve the read-only web UI until SIGINT/SIGTERM")
     web.add_argument(
         "--listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="(default: %(default)s)"
+    )
+    web.add_argument(
+        "--metrics-listen",
+        type=listen_address,
+        metavar="HOST:PORT",
+        help="also serve Prometheus metrics at http://HOST:PORT/metrics",
+    )
+    web.add_argument(
+        "--metrics-fleet-period",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="how often the fleet gauges are queried (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -230,6 +230,7 @@ async def open_session(
     await collect_expired(tx)
     session_id = await tx.run(Isolation.READ_COMMITTED, create)
     session = Session(Lease(tx, session_id, component), interval)
+    tx.stats.sessions_started[component] += 1
     logger.info("session %s started for %s (%s)", session.id, component, runtime_info)
     try:
         async with trio.open_nursery() as nursery:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 import random
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -94,6 +95,15 @@ class Stats:
     conflicts: int = 0
     #: Work sources that found nothing (`NothingToDo`).
     nothing_to_do: int = 0
+    #: Transactions given up: retries exhausted, or an error of the database
+    #: itself (not an exception of the body such as `NothingToDo`).
+    failed: int = 0
+    #: Sessions opened, by component.
+    sessions_started: Counter[str] = field(default_factory=Counter)
+    #: Work claimed, by (component, process).
+    work_started: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: Work closed, by (component, process, "Finished" / "Failed" / "Canceled").
+    work_finished: Counter[tuple[str, str, str]] = field(default_factory=Counter)
 
 
 class Transactor:
@@ -134,6 +144,8 @@ class Transactor:
                 result = await _attempt(self._pool, isolation, body, locking)
             except BaseException as e:
                 if not _pg.is_retryable(e):
+                    if isinstance(e, DatabaseUnavailable) or _pg.is_database_error(e):
+                        self.stats.failed += 1
                     translated = _pg.as_bmdb_error(e)
                     if translated is not None and translated is not e:
                         raise translated from e
@@ -144,6 +156,7 @@ class Transactor:
                 return result
             self.stats.retries += 1
             await trio.sleep(policy.delay(attempt))
+        self.stats.failed += 1
         raise TransactionFailed(f"transaction still conflicting after {policy.attempts} attempts")
 
     async def prepare_schema(self, *, migrate: bool) -> list[migrations.Migration]:

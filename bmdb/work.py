@@ -238,6 +238,7 @@ async def claim(
         stats.nothing_to_do += 1
         raise
     stats.claims += 1
+    stats.work_started[lease.component, str(parsed)] += 1
     return Work(lease, machine_id, parsed)
 
 
@@ -310,6 +311,7 @@ class Work:
                 await apply(q)
 
         await self._close_with(Isolation.REPEATABLE_READ, body)
+        self._count("Finished")
 
     async def fail(self, cause: str, backoff: Backoff | None = None) -> None:
         """Release the work as failed: record "Failed" with ``cause`` and, if
@@ -339,6 +341,7 @@ class Work:
                 )
 
         await self._close_with(Isolation.REPEATABLE_READ, body)
+        self._count("Failed")
 
     async def cancel(self) -> None:
         """Release the work without an outcome: record "Canceled". Idempotent.
@@ -358,6 +361,12 @@ class Work:
         except BMDBError as e:
             logger.warning("canceling %r: %s", self, e)
             self._closed = True
+        else:
+            self._count("Canceled")
+
+    def _count(self, result: str) -> None:
+        key = (self._lease.component, str(self.process), result)
+        self._lease.tx.stats.work_finished[key] += 1
 
     def _require_open(self) -> None:
         if self._closed:

@@ -43,14 +43,19 @@ from typing import TypeVar
 import trio
 import trio_asyncio
 from cryptography import x509
+from prometheus_client import CollectorRegistry
 
 import bmdb
 from bmdb.errors import BMDBError
+from bmdb.metrics import DEFAULT_FLEET_PERIOD, ConnectionCollector, FleetGauges
 from monotrio.cli import run_main
+from monotrio.listen import listen_address
+from monotrio.metrics import serve_metrics
 from shepherd.agent import AGENT_SCRIPT_PATH
-from shepherd.control_loop import start_control_loop
+from shepherd.control_loop import LoopStats, start_control_loop
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
+from shepherd.metrics import LoopCollector
 from shepherd.providers import Provider, ProviderError
 from shepherd.providers.equinix.client import DEFAULT_API_URL, EquinixClient
 from shepherd.providers.equinix.provider import (
@@ -91,6 +96,10 @@ class Options:
     updater: UpdaterConfig | None = field(default_factory=UpdaterConfig)
     #: The Equinix API client to close at exit (``--provider equinix`` only).
     equinix_client: EquinixClient | None = None
+    #: ``HOST:PORT`` to serve Prometheus metrics on, or None for none.
+    metrics_listen: str | None = None
+    #: Seconds between two fleet gauge queries.
+    fleet_period: float = DEFAULT_FLEET_PERIOD
 
 
 def _arg_type(name: str, parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -381,6 +390,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="machines worked on at once (default: 1)",
     )
+    metrics = parser.add_argument_group("metrics")
+    metrics.add_argument(
+        "--metrics-listen",
+        type=_arg_type("address", listen_address),
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+    )
+    metrics.add_argument(
+        "--metrics-fleet-period",
+        type=_arg_type("duration", _positive_duration),
+        default=DEFAULT_FLEET_PERIOD,
+        metavar="DURATION",
+        help="how often the fleet gauges are queried (default: 15s)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -480,7 +504,23 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         if args.updater_enable
         else None,
         equinix_client=client,
+        metrics_listen=args.metrics_listen,
+        fleet_period=args.metrics_fleet_period,
     )
+
+
+async def _start_metrics(
+    nursery: trio.Nursery, conn: bmdb.Connection, stats: LoopStats, options: Options
+) -> None:
+    """Serve the BMDB client's, the control loop's and the fleet's metrics."""
+    assert options.metrics_listen is not None
+    registry = CollectorRegistry()
+    fleet = FleetGauges(conn, options.fleet_period)
+    for collector in (ConnectionCollector(conn, "shepherd"), LoopCollector(stats), fleet):
+        registry.register(collector)
+    urls = await nursery.start(serve_metrics, registry, options.metrics_listen)
+    logger.info("metrics at %s/metrics", urls[0])
+    await nursery.start(fleet.run)
 
 
 async def run(options: Options) -> None:
@@ -508,6 +548,9 @@ async def run(options: Options) -> None:
                     options.ssh_key_path,
                     options.ssh_key.authorized_key,
                 )
+                stats = LoopStats()
+                if options.metrics_listen:
+                    await _start_metrics(nursery, conn, stats, options)
                 if isinstance(provider, EquinixProvider):
                     await provider.ensure_ssh_key()
                 nursery.start_soon(provisioner.run, conn)
@@ -519,6 +562,7 @@ async def run(options: Options) -> None:
                     initializer,
                     parallelism=options.parallelism,
                     limiter=RateLimiter(options.rate),
+                    stats=stats,
                 )
                 async for signum in signals:
                     logger.info("got %s, stopping", signal.Signals(signum).name)

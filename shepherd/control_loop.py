@@ -31,7 +31,9 @@ import logging
 import os
 import socket
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 import trio
@@ -64,6 +66,21 @@ class ProcessingFailed(ShepherdError):
     def __init__(self, cause: str, backoff: Backoff | None = None) -> None:
         super().__init__(cause)
         self.backoff = backoff
+
+
+@dataclass
+class LoopStats:
+    """Counters of control loops (exported by `shepherd.metrics`). One may be
+    shared by several loops: everything is keyed by component."""
+
+    #: Iterations by (component, outcome): "worked" (a machine was claimed),
+    #: "nothing" (no machine to work on), "conflict" (lost a claim race),
+    #: "session_lost" (a BMDB error ended the worker's session).
+    iterations: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: Rate limiter acquisitions that had to wait, and the seconds waited,
+    #: by component.
+    limiter_waits: Counter[str] = field(default_factory=Counter)
+    limiter_wait_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class Processor(Protocol[T]):
@@ -108,12 +125,14 @@ class _Worker(Generic[T]):
         runtime_info: str,
         index: int,
         session_interval: float,
+        stats: LoopStats,
     ) -> None:
         self._conn = conn
         self._processor = processor
         self._limiter = limiter
         self._runtime_info = f"{runtime_info} worker {index}"
         self._session_interval = session_interval
+        self._stats = stats
         self._log = logging.getLogger(f"shepherd.{processor.component}.{index}")
 
     async def run(self) -> None:
@@ -123,7 +142,12 @@ class _Worker(Generic[T]):
                     self._processor.component, self._runtime_info, interval=self._session_interval
                 ) as s:
                     while True:
-                        await self._limiter.acquire()
+                        waited = await self._limiter.acquire()
+                        if waited:
+                            component = self._processor.component
+                            seconds = self._stats.limiter_wait_seconds
+                            self._stats.limiter_waits[component] += 1
+                            seconds[component] = seconds.get(component, 0.0) + waited
                         await self._iteration(s)
             except SessionExpired as exc:
                 self._log.warning("session lost, starting a new one: %s", exc)
@@ -133,6 +157,7 @@ class _Worker(Generic[T]):
                 # E.g. a claim that kept failing to serialize. Whatever state
                 # the session was in, a fresh one is a clean start.
                 self._log.error("BMDB error, starting a new session: %s", exc)
+            self._count("session_lost")
             await trio.sleep(SESSION_RETRY_DELAY)
 
     async def _iteration(self, session: Session) -> None:
@@ -150,8 +175,13 @@ class _Worker(Generic[T]):
 
         try:
             work = await session.work(processor.process, source)
-        except (NothingToDo, WorkConflict):
+        except NothingToDo:
+            self._count("nothing")
             return
+        except WorkConflict:
+            self._count("conflict")
+            return
+        self._count("worked")
         assert sourced is not None
         task: T = sourced
         async with work:
@@ -171,6 +201,9 @@ class _Worker(Generic[T]):
             else:
                 if not work.closed:
                     self._log.error("machine %s: processor left its work open", work.machine_id)
+
+    def _count(self, outcome: str) -> None:
+        self._stats.iterations[self._processor.component, outcome] += 1
 
     async def _fail(self, work: Work, cause: str, backoff: Backoff) -> None:
         # Causes quote machines (an agent's error, a server's disconnect
@@ -193,21 +226,25 @@ async def run_control_loop(
     limiter: RateLimiter,
     runtime_info: str | None = None,
     session_interval: float = DEFAULT_SESSION_INTERVAL,
+    stats: LoopStats | None = None,
 ) -> None:
     """Run ``parallelism`` workers of ``processor`` until cancelled.
 
     ``session_interval`` is how long a stalled worker keeps its locks (see
     ``bmdb.Connection.session``). Never returns. Failures of single machines
     are recorded and logged, lost sessions are replaced; only cancellation
-    (or a bug in this module) ends it. The BMDB needs no asyncio loop; run
+    (or a bug in this module) ends it. ``stats``, if given, is counted into
+    (see `LoopStats`). The BMDB needs no asyncio loop; run
     it inside ``trio_asyncio.open_loop()`` only if the processor uses asyncio
     libraries (the `Initializer`'s SSH client does).
     """
     if parallelism < 1:
         raise ValueError(f"parallelism must be at least 1, got {parallelism}")
     info = runtime_info or default_runtime_info()
+    counters = stats if stats is not None else LoopStats()
     workers = [
-        _Worker(conn, processor, limiter, info, i, session_interval) for i in range(parallelism)
+        _Worker(conn, processor, limiter, info, i, session_interval, counters)
+        for i in range(parallelism)
     ]
     logger.info("%s: starting %d worker(s)", processor.component, parallelism)
     async with trio.open_nursery() as nursery:

@@ -128,8 +128,9 @@ class RateLimiter:
         self._tokens -= 1
         return max(0.0, -self._tokens * self._rate.interval)
 
-    async def acquire(self) -> None:
-        """Wait until a token is available and take it.
+    async def acquire(self) -> float:
+        """Wait until a token is available and take it; return the seconds
+        it had to wait for one (0 when a token was there).
 
         Cancellation while waiting gives the reserved token back, so a
         cancelled waiter does not slow down the others.
@@ -137,9 +138,10 @@ class RateLimiter:
         delay = self._reserve()
         if delay == 0:
             await trio.lowlevel.checkpoint()
-            return
+            return 0.0
         try:
             await trio.sleep(delay)
         except trio.Cancelled:
             self._tokens += 1
             raise
+        return delay

@@ -135,9 +135,9 @@ class CountingLimiter(RateLimiter):
         super().__init__(rate)
         self.calls = 0
 
-    async def acquire(self) -> None:
+    async def acquire(self) -> float:
         self.calls += 1
-        await super().acquire()
+        return await super().acquire()
 
 
 async def test_every_iteration_takes_a_token_from_the_shared_limiter(
