@@ -3,10 +3,15 @@
 Each session installs what it needs into its own virtualenv (uv when it is
 available, virtualenv otherwise), so they work on a fresh machine. The system
 services the tests start (PostgreSQL 15, etcd 3.4, OpenSSH sshd) come from
-Debian packages; ``.ci/run`` installs them.
+Debian packages; ``.ci/run`` installs them. ``nox -s bench`` runs the
+benchmarks (not part of CI: they take minutes and want a quiet machine).
 """
 
 from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
 
 import nox
 
@@ -46,3 +51,35 @@ def proto(session: nox.Session) -> None:
     """Regenerate the committed protobuf classes from the .proto sources."""
     session.install("-e", ".[dev]")
     session.run("python", "-m", "tools.genproto")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Run every benchmark (or those named: ``nox -s bench -- web_pages``) and
+    print their headline ratios as one table at the end.
+
+    Each benchmark prints its own detailed table as it goes and reports its
+    ratios through ``bench.ratios.report`` into the file this session names.
+    """
+    session.install("-e", ".[dev]")
+    names = session.posargs or [
+        path.stem
+        for path in sorted(Path("bench").glob("*.py"))
+        if 'if __name__ == "__main__"' in path.read_text()
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        ratios = Path(tmp) / "ratios.jsonl"
+        ratios.touch()
+        for name in names:
+            session.log(f"benchmark {name}")
+            session.run("python", "-m", f"bench.{name}", env={"BENCH_RATIOS": str(ratios)})
+        rows = [json.loads(line) for line in ratios.read_text().splitlines()]
+    reported = {row["bench"] for row in rows}
+    width = max([len(f"{r['bench']}: {r['measure']}") for r in rows] + [20])
+    print(f"\n{'benchmark: measure':<{width}}  {'ratio':>7}  goal")
+    for row in rows:
+        label = f"{row['bench']}: {row['measure']}"
+        print(f"{label:<{width}}  {row['ratio']:>7.2f}  {row['goal']}")
+    for name in names:
+        if name not in reported:
+            print(f"{name}: reported no ratio (see its own output above)")

@@ -45,6 +45,7 @@ from pathlib import Path
 import trio
 
 import bmdb
+from bench.ratios import report
 from bmdb import Process
 from bmdb.errors import NothingToDo, WorkConflict
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, find_postgres_bin, start_with_template
@@ -317,6 +318,9 @@ def main() -> None:
                     f"  {ours.rate / go_best.rate:>15.2f}",
                     flush=True,
                 )
+                measure = f"{workers} workers, {phase} share"
+                report("bmdb_work", f"{measure}: a ours/pgbench", ours.rate / pgb.rate, ">= 0.5")
+                report("bmdb_work", f"{measure}: b ours/go best", ours.rate / go_best.rate, ">= 3")
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from bench.ratios import report
 from metropolis import pki
 from metropolis.consensus import Config, Service
 from metropolis.consensus.client import Client
@@ -144,6 +145,8 @@ async def main(runs: int, puts: int) -> None:
     print(f"{'measure':<40} {'value':>12} {'ratio':>8}")
     for name, value, ratio in rows:
         print(f"{name:<40} {value:>12} {ratio:>8.2f}")
+        if not name.endswith("(baseline)"):
+            report("consensus_start", name, ratio)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import trio
 import trio_asyncio
 
 import bmdb
+from bench.ratios import report
 from bmdb import Provider, Queries
 from bmdb.localserver import LocalPostgres
 from shepherd.agent import agent_script
@@ -301,6 +302,8 @@ def main() -> int:
         else:
             ratios.setdefault(target, []).append(rate / baseline)
         print(f"{target:<32} {client:<34} {seconds:>8.1f} {rate:>13.0f} {rate / baseline:>6.2f}")
+    for target, values in ratios.items():
+        report("initializer", f"{target}: machines/min vs baseline (median)", median(values))
     if args.rounds > 1:
         print()
         for target, values in ratios.items():

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m bench.NAME``, or all of them with ``nox -s bench``."""
