@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
@@ -174,7 +173,7 @@ async def _measure(server: LocalPostgres, root: Path, requests: int) -> None:
         durations = []
         for _ in range(requests):
             await gauges.update()
-            durations.append(gauges._duration * 1000)
+            durations.append(gauges.duration * 1000)
         ours = statistics.median(durations)
         fleet_sql = _pgbench(server, [" ".join(FLEET_SQL.split())], requests, root)
         print(
@@ -218,7 +217,6 @@ def _populate(server: LocalPostgres, machines: int) -> None:
 
     with psycopg.connect(server.url(DB), autocommit=True) as conn:
         conn.execute(_POPULATE.format(n=machines).encode())
-    _ = uuid
 
 
 if __name__ == "__main__":

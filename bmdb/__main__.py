@@ -256,7 +256,7 @@ async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
                 registry.register(fleet)
                 metrics = await nursery.start(serve_metrics, registry, args.metrics_listen)
                 print(f"metrics on {metrics[0]}/metrics", flush=True)
-                nursery.start_soon(fleet.run)
+                await nursery.start(fleet.run)
             urls = await nursery.start(serve, conn, args.listen)
             print(f"serving on {' '.join(urls)}", flush=True)
             async for _ in signals:

@@ -163,25 +163,30 @@ class FleetGauges(Collector):
         self._conn = conn
         self.period = period
         self.snapshot: FleetSnapshot | None = None
-        self._duration = 0.0
+        #: Seconds the last query took.
+        self.duration = 0.0
         self._updated = 0.0
 
     async def update(self) -> None:
         """Query the fleet once now."""
         started = time.perf_counter()
         snapshot = await fleet_snapshot(self._conn)
-        self._duration = time.perf_counter() - started
+        self.duration = time.perf_counter() - started
         self._updated = time.time()
         self.snapshot = snapshot
 
-    async def run(self) -> None:
-        """Update every `period` seconds until cancelled. A failed query is
-        logged and the previous values stay (their timestamp shows their age)."""
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Update every `period` seconds until cancelled; ``task_status.started``
+        after the first attempt (so that a scrape right after startup has the
+        gauges). A failed query is logged and the previous values stay (their
+        timestamp shows their age)."""
         while True:
             try:
                 await self.update()
             except BMDBError as e:
                 logger.warning("fleet query failed: %s", e)
+            task_status.started()
+            task_status = trio.TASK_STATUS_IGNORED
             await trio.sleep(self.period)
 
     def collect(self) -> Iterator[Metric]:
@@ -214,7 +219,7 @@ class FleetGauges(Collector):
         yield GaugeMetricFamily(
             "bmdb_fleet_query_duration_seconds",
             "How long the last fleet query took.",
-            value=self._duration,
+            value=self.duration,
         )
         yield GaugeMetricFamily(
             "bmdb_fleet_updated_timestamp_seconds",

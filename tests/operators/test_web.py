@@ -12,6 +12,7 @@ import httpx
 import pytest
 import trio
 from playwright.async_api import Browser, Page
+from prometheus_client.parser import text_string_to_metric_families
 
 import bmdb
 from bmdb import overview
@@ -139,19 +140,36 @@ async def test_paging_and_errors(bmdb_conn: bmdb.Connection, fleet: Fleet, web: 
 
 
 async def test_bmdb_web_command_serves_until_sigterm(fleet: Fleet, bmdb_url: str) -> None:
-    argv = [sys.executable, "-m", "bmdb", "--url", bmdb_url, "web", "--listen", "127.0.0.1:0"]
+    argv = [
+        sys.executable, "-m", "bmdb", "--url", bmdb_url, "web", "--listen", "127.0.0.1:0",
+        "--metrics-listen", "127.0.0.1:0",
+    ]  # fmt: skip
     proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None
-        line = b""
+        text = b""
         with trio.fail_after(60):
-            while not line.endswith(b"\n"):
-                line += await proc.stdout.receive_some(1)
-        assert line.startswith(b"serving on http://127.0.0.1:"), line
-        base = line.decode().split()[2]
+            while text.count(b"\n") < 2:
+                text += await proc.stdout.receive_some(1)
+        metrics_line, serving_line = text.decode().splitlines()
+        assert metrics_line.startswith("metrics on http://127.0.0.1:"), metrics_line
+        assert serving_line.startswith("serving on http://127.0.0.1:"), serving_line
+        base = serving_line.split()[2]
         async with httpx.AsyncClient(base_url=base) as client:
             r = await client.get("/machines?state=silent")
-        assert r.status_code == 200 and str(fleet.ids[State.SILENT]) in r.text
+            assert r.status_code == 200 and str(fleet.ids[State.SILENT]) in r.text
+            scrape = await client.get(metrics_line.split()[2])
+        assert scrape.status_code == 200
+        samples = {
+            s.name: s.value
+            for family in text_string_to_metric_families(scrape.text)
+            for s in family.samples
+            if not s.labels or s.labels.get("connection") == "bmdb-web"
+        }
+        # The fleet query runs once before serving starts; the page was one
+        # committed transaction of this connection.
+        assert samples["bmdb_fleet_machines"] == 7
+        assert samples["bmdb_transactions_executed_total"] >= 2
         proc.send_signal(signal.SIGTERM)
         with trio.fail_after(60):
             assert await proc.wait() == 0
