@@ -144,8 +144,8 @@ async def _measure(server: LocalPostgres, root: Path, requests: int) -> None:
                 "machine page",
                 f"/machine/{failed}",
                 [
-                    _bind(overview._DETAIL_SQL, detail),
-                    _bind(overview._HISTORY_SQL, {"%s": failed}),
+                    _bind(overview.DETAIL_SQL, detail),
+                    _bind(overview.HISTORY_SQL, {"%s": failed}),
                 ],
             )
         )

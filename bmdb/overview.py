@@ -328,7 +328,9 @@ class MachineDetail:
     now: datetime.datetime
 
 
-_DETAIL_SQL = f"""
+# One machine: its `MACHINES_SQL` line and every other tag, its work and
+# backoffs as JSON arrays (one row, however many of them).
+DETAIL_SQL = f"""
 SELECT v.*, p.provider_location, a.agent_public_key, octet_length(r.hardware_report_raw),
        oq.generation, orp.generation, k.public_key, k.first_seen,
        (SELECT coalesce(json_agg(json_build_array(w.process, w.session_id,
@@ -352,7 +354,8 @@ LEFT JOIN machine_ssh_host_key k ON k.machine_id = v.machine_id
 WHERE v.machine_id = %(machine)s
 """
 
-_HISTORY_SQL = """
+#: The machine's whole history, oldest first.
+HISTORY_SQL = """
 SELECT machine_id, process, event, at, session_id, cause FROM work_history
 WHERE machine_id = %s ORDER BY id
 """
@@ -365,7 +368,7 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
     params = machines_params(limit=1) | {"machine": mid}
 
     async def body(pg: PgConnection) -> tuple[list[Row], list[Row]]:
-        return await pg.execute(_DETAIL_SQL, params), await pg.execute(_HISTORY_SQL, (mid,))
+        return await pg.execute(DETAIL_SQL, params), await pg.execute(HISTORY_SQL, (mid,))
 
     rows, history = await conn.run(Isolation.REPEATABLE_READ, body)
     if not rows:

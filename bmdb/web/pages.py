@@ -66,7 +66,7 @@ async def machines(
     rows = rows[:limit]
     now = _now()
     total = sum(counts.values())
-    filt = ['<p class="filters">state: ']
+    filt: list[Html] = [Html('<p class="filters">state: ')]
     filt.append(
         link(url("/machines", {"provider": provider}), f"all ({total})", **_on(state is None))
     )
@@ -78,13 +78,13 @@ async def machines(
                 **_on(state == s),
             )
         )
-    filt.append("<br>provider: ")
+    filt.append(Html("<br>provider: "))
     filt.append(link(url("/machines", {"state": state}), "all", **_on(provider is None)))
     for p in Provider:
         filt.append(
             link(url("/machines", {"state": state, "provider": p}), p, **_on(provider == p))
         )
-    filt.append("</p>")
+    filt.append(Html("</p>"))
     chart = stacked_bar([(str(s), counts[s]) for s in State])
     body = table(
         _MACHINE_COLUMNS,
@@ -97,9 +97,7 @@ async def machines(
             "/machines", {"state": state, "provider": provider, "after": rows[-1].machine_id}
         )
         pager.append(link(next_url, "next page", rel="next", id="next"))
-    content = Html(
-        "".join(esc(x) for x in filt) + chart + body + "<p>" + " | ".join(pager) + "</p>"
-    )
+    content = Html("".join(filt) + chart + body + "<p>" + " | ".join(pager) + "</p>")
     title = "Machines" + (f": {state}" if state else "") + (f" of {provider}" if provider else "")
     return page(title, content, footer=f"{len(rows)} shown, {total} in all")
 

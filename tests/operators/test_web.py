@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +50,9 @@ async def test_filter_to_failed_and_follow_a_machine(fleet: Fleet, web: str) -> 
         page = await browser.new_page()
         await page.goto(f"{web}/machines")
         assert len(await _rows(page)) == 7
+        # Our own markup is markup: none of its tags shows up as text (the
+        # machine with HTML in its texts does show those, as it should).
+        assert not re.search(r"</?(p|br|a|span|svg|table|tr|td)\b", await page.inner_text("body"))
         await page.get_by_role("link", name="failed (2)").click()
         await page.wait_for_url("**/machines?state=failed")
         rows = await _rows(page)
@@ -57,6 +61,7 @@ async def test_filter_to_failed_and_follow_a_machine(fleet: Fleet, web: str) -> 
         await page.get_by_role("link", name=str(failed)).click()
         await page.wait_for_url(f"**/machine/{failed}")
         assert await page.title() == f"Machine {failed} - BMDB"
+        assert "<" not in await page.inner_text("body")
         tags = await page.inner_text("table.fields")
         assert "last failure cause\tno route to host" in tags
         backoff = await page.inner_text("h2:has-text('Backoff') + table")
