@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import trio
+import trio_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 import bmdb
@@ -69,7 +70,11 @@ async def _initializer_sessions(conn: bmdb.Connection) -> int:
 
 
 async def test_metrics_after_an_initializer_run_match_the_history(
-    bmdb_conn: bmdb.Connection, bmdb_url: str, shepherd_ssh_key: SSHKey, tmp_path: Path
+    bmdb_conn: bmdb.Connection,
+    bmdb_url: str,
+    shepherd_ssh_key: SSHKey,
+    tmp_path: Path,
+    aio_loop: trio_asyncio.TrioEventLoop,  # the local fleet's asyncssh servers
 ) -> None:
     dead_ports = [_free_port() for _ in range(DEAD)]  # nothing listens there
     async with open_fleet(
