@@ -42,10 +42,10 @@ import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from bmdb._pg import PgConnection, Row
+from bmdb._pg import Row
 from bmdb.connection import Connection
 from bmdb.errors import BMDBError
-from bmdb.model import Process
+from bmdb.model import Process, Queries
 from bmdb.transaction import Isolation
 
 logger = logging.getLogger("bmdb.metrics")
@@ -142,12 +142,12 @@ class FleetSnapshot:
 
 
 async def fleet_snapshot(conn: Connection) -> FleetSnapshot:
-    """Run `FLEET_SQL` once. Raises what `Connection.run` raises."""
+    """Run `FLEET_SQL` once. Raises what `Connection.transact` raises."""
 
-    async def body(pg: PgConnection) -> list[Row]:
-        return await pg.execute(FLEET_SQL)
+    async def body(q: Queries) -> list[Row]:
+        return await q.execute(FLEET_SQL)
 
-    [r] = await conn.run(Isolation.REPEATABLE_READ, body)
+    [r] = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
 
     def pairs(items: list[str]) -> dict[str, int]:
         return {k: int(v) for k, _, v in (i.rpartition("=") for i in items)}

@@ -15,9 +15,10 @@ CLI listings, the web UI and the metrics all say the same thing::
 which is what an operator needs to see first. The 10 and 30 minutes are the
 recovery sourcing's thresholds (`bmdb.model.queries`).
 
-Every function here runs one statement in a REPEATABLE READ transaction
-(`Connection.run`); errors are those of `Connection.run` (`DatabaseUnavailable`,
-`InvalidArgument` for a bad machine id). Nothing here writes.
+Every function here reads in one REPEATABLE READ transaction (one or two
+statements, one snapshot) through `Connection.transact`, and raises what it
+raises (`DatabaseUnavailable`, ...), or `InvalidArgument` for a bad machine
+id, state or provider. Nothing here writes.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bmdb._pg import PgConnection, Row
+from bmdb._pg import Row
 from bmdb.connection import Connection
 from bmdb.errors import InvalidArgument
-from bmdb.model import HistoryEvent, Process, Provider, WorkEvent, as_uuid
+from bmdb.model import HistoryEvent, Process, Provider, Queries, WorkEvent, as_uuid
 from bmdb.transaction import Isolation
 
 
@@ -262,10 +263,12 @@ async def machines(
     optionally only those in ``state`` and of ``provider``."""
     params = machines_params(limit=limit, state=state, provider=provider, after=after)
 
-    async def body(pg: PgConnection) -> list[Row]:
-        return await pg.execute(MACHINES_SQL, params)
+    async def body(q: Queries) -> list[Row]:
+        return await q.execute(MACHINES_SQL, params)
 
-    return [_machine_state(r) for r in await conn.run(Isolation.REPEATABLE_READ, body)]
+    return [
+        _machine_state(r) for r in await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
+    ]
 
 
 async def machines_page(
@@ -280,10 +283,10 @@ async def machines_page(
     (two statements in one transaction)."""
     params = machines_params(limit=limit, state=state, provider=provider, after=after)
 
-    async def body(pg: PgConnection) -> tuple[list[Row], list[Row]]:
-        return await pg.execute(MACHINES_SQL, params), await pg.execute(STATE_COUNTS_SQL, params)
+    async def body(q: Queries) -> tuple[list[Row], list[Row]]:
+        return await q.execute(MACHINES_SQL, params), await q.execute(STATE_COUNTS_SQL, params)
 
-    rows, counts = await conn.run(Isolation.REPEATABLE_READ, body)
+    rows, counts = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
     by_state = dict(zip(State, counts[0], strict=True))
     return [_machine_state(r) for r in rows], by_state
 
@@ -367,10 +370,10 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
     mid = as_uuid(machine_id)
     params = machines_params(limit=1) | {"machine": mid}
 
-    async def body(pg: PgConnection) -> tuple[list[Row], list[Row]]:
-        return await pg.execute(DETAIL_SQL, params), await pg.execute(HISTORY_SQL, (mid,))
+    async def body(q: Queries) -> tuple[list[Row], list[Row]]:
+        return await q.execute(DETAIL_SQL, params), await q.execute(HISTORY_SQL, (mid,))
 
-    rows, history = await conn.run(Isolation.REPEATABLE_READ, body)
+    rows, history = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
     if not rows:
         return None
     r = rows[0]
@@ -453,10 +456,10 @@ class Activity:
 async def activity(conn: Connection) -> Activity:
     """Every session and the last 24 hours' work outcomes (two statements, one snapshot)."""
 
-    async def body(pg: PgConnection) -> tuple[list[Row], list[Row]]:
-        return await pg.execute(_SESSIONS_SQL), await pg.execute(_OUTCOMES_SQL)
+    async def body(q: Queries) -> tuple[list[Row], list[Row]]:
+        return await q.execute(_SESSIONS_SQL), await q.execute(_OUTCOMES_SQL)
 
-    sessions, outcomes = await conn.run(Isolation.REPEATABLE_READ, body)
+    sessions, outcomes = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
     return Activity(
         sessions=[SessionRow(*r) for r in sessions],
         outcomes=[(r[0], WorkEvent(r[1]), r[2]) for r in outcomes],

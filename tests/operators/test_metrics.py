@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import bmdb
 from bmdb import Isolation
-from bmdb._pg import PgConnection
+from bmdb.model import Queries
 from shepherd.localfleet import open_fleet
 from shepherd.ssh_key import SSHKey
 
@@ -49,24 +49,24 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 async def _history(conn: bmdb.Connection) -> dict[str, int]:
-    async def body(pg: PgConnection) -> list[tuple[object, ...]]:
-        return await pg.execute(
+    async def body(q: Queries) -> list[tuple[object, ...]]:
+        return await q.execute(
             "SELECT event::text, count(*) FROM work_history"
             " WHERE process = 'ShepherdAgentStart' GROUP BY 1"
         )
 
-    rows = await conn.run(Isolation.READ_COMMITTED, body)
+    rows = await conn.transact(body, isolation=Isolation.READ_COMMITTED)
     return {str(r[0]): int(str(r[1])) for r in rows}
 
 
 async def _initializer_sessions(conn: bmdb.Connection) -> int:
-    async def body(pg: PgConnection) -> int:
-        rows = await pg.execute(
+    async def body(q: Queries) -> int:
+        rows = await q.execute(
             "SELECT count(*) FROM sessions WHERE session_component_name = 'shepherd-initializer'"
         )
         return int(rows[0][0])
 
-    return await conn.run(Isolation.READ_COMMITTED, body)
+    return await conn.transact(body, isolation=Isolation.READ_COMMITTED)
 
 
 async def test_metrics_after_an_initializer_run_match_the_history(
