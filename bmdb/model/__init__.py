@@ -1,7 +1,14 @@
 """The BMDB's data model: SQL enum mirrors, row records and `Queries`."""
 
 from bmdb.model.enums import Process, Provider, ProviderStatus, WorkEvent
-from bmdb.model.queries import SOURCING_WINDOW, Queries, as_uuid
+from bmdb.model.queries import (
+    AGENT_FIRST_HEARTBEAT_TIMEOUT,
+    AGENT_HEARTBEAT_TIMEOUT,
+    SOURCING_WINDOW,
+    HeartbeatOutcome,
+    Queries,
+    as_uuid,
+)
 from bmdb.model.rows import (
     AgentStarted,
     HistoryEvent,
@@ -12,8 +19,11 @@ from bmdb.model.rows import (
 )
 
 __all__ = [
+    "AGENT_FIRST_HEARTBEAT_TIMEOUT",
+    "AGENT_HEARTBEAT_TIMEOUT",
     "SOURCING_WINDOW",
     "AgentStarted",
+    "HeartbeatOutcome",
     "HistoryEvent",
     "MachineProvided",
     "MachineSummary",

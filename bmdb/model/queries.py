@@ -17,6 +17,7 @@ not all race for the same first row. See bmdb/work.py for why that is safe.
 from __future__ import annotations
 
 import datetime
+import enum
 import functools
 import uuid
 from collections.abc import Sequence
@@ -98,19 +99,85 @@ def agent_start_lock_sql(limit: int) -> str:
 """
 
 
-_AGENT_RECOVERY = f"""
-    SELECT m.machine_id, a.agent_started_at, a.agent_public_key, {_PROVIDED_COLUMNS}
-    FROM machines m
-    JOIN machine_agent_started a ON a.machine_id = m.machine_id
-    LEFT JOIN machine_agent_heartbeat h ON h.machine_id = m.machine_id
-    LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
-    WHERE ((h.machine_id IS NULL AND a.agent_started_at < now() - interval '30 minutes')
-           OR h.agent_heartbeat_at < now() - interval '10 minutes')
-      AND NOT {_LIVE_WORK}
-      AND NOT {_ACTIVE_BACKOFF}
-    ORDER BY m.machine_created_at, m.machine_id
-    LIMIT %(limit)s
+#: Defaults of the recovery source: how long a started agent may stay
+#: silent before its first heartbeat, and after its last one, in seconds.
+AGENT_FIRST_HEARTBEAT_TIMEOUT = 30 * 60.0
+AGENT_HEARTBEAT_TIMEOUT = 10 * 60.0
+
+_AGENT_STARTED_COLUMNS = "a.machine_id, a.agent_started_at, a.agent_public_key"
+
+
+@functools.lru_cache(maxsize=16)
+def _agent_recovery(
+    limit: int, provider: str | None, first: float, last: float, locking: bool
+) -> str:
+    """The recovery source: machines whose agent started but went silent.
+
+    Built like `agent_start_lock_sql` and for the same reason: every value is
+    written into the text (our own integers, floats and enum members), so a
+    prepared statement keeps one plan; and a locking source picks at random
+    among the oldest `SOURCING_WINDOW` candidates, so parallel recoverers do
+    not all race for the first row.
+    """
+    busy = "'{" + ",".join(_AGENT_PROCESSES) + "}'"
+    provider_join = (
+        f"JOIN machine_provided pf ON pf.machine_id = m.machine_id AND pf.provider = '{provider}'"
+        if provider is not None
+        else ""
+    )
+    candidates = f"""
+        SELECT m.machine_id, m.machine_created_at FROM machines m
+        JOIN machine_agent_started a ON a.machine_id = m.machine_id
+        LEFT JOIN machine_agent_heartbeat h ON h.machine_id = m.machine_id
+        {provider_join}
+        WHERE m.agent_started
+          AND ((h.machine_id IS NULL AND a.agent_started_at < now() - interval '{first:.6f} s')
+               OR h.agent_heartbeat_at < now() - interval '{last:.6f} s')
+          AND NOT {_LIVE_WORK}
+          AND NOT {_ACTIVE_BACKOFF}
+        ORDER BY m.machine_created_at, m.machine_id
+    """.replace("%(busy)s", busy).replace("%(process)s", f"'{Process.SHEPHERD_RECOVERY}'")
+    window = max(SOURCING_WINDOW, limit) if locking else limit
+    order = "random()" if locking else "c.machine_created_at, c.machine_id"
+    return f"""
+    SELECT {_AGENT_STARTED_COLUMNS}, {_PROVIDED_COLUMNS}
+    FROM ({candidates} LIMIT {window:d}) c
+    JOIN machines m ON m.machine_id = c.machine_id
+    JOIN machine_agent_started a ON a.machine_id = c.machine_id
+    LEFT JOIN machine_provided p ON p.machine_id = c.machine_id
+    ORDER BY {order}
+    LIMIT {limit:d}
+    {"FOR UPDATE OF m SKIP LOCKED" if locking else ""}
 """
+
+
+# One statement authenticates a heartbeat and records it: the agent's key
+# must be the one of the AgentStarted tag, and the request time newer than
+# the last accepted one; the hardware report is written only with an
+# accepted heartbeat. Counts say which check failed.
+_RECORD_HEARTBEAT = """
+    WITH auth AS (
+        SELECT machine_id FROM machine_agent_started
+        WHERE machine_id = %(machine_id)s AND agent_public_key = %(key)s
+    ), beat AS (
+        INSERT INTO machine_agent_heartbeat AS h
+            (machine_id, agent_heartbeat_at, agent_request_time_ns)
+        SELECT machine_id, now(), %(time_ns)s FROM auth
+        ON CONFLICT (machine_id) DO UPDATE
+        SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at,
+            agent_request_time_ns = EXCLUDED.agent_request_time_ns
+        WHERE h.agent_request_time_ns < EXCLUDED.agent_request_time_ns
+        RETURNING machine_id
+    ), report AS (
+        INSERT INTO machine_hardware_report (machine_id, hardware_report_raw)
+        SELECT machine_id, %(report)s::bytea FROM beat WHERE %(report)s::bytea IS NOT NULL
+        ON CONFLICT (machine_id) DO UPDATE
+        SET hardware_report_raw = EXCLUDED.hardware_report_raw
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM auth), (SELECT count(*) FROM beat)
+"""
+
 
 _FOR_PROCESS = f"""
     SELECT m.machine_id FROM machines m
@@ -127,6 +194,16 @@ class Executor(Protocol):
     """What `Queries` runs its statements on: an open transaction."""
 
     async def execute(self, query: str, params: Params | None = None) -> list[Row]: ...
+
+
+class HeartbeatOutcome(enum.Enum):
+    """What `Queries.record_agent_heartbeat` did."""
+
+    ACCEPTED = "accepted"
+    #: No started agent with this key on this machine (or no such machine).
+    UNKNOWN_AGENT = "unknown agent"
+    #: The request time is not newer than the last accepted one.
+    REPLAYED = "replayed"
 
 
 class Queries:
@@ -305,6 +382,64 @@ class Queries:
         )
         return bool(rows)
 
+    async def record_agent_heartbeat(
+        self,
+        machine_id: uuid.UUID | str,
+        public_key: bytes,
+        request_time_ns: int,
+        hardware_report: bytes | None = None,
+    ) -> HeartbeatOutcome:
+        """Authenticate and record one heartbeat, at the database's ``now()``.
+
+        Accepted only if ``public_key`` is the key of the machine's started
+        agent and ``request_time_ns`` is newer than that of the last accepted
+        heartbeat; then the heartbeat (and ``hardware_report``, if given) is
+        written. Otherwise nothing is written.
+        """
+        if not isinstance(request_time_ns, int) or not 0 < request_time_ns < 2**63:
+            raise InvalidArgument(f"request time out of range: {request_time_ns!r}")
+        rows = await self.execute(
+            _RECORD_HEARTBEAT,
+            {
+                "machine_id": as_uuid(machine_id),
+                "key": bytes(public_key),
+                "time_ns": request_time_ns,
+                "report": None if hardware_report is None else bytes(hardware_report),
+            },
+        )
+        authenticated, beat = rows[0]
+        if not authenticated:
+            return HeartbeatOutcome.UNKNOWN_AGENT
+        return HeartbeatOutcome.ACCEPTED if beat else HeartbeatOutcome.REPLAYED
+
+    async def agent_heartbeat(self, machine_id: uuid.UUID | str) -> datetime.datetime | None:
+        """When the machine's agent last heartbeated, or None."""
+        rows = await self.execute(
+            "SELECT agent_heartbeat_at FROM machine_agent_heartbeat WHERE machine_id = %s",
+            (as_uuid(machine_id),),
+        )
+        return rows[0][0] if rows else None
+
+    async def hardware_report(self, machine_id: uuid.UUID | str) -> bytes | None:
+        """The machine's stored (serialized) hardware report, or None."""
+        rows = await self.execute(
+            "SELECT hardware_report_raw FROM machine_hardware_report WHERE machine_id = %s",
+            (as_uuid(machine_id),),
+        )
+        return bytes(rows[0][0]) if rows else None
+
+    async def delete_agent_started(self, machine_id: uuid.UUID | str) -> None:
+        """Forget that an agent runs on the machine (the initializer will start one)."""
+        await self.execute(
+            "DELETE FROM machine_agent_started WHERE machine_id = %s", (as_uuid(machine_id),)
+        )
+
+    async def delete_agent_heartbeat(self, machine_id: uuid.UUID | str) -> None:
+        """Forget the machine's last agent heartbeat."""
+        await self.execute(
+            "DELETE FROM machine_agent_heartbeat WHERE machine_id = %s", (as_uuid(machine_id),)
+        )
+
     async def get_ssh_host_key(self, machine_id: uuid.UUID | str) -> bytes | None:
         """The SSH host key first seen on the machine, if any."""
         rows = await self.execute(
@@ -342,17 +477,34 @@ class Queries:
             rows = await self.execute(_AGENT_START_LIST, params)
         return [_provided(r) for r in rows]
 
-    async def machines_for_agent_recovery(self, limit: int) -> list[records.AgentStarted]:
-        """Machines whose agent started but went silent: no heartbeat 30
-        minutes after the start, or the last heartbeat older than 10 minutes;
-        without live agent work or recovery backoff; oldest first."""
-        params = {
-            "limit": _limit(limit),
-            "busy": list(_AGENT_PROCESSES),
-            "process": Process.SHEPHERD_RECOVERY,
-        }
-        sql = _AGENT_RECOVERY + (_LOCK_SUFFIX if self.locking else "")
-        rows = await self.execute(sql, params)
+    async def machines_for_agent_recovery(
+        self,
+        limit: int,
+        *,
+        provider: Provider | str | None = None,
+        first_heartbeat_timeout: float = AGENT_FIRST_HEARTBEAT_TIMEOUT,
+        heartbeat_timeout: float = AGENT_HEARTBEAT_TIMEOUT,
+    ) -> list[records.AgentStarted]:
+        """Machines (of ``provider``, if given) whose agent started but went
+        silent: no heartbeat ``first_heartbeat_timeout`` seconds after the
+        start, or the last heartbeat older than ``heartbeat_timeout``; without
+        live agent work or recovery backoff; oldest first (approximately,
+        among the oldest `SOURCING_WINDOW`, when locking)."""
+        for name, value in (
+            ("first_heartbeat_timeout", first_heartbeat_timeout),
+            ("heartbeat_timeout", heartbeat_timeout),
+        ):
+            if not isinstance(value, int | float) or not 0 < value < 10**9:
+                raise InvalidArgument(f"{name} must be a positive number of seconds, got {value!r}")
+        sql = _agent_recovery(
+            _limit(limit),
+            None if provider is None else str(Provider.parse(provider)),
+            float(first_heartbeat_timeout),
+            float(heartbeat_timeout),
+            self.locking,
+        )
+        # Empty parameters, not None: sent as a prepared statement.
+        rows = await self.execute(sql, ())
         return [_agent_started(r) for r in rows]
 
     async def machines_for_process(self, process: Process | str, limit: int) -> list[uuid.UUID]:

@@ -17,6 +17,12 @@ Protocol (one exchange, then exit)::
 The exit status is 0 whenever a ``TakeoverResponse`` was written, error or not:
 the response is the result, and the initializer reads it whatever the status.
 
+With ``--heartbeat-interval SECONDS`` (the initializer always passes it) a
+successful takeover does not end the agent: after writing the response it
+detaches (double fork, new session, stdio to ``<this file>.log``), so the SSH
+session ends, and heartbeats to ``bmaas_endpoint`` until killed (see
+"Heartbeats" below). Without it the agent only answers, as it always did.
+
 Key storage: the 32-byte Ed25519 private seed lives in ``<this file>.key``,
 mode 0600, created atomically on first run and reused on every later run (the
 key is the machine's identity towards the BMaaS endpoint, so it must survive
@@ -32,14 +38,22 @@ edwards25519; it is tested against ``cryptography``.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import errno
 import hashlib
+import http.client
 import os
+import random
 import secrets
+import signal
+import ssl
 import stat
+import struct
 import sys
+import time
+import urllib.parse
 
 # --------------------------------------------------------------------------
 # Protobuf wire codec for cloud.agent.api (see shepherd/proto/agent.proto).
@@ -92,6 +106,15 @@ def _decode_varint(data: bytes, pos: int) -> tuple[int, int]:
 
 def _len_field(number: int, payload: bytes) -> bytes:
     return _encode_varint(number << 3 | WIRE_LEN) + _encode_varint(len(payload)) + payload
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    """A varint field (int32/int64/bool/enum); negatives as 64-bit two's complement."""
+    return _encode_varint(number << 3 | WIRE_VARINT) + _encode_varint(value & (2**64 - 1))
+
+
+def _float_field(number: int, value: float) -> bytes:
+    return _encode_varint(number << 3 | WIRE_I32) + struct.pack("<f", value)
 
 
 def iter_fields(data: bytes) -> list[tuple[int, int, bytes | int]]:
@@ -244,6 +267,521 @@ def ed25519_public_key(seed: bytes) -> bytes:
     return int.to_bytes(y | (x & 1) << 255, 32, "little")
 
 
+#: The order of the edwards25519 base point.
+_L = 2**252 + 27742317777372353535851937790883648493
+
+
+def _encode_point(p: _Point) -> bytes:
+    x, y, z, _ = p
+    z_inv = pow(z, _P - 2, _P)
+    x, y = x * z_inv % _P, y * z_inv % _P
+    return int.to_bytes(y | (x & 1) << 255, 32, "little")
+
+
+def ed25519_sign(seed: bytes, message: bytes) -> bytes:
+    """The 64-byte Ed25519 signature of ``message`` (RFC 8032 section 5.1.6).
+
+    Deterministic, like every Ed25519 signer: the same key and message give
+    the same signature, which the test vectors and ``cryptography`` check.
+    """
+    if len(seed) != 32:
+        raise ValueError(f"Ed25519 seed must be 32 bytes, got {len(seed)}")
+    digest = hashlib.sha512(seed).digest()
+    scalar = int.from_bytes(digest[:32], "little")
+    scalar &= (1 << 254) - 8
+    scalar |= 1 << 254
+    public = _encode_point(_scalar_mult(scalar, _BASE))
+    r = int.from_bytes(hashlib.sha512(digest[32:] + message).digest(), "little") % _L
+    big_r = _encode_point(_scalar_mult(r, _BASE))
+    k = int.from_bytes(hashlib.sha512(big_r + public + message).digest(), "little") % _L
+    return big_r + int.to_bytes((r + k * scalar) % _L, 32, "little")
+
+
+# --------------------------------------------------------------------------
+# The hardware report (cloud.agent.api.Node, see shepherd/proto/hwreport.proto),
+# read from /proc and /sys. Every probe is best effort: what cannot be read
+# is left out and said in a warning, never fatal, because a report with gaps
+# is still worth more to the operator than none.
+# --------------------------------------------------------------------------
+
+EFI_SUPPORT_UNKNOWN = 1
+EFI_SUPPORT_ENABLED = 4
+PROTOCOL_UNKNOWN, PROTOCOL_SCSI, PROTOCOL_NVME, PROTOCOL_MMC = 0, 1, 3, 4
+
+
+@dataclasses.dataclass
+class HwCPU:
+    """cloud.agent.api.CPU; ``family``/``model_number``/``stepping`` only on x86_64."""
+
+    vendor: str = ""
+    model: str = ""
+    cores: int = 0
+    hardware_threads: int = 0
+    x86_64: tuple[int, int, int] | None = None  # (family, model, stepping)
+
+    def encode(self) -> bytes:
+        out = b""
+        if self.x86_64 is not None:
+            x86 = b""
+            for number, value in enumerate(self.x86_64, start=1):
+                if value:
+                    x86 += _varint_field(number, value)
+            out += _len_field(1, x86)  # a set oneof member is written even if empty
+        if self.cores:
+            out += _varint_field(8, self.cores)
+        if self.hardware_threads:
+            out += _varint_field(9, self.hardware_threads)
+        if self.vendor:
+            out += _len_field(10, self.vendor.encode("utf-8"))
+        if self.model:
+            out += _len_field(11, self.model.encode("utf-8"))
+        return out
+
+
+@dataclasses.dataclass
+class HwBlockDevice:
+    """cloud.agent.api.BlockDevice (the fields /sys tells without SMART)."""
+
+    vendor: str = ""
+    device_model: str = ""
+    serial_number: str = ""
+    wwn: bytes = b""
+    rotational: bool = False
+    capacity_bytes: int = 0
+    logical_block_size_bytes: int = 0
+    physical_block_size_bytes: int = 0
+    protocol: int = PROTOCOL_UNKNOWN
+
+    def encode(self) -> bytes:
+        out = b""
+        for number, text in ((1, self.vendor), (2, self.device_model), (3, self.serial_number)):
+            if text:
+                out += _len_field(number, text.encode("utf-8"))
+        if self.wwn:
+            out += _len_field(4, self.wwn)
+        for number, value in (
+            (5, int(self.rotational)),
+            (6, self.capacity_bytes),
+            (7, self.logical_block_size_bytes),
+            (8, self.physical_block_size_bytes),
+            (9, self.protocol),
+        ):
+            if value:
+                out += _varint_field(number, value)
+        return out
+
+
+@dataclasses.dataclass
+class HwNetworkInterface:
+    """cloud.agent.api.NetworkInterface."""
+
+    mac: bytes = b""
+    driver: str = ""
+    link_up: bool = False
+    current_speed_bytes: int = 0
+
+    def encode(self) -> bytes:
+        out = b""
+        if self.mac:
+            out += _len_field(1, self.mac)
+        if self.driver:
+            out += _len_field(2, self.driver.encode("utf-8"))
+        if self.link_up:
+            out += _varint_field(4, 1)
+        if self.current_speed_bytes:
+            out += _varint_field(5, self.current_speed_bytes)
+        return out
+
+
+@dataclasses.dataclass
+class HwNode:
+    """cloud.agent.api.Node."""
+
+    manufacturer: str = ""
+    product: str = ""
+    serial_number: str = ""
+    memory_installed_bytes: int = 0
+    memory_usable_ratio: float = 0.0
+    cpu: list[HwCPU] = dataclasses.field(default_factory=list)
+    block_device: list[HwBlockDevice] = dataclasses.field(default_factory=list)
+    network_interface: list[HwNetworkInterface] = dataclasses.field(default_factory=list)
+    efi_support: int = 0
+
+    def encode(self) -> bytes:
+        out = b""
+        for number, text in ((1, self.manufacturer), (2, self.product), (3, self.serial_number)):
+            if text:
+                out += _len_field(number, text.encode("utf-8"))
+        if self.memory_installed_bytes:
+            out += _varint_field(8, self.memory_installed_bytes)
+        if self.memory_usable_ratio:
+            out += _float_field(9, self.memory_usable_ratio)
+        for number, items in (
+            (10, self.cpu),
+            (11, self.block_device),
+            (12, self.network_interface),
+        ):
+            for item in items:
+                out += _len_field(number, item.encode())
+        if self.efi_support:
+            out += _varint_field(13, self.efi_support)
+        return out
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _read_int(path: str) -> int | None:
+    text = _read(path)
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _cpus(warnings: list[str]) -> list[HwCPU]:
+    """One entry per socket ("physical id"), from /proc/cpuinfo."""
+    text = _read("/proc/cpuinfo")
+    if text is None:
+        warnings.append("cannot read /proc/cpuinfo")
+        return []
+    sockets: dict[str, HwCPU] = {}
+    for block in text.split("\n\n"):
+        info: dict[str, str] = {}
+        for line in block.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                info[key.strip()] = value.strip()
+        if "processor" not in info:
+            continue
+        cpu = sockets.setdefault(info.get("physical id", "0"), HwCPU())
+        cpu.hardware_threads += 1
+        cpu.vendor = cpu.vendor or info.get("vendor_id", "")
+        cpu.model = cpu.model or info.get("model name", "")
+        if info.get("cpu cores", "").isdigit():
+            cpu.cores = int(info["cpu cores"])
+        numbers = [info.get(k, "") for k in ("cpu family", "model", "stepping")]
+        if cpu.x86_64 is None and all(n.isdigit() for n in numbers):
+            cpu.x86_64 = (int(numbers[0]), int(numbers[1]), int(numbers[2]))
+    for cpu in sockets.values():
+        cpu.cores = cpu.cores or cpu.hardware_threads
+    return list(sockets.values())
+
+
+def _memory(node: HwNode, warnings: list[str]) -> None:
+    """Installed memory from the online memory blocks in sysfs; MemTotal as usable."""
+    total_kib = None
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemTotal:"):
+            total_kib = int(line.split()[1])
+    base = "/sys/devices/system/memory"
+    block = _read(f"{base}/block_size_bytes")
+    installed = 0
+    if block is not None:
+        try:
+            names = os.listdir(base)
+        except OSError:
+            names = []
+        online = sum(
+            1 for n in names if n.startswith("memory") and _read(f"{base}/{n}/online") == "1"
+        )
+        installed = online * int(block, 16)
+    if not installed and total_kib:
+        warnings.append("no memory blocks in sysfs; installed memory is MemTotal")
+        installed = total_kib * 1024
+    node.memory_installed_bytes = installed
+    if installed and total_kib:
+        node.memory_usable_ratio = min(1.0, total_kib * 1024 / installed)
+
+
+def _block_devices() -> list[HwBlockDevice]:
+    """Disks with a backing device (loop, ram, zram, dm-... have none)."""
+    devices = []
+    try:
+        names = sorted(os.listdir("/sys/block"))
+    except OSError:
+        return []
+    for name in names:
+        base = f"/sys/block/{name}"
+        if not os.path.exists(f"{base}/device"):
+            continue
+        protocol = PROTOCOL_UNKNOWN
+        if name.startswith("nvme"):
+            protocol = PROTOCOL_NVME
+        elif name.startswith("mmcblk"):
+            protocol = PROTOCOL_MMC
+        elif name.startswith("sd"):
+            protocol = PROTOCOL_SCSI
+        wwid = _read(f"{base}/wwid") or _read(f"{base}/device/wwid") or ""
+        devices.append(
+            HwBlockDevice(
+                vendor=_read(f"{base}/device/vendor") or "",
+                device_model=_read(f"{base}/device/model") or "",
+                serial_number=_read(f"{base}/device/serial") or _read(f"{base}/serial") or "",
+                wwn=wwid.encode("utf-8"),
+                rotational=_read(f"{base}/queue/rotational") == "1",
+                capacity_bytes=(_read_int(f"{base}/size") or 0) * 512,
+                logical_block_size_bytes=_read_int(f"{base}/queue/logical_block_size") or 0,
+                physical_block_size_bytes=_read_int(f"{base}/queue/physical_block_size") or 0,
+                protocol=protocol,
+            )
+        )
+    return devices
+
+
+def _network_interfaces() -> list[HwNetworkInterface]:
+    """Interfaces with a backing device (physical NICs), with their MACs."""
+    nics = []
+    try:
+        names = sorted(os.listdir("/sys/class/net"))
+    except OSError:
+        return []
+    for name in names:
+        base = f"/sys/class/net/{name}"
+        if not os.path.exists(f"{base}/device"):
+            continue
+        try:
+            mac = bytes.fromhex((_read(f"{base}/address") or "").replace(":", ""))
+        except ValueError:
+            mac = b""
+        try:
+            driver = os.path.basename(os.readlink(f"{base}/device/driver"))
+        except OSError:
+            driver = ""
+        speed = _read_int(f"{base}/speed")  # Mbit/s; -1 or unreadable when down
+        nics.append(
+            HwNetworkInterface(
+                mac=mac,
+                driver=driver,
+                link_up=_read(f"{base}/carrier") == "1",
+                current_speed_bytes=speed * 125_000 if speed and speed > 0 else 0,
+            )
+        )
+    return nics
+
+
+def collect_hardware_report() -> tuple[HwNode, list[str]]:
+    """Describe this machine; return the report and the warnings met."""
+    warnings: list[str] = []
+    dmi = "/sys/class/dmi/id"
+    node = HwNode(
+        manufacturer=_read(f"{dmi}/sys_vendor") or "",
+        product=_read(f"{dmi}/product_name") or "",
+        serial_number=_read(f"{dmi}/product_serial") or "",
+    )
+    if not os.path.isdir(dmi):
+        warnings.append("no DMI data in /sys/class/dmi/id")
+    node.efi_support = (
+        EFI_SUPPORT_ENABLED if os.path.isdir("/sys/firmware/efi") else EFI_SUPPORT_UNKNOWN
+    )
+    node.cpu = _cpus(warnings)
+    _memory(node, warnings)
+    node.block_device = _block_devices()
+    node.network_interface = _network_interfaces()
+    return node, warnings
+
+
+def encode_heartbeat_request(
+    machine_id: str, report: HwNode | None = None, warnings: list[str] | None = None
+) -> bytes:
+    """cloud.bmaas.server.api.HeartbeatRequest{machine_id, hardware_report?}."""
+    out = _len_field(1, machine_id.encode("utf-8")) if machine_id else b""
+    if report is not None:
+        hw = _len_field(1, report.encode())
+        for warning in warnings or []:
+            hw += _len_field(2, warning.encode("utf-8"))
+        out += _len_field(2, hw)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Heartbeats.
+#
+# Transport: Connect's unary protocol over HTTP/1.1 (POST, application/proto,
+# the bare message as body; errors as JSON {code, message}), because
+# http.client speaks it and HTTP/2 (gRPC) is not in the standard library.
+#
+# Authentication: the TLS layer only authenticates the server. The agent signs
+# every request with its Ed25519 key over SIGNED_FIELDS (see signed_message);
+# the server checks the signature against the key in the machine's
+# AgentStarted tag, that the time is fresh, and that it is newer than the last
+# accepted one (so a captured request cannot be replayed).
+# --------------------------------------------------------------------------
+
+HEARTBEAT_PATH = "/cloud.bmaas.server.api.AgentCallback/Heartbeat"
+SIGNATURE_CONTEXT = b"monotrio-agent-callback-v1"
+HEADER_KEY = "Monotrio-Agent-Key"
+HEADER_TIME = "Monotrio-Agent-Time"
+HEADER_SIGNATURE = "Monotrio-Agent-Signature"
+#: Bound on one heartbeat exchange (connect, TLS, request, response), seconds.
+REQUEST_TIMEOUT = 15.0
+
+
+def signed_message(method: str, path: str, machine_id: str, time_ns: int, body: bytes) -> bytes:
+    """The bytes an agent signs for one request: everything that makes it unique."""
+    return b"\n".join(
+        [
+            SIGNATURE_CONTEXT,
+            method.encode("ascii"),
+            path.encode("utf-8"),
+            machine_id.encode("utf-8"),
+            str(time_ns).encode("ascii"),
+            hashlib.sha256(body).hexdigest().encode("ascii"),
+        ]
+    )
+
+
+def _log(message: str) -> None:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    sys.stderr.write(f"{stamp} agent: {message}\n")
+    sys.stderr.flush()
+
+
+class Heartbeater:
+    """Sends heartbeats to the endpoint of ``init``, signed with ``seed``."""
+
+    def __init__(
+        self,
+        init: TakeoverInit,
+        seed: bytes,
+        *,
+        interval: float,
+        backoff_cap: float,
+        report: tuple[HwNode, list[str]] | None = None,
+    ) -> None:
+        self.init = init
+        self.seed = seed
+        self.public_key = ed25519_public_key(seed)
+        self.interval = interval
+        self.backoff_cap = max(backoff_cap, interval)
+        self.report = report  # sent until one heartbeat carrying it is accepted
+        self._last_time_ns = 0
+        endpoint = init.bmaas_endpoint
+        url = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise AgentError(f"cannot use endpoint {endpoint!r}: want [https://]host[:port]")
+        self.scheme, self.host = url.scheme, url.hostname
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self.context: ssl.SSLContext | None = None
+        if self.scheme == "https":
+            self.context = ssl.create_default_context()
+            if init.ca_certificate:
+                self.context = ssl.create_default_context(cadata=init.ca_certificate)
+
+    def request(self) -> tuple[bytes, dict[str, str]]:
+        """The next request: body and headers, signed."""
+        report, warnings = self.report if self.report is not None else (None, None)
+        body = encode_heartbeat_request(self.init.machine_id, report, warnings)
+        # Strictly increasing, also when the clock steps back: the server
+        # refuses a time not newer than the last it accepted.
+        now = max(time.time_ns(), self._last_time_ns + 1)
+        self._last_time_ns = now
+        message = signed_message("POST", HEARTBEAT_PATH, self.init.machine_id, now, body)
+        headers = {
+            "Content-Type": "application/proto",
+            "Connect-Protocol-Version": "1",
+            "Connect-Timeout-Ms": str(int(REQUEST_TIMEOUT * 1000)),
+            HEADER_KEY: base64.b64encode(self.public_key).decode("ascii"),
+            HEADER_TIME: str(now),
+            HEADER_SIGNATURE: base64.b64encode(ed25519_sign(self.seed, message)).decode("ascii"),
+        }
+        return body, headers
+
+    def beat(self) -> None:
+        """Send one heartbeat; raise OSError, HTTPException or AgentError on failure."""
+        body, headers = self.request()
+        conn: http.client.HTTPConnection
+        if self.context is not None:
+            conn = http.client.HTTPSConnection(
+                self.host, self.port, timeout=REQUEST_TIMEOUT, context=self.context
+            )
+        else:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT)
+        try:
+            conn.request("POST", HEARTBEAT_PATH, body=body, headers=headers)
+            response = conn.getresponse()
+            answer = response.read(64 * 1024)
+        finally:
+            conn.close()
+        if response.status != 200:
+            text = answer[:300].decode("utf-8", errors="replace")
+            raise AgentError(f"heartbeat refused: HTTP {response.status}: {text}")
+        if self.report is not None:
+            _log("hardware report accepted")
+            self.report = None
+
+    def run(self) -> None:
+        """Heartbeat forever: every ``interval`` while accepted, else with
+        exponential backoff (1 s doubling, jittered, up to ``backoff_cap``)."""
+        delay = 0.0
+        failing = False
+        while True:
+            try:
+                self.beat()
+            except (OSError, http.client.HTTPException, AgentError) as exc:
+                delay = min(self.backoff_cap, max(1.0, delay * 2)) if failing else 1.0
+                if not failing:
+                    _log(f"heartbeat failed, backing off: {exc}")
+                failing = True
+                time.sleep(delay * random.uniform(0.8, 1.0))
+                continue
+            if failing:
+                _log("heartbeats accepted again")
+            failing = False
+            delay = 0.0
+            time.sleep(self.interval)
+
+
+def _replace_running_agent(pid_file: str) -> None:
+    """Stop an agent still running from an earlier takeover, and record our pid.
+
+    A takeover without a reboot (a provider that cannot reboot) finds the old
+    agent possibly alive; two would heartbeat for one machine. Only a process
+    whose command line names this very script is signalled.
+    """
+    old = _read_int(pid_file)
+    if old and old != os.getpid():
+        cmdline = (_read(f"/proc/{old}/cmdline") or "").split("\0")
+        if any(os.path.abspath(arg) == os.path.abspath(sys.argv[0]) for arg in cmdline if arg):
+            with contextlib.suppress(OSError):
+                os.kill(old, signal.SIGTERM)
+    tmp = f"{pid_file}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(tmp, pid_file)
+
+
+def detach(log_file: str) -> bool:
+    """Double-fork into a new session with stdio away from the SSH channel.
+
+    Returns False in the original process (which then exits, ending the SSH
+    session) and True in the detached daemon.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)
+        return False
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDWR)
+    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    os.chdir("/")
+    return True
+
+
 # --------------------------------------------------------------------------
 # The key file and the program.
 # --------------------------------------------------------------------------
@@ -339,10 +877,59 @@ def take_over(init_bytes: bytes, key_file: str) -> bytes:
     return encode_success(init_bytes, ed25519_public_key(seed), warnings)
 
 
+def _parse_args(argv: list[str]) -> tuple[float | None, float]:
+    """``[--heartbeat-interval SECONDS] [--heartbeat-backoff-cap SECONDS]``."""
+    interval: float | None = None
+    cap = 60.0
+    args = list(argv)
+    while args:
+        flag = args.pop(0)
+        if flag not in ("--heartbeat-interval", "--heartbeat-backoff-cap") or not args:
+            raise AgentError(
+                f"usage: agent [--heartbeat-interval S] [--heartbeat-backoff-cap S], got {flag!r}"
+            )
+        value = float(args.pop(0))
+        if not value > 0:
+            raise AgentError(f"{flag} must be positive")
+        if flag == "--heartbeat-interval":
+            interval = value
+        else:
+            cap = value
+    return interval, cap
+
+
 def main() -> int:
-    response = take_over(sys.stdin.buffer.read(), key_path())
+    try:
+        interval, cap = _parse_args(sys.argv[1:])
+    except (AgentError, ValueError) as exc:
+        sys.stderr.write(f"agent: {exc}\n")
+        return 2
+    init_bytes = sys.stdin.buffer.read()
+    response = take_over(init_bytes, key_path())
+    heartbeater = None
+    if interval is not None and iter_fields(response)[0][0] == 1:  # success
+        try:
+            warnings: list[str] = []
+            heartbeater = Heartbeater(
+                TakeoverInit.decode(init_bytes),
+                load_or_create_seed(key_path(), warnings),
+                interval=interval,
+                backoff_cap=cap,
+            )
+        except AgentError as exc:
+            response = encode_error(str(exc))
     sys.stdout.buffer.write(response)
     sys.stdout.buffer.flush()
+    if heartbeater is None or not detach(os.path.abspath(sys.argv[0]) + ".log"):
+        return 0
+    try:
+        _replace_running_agent(os.path.abspath(sys.argv[0]) + ".pid")
+        _log(f"heartbeating to {heartbeater.init.bmaas_endpoint} every {interval:g}s")
+        heartbeater.report = collect_hardware_report()
+        heartbeater.run()
+    except BaseException as exc:  # the daemon's last word goes to its log
+        _log(f"stopped: {exc!r}")
+        os._exit(1)
     return 0
 
 

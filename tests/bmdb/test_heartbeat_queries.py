@@ -1,0 +1,130 @@
+"""Queries for agent heartbeats and recovery: authentication, replays, timeouts, window."""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+
+import bmdb
+from bmdb import Process
+from bmdb.model import HeartbeatOutcome, Queries
+from tests.bmdb.helpers import add_provided_machines
+
+KEY = bytes(range(32))
+OTHER_KEY = bytes(32)
+
+
+async def _state(conn: bmdb.Connection, machine_id: uuid.UUID) -> tuple[object, bytes | None]:
+    async def read(q: Queries) -> tuple[object, bytes | None]:
+        return await q.agent_heartbeat(machine_id), await q.hardware_report(machine_id)
+
+    return await conn.transact(read)
+
+
+async def test_heartbeat_needs_the_started_agents_key_and_a_newer_time(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    (machine,) = await add_provided_machines(bmdb_conn, 1)
+
+    async def record(key: bytes, time_ns: int, report: bytes | None = None) -> HeartbeatOutcome:
+        async def fn(q: Queries) -> HeartbeatOutcome:
+            return await q.record_agent_heartbeat(machine, key, time_ns, report)
+
+        return await bmdb_conn.transact(fn)
+
+    # No agent started yet: nobody's key is good.
+    assert await record(KEY, 10, b"r") is HeartbeatOutcome.UNKNOWN_AGENT
+    assert await _state(bmdb_conn, machine) == (None, None)
+
+    async def start(q: Queries) -> None:
+        await q.set_agent_started(machine, datetime.datetime.now(datetime.UTC), KEY)
+
+    await bmdb_conn.transact(start)
+    assert await record(OTHER_KEY, 10, b"r") is HeartbeatOutcome.UNKNOWN_AGENT
+    assert await _state(bmdb_conn, machine) == (None, None)
+
+    assert await record(KEY, 10, b"report-1") is HeartbeatOutcome.ACCEPTED
+    first, report = await _state(bmdb_conn, machine)
+    assert first is not None and report == b"report-1"
+
+    # The same time again, or an older one, is a replay: nothing changes.
+    assert await record(KEY, 10, b"report-2") is HeartbeatOutcome.REPLAYED
+    assert await record(KEY, 9) is HeartbeatOutcome.REPLAYED
+    assert await _state(bmdb_conn, machine) == (first, b"report-1")
+
+    # A newer one without report moves the time and keeps the report.
+    assert await record(KEY, 11) is HeartbeatOutcome.ACCEPTED
+    later, report = await _state(bmdb_conn, machine)
+    assert isinstance(later, datetime.datetime) and isinstance(first, datetime.datetime)
+    assert later > first and report == b"report-1"
+
+
+async def test_recovery_timeouts_are_parameters(bmdb_conn: bmdb.Connection) -> None:
+    silent, beating = await add_provided_machines(bmdb_conn, 2)
+    now = datetime.datetime.now(datetime.UTC)
+
+    async def setup(q: Queries) -> None:
+        await q.set_agent_started(silent, now - datetime.timedelta(seconds=20), KEY)
+        await q.set_agent_started(beating, now - datetime.timedelta(seconds=20), KEY)
+        await q.set_agent_heartbeat(beating, now - datetime.timedelta(seconds=5))
+
+    await bmdb_conn.transact(setup)
+
+    async def source(first: float, last: float) -> list[uuid.UUID]:
+        async def fn(q: Queries) -> list[uuid.UUID]:
+            found = await q.machines_for_agent_recovery(
+                10, first_heartbeat_timeout=first, heartbeat_timeout=last
+            )
+            return [m.machine_id for m in found]
+
+        return await bmdb_conn.transact(fn)
+
+    assert await source(1800, 600) == []
+    assert await source(10, 600) == [silent]
+    assert await source(10, 2) == [silent, beating]
+    assert await source(1800, 2) == [beating]
+
+
+async def test_recovery_source_filters_by_provider(bmdb_conn: bmdb.Connection) -> None:
+    (machine,) = await add_provided_machines(bmdb_conn, 1)
+
+    async def setup(q: Queries) -> None:
+        old = datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)
+        await q.set_agent_started(machine, old, KEY)
+
+    await bmdb_conn.transact(setup)
+
+    async def source(provider: str) -> list[uuid.UUID]:
+        async def fn(q: Queries) -> list[uuid.UUID]:
+            return [m.machine_id for m in await q.machines_for_agent_recovery(5, provider=provider)]
+
+        return await bmdb_conn.transact(fn)
+
+    assert await source("Static") == [machine]
+    assert await source("Equinix") == []
+
+
+async def test_parallel_recovery_claims_spread_over_the_window(bmdb_conn: bmdb.Connection) -> None:
+    """Locking recovery sources pick at random among the oldest candidates,
+    like agent-start sourcing: sixteen claims in a row do not all go for the
+    oldest machine, and never for one twice."""
+    machines = await add_provided_machines(bmdb_conn, 40)
+
+    async def setup(q: Queries) -> None:
+        old = datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)
+        for m in machines:
+            await q.set_agent_started(m, old, KEY)
+
+    await bmdb_conn.transact(setup)
+    claimed: list[uuid.UUID] = []
+    async with bmdb_conn.session("test-recoverer") as sess:
+        for _ in range(16):
+
+            async def source(q: Queries) -> list[uuid.UUID]:
+                return [m.machine_id for m in await q.machines_for_agent_recovery(1)]
+
+            work = await sess.work(Process.SHEPHERD_RECOVERY, source)
+            claimed.append(work.machine_id)
+    assert len(set(claimed)) == 16
+    # In creation order they would be exactly the 16 oldest.
+    assert set(claimed) != set(machines[:16])
