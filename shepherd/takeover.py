@@ -72,6 +72,11 @@ class AgentConfig:
     ssh_connect_timeout: float
     #: Bound on the whole step (dial, upload, run), seconds.
     ssh_exec_timeout: float
+    #: Seconds between the agent's heartbeats, None for an agent that only
+    #: answers the takeover and exits (then nothing ever heartbeats).
+    heartbeat_interval: float | None = None
+    #: Cap of the agent's backoff while its heartbeats fail, seconds.
+    heartbeat_backoff_cap: float = 60.0
 
     def __post_init__(self) -> None:
         # The seed's New() checks, so a misconfigured initializer fails at start.
@@ -89,6 +94,20 @@ class AgentConfig:
             raise ValueError("agent SSH connect timeout must be positive")
         if self.ssh_exec_timeout <= 0:
             raise ValueError("agent SSH exec timeout must be positive")
+        if self.heartbeat_interval is not None and not self.heartbeat_interval > 0:
+            raise ValueError("agent heartbeat interval must be positive")
+        if not self.heartbeat_backoff_cap > 0:
+            raise ValueError("agent heartbeat backoff cap must be positive")
+
+    def command(self) -> str:
+        """The shell command that runs the uploaded agent."""
+        command = shlex.quote(self.target_path)
+        if self.heartbeat_interval is not None:
+            command += (
+                f" --heartbeat-interval {self.heartbeat_interval:g}"
+                f" --heartbeat-backoff-cap {self.heartbeat_backoff_cap:g}"
+            )
+        return command
 
 
 @dataclass(frozen=True)
@@ -202,7 +221,7 @@ async def start_agent(
                     raise UploadFailed(f"agent upload failed: {exc}", host_key) from exc
                 logger.debug("machine %s: running %s", machine_id, config.target_path)
                 try:
-                    result = await conn.run(shlex.quote(config.target_path), stdin=bytes(init))
+                    result = await conn.run(config.command(), stdin=bytes(init))
                 except ChannelError as exc:
                     raise RunFailed(f"running the agent failed: {exc}", host_key) from exc
         except HostKeyChanged as exc:

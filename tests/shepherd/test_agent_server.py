@@ -1,0 +1,217 @@
+"""The agent callback server over real HTTP: what it accepts, what it refuses, and its limits."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+import bmdb
+from bmdb import Queries
+from shepherd.agent import takeover as agent
+from shepherd.agent_server import AgentServerConfig, Limits, run_agent_server
+from shepherd.agent_server.server import port_of
+from shepherd.proto.agent_callback import AgentHardwareReport
+from tests.shepherd.helpers import provide
+
+MAX_BODY = 8192
+
+
+@dataclass
+class Server:
+    url: str
+    conn: bmdb.Connection
+
+
+@pytest.fixture
+async def server(bmdb_conn: bmdb.Connection, nursery: trio.Nursery) -> AsyncIterator[Server]:
+    config = AgentServerConfig(
+        listen="127.0.0.1:0", limits=Limits(max_body=MAX_BODY, body_timeout=1.0)
+    )
+    binds = await nursery.start(
+        lambda task_status: run_agent_server(bmdb_conn, config, task_status=task_status)
+    )
+    yield Server(f"http://127.0.0.1:{port_of(binds[0])}", bmdb_conn)
+    nursery.cancel_scope.cancel()
+
+
+async def started_machine(conn: bmdb.Connection) -> tuple[uuid.UUID, bytes]:
+    """A provided machine with an AgentStarted tag; returns it and the agent's seed."""
+    (mid,) = (await provide(conn, [f"m-{uuid.uuid4()}"])).values()
+    seed = os.urandom(32)
+
+    async def start(q: Queries) -> None:
+        now = datetime.datetime.now(datetime.UTC)
+        await q.set_agent_started(mid, now, agent.ed25519_public_key(seed))
+
+    await conn.transact(start)
+    return mid, seed
+
+
+def heartbeater(url: str, machine_id: str, seed: bytes, *, report: bool) -> agent.Heartbeater:
+    hb = agent.Heartbeater(agent.TakeoverInit(machine_id, url), seed, interval=1.0, backoff_cap=1.0)
+    if report:
+        hb.report = agent.collect_hardware_report()
+    return hb
+
+
+async def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+    """POST a heartbeat; (HTTP status, Connect error code or "")."""
+    async with httpx.AsyncClient() as client:
+        response = await client.post(url + agent.HEARTBEAT_PATH, content=body, headers=headers)
+    if response.status_code == 200:
+        assert response.headers["content-type"] == "application/proto"
+        return 200, ""
+    assert response.headers["content-type"] == "application/json"
+    return response.status_code, json.loads(response.content)["code"]
+
+
+async def stored(conn: bmdb.Connection, mid: uuid.UUID) -> tuple[object, bytes | None]:
+    async def read(q: Queries) -> tuple[object, bytes | None]:
+        return await q.agent_heartbeat(mid), await q.hardware_report(mid)
+
+    return await conn.transact(read)
+
+
+async def test_heartbeat_with_report_is_stored_and_time_advances(server: Server) -> None:
+    mid, seed = await started_machine(server.conn)
+    hb = heartbeater(server.url, str(mid), seed, report=True)
+    assert await post(server.url, *hb.request()) == (200, "")
+    first, raw = await stored(server.conn, mid)
+    assert isinstance(first, datetime.datetime) and raw is not None
+    report = AgentHardwareReport.parse(raw)
+    assert report.report is not None
+    assert report.report.memory_installed_bytes == hb.report[0].memory_installed_bytes  # type: ignore[index]
+    assert [n.mac for n in report.report.network_interface] == [
+        n.mac
+        for n in hb.report[0].network_interface  # type: ignore[index]
+    ]
+
+    hb.report = None
+    await trio.sleep(0.01)
+    assert await post(server.url, *hb.request()) == (200, "")
+    second, raw_after = await stored(server.conn, mid)
+    assert isinstance(second, datetime.datetime) and second > first
+    assert raw_after == raw
+
+
+def _signed(
+    machine_id: str, seed: bytes, body: bytes, time_ns: int | None = None
+) -> dict[str, str]:
+    """Headers of a correctly signed request for ``body``, at ``time_ns`` (default: now)."""
+    key = Ed25519PrivateKey.from_private_bytes(seed)
+    at = time.time_ns() if time_ns is None else time_ns
+    message = agent.signed_message("POST", agent.HEARTBEAT_PATH, machine_id, at, body)
+    return {
+        "Content-Type": "application/proto",
+        agent.HEADER_KEY: base64.b64encode(agent.ed25519_public_key(seed)).decode(),
+        agent.HEADER_TIME: str(at),
+        agent.HEADER_SIGNATURE: base64.b64encode(key.sign(message)).decode(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "code"),
+    [
+        ("wrong-key", 401, "unauthenticated"),
+        ("unknown-machine", 401, "unauthenticated"),
+        ("malformed-id", 400, "invalid_argument"),
+        ("malformed-body", 400, "invalid_argument"),
+        ("stale", 401, "unauthenticated"),
+        ("future", 401, "unauthenticated"),
+        ("tampered", 401, "unauthenticated"),
+        ("unsigned", 401, "unauthenticated"),
+        ("oversized", 429, "resource_exhausted"),
+        ("wrong-path", 404, "unimplemented"),
+        ("wrong-content-type", 400, "invalid_argument"),
+    ],
+)
+async def test_refusals_write_nothing(server: Server, case: str, status: int, code: str) -> None:
+    mid, seed = await started_machine(server.conn)
+    other_seed = os.urandom(32)
+    hb = heartbeater(server.url, str(mid), seed, report=True)
+    body, headers = hb.request()
+    url = server.url
+    if case == "wrong-key":
+        # Signed correctly, by a key that is not the machine's.
+        headers = _signed(str(mid), other_seed, body)
+    elif case == "unknown-machine":
+        other = str(uuid.uuid4())
+        body = agent.encode_heartbeat_request(other)
+        headers = _signed(other, seed, body)
+    elif case == "malformed-id":
+        body = agent.encode_heartbeat_request("not-a-uuid")
+        headers = _signed("not-a-uuid", seed, body)
+    elif case == "malformed-body":
+        body = b"\x0a\x50" + str(mid).encode()  # length past the end
+        headers = _signed(str(mid), seed, body)
+    elif case == "stale":
+        headers = _signed(str(mid), seed, body, time.time_ns() - 600 * 10**9)
+    elif case == "future":
+        headers = _signed(str(mid), seed, body, time.time_ns() + 600 * 10**9)
+    elif case == "tampered":
+        body = agent.encode_heartbeat_request(str(mid))  # not what was signed
+    elif case == "unsigned":
+        del headers[agent.HEADER_SIGNATURE]
+    elif case == "oversized":
+        body = agent.encode_heartbeat_request(str(mid), agent.HwNode(product="x" * MAX_BODY))
+        headers = _signed(str(mid), seed, body)
+    elif case == "wrong-path":
+        url += "/nope"
+    elif case == "wrong-content-type":
+        headers["Content-Type"] = "application/json"
+    assert await post(url, body, headers) == (status, code)
+    assert await stored(server.conn, mid) == (None, None)
+    # The real request still goes through afterwards: nothing was burnt.
+    assert await post(server.url, *hb.request()) == (200, "")
+
+
+async def test_replayed_request_is_refused_and_changes_nothing(server: Server) -> None:
+    mid, seed = await started_machine(server.conn)
+    hb = heartbeater(server.url, str(mid), seed, report=True)
+    body, headers = hb.request()
+    assert await post(server.url, body, headers) == (200, "")
+    before = await stored(server.conn, mid)
+    assert await post(server.url, body, headers) == (401, "unauthenticated")
+    # An older request signed before the accepted one: also a replay.
+    hb.report = None
+    older_body, older_headers = hb.request()
+    newer_body, newer_headers = hb.request()
+    assert await post(server.url, newer_body, newer_headers) == (200, "")
+    after_newer = await stored(server.conn, mid)
+    assert await post(server.url, older_body, older_headers) == (401, "unauthenticated")
+    assert await stored(server.conn, mid) == after_newer != before
+
+
+async def test_slow_client_cannot_hold_the_server(server: Server) -> None:
+    """A client that promises a body and never sends it is cut off after the
+    body timeout; other agents are served meanwhile."""
+    mid, seed = await started_machine(server.conn)
+    hb = heartbeater(server.url, str(mid), seed, report=False)
+    port = int(server.url.rsplit(":", 1)[1])
+    slow = await trio.open_tcp_stream("127.0.0.1", port)
+    await slow.send_all(
+        f"POST {agent.HEARTBEAT_PATH} HTTP/1.1\r\nHost: x\r\n"
+        "Content-Type: application/proto\r\nContent-Length: 100\r\n\r\n".encode()
+    )
+    # Served while the slow one hangs.
+    assert await post(server.url, *hb.request()) == (200, "")
+    with trio.fail_after(30):
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = await slow.receive_some()
+            if not chunk:
+                break
+            answer += chunk
+    await slow.aclose()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
