@@ -1,0 +1,142 @@
+"""The recoverer on a BMDB: which machines it takes, what it asks the provider, what it clears."""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+
+import pytest
+import trio
+
+import bmdb
+from bmdb import Backoff, Process, Queries, WorkEvent
+from shepherd.control_loop import run_control_loop
+from shepherd.providers import Capability, Machine, ProviderError
+from shepherd.providers.static import StaticProvider
+from shepherd.rate_limit import Rate, RateLimiter
+from shepherd.recoverer import DEFAULT_BACKOFF, Recoverer
+from tests.shepherd.helpers import backoffs, events, provide
+
+KEY = bytes(range(32))
+
+
+class RebootingProvider(StaticProvider):
+    """The static list, plus a reboot that is recorded (or fails, for ``broken`` ids)."""
+
+    def __init__(self, machines: list[Machine], broken: set[str]) -> None:
+        super().__init__(machines)
+        self.rebooted: list[str] = []
+        self.broken = broken
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        return frozenset({Capability.REBOOT})
+
+    async def reboot(self, machine_id: str) -> None:
+        if machine_id in self.broken:
+            raise ProviderError(f"BMC of {machine_id} does not answer")
+        self.rebooted.append(machine_id)
+
+
+def test_default_backoff_is_the_references() -> None:
+    assert Backoff(initial=60, maximum=3600, exponent=1.2) == DEFAULT_BACKOFF
+
+
+async def _machines(conn: bmdb.Connection) -> dict[str, uuid.UUID]:
+    """silent (no heartbeat, started long ago), stale (old heartbeat), fresh, broken."""
+    ids = await provide(conn, ["silent", "stale", "fresh", "broken"])
+    now = datetime.datetime.now(datetime.UTC)
+    hour = datetime.timedelta(hours=1)
+
+    async def setup(q: Queries) -> None:
+        for name, mid in ids.items():
+            await q.set_agent_started(mid, now - hour, KEY)
+            if name != "silent":
+                beat = now if name == "fresh" else now - hour
+                await q.set_agent_heartbeat(mid, beat)
+
+    await conn.transact(setup)
+    return ids
+
+
+async def _run(conn: bmdb.Connection, recoverer: Recoverer, ids: list[uuid.UUID]) -> None:
+    async def done() -> bool:
+        for mid in ids:
+            history = await events(conn, mid, Process.SHEPHERD_RECOVERY)
+            if not any(e in (WorkEvent.FINISHED, WorkEvent.FAILED) for e, _ in history):
+                return False
+        return True
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: run_control_loop(
+                conn, recoverer, parallelism=2, limiter=RateLimiter(Rate(0.005, 8))
+            )
+        )
+        with trio.fail_after(60):
+            while not await done():  # noqa: ASYNC110 (the state is in Postgres)
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+
+
+async def _tags(conn: bmdb.Connection, mid: uuid.UUID) -> tuple[bool, bool]:
+    async def read(q: Queries) -> tuple[bool, bool]:
+        return (await q.agent_started(mid) is not None, await q.agent_heartbeat(mid) is not None)
+
+    return await conn.transact(read)
+
+
+@pytest.mark.parametrize("can_reboot", [True, False], ids=["rebooting", "static"])
+async def test_silent_agents_are_recovered(bmdb_conn: bmdb.Connection, can_reboot: bool) -> None:
+    ids = await _machines(bmdb_conn)
+    machines = [Machine(name, "192.0.2.1") for name in ids]
+    provider = (
+        RebootingProvider(machines, broken={"broken"}) if can_reboot else StaticProvider(machines)
+    )
+    recoverer = Recoverer(provider)
+    await _run(bmdb_conn, recoverer, [ids["silent"], ids["stale"], ids["broken"]])
+
+    for name in ("silent", "stale"):
+        assert await events(bmdb_conn, ids[name], Process.SHEPHERD_RECOVERY) == [
+            (WorkEvent.STARTED, ""),
+            (WorkEvent.FINISHED, ""),
+        ]
+        assert await _tags(bmdb_conn, ids[name]) == (False, False)
+    # A healthy agent is left alone.
+    assert await events(bmdb_conn, ids["fresh"], Process.SHEPHERD_RECOVERY) == []
+    assert await _tags(bmdb_conn, ids["fresh"]) == (True, True)
+    broken = await events(bmdb_conn, ids["broken"], Process.SHEPHERD_RECOVERY)
+    recovery_backoff = await backoffs(bmdb_conn, Process.SHEPHERD_RECOVERY)
+    if can_reboot:
+        assert isinstance(provider, RebootingProvider)
+        assert sorted(provider.rebooted) == ["silent", "stale"]
+        # A failed reboot keeps the tags (nothing was done) and backs off.
+        assert [e for e, _ in broken] == [WorkEvent.STARTED, WorkEvent.FAILED]
+        assert "BMC of broken does not answer" in broken[1][1]
+        assert recovery_backoff[ids["broken"]][0] == DEFAULT_BACKOFF.next()
+        assert await _tags(bmdb_conn, ids["broken"]) == (True, True)
+    else:
+        assert [e for e, _ in broken] == [WorkEvent.STARTED, WorkEvent.FINISHED]
+        assert recovery_backoff == {}
+
+
+async def test_recovery_is_per_provider(bmdb_conn: bmdb.Connection) -> None:
+    """A recoverer leaves machines of other providers alone."""
+    ids = await _machines(bmdb_conn)
+
+    class OtherProvider(StaticProvider):
+        @property
+        def type(self) -> str:
+            return "Equinix"
+
+    recoverer = Recoverer(OtherProvider([]))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: run_control_loop(
+                bmdb_conn, recoverer, parallelism=1, limiter=RateLimiter(Rate(0.005, 8))
+            )
+        )
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    for mid in ids.values():
+        assert await events(bmdb_conn, mid, Process.SHEPHERD_RECOVERY) == []
