@@ -8,7 +8,8 @@ bad or missing option exits with status 2 and a message naming it. Then::
                                            ├─ (equinix) ensure the SSH key under its label
                                            ├─ provisioner.run    (reconcile, create)
                                            ├─ updater.run        (unless --no-updater-enable)
-                                           └─ run_control_loop(initializer, N workers)
+                                           ├─ run_control_loop(initializer, N workers)
+                                           └─ run_control_loop(recoverer, M workers)
 
 The BMDB needs no asyncio loop, so it is opened first, outside it: an
 unreachable or malformed ``--bmdb-url`` then fails as one plain
@@ -21,6 +22,9 @@ Redfish BMC; credentials from ``--static-bmc-credentials-path`` or
 talks to the Equinix Metal API with the token of ``--equinix-api-token`` or
 ``METAL_AUTH_TOKEN``. A provider that refuses us at start (bad token, unknown
 project) ends the process with status 1 and the API's message.
+
+The agent callback server, which receives the heartbeats the recoverer
+watches, is its own process: ``python -m shepherd.agent_server``.
 
 SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
 sessions are deleted, and the process exits with status 0.
@@ -48,6 +52,7 @@ from prometheus_client import CollectorRegistry
 import bmdb
 from bmdb.errors import BMDBError
 from bmdb.metrics import DEFAULT_FLEET_PERIOD, ConnectionCollector, FleetGauges
+from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
 from monotrio.cli import run_main
 from monotrio.listen import listen_address
 from monotrio.metrics import serve_metrics
@@ -67,6 +72,7 @@ from shepherd.providers.redfish import BMCConfigError, load_credentials
 from shepherd.providers.static import StaticFileError, StaticProvider
 from shepherd.provisioner import Provisioner, ProvisionerConfig
 from shepherd.rate_limit import Rate, RateLimiter, parse_duration
+from shepherd.recoverer import Recoverer
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey, SSHKeyError, load_or_create_ssh_key
 from shepherd.takeover import AgentConfig
@@ -100,6 +106,17 @@ class Options:
     metrics_listen: str | None = None
     #: Seconds between two fleet gauge queries.
     fleet_period: float = DEFAULT_FLEET_PERIOD
+    recoverer: RecovererOptions = field(default_factory=lambda: RecovererOptions())
+
+
+@dataclass(frozen=True)
+class RecovererOptions:
+    """How the recoverer runs."""
+
+    rate: Rate = field(default_factory=lambda: Rate.parse("250ms,8"))
+    parallelism: int = 1
+    first_heartbeat_timeout: float = AGENT_FIRST_HEARTBEAT_TIMEOUT
+    heartbeat_timeout: float = AGENT_HEARTBEAT_TIMEOUT
 
 
 def _arg_type(name: str, parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -374,6 +391,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound on dial + upload + run, e.g. 60s (default: 60s)",
     )
 
+    agent.add_argument(
+        "--agent-heartbeat-interval",
+        type=_arg_type("duration", _positive_duration),
+        default=10.0,
+        metavar="DURATION",
+        help="how often agents heartbeat to the endpoint (default: 10s)",
+    )
+    agent.add_argument(
+        "--agent-heartbeat-backoff-cap",
+        type=_arg_type("duration", _positive_duration),
+        default=60.0,
+        metavar="DURATION",
+        help="longest pause of an agent whose heartbeats fail (default: 1m)",
+    )
+
     init = parser.add_argument_group("initializer")
     init.add_argument(
         "--initializer-db-query-rate",
@@ -404,6 +436,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_FLEET_PERIOD,
         metavar="DURATION",
         help="how often the fleet gauges are queried (default: 15s)",
+    )
+
+    rec = parser.add_argument_group("recoverer")
+    rec.add_argument(
+        "--recoverer-db-query-rate",
+        type=_arg_type("rate", Rate.parse),
+        default=Rate.parse("250ms,8"),
+        metavar="DURATION,BURST",
+        help="rate limit of the recoverer's BMDB queries (default: 250ms,8)",
+    )
+    rec.add_argument(
+        "--recoverer-parallelism",
+        type=_arg_type("count", _parallelism),
+        default=1,
+        metavar="N",
+        help="machines recovered at once (default: 1)",
+    )
+    rec.add_argument(
+        "--recovery-first-heartbeat-timeout",
+        type=_arg_type("duration", _positive_duration),
+        default=AGENT_FIRST_HEARTBEAT_TIMEOUT,
+        metavar="DURATION",
+        help="recover a started agent that never heartbeated for this long (default: 30m)",
+    )
+    rec.add_argument(
+        "--recovery-heartbeat-timeout",
+        type=_arg_type("duration", _positive_duration),
+        default=AGENT_HEARTBEAT_TIMEOUT,
+        metavar="DURATION",
+        help="recover an agent whose last heartbeat is older than this (default: 10m)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
@@ -461,6 +523,8 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             endpoint_ca_certificate=args.agent_endpoint_ca_certificate_path,
             ssh_connect_timeout=args.agent_ssh_connect_timeout,
             ssh_exec_timeout=args.agent_ssh_exec_timeout,
+            heartbeat_interval=args.agent_heartbeat_interval,
+            heartbeat_backoff_cap=args.agent_heartbeat_backoff_cap,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -506,6 +570,12 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         equinix_client=client,
         metrics_listen=args.metrics_listen,
         fleet_period=args.metrics_fleet_period,
+        recoverer=RecovererOptions(
+            rate=args.recoverer_db_query_rate,
+            parallelism=args.recoverer_parallelism,
+            first_heartbeat_timeout=args.recovery_first_heartbeat_timeout,
+            heartbeat_timeout=args.recovery_heartbeat_timeout,
+        ),
     )
 
 
@@ -524,7 +594,7 @@ async def _start_metrics(
 
 
 async def run(options: Options) -> None:
-    """Run the loops until SIGINT/SIGTERM.
+    """Run the loops (initializer and recoverer among them) until SIGINT/SIGTERM.
 
     Raises BMDBError if the BMDB is unusable, ProviderError if the provider
     refuses us at start (e.g. the Equinix SSH key cannot be ensured).
@@ -534,6 +604,11 @@ async def run(options: Options) -> None:
     )
     provider = options.provider
     initializer = Initializer(provider, ssh, options.agent)
+    recoverer = Recoverer(
+        provider,
+        first_heartbeat_timeout=options.recoverer.first_heartbeat_timeout,
+        heartbeat_timeout=options.recoverer.heartbeat_timeout,
+    )
     provisioner = Provisioner(provider, options.provisioner)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -563,6 +638,13 @@ async def run(options: Options) -> None:
                     parallelism=options.parallelism,
                     limiter=RateLimiter(options.rate),
                     stats=stats,
+                )
+                start_control_loop(
+                    nursery,
+                    conn,
+                    recoverer,
+                    parallelism=options.recoverer.parallelism,
+                    limiter=RateLimiter(options.recoverer.rate),
                 )
                 async for signum in signals:
                     logger.info("got %s, stopping", signal.Signals(signum).name)

@@ -24,6 +24,7 @@ from shepherd.agent import agent_script
 from shepherd.cli import parse_options
 from shepherd.localsshd import Sshd
 from shepherd.ssh_key import SSHKey, load_ssh_key
+from tests.shepherd.agents import kill_agent
 from tests.shepherd.helpers import agent_keys, events
 
 MACHINES = '[[machine]]\nid = "m-1"\naddress = "127.0.0.1"\n'
@@ -74,6 +75,10 @@ def test_defaults_follow_the_seed(files: dict[str, Path]) -> None:
     assert (options.rate.interval, options.rate.burst) == (0.25, 8)
     assert options.parallelism == 1
     assert options.provider.type == "Static"
+    assert (options.agent.heartbeat_interval, options.agent.heartbeat_backoff_cap) == (10.0, 60.0)
+    recoverer = options.recoverer
+    assert (recoverer.rate.interval, recoverer.rate.burst, recoverer.parallelism) == (0.25, 8, 1)
+    assert (recoverer.first_heartbeat_timeout, recoverer.heartbeat_timeout) == (1800.0, 600.0)
     # The key was generated and persisted where asked.
     assert load_ssh_key(files["key"]).authorized_key == options.ssh_key.authorized_key
 
@@ -101,8 +106,24 @@ def test_all_options(files: dict[str, Path], tmp_path: Path) -> None:
             "1s,3",
             "--initializer-parallelism",
             "16",
+            "--agent-heartbeat-interval",
+            "2s",
+            "--agent-heartbeat-backoff-cap",
+            "30s",
+            "--recoverer-db-query-rate",
+            "2s,2",
+            "--recoverer-parallelism",
+            "3",
+            "--recovery-first-heartbeat-timeout",
+            "1h",
+            "--recovery-heartbeat-timeout",
+            "90s",
         )
     )
+    assert (options.agent.heartbeat_interval, options.agent.heartbeat_backoff_cap) == (2.0, 30.0)
+    recoverer = options.recoverer
+    assert (recoverer.rate.interval, recoverer.rate.burst, recoverer.parallelism) == (2.0, 2, 3)
+    assert (recoverer.first_heartbeat_timeout, recoverer.heartbeat_timeout) == (3600.0, 90.0)
     assert options.agent.endpoint_ca_certificate == certificate.public_bytes(
         serialization.Encoding.DER
     )
@@ -197,6 +218,9 @@ def test_bad_files_are_clear_errors(
         ("--updater-batch-size", "0", "must be at least 1"),
         ("--static-bmc-credentials-path", "/nonexistent/bmc.toml", "cannot read BMC credentials"),
         ("--static-bmc-ca-certificate-path", "/nonexistent/ca.pem", "could not read"),
+        ("--agent-heartbeat-interval", "0s", "duration must be positive"),
+        ("--recovery-heartbeat-timeout", "10", "missing unit in duration"),
+        ("--recoverer-parallelism", "0", "must be at least 1"),
     ],
 )
 def test_bad_values_are_clear_errors(
@@ -262,6 +286,8 @@ async def test_python_m_shepherd_starts_an_agent_and_stops_on_sigterm(
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+            # The agent detached to heartbeat (to nowhere, here).
+            kill_agent(sshd.root / "agent")
     (mid,) = await agent_keys(bmdb_conn)
     assert [e for e, _ in await events(bmdb_conn, mid)] == [
         WorkEvent.STARTED,
@@ -270,6 +296,7 @@ async def test_python_m_shepherd_starts_an_agent_and_stops_on_sigterm(
     text = log.read_text()
     assert f"machine {mid}: agent started, key" in text
     assert "got SIGTERM, stopping" in text
+    assert "shepherd-recoverer: starting 1 worker(s)" in text
 
     async def leftovers(q: bmdb.Queries) -> int:
         return len(await q.sessions())
