@@ -7,11 +7,14 @@ real, and the initializer uploads the real agent and runs it::
     private PostgreSQL 15 ─── BMDB (migrated on open)
     machines.toml (static provider) ──sync_provided──▶ machine_provided tags
     N machines: asyncssh servers on 127.0.0.1, M of them refusing our key
+    agent callback server on 127.0.0.1 (plain HTTP), its own BMDB session
     initializer control loop (P workers)
         source machine ─▶ SSH ─▶ SFTP agent ─▶ run with TakeoverInit ─▶ key
         success: finish() + AgentStarted    failure: fail() + backoff
-    progress line every second, until every good machine has an agent and
-    every broken one has failed (and is waiting out its backoff)
+        the agent detaches and heartbeats (with its hardware report) every 2 s
+    progress line every second, until every good machine has an agent that
+    heartbeats and reported its hardware, and every broken one has failed
+    (and is waiting out its backoff)
 
 Then it prints each machine's outcome as the BMDB records it, stops
 everything and removes what it created in its working folder (``--keep``
@@ -24,8 +27,12 @@ Exit status: 0 when every machine ended as expected, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import logging
+import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -39,6 +46,8 @@ import bmdb
 from bmdb.localserver import LocalPostgres, LocalPostgresError
 from bmdb.model import MachineSummary, Queries, WorkEvent
 from shepherd.agent import AGENT_SCRIPT_PATH
+from shepherd.agent_server import AgentServerConfig, run_agent_server
+from shepherd.agent_server.server import port_of
 from shepherd.control_loop import start_control_loop
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
@@ -71,6 +80,8 @@ class Outcome:
     address: str
     agent_key: bytes | None
     failure: str | None
+    heartbeat_at: datetime.datetime | None = None
+    hardware_report: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,7 +161,16 @@ async def outcomes(conn: bmdb.Connection) -> list[Outcome]:
                 failed = [h for h in await q.history(m.machine_id) if h.event is WorkEvent.FAILED]
                 failure = failed[-1].cause if failed else None
             address = f"{m.provided.address}"
-            result.append(Outcome(m.provided.provider_id, address, key, failure))
+            result.append(
+                Outcome(
+                    m.provided.provider_id,
+                    address,
+                    key,
+                    failure,
+                    m.agent_heartbeat_at,
+                    m.has_hardware_report,
+                )
+            )
         return result
 
     return await conn.transact(fn, isolation=bmdb.Isolation.REPEATABLE_READ)
@@ -158,9 +178,14 @@ async def outcomes(conn: bmdb.Connection) -> list[Outcome]:
 
 def render(results: Sequence[Outcome], ports: dict[str, int]) -> str:
     rows = [("MACHINE", "ADDRESS", "OUTCOME")]
+    now = datetime.datetime.now(datetime.UTC)
     for o in results:
         if o.agent_key is not None:
             what = f"agent started, key {o.agent_key.hex()[:16]}..."
+            if o.heartbeat_at is not None:
+                what += f", heartbeat {(now - o.heartbeat_at).total_seconds():.1f}s ago"
+            if o.hardware_report:
+                what += ", hardware report stored"
         elif o.failure is not None:
             what = f"failed, retrying after backoff: {o.failure}"
         else:
@@ -196,13 +221,20 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
         synced = await sync_provided(conn, provider)
         logger.info("%d machines provided from %s", len(synced.added), machines_file)
 
+        binds = await nursery.start(
+            lambda task_status: run_agent_server(
+                conn, AgentServerConfig(listen="127.0.0.1:0"), task_status=task_status
+            )
+        )
         config = AgentConfig(
             executable=AGENT_SCRIPT_PATH.read_bytes(),
             target_path="/root/agent",
-            endpoint="bmaas.demo.invalid:443",
+            endpoint=f"http://127.0.0.1:{port_of(binds[0])}",
             endpoint_ca_certificate=b"",
             ssh_connect_timeout=5.0,
             ssh_exec_timeout=60.0,
+            heartbeat_interval=2.0,
+            heartbeat_backoff_cap=10.0,
         )
         for machine in machines:
             (machine.root / "root").mkdir(exist_ok=True)  # holds /root/agent
@@ -217,32 +249,62 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
         )
 
         expected = {i: True for i in good_ids} | {i: False for i in broken_ids}
-        finished = False
-        with trio.move_on_after(options.timeout):
-            while not finished:
-                await trio.sleep(1)
-                results = await outcomes(conn)
-                started = sum(o.agent_key is not None for o in results)
-                failed = sum(o.failure is not None and o.agent_key is None for o in results)
-                logger.info(
-                    "progress: %d/%d agents started, %d/%d machines failed (expected %d)",
-                    started,
-                    len(expected),
-                    failed,
-                    len(expected),
-                    options.broken,
-                )
-                finished = all(
-                    (o.agent_key is not None) == expected[o.provider_id]
-                    and (expected[o.provider_id] or o.failure is not None)
-                    for o in results
-                ) and len(results) == len(expected)
-        nursery.cancel_scope.cancel()
+        agents = [machine.root / "root" / "agent" for machine in good.machines]
+        try:
+            finished, results = await _watch(conn, options, expected)
+        finally:
+            # Cancelled first, so that no new agent starts after this.
+            nursery.cancel_scope.cancel()
+            for target in agents:
+                stop_agent(target)
 
     sys.stdout.write(render(results, ports) + "\n")
     if not finished:
         logger.error("gave up after %.0f s: not every machine reached its outcome", options.timeout)
     return finished
+
+
+def stop_agent(target: Path) -> None:
+    """Stop the detached agent running from ``target`` (its pid file says which)."""
+    try:
+        pid = int(target.with_name(target.name + ".pid").read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return
+    if str(target).encode() in cmdline:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+
+
+async def _watch(
+    conn: bmdb.Connection, options: Options, expected: dict[str, bool]
+) -> tuple[bool, list[Outcome]]:
+    """Report progress every second until every machine has its expected outcome."""
+    finished = False
+    results: list[Outcome] = []
+    with trio.move_on_after(options.timeout):
+        while not finished:
+            await trio.sleep(1)
+            results = await outcomes(conn)
+            started = sum(o.agent_key is not None for o in results)
+            failed = sum(o.failure is not None and o.agent_key is None for o in results)
+            logger.info(
+                "progress: %d/%d agents started, %d/%d machines failed (expected %d)",
+                started,
+                len(expected),
+                failed,
+                len(expected),
+                options.broken,
+            )
+            beating = sum(o.heartbeat_at is not None and o.hardware_report for o in results)
+            logger.info("progress: %d agents heartbeating with a hardware report", beating)
+            finished = all(
+                (o.agent_key is not None) == expected[o.provider_id]
+                and (expected[o.provider_id] or o.failure is not None)
+                and (not expected[o.provider_id] or (o.heartbeat_at and o.hardware_report))
+                for o in results
+            ) and len(results) == len(expected)
+    return finished, results
 
 
 #: What the demo puts into its working folder; nothing else there is ever removed.

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,16 @@ def traversable_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def wait_gone(pid: int) -> bool:
+    """True once no process ``pid`` runs (it may take a moment to die)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_demo_takes_over_good_machines_and_fails_broken_ones(traversable_dir: Path) -> None:
     workdir = traversable_dir / "demo"
     result = run_demo("--machines", "4", "--broken", "1", "--workdir", str(workdir), "--keep")
@@ -42,6 +53,7 @@ def test_demo_takes_over_good_machines_and_fails_broken_ones(traversable_dir: Pa
     assert sorted(rows) == ["demo-000", "demo-001", "demo-002", "demo-003"]
     for good in ("demo-000", "demo-001", "demo-002"):
         assert "agent started, key" in rows[good]
+        assert "heartbeat" in rows[good] and "hardware report stored" in rows[good]
     assert "failed, retrying after backoff" in rows["demo-003"]
     assert "refused our key" in rows["demo-003"]
     # --keep leaves the machines file, the key and the uploaded agents behind.
@@ -50,6 +62,10 @@ def test_demo_takes_over_good_machines_and_fails_broken_ones(traversable_dir: Pa
     assert listed.count("# Machines of the demo fleet") == 1
     assert (workdir / "shepherd_ed25519").exists()
     assert len(list((workdir / "fleet").glob("*/root/agent"))) == 3
+    # The agents the demo started are stopped with it.
+    for target in (workdir / "fleet").glob("*/root/agent"):
+        pid = int(target.with_name("agent.pid").read_text())
+        assert wait_gone(pid), f"agent {pid} still runs after the demo"
     assert "progress:" in result.stderr
 
 
