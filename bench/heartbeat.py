@@ -1,0 +1,311 @@
+"""Agent callback server throughput: accepted heartbeats/s against a bare endpoint, one run.
+
+    python -m bench.heartbeat [--agents 1000] [--seconds 10] [--rounds 1]
+
+The server runs in its own process (as in production), on hypercorn's Trio
+worker, plain HTTP on loopback, in two modes with the same stack:
+
+- bare: the same ConnectApp (framing, size and deadline limits) with a
+  handler that answers an empty HeartbeatResponse and checks nothing, writes
+  nothing;
+- full: the real agent callback server: signature check, its BMDB session,
+  one statement that authenticates against the AgentStarted tag, refuses
+  replays and writes the heartbeat, in a PostgreSQL 15 of its own.
+
+The load: ``--agents`` simulated agents, each with its own machine in the
+BMDB, its own Ed25519 key and real signed requests (signed with
+``cryptography`` before the clock starts, each with a newer time, so none
+is a replay), sent like the real agent does: one TCP connection per
+heartbeat, back to back (a closed loop, no pause), all agents at once.
+
+Prints heartbeats/s of both, the ratio full/bare (goal >= 0.5), the
+headroom over what ``--agents`` agents at a 10 s interval need (goal >=
+10x), and the database cost per accepted heartbeat: transactions, and
+PostgreSQL CPU time (all its processes, from /proc). Because the wall-clock
+rate on a shared machine follows its load (printed too), it also prints
+what one core sustains given the CPU time server and PostgreSQL spent per
+heartbeat. The client (this process) shares the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+import psycopg
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+import bmdb
+from bmdb import Provider, Queries
+from bmdb.localserver import LocalPostgres
+from shepherd.agent import takeover as agent
+from shepherd.agent_server import AgentServerConfig, ConnectApp, run_agent_server
+from shepherd.agent_server.server import serve_app
+from tests.fixtures.postgres import TEMPLATE_DB, start_with_template
+
+#: The interval the goal is stated for.
+TARGET_INTERVAL = 10.0
+
+
+# --- the server process -----------------------------------------------------
+
+
+async def _bare(headers: object, body: bytes) -> bytes:
+    return b""
+
+
+async def _serve(mode: str, listen: str, url: str) -> None:
+    config = AgentServerConfig(listen=listen)
+    if mode == "bare":
+        await serve_app(ConnectApp({agent.HEARTBEAT_PATH: _bare}, config.limits), config)
+        return
+    async with bmdb.open_connection(url, max_connections=16) as conn:
+        await run_agent_server(conn, config)
+
+
+# --- the load ---------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """Pre-signed requests per agent, and what came back."""
+
+    requests: list[list[bytes]]
+    ok: int = 0
+    refused: int = 0
+    errors: int = 0
+
+
+def _request(machine_id: str, key: Ed25519PrivateKey, public: bytes, time_ns: int) -> bytes:
+    body = agent.encode_heartbeat_request(machine_id)
+    message = agent.signed_message("POST", agent.HEARTBEAT_PATH, machine_id, time_ns, body)
+    head = (
+        f"POST {agent.HEARTBEAT_PATH} HTTP/1.1\r\n"
+        "Host: 127.0.0.1\r\n"
+        "Content-Type: application/proto\r\n"
+        "Connect-Protocol-Version: 1\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n"
+        f"{agent.HEADER_KEY}: {base64.b64encode(public).decode()}\r\n"
+        f"{agent.HEADER_TIME}: {time_ns}\r\n"
+        f"{agent.HEADER_SIGNATURE}: {base64.b64encode(key.sign(message)).decode()}\r\n"
+        "\r\n"
+    )
+    return head.encode() + body
+
+
+def make_load(agents: list[tuple[str, Ed25519PrivateKey, bytes]], per_agent: int) -> Load:
+    now = time.time_ns()
+    return Load(
+        [
+            [_request(mid, key, public, now + i) for i in range(per_agent)]
+            for mid, key, public in agents
+        ]
+    )
+
+
+async def _one_agent(port: int, queue: list[bytes], load: Load) -> None:
+    for request in queue:
+        try:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(request)
+                answer = b""
+                while chunk := await stream.receive_some(4096):
+                    answer += chunk
+        except OSError:
+            load.errors += 1
+            continue
+        if answer.startswith(b"HTTP/1.1 200"):
+            load.ok += 1
+        elif answer:
+            load.refused += 1
+        else:
+            load.errors += 1
+
+
+async def run_load(port: int, load: Load, seconds: float) -> float:
+    """Run every agent until ``seconds`` pass (or its requests run out); return answers/s."""
+    start = trio.current_time()
+    with trio.move_on_after(seconds):
+        async with trio.open_nursery() as nursery:
+            for queue in load.requests:
+                nursery.start_soon(_one_agent, port, queue, load)
+    elapsed = trio.current_time() - start
+    return (load.ok + load.refused) / elapsed
+
+
+# --- measurements -----------------------------------------------------------
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _postgres_pids(server: LocalPostgres) -> list[int]:
+    postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
+    children = subprocess.run(
+        ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    return [postmaster, *(int(c) for c in children)]
+
+
+def _commits(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+async def _setup(url: str, count: int) -> list[tuple[str, Ed25519PrivateKey, bytes]]:
+    keys = [Ed25519PrivateKey.generate() for _ in range(count)]
+    publics = [k.public_key().public_bytes_raw() for k in keys]
+
+    async def fn(q: Queries) -> list[str]:
+        ids = []
+        now = datetime.datetime.now(datetime.UTC)
+        for i, public in enumerate(publics):
+            mid = await q.new_machine()
+            await q.add_provided(mid, Provider.STATIC, f"bench-{i}")
+            await q.set_agent_started(mid, now, public)
+            ids.append(str(mid))
+        return ids
+
+    async with bmdb.open_connection(url) as conn:
+        ids = await conn.transact(fn)
+    return list(zip(ids, keys, publics, strict=True))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _start_server(mode: str, url: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.heartbeat", "serve", mode, f"127.0.0.1:{port}", url],
+        stdin=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process, port
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"{mode} server did not start")
+
+
+@dataclass
+class Result:
+    rate: float
+    ok: int
+    refused: int
+    errors: int
+    server_cpu: float
+    db_cpu: float
+    commits: int
+
+
+Agent = tuple[str, Ed25519PrivateKey, bytes]
+
+
+def measure(
+    mode: str, server: LocalPostgres, url: str, agents: list[Agent], seconds: float
+) -> Result:
+    process, port = _start_server(mode, url)
+    try:
+        # Enough requests that no agent runs out within the time.
+        load = make_load(agents, per_agent=max(4, int(seconds * 2000 / len(agents)) + 2))
+        pg_pids = _postgres_pids(server)
+        cpu0, db0, commits0 = _cpu_seconds([process.pid]), _cpu_seconds(pg_pids), _commits(url)
+        rate = trio.run(run_load, port, load, seconds)
+        cpu1, db1, commits1 = _cpu_seconds([process.pid]), _cpu_seconds(pg_pids), _commits(url)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    # _commits' own transaction counts once.
+    return Result(
+        rate, load.ok, load.refused, load.errors, cpu1 - cpu0, db1 - db0, commits1 - commits0 - 1
+    )
+
+
+def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "serve":
+        trio.run(_serve, sys.argv[2], sys.argv[3], sys.argv[4])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="heartbeat-bench-"))
+    server = start_with_template(root)
+    try:
+        url = server.create_database("bench", template=TEMPLATE_DB)
+        agents = trio.run(_setup, url, args.agents)
+        ratios = []
+        for round_ in range(args.rounds):
+            bare = measure("bare", server, url, agents, args.seconds)
+            full = measure("full", server, url, agents, args.seconds)
+            ratio = full.rate / bare.rate
+            ratios.append(ratio)
+            need = args.agents / TARGET_INTERVAL
+            per = max(full.ok, 1)
+            # The shared test machine's wall-clock rates swing with its load;
+            # CPU time per heartbeat says what one core could sustain.
+            per_core = per / max(full.server_cpu + full.db_cpu, 1e-9)
+            load_average = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+            print(
+                f"round {round_ + 1}: {args.agents} agents, {args.seconds:g}s each mode\n"
+                f"  bare: {bare.rate:8.0f} answers/s  (server CPU {bare.server_cpu:.1f}s,"
+                f" errors {bare.errors})\n"
+                f"  full: {full.rate:8.0f} heartbeats/s accepted {full.ok}, refused"
+                f" {full.refused}, errors {full.errors} (server CPU {full.server_cpu:.1f}s)\n"
+                f"  ratio full/bare: {ratio:.2f} (goal >= 0.5)\n"
+                f"  headroom for {args.agents} agents every {TARGET_INTERVAL:g}s"
+                f" ({need:.0f}/s): {full.rate / need:.1f}x (goal >= 10x)\n"
+                f"  per accepted heartbeat: {full.commits / per:.2f} DB transactions,"
+                f" {1000 * full.db_cpu / per:.3f} ms PostgreSQL CPU,"
+                f" {1000 * full.server_cpu / per:.3f} ms server CPU"
+                f" (bare: {1000 * bare.server_cpu / max(bare.ok, 1):.3f} ms)\n"
+                f"  CPU-bound capacity of one core (server + PostgreSQL CPU per heartbeat):"
+                f" {per_core:.0f}/s, {per_core / need:.1f}x the need\n"
+                f"  load average during the run: {load_average}",
+                flush=True,
+            )
+        if args.rounds > 1:
+            print(f"median ratio full/bare over {args.rounds} rounds: {median(ratios):.2f}")
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
