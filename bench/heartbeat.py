@@ -15,8 +15,8 @@ worker, plain HTTP on loopback, in two modes with the same stack:
 The load: ``--agents`` simulated agents, each with its own machine in the
 BMDB, its own Ed25519 key and real signed requests (signed with
 ``cryptography`` before the clock starts, each with a newer time, so none
-is a replay), sent like the real agent does: one TCP connection per
-heartbeat, back to back (a closed loop, no pause), all agents at once.
+is a replay), sent like the real agent does: each on its own kept-alive
+connection, back to back (a closed loop, no pause), all agents at once.
 
 Prints heartbeats/s of both, the ratio full/bare (goal >= 0.5), the
 headroom over what ``--agents`` agents at a 10 s interval need (goal >=
@@ -97,7 +97,6 @@ def _request(machine_id: str, key: Ed25519PrivateKey, public: bytes, time_ns: in
         "Content-Type: application/proto\r\n"
         "Connect-Protocol-Version: 1\r\n"
         f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n"
         f"{agent.HEADER_KEY}: {base64.b64encode(public).decode()}\r\n"
         f"{agent.HEADER_TIME}: {time_ns}\r\n"
         f"{agent.HEADER_SIGNATURE}: {base64.b64encode(key.sign(message)).decode()}\r\n"
@@ -116,24 +115,58 @@ def make_load(agents: list[tuple[str, Ed25519PrivateKey, bytes]], per_agent: int
     )
 
 
+async def _read_response(stream: trio.SocketStream, buffer: bytearray) -> bytes | None:
+    """One HTTP response (status line and headers; the body is skipped), or None at EOF."""
+    while b"\r\n\r\n" not in buffer:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return None
+        buffer += chunk
+    end = buffer.index(b"\r\n\r\n") + 4
+    head = bytes(buffer[:end])
+    length = 0
+    for line in head.lower().split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    while len(buffer) < end + length:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return None
+        buffer += chunk
+    del buffer[: end + length]
+    return head
+
+
 async def _one_agent(port: int, queue: list[bytes], load: Load) -> None:
-    for request in queue:
-        try:
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            async with stream:
+    """Send ``queue`` back to back on one kept-alive connection, as the agent does."""
+    stream: trio.SocketStream | None = None
+    buffer = bytearray()
+    try:
+        for request in queue:
+            try:
+                if stream is None:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    buffer.clear()
                 await stream.send_all(request)
-                answer = b""
-                while chunk := await stream.receive_some(4096):
-                    answer += chunk
-        except OSError:
-            load.errors += 1
-            continue
-        if answer.startswith(b"HTTP/1.1 200"):
-            load.ok += 1
-        elif answer:
-            load.refused += 1
-        else:
-            load.errors += 1
+                head = await _read_response(stream, buffer)
+            except OSError:
+                head = None
+            if head is None:
+                load.errors += 1
+                if stream is not None:
+                    await stream.aclose()
+                stream = None
+                continue
+            if head.startswith(b"HTTP/1.1 200"):
+                load.ok += 1
+            else:
+                load.refused += 1
+            if b"connection: close" in head.lower() and stream is not None:
+                await stream.aclose()
+                stream = None
+    finally:
+        if stream is not None:
+            await stream.aclose()
 
 
 async def run_load(port: int, load: Load, seconds: float) -> float:

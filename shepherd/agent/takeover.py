@@ -667,6 +667,7 @@ class Heartbeater:
             raise AgentError(f"cannot use endpoint {endpoint!r}: want [https://]host[:port]")
         self.scheme, self.host = url.scheme, url.hostname
         self.port = url.port or (443 if url.scheme == "https" else 80)
+        self._conn: http.client.HTTPConnection | None = None
         self.context: ssl.SSLContext | None = None
         if self.scheme == "https":
             self.context = ssl.create_default_context()
@@ -692,22 +693,41 @@ class Heartbeater:
         }
         return body, headers
 
-    def beat(self) -> None:
-        """Send one heartbeat; raise OSError, HTTPException or AgentError on failure."""
-        body, headers = self.request()
-        conn: http.client.HTTPConnection
+    def _connect(self) -> http.client.HTTPConnection:
         if self.context is not None:
-            conn = http.client.HTTPSConnection(
+            return http.client.HTTPSConnection(
                 self.host, self.port, timeout=REQUEST_TIMEOUT, context=self.context
             )
-        else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT)
-        try:
-            conn.request("POST", HEARTBEAT_PATH, body=body, headers=headers)
-            response = conn.getresponse()
-            answer = response.read(64 * 1024)
-        finally:
-            conn.close()
+        return http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT)
+
+    def beat(self) -> None:
+        """Send one heartbeat; raise OSError, HTTPException or AgentError on failure.
+
+        The connection is kept for the next heartbeat (the server keeps idle
+        connections longer than the interval), which spares both sides a
+        TCP and TLS handshake per heartbeat. A kept connection the server
+        closed meanwhile is replaced once, with a newly signed request.
+        """
+        for attempt in range(2):
+            reused = self._conn is not None
+            if self._conn is None:
+                self._conn = self._connect()
+            conn = self._conn
+            body, headers = self.request()
+            try:
+                conn.request("POST", HEARTBEAT_PATH, body=body, headers=headers)
+                response = conn.getresponse()
+                answer = response.read(64 * 1024)
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                self._conn = None
+                if reused and attempt == 0:
+                    continue
+                raise
+            if response.will_close:
+                conn.close()
+                self._conn = None
+            break
         if response.status != 200:
             text = answer[:300].decode("utf-8", errors="replace")
             raise AgentError(f"heartbeat refused: HTTP {response.status}: {text}")

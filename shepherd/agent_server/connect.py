@@ -33,16 +33,17 @@ from shepherd.errors import ShepherdError
 
 logger = logging.getLogger("shepherd.agent_server.connect")
 
-#: Connect error codes used here, with their HTTP statuses (Connect protocol spec).
+#: Connect error codes used here, with their HTTP statuses (the Connect
+#: protocol's current table; clients go by the code in the JSON body).
 HTTP_STATUS = {
     "invalid_argument": 400,
     "unauthenticated": 401,
     "permission_denied": 403,
-    "unimplemented": 404,
-    "deadline_exceeded": 408,
     "resource_exhausted": 429,
     "internal": 500,
+    "unimplemented": 501,
     "unavailable": 503,
+    "deadline_exceeded": 504,
 }
 
 #: A unary handler: request headers (lower-case names) and body -> response body.
@@ -54,14 +55,20 @@ ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class ConnectError(ShepherdError):
-    """Raised by a handler: answer with Connect error ``code`` and ``message``."""
+    """Raised by a handler: answer with Connect error ``code`` and ``message``.
 
-    def __init__(self, code: str, message: str) -> None:
+    ``http_status`` overrides the code's usual status where HTTP has a more
+    precise word (404 for a path that names no method, 408 for a body that
+    did not arrive in time).
+    """
+
+    def __init__(self, code: str, message: str, http_status: int | None = None) -> None:
         if code not in HTTP_STATUS:
             raise ValueError(f"unknown Connect code {code!r}")
         super().__init__(message)
         self.code = code
         self.message = message
+        self.http_status = http_status or HTTP_STATUS[code]
 
 
 @dataclass(frozen=True)
@@ -97,18 +104,18 @@ class ConnectApp:
             handler = self.routes[scope["path"]]
             response = await handler(_headers(scope), body)
         except ConnectError as exc:
-            await _send_error(send, exc.code, exc.message)
+            await _send_error(send, exc.http_status, exc.code, exc.message)
             return
         except Exception:
             logger.exception("handler of %s crashed", scope.get("path"))
-            await _send_error(send, "internal", "internal error")
+            await _send_error(send, 500, "internal", "internal error")
             return
         await _send(send, 200, b"application/proto", response)
 
     async def _request(self, scope: ASGIScope, receive: ASGIReceive) -> bytes:
         """Check method, path and content type; read the body within the limits."""
         if scope["path"] not in self.routes:
-            raise ConnectError("unimplemented", f"no method {scope['path']}")
+            raise ConnectError("unimplemented", f"no method {scope['path']}", 404)
         if scope["method"] != "POST":
             raise ConnectError("unimplemented", "Connect unary calls are POST")
         headers = _headers(scope)
@@ -141,6 +148,7 @@ class ConnectApp:
             raise ConnectError(
                 "deadline_exceeded",
                 f"request body not received within {self.limits.body_timeout:g}s",
+                408,
             )
         return b"".join(chunks)
 
@@ -166,9 +174,9 @@ async def _send(send: ASGISend, status: int, content_type: bytes, body: bytes) -
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send: ASGISend, code: str, message: str) -> None:
+async def _send_error(send: ASGISend, status: int, code: str, message: str) -> None:
     body = json.dumps({"code": code, "message": message}).encode()
-    await _send(send, HTTP_STATUS[code], b"application/json", body)
+    await _send(send, status, b"application/json", body)
 
 
 async def _lifespan(receive: ASGIReceive, send: ASGISend) -> None:

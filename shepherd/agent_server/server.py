@@ -1,9 +1,11 @@
 """Run the agent callback server: hypercorn on Trio, under its own BMDB session.
 
 The session is the server's presence in the BMDB (``agent-callback`` in the
-sessions list). If it is lost (database gone, stall), requests are answered
-``unavailable`` while a new one is opened, once a second; agents back off
-and retry, so nothing is lost but time.
+sessions list, and its share of collecting expired sessions). If it is lost
+(database gone, stall), a new one is opened once a second. Heartbeats do
+not wait for it (see `shepherd.agent_server.service` for why); while the
+database is away they are answered ``unavailable`` and agents back off and
+retry, so nothing is lost but time.
 """
 
 from __future__ import annotations
@@ -43,15 +45,23 @@ class AgentServerConfig:
     limits: Limits = field(default_factory=Limits)
     #: Bound on |agent clock - server clock|, seconds.
     freshness: float = DEFAULT_FRESHNESS
-    #: Idle connection reads are cut after this many seconds.
-    read_timeout: int = 10
-    #: Keep-alive connections idle longer than this are closed, seconds.
-    keep_alive_timeout: float = 20.0
+    #: A read that waits longer than this many seconds closes the connection
+    #: (hypercorn applies it to every read, also between kept-alive requests,
+    #: so it must exceed ``keep_alive_timeout``).
+    read_timeout: int = 30
+    #: Kept-alive connections idle longer than this are closed, seconds;
+    #: longer than the agents' heartbeat interval, so that they reuse theirs.
+    keep_alive_timeout: float = 25.0
     #: Pending connections the kernel queues (a fleet's agents connect at once
     #: after a server restart).
     backlog: int = 1024
     #: BMDB session interval, seconds.
     session_interval: float = 5.0
+    #: Heartbeat transactions at once: fewer than the BMDB connection pool
+    #: holds (32 by default), so that the session's poke finds a connection.
+    db_slots: int = 12
+    #: Longest wait for one of those, seconds; then ``unavailable``.
+    queue_timeout: float = 5.0
 
     def hypercorn(self) -> Config:
         config = Config()
@@ -131,7 +141,12 @@ async def run_agent_server(
     meanwhile get ``unavailable``.
     """
     holder = _SessionHolder(conn, runtime_info, config.session_interval)
-    service = HeartbeatService(lambda: holder.current, freshness=config.freshness)
+    service = HeartbeatService(
+        conn,
+        freshness=config.freshness,
+        db_slots=config.db_slots,
+        queue_timeout=config.queue_timeout,
+    )
     routes: Mapping[str, Callable[..., Awaitable[bytes]]] = {HEARTBEAT_PATH: service.heartbeat}
     app = ConnectApp(routes, config.limits)
     async with trio.open_nursery() as nursery:

@@ -20,6 +20,16 @@ monotonic per-machine time kept in the BMDB, beyond it by the window.
 
 The same response for "no such machine" and "wrong key", so that nobody
 learns which machines exist without holding an agent key.
+
+The write does not go through the server's BMDB session (`Session.transact`
+checks the session first, one more statement, and fails every heartbeat
+while the session is being replaced): a heartbeat takes no work lock, and
+under overload the session's own poke, which competes with the heartbeats
+for database connections, must not take every heartbeat down with it. So
+the service bounds its database use instead: at most ``db_slots``
+transactions at once (fewer than the pool, which keeps room for the poke),
+and a request that waits longer than ``queue_timeout`` for a slot is
+answered ``unavailable`` (the agent backs off) rather than queued forever.
 """
 
 from __future__ import annotations
@@ -32,10 +42,11 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import trio
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from bmdb import Queries, Session
+from bmdb import Connection, Queries
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import HeartbeatOutcome
 from shepherd.agent.takeover import (
@@ -131,39 +142,47 @@ def authenticate(
 
 
 class HeartbeatService:
-    """The Heartbeat method. ``session`` returns the server's live BMDB
-    session, or None while it has none (then requests are ``unavailable``)."""
+    """The Heartbeat method, writing through ``conn``."""
 
     def __init__(
         self,
-        session: Callable[[], Session | None],
+        conn: Connection,
         *,
         freshness: float = DEFAULT_FRESHNESS,
+        db_slots: int = 12,
+        queue_timeout: float = 5.0,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        self._session = session
+        self._conn = conn
         self.freshness = freshness
+        self._slots = trio.CapacityLimiter(db_slots)
+        self.queue_timeout = queue_timeout
         self._clock = clock
 
     async def heartbeat(self, headers: Mapping[str, str], body: bytes) -> bytes:
         """Handle one request (a `shepherd.agent_server.connect.Handler`)."""
         beat = authenticate(headers, body, now_ns=self._clock(), freshness=self.freshness)
-        session = self._session()
-        if session is None:
-            raise ConnectError("unavailable", "no BMDB session, try again later")
 
         async def record(q: Queries) -> HeartbeatOutcome:
             return await q.record_agent_heartbeat(
                 beat.machine_id, beat.key, beat.time_ns, beat.hardware_report
             )
 
+        acquired = False
+        with trio.move_on_after(self.queue_timeout):
+            await self._slots.acquire()
+            acquired = True  # no checkpoint between: a slot taken is a slot known
+        if not acquired:
+            raise ConnectError("unavailable", "overloaded, try again later")
         try:
-            outcome = await session.transact(record)
+            outcome = await self._conn.transact(record)
         except InvalidArgument as exc:
             raise ConnectError("invalid_argument", str(exc)) from exc
         except BMDBError as exc:
             logger.warning("heartbeat of %s not recorded: %s", beat.machine_id, exc)
             raise ConnectError("unavailable", "could not record heartbeat") from exc
+        finally:
+            self._slots.release()
         if outcome is HeartbeatOutcome.UNKNOWN_AGENT:
             logger.info("refused heartbeat: unknown machine %s or key", beat.machine_id)
             raise ConnectError("unauthenticated", "machine id or public key unknown")

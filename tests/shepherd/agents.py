@@ -81,6 +81,7 @@ def make_tls(directory: Path) -> TLSFiles:
         )
         .sign(ca_key, hashes.SHA256())
     )
+    (directory / "ca.der").write_bytes(ca.public_bytes(serialization.Encoding.DER))
     certfile, keyfile = directory / "server.pem", directory / "server.key"
     certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     keyfile.write_bytes(
@@ -123,14 +124,14 @@ def kill_agent(target: Path) -> None:
 
 
 def start_agent_process(
-    target: Path, machine_id: str, endpoint: str, *, interval: float, cap: float
+    target: Path, machine_id: str, endpoint: str, *, interval: float, cap: float, ca: bytes = b""
 ) -> bytes:
     """Install the agent at ``target`` and run it as the initializer would,
     without SSH; return its public key. The agent detaches and heartbeats."""
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(agent_script())
     target.chmod(0o755)
-    init = agent.TakeoverInit(machine_id, endpoint)
+    init = agent.TakeoverInit(machine_id, endpoint, ca)
     done = subprocess.run(
         [
             "/usr/bin/python3",

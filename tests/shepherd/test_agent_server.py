@@ -19,7 +19,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 import bmdb
 from bmdb import Queries
 from shepherd.agent import takeover as agent
-from shepherd.agent_server import AgentServerConfig, Limits, run_agent_server
+from shepherd.agent_server import (
+    AgentServerConfig,
+    ConnectError,
+    HeartbeatService,
+    Limits,
+    run_agent_server,
+)
 from shepherd.agent_server.server import port_of
 from shepherd.proto.agent_callback import AgentHardwareReport
 from tests.shepherd.helpers import provide
@@ -215,3 +221,25 @@ async def test_slow_client_cannot_hold_the_server(server: Server) -> None:
             answer += chunk
     await slow.aclose()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+
+
+async def test_overload_is_answered_unavailable_not_queued_forever(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """With every database slot taken for longer than the queue timeout, a
+    heartbeat is refused as unavailable (the agent backs off), and written
+    once a slot is free again."""
+    mid, seed = await started_machine(bmdb_conn)
+    service = HeartbeatService(bmdb_conn, db_slots=1, queue_timeout=0.2)
+    hb = heartbeater("http://unused", str(mid), seed, report=False)
+    body, headers = hb.request()
+    lower = {k.lower(): v for k, v in headers.items()}
+    holder = object()
+    await service._slots.acquire_on_behalf_of(holder)
+    with pytest.raises(ConnectError) as refused:
+        await service.heartbeat(lower, body)
+    assert refused.value.code == "unavailable"
+    assert await stored(bmdb_conn, mid) == (None, None)
+    service._slots.release_on_behalf_of(holder)
+    assert await service.heartbeat(lower, body) == b""
+    assert (await stored(bmdb_conn, mid))[0] is not None
