@@ -367,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--agent-endpoint",
         required=True,
         metavar="ADDRESS",
-        help="address of the BMaaS endpoint the agent will report to",
+        help="the agent callback server the agents heartbeat to: https://HOST:PORT or "
+        "HOST:PORT (HTTPS), or http://HOST:PORT (plain, e.g. behind a TLS proxy)",
     )
     agent.add_argument(
         "--agent-endpoint-ca-certificate-path",

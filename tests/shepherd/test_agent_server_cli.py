@@ -1,0 +1,84 @@
+"""``python -m shepherd.agent_server``: options, serving, stopping on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+import bmdb
+from shepherd.agent import takeover as agent
+from shepherd.agent_server.__main__ import parse_config
+
+
+def test_tls_or_explicitly_plain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_config(["--bmdb-url", "postgresql://x/y"])
+    assert exited.value.code == 2
+    assert "--insecure-plain-http" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(["--bmdb-url", "u", "--tls-certificate-path", str(tmp_path / "c.pem")])
+    assert "go together" in capsys.readouterr().err
+    url, config, verbose = parse_config(
+        ["--bmdb-url", "u", "--insecure-plain-http", "--listen", "127.0.0.1:9", "--freshness", "30"]
+    )
+    assert (url, config.listen, config.certfile, config.freshness, verbose) == (
+        "u",
+        "127.0.0.1:9",
+        None,
+        30.0,
+        False,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def test_serves_and_stops_on_sigterm(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
+    port = _free_port()
+    process = await trio.lowlevel.open_process(
+        [
+            sys.executable,
+            "-m",
+            "shepherd.agent_server",
+            "--bmdb-url",
+            bmdb_url,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--insecure-plain-http",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient() as client:
+            with trio.fail_after(120):
+                while True:
+                    try:
+                        response = await client.post(
+                            f"http://127.0.0.1:{port}{agent.HEARTBEAT_PATH}",
+                            content=b"",
+                            headers={"Content-Type": "application/proto"},
+                        )
+                        break
+                    except httpx.TransportError:
+                        await trio.sleep(0.2)
+        # An empty request names no machine: the server answers, refusing it.
+        assert response.status_code == 400
+        assert response.json()["code"] == "invalid_argument"
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
