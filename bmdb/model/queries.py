@@ -155,10 +155,18 @@ def _agent_recovery(
 # must be the one of the AgentStarted tag, and the request time newer than
 # the last accepted one; the hardware report is written only with an
 # accepted heartbeat. Counts say which check failed.
+#
+# Safe under READ COMMITTED (what the callback server uses: SERIALIZABLE's
+# page-level predicate locks made concurrent heartbeats of different
+# machines abort each other): FOR KEY SHARE holds the AgentStarted row, so a
+# recoverer deleting it either waits for the heartbeat to commit (and then
+# deletes its row too), or has deleted it first, and the heartbeat then
+# finds no row and writes nothing.
 _RECORD_HEARTBEAT = """
     WITH auth AS (
         SELECT machine_id FROM machine_agent_started
         WHERE machine_id = %(machine_id)s AND agent_public_key = %(key)s
+        FOR KEY SHARE
     ), beat AS (
         INSERT INTO machine_agent_heartbeat AS h
             (machine_id, agent_heartbeat_at, agent_request_time_ns)

@@ -46,7 +46,7 @@ import trio
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from bmdb import Connection, Queries
+from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import HeartbeatOutcome
 from shepherd.agent.takeover import (
@@ -175,7 +175,7 @@ class HeartbeatService:
         if not acquired:
             raise ConnectError("unavailable", "overloaded, try again later")
         try:
-            outcome = await self._conn.transact(record)
+            outcome = await self._conn.transact(record, isolation=Isolation.READ_COMMITTED)
         except InvalidArgument as exc:
             raise ConnectError("invalid_argument", str(exc)) from exc
         except BMDBError as exc:
