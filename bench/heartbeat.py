@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import datetime
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -239,8 +241,12 @@ def _free_port() -> int:
 
 def _start_server(mode: str, url: str) -> tuple[subprocess.Popen[bytes], int]:
     port = _free_port()
+    profile = os.environ.get("HEARTBEAT_BENCH_PROFILE")  # a folder: cProfile the servers
+    python = [sys.executable]
+    if profile:
+        python += ["-m", "cProfile", "-o", str(Path(profile) / f"{mode}.prof")]
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.heartbeat", "serve", mode, f"127.0.0.1:{port}", url],
+        [*python, "-m", "bench.heartbeat", "serve", mode, f"127.0.0.1:{port}", url],
         stdin=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
@@ -280,8 +286,8 @@ def measure(
         rate = trio.run(run_load, port, load, seconds)
         cpu1, db1, commits1 = _cpu_seconds([process.pid]), _cpu_seconds(pg_pids), _commits(url)
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        process.send_signal(signal.SIGINT)  # a clean exit, so that a profile gets written
+        process.wait(timeout=60)
     # _commits' own transaction counts once.
     return Result(
         rate, load.ok, load.refused, load.errors, cpu1 - cpu0, db1 - db0, commits1 - commits0 - 1
@@ -290,7 +296,8 @@ def measure(
 
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "serve":
-        trio.run(_serve, sys.argv[2], sys.argv[3], sys.argv[4])
+        with contextlib.suppress(KeyboardInterrupt):
+            trio.run(_serve, sys.argv[2], sys.argv[3], sys.argv[4])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=1000)
