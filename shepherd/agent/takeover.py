@@ -670,9 +670,10 @@ class Heartbeater:
         self._conn: http.client.HTTPConnection | None = None
         self.context: ssl.SSLContext | None = None
         if self.scheme == "https":
-            self.context = ssl.create_default_context()
-            if init.ca_certificate:
-                self.context = ssl.create_default_context(cadata=init.ca_certificate)
+            try:
+                self.context = ssl.create_default_context(cadata=init.ca_certificate or None)
+            except (ssl.SSLError, ValueError) as exc:
+                raise AgentError(f"cannot use ca_certificate: {exc}") from exc
 
     def request(self) -> tuple[bytes, dict[str, str]]:
         """The next request: body and headers, signed."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,8 +13,11 @@ import trio
 
 import bmdb
 from bmdb import Queries
+from shepherd.agent import agent_script
+from shepherd.agent import takeover as agent
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
+from shepherd.proto import agent as bp
 from tests.shepherd.agents import agent_pid, kill_agent, make_tls, start_agent_process
 from tests.shepherd.helpers import provide
 
@@ -99,3 +103,22 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != b"Z"
+
+
+def test_unusable_ca_certificate_is_a_takeover_error(tmp_path: Path) -> None:
+    """The agent answers with a TakeoverError (and does not detach) when it
+    could not heartbeat anyway."""
+    target = tmp_path / "agent"
+    target.write_bytes(agent_script())
+    init = agent.TakeoverInit(str(uuid.uuid4()), "https://127.0.0.1:1", b"0\x82 not DER")
+    done = subprocess.run(
+        ["/usr/bin/python3", "-I", "-S", str(target), "--heartbeat-interval", "1"],
+        input=init.encode(),
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+    response = bp.TakeoverResponse.parse(done.stdout)
+    assert response.error is not None
+    assert "cannot use ca_certificate" in response.error.message
+    assert agent_pid(target) is None
