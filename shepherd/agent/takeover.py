@@ -38,22 +38,27 @@ edwards25519; it is tested against ``cryptography``.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import errno
 import hashlib
-import http.client
 import os
-import random
 import secrets
 import signal
-import ssl
 import stat
 import struct
 import sys
 import time
-import urllib.parse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import http.client
+    import ssl
+
+# The heartbeat's modules (http.client, ssl, urllib.parse, base64, random)
+# are imported where the heartbeat starts, not here: the takeover exchange
+# is on the initializer's critical path, and they would about double this
+# script's start-up time.
 
 # --------------------------------------------------------------------------
 # Protobuf wire codec for cloud.agent.api (see shepherd/proto/agent.proto).
@@ -661,6 +666,9 @@ class Heartbeater:
         self.backoff_cap = max(backoff_cap, interval)
         self.report = report  # sent until one heartbeat carrying it is accepted
         self._last_time_ns = 0
+        import ssl
+        import urllib.parse
+
         endpoint = init.bmaas_endpoint
         url = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -677,6 +685,8 @@ class Heartbeater:
 
     def request(self) -> tuple[bytes, dict[str, str]]:
         """The next request: body and headers, signed."""
+        import base64
+
         report, warnings = self.report if self.report is not None else (None, None)
         body = encode_heartbeat_request(self.init.machine_id, report, warnings)
         # Strictly increasing, also when the clock steps back: the server
@@ -695,6 +705,8 @@ class Heartbeater:
         return body, headers
 
     def _connect(self) -> http.client.HTTPConnection:
+        import http.client
+
         if self.context is not None:
             return http.client.HTTPSConnection(
                 self.host, self.port, timeout=REQUEST_TIMEOUT, context=self.context
@@ -709,6 +721,8 @@ class Heartbeater:
         TCP and TLS handshake per heartbeat. A kept connection the server
         closed meanwhile is replaced once, with a newly signed request.
         """
+        import http.client
+
         for attempt in range(2):
             reused = self._conn is not None
             if self._conn is None:
@@ -739,6 +753,9 @@ class Heartbeater:
     def run(self) -> None:
         """Heartbeat forever: every ``interval`` while accepted, else with
         exponential backoff (1 s doubling, jittered, up to ``backoff_cap``)."""
+        import http.client
+        import random
+
         delay = 0.0
         failing = False
         while True:
