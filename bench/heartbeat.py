@@ -50,11 +50,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
 from bmdb import Provider, Queries
-from bmdb.localserver import LocalPostgres
+from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from shepherd.agent import takeover as agent
 from shepherd.agent_server import AgentServerConfig, ConnectApp, run_agent_server
 from shepherd.agent_server.server import serve_app
-from tests.fixtures.postgres import TEMPLATE_DB, start_with_template
 
 #: The interval the goal is stated for.
 TARGET_INTERVAL = 10.0

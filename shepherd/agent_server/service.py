@@ -89,14 +89,18 @@ def parse_request(body: bytes) -> tuple[str, bytes | None]:
     """
     machine_id, report = "", None
     try:
-        for number, wire_type, value in iter_fields(body):
-            if number in (1, 2) and (wire_type != WIRE_LEN or not isinstance(value, bytes)):
-                raise DecodeError(f"field {number}: want length-delimited")
+        fields = iter_fields(body)
+        for number, wire_type, value in fields:
+            if number not in (1, 2):
+                continue
+            if wire_type != WIRE_LEN or not isinstance(value, bytes):
+                raise ConnectError(
+                    "invalid_argument",
+                    f"malformed HeartbeatRequest: field {number}: want length-delimited",
+                )
             if number == 1:
-                assert isinstance(value, bytes)
                 machine_id = value.decode("utf-8")
-            elif number == 2:
-                assert isinstance(value, bytes)
+            else:
                 iter_fields(value)  # well-formed at least at its top level
                 report = value
     except (DecodeError, UnicodeDecodeError) as exc:
