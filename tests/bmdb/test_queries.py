@@ -86,9 +86,12 @@ async def test_bad_input(bmdb_conn: bmdb.Connection, call: object) -> None:
 async def _set_agent(
     q: Queries, machine_id: uuid.UUID, started_ago: float, heartbeat_ago: float | None
 ) -> None:
-    await q.set_agent_started(machine_id, NOW - datetime.timedelta(minutes=started_ago), KEY)
+    # Now, not NOW: the recovery source compares with the server's now(), and
+    # a long test session can run this test many minutes after import.
+    now = datetime.datetime.now(datetime.UTC)
+    await q.set_agent_started(machine_id, now - datetime.timedelta(minutes=started_ago), KEY)
     if heartbeat_ago is not None:
-        at = NOW - datetime.timedelta(minutes=heartbeat_ago)
+        at = now - datetime.timedelta(minutes=heartbeat_ago)
         await q.set_agent_heartbeat(machine_id, at)
 
 

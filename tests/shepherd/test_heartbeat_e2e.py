@@ -85,6 +85,7 @@ async def wait_for(condition: Callable[[], Awaitable[bool]]) -> None:
 
 @pytest.fixture
 async def setup(
+    aio_loop: object,  # asyncssh, in the initializer, runs on trio-asyncio
     bmdb_conn: bmdb.Connection,
     sshd: Sshd,
     shepherd_ssh_key: SSHKey,
