@@ -71,7 +71,7 @@ async def _serve(mode: str, listen: str, url: str) -> None:
     if mode == "bare":
         await serve_app(ConnectApp({agent.HEARTBEAT_PATH: _bare}, config.limits), config)
         return
-    async with bmdb.open_connection(url, max_connections=16) as conn:
+    async with bmdb.open_connection(url) as conn:
         await run_agent_server(conn, config)
 
 

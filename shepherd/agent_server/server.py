@@ -59,7 +59,7 @@ class AgentServerConfig:
     session_interval: float = 5.0
     #: Heartbeat transactions at once: fewer than the BMDB connection pool
     #: holds (32 by default), so that the session's poke finds a connection.
-    db_slots: int = 12
+    db_slots: int = 24
     #: Longest wait for one of those, seconds; then ``unavailable``.
     queue_timeout: float = 5.0
 
