@@ -19,6 +19,8 @@ from hypercorn.trio import serve
 from hypercorn.typing import ASGIFramework
 from prometheus_client import CollectorRegistry, make_asgi_app
 
+from monotrio.asgi import answer_lifespan
+
 logger = logging.getLogger("monotrio.metrics")
 
 Message = MutableMapping[str, Any]
@@ -30,13 +32,8 @@ def metrics_app(registry: CollectorRegistry) -> Callable[..., Awaitable[None]]:
 
     async def app(scope: Message, receive: Callable[[], Awaitable[Message]], send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         if scope["path"] == "/metrics":

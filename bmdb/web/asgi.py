@@ -19,6 +19,7 @@ from bmdb.connection import Connection
 from bmdb.errors import DatabaseUnavailable, InvalidArgument
 from bmdb.web import pages
 from bmdb.web.render import Html, esc, page
+from monotrio.asgi import answer_lifespan
 
 logger = logging.getLogger("bmdb.web")
 
@@ -45,7 +46,7 @@ class App:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -105,14 +106,3 @@ def _int(text: str | None, default: int) -> int:
 
 def _error(title: str, text: str) -> Html:
     return page(title, Html(f"<p>{esc(text)}</p>"))
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    # Nothing to set up: the connection is opened (and closed) by the caller.
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from monotrio.asgi import answer_lifespan
 from shepherd.errors import ShepherdError
 
 logger = logging.getLogger("shepherd.agent_server.connect")
@@ -95,7 +96,7 @@ class ConnectApp:
 
     async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return  # websockets: not served; hypercorn closes the connection
@@ -177,13 +178,3 @@ async def _send(send: ASGISend, status: int, content_type: bytes, body: bytes) -
 async def _send_error(send: ASGISend, status: int, code: str, message: str) -> None:
     body = json.dumps({"code": code, "message": message}).encode()
     await _send(send, status, b"application/json", body)
-
-
-async def _lifespan(receive: ASGIReceive, send: ASGISend) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
