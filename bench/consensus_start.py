@@ -56,6 +56,7 @@ def _bare_config(directory: Path) -> ProcessConfig:
 
 
 async def bare_etcd_start(directory: Path) -> float:
+    """A bare etcd until it answers (a restart when ``directory`` has its data)."""
     config = _bare_config(directory)
     async with trio.open_nursery() as nursery:
         start = trio.current_time()

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import trio
 
+from bench.consensus_start import bare_etcd_start
 from metropolis import pki
 from metropolis.consensus.localetcd import LOOPBACK_TUNING
-from metropolis.consensus.process import ProcessConfig, run_etcd
 from metropolis.curator.election import Leader
 from metropolis.localstorage import Root
 from metropolis.roleserve import disk
@@ -44,20 +44,6 @@ from metropolis.supervisor import open_supervisor
 from monotrio.net import free_loopback_port
 
 logger = logging.getLogger("bench.controlplane")
-_PORTS: dict[Path, int] = {}
-
-
-async def bare_etcd_start(directory: Path) -> float:
-    """A bare etcd until it answers (a restart when ``directory`` has its data)."""
-    # A restart must advertise the peer URL its data was created with.
-    port = _PORTS.setdefault(directory, free_loopback_port())
-    config = ProcessConfig.standalone("bench", directory, port, LOOPBACK_TUNING)
-    async with trio.open_nursery() as nursery:
-        start = trio.current_time()
-        await nursery.start(run_etcd, config, logger)
-        elapsed = trio.current_time() - start
-        nursery.cancel_scope.cancel()
-    return elapsed
 
 
 def prepare(root: Root) -> None:
