@@ -34,7 +34,15 @@ from typing import Any
 from bmdb._pg import Row
 from bmdb.connection import Connection
 from bmdb.errors import InvalidArgument
-from bmdb.model import HistoryEvent, Process, Provider, Queries, WorkEvent, as_uuid
+from bmdb.model import (
+    HistoryEvent,
+    Process,
+    Provider,
+    Queries,
+    SessionInfo,
+    WorkEvent,
+    as_uuid,
+)
 from bmdb.transaction import Isolation
 
 
@@ -430,17 +438,10 @@ GROUP BY 1, 2 ORDER BY 1, 2
 """
 
 
-@dataclass(frozen=True)
-class SessionRow:
+@dataclass(frozen=True, slots=True)
+class SessionRow(SessionInfo):
     """A session and how many work locks it holds."""
 
-    session_id: uuid.UUID
-    component: str
-    runtime_info: str
-    created_at: datetime.datetime
-    interval: float
-    deadline: datetime.datetime
-    expired: bool
     work: int
 
 
