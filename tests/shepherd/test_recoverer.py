@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
+from pathlib import Path
 
 import pytest
 import trio
@@ -11,10 +12,12 @@ import trio
 import bmdb
 from bmdb import Backoff, Process, Queries, WorkEvent
 from shepherd.control_loop import run_control_loop
-from shepherd.providers import Capability, Machine, ProviderError
+from shepherd.providers import Capability, Machine, PowerState, ProviderError
+from shepherd.providers.redfish import Credentials, RedfishClient, load_credentials
 from shepherd.providers.static import StaticProvider
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.recoverer import DEFAULT_BACKOFF, Recoverer
+from tests.fixtures.sushy import PASSWORD, SYSTEMS, USERNAME, Sushy
 from tests.shepherd.helpers import backoffs, events, provide
 
 KEY = bytes(range(32))
@@ -140,3 +143,115 @@ async def test_recovery_is_per_provider(bmdb_conn: bmdb.Connection) -> None:
         nursery.cancel_scope.cancel()
     for mid in ids.values():
         assert await events(bmdb_conn, mid, Process.SHEPHERD_RECOVERY) == []
+
+
+# Through a real BMC: sushy-tools' emulator behind a static machine list.
+
+
+def _bmc_provider(tmp_path: Path, sushy: Sushy, systems: dict[str, str]) -> StaticProvider:
+    """A static provider loaded from files, as ``python -m shepherd --provider static`` does.
+
+    ``systems`` maps machine id to sushy system. The BMC credentials are in
+    their own file: the default is right, machine ``bad``'s password is wrong.
+    """
+    machines = tmp_path / "machines.toml"
+    machines.write_text(
+        "".join(
+            f'[[machine]]\nid = "{mid}"\naddress = "192.0.2.1"\n'
+            f'bmc = "{sushy.system_url(system)}"\n'
+            for mid, system in systems.items()
+        )
+    )
+    credentials = tmp_path / "bmc.toml"
+    credentials.write_text(
+        f'[default]\nusername = "{USERNAME}"\npassword = "{PASSWORD}"\n'
+        f'[machine."bad"]\nusername = "{USERNAME}"\npassword = "wrong"\n'
+    )
+    return StaticProvider.from_file(machines, credentials=load_credentials(credentials, environ={}))
+
+
+async def _power(sushy: Sushy, system: str) -> PowerState:
+    """The system's power state, read from the BMC itself (not through the provider)."""
+    async with RedfishClient() as redfish:
+        return await redfish.power_state(sushy.system_url(system), Credentials(USERNAME, PASSWORD))
+
+
+async def _wait_power(sushy: Sushy, system: str, want: PowerState) -> None:
+    with trio.fail_after(60):  # the fake driver applies a reset 1..11 s later
+        while await _power(sushy, system) != want:  # noqa: ASYNC110 (state is in the BMC)
+            await trio.sleep(0.2)
+
+
+async def _start_silent_agent(conn: bmdb.Connection, mid: uuid.UUID, ago: float) -> None:
+    """AgentStarted ``ago`` seconds back, and never a heartbeat."""
+    at = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=ago)
+
+    async def start(q: Queries) -> None:
+        await q.set_agent_started(mid, at, KEY)
+
+    await conn.transact(start)
+
+
+async def test_silent_machine_is_power_cycled_through_its_bmc(
+    bmdb_conn: bmdb.Connection, sushy: Sushy, tmp_path: Path
+) -> None:
+    """The recoverer resets the machine's Redfish system, then clears its agent tags.
+
+    The system is off (the likeliest reason for silence): sushy's fake driver
+    then turns it on a few seconds after the reset, and only a reset does,
+    so the test cannot pass unless the recoverer asked the BMC. (A system
+    that is on cannot show this robustly: the fake driver's off phase of a
+    ForceRestart may last a fraction of a second.)
+    """
+    system = SYSTEMS[0]
+    provider = _bmc_provider(tmp_path, sushy, {"m-1": system})
+    async with RedfishClient() as redfish:
+        await redfish.reset(sushy.system_url(system), Credentials(USERNAME, PASSWORD), "ForceOff")
+    await _wait_power(sushy, system, PowerState.OFF)
+    mid = (await provide(bmdb_conn, ["m-1"]))["m-1"]
+    # Started just now: only the shortened first-heartbeat timeout makes it silent.
+    await _start_silent_agent(bmdb_conn, mid, ago=0)
+
+    await _run(bmdb_conn, Recoverer(provider, first_heartbeat_timeout=1.0), [mid])
+
+    assert await events(bmdb_conn, mid, Process.SHEPHERD_RECOVERY) == [
+        (WorkEvent.STARTED, ""),
+        (WorkEvent.FINISHED, ""),
+    ]
+    assert await _tags(bmdb_conn, mid) == (False, False)
+    await _wait_power(sushy, system, PowerState.ON)
+    assert await backoffs(bmdb_conn, Process.SHEPHERD_RECOVERY) == {}
+
+
+async def test_wrong_bmc_password_fails_that_machine_only(
+    bmdb_conn: bmdb.Connection, sushy: Sushy, tmp_path: Path
+) -> None:
+    """A 401 from the BMC: that recovery fails with the cause and backs off, tags kept;
+    the loop goes on to recover the next machine."""
+    provider = _bmc_provider(tmp_path, sushy, {"bad": SYSTEMS[1], "good": SYSTEMS[2]})
+    ids = await provide(bmdb_conn, ["bad", "good"])
+    # "bad" went silent first, so the loop meets it first (oldest first).
+    await _start_silent_agent(bmdb_conn, ids["bad"], ago=60)
+    await _start_silent_agent(bmdb_conn, ids["good"], ago=0)
+
+    await _run(bmdb_conn, Recoverer(provider, first_heartbeat_timeout=1.0), list(ids.values()))
+
+    bad = await events(bmdb_conn, ids["bad"], Process.SHEPHERD_RECOVERY)
+    assert [e for e, _ in bad] == [WorkEvent.STARTED, WorkEvent.FAILED]
+    url = sushy.system_url(SYSTEMS[1])
+    assert bad[1][1].startswith(
+        f"failed to reboot machine: BMC {url}: 401 Unauthorized: "
+        "Incorrect username or password (user 'admin')"
+    ), bad[1][1]
+    assert "wrong" not in bad[1][1]
+    assert await backoffs(bmdb_conn, Process.SHEPHERD_RECOVERY) == {
+        ids["bad"]: (DEFAULT_BACKOFF.next(), bad[1][1])
+    }
+    assert await _tags(bmdb_conn, ids["bad"]) == (True, False)
+    assert await _power(sushy, SYSTEMS[1]) == PowerState.ON  # never reset
+
+    assert await events(bmdb_conn, ids["good"], Process.SHEPHERD_RECOVERY) == [
+        (WorkEvent.STARTED, ""),
+        (WorkEvent.FINISHED, ""),
+    ]
+    assert await _tags(bmdb_conn, ids["good"]) == (False, False)
