@@ -9,6 +9,7 @@ process ``ShepherdRecovery``::
         or the last heartbeat older than heartbeat_timeout
     handle
       provider can reboot?  provider.reboot(provider_id)  ──ProviderError──▶ fail (backoff)
+                            (ProviderUnsupported for this machine: as without REBOOT)
       finish: delete AgentStarted and AgentHeartbeat
                 └─▶ the machine is an agent-start candidate again: the
                     initializer takes it over anew
@@ -31,7 +32,7 @@ import uuid
 from bmdb import Backoff, Process, Queries, Work
 from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT, AgentStarted
 from shepherd.control_loop import ProcessingFailed
-from shepherd.providers import Capability, Provider, ProviderError
+from shepherd.providers import Capability, Provider, ProviderError, ProviderUnsupported
 
 logger = logging.getLogger("shepherd.recoverer")
 
@@ -80,9 +81,15 @@ class Recoverer:
         if Capability.REBOOT in self.provider.capabilities:
             try:
                 await self.provider.reboot(provider_id)
+            except ProviderUnsupported as exc:
+                # The provider reboots some machines, not this one (a static
+                # machine listed without a BMC): treat it as a provider
+                # without REBOOT, else it would fail here forever.
+                logger.info("machine %s: %s; only restarting the agent", mid, exc)
             except ProviderError as exc:
                 raise ProcessingFailed(f"failed to reboot machine: {exc}") from exc
-            logger.info("machine %s: rebooted", mid)
+            else:
+                logger.info("machine %s: rebooted", mid)
         else:
             logger.info("machine %s: provider cannot reboot, only restarting the agent", mid)
 

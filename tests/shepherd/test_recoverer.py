@@ -148,17 +148,17 @@ async def test_recovery_is_per_provider(bmdb_conn: bmdb.Connection) -> None:
 # Through a real BMC: sushy-tools' emulator behind a static machine list.
 
 
-def _bmc_provider(tmp_path: Path, sushy: Sushy, systems: dict[str, str]) -> StaticProvider:
+def _bmc_provider(tmp_path: Path, sushy: Sushy, systems: dict[str, str | None]) -> StaticProvider:
     """A static provider loaded from files, as ``python -m shepherd --provider static`` does.
 
-    ``systems`` maps machine id to sushy system. The BMC credentials are in
+    ``systems`` maps machine id to sushy system (None: no BMC). The BMC credentials are in
     their own file: the default is right, machine ``bad``'s password is wrong.
     """
     machines = tmp_path / "machines.toml"
     machines.write_text(
         "".join(
             f'[[machine]]\nid = "{mid}"\naddress = "192.0.2.1"\n'
-            f'bmc = "{sushy.system_url(system)}"\n'
+            + (f'bmc = "{sushy.system_url(system)}"\n' if system else "")
             for mid, system in systems.items()
         )
     )
@@ -228,11 +228,14 @@ async def test_wrong_bmc_password_fails_that_machine_only(
 ) -> None:
     """A 401 from the BMC: that recovery fails with the cause and backs off, tags kept;
     the loop goes on to recover the next machine."""
-    provider = _bmc_provider(tmp_path, sushy, {"bad": SYSTEMS[1], "good": SYSTEMS[2]})
-    ids = await provide(bmdb_conn, ["bad", "good"])
+    provider = _bmc_provider(
+        tmp_path, sushy, {"bad": SYSTEMS[1], "good": SYSTEMS[2], "no-bmc": None}
+    )
+    ids = await provide(bmdb_conn, ["bad", "good", "no-bmc"])
     # "bad" went silent first, so the loop meets it first (oldest first).
     await _start_silent_agent(bmdb_conn, ids["bad"], ago=60)
     await _start_silent_agent(bmdb_conn, ids["good"], ago=0)
+    await _start_silent_agent(bmdb_conn, ids["no-bmc"], ago=0)
 
     await _run(bmdb_conn, Recoverer(provider, first_heartbeat_timeout=1.0), list(ids.values()))
 
@@ -255,3 +258,9 @@ async def test_wrong_bmc_password_fails_that_machine_only(
         (WorkEvent.FINISHED, ""),
     ]
     assert await _tags(bmdb_conn, ids["good"]) == (False, False)
+    # A machine listed without a BMC in the same fleet: only its agent is restarted.
+    assert await events(bmdb_conn, ids["no-bmc"], Process.SHEPHERD_RECOVERY) == [
+        (WorkEvent.STARTED, ""),
+        (WorkEvent.FINISHED, ""),
+    ]
+    assert await _tags(bmdb_conn, ids["no-bmc"]) == (False, False)
