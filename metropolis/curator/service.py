@@ -10,8 +10,9 @@
 The curator never retries on a client that is gone: a newer consensus
 status, or ``EtcdClosed`` from the election, restarts it (``node.restart``,
 no backoff), and the restart waits for consensus to run again. The RPC API
-is served from here later; it reads :attr:`Curator.election` to know
-whether to answer or forward.
+is served from here (:mod:`.api`) when the curator has credentials and an
+address; it reads :attr:`Curator.election` to know whether to answer or
+name the leader.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ import trio
 
 from metropolis.consensus.client import EtcdClosed
 from metropolis.consensus.service import Status
+from metropolis.curator.api import CuratorAPI
 from metropolis.curator.election import DEFAULT_TTL, ElectionState, Follower, run_election
 from metropolis.event import ReadOnlyValue, Value
+from metropolis.identity import NodeCredentials
+from metropolis.rpc import Server, server_context
 from metropolis.supervisor import Node
 
 __all__ = ["Curator"]
@@ -30,10 +34,27 @@ __all__ = ["Curator"]
 class Curator:
     """This node's curator. ``run`` is a supervisor runnable."""
 
-    def __init__(self, consensus: ReadOnlyValue[Status], node_id: str, *, ttl: int = DEFAULT_TTL):
+    def __init__(
+        self,
+        consensus: ReadOnlyValue[Status],
+        node_id: str,
+        *,
+        ttl: int = DEFAULT_TTL,
+        credentials: NodeCredentials | None = None,
+        listen: tuple[str, int] | None = None,
+    ):
+        """``credentials`` and ``listen`` (host, port): serve the RPC API there.
+
+        Without them the curator only campaigns (tests of the election).
+        """
         self._consensus = consensus
         self.node_id = node_id
         self.ttl = ttl
+        self._credentials = credentials
+        self._listen = listen
+        self._port: Value[int] = Value()
+        #: The port the RPC API is bound to, once it is.
+        self.port: ReadOnlyValue[int] = self._port.readonly()
         self._election: Value[ElectionState] = Value()
         self.election: ReadOnlyValue[ElectionState] = self._election.readonly()
 
@@ -71,4 +92,12 @@ class Curator:
 
                 nursery.start_soon(follow_consensus)
                 await nursery.start(elect)
+                if self._credentials is not None and self._listen is not None:
+                    api = await CuratorAPI.load(kv)
+                    server = Server(server_context(self._credentials), api.security())
+                    api.register(server)
+                    host, port = self._listen
+                    bound = await nursery.start(api.serve, server, self.election, host, port)
+                    node.logger.info("serving the curator API on %s:%d", host, bound)
+                    self._port.set(bound)
                 node.signal_healthy()

@@ -1,0 +1,432 @@
+"""The curator's RPC API, answered from etcd by the leading curator.
+
+Node side (``Curator`` service): ``Watch`` of the caller's own record,
+``UpdateNodeStatus``, ``RegisterNode`` (a register ticket, with a proof of
+possession of the node key) and ``CommitNode``. Owner side (``Management``):
+``GetRegisterTicket``, ``GetClusterInfo``, ``GetNodes``, ``ApproveNode``,
+``UpdateNodeRoles``. Who may call what is declared in
+:mod:`metropolis.rpc.api` and checked before a handler runs.
+
+Every write is a leader-guarded transaction (:meth:`Leader.txn`): a curator
+that lost its lease between the leadership check and the write gets
+:class:`~metropolis.curator.election.NotLeader`, answered UNAVAILABLE, and
+nothing is written. The node lifecycle follows Monogon's::
+
+    RegisterNode (ticket)  -> NEW       record with the node key and join key
+    ApproveNode (owner)    -> STANDBY
+    CommitNode (node)      -> UP        node certificate issued, unlock key kept
+
+The security hooks (:meth:`CuratorAPI.security`) answer from memory: the
+owner key and CA are fixed at bootstrap and read once, the CRL is re-read
+after every revocation this curator makes and on start, and leadership is
+the last value of the election.
+
+Not here yet: granting or revoking ConsensusMember (answered
+UNIMPLEMENTED, nothing written), and refreshing a ConsensusMember's peer
+list at send time (the stored join data is sent as is).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+
+import trio
+from cryptography import x509
+
+from metropolis import identity, pki
+from metropolis.consensus.client import KV, Compare, Get, Put, RangeResult
+from metropolis.curator.bootstrap import node_certificate
+from metropolis.curator.election import ElectionState, Leader, NotLeader
+from metropolis.curator.state import (
+    CA_CERTIFICATE_KEY,
+    CA_KEY_KEY,
+    INITIAL_OWNER_KEY,
+    CuratorError,
+    issued_certificate_key,
+    join_key_key,
+    node_key,
+    parse_node,
+    watch_node,
+)
+from metropolis.event import ReadOnlyValue
+from metropolis.proto import curator_api as c
+from metropolis.proto import management as m
+from metropolis.proto.common import (
+    ClusterDirectory,
+    ClusterDirectoryNode,
+    ClusterDirectoryNodeAddress,
+    NodeRoles,
+    NodeRolesKubernetesController,
+    NodeRolesKubernetesWorker,
+    NodeState,
+)
+from metropolis.proto.curator import InitialOwner, Node, RegisterTicket
+from metropolis.rpc import CallContext, LeaderHint, Leadership, RPCError, Server, ServerSecurity
+from metropolis.rpc import api as methods
+from metropolis.rpc.status import Status
+
+__all__ = ["CRL_KEY", "REGISTER_TICKET_KEY", "CuratorAPI"]
+
+_log = logging.getLogger("metropolis.curator.api")
+
+#: The cluster CA's current CRL (DER); absent while nothing is revoked.
+CRL_KEY = b"/cluster-pki/ca/crl"
+#: The register ticket (curator.RegisterTicket), made on first request.
+REGISTER_TICKET_KEY = b"/global/register_ticket"
+
+
+class CuratorAPI:
+    """Handlers and security hooks for one curator's RPC server.
+
+    Build with :meth:`load` once consensus runs; keep :meth:`follow_election`
+    running beside the server so ``leadership()`` stays current.
+    """
+
+    def __init__(
+        self,
+        kv: KV,
+        *,
+        owner_key: bytes,
+        ca: x509.Certificate,
+        crl: x509.CertificateRevocationList | None,
+    ) -> None:
+        self._kv = kv
+        self._owner_key = owner_key
+        self._ca = ca
+        self._crl = crl
+        self._election: ElectionState | None = None
+
+    @classmethod
+    async def load(cls, kv: KV) -> CuratorAPI:
+        """Read owner key, CA and CRL; :class:`CuratorError` if the cluster is missing."""
+        result = await kv.txn(
+            [], [Get(INITIAL_OWNER_KEY), Get(CA_CERTIFICATE_KEY), Get(CRL_KEY)], []
+        )
+        owner, ca, crl = (r for r in result.responses if isinstance(r, RangeResult))
+        if not owner.kvs or not ca.kvs:
+            raise CuratorError("no cluster in etcd (owner or CA missing)")
+        try:
+            return cls(
+                kv,
+                owner_key=InitialOwner.parse(owner.kvs[0].value).public_key,
+                ca=pki.decode_certificate(ca.kvs[0].value),
+                crl=pki.decode_crl(crl.kvs[0].value) if crl.kvs else None,
+            )
+        except pki.PKIError as e:
+            raise CuratorError(f"cluster PKI in etcd is damaged: {e}") from e
+
+    # --- security hooks ---------------------------------------------------
+
+    def security(self) -> ServerSecurity:
+        return ServerSecurity(
+            owner_key=lambda: self._owner_key,
+            crl=lambda: self._crl,
+            leadership=self._leadership,
+        )
+
+    def _leadership(self) -> Leadership:
+        state = self._election
+        if isinstance(state, Leader):
+            return Leadership(True)
+        if state is None or state.leader is None:
+            return Leadership(False)
+        return Leadership(False, LeaderHint(state.leader.node_id))
+
+    async def follow_election(self, election: ReadOnlyValue[ElectionState]) -> None:
+        """Keep ``leadership()`` at the election's latest state; runs until cancelled."""
+        with election.watch() as watcher:
+            while True:
+                self._election = await watcher.get()
+
+    def _leader(self) -> Leader:
+        state = self._election
+        if not isinstance(state, Leader):
+            raise RPCError(Status.UNAVAILABLE, "this curator is not the leader")
+        return state
+
+    async def _txn(
+        self, compare: list[Compare], success: list[Put], failure: list[Get] | None = None
+    ) -> bool:
+        try:
+            result = await self._leader().txn(self._kv, compare, success, failure or [])
+        except NotLeader as e:
+            raise RPCError(Status.UNAVAILABLE, str(e)) from None
+        return result.succeeded
+
+    async def _read(self, node_id: str) -> tuple[Node, int] | None:
+        stored = await self._kv.get(node_key(node_id))
+        if stored is None:
+            return None
+        return parse_node(stored.value, node_id), stored.mod_revision
+
+    async def _update(self, node_id: str, change: Callable[[Node], Node | None]) -> Node:
+        """Apply ``change`` to the record of ``node_id`` atomically (retried on races).
+
+        ``change`` returns the new record, or None to leave it as is.
+        NOT_FOUND if there is no record.
+        """
+        while True:
+            found = await self._read(node_id)
+            if found is None:
+                raise RPCError(Status.NOT_FOUND, f"no node {node_id}")
+            record, revision = found
+            new = change(record)
+            if new is None:
+                return record
+            key = node_key(node_id)
+            if await self._txn([Compare.mod_revision(key, "==", revision)], [Put(key, bytes(new))]):
+                return new
+
+    # --- node side -------------------------------------------------------
+
+    async def watch(
+        self,
+        request: c.WatchRequest,
+        ctx: CallContext,
+        send: Callable[[c.WatchEvent], Awaitable[None]],
+    ) -> None:
+        """Send the caller's own record, then each change; until the caller leaves."""
+        wanted = request.node_in_cluster.node_id if request.node_in_cluster else ""
+        if wanted != ctx.peer.node_id:
+            raise RPCError(Status.PERMISSION_DENIED, "a node may only watch its own record")
+        async with watch_node(self._kv, wanted) as records:
+            async for record in records:
+                if record is None:
+                    await send(c.WatchEvent(node_tombstones=[c.WatchEventNodeTombstone(wanted)]))
+                    continue
+                await send(
+                    c.WatchEvent(
+                        nodes=[c.Node(id=wanted, roles=record.roles, status=record.status)],
+                        progress=c.WatchEventProgress.LAST_BACKLOGGED,
+                    )
+                )
+
+    async def update_node_status(
+        self, request: c.UpdateNodeStatusRequest, ctx: CallContext
+    ) -> c.UpdateNodeStatusResponse:
+        if request.node_id != ctx.peer.node_id:
+            raise RPCError(Status.PERMISSION_DENIED, "a node may only update its own status")
+        if request.status is None:
+            raise RPCError(Status.INVALID_ARGUMENT, "status missing")
+        status = request.status
+
+        def change(record: Node) -> Node:
+            record.status = status
+            return record
+
+        await self._update(request.node_id, change)
+        return c.UpdateNodeStatusResponse()
+
+    async def _ticket(self) -> bytes:
+        stored = await self._kv.get(REGISTER_TICKET_KEY)
+        if stored is not None:
+            return RegisterTicket.parse(stored.value).opaque
+        ticket = secrets.token_bytes(32)
+        await self._txn(
+            [Compare.absent(REGISTER_TICKET_KEY)],
+            [Put(REGISTER_TICKET_KEY, bytes(RegisterTicket(opaque=ticket)))],
+        )
+        stored = await self._kv.get(REGISTER_TICKET_KEY)
+        assert stored is not None
+        return RegisterTicket.parse(stored.value).opaque
+
+    async def register_node(
+        self, request: c.RegisterNodeRequest, ctx: CallContext
+    ) -> c.RegisterNodeResponse:
+        """Create a NEW record for the proven key; idempotent for the same key and join key."""
+        stored = await self._kv.get(REGISTER_TICKET_KEY)
+        if stored is None or not secrets.compare_digest(
+            RegisterTicket.parse(stored.value).opaque, request.register_ticket
+        ):
+            raise RPCError(Status.PERMISSION_DENIED, "wrong register ticket")
+        if len(request.join_key) != 32:
+            raise RPCError(Status.INVALID_ARGUMENT, "join key must be a raw Ed25519 key")
+        node_id = ctx.peer.node_id
+        record = Node(
+            public_key=ctx.peer.public_key, fsm_state=NodeState.NEW, join_key=request.join_key
+        )
+        key = node_key(node_id)
+        if await self._txn(
+            [Compare.absent(key), Compare.absent(join_key_key(request.join_key))],
+            [Put(key, bytes(record)), Put(join_key_key(request.join_key), node_id.encode())],
+        ):
+            _log.info("registered %s", node_id)
+            return c.RegisterNodeResponse()
+        found = await self._read(node_id)
+        if found is None or found[0].join_key != request.join_key:
+            raise RPCError(Status.ALREADY_EXISTS, "node or join key registered differently")
+        return c.RegisterNodeResponse()
+
+    async def commit_node(
+        self, request: c.CommitNodeRequest, ctx: CallContext
+    ) -> c.CommitNodeResponse:
+        """Move an approved (STANDBY) node to UP and issue its certificate; idempotent."""
+        if len(request.cluster_unlock_key) != 32:
+            raise RPCError(Status.INVALID_ARGUMENT, "cluster unlock key must be 32 bytes")
+        node_id = ctx.peer.node_id
+        found = await self._read(node_id)
+        if found is None:
+            raise RPCError(Status.NOT_FOUND, f"no node {node_id}")
+        record, revision = found
+        issued = await self._kv.get(issued_certificate_key(node_id))
+        if record.fsm_state == NodeState.UP and issued is not None:
+            if record.cluster_unlock_key != request.cluster_unlock_key:
+                raise RPCError(Status.FAILED_PRECONDITION, "committed with another unlock key")
+            return c.CommitNodeResponse(
+                ca_certificate=pki.encode_certificate(self._ca, pki.Encoding.DER),
+                node_certificate=issued.value,
+            )
+        if record.fsm_state != NodeState.STANDBY:
+            raise RPCError(Status.FAILED_PRECONDITION, "node is not approved")
+        ca_key_stored = await self._kv.get(CA_KEY_KEY)
+        if ca_key_stored is None:
+            raise RPCError(Status.INTERNAL, "cluster CA key missing")
+        certificate = node_certificate(
+            pki.decode_private_key(ca_key_stored.value), self._ca, ctx.peer.public_key
+        )
+        der = pki.encode_certificate(certificate, pki.Encoding.DER)
+        record.fsm_state = NodeState.UP
+        record.cluster_unlock_key = request.cluster_unlock_key
+        key = node_key(node_id)
+        if not await self._txn(
+            [Compare.mod_revision(key, "==", revision)],
+            [Put(key, bytes(record)), Put(issued_certificate_key(node_id), der)],
+        ):
+            raise RPCError(Status.ABORTED, "node record changed; retry")
+        _log.info("committed %s", node_id)
+        return c.CommitNodeResponse(
+            ca_certificate=pki.encode_certificate(self._ca, pki.Encoding.DER),
+            node_certificate=der,
+        )
+
+    # --- owner side ------------------------------------------------------
+
+    async def get_register_ticket(
+        self, request: m.GetRegisterTicketRequest, ctx: CallContext
+    ) -> m.GetRegisterTicketResponse:
+        return m.GetRegisterTicketResponse(ticket=await self._ticket())
+
+    async def _records(self) -> list[Node]:
+        result = await self._kv.range(b"/nodes/", prefix=True)
+        records = []
+        for kv in result.kvs:
+            try:
+                records.append(parse_node(kv.value, kv.key.decode()))
+            except CuratorError as e:
+                _log.error("skipping a record: %s", e)
+        return records
+
+    async def get_cluster_info(
+        self, request: m.GetClusterInfoRequest, ctx: CallContext
+    ) -> m.GetClusterInfoResponse:
+        """The directory: every node with a running curator and a reported address."""
+        nodes = [
+            ClusterDirectoryNode(
+                public_key=r.public_key,
+                addresses=[ClusterDirectoryNodeAddress(host=r.status.external_address)],
+            )
+            for r in await self._records()
+            if r.status is not None and r.status.external_address and r.status.running_curator
+        ]
+        return m.GetClusterInfoResponse(
+            cluster_directory=ClusterDirectory(nodes=nodes),
+            ca_certificate=pki.encode_certificate(self._ca, pki.Encoding.DER),
+        )
+
+    async def get_nodes(
+        self,
+        request: m.GetNodesRequest,
+        ctx: CallContext,
+        send: Callable[[m.Node], Awaitable[None]],
+    ) -> None:
+        if request.filter:
+            raise RPCError(Status.UNIMPLEMENTED, "filters are not supported")
+        for record in await self._records():
+            await send(
+                m.Node(
+                    pubkey=record.public_key,
+                    state=record.fsm_state,
+                    status=record.status,
+                    roles=record.roles or NodeRoles(),
+                    health=m.NodeHealth.UNKNOWN,
+                )
+            )
+
+    async def approve_node(
+        self, request: m.ApproveNodeRequest, ctx: CallContext
+    ) -> m.ApproveNodeResponse:
+        """NEW -> STANDBY; approving a STANDBY or UP node again is a no-op."""
+        node_id = _node_id(request.pubkey)
+
+        def change(record: Node) -> Node | None:
+            if record.fsm_state in (NodeState.STANDBY, NodeState.UP):
+                return None
+            if record.fsm_state != NodeState.NEW:
+                raise RPCError(Status.FAILED_PRECONDITION, f"node is {record.fsm_state.name}")
+            record.fsm_state = NodeState.STANDBY
+            return record
+
+        await self._update(node_id, change)
+        _log.info("approved %s", node_id)
+        return m.ApproveNodeResponse()
+
+    async def update_node_roles(
+        self, request: m.UpdateNodeRolesRequest, ctx: CallContext
+    ) -> m.UpdateNodeRolesResponse:
+        """Set KubernetesWorker/KubernetesController on an UP node."""
+        node_id = request.id if request.id else _node_id(request.pubkey or b"")
+        if request.consensus_member is not None:
+            raise RPCError(Status.UNIMPLEMENTED, "changing ConsensusMember is not served yet")
+        worker, controller = request.kubernetes_worker, request.kubernetes_controller
+
+        def change(record: Node) -> Node:
+            if record.fsm_state != NodeState.UP:
+                raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
+            roles = record.roles or NodeRoles()
+            if worker is not None:
+                roles.kubernetes_worker = NodeRolesKubernetesWorker() if worker else None
+            if controller is not None:
+                roles.kubernetes_controller = (
+                    NodeRolesKubernetesController() if controller else None
+                )
+            record.roles = roles
+            return record
+
+        await self._update(node_id, change)
+        return m.UpdateNodeRolesResponse()
+
+    # --- wiring ----------------------------------------------------------
+
+    def register(self, server: Server) -> None:
+        """Register every handler with ``server``."""
+        server.stream(methods.WATCH, self.watch)
+        server.unary(methods.UPDATE_NODE_STATUS, self.update_node_status)
+        server.unary(methods.REGISTER_NODE, self.register_node)
+        server.unary(methods.COMMIT_NODE, self.commit_node)
+        server.unary(methods.GET_REGISTER_TICKET, self.get_register_ticket)
+        server.unary(methods.GET_CLUSTER_INFO, self.get_cluster_info)
+        server.stream(methods.GET_NODES, self.get_nodes)
+        server.unary(methods.APPROVE_NODE, self.approve_node)
+        server.unary(methods.UPDATE_NODE_ROLES, self.update_node_roles)
+
+    async def serve(
+        self,
+        server: Server,
+        election: ReadOnlyValue[ElectionState],
+        host: str,
+        port: int,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Follow the election and serve on ``host:port`` until cancelled; reports the port."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.follow_election, election)
+            task_status.started(await nursery.start(server.serve, host, port))
+
+
+def _node_id(public_key: bytes) -> str:
+    if len(public_key) != 32:
+        raise RPCError(Status.INVALID_ARGUMENT, "node public key must be 32 raw bytes")
+    return identity.node_id(public_key)

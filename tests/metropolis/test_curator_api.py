@@ -1,0 +1,259 @@
+"""The curator's RPC API over real mutual TLS, on a bootstrapped single node with real etcd."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from metropolis import identity, pki
+from metropolis.consensus import Status as ConsensusStatus
+from metropolis.consensus.client import KV
+from metropolis.curator.bootstrap import bootstrap_cluster
+from metropolis.curator.election import Leader
+from metropolis.curator.service import Curator
+from metropolis.curator.state import CA_KEY_KEY, read_node
+from metropolis.proto import curator_api as c
+from metropolis.proto import management as m
+from metropolis.proto.common import NodeState, NodeStatus, NodeStatusRunningCurator
+from metropolis.rpc import (
+    Client,
+    Endpoint,
+    RPCError,
+    Status,
+    client_context,
+    open_client,
+    sign_proof,
+)
+from metropolis.rpc import api as methods
+from metropolis.supervisor import open_supervisor
+from tests.metropolis.test_curator import consensus
+
+BOUND = 60
+
+
+@dataclass
+class Cluster:
+    status: ConsensusStatus
+    kv: KV
+    endpoint: Endpoint
+    ca: x509.Certificate
+    ca_key: Ed25519PrivateKey
+    node: identity.NodeCredentials
+    owner_key: Ed25519PrivateKey
+
+    def owner_context(self) -> object:
+        cert = pki.issue_certificate(
+            self.ca_key, self.ca, self.owner_key.public_key(), "owner", pki.Usage.CLIENT
+        )
+        return client_context(self.ca, cert, self.owner_key)
+
+    def node_context(self, credentials: identity.NodeCredentials) -> object:
+        return client_context(self.ca, credentials.certificate, credentials.private_key)
+
+    @asynccontextmanager
+    async def owner(self) -> AsyncIterator[Client]:
+        async with open_client([self.endpoint], self.owner_context()) as client:
+            yield client
+
+
+@asynccontextmanager
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    """A bootstrapped node whose curator leads and serves the API on loopback."""
+    async with consensus(tmp_path) as (service, _, status):
+        node_key = service.config.node_private_key
+        owner_key = pki.generate_key()
+        result = await bootstrap_cluster(
+            status,
+            node_public_key=pki.public_key_bytes(node_key),
+            join_public_key=pki.public_key_bytes(pki.generate_key()),
+            cluster_unlock_key=b"k" * 32,
+            owner_public_key=pki.public_key_bytes(owner_key),
+        )
+        kv = status.curator_client()
+        stored = await kv.get(CA_KEY_KEY)
+        assert stored is not None
+        credentials = identity.NodeCredentials(
+            node_key, result.node_certificate, result.ca_certificate
+        )
+        curator = Curator(
+            service.status,
+            credentials.node_id,
+            credentials=credentials,
+            listen=("127.0.0.1", 0),
+        )
+        async with open_supervisor(curator.run, name="curator"):
+            with trio.fail_after(BOUND):
+                with curator.port.watch() as w:
+                    port = await w.get()
+                with curator.election.watch() as e:
+                    await e.get(lambda s: isinstance(s, Leader))
+            yield Cluster(
+                status,
+                kv,
+                Endpoint("127.0.0.1", port, credentials.public_key),
+                result.ca_certificate,
+                pki.decode_private_key(stored.value),
+                credentials,
+                owner_key,
+            )
+
+
+async def _nodes(client: Client) -> list[m.Node]:
+    async with client.stream(methods.GET_NODES, m.GetNodesRequest()) as call:
+        return [n async for n in call]
+
+
+async def test_owner_sees_the_cluster_and_a_node_is_refused_owner_calls(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as cl:
+        async with cl.owner() as owner:
+            info = await owner.unary(methods.GET_CLUSTER_INFO, m.GetClusterInfoRequest())
+            assert pki.decode_certificate(info.ca_certificate) == cl.ca
+            nodes = await _nodes(owner)
+            assert [n.pubkey for n in nodes] == [cl.node.public_key]
+            assert nodes[0].state == NodeState.UP
+            roles = nodes[0].roles
+            assert roles is not None and roles.consensus_member is not None
+        async with open_client([cl.endpoint], cl.node_context(cl.node)) as as_node:
+            with pytest.raises(RPCError) as refused:
+                await _nodes(as_node)
+            assert refused.value.code is Status.PERMISSION_DENIED
+
+
+async def test_register_approve_commit_watch_and_status(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as cl:
+        new_key = pki.generate_key()
+        new_id = identity.node_id(new_key.public_key())
+        join = pki.public_key_bytes(pki.generate_key())
+        async with cl.owner() as owner:
+            ticket = (
+                await owner.unary(methods.GET_REGISTER_TICKET, m.GetRegisterTicketRequest())
+            ).ticket
+            again = (
+                await owner.unary(methods.GET_REGISTER_TICKET, m.GetRegisterTicketRequest())
+            ).ticket
+            assert ticket == again and len(ticket) == 32
+
+            async with open_client(
+                [cl.endpoint], client_context(cl.ca), proof_key=new_key
+            ) as anonymous:
+                with pytest.raises(RPCError) as wrong:
+                    await anonymous.unary(
+                        methods.REGISTER_NODE,
+                        c.RegisterNodeRequest(register_ticket=b"x" * 32, join_key=join),
+                    )
+                assert wrong.value.code is Status.PERMISSION_DENIED
+                assert await read_node(cl.kv, new_id) is None
+
+                request = c.RegisterNodeRequest(register_ticket=ticket, join_key=join)
+                await anonymous.unary(methods.REGISTER_NODE, request)
+                record = await read_node(cl.kv, new_id)
+                assert record is not None and record.fsm_state == NodeState.NEW
+
+                with pytest.raises(RPCError) as early:
+                    await anonymous.unary(
+                        methods.COMMIT_NODE, c.CommitNodeRequest(cluster_unlock_key=b"u" * 32)
+                    )
+                assert early.value.code is Status.FAILED_PRECONDITION
+
+                await owner.unary(
+                    methods.APPROVE_NODE,
+                    m.ApproveNodeRequest(pubkey=pki.public_key_bytes(new_key)),
+                )
+                committed = await anonymous.unary(
+                    methods.COMMIT_NODE, c.CommitNodeRequest(cluster_unlock_key=b"u" * 32)
+                )
+            credentials = identity.NodeCredentials.from_bytes(
+                pki.encode_private_key(new_key),
+                committed.node_certificate,
+                committed.ca_certificate,
+            )
+            assert credentials.node_id == new_id
+            states = {identity.node_id(n.pubkey): n.state for n in await _nodes(owner)}
+            assert states[new_id] == NodeState.UP
+
+            async with open_client([cl.endpoint], cl.node_context(credentials)) as node:
+                with pytest.raises(RPCError) as other:
+                    async with node.stream(
+                        methods.WATCH,
+                        c.WatchRequest(
+                            node_in_cluster=c.WatchRequestNodeInCluster(node_id=cl.node.node_id)
+                        ),
+                    ) as call:
+                        async for _ in call:
+                            pass
+                assert other.value.code is Status.PERMISSION_DENIED
+
+                watch = c.WatchRequest(node_in_cluster=c.WatchRequestNodeInCluster(node_id=new_id))
+                async with node.stream(methods.WATCH, watch) as call:
+                    first = await call.__anext__()
+                    assert [n.id for n in first.nodes] == [new_id]
+                    assert first.nodes[0].status is None
+                    await node.unary(
+                        methods.UPDATE_NODE_STATUS,
+                        c.UpdateNodeStatusRequest(
+                            node_id=new_id,
+                            status=NodeStatus(
+                                external_address="127.0.0.2",
+                                running_curator=NodeStatusRunningCurator(port=7835),
+                            ),
+                        ),
+                    )
+                    with trio.fail_after(BOUND):
+                        second = await call.__anext__()
+                    status = second.nodes[0].status
+                    assert status is not None and status.external_address == "127.0.0.2"
+
+                with pytest.raises(RPCError) as others:
+                    await node.unary(
+                        methods.UPDATE_NODE_STATUS,
+                        c.UpdateNodeStatusRequest(node_id=cl.node.node_id, status=NodeStatus()),
+                    )
+                assert others.value.code is Status.PERMISSION_DENIED
+
+            info = await owner.unary(methods.GET_CLUSTER_INFO, m.GetClusterInfoRequest())
+            directory = info.cluster_directory
+            assert directory is not None
+            assert [n.addresses[0].host for n in directory.nodes] == ["127.0.0.2"]
+
+
+async def test_bad_peers_are_refused_and_write_nothing(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as cl:
+        before = (await cl.kv.range(b"/", prefix=True)).revision
+        # A certificate from another CA: the handshake refuses it.
+        other_ca_key = pki.generate_key()
+        other_ca = pki.new_ca(other_ca_key, "other CA")
+        stranger = pki.generate_key()
+        stranger_cert = pki.issue_certificate(
+            other_ca_key, other_ca, stranger.public_key(), "owner", pki.Usage.CLIENT
+        )
+        async with open_client(
+            [cl.endpoint], client_context(cl.ca, stranger_cert, stranger)
+        ) as client:
+            with pytest.raises(RPCError) as foreign:
+                await client.unary(methods.APPROVE_NODE, m.ApproveNodeRequest(pubkey=b"x" * 32))
+            assert foreign.value.code in (Status.UNAUTHENTICATED, Status.UNAVAILABLE)
+        # No certificate at all on an owner method.
+        async with open_client([cl.endpoint], client_context(cl.ca)) as client:
+            with pytest.raises(RPCError) as none:
+                await client.unary(methods.APPROVE_NODE, m.ApproveNodeRequest(pubkey=b"x" * 32))
+            assert none.value.code is Status.UNAUTHENTICATED
+        # A proof made with one key but claiming another: the signature fails.
+        liar, claimed = pki.generate_key(), pki.generate_key()
+        async with open_client([cl.endpoint], client_context(cl.ca), proof_key=liar) as client:
+            request = c.RegisterNodeRequest(register_ticket=b"t" * 32, join_key=b"j" * 32)
+            metadata = sign_proof(liar, methods.REGISTER_NODE.path, bytes(request))
+            metadata["metropolis-pop-key-bin"] = sign_proof(
+                claimed, methods.REGISTER_NODE.path, bytes(request)
+            )["metropolis-pop-key-bin"]
+            async with open_client([cl.endpoint], client_context(cl.ca)) as plain:
+                with pytest.raises(RPCError) as forged:
+                    await plain.unary(methods.REGISTER_NODE, request, metadata=metadata)
+            assert forged.value.code is Status.UNAUTHENTICATED
+        assert (await cl.kv.range(b"/", prefix=True)).revision == before
