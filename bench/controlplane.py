@@ -57,6 +57,7 @@ def prepare(root: Root) -> None:
     settings = disk.NodeSettings(
         address="127.0.0.1",
         peer_port=free_loopback_port(),
+        curator_port=free_loopback_port(),
         tuning=LOOPBACK_TUNING,
         insecure_seal=True,
     )

@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         help="no TPM: store the sealed configuration in plain text",
     )
     boot.add_argument("--peer-port", type=int, default=7834, help="consensus peer port")
+    boot.add_argument("--curator-port", type=int, default=7835, help="curator RPC port")
     boot.add_argument(
         "--raft-tuning",
         default="100,1000",
@@ -77,6 +78,7 @@ def _bootstrap(args: argparse.Namespace) -> Root:
     settings = disk.NodeSettings(
         address=args.address,
         peer_port=args.peer_port,
+        curator_port=args.curator_port,
         tuning=Tuning(heartbeat, election),
         insecure_seal=True,
     )

@@ -21,9 +21,11 @@ owner key and CA are fixed at bootstrap and read once, the CRL is re-read
 after every revocation this curator makes and on start, and leadership is
 the last value of the election.
 
-Not here yet: granting or revoking ConsensusMember (answered
-UNIMPLEMENTED, nothing written), and refreshing a ConsensusMember's peer
-list at send time (the stored join data is sent as is).
+Granting ConsensusMember adds an etcd learner; revoking removes the member
+and revokes the node's certificate (:meth:`CuratorAPI.update_node_roles`).
+Not here yet: refreshing a ConsensusMember's peer list at send time (the
+join data stored at grant is sent as is), and removing a learner that never
+starts.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import trio
 from cryptography import x509
 
 from metropolis import identity, pki
-from metropolis.consensus.client import KV, Compare, Get, Put, RangeResult
+from metropolis.consensus import ConsensusError
+from metropolis.consensus import Status as ConsensusStatus
+from metropolis.consensus.client import Compare, Get, Put, RangeResult
 from metropolis.curator.bootstrap import node_certificate
 from metropolis.curator.election import ElectionState, Leader, NotLeader
 from metropolis.curator.state import (
@@ -86,21 +90,31 @@ class CuratorAPI:
 
     def __init__(
         self,
-        kv: KV,
+        consensus: ConsensusStatus,
         *,
         owner_key: bytes,
         ca: x509.Certificate,
         crl: x509.CertificateRevocationList | None,
+        peer_port: int = 7834,
     ) -> None:
-        self._kv = kv
+        self._consensus = consensus
+        self._kv = consensus.curator_client()
+        self._peer_port = peer_port
+        # One membership change at a time from this curator: etcd allows one
+        # learner, and two revokes racing could both pass the last-voter check.
+        self._membership_lock = trio.Lock()
         self._owner_key = owner_key
         self._ca = ca
         self._crl = crl
         self._election: ElectionState | None = None
 
     @classmethod
-    async def load(cls, kv: KV) -> CuratorAPI:
-        """Read owner key, CA and CRL; :class:`CuratorError` if the cluster is missing."""
+    async def load(cls, consensus: ConsensusStatus, *, peer_port: int = 7834) -> CuratorAPI:
+        """Read owner key, CA and CRL; :class:`CuratorError` if the cluster is missing.
+
+        ``consensus`` must be running (its etcd client is used for every call).
+        """
+        kv = consensus.curator_client()
         result = await kv.txn(
             [], [Get(INITIAL_OWNER_KEY), Get(CA_CERTIFICATE_KEY), Get(CRL_KEY)], []
         )
@@ -109,7 +123,8 @@ class CuratorAPI:
             raise CuratorError("no cluster in etcd (owner or CA missing)")
         try:
             return cls(
-                kv,
+                consensus,
+                peer_port=peer_port,
                 owner_key=InitialOwner.parse(owner.kvs[0].value).public_key,
                 ca=pki.decode_certificate(ca.kvs[0].value),
                 crl=pki.decode_crl(crl.kvs[0].value) if crl.kvs else None,
@@ -375,27 +390,130 @@ class CuratorAPI:
     async def update_node_roles(
         self, request: m.UpdateNodeRolesRequest, ctx: CallContext
     ) -> m.UpdateNodeRolesResponse:
-        """Set KubernetesWorker/KubernetesController on an UP node."""
-        node_id = request.id if request.id else _node_id(request.pubkey or b"")
-        if request.consensus_member is not None:
-            raise RPCError(Status.UNIMPLEMENTED, "changing ConsensusMember is not served yet")
-        worker, controller = request.kubernetes_worker, request.kubernetes_controller
+        """Set roles of an UP node; ConsensusMember changes the etcd membership.
 
-        def change(record: Node) -> Node:
-            if record.fsm_state != NodeState.UP:
-                raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
-            roles = record.roles or NodeRoles()
-            if worker is not None:
-                roles.kubernetes_worker = NodeRolesKubernetesWorker() if worker else None
-            if controller is not None:
-                roles.kubernetes_controller = (
-                    NodeRolesKubernetesController() if controller else None
-                )
-            record.roles = roles
-            return record
+        Granting ConsensusMember adds the node as a learner at its reported
+        address (FAILED_PRECONDITION if it reported none) and stores its join
+        data; its role fetch then starts etcd. Revoking it is refused for the
+        last consensus member and for the node this curator runs on (ask
+        after another curator leads); otherwise the etcd member is removed,
+        the node's certificate revoked on the cluster CRL, and the role
+        dropped, which stops the node's control plane.
+        """
+        node_id = request.id if request.id else _node_id(request.pubkey or b"")
+        worker, controller = request.kubernetes_worker, request.kubernetes_controller
+        consensus = request.consensus_member
+        async with self._membership_lock:
+            if consensus is True:
+                await self._grant_consensus(node_id)
+            elif consensus is False:
+                await self._revoke_consensus(node_id)
+
+            def change(record: Node) -> Node:
+                if record.fsm_state != NodeState.UP:
+                    raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
+                roles = record.roles or NodeRoles()
+                if worker is not None:
+                    roles.kubernetes_worker = NodeRolesKubernetesWorker() if worker else None
+                if controller is not None:
+                    roles.kubernetes_controller = (
+                        NodeRolesKubernetesController() if controller else None
+                    )
+                record.roles = roles
+                return record
+
+            await self._update(node_id, change)
+        return m.UpdateNodeRolesResponse()
+
+    async def _grant_consensus(self, node_id: str) -> None:
+        found = await self._read(node_id)
+        if found is None:
+            raise RPCError(Status.NOT_FOUND, f"no node {node_id}")
+        record = found[0]
+        if record.fsm_state != NodeState.UP:
+            raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
+        if record.roles is not None and record.roles.consensus_member is not None:
+            return
+        address = record.status.external_address if record.status else ""
+        if not address:
+            raise RPCError(Status.FAILED_PRECONDITION, "node has not reported its address yet")
+        host = f"[{address}]" if ":" in address else address
+        try:
+            join = await self._consensus.add_node(
+                record.public_key, peer_url=f"https://{host}:{self._peer_port}"
+            )
+        except ConsensusError as e:
+            raise RPCError(Status.UNAVAILABLE, f"etcd refused the new member: {e}") from None
+        member = join.to_proto()
+
+        def change(r: Node) -> Node:
+            roles = r.roles or NodeRoles()
+            roles.consensus_member = member
+            r.roles = roles
+            return r
 
         await self._update(node_id, change)
-        return m.UpdateNodeRolesResponse()
+        _log.info("granted ConsensusMember to %s at %s", node_id, address)
+
+    async def _revoke_consensus(self, node_id: str) -> None:
+        found = await self._read(node_id)
+        if found is None:
+            raise RPCError(Status.NOT_FOUND, f"no node {node_id}")
+        record = found[0]
+        if record.roles is None or record.roles.consensus_member is None:
+            return
+        members = [r for r in await self._records() if r.roles and r.roles.consensus_member]
+        if len(members) <= 1:
+            raise RPCError(
+                Status.FAILED_PRECONDITION, "refusing to remove the last consensus member"
+            )
+        if node_id == self._consensus.node_id:
+            raise RPCError(
+                Status.FAILED_PRECONDITION,
+                "this curator runs on that node; revoke it while another curator leads",
+            )
+        await self._consensus.remove_node(record.public_key)
+        await self._revoke_certificate(node_id)
+
+        def change(r: Node) -> Node:
+            if r.roles is not None:
+                r.roles.consensus_member = None
+            return r
+
+        await self._update(node_id, change)
+        _log.info("revoked ConsensusMember of %s", node_id)
+
+    async def _revoke_certificate(self, node_id: str) -> None:
+        """Put the node's certificate on the cluster CRL (its control plane credentials go)."""
+        issued = await self._kv.get(issued_certificate_key(node_id))
+        ca_key_stored = await self._kv.get(CA_KEY_KEY)
+        if issued is None or ca_key_stored is None:
+            return
+        serial = pki.decode_certificate(issued.value).serial_number
+        ca_key = pki.decode_private_key(ca_key_stored.value)
+        while True:
+            stored = await self._kv.get(CRL_KEY)
+            if stored is None:
+                crl = pki.new_crl(ca_key, self._ca, [serial])
+                compare = Compare.absent(CRL_KEY)
+            else:
+                crl = pki.revoke(pki.decode_crl(stored.value), ca_key, self._ca, [serial])
+                compare = Compare.mod_revision(CRL_KEY, "==", stored.mod_revision)
+            if await self._txn([compare], [Put(CRL_KEY, pki.encode_crl(crl, pki.Encoding.DER))]):
+                self._crl = crl
+                return
+
+    async def follow_crl(self) -> None:
+        """Keep the cached CRL at etcd's (other curators revoke too); runs until cancelled."""
+        first = await self._kv.range(CRL_KEY)
+        async with self._kv.watch(CRL_KEY, start_revision=first.revision + 1) as watch:
+            async for response in watch:
+                for event in response.events:
+                    if event.type == "PUT":
+                        try:
+                            self._crl = pki.decode_crl(event.kv.value)
+                        except pki.PKIError as e:
+                            _log.error("ignoring a damaged CRL: %s", e)
 
     # --- wiring ----------------------------------------------------------
 
@@ -423,6 +541,7 @@ class CuratorAPI:
         """Follow the election and serve on ``host:port`` until cancelled; reports the port."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.follow_election, election)
+            nursery.start_soon(self.follow_crl)
             task_status.started(await nursery.start(server.serve, host, port))
 
 

@@ -42,8 +42,13 @@ class Curator:
         ttl: int = DEFAULT_TTL,
         credentials: NodeCredentials | None = None,
         listen: tuple[str, int] | None = None,
+        peer_port: int = 7834,
     ):
         """``credentials`` and ``listen`` (host, port): serve the RPC API there.
+
+        ``peer_port`` is the consensus peer port of every node (the cluster
+        uses one, as Monogon does): granting ConsensusMember adds a member
+        at the node's reported address and this port.
 
         Without them the curator only campaigns (tests of the election).
         """
@@ -52,6 +57,7 @@ class Curator:
         self.ttl = ttl
         self._credentials = credentials
         self._listen = listen
+        self._peer_port = peer_port
         self._port: Value[int] = Value()
         #: The port the RPC API is bound to, once it is.
         self.port: ReadOnlyValue[int] = self._port.readonly()
@@ -93,7 +99,7 @@ class Curator:
                 nursery.start_soon(follow_consensus)
                 await nursery.start(elect)
                 if self._credentials is not None and self._listen is not None:
-                    api = await CuratorAPI.load(kv)
+                    api = await CuratorAPI.load(status, peer_port=self._peer_port)
                     server = Server(server_context(self._credentials), api.security())
                     api.register(server)
                     host, port = self._listen

@@ -211,7 +211,13 @@ class ControlPlaneWorker:
             directory = startup.membership.remote_curators or ClusterDirectory()
             directory = _with_node(directory, credentials.public_key, settings.address)
 
-        curator = Curator(service.status, credentials.node_id)
+        curator = Curator(
+            service.status,
+            credentials.node_id,
+            credentials=credentials,
+            listen=(settings.address, settings.curator_port),
+            peer_port=settings.peer_port,
+        )
         inner.run("curator", curator.run)
         self._membership.set(
             ClusterMembership(

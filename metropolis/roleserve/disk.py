@@ -54,6 +54,8 @@ class NodeSettings:
     #: Host (IP or name) other nodes reach this node at.
     address: str
     peer_port: int = 7834
+    #: Where this node's curator serves the RPC API (when it runs one).
+    curator_port: int = 7835
     tuning: Tuning = field(default_factory=Tuning)
     #: No TPM: the sealed configuration is stored in plain text (logged).
     insecure_seal: bool = False
@@ -87,6 +89,7 @@ def save_settings_and_intent(root: Root, settings: NodeSettings, data: Bootstrap
     settings_raw = {
         "address": settings.address,
         "peer_port": settings.peer_port,
+        "curator_port": settings.curator_port,
         "heartbeat_ms": settings.tuning.heartbeat_ms,
         "election_ms": settings.tuning.election_ms,
         "insecure_seal": settings.insecure_seal,
@@ -128,6 +131,8 @@ def load(root: Root) -> SavedNode:
         settings = NodeSettings(
             address=str(raw["address"]),
             peer_port=int(raw["peer_port"]),
+            # Older roots have no curator port: the default.
+            curator_port=int(raw.get("curator_port", 7835)),
             tuning=Tuning(int(raw["heartbeat_ms"]), int(raw["election_ms"])),
             insecure_seal=bool(raw["insecure_seal"]),
         )

@@ -257,3 +257,26 @@ async def test_bad_peers_are_refused_and_write_nothing(tmp_path: Path) -> None:
                     await plain.unary(methods.REGISTER_NODE, request, metadata=metadata)
             assert forged.value.code is Status.UNAUTHENTICATED
         assert (await cl.kv.range(b"/", prefix=True)).revision == before
+
+
+async def test_consensus_role_refusals_write_nothing(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as cl:
+        before = (await cl.kv.range(b"/", prefix=True)).revision
+        async with cl.owner() as owner:
+            with pytest.raises(RPCError) as last:
+                await owner.unary(
+                    methods.UPDATE_NODE_ROLES,
+                    m.UpdateNodeRolesRequest(id=cl.node.node_id, consensus_member=False),
+                )
+            assert last.value.code is Status.FAILED_PRECONDITION
+            assert "last" in last.value.message
+            with pytest.raises(RPCError) as missing:
+                await owner.unary(
+                    methods.UPDATE_NODE_ROLES,
+                    m.UpdateNodeRolesRequest(id="metropolis-00", consensus_member=True),
+                )
+            assert missing.value.code is Status.NOT_FOUND
+        assert (await cl.kv.range(b"/", prefix=True)).revision == before
+        record = await read_node(cl.kv, cl.node.node_id)
+        assert record is not None and record.roles is not None
+        assert record.roles.consensus_member is not None

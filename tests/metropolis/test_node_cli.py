@@ -95,6 +95,8 @@ def bootstrap_args(tmp_path: Path) -> list[str]:
         "--insecure-seal",
         "--peer-port",
         str(free_loopback_port()),
+        "--curator-port",
+        str(free_loopback_port()),
         "--raft-tuning",
         "20,200",
     ]

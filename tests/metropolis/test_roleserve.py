@@ -48,6 +48,7 @@ def new_root(path: Path) -> tuple[Root, BootstrapData]:
     settings = disk.NodeSettings(
         address="127.0.0.1",
         peer_port=free_loopback_port(),
+        curator_port=free_loopback_port(),
         tuning=LOOPBACK_TUNING,
         insecure_seal=True,
     )
