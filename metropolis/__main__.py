@@ -3,7 +3,15 @@
 ``metropolis node bootstrap --root DIR --address HOST --owner-key-out FILE
 [--insecure-seal]`` creates a cluster with this node as its first member and
 keeps running; ``metropolis node run --root DIR`` restarts a node from its
-saved state. SIGINT or SIGTERM stops everything (etcd included) and exits 0.
+saved state; ``metropolis node register --root DIR --ticket HEX --cluster
+FILE --address HOST --insecure-seal`` joins an existing cluster (waiting for
+the owner's approval) and keeps running. SIGINT or SIGTERM stops everything
+(etcd included) and exits 0.
+
+``metropolis owner --root NODE_ROOT --owner-key FILE`` then ``nodes``,
+``approve NODE``, ``set-roles NODE [--consensus-member on|off]
+[--kubernetes-controller on|off]``, ``ticket`` or ``info [--out FILE]``:
+the owner's calls (:mod:`metropolis.owner`).
 """
 
 from __future__ import annotations
@@ -17,12 +25,15 @@ from pathlib import Path
 
 import trio
 
-from metropolis import pki
+from metropolis import identity, pki
 from metropolis.consensus.process import Tuning
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
+from metropolis.owner import format_table, load_owner_key, open_owner
+from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
 from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.register import register
 from metropolis.roleserve.values import BootstrapData
 from metropolis.supervisor import Node, supervise
 
@@ -57,6 +68,38 @@ def _parser() -> argparse.ArgumentParser:
 
     run = actions.add_parser("run", help="restart a node from its saved state")
     run.add_argument("--root", type=Path, required=True, help="the node's data directory")
+
+    reg = actions.add_parser("register", help="join an existing cluster and run")
+    reg.add_argument("--root", type=Path, required=True, help="the node's data directory")
+    reg.add_argument("--address", required=True, help="IP or name other nodes reach it at")
+    reg.add_argument("--ticket", required=True, help="register ticket (hex, from 'owner ticket')")
+    reg.add_argument(
+        "--directory",
+        "--cluster",
+        dest="cluster",
+        type=Path,
+        required=True,
+        help="cluster CA and directory (from 'owner info --out FILE')",
+    )
+    reg.add_argument("--insecure-seal", action="store_true", help="no TPM: plain-text seal")
+    reg.add_argument("--peer-port", type=int, default=7834, help="consensus peer port")
+    reg.add_argument("--curator-port", type=int, default=7835, help="curator RPC port")
+    reg.add_argument("--raft-tuning", default="100,1000", metavar="HEARTBEAT_MS,ELECTION_MS")
+
+    owner = commands.add_parser("owner", help="manage the cluster as its owner")
+    owner.add_argument("--root", type=Path, required=True, help="a node's data directory")
+    owner.add_argument("--owner-key", type=Path, required=True, help="the owner's private key")
+    calls = owner.add_subparsers(dest="action", required=True)
+    calls.add_parser("nodes", help="the node table")
+    approve = calls.add_parser("approve", help="approve a registered node")
+    approve.add_argument("node", help="node ID (or a unique prefix)")
+    roles = calls.add_parser("set-roles", help="grant or revoke roles")
+    roles.add_argument("node", help="node ID (or a unique prefix)")
+    roles.add_argument("--consensus-member", choices=["on", "off"])
+    roles.add_argument("--kubernetes-controller", choices=["on", "off"])
+    calls.add_parser("ticket", help="print the register ticket (hex)")
+    info = calls.add_parser("info", help="cluster directory and CA")
+    info.add_argument("--out", type=Path, help="write them for 'node register --cluster'")
     return parser
 
 
@@ -89,6 +132,68 @@ def _bootstrap(args: argparse.Namespace) -> Root:
     return root
 
 
+def _onoff(value: str | None) -> bool | None:
+    return None if value is None else value == "on"
+
+
+async def _owner(args: argparse.Namespace) -> None:
+    root = Root(args.root.resolve())
+    async with open_owner(root, load_owner_key(args.owner_key)) as owner:
+        if args.action == "nodes":
+            sys.stdout.write(format_table(await owner.nodes()) + "\n")
+        elif args.action == "approve":
+            await owner.approve(args.node)
+        elif args.action == "set-roles":
+            await owner.set_roles(
+                args.node,
+                consensus_member=_onoff(args.consensus_member),
+                kubernetes_controller=_onoff(args.kubernetes_controller),
+            )
+        elif args.action == "ticket":
+            sys.stdout.write((await owner.ticket()).hex() + "\n")
+        else:
+            info = await owner.info()
+            if args.out is not None:
+                atomic_write(args.out.resolve(), bytes(info))
+            directory = info.cluster_directory
+            for node in directory.nodes if directory else []:
+                hosts = ",".join(a.host for a in node.addresses)
+                sys.stdout.write(f"{identity.node_id(node.public_key)} {hosts}\n")
+
+
+async def _register_and_run(args: argparse.Namespace) -> None:
+    if not args.insecure_seal:
+        raise MetropolisError("no TPM support: pass --insecure-seal to store secrets in plain text")
+    heartbeat, election = (int(x) for x in args.raft_tuning.split(","))
+    root = Root(args.root.resolve())
+    if root.path.exists() and any(root.path.iterdir()):
+        raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
+    try:
+        cluster = GetClusterInfoResponse.parse(args.cluster.read_bytes())
+        ticket = bytes.fromhex(args.ticket)
+    except (OSError, ValueError) as e:
+        raise MetropolisError(f"cannot read the ticket or cluster file: {e}") from e
+    settings = disk.NodeSettings(
+        address=args.address,
+        peer_port=args.peer_port,
+        curator_port=args.curator_port,
+        tuning=Tuning(heartbeat, election),
+        insecure_seal=True,
+    )
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_on_signal)
+            await register(root, settings, cluster, ticket)
+            nursery.cancel_scope.cancel()
+    if disk.settings_path(root).exists():
+        await _run_node(root)
+
+
 async def _run_node(root: Root) -> None:
     saved = disk.load(root)
     server = RoleServer(root, saved)
@@ -117,10 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     # One line per etcd request drowns the node's own log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        root = _bootstrap(args) if args.action == "bootstrap" else Root(args.root.resolve())
-        if args.action == "run":
-            disk.load(root)  # fail before starting anything
-        trio.run(_run_node, root)
+        if args.command == "owner":
+            trio.run(_owner, args)
+        elif args.action == "register":
+            trio.run(_register_and_run, args)
+        else:
+            root = _bootstrap(args) if args.action == "bootstrap" else Root(args.root.resolve())
+            if args.action == "run":
+                disk.load(root)  # fail before starting anything
+            trio.run(_run_node, root)
     except MetropolisError as e:
         log.error("%s", e)
         return 2

@@ -200,14 +200,19 @@ def _covers(certificate: x509.Certificate, hosts: Sequence[str]) -> bool:
 
 
 async def issue_peer_certificate(
-    kv: KV, ca: PeerCA, public_key: bytes, hosts: Sequence[str]
+    kv: KV,
+    ca: PeerCA,
+    public_key: bytes,
+    hosts: Sequence[str],
+    crl: x509.CertificateRevocationList | None = None,
 ) -> x509.Certificate:
     """Return a peer certificate for the node with ``public_key``, issuing one if needed.
 
     The certificate's common name and first DNS name are the node ID; each
     of ``hosts`` (IP addresses or names peers dial) becomes a SAN too, since
     etcd checks the address a peer connects from against them. An existing
-    certificate for the same key that covers ``hosts`` is returned as is.
+    certificate for the same key that covers ``hosts`` is returned as is,
+    unless ``crl`` revokes it (a member removed and now added again).
     """
     node = identity.node_id(public_key)
     path = KEY_CERTIFICATES + node.encode()
@@ -218,7 +223,8 @@ async def issue_peer_certificate(
         except pki.PKIError as e:
             raise PeerPKIError(f"stored peer certificate of {node} is damaged: {e}") from e
         same_key = pki.public_key_bytes(pki.certificate_public_key(certificate)) == public_key
-        if same_key and _covers(certificate, hosts):
+        revoked = crl is not None and pki.is_revoked(crl, certificate)
+        if same_key and _covers(certificate, hosts) and not revoked:
             return certificate
 
     certificate = issue_local_certificate(ca, public_key, hosts)

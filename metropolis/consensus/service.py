@@ -39,6 +39,7 @@ disk does not stall the other tasks of the node.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -274,7 +275,15 @@ class Status:
             lambda: peerpki.get_crl(pki_kv),
             client.member_list,
         )
-        certificate = await peerpki.issue_peer_certificate(pki_kv, ca, public_key, [host])
+        hosts = [host]
+        if _is_loopback(host) and host != "127.0.0.1":
+            # etcd checks a peer's client certificate against the address the
+            # connection comes from, and Linux sends every connection between
+            # loopback addresses from 127.0.0.1 (the source of lo's local
+            # route). A cluster on 127.0.0.1/2/3 needs that address too; it
+            # grants nothing beyond this host.
+            hosts.append("127.0.0.1")
+        certificate = await peerpki.issue_peer_certificate(pki_kv, ca, public_key, hosts, crl)
 
         if not any(peer_url in m.peer_urls for m in members):
             member = await _retry_transient(
@@ -328,6 +337,13 @@ class Status:
         crl = await peerpki.revoke_peer_certificate(pki_kv, ca, node)
         await trio.to_thread.run_sync(atomic_write, config.data.peer_crl, pki.encode_crl(crl))
         return crl
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 _A = TypeVar("_A")

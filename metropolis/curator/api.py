@@ -22,7 +22,9 @@ after every revocation this curator makes and on start, and leadership is
 the last value of the election.
 
 Granting ConsensusMember adds an etcd learner; revoking removes the member
-and revokes the node's certificate (:meth:`CuratorAPI.update_node_roles`).
+and revokes its etcd peer certificate (:meth:`CuratorAPI.update_node_roles`).
+The cluster CRL (``CRL_KEY``) is followed for the security hook; nothing
+here writes it yet (decommissioning a node is not built).
 Not here yet: refreshing a ConsensusMember's peer list at send time (the
 join data stored at grant is sent as is), and removing a learner that never
 starts.
@@ -213,7 +215,11 @@ class CuratorAPI:
                     continue
                 await send(
                     c.WatchEvent(
-                        nodes=[c.Node(id=wanted, roles=record.roles, status=record.status)],
+                        nodes=[
+                            c.Node(
+                                id=wanted, roles=record.roles or NodeRoles(), status=record.status
+                            )
+                        ],
                         progress=c.WatchEventProgress.LAST_BACKLOGGED,
                     )
                 )
@@ -397,7 +403,7 @@ class CuratorAPI:
         data; its role fetch then starts etcd. Revoking it is refused for the
         last consensus member and for the node this curator runs on (ask
         after another curator leads); otherwise the etcd member is removed,
-        the node's certificate revoked on the cluster CRL, and the role
+        its peer certificate revoked on the etcd peer CRL, and the role
         dropped, which stops the node's control plane.
         """
         node_id = request.id if request.id else _node_id(request.pubkey or b"")
@@ -472,8 +478,10 @@ class CuratorAPI:
                 Status.FAILED_PRECONDITION,
                 "this curator runs on that node; revoke it while another curator leads",
             )
+        # The member goes and its *peer* certificate lands on the etcd peer
+        # CRL (remove_node). The node's cluster certificate stays valid: the
+        # node stays in the cluster and keeps fetching its roles.
         await self._consensus.remove_node(record.public_key)
-        await self._revoke_certificate(node_id)
 
         def change(r: Node) -> Node:
             if r.roles is not None:
@@ -482,26 +490,6 @@ class CuratorAPI:
 
         await self._update(node_id, change)
         _log.info("revoked ConsensusMember of %s", node_id)
-
-    async def _revoke_certificate(self, node_id: str) -> None:
-        """Put the node's certificate on the cluster CRL (its control plane credentials go)."""
-        issued = await self._kv.get(issued_certificate_key(node_id))
-        ca_key_stored = await self._kv.get(CA_KEY_KEY)
-        if issued is None or ca_key_stored is None:
-            return
-        serial = pki.decode_certificate(issued.value).serial_number
-        ca_key = pki.decode_private_key(ca_key_stored.value)
-        while True:
-            stored = await self._kv.get(CRL_KEY)
-            if stored is None:
-                crl = pki.new_crl(ca_key, self._ca, [serial])
-                compare = Compare.absent(CRL_KEY)
-            else:
-                crl = pki.revoke(pki.decode_crl(stored.value), ca_key, self._ca, [serial])
-                compare = Compare.mod_revision(CRL_KEY, "==", stored.mod_revision)
-            if await self._txn([compare], [Put(CRL_KEY, pki.encode_crl(crl, pki.Encoding.DER))]):
-                self._crl = crl
-                return
 
     async def follow_crl(self) -> None:
         """Keep the cached CRL at etcd's (other curators revoke too); runs until cancelled."""

@@ -26,16 +26,20 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
+from pathlib import Path
 
 import trio
+from cryptography import x509
 
 from metropolis import consensus, pki
 from metropolis.curator.bootstrap import bootstrap_cluster
 from metropolis.curator.service import Curator
+from metropolis.curator.state import CA_KEY_KEY, CuratorError
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
-from metropolis.localstorage import Root
+from metropolis.localstorage import Root, atomic_write
 from metropolis.proto.common import (
     ClusterDirectory,
     ClusterDirectoryNode,
@@ -157,6 +161,7 @@ class ControlPlaneWorker:
                 if isinstance(current, NoControlPlane):
                     node.logger.info("no control plane on this node")
                     await self._publish_without_control_plane()
+                    await self._wipe_consensus_data(node)
                 else:
                     await self._start(node, outer, inner, current)
                 node.signal_healthy()
@@ -176,6 +181,19 @@ class ControlPlaneWorker:
             self._membership.set(
                 ClusterMembership(current.public_key, current.credentials, current.remote_curators)
             )
+
+    async def _wipe_consensus_data(self, node: Node) -> None:
+        """Delete etcd's data: this node is no member (any more).
+
+        A member removed from the cluster must not start from its old data
+        (etcd would try to rejoin as the removed member); should it get the
+        role again, it joins fresh from new join data.
+        """
+        etcd = self._root.data.etcd
+        if etcd.data.exists() or etcd.peer_crl.exists():
+            node.logger.info("not a consensus member: wiping etcd data")
+            await trio.to_thread.run_sync(_remove_tree, etcd.path)
+            await trio.to_thread.run_sync(self._root.create)  # the empty layout again
 
     async def _start(
         self,
@@ -246,6 +264,7 @@ class ControlPlaneWorker:
             owner_public_key=data.initial_owner_key,
         )
         node.logger.info("bootstrapping: cluster created in etcd; saving credentials")
+        await self._issue_owner_certificate(status, result.ca_certificate, data.initial_owner_key)
         _crash_point("after-bootstrap-cluster")
         credentials = NodeCredentials(
             data.node_private_key, result.node_certificate, result.ca_certificate
@@ -270,6 +289,37 @@ class ControlPlaneWorker:
         )
         node.logger.info("bootstrap complete: %s", credentials.node_id)
         return credentials, directory, roles
+
+    async def _issue_owner_certificate(
+        self, status: consensus.Status, ca: x509.Certificate, owner_key: bytes
+    ) -> None:
+        """Leave a certificate for the owner key in the root, for the owner CLI.
+
+        Monogon's owner fetches it from the AAA service with a self-signed
+        certificate; that service is not built here, so the bootstrap node,
+        which has the CA key at hand, issues it once. It is public data.
+        """
+        stored = await status.curator_client().get(CA_KEY_KEY)
+        if stored is None:
+            raise CuratorError("cluster CA key missing right after bootstrap")
+        certificate = pki.issue_certificate(
+            pki.decode_private_key(stored.value),
+            ca,
+            pki.decode_public_key(owner_key),
+            "owner",
+            pki.Usage.CLIENT,
+        )
+        await trio.to_thread.run_sync(
+            functools.partial(
+                atomic_write,
+                disk.owner_certificate_path(self._root),
+                pki.encode_certificate(certificate),
+            )
+        )
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _with_node(directory: ClusterDirectory, public_key: bytes, host: str) -> ClusterDirectory:

@@ -37,7 +37,9 @@ __all__ = [
     "bootstrap_path",
     "finish_bootstrap",
     "load",
+    "owner_certificate_path",
     "roles_path",
+    "save_registered",
     "save_roles",
     "save_settings_and_intent",
 ]
@@ -86,14 +88,6 @@ def save_settings_and_intent(root: Root, settings: NodeSettings, data: Bootstrap
     if settings_path(root).exists() or root.data.node_credentials.all_present():
         raise NodeRootError(f"{root.path} already holds a node; use 'run'")
     root.create()
-    settings_raw = {
-        "address": settings.address,
-        "peer_port": settings.peer_port,
-        "curator_port": settings.curator_port,
-        "heartbeat_ms": settings.tuning.heartbeat_ms,
-        "election_ms": settings.tuning.election_ms,
-        "insecure_seal": settings.insecure_seal,
-    }
     intent = {
         "node_private_key": pki.encode_private_key(data.node_private_key, pki.Encoding.DER).hex(),
         "join_private_key": pki.encode_private_key(data.join_private_key, pki.Encoding.DER).hex(),
@@ -104,7 +98,54 @@ def save_settings_and_intent(root: Root, settings: NodeSettings, data: Bootstrap
     # The intent first: settings mark the root as a node's, and a node
     # root must always tell how to go on.
     atomic_write(bootstrap_path(root), json.dumps(intent).encode())
-    atomic_write(settings_path(root), json.dumps(settings_raw).encode())
+    atomic_write(settings_path(root), _settings_json(settings))
+
+
+def _settings_json(settings: NodeSettings) -> bytes:
+    return json.dumps(
+        {
+            "address": settings.address,
+            "peer_port": settings.peer_port,
+            "curator_port": settings.curator_port,
+            "heartbeat_ms": settings.tuning.heartbeat_ms,
+            "election_ms": settings.tuning.election_ms,
+            "insecure_seal": settings.insecure_seal,
+        }
+    ).encode()
+
+
+def save_registered(
+    root: Root,
+    settings: NodeSettings,
+    *,
+    directory: ClusterDirectory,
+    sealed: SealedConfiguration,
+    credentials: NodeCredentials,
+) -> None:
+    """Persist a node that registered and committed; credentials last (they mean done).
+
+    Refuses (:class:`NodeRootError`) a root that already holds a node. A
+    crash before the credentials leaves a half-written root that :func:`load`
+    refuses; registering again with new keys is the way on (the old
+    registration stays in the cluster as a NEW/STANDBY node). Blocking I/O.
+    """
+    if settings_path(root).exists() or root.data.node_credentials.all_present():
+        raise NodeRootError(f"{root.path} already holds a node; use 'run'")
+    root.create()
+    atomic_write(settings_path(root), _settings_json(settings))
+    finish_bootstrap(
+        root,
+        settings,
+        roles=NodeRoles(),
+        directory=directory,
+        sealed=sealed,
+        credentials=credentials,
+    )
+
+
+def owner_certificate_path(root: Root) -> Path:
+    """Where the bootstrap node leaves the owner's certificate (public; no key)."""
+    return root.data.path / "node" / "owner-certificate.pem"
 
 
 def save_roles(root: Root, roles: NodeRoles) -> None:

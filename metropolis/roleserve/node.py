@@ -5,7 +5,9 @@
     root ── role ──┬── controlplane ──┬── map-*, reduce (a group)
                    │                  └── launcher ──┬── consensus (etcd)
                    │                                 └── curator
-                   └── persist-roles: roles ──> data/node/roles.pb
+                   ├── persist-roles: roles ──> data/node/roles.pb
+                   ├── rolefetch: Watch(own node) at the curators ──> roles
+                   └── statuspush: address, curator running ──> UpdateNodeStatus
 
 :class:`RoleServer` publishes what :func:`~.disk.load` found (a finished
 node: credentials, directory, roles; or a bootstrap intent) and runs the
@@ -24,6 +26,8 @@ from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRoles
 from metropolis.roleserve import disk
 from metropolis.roleserve.controlplane import ControlPlaneWorker
+from metropolis.roleserve.rolefetch import RoleFetch
+from metropolis.roleserve.statuspush import StatusPush
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
 from metropolis.supervisor import Node
 
@@ -65,6 +69,8 @@ class RoleServer:
     async def run(self, node: Node) -> None:
         node.run("controlplane", self.worker.run)
         node.run("persist-roles", self._persist_roles)
+        node.run("rolefetch", RoleFetch(self.settings, self.membership.readonly(), self.roles).run)
+        node.run("statuspush", StatusPush(self.settings, self.membership.readonly()).run)
         node.signal_healthy()
         await trio.sleep_forever()
 

@@ -1,0 +1,63 @@
+"""Status push: tell the curators this node's address and whether its curator runs.
+
+Monogon's ``worker_statuspush.go``, on Trio: whenever the membership
+changes (home at first, then a local curator starting or stopping), send
+``UpdateNodeStatus`` with the node's external address and, when it runs a
+curator, that curator's port. The leader stores it in the node's record;
+granting ConsensusMember needs the address, and the cluster directory is
+built from the nodes that run curators.
+
+Cancellation: cancelled with the role server. Errors: :class:`RPCError`
+from the curators, raised to the supervisor, which retries after its
+backoff; a restarted push sends the current status again.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from metropolis.event import ReadOnlyValue
+from metropolis.proto import curator_api as c
+from metropolis.proto.common import NodeStatus, NodeStatusRunningCurator
+from metropolis.roleserve.disk import NodeSettings
+from metropolis.roleserve.rolefetch import curator_endpoints, restart_on_change, wait_home
+from metropolis.roleserve.values import ClusterMembership
+from metropolis.rpc import api as methods
+from metropolis.rpc import client_context, open_client
+from metropolis.supervisor import Node
+
+__all__ = ["StatusPush"]
+
+
+class StatusPush:
+    """The status-push runnable of one node; see the module docstring."""
+
+    def __init__(
+        self, settings: NodeSettings, membership: ReadOnlyValue[ClusterMembership]
+    ) -> None:
+        self._settings = settings
+        self._membership = membership
+
+    async def run(self, node: Node) -> None:
+        current, credentials = await wait_home(self._membership)
+        running = (
+            NodeStatusRunningCurator(port=self._settings.curator_port)
+            if current.local_curator is not None
+            else None
+        )
+        status = NodeStatus(external_address=self._settings.address, running_curator=running)
+        context = client_context(
+            credentials.ca_certificate, credentials.certificate, credentials.private_key
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart_on_change, node, self._membership, current)
+            async with open_client(curator_endpoints(self._settings, current), context) as client:
+                await client.unary(
+                    methods.UPDATE_NODE_STATUS,
+                    c.UpdateNodeStatusRequest(node_id=credentials.node_id, status=status),
+                )
+            node.logger.info(
+                "status pushed: %s, curator %s", status.external_address, "on" if running else "off"
+            )
+            node.signal_healthy()
+            await trio.sleep_forever()

@@ -1,0 +1,207 @@
+"""A three-node cluster, each node its own OS process with real etcd, on 127.0.0.1/2/3.
+
+n1 bootstraps; n2 and n3 register with the owner's ticket, are approved,
+and get ConsensusMember; etcd then has three voters and each node runs a
+curator, one of them leading. Revoking ConsensusMember from n3 stops its
+etcd, removes the member and wipes its data, while n3 stays in the cluster
+(its role fetch goes to the remote curators); granting it again joins it
+fresh. The owner CLI shows the table.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from metropolis import pki
+from metropolis.consensus.client import Client, Member
+from metropolis.consensus.localetcd import etcd_pid
+from metropolis.consensus.process import SOCKET_NAME
+from metropolis.localstorage import Root
+from metropolis.owner import NodeRow, Owner, open_owner
+from metropolis.rpc import RPCError, Status
+from monotrio.net import free_loopback_port
+from tests.metropolis.test_node_cli import LEADS, NodeProcess, node
+
+BOUND = 100
+ADDRESSES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+
+
+def _ports() -> list[str]:
+    # One peer port and one curator port for every node (as in Monogon);
+    # each node has its own loopback address.
+    return ["--peer-port", str(free_loopback_port()), "--curator-port", str(free_loopback_port())]
+
+
+async def _until(check: Callable[[], Awaitable[bool]]) -> None:
+    # Polling: the state lives in other processes, nothing here can wake us.
+    while not await check():  # noqa: ASYNC110
+        await trio.sleep(0.2)
+
+
+async def _members(root: Root) -> list[Member]:
+    async with Client(root.ephemeral.consensus / SOCKET_NAME) as etcd:
+        return await etcd.member_list()
+
+
+async def _rows(owner: Owner) -> dict[str, NodeRow]:
+    return {row.address: row for row in await owner.nodes() if row.address}
+
+
+async def _owner_cli(root: Root, key: Path, *args: str) -> str:
+    result = await trio.run_process(
+        [
+            *(sys.executable, "-m", "metropolis", "owner", "--root", str(root.path)),
+            *("--owner-key", str(key), *args),
+        ],
+        capture_stdout=True,
+        capture_stderr=True,
+    )
+    return result.stdout.decode()
+
+
+async def _voters(root: Root, count: int) -> None:
+    async def check() -> bool:
+        members = await _members(root)
+        return len(members) == count and not any(m.is_learner for m in members)
+
+    await _until(check)
+
+
+@asynccontextmanager
+async def three_nodes(tmp_path: Path) -> AsyncIterator[tuple[list[NodeProcess], list[Root], Path]]:
+    roots = [Root(tmp_path / f"n{i}") for i in (1, 2, 3)]
+    owner_key = tmp_path / "owner.pem"
+    ports = _ports()
+    common = [*ports, "--raft-tuning", "20,200", "--insecure-seal"]
+    async with AsyncExitStack() as stack:
+        n1 = await stack.enter_async_context(
+            node(
+                "bootstrap",
+                "--root",
+                str(roots[0].path),
+                "--address",
+                ADDRESSES[0],
+                "--owner-key-out",
+                str(owner_key),
+                *common,
+            )
+        )
+        await n1.wait_for(LEADS)
+        key = pki.decode_private_key(owner_key.read_bytes())
+        async with open_owner(roots[0], key) as owner:
+
+            async def n1_listed() -> bool:
+                info = await owner.info()
+                return info.cluster_directory is not None and len(info.cluster_directory.nodes) == 1
+
+            await _until(n1_listed)
+        ticket = (await _owner_cli(roots[0], owner_key, "ticket")).strip()
+        cluster = tmp_path / "cluster.pb"
+        await _owner_cli(roots[0], owner_key, "info", "--out", str(cluster))
+        others = []
+        for root, address in zip(roots[1:], ADDRESSES[1:], strict=True):
+            others.append(
+                await stack.enter_async_context(
+                    node(
+                        "register",
+                        "--root",
+                        str(root.path),
+                        "--address",
+                        address,
+                        "--ticket",
+                        ticket,
+                        "--directory",
+                        str(cluster),
+                        *common,
+                    )
+                )
+            )
+        procs = [n1, *others]
+        try:
+            yield procs, roots, owner_key
+        finally:
+            for i, proc in enumerate(procs, 1):
+                (tmp_path / f"n{i}.log").write_text("\n".join(proc.lines))
+            for proc in reversed(procs):
+                if proc.process.returncode is None:
+                    proc.process.send_signal(signal.SIGTERM)
+
+
+async def test_three_voters_revoke_and_grant_again(tmp_path: Path) -> None:
+    with trio.fail_after(BOUND):
+        async with three_nodes(tmp_path) as (procs, roots, owner_key):
+            key = pki.decode_private_key(owner_key.read_bytes())
+            async with open_owner(roots[0], key) as owner:
+
+                async def registered() -> bool:
+                    rows = await owner.nodes()
+                    return sum(r.state == "NEW" for r in rows) == 2
+
+                await _until(registered)
+                for row in await owner.nodes():
+                    if row.state == "NEW":
+                        await owner.approve(row.node_id)
+
+                async def all_up() -> bool:
+                    rows = await _rows(owner)
+                    return len(rows) == 3 and all(r.state == "UP" for r in rows.values())
+
+                await _until(all_up)
+                rows = await _rows(owner)
+                n1, n2, n3 = (rows[a] for a in ADDRESSES)
+                assert n2.roles == () and n3.roles == ()
+
+                for target, count in ((n2, 2), (n3, 3)):
+                    await owner.set_roles(target.node_id, consensus_member=True)
+                    await _voters(roots[0], count)
+
+                async def curators(expected: int) -> bool:
+                    return sum(r.curator for r in (await _rows(owner)).values()) == expected
+
+                await _until(lambda: curators(3))
+                # Exactly one leader: n1 still leads; the others follow it.
+                assert procs[0].logged(LEADS)
+                for proc in procs[1:]:
+                    await proc.wait_for("following")
+                    assert not proc.logged(LEADS)
+
+                # The bootstrap node leads: it cannot remove itself.
+                with pytest.raises(RPCError) as own:
+                    await owner.set_roles(n1.node_id, consensus_member=False)
+                assert own.value.code is Status.FAILED_PRECONDITION
+
+                # Revoke n3: its member goes, etcd stops and its data is wiped.
+                await owner.set_roles(n3.node_id, consensus_member=False)
+                await _voters(roots[0], 2)
+                await procs[2].wait_for("wiping etcd data")
+
+                async def n3_without_etcd() -> bool:
+                    return etcd_pid(roots[2].ephemeral.consensus) is None
+
+                await _until(n3_without_etcd)
+                assert not (roots[2].data.etcd.data / "member").exists()
+                await _until(lambda: curators(2))
+                n3_row = (await _rows(owner))[ADDRESSES[2]]
+                assert "ConsensusMember" not in n3_row.roles and n3_row.state == "UP"
+
+                # Grant again: it joins fresh from wiped data.
+                await owner.set_roles(n3.node_id, consensus_member=True)
+                await _voters(roots[0], 3)
+                await _until(lambda: curators(3))
+
+            table = await _owner_cli(roots[0], owner_key, "nodes")
+            lines = table.strip().splitlines()
+            assert len(lines) == 4 and sum("LEADER" in line for line in lines) == 1
+            assert all("ConsensusMember" in line for line in lines[1:])
+
+        for proc in procs:
+            assert proc.process.returncode == 0
+        for root in roots:
+            assert etcd_pid(root.ephemeral.consensus) is None
