@@ -41,8 +41,10 @@ class RoleServer:
     curator's role fetch) for feeding roles in.
     """
 
-    def __init__(self, root: Root, saved: disk.SavedNode) -> None:
+    def __init__(self, root: Root, saved: disk.SavedNode, *, fetch_roles: bool = True) -> None:
+        """``fetch_roles``: watch roles at the curators (off: the caller sets them)."""
         self.root = root
+        self._fetch_roles = fetch_roles
         self.settings = saved.settings
         self.bootstrap: Value[BootstrapData] = Value()
         self.membership: Value[ClusterMembership] = Value()
@@ -69,7 +71,9 @@ class RoleServer:
     async def run(self, node: Node) -> None:
         node.run("controlplane", self.worker.run)
         node.run("persist-roles", self._persist_roles)
-        node.run("rolefetch", RoleFetch(self.settings, self.membership.readonly(), self.roles).run)
+        if self._fetch_roles:
+            fetch = RoleFetch(self.settings, self.membership.readonly(), self.roles)
+            node.run("rolefetch", fetch.run)
         node.run("statuspush", StatusPush(self.settings, self.membership.readonly()).run)
         node.signal_healthy()
         await trio.sleep_forever()

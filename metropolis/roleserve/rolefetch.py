@@ -28,7 +28,7 @@ from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeRoles
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.values import ClusterMembership
-from metropolis.rpc import Endpoint, client_context, open_client
+from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
 from metropolis.rpc import api as methods
 from metropolis.supervisor import Node
 
@@ -118,4 +118,4 @@ class RoleFetch:
                         node.logger.info("roles from the curator: %s", roles)
                         self._last = roles
                         self._roles.set(roles)
-            raise trio.BrokenResourceError("the curator ended the watch")
+            raise RPCError(Status.UNAVAILABLE, "the curator ended the watch")
