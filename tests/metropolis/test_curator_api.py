@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from metropolis import identity, pki
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.consensus.client import KV
+from metropolis.curator.api import CRL_KEY
 from metropolis.curator.bootstrap import bootstrap_cluster
 from metropolis.curator.election import Leader
 from metropolis.curator.service import Curator
@@ -280,3 +281,32 @@ async def test_consensus_role_refusals_write_nothing(tmp_path: Path) -> None:
         record = await read_node(cl.kv, cl.node.node_id)
         assert record is not None and record.roles is not None
         assert record.roles.consensus_member is not None
+
+
+async def test_a_certificate_on_the_cluster_crl_is_refused(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as cl:
+        owner_cert = pki.issue_certificate(
+            cl.ca_key, cl.ca, cl.owner_key.public_key(), "owner", pki.Usage.CLIENT
+        )
+        context = client_context(cl.ca, owner_cert, cl.owner_key)
+        async with open_client([cl.endpoint], context) as owner:
+            await owner.unary(methods.GET_CLUSTER_INFO, m.GetClusterInfoRequest())
+            # Another curator revoked it: this one follows the CRL in etcd.
+            crl = pki.new_crl(cl.ca_key, cl.ca, [owner_cert.serial_number])
+            await cl.kv.put(CRL_KEY, pki.encode_crl(crl, pki.Encoding.DER))
+            with trio.fail_after(BOUND):
+                while True:
+                    try:
+                        await owner.unary(methods.GET_CLUSTER_INFO, m.GetClusterInfoRequest())
+                    except RPCError as e:
+                        assert e.code is Status.UNAUTHENTICATED
+                        assert "revoked" in e.message
+                        break
+                    await trio.sleep(0.05)
+            before = (await cl.kv.range(b"/", prefix=True)).revision
+            with pytest.raises(RPCError) as refused:
+                await owner.unary(
+                    methods.APPROVE_NODE, m.ApproveNodeRequest(pubkey=cl.node.public_key)
+                )
+            assert refused.value.code is Status.UNAUTHENTICATED
+            assert (await cl.kv.range(b"/", prefix=True)).revision == before
