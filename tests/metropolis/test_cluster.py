@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import trio
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import pki
 from metropolis.consensus.client import Client, Member
@@ -25,7 +27,8 @@ from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.localstorage import Root
 from metropolis.owner import NodeRow, Owner, open_owner
-from metropolis.rpc import RPCError, Status
+from metropolis.roleserve import disk
+from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
 from monotrio.net import free_loopback_port
 from tests.metropolis.test_node_cli import LEADS, NodeProcess, node
 
@@ -66,12 +69,42 @@ async def _owner_cli(root: Root, key: Path, *args: str) -> str:
     return result.stdout.decode()
 
 
+async def _curators(owner: Owner, expected: int) -> bool:
+    return sum(r.curator for r in (await _rows(owner)).values()) == expected
+
+
 async def _voters(root: Root, count: int) -> None:
     async def check() -> bool:
         members = await _members(root)
         return len(members) == count and not any(m.is_learner for m in members)
 
     await _until(check)
+
+
+async def _form(owner: Owner, seed: Root) -> tuple[NodeRow, NodeRow, NodeRow]:
+    """Approve the two registered nodes and grant each ConsensusMember: three voters."""
+
+    async def registered() -> bool:
+        rows = await owner.nodes()
+        return sum(r.state == "NEW" for r in rows) == 2
+
+    await _until(registered)
+    for row in await owner.nodes():
+        if row.state == "NEW":
+            await owner.approve(row.node_id)
+
+    async def all_up() -> bool:
+        rows = await _rows(owner)
+        return len(rows) == 3 and all(r.state == "UP" for r in rows.values())
+
+    await _until(all_up)
+    rows = await _rows(owner)
+    n1, n2, n3 = (rows[a] for a in ADDRESSES)
+    assert n2.roles == () and n3.roles == ()
+    for target, count in ((n2, 2), (n3, 3)):
+        await owner.set_roles(target.node_id, consensus_member=True)
+        await _voters(seed, count)
+    return n1, n2, n3
 
 
 @asynccontextmanager
@@ -139,33 +172,8 @@ async def test_three_voters_revoke_and_grant_again(tmp_path: Path) -> None:
         async with three_nodes(tmp_path) as (procs, roots, owner_key):
             key = pki.decode_private_key(owner_key.read_bytes())
             async with open_owner(roots[0], key) as owner:
-
-                async def registered() -> bool:
-                    rows = await owner.nodes()
-                    return sum(r.state == "NEW" for r in rows) == 2
-
-                await _until(registered)
-                for row in await owner.nodes():
-                    if row.state == "NEW":
-                        await owner.approve(row.node_id)
-
-                async def all_up() -> bool:
-                    rows = await _rows(owner)
-                    return len(rows) == 3 and all(r.state == "UP" for r in rows.values())
-
-                await _until(all_up)
-                rows = await _rows(owner)
-                n1, n2, n3 = (rows[a] for a in ADDRESSES)
-                assert n2.roles == () and n3.roles == ()
-
-                for target, count in ((n2, 2), (n3, 3)):
-                    await owner.set_roles(target.node_id, consensus_member=True)
-                    await _voters(roots[0], count)
-
-                async def curators(expected: int) -> bool:
-                    return sum(r.curator for r in (await _rows(owner)).values()) == expected
-
-                await _until(lambda: curators(3))
+                n1, _, n3 = await _form(owner, roots[0])
+                await _until(lambda: _curators(owner, 3))
                 # Exactly one leader: n1 still leads; the others follow it.
                 assert procs[0].logged(LEADS)
                 for proc in procs[1:]:
@@ -187,14 +195,14 @@ async def test_three_voters_revoke_and_grant_again(tmp_path: Path) -> None:
 
                 await _until(n3_without_etcd)
                 assert not (roots[2].data.etcd.data / "member").exists()
-                await _until(lambda: curators(2))
+                await _until(lambda: _curators(owner, 2))
                 n3_row = (await _rows(owner))[ADDRESSES[2]]
                 assert "ConsensusMember" not in n3_row.roles and n3_row.state == "UP"
 
                 # Grant again: it joins fresh from wiped data.
                 await owner.set_roles(n3.node_id, consensus_member=True)
                 await _voters(roots[0], 3)
-                await _until(lambda: curators(3))
+                await _until(lambda: _curators(owner, 3))
 
             table = await _owner_cli(roots[0], owner_key, "nodes")
             lines = table.strip().splitlines()
@@ -205,3 +213,61 @@ async def test_three_voters_revoke_and_grant_again(tmp_path: Path) -> None:
             assert proc.process.returncode == 0
         for root in roots:
             assert etcd_pid(root.ephemeral.consensus) is None
+
+
+def _owner_files(
+    root: Root, key_path: Path
+) -> tuple[disk.SavedNode, x509.Certificate, Ed25519PrivateKey]:
+    certificate = pki.decode_certificate(disk.owner_certificate_path(root).read_bytes())
+    return disk.load(root), certificate, pki.decode_private_key(key_path.read_bytes())
+
+
+@asynccontextmanager
+async def _owner_of_all(roots: list[Root], key_path: Path) -> AsyncIterator[Owner]:
+    """The owner calling all three curators (the saved directories name only node 1)."""
+    saved, certificate, key = _owner_files(roots[0], key_path)
+    assert saved.credentials is not None
+    endpoints = [Endpoint(a, saved.settings.curator_port) for a in ADDRESSES]
+    context = client_context(saved.credentials.ca_certificate, certificate, key)
+    async with open_client(endpoints, context) as client:
+        yield Owner(client)
+
+
+async def test_sigkill_of_the_leader_a_new_one_leads_and_it_rejoins(tmp_path: Path) -> None:
+    with trio.fail_after(BOUND):
+        async with (
+            three_nodes(tmp_path) as (procs, roots, owner_key),
+            _owner_of_all(roots, owner_key) as owner,
+        ):
+            _, n2, _ = await _form(owner, roots[0])
+            await _until(lambda: _curators(owner, 3))
+            assert procs[0].logged(LEADS)
+
+            procs[0].process.send_signal(signal.SIGKILL)
+            # Writes go on through the new leader (leader-guarded writes:
+            # a second leader could not write; the owner sees one answer).
+            flips = 0
+            for on in (False, True, False, True):
+
+                async def write(on: bool = on) -> bool:
+                    try:
+                        await owner.set_roles(n2.node_id, kubernetes_controller=on)
+                    except RPCError as e:
+                        assert e.code is Status.UNAVAILABLE, e
+                        return False
+                    return True
+
+                await _until(write)
+                flips += 1
+            leaders = [p for p in procs[1:] if p.logged(LEADS)]
+            assert len(leaders) == 1 and flips == 4
+            rows = await _rows(owner)
+            assert "KubernetesController" in rows[ADDRESSES[1]].roles
+
+            # The killed node restarts from disk and rejoins as a voter.
+            async with node("run", "--root", str(roots[0].path)) as again:
+                await again.wait_for("following")
+                await _voters(roots[1], 3)
+                assert not again.logged(LEADS)
+                again.process.send_signal(signal.SIGTERM)
+            assert again.process.returncode == 0
