@@ -53,7 +53,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
 from metropolis.consensus import peerpki
-from metropolis.consensus.client import KV, Client, EtcdAPIError, EtcdUnavailable
+from metropolis.consensus.client import KV, Client, EtcdAPIError, EtcdUnavailable, Member
 from metropolis.consensus.process import SOCKET_NAME, PeerTLS, ProcessConfig, Tuning, run_etcd
 from metropolis.errors import ConsensusError
 from metropolis.event import ReadOnlyValue, Value
@@ -301,6 +301,11 @@ class Status:
             if peer_url not in m.peer_urls and m.peer_urls
         )
         return JoinCluster(ca.certificate, certificate, crl, existing)
+
+    async def members(self) -> list[Member]:
+        """etcd's member list, learners and not-yet-started members included."""
+        client, _ = self._running()
+        return await client.member_list()
 
     async def remove_node(self, public_key: bytes) -> x509.CertificateRevocationList:
         """Take the node with ``public_key`` out of the cluster; return the new CRL.

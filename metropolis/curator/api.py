@@ -25,9 +25,9 @@ Granting ConsensusMember adds an etcd learner; revoking removes the member
 and revokes its etcd peer certificate (:meth:`CuratorAPI.update_node_roles`).
 The cluster CRL (``CRL_KEY``) is followed for the security hook; nothing
 here writes it yet (decommissioning a node is not built).
-Not here yet: refreshing a ConsensusMember's peer list at send time (the
-join data stored at grant is sent as is), and removing a learner that never
-starts.
+A learner that never starts is removed at the next grant after
+:data:`LEARNER_TIMEOUT`. Not here yet: refreshing a ConsensusMember's peer
+list at send time (the join data stored at grant is sent as is).
 """
 
 from __future__ import annotations
@@ -73,12 +73,14 @@ from metropolis.rpc import CallContext, LeaderHint, Leadership, RPCError, Server
 from metropolis.rpc import api as methods
 from metropolis.rpc.status import Status
 
-__all__ = ["CRL_KEY", "REGISTER_TICKET_KEY", "CuratorAPI"]
+__all__ = ["CRL_KEY", "LEARNER_TIMEOUT", "REGISTER_TICKET_KEY", "CuratorAPI"]
 
 _log = logging.getLogger("metropolis.curator.api")
 
 #: The cluster CA's current CRL (DER); absent while nothing is revoked.
 CRL_KEY = b"/cluster-pki/ca/crl"
+#: Seconds a granted node has to start its etcd before a later grant removes it.
+LEARNER_TIMEOUT = 60.0
 #: The register ticket (curator.RegisterTicket), made on first request.
 REGISTER_TICKET_KEY = b"/global/register_ticket"
 
@@ -98,8 +100,12 @@ class CuratorAPI:
         ca: x509.Certificate,
         crl: x509.CertificateRevocationList | None,
         peer_port: int = 7834,
+        learner_timeout: float = LEARNER_TIMEOUT,
     ) -> None:
         self._consensus = consensus
+        self._learner_timeout = learner_timeout
+        #: Learners this curator added: node ID -> (peer URL, when added).
+        self._learners: dict[str, tuple[str, float]] = {}
         self._kv = consensus.curator_client()
         self._peer_port = peer_port
         # One membership change at a time from this curator: etcd allows one
@@ -111,7 +117,13 @@ class CuratorAPI:
         self._election: ElectionState | None = None
 
     @classmethod
-    async def load(cls, consensus: ConsensusStatus, *, peer_port: int = 7834) -> CuratorAPI:
+    async def load(
+        cls,
+        consensus: ConsensusStatus,
+        *,
+        peer_port: int = 7834,
+        learner_timeout: float = LEARNER_TIMEOUT,
+    ) -> CuratorAPI:
         """Read owner key, CA and CRL; :class:`CuratorError` if the cluster is missing.
 
         ``consensus`` must be running (its etcd client is used for every call).
@@ -127,6 +139,7 @@ class CuratorAPI:
             return cls(
                 consensus,
                 peer_port=peer_port,
+                learner_timeout=learner_timeout,
                 owner_key=InitialOwner.parse(owner.kvs[0].value).public_key,
                 ca=pki.decode_certificate(ca.kvs[0].value),
                 crl=pki.decode_crl(crl.kvs[0].value) if crl.kvs else None,
@@ -444,12 +457,13 @@ class CuratorAPI:
         if not address:
             raise RPCError(Status.FAILED_PRECONDITION, "node has not reported its address yet")
         host = f"[{address}]" if ":" in address else address
+        peer_url = f"https://{host}:{self._peer_port}"
+        await self._remove_stuck_learners(node_id)
         try:
-            join = await self._consensus.add_node(
-                record.public_key, peer_url=f"https://{host}:{self._peer_port}"
-            )
+            join = await self._consensus.add_node(record.public_key, peer_url=peer_url)
         except ConsensusError as e:
             raise RPCError(Status.UNAVAILABLE, f"etcd refused the new member: {e}") from None
+        self._learners[node_id] = (peer_url, trio.current_time())
         member = join.to_proto()
 
         def change(r: Node) -> Node:
@@ -460,6 +474,41 @@ class CuratorAPI:
 
         await self._update(node_id, change)
         _log.info("granted ConsensusMember to %s at %s", node_id, address)
+
+    async def _remove_stuck_learners(self, granting: str) -> None:
+        """Remove learners this curator added that never started within the timeout.
+
+        etcd 3.4 takes one learner at a time: a node granted the role that
+        never starts its etcd would block every later grant. Such a node
+        loses the role (its member and peer certificate go, as on revoke);
+        granting it again retries. Only learners added by this curator are
+        tracked: after a change of leader, a stuck learner is removed at the
+        next grant after the timeout counted from then.
+        """
+        if not self._learners:
+            return
+        members = await self._consensus.members()
+        now = trio.current_time()
+        for node_id, (peer_url, added) in list(self._learners.items()):
+            member = next((m for m in members if peer_url in m.peer_urls), None)
+            if member is None or not member.is_learner or member.name:
+                del self._learners[node_id]  # started (or gone): not stuck
+                continue
+            if node_id == granting or now - added < self._learner_timeout:
+                continue
+            found = await self._read(node_id)
+            if found is None:
+                continue
+            _log.warning("learner %s never started; removing it", node_id)
+            await self._consensus.remove_node(found[0].public_key)
+            del self._learners[node_id]
+
+            def change(r: Node) -> Node:
+                if r.roles is not None:
+                    r.roles.consensus_member = None
+                return r
+
+            await self._update(node_id, change)
 
     async def _revoke_consensus(self, node_id: str) -> None:
         found = await self._read(node_id)

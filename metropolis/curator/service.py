@@ -21,7 +21,7 @@ import trio
 
 from metropolis.consensus.client import EtcdClosed
 from metropolis.consensus.service import Status
-from metropolis.curator.api import CuratorAPI
+from metropolis.curator.api import LEARNER_TIMEOUT, CuratorAPI
 from metropolis.curator.election import DEFAULT_TTL, ElectionState, Follower, run_election
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
@@ -43,6 +43,7 @@ class Curator:
         credentials: NodeCredentials | None = None,
         listen: tuple[str, int] | None = None,
         peer_port: int = 7834,
+        learner_timeout: float = LEARNER_TIMEOUT,
     ):
         """``credentials`` and ``listen`` (host, port): serve the RPC API there.
 
@@ -58,6 +59,7 @@ class Curator:
         self._credentials = credentials
         self._listen = listen
         self._peer_port = peer_port
+        self._learner_timeout = learner_timeout
         self._port: Value[int] = Value()
         #: The port the RPC API is bound to, once it is.
         self.port: ReadOnlyValue[int] = self._port.readonly()
@@ -99,7 +101,9 @@ class Curator:
                 nursery.start_soon(follow_consensus)
                 await nursery.start(elect)
                 if self._credentials is not None and self._listen is not None:
-                    api = await CuratorAPI.load(status, peer_port=self._peer_port)
+                    api = await CuratorAPI.load(
+                        status, peer_port=self._peer_port, learner_timeout=self._learner_timeout
+                    )
                     server = Server(server_context(self._credentials), api.security())
                     api.register(server)
                     host, port = self._listen

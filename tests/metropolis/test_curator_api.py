@@ -65,7 +65,7 @@ class Cluster:
 
 
 @asynccontextmanager
-async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+async def cluster(tmp_path: Path, *, learner_timeout: float = 60.0) -> AsyncIterator[Cluster]:
     """A bootstrapped node whose curator leads and serves the API on loopback."""
     async with consensus(tmp_path) as (service, _, status):
         node_key = service.config.node_private_key
@@ -88,6 +88,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
             credentials.node_id,
             credentials=credentials,
             listen=("127.0.0.1", 0),
+            learner_timeout=learner_timeout,
         )
         async with open_supervisor(curator.run, name="curator"):
             with trio.fail_after(BOUND):
@@ -310,3 +311,57 @@ async def test_a_certificate_on_the_cluster_crl_is_refused(tmp_path: Path) -> No
                 )
             assert refused.value.code is Status.UNAUTHENTICATED
             assert (await cl.kv.range(b"/", prefix=True)).revision == before
+
+
+async def _joined(cl: Cluster, owner: Client, address: str) -> identity.NodeCredentials:
+    """A node registered, approved and committed in-process, its address reported."""
+    key = pki.generate_key()
+    ticket = (await owner.unary(methods.GET_REGISTER_TICKET, m.GetRegisterTicketRequest())).ticket
+    join = pki.public_key_bytes(pki.generate_key())
+    async with open_client([cl.endpoint], client_context(cl.ca), proof_key=key) as anonymous:
+        await anonymous.unary(
+            methods.REGISTER_NODE, c.RegisterNodeRequest(register_ticket=ticket, join_key=join)
+        )
+        await owner.unary(
+            methods.APPROVE_NODE, m.ApproveNodeRequest(pubkey=pki.public_key_bytes(key))
+        )
+        committed = await anonymous.unary(
+            methods.COMMIT_NODE, c.CommitNodeRequest(cluster_unlock_key=b"u" * 32)
+        )
+    credentials = identity.NodeCredentials.from_bytes(
+        pki.encode_private_key(key), committed.node_certificate, committed.ca_certificate
+    )
+    async with open_client([cl.endpoint], cl.node_context(credentials)) as node:
+        await node.unary(
+            methods.UPDATE_NODE_STATUS,
+            c.UpdateNodeStatusRequest(
+                node_id=credentials.node_id, status=NodeStatus(external_address=address)
+            ),
+        )
+    return credentials
+
+
+async def test_a_learner_that_never_starts_is_removed_at_the_next_grant(tmp_path: Path) -> None:
+    async with cluster(tmp_path, learner_timeout=0.5) as cl, cl.owner() as owner:
+        stuck = await _joined(cl, owner, "127.0.0.2")
+        later = await _joined(cl, owner, "127.0.0.3")
+        await owner.unary(
+            methods.UPDATE_NODE_ROLES,
+            m.UpdateNodeRolesRequest(id=stuck.node_id, consensus_member=True),
+        )
+        members = await cl.status.members()
+        assert [m.is_learner for m in members if not m.name] == [True]
+        # It never starts its etcd. Past the timeout, the next grant removes it
+        # (etcd would refuse a second learner otherwise).
+        await trio.sleep(1.0)
+        with trio.fail_after(BOUND):
+            await owner.unary(
+                methods.UPDATE_NODE_ROLES,
+                m.UpdateNodeRolesRequest(id=later.node_id, consensus_member=True),
+            )
+        urls = [u for member in await cl.status.members() for u in member.peer_urls]
+        assert not any("127.0.0.2" in u for u in urls)
+        assert any("127.0.0.3" in u for u in urls)
+        record = await read_node(cl.kv, stuck.node_id)
+        assert record is not None and record.roles is not None
+        assert record.roles.consensus_member is None
