@@ -194,7 +194,8 @@ async def test_launcher_restarts_only_when_the_control_plane_changes(
             # A node that is no member wipes etcd's data: a grant later joins
             # fresh (tests/metropolis/test_cluster.py). A sole member never
             # gets here through the curator, which keeps the last voter.
-            await _until(lambda: not root.data.etcd.data.exists())
-            assert root.data.etcd.peer_pki.path.is_dir()
+            # (Wiped, then the empty layout made again.)
+            etcd = root.data.etcd
+            await _until(lambda: not etcd.data.exists() and etcd.peer_pki.path.is_dir())
         info = next(i for i in supervisor.snapshot() if i.name == launcher)
         assert info.last_error is None  # restarts on request, never failures
