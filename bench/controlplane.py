@@ -33,35 +33,14 @@ from pathlib import Path
 import trio
 
 from bench.consensus_start import bare_etcd_start
-from metropolis import pki
-from metropolis.consensus.localetcd import LOOPBACK_TUNING
 from metropolis.curator.election import Leader
 from metropolis.localstorage import Root
 from metropolis.roleserve import disk
+from metropolis.roleserve.localnode import prepare_loopback_bootstrap
 from metropolis.roleserve.node import RoleServer
-from metropolis.roleserve.values import BootstrapData
 from metropolis.supervisor import open_supervisor
-from monotrio.net import free_loopback_port
 
 logger = logging.getLogger("bench.controlplane")
-
-
-def prepare(root: Root) -> None:
-    data = BootstrapData(
-        node_private_key=pki.generate_key(),
-        join_private_key=pki.generate_key(),
-        cluster_unlock_key=b"c" * 32,
-        node_unlock_key=b"n" * 32,
-        initial_owner_key=pki.public_key_bytes(pki.generate_key()),
-    )
-    settings = disk.NodeSettings(
-        address="127.0.0.1",
-        peer_port=free_loopback_port(),
-        curator_port=free_loopback_port(),
-        tuning=LOOPBACK_TUNING,
-        insecure_seal=True,
-    )
-    disk.save_settings_and_intent(root, settings, data)
 
 
 async def node_start(root: Root) -> tuple[float, float]:
@@ -93,7 +72,7 @@ async def main(runs: int) -> None:
         base = Path(tmp)
         roots = [Root(base / f"n{i}") for i in range(runs)]
         for i, root in enumerate(roots):
-            prepare(root)
+            prepare_loopback_bootstrap(root)
             bare.append(await bare_etcd_start(base / f"bare{i}"))
             boots.append(await node_start(root))
         for i, root in enumerate(roots):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -111,13 +110,7 @@ def _bootstrap(args: argparse.Namespace) -> Root:
     if root.path.exists() and any(root.path.iterdir()):
         raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
     owner = pki.generate_key()
-    data = BootstrapData(
-        node_private_key=pki.generate_key(),
-        join_private_key=pki.generate_key(),
-        cluster_unlock_key=os.urandom(32),
-        node_unlock_key=os.urandom(32),
-        initial_owner_key=pki.public_key_bytes(owner),
-    )
+    data = BootstrapData.generate(pki.public_key_bytes(owner))
     settings = disk.NodeSettings(
         address=args.address,
         peer_port=args.peer_port,

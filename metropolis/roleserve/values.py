@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives import serialization
@@ -37,6 +38,17 @@ class BootstrapData:
     node_unlock_key: bytes
     #: Ed25519 public key of the cluster's owner.
     initial_owner_key: bytes
+
+    @classmethod
+    def generate(cls, initial_owner_key: bytes) -> BootstrapData:
+        """Fresh node and join keys and random unlock keys, for the given owner."""
+        return cls(
+            node_private_key=pki.generate_key(),
+            join_private_key=pki.generate_key(),
+            cluster_unlock_key=os.urandom(32),
+            node_unlock_key=os.urandom(32),
+            initial_owner_key=initial_owner_key,
+        )
 
     @property
     def node_public_key(self) -> bytes:

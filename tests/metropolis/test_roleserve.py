@@ -17,7 +17,7 @@ import trio
 
 from metropolis import pki
 from metropolis.consensus.client import Client
-from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid
+from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.curator.election import Leader
 from metropolis.identity import NodeCredentials, node_id
@@ -28,32 +28,17 @@ from metropolis.proto.common import (
     NodeRolesKubernetesController,
 )
 from metropolis.roleserve import disk
+from metropolis.roleserve.localnode import prepare_loopback_bootstrap
 from metropolis.roleserve.node import RoleServer
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
 from metropolis.supervisor import Supervisor, open_supervisor
-from monotrio.net import free_loopback_port
 
 BOUND = 90
 
 
 def new_root(path: Path) -> tuple[Root, BootstrapData]:
     root = Root(path)
-    data = BootstrapData(
-        node_private_key=pki.generate_key(),
-        join_private_key=pki.generate_key(),
-        cluster_unlock_key=b"c" * 32,
-        node_unlock_key=b"n" * 32,
-        initial_owner_key=pki.public_key_bytes(pki.generate_key()),
-    )
-    settings = disk.NodeSettings(
-        address="127.0.0.1",
-        peer_port=free_loopback_port(),
-        curator_port=free_loopback_port(),
-        tuning=LOOPBACK_TUNING,
-        insecure_seal=True,
-    )
-    disk.save_settings_and_intent(root, settings, data)
-    return root, data
+    return root, prepare_loopback_bootstrap(root)
 
 
 def _local(m: ClusterMembership) -> bool:
