@@ -25,8 +25,9 @@ from metropolis import identity, pki
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import LocalStorageError, Root
 from metropolis.proto import management as m
-from metropolis.proto.common import NodeRoles, NodeState
+from metropolis.proto.common import NodeState
 from metropolis.roleserve import disk
+from metropolis.roleserve.values import role_names
 from metropolis.rpc import Client, client_context, endpoints_from_directory, open_client
 from metropolis.rpc import api as methods
 
@@ -49,19 +50,6 @@ class NodeRow:
     curator: bool
     #: The curator that answered (the client only settles on the leader).
     leader: bool = False
-
-
-def role_names(roles: NodeRoles | None) -> tuple[str, ...]:
-    if roles is None:
-        return ()
-    names = []
-    if roles.consensus_member is not None:
-        names.append("ConsensusMember")
-    if roles.kubernetes_controller is not None:
-        names.append("KubernetesController")
-    if roles.kubernetes_worker is not None:
-        names.append("KubernetesWorker")
-    return tuple(names)
 
 
 class Owner:

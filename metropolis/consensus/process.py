@@ -241,6 +241,10 @@ class _Child:
                 # prints (a Go panic, a flag error) may be lost.
                 stdout=write_end,
                 stderr=write_end,
+                # Not in our process group: Ctrl-C in a terminal signals the
+                # whole foreground group, and etcd must stop when we stop it
+                # (after the services that use it), not on its own.
+                start_new_session=True,
             )
         except BaseException:
             os.close(read_end)

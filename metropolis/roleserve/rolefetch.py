@@ -20,14 +20,16 @@ the curators, raised to the supervisor.
 
 from __future__ import annotations
 
+import contextlib
+
 import trio
 
-from metropolis.event import ReadOnlyValue, Value
+from metropolis.event import Closed, ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
 from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeRoles
 from metropolis.roleserve.disk import NodeSettings
-from metropolis.roleserve.values import ClusterMembership
+from metropolis.roleserve.values import ClusterMembership, role_names
 from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
 from metropolis.rpc import api as methods
 from metropolis.supervisor import Node
@@ -53,12 +55,32 @@ def curator_endpoints(settings: NodeSettings, membership: ClusterMembership) -> 
     return endpoints
 
 
+#: How long to wait for this node's own curator to listen before calling
+#: the directory's curators without it. The membership names the local
+#: curator as soon as it is created, a moment before it serves; calling it
+#: then fails, and the supervisor would log that failure with a traceback
+#: on every start of a control-plane node.
+LOCAL_CURATOR_WAIT = 10.0
+
+
 async def wait_home(
     membership: ReadOnlyValue[ClusterMembership],
 ) -> tuple[ClusterMembership, NodeCredentials]:
+    """The first home membership, once its local curator (if any) serves.
+
+    Waits at most :data:`LOCAL_CURATOR_WAIT` for the local curator; after
+    that the client simply moves on to the directory's curators.
+    """
     with membership.watch() as watcher:
         current = await watcher.get(lambda m: m.home)
     assert current.credentials is not None  # home means credentials
+    if current.local_curator is not None:
+        with (
+            trio.move_on_after(LOCAL_CURATOR_WAIT),
+            current.local_curator.port.watch() as port,
+            contextlib.suppress(Closed),
+        ):
+            await port.get()
     return current, current.credentials
 
 
@@ -115,7 +137,9 @@ class RoleFetch:
                         roles = record.roles
                         if record.id != credentials.node_id or roles is None or roles == self._last:
                             continue
-                        node.logger.info("roles from the curator: %s", roles)
+                        node.logger.info(
+                            "roles from the curator: %s", ", ".join(role_names(roles)) or "none"
+                        )
                         self._last = roles
                         self._roles.set(roles)
             raise RPCError(Status.UNAVAILABLE, "the curator ended the watch")

@@ -20,9 +20,9 @@ from metropolis import pki
 from metropolis.consensus.service import Service as ConsensusService
 from metropolis.curator.service import Curator
 from metropolis.identity import NodeCredentials
-from metropolis.proto.common import ClusterDirectory
+from metropolis.proto.common import ClusterDirectory, NodeRoles
 
-__all__ = ["BootstrapData", "ClusterMembership", "join_key_bytes"]
+__all__ = ["BootstrapData", "ClusterMembership", "join_key_bytes", "role_names"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,17 @@ class ClusterMembership:
     def home(self) -> bool:
         """Whether the node can talk to its cluster: credentials and a directory."""
         return self.credentials is not None and self.remote_curators is not None
+
+
+def role_names(roles: NodeRoles | None) -> tuple[str, ...]:
+    """The roles a node has, by name (for tables and logs: no key material)."""
+    if roles is None:
+        return ()
+    names = []
+    if roles.consensus_member is not None:
+        names.append("ConsensusMember")
+    if roles.kubernetes_controller is not None:
+        names.append("KubernetesController")
+    if roles.kubernetes_worker is not None:
+        names.append("KubernetesWorker")
+    return tuple(names)

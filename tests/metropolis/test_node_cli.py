@@ -63,11 +63,15 @@ class NodeProcess:
 
 
 @asynccontextmanager
-async def node(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[NodeProcess]:
+async def node(
+    *args: str, env: dict[str, str] | None = None, own_group: bool = False
+) -> AsyncIterator[NodeProcess]:
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "metropolis", "node", *args],
         stderr=subprocess.PIPE,
         env={**os.environ, **(env or {})},
+        # As a shell runs it: the node leads a process group of its own.
+        start_new_session=own_group,
     )
     proc = NodeProcess(process)
     try:
@@ -161,6 +165,24 @@ async def test_bootstrap_then_run_after_clean_stop_and_after_sigkill(tmp_path: P
             third.process.send_signal(signal.SIGINT)
         assert third.process.returncode == 0
         assert etcd_pid(root.ephemeral.consensus) is None
+
+
+async def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal signals the node's whole process group.
+
+    etcd must not get that SIGINT itself: it would exit under the running
+    consensus service, which then logs a failure while the node stops.
+    """
+    root = Root(tmp_path / "n")
+    with trio.fail_after(BOUND):
+        async with node(*bootstrap_args(tmp_path), own_group=True) as proc:
+            await proc.wait_for(LEADS)
+            await proc.wait_for("status pushed")
+            os.killpg(proc.process.pid, signal.SIGINT)
+        assert proc.process.returncode == 0
+        assert etcd_pid(root.ephemeral.consensus) is None
+        errors = [line for line in proc.lines if " ERROR " in line]
+        assert errors == []
 
 
 async def test_a_crash_mid_bootstrap_resumes(tmp_path: Path) -> None:
