@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--peer-port", type=int, default=7834, help="consensus peer port")
     boot.add_argument("--curator-port", type=int, default=7835, help="curator RPC port")
     boot.add_argument(
+        "--debug-port", type=int, default=7837, help="debug service port (the owner's view)"
+    )
+    boot.add_argument(
         "--raft-tuning",
         default="100,1000",
         metavar="HEARTBEAT_MS,ELECTION_MS",
@@ -83,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     reg.add_argument("--insecure-seal", action="store_true", help="no TPM: plain-text seal")
     reg.add_argument("--peer-port", type=int, default=7834, help="consensus peer port")
     reg.add_argument("--curator-port", type=int, default=7835, help="curator RPC port")
+    reg.add_argument(
+        "--debug-port", type=int, default=7837, help="debug service port (the owner's view)"
+    )
     reg.add_argument("--raft-tuning", default="100,1000", metavar="HEARTBEAT_MS,ELECTION_MS")
 
     owner = commands.add_parser("owner", help="manage the cluster as its owner")
@@ -115,6 +121,7 @@ def _bootstrap(args: argparse.Namespace) -> Root:
         address=args.address,
         peer_port=args.peer_port,
         curator_port=args.curator_port,
+        debug_port=args.debug_port,
         tuning=Tuning(heartbeat, election),
         insecure_seal=True,
     )
@@ -170,6 +177,7 @@ async def _register_and_run(args: argparse.Namespace) -> None:
         address=args.address,
         peer_port=args.peer_port,
         curator_port=args.curator_port,
+        debug_port=args.debug_port,
         tuning=Tuning(heartbeat, election),
         insecure_seal=True,
     )

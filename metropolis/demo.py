@@ -99,6 +99,7 @@ async def run(work: Path) -> None:
     common = [
         *("--peer-port", str(free_loopback_port())),
         *("--curator-port", str(free_loopback_port())),
+        *("--debug-port", str(free_loopback_port())),
         *("--raft-tuning", "20,200", "--insecure-seal"),
     ]
     timings: list[tuple[str, float]] = []

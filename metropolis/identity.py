@@ -30,9 +30,19 @@ from metropolis import pki
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import PKIDirectory
 
-__all__ = ["NODE_ID_PREFIX", "CredentialsError", "NodeCredentials", "node_id"]
+__all__ = [
+    "NODE_ID_PREFIX",
+    "OWNER_COMMON_NAME",
+    "CredentialsError",
+    "NodeCredentials",
+    "node_id",
+]
 
 NODE_ID_PREFIX = "metropolis-"
+#: Common name of the owner's certificate. The cluster CA issues it once, for
+#: the initial owner key, at bootstrap; every other certificate the CA issues
+#: is a node's, named by its node ID.
+OWNER_COMMON_NAME = "owner"
 
 
 def node_id(public_key: Ed25519PublicKey | bytes) -> str:

@@ -1,4 +1,5 @@
-"""The owner's side of the cluster: register tickets, approvals, roles, the node table.
+"""The owner's side of the cluster: register tickets, approvals, roles, the node table,
+a node's supervision tree.
 
 Used by ``python -m metropolis owner --root DIR --owner-key FILE ...``
 (:mod:`metropolis.__main__`). ``DIR`` is the root of a node of the cluster:
@@ -14,6 +15,7 @@ Errors: :class:`~metropolis.rpc.RPCError` from the curators,
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,10 +30,25 @@ from metropolis.proto import management as m
 from metropolis.proto.common import NodeState
 from metropolis.roleserve import disk
 from metropolis.roleserve.values import role_names
-from metropolis.rpc import Client, client_context, endpoints_from_directory, open_client
+from metropolis.rpc import (
+    Client,
+    Endpoint,
+    client_context,
+    endpoints_from_directory,
+    open_client,
+)
 from metropolis.rpc import api as methods
 
-__all__ = ["NodeRow", "Owner", "OwnerError", "format_table", "open_owner", "role_names"]
+__all__ = [
+    "NodeRow",
+    "Owner",
+    "OwnerAccess",
+    "OwnerError",
+    "format_table",
+    "load_owner",
+    "open_owner",
+    "role_names",
+]
 
 
 class OwnerError(MetropolisError):
@@ -50,13 +67,24 @@ class NodeRow:
     curator: bool
     #: The curator that answered (the client only settles on the leader).
     leader: bool = False
+    #: Where the node serves its debug service (0: it reported none).
+    debug_port: int = 0
+    #: The curator's view of the node's health (``NodeHealth`` name).
+    health: str = "UNKNOWN"
+    #: Seconds since the node's last heartbeat, if the curator knows.
+    since_heartbeat: float | None = None
 
 
 class Owner:
-    """The owner's calls, on one open client."""
+    """The owner's calls, on one open client to the curators.
 
-    def __init__(self, client: Client) -> None:
+    ``context`` (the owner's TLS identity) is used again to call a node's
+    own debug service (:meth:`supervision_tree`).
+    """
+
+    def __init__(self, client: Client, context: ssl.SSLContext) -> None:
         self.client = client
+        self._context = context
 
     async def nodes(self) -> list[NodeRow]:
         async with self.client.stream(methods.GET_NODES, m.GetNodesRequest()) as call:
@@ -73,6 +101,13 @@ class Owner:
                         roles=role_names(node.roles),
                         curator=bool(status and status.running_curator),
                         leader=bool(address) and address == self.client.endpoint.host,
+                        debug_port=status.debug_port if status else 0,
+                        health=m.NodeHealth(node.health).name,
+                        since_heartbeat=(
+                            node.time_since_heartbeat.total_seconds()
+                            if node.time_since_heartbeat is not None
+                            else None
+                        ),
                     )
                 )
         return sorted(rows, key=lambda r: r.node_id)
@@ -113,10 +148,41 @@ class Owner:
     async def info(self) -> m.GetClusterInfoResponse:
         return await self.client.unary(methods.GET_CLUSTER_INFO, m.GetClusterInfoRequest())
 
+    async def supervision_tree(self, row: NodeRow) -> m.GetSupervisionTreeResponse:
+        """The supervision tree of the node ``row``, from the node itself.
 
-@asynccontextmanager
-async def open_owner(root: Root, owner_key: Ed25519PrivateKey) -> AsyncIterator[Owner]:
-    """An :class:`Owner` calling the curators listed in the node root ``root``."""
+        Calls the node's debug service at its reported address and debug
+        port, and believes only a server holding that node's key.
+        :class:`OwnerError` if the node reported no address or debug port;
+        :class:`~metropolis.rpc.RPCError` (UNAVAILABLE) if it does not answer.
+        """
+        if not row.address or not row.debug_port:
+            raise OwnerError(f"{row.node_id} has not reported its debug service")
+        endpoint = Endpoint(row.address, row.debug_port, row.public_key)
+        async with open_client([endpoint], self._context) as client:
+            return await client.unary(methods.GET_SUPERVISION_TREE, m.GetSupervisionTreeRequest())
+
+
+@dataclass(frozen=True)
+class OwnerAccess:
+    """What the owner needs to call a cluster: its curators and the owner's TLS identity.
+
+    Read once (:func:`load_owner`); each :meth:`open` connects anew, so a
+    long-running program (the web UI) follows curators that come and go.
+    """
+
+    endpoints: list[Endpoint]
+    context: ssl.SSLContext
+
+    @asynccontextmanager
+    async def open(self) -> AsyncIterator[Owner]:
+        """An :class:`Owner` on a new client; nothing is connected until its first call."""
+        async with open_client(self.endpoints, self.context) as client:
+            yield Owner(client, self.context)
+
+
+def load_owner(root: Root, owner_key: Ed25519PrivateKey) -> OwnerAccess:
+    """The owner's access through the node root ``root``; :class:`OwnerError` if unusable."""
     try:
         saved = disk.load(root)
         certificate = pki.decode_certificate(disk.owner_certificate_path(root).read_bytes())
@@ -126,8 +192,14 @@ async def open_owner(root: Root, owner_key: Ed25519PrivateKey) -> AsyncIterator[
         raise OwnerError(f"{root.path} is not a finished node")
     endpoints = endpoints_from_directory(saved.directory, saved.settings.curator_port)
     context = client_context(saved.credentials.ca_certificate, certificate, owner_key)
-    async with open_client(endpoints, context) as client:
-        yield Owner(client)
+    return OwnerAccess(endpoints, context)
+
+
+@asynccontextmanager
+async def open_owner(root: Root, owner_key: Ed25519PrivateKey) -> AsyncIterator[Owner]:
+    """An :class:`Owner` calling the curators listed in the node root ``root``."""
+    async with load_owner(root, owner_key).open() as owner:
+        yield owner
 
 
 def load_owner_key(path: Path) -> Ed25519PrivateKey:

@@ -212,6 +212,14 @@ class Node:
         """The dotted name of this runnable, e.g. ``root.consensus``."""
         return self._slot.name
 
+    def tree_snapshot(self) -> list[RunnableInfo]:
+        """:meth:`Supervisor.snapshot` of the whole tree this runnable is in.
+
+        For a runnable that shows the tree to someone (a node's debug
+        service); it stays valid after the attempt ended.
+        """
+        return self._supervisor.snapshot()
+
     def signal_healthy(self) -> None:
         """Report that the runnable works; resets the restart backoff."""
         if self._alive and not self._done:

@@ -1,4 +1,4 @@
-"""The owner's management API (``management.proto``): messages."""
+"""The owner's management API and the nodes' debug service (``management.proto``): messages."""
 
 from metropolis.proto.gen.metropolis.proto.api import (
     ApproveNodeRequest,
@@ -8,8 +8,12 @@ from metropolis.proto.gen.metropolis.proto.api import (
     GetNodesRequest,
     GetRegisterTicketRequest,
     GetRegisterTicketResponse,
+    GetSupervisionTreeRequest,
+    GetSupervisionTreeResponse,
     Node,
     NodeHealth,
+    SupervisedRunnable,
+    SupervisedRunnableState,
     UpdateNodeRolesRequest,
     UpdateNodeRolesResponse,
 )
@@ -22,8 +26,12 @@ __all__ = [
     "GetNodesRequest",
     "GetRegisterTicketRequest",
     "GetRegisterTicketResponse",
+    "GetSupervisionTreeRequest",
+    "GetSupervisionTreeResponse",
     "Node",
     "NodeHealth",
+    "SupervisedRunnable",
+    "SupervisedRunnableState",
     "UpdateNodeRolesRequest",
     "UpdateNodeRolesResponse",
 ]

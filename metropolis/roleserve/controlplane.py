@@ -33,7 +33,7 @@ from pathlib import Path
 import trio
 from cryptography import x509
 
-from metropolis import consensus, pki
+from metropolis import consensus, identity, pki
 from metropolis.curator.bootstrap import bootstrap_cluster
 from metropolis.curator.service import Curator
 from metropolis.curator.state import CA_KEY_KEY, CuratorError
@@ -306,7 +306,7 @@ class ControlPlaneWorker:
             pki.decode_private_key(stored.value),
             ca,
             pki.decode_public_key(owner_key),
-            "owner",
+            identity.OWNER_COMMON_NAME,
             pki.Usage.CLIENT,
         )
         await trio.to_thread.run_sync(

@@ -59,6 +59,9 @@ class NodeSettings:
     #: Where this node's curator serves the RPC API (when it runs one).
     curator_port: int = 7835
     tuning: Tuning = field(default_factory=Tuning)
+    #: Where this node serves its debug service (the owner's view of what it
+    #: runs); 7837 is Monogon's debug service port.
+    debug_port: int = 7837
     #: No TPM: the sealed configuration is stored in plain text (logged).
     insecure_seal: bool = False
 
@@ -107,6 +110,7 @@ def _settings_json(settings: NodeSettings) -> bytes:
             "address": settings.address,
             "peer_port": settings.peer_port,
             "curator_port": settings.curator_port,
+            "debug_port": settings.debug_port,
             "heartbeat_ms": settings.tuning.heartbeat_ms,
             "election_ms": settings.tuning.election_ms,
             "insecure_seal": settings.insecure_seal,
@@ -174,6 +178,7 @@ def load(root: Root) -> SavedNode:
             peer_port=int(raw["peer_port"]),
             # Older roots have no curator port: the default.
             curator_port=int(raw.get("curator_port", 7835)),
+            debug_port=int(raw.get("debug_port", 7837)),
             tuning=Tuning(int(raw["heartbeat_ms"]), int(raw["election_ms"])),
             insecure_seal=bool(raw["insecure_seal"]),
         )

@@ -24,6 +24,7 @@ def prepare_loopback_bootstrap(root: Root) -> BootstrapData:
     settings = disk.NodeSettings(
         address="127.0.0.1",
         peer_port=free_loopback_port(),
+        debug_port=free_loopback_port(),
         tuning=LOOPBACK_TUNING,
         insecure_seal=True,
     )

@@ -7,7 +7,8 @@
                    │                                 └── curator
                    ├── persist-roles: roles ──> data/node/roles.pb
                    ├── rolefetch: Watch(own node) at the curators ──> roles
-                   └── statuspush: address, curator running ──> UpdateNodeStatus
+                   ├── statuspush: address, curator running ──> UpdateNodeStatus
+                   └── debug: NodeDebug for the owner (the supervision tree)
 
 :class:`RoleServer` publishes what :func:`~.disk.load` found (a finished
 node: credentials, directory, roles; or a bootstrap intent) and runs the
@@ -26,6 +27,7 @@ from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRoles
 from metropolis.roleserve import disk
 from metropolis.roleserve.controlplane import ControlPlaneWorker
+from metropolis.roleserve.debugservice import DebugService
 from metropolis.roleserve.rolefetch import RoleFetch
 from metropolis.roleserve.statuspush import StatusPush
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
@@ -75,6 +77,7 @@ class RoleServer:
             fetch = RoleFetch(self.settings, self.membership.readonly(), self.roles)
             node.run("rolefetch", fetch.run)
         node.run("statuspush", StatusPush(self.settings, self.membership.readonly()).run)
+        node.run("debug", DebugService(self.settings, self.membership.readonly()).run)
         node.signal_healthy()
         await trio.sleep_forever()
 

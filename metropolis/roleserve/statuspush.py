@@ -1,4 +1,4 @@
-"""Status push: tell the curators this node's address and whether its curator runs.
+"""Status push: tell the curators this node's address, debug port and whether its curator runs.
 
 Monogon's ``worker_statuspush.go``, on Trio: whenever the membership
 changes (home at first, then a local curator starting or stopping), send
@@ -45,7 +45,11 @@ class StatusPush:
             if current.local_curator is not None
             else None
         )
-        status = NodeStatus(external_address=self._settings.address, running_curator=running)
+        status = NodeStatus(
+            external_address=self._settings.address,
+            running_curator=running,
+            debug_port=self._settings.debug_port,
+        )
         context = client_context(
             credentials.ca_certificate, credentials.certificate, credentials.private_key
         )

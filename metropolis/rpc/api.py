@@ -10,8 +10,9 @@ replaces Monogon's per-method authorization option:
   need a proof of possession (:mod:`metropolis.rpc.auth`) of the node key
   (register, commit) or of the join key (join).
 - ``Management``: every method needs the owner's certificate.
+- ``NodeDebug`` (monotrio's): served by each node for itself, to the owner.
 
-Every method is leader-only: a follower answers UNAVAILABLE naming the
+Every curator method is leader-only: a follower answers UNAVAILABLE naming the
 leader (Monogon's followers forward instead; a client here goes to the
 leader itself). Heartbeat is bidirectional (node certificate). Not here:
 ``CuratorLocal`` (node-local in Monogon).
@@ -29,6 +30,7 @@ __all__ = [
     "GET_CLUSTER_INFO",
     "GET_NODES",
     "GET_REGISTER_TICKET",
+    "GET_SUPERVISION_TREE",
     "HEARTBEAT",
     "JOIN_NODE",
     "REGISTER_NODE",
@@ -39,6 +41,7 @@ __all__ = [
 
 _CURATOR = "/metropolis.node.core.curator.proto.api.Curator/"
 _MANAGEMENT = "/metropolis.proto.api.Management/"
+_NODE_DEBUG = "/metropolis.proto.api.NodeDebug/"
 
 WATCH = Method(_CURATOR + "Watch", c.WatchRequest, c.WatchEvent, Access.NODE, streaming=True)
 HEARTBEAT = Method(
@@ -83,4 +86,15 @@ UPDATE_NODE_ROLES = Method(
     m.UpdateNodeRolesRequest,
     m.UpdateNodeRolesResponse,
     Access.OWNER,
+)
+
+#: Served by every node on its debug port (not by the curators): the node's
+#: own supervision tree, for the owner. Not leader-only: each node answers
+#: for itself (see :mod:`metropolis.roleserve.debugservice`).
+GET_SUPERVISION_TREE = Method(
+    _NODE_DEBUG + "GetSupervisionTree",
+    m.GetSupervisionTreeRequest,
+    m.GetSupervisionTreeResponse,
+    Access.OWNER,
+    leader_only=False,
 )

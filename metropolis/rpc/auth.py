@@ -115,11 +115,20 @@ class ServerSecurity:
     - ``owner_key()``: the initial owner's raw public key, or None if unknown.
     - ``crl()``: the cluster CA's current CRL, or None if nothing is revoked.
     - ``leadership()``: whether we lead, and who does if not.
+
+    ``owner_by_name``: for servers that cannot know the owner key (a node
+    without a curator has no etcd to read it from): while ``owner_key()``
+    is None, the owner is the caller whose certificate (chained to the
+    cluster CA by the handshake) has the common name
+    :data:`~metropolis.identity.OWNER_COMMON_NAME`. That is as strong as the
+    key check today: the CA issues that name once, at bootstrap, for the
+    initial owner key, and every other certificate it issues names a node ID.
     """
 
     owner_key: Callable[[], bytes | None]
     crl: Callable[[], x509.CertificateRevocationList | None]
     leadership: Callable[[], Leadership]
+    owner_by_name: bool = False
 
 
 def _classify(certificate: x509.Certificate, security: ServerSecurity) -> Peer:
@@ -130,11 +139,14 @@ def _classify(certificate: x509.Certificate, security: ServerSecurity) -> Peer:
     crl = security.crl()
     if crl is not None and pki.is_revoked(crl, certificate):
         raise RPCError(Status.UNAUTHENTICATED, "certificate revoked")
-    if key == security.owner_key():
+    owner_key = security.owner_key()
+    if owner_key is not None and key == owner_key:
         return Peer(PeerKind.OWNER, key, certificate)
     names = [a.value for a in certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
     if names == [identity.node_id(key)]:
         return Peer(PeerKind.NODE, key, certificate)
+    if owner_key is None and security.owner_by_name and names == [identity.OWNER_COMMON_NAME]:
+        return Peer(PeerKind.OWNER, key, certificate)
     raise RPCError(Status.UNAUTHENTICATED, "certificate is neither a node's nor the owner's")
 
 

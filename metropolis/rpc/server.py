@@ -136,7 +136,7 @@ class Server:
         """
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()[1]
-        _log.info("curator RPC listening on %s:%d", host, bound)
+        _log.info("RPC listening on %s:%d", host, bound)
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self.handle_connection, listeners)
             task_status.started(bound)

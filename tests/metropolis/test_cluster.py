@@ -37,9 +37,13 @@ ADDRESSES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 
 
 def _ports() -> list[str]:
-    # One peer port and one curator port for every node (as in Monogon);
+    # One peer, curator and debug port for every node (as in Monogon);
     # each node has its own loopback address.
-    return ["--peer-port", str(free_loopback_port()), "--curator-port", str(free_loopback_port())]
+    return [
+        *("--peer-port", str(free_loopback_port())),
+        *("--curator-port", str(free_loopback_port())),
+        *("--debug-port", str(free_loopback_port())),
+    ]
 
 
 async def _until(check: Callable[[], Awaitable[bool]]) -> None:
@@ -230,7 +234,7 @@ async def _owner_of_all(roots: list[Root], key_path: Path) -> AsyncIterator[Owne
     endpoints = [Endpoint(a, saved.settings.curator_port) for a in ADDRESSES]
     context = client_context(saved.credentials.ca_certificate, certificate, key)
     async with open_client(endpoints, context) as client:
-        yield Owner(client)
+        yield Owner(client, context)
 
 
 async def test_sigkill_of_the_leader_a_new_one_leads_and_it_rejoins(tmp_path: Path) -> None:

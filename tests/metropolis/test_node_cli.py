@@ -101,6 +101,8 @@ def bootstrap_args(tmp_path: Path) -> list[str]:
         str(free_loopback_port()),
         "--curator-port",
         str(free_loopback_port()),
+        "--debug-port",
+        str(free_loopback_port()),
         "--raft-tuning",
         "20,200",
     ]

@@ -169,6 +169,7 @@ def test_small_curator_messages(
     health=st.sampled_from(list(management.NodeHealth)),
     since=st.none() | st.integers(0, 10**6),
     address=text,
+    debug_port=st.integers(0, 65535),
 )
 def test_management_node(
     pb: dict[str, ModuleType],
@@ -178,17 +179,19 @@ def test_management_node(
     health: management.NodeHealth,
     since: int | None,
     address: str,
+    debug_port: int,
 ) -> None:
     ours = management.Node(
         pubkey=key,
         state=state,
-        status=common.NodeStatus(external_address=address),
+        status=common.NodeStatus(external_address=address, debug_port=debug_port),
         roles=_roles(flags),
         health=health,
         time_since_heartbeat=None if since is None else datetime.timedelta(milliseconds=since),
     )
     theirs = pb["management"].Node(pubkey=key, state=int(state), health=int(health))
     theirs.status.external_address = address
+    theirs.status.debug_port = debug_port
     theirs.status.SetInParent()
     _pb_roles(pb, theirs.roles, flags)
     if since is not None:
@@ -258,6 +261,46 @@ def test_small_management_messages(
     _same(management.GetClusterInfoResponse(cluster_directory=directory, ca_certificate=ca), theirs)
     _same(management.GetNodesRequest(filter=query), m.GetNodesRequest(filter=query))
     _same(management.ApproveNodeRequest(pubkey=key), m.ApproveNodeRequest(pubkey=key))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    node_id=text,
+    runnables=st.lists(
+        st.tuples(
+            text,
+            st.sampled_from(list(management.SupervisedRunnableState)),
+            st.integers(0, 2**32 - 1),
+            text,
+            st.none() | st.integers(0, 2 * 10**9),
+        ),
+        max_size=4,
+    ),
+)
+def test_supervision_tree(
+    pb: dict[str, ModuleType],
+    node_id: str,
+    runnables: list[tuple[str, management.SupervisedRunnableState, int, str, int | None]],
+) -> None:
+    def when(seconds: int | None) -> datetime.datetime | None:
+        return None if seconds is None else datetime.datetime.fromtimestamp(seconds, datetime.UTC)
+
+    ours = management.GetSupervisionTreeResponse(
+        node_id=node_id,
+        runnables=[
+            management.SupervisedRunnable(
+                name=name, state=state, restarts=restarts, last_error=error, last_error_at=when(at)
+            )
+            for name, state, restarts, error, at in runnables
+        ],
+    )
+    theirs = pb["management"].GetSupervisionTreeResponse(node_id=node_id)
+    for name, state, restarts, error, at in runnables:
+        r = theirs.runnables.add(name=name, state=int(state), restarts=restarts, last_error=error)
+        if at is not None:
+            r.last_error_at.FromSeconds(at)
+    _same(ours, theirs)
+    _same(management.GetSupervisionTreeRequest(), pb["management"].GetSupervisionTreeRequest())
 
 
 # --- grpcio, with protoc's classes, calls our server at Monogon's paths -------------------

@@ -868,3 +868,48 @@ def test_endpoints_come_from_the_cluster_directory() -> None:
         Endpoint("10.0.0.2", CURATOR_PORT, b),
     ]
     assert endpoints_from_directory(directory, 1234)[0].port == 1234
+
+
+def test_owner_by_name_only_where_the_owner_key_is_unknown() -> None:
+    """A node's debug service knows no owner key: the CA's "owner" certificate is the owner.
+
+    Curators know the key and keep checking it; nothing else passes as owner.
+    """
+    cluster = Cluster.new()
+    owner_key = pki.public_key_bytes(cluster.owner_key)
+    other_key = pki.generate_key()
+    named_owner = pki.issue_certificate(
+        cluster.ca_key, cluster.ca, other_key.public_key(), "owner", pki.Usage.CLIENT
+    )
+    named_other = pki.issue_certificate(
+        cluster.ca_key, cluster.ca, other_key.public_key(), "operator", pki.Usage.CLIENT
+    )
+
+    def kind(
+        certificate: x509.Certificate, known: bytes | None, by_name: bool
+    ) -> auth.PeerKind | Status:
+        security = ServerSecurity(
+            owner_key=lambda: known,
+            crl=lambda: None,
+            leadership=lambda: Leadership(True),
+            owner_by_name=by_name,
+        )
+        try:
+            peer = auth.authenticate(
+                Access.OWNER, WHO_OWNER.path, certificate, {}, b"", security, auth.ReplayCache()
+            )
+        except RPCError as e:
+            return e.code
+        return peer.kind
+
+    owner, node = auth.PeerKind.OWNER, cluster.node.certificate
+    # Node debug service: no key known, owner by name.
+    assert kind(cluster.owner_cert, None, True) is owner
+    assert kind(named_owner, None, True) is owner
+    assert kind(named_other, None, True) is Status.UNAUTHENTICATED
+    assert kind(node, None, True) is Status.PERMISSION_DENIED
+    # Curator: the key decides, the name does not.
+    assert kind(cluster.owner_cert, owner_key, False) is owner
+    assert kind(named_owner, owner_key, False) is Status.UNAUTHENTICATED
+    assert kind(named_owner, owner_key, True) is Status.UNAUTHENTICATED
+    assert kind(named_owner, None, False) is Status.UNAUTHENTICATED

@@ -11,10 +11,16 @@ __all__ = (
     "GetNodesRequest",
     "GetRegisterTicketRequest",
     "GetRegisterTicketResponse",
+    "GetSupervisionTreeRequest",
+    "GetSupervisionTreeResponse",
     "ManagementBase",
     "ManagementStub",
     "Node",
+    "NodeDebugBase",
+    "NodeDebugStub",
     "NodeHealth",
+    "SupervisedRunnable",
+    "SupervisedRunnableState",
     "UpdateNodeRolesRequest",
     "UpdateNodeRolesResponse",
 )
@@ -47,6 +53,57 @@ class NodeHealth(betterproto2.Enum):
     HEALTHY = 2
 
     HEARTBEAT_TIMEOUT = 3
+
+
+class SupervisedRunnableState(betterproto2.Enum):
+    UNSPECIFIED = 0
+
+    STARTING = 1
+    """
+    Running, not yet signalled healthy in this attempt.
+    """
+
+    HEALTHY = 2
+    """
+    Running and signalled healthy.
+    """
+
+    BACKOFF = 3
+    """
+    Failed; waiting to be restarted.
+    """
+
+    DONE = 4
+    """
+    Finished; will not restart.
+    """
+
+    STOPPED = 5
+    """
+    Cancelled with its parent.
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "STATE_UNSPECIFIED",
+            1: "STATE_STARTING",
+            2: "STATE_HEALTHY",
+            3: "STATE_BACKOFF",
+            4: "STATE_DONE",
+            5: "STATE_STOPPED",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "STATE_UNSPECIFIED": 0,
+            "STATE_STARTING": 1,
+            "STATE_HEALTHY": 2,
+            "STATE_BACKOFF": 3,
+            "STATE_DONE": 4,
+            "STATE_STOPPED": 5,
+        }
 
 
 @dataclass(eq=False, repr=False)
@@ -134,6 +191,36 @@ default_message_pool.register_message(
 
 
 @dataclass(eq=False, repr=False)
+class GetSupervisionTreeRequest(betterproto2.Message):
+    pass
+
+
+default_message_pool.register_message(
+    "metropolis.proto.api", "GetSupervisionTreeRequest", GetSupervisionTreeRequest
+)
+
+
+@dataclass(eq=False, repr=False)
+class GetSupervisionTreeResponse(betterproto2.Message):
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The node that answered.
+    """
+
+    runnables: "list[SupervisedRunnable]" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    Every runnable that has an entry now, sorted by name.
+    """
+
+
+default_message_pool.register_message(
+    "metropolis.proto.api", "GetSupervisionTreeResponse", GetSupervisionTreeResponse
+)
+
+
+@dataclass(eq=False, repr=False)
 class Node(betterproto2.Message):
     """
     Node as the owner sees it.
@@ -166,6 +253,44 @@ class Node(betterproto2.Message):
 
 
 default_message_pool.register_message("metropolis.proto.api", "Node", Node)
+
+
+@dataclass(eq=False, repr=False)
+class SupervisedRunnable(betterproto2.Message):
+    """
+    One runnable of the node's supervision tree.
+    """
+
+    name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Dotted name, e.g. root.role.controlplane.launcher.curator.
+    """
+
+    state: "SupervisedRunnableState" = betterproto2.field(
+        2, betterproto2.TYPE_ENUM, default_factory=lambda: SupervisedRunnableState(0)
+    )
+
+    restarts: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    Restarts so far, after failures and on request.
+    """
+
+    last_error: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The last failure as one line; empty if it never failed.
+    """
+
+    last_error_at: "datetime.datetime | None" = betterproto2.field(
+        5, betterproto2.TYPE_MESSAGE, unwrap=lambda: ___google__protobuf__.Timestamp, optional=True
+    )
+    """
+    When the last failure happened; absent if it never failed.
+    """
+
+
+default_message_pool.register_message(
+    "metropolis.proto.api", "SupervisedRunnable", SupervisedRunnable
+)
 
 
 @dataclass(eq=False, repr=False)
@@ -309,6 +434,35 @@ class ManagementStub(betterproto2_grpclib.ServiceStub):
         )
 
 
+class NodeDebugStub(betterproto2_grpclib.ServiceStub):
+    """
+    Served by every node (not only those running a curator) on its debug
+    port, to the owner only: what the node runs now. Read-only; monotrio's own
+    service (Monogon's node debug service has other methods).
+    """
+
+    async def get_supervision_tree(
+        self,
+        message: "GetSupervisionTreeRequest | None" = None,
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "GetSupervisionTreeResponse":
+
+        if message is None:
+            message = GetSupervisionTreeRequest()
+
+        return await self._unary_unary(
+            "/metropolis.proto.api.NodeDebug/GetSupervisionTree",
+            message,
+            GetSupervisionTreeResponse,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+
 from ....google import protobuf as ___google__protobuf__
 from .. import common as _common__
 
@@ -411,5 +565,37 @@ class ManagementBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 UpdateNodeRolesRequest,
                 UpdateNodeRolesResponse,
+            ),
+        }
+
+
+class NodeDebugBase(betterproto2_grpclib.ServiceBase):
+    """
+    Served by every node (not only those running a curator) on its debug
+    port, to the owner only: what the node runs now. Read-only; monotrio's own
+    service (Monogon's node debug service has other methods).
+    """
+
+    async def get_supervision_tree(
+        self, message: "GetSupervisionTreeRequest"
+    ) -> "GetSupervisionTreeResponse":
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
+    async def __rpc_get_supervision_tree(
+        self, stream: "grpclib.server.Stream[GetSupervisionTreeRequest, GetSupervisionTreeResponse]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.get_supervision_tree(request)
+        await stream.send_message(response)
+
+    def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
+        return {
+            "/metropolis.proto.api.NodeDebug/GetSupervisionTree": grpclib.const.Handler(
+                self.__rpc_get_supervision_tree,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                GetSupervisionTreeRequest,
+                GetSupervisionTreeResponse,
             ),
         }

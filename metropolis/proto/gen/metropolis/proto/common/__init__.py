@@ -277,6 +277,13 @@ class NodeStatus(betterproto2.Message):
     Set while the node runs a curator.
     """
 
+    debug_port: "int" = betterproto2.field(100, betterproto2.TYPE_INT32)
+    """
+    Port of the node's debug service (metropolis.proto.api.NodeDebug), which
+    every node serves to the owner; 0 if it serves none. monotrio's own field,
+    numbered well clear of Monogon's so that its later fields never collide.
+    """
+
 
 default_message_pool.register_message("metropolis.proto.common", "NodeStatus", NodeStatus)
 
