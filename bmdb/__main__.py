@@ -6,6 +6,7 @@
     python -m bmdb [--url URL] history MACHINE_ID
     python -m bmdb [--url URL] sessions
     python -m bmdb [--url URL] web [--listen HOST:PORT]   read-only web UI
+        [--cluster-owner-root DIR --cluster-owner-key FILE]  with the cluster's pages
 
 Without ``--url`` the standard libpq ``PG*`` environment variables (PGHOST,
 PGPORT, PGDATABASE, PGUSER, ...) say where the database is. Errors (database
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import logging
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 
 import trio
 
@@ -30,6 +33,7 @@ from bmdb import migrations, overview
 from bmdb.connection import migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
+from metropolis.errors import MetropolisError
 from monotrio.cli import run_main
 from monotrio.listen import listen_address
 from monotrio.text import printable
@@ -244,8 +248,21 @@ async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     from prometheus_client import CollectorRegistry
 
     from bmdb.metrics import ConnectionCollector, FleetGauges
+    from bmdb.web.cluster import ClusterView
     from bmdb.web.server import serve
     from monotrio.metrics import serve_metrics
+
+    cluster = None
+    if args.cluster_owner_root is not None:
+        from metropolis.localstorage import Root
+        from metropolis.owner import load_owner, load_owner_key
+
+        # Read once, before serving: a wrong path is a start-up error, not
+        # a page. Reaching the curators is left to each page.
+        access = load_owner(
+            Root(args.cluster_owner_root.resolve()), load_owner_key(args.cluster_owner_key)
+        )
+        cluster = ClusterView(access)
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -257,7 +274,7 @@ async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
                 metrics = await nursery.start(serve_metrics, registry, args.metrics_listen)
                 print(f"metrics on {metrics[0]}/metrics", flush=True)
                 await nursery.start(fleet.run)
-            urls = await nursery.start(serve, conn, args.listen)
+            urls = await nursery.start(functools.partial(serve, conn, args.listen, cluster=cluster))
             print(f"serving on {' '.join(urls)}", flush=True)
             async for _ in signals:
                 nursery.cancel_scope.cancel()
@@ -320,6 +337,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="HOST:PORT",
         help="also serve Prometheus metrics at http://HOST:PORT/metrics",
     )
+    # "owner root": the node root whose owner certificate the owner's tools
+    # read (`python -m metropolis owner --root`); "cluster-" groups both
+    # flags apart from the BMDB's --url.
+    web.add_argument(
+        "--cluster-owner-root",
+        type=Path,
+        metavar="DIR",
+        help="also show the cluster: a node root with the owner certificate, "
+        "as 'python -m metropolis owner --root' takes",
+    )
+    web.add_argument(
+        "--cluster-owner-key",
+        type=Path,
+        metavar="FILE",
+        help="the cluster owner's private key (with --cluster-owner-root)",
+    )
     web.add_argument(
         "--metrics-fleet-period",
         type=float,
@@ -328,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         help="how often the fleet gauges are queried (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    if args.command == "web" and (args.cluster_owner_root is None) != (
+        args.cluster_owner_key is None
+    ):
+        parser.error("--cluster-owner-root and --cluster-owner-key go together")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -337,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         print(trio.run(_command, args))
         return 0
 
-    return run_main("bmdb", body, known=(BMDBError,))
+    # MetropolisError: the cluster owner's files (web --cluster-owner-*).
+    return run_main("bmdb", body, known=(BMDBError, MetropolisError))
 
 
 if __name__ == "__main__":

@@ -9,14 +9,17 @@ the same Trio run as the BMDB connection::
                                       overview.machine         (2 statements)
                                   GET /sessions
                                       overview.activity        (2 statements)
+                                  GET /cluster, /cluster/node/ID[/tree]
+                                      cluster.ClusterView      (1 or 2 RPCs)
                        pages.* render with render.* (everything escaped)
 
 Nothing writes to the BMDB and nothing secret is shown (agent keys are
 public keys; hardware reports are shown by size only). The cluster half
-(nodes, roles, leader, a node's supervision tree) waits for the role
-server.
+(nodes, roles, leader, a node's supervision tree) is served by the same
+server, as the cluster's owner, when it is given the owner's files: one UI
+and one navigation for the fleet and the cluster it runs.
 
 Modules: `render` (HTML building blocks, escaping, the SVG charts), `pages`
-(one function per page), `asgi` (routing, errors, headers), `server`
-(hypercorn under Trio).
+(one function per BMDB page), `cluster` (the cluster pages), `asgi`
+(routing, errors, headers), `server` (hypercorn under Trio).
 """

@@ -2,7 +2,7 @@
 
 Only GET and HEAD are answered (405 otherwise): the UI never writes. Errors
 become short pages: 400 for bad parameters, 404 for unknown paths and
-machines, 503 when the BMDB cannot be reached, 500 (logged) for anything
+machines and nodes, 503 when the BMDB cannot be reached, 500 (logged) for anything
 else. Each response says how long its handler took in a ``Server-Timing``
 header (``app;dur=MS``), which the page benchmark reads.
 """
@@ -17,7 +17,8 @@ from urllib.parse import parse_qs
 
 from bmdb.connection import Connection
 from bmdb.errors import DatabaseUnavailable, InvalidArgument
-from bmdb.web import pages
+from bmdb.web import cluster, pages
+from bmdb.web.cluster import ClusterView
 from bmdb.web.render import Html, esc, page
 from monotrio.asgi import answer_lifespan
 
@@ -41,8 +42,10 @@ _HEADERS = [
 class App:
     """The ASGI callable; ``conn`` is an open BMDB `Connection` it only reads."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, cluster: ClusterView | None = None) -> None:
+        """``cluster``: the cluster pages, or None (the cluster link says how to enable them)."""
         self.conn = conn
+        self.cluster = cluster
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -80,8 +83,10 @@ class App:
                 return 200, await pages.machine(self.conn, path.removeprefix("/machine/"))
             if path == "/sessions":
                 return 200, await pages.sessions(self.conn)
+            if path == "/cluster" or path.startswith("/cluster/"):
+                return await self._cluster(path)
             return 404, _error("Not found", f"No page at {path}.")
-        except pages.NotFound as e:
+        except (pages.NotFound, cluster.NotFound) as e:
             return 404, _error("Not found", str(e))
         except InvalidArgument as e:
             return 400, _error("Bad request", str(e))
@@ -90,6 +95,19 @@ class App:
         except Exception:
             logger.exception("GET %s failed", path)
             return 500, _error("Internal error", "See the server's log.")
+
+    async def _cluster(self, path: str) -> tuple[int, Html]:
+        if self.cluster is None:
+            return 200, cluster.disabled()
+        if path == "/cluster":
+            return 200, await self.cluster.nodes()
+        node = path.removeprefix("/cluster/node/")
+        if node != path and node:
+            if node.endswith("/tree"):
+                return 200, await self.cluster.tree(node.removesuffix("/tree"))
+            if "/" not in node:
+                return 200, await self.cluster.node(node)
+        return 404, _error("Not found", f"No page at {path}.")
 
 
 def _int(text: str | None, default: int) -> int:

@@ -86,10 +86,11 @@ table{border-collapse:collapse}td,th{border-bottom:1px solid #ddd;padding:1px 6p
 text-align:left;vertical-align:top;white-space:pre-wrap}th{background:#f3f3f6}
 .fields th{width:14em}.dim{color:#888}.state-failed{color:#b00;font-weight:bold}
 .filters a{margin-right:8px}.filters a.on{font-weight:bold;text-decoration:none}
-code,.mono{font-family:ui-monospace,monospace}
+code,.mono{font-family:ui-monospace,monospace}.state-healthy{color:#2a7}
+.state-backoff{color:#b00;font-weight:bold}.leader{color:#26a}
 """
 
-NAV = (("/machines", "Machines"), ("/sessions", "Sessions"))
+NAV = (("/machines", "Machines"), ("/sessions", "Sessions"), ("/cluster", "Cluster"))
 
 
 def page(title: str, body: Html, *, footer: str = "") -> Html:

@@ -12,6 +12,7 @@ from hypercorn.typing import ASGIFramework
 
 from bmdb.connection import Connection
 from bmdb.web.asgi import App
+from bmdb.web.cluster import ClusterView
 
 logger = logging.getLogger("bmdb.web")
 
@@ -29,12 +30,14 @@ async def serve(
     conn: Connection,
     listen: str,
     *,
+    cluster: ClusterView | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the UI of ``conn`` on ``listen`` (``HOST:PORT``; port 0 picks
     one) until cancelled. ``task_status.started`` gets the bound addresses
-    (``http://HOST:PORT``). Raises OSError if the address cannot be bound."""
+    (``http://HOST:PORT``). ``cluster``: the cluster pages, if the owner's
+    credentials were given. Raises OSError if the address cannot be bound."""
     # App types its scopes and messages as plain mappings; hypercorn's
     # TypedDict unions say the same thing in more words.
-    app = cast(ASGIFramework, App(conn))
+    app = cast(ASGIFramework, App(conn, cluster))
     await hypercorn_serve(app, _config(listen), mode="asgi", task_status=task_status)

@@ -163,6 +163,9 @@ async def test_bmdb_web_command_serves_until_sigterm(fleet: Fleet, bmdb_url: str
         async with httpx.AsyncClient(base_url=base) as client:
             r = await client.get("/machines?state=silent")
             assert r.status_code == 200 and str(fleet.ids[State.SILENT]) in r.text
+            # Started without the cluster owner's files: the link says how.
+            r = await client.get("/cluster")
+            assert r.status_code == 200 and "--cluster-owner-root DIR" in r.text
             scrape = await client.get(metrics_line.split()[2])
         assert scrape.status_code == 200
         samples = {
