@@ -105,6 +105,20 @@ async def _form(owner: Owner, seed: Root) -> tuple[NodeRow, NodeRow, NodeRow]:
     rows = await _rows(owner)
     n1, n2, n3 = (rows[a] for a in ADDRESSES)
     assert n2.roles == () and n3.roles == ()
+    # Nodes without a curator serve their own supervision tree to the owner.
+    for row in (n2, n3):
+
+        async def serves_its_tree(row: NodeRow = row) -> bool:
+            try:
+                tree = await owner.supervision_tree(row)
+            except RPCError:  # its debug service may start a moment after its status
+                return False
+            names = [r.name for r in tree.runnables]
+            assert tree.node_id == row.node_id and "root.role.debug" in names
+            assert not any(name.endswith(".curator") for name in names)
+            return True
+
+        await _until(serves_its_tree)
     for target, count in ((n2, 2), (n3, 3)):
         await owner.set_roles(target.node_id, consensus_member=True)
         await _voters(seed, count)
