@@ -75,12 +75,15 @@ async def test_nodes_leader_and_supervision_tree_in_a_browser_then_curator_gone(
                 await page.get_by_role("link", name="supervision tree").click()
                 await page.wait_for_url(f"**/cluster/node/{node_id}/tree")
                 # The tree is live: wait (reloading) until both are healthy.
-                while True:
+                # Bounded here: Trio's deadline cannot stop this thread.
+                for _ in range(BOUND * 2):
                     tree = {r[0]: r for r in await _cells(page)}
                     if all(tree.get(n, ["", ""])[1] == "HEALTHY" for n in (CONSENSUS, CURATOR)):
                         break
                     await page.wait_for_timeout(500)
                     await page.reload()
+                else:
+                    raise AssertionError(f"consensus and curator never healthy: {tree}")
                 assert "root.role.debug" in tree
                 assert "<" not in await page.inner_text("body")
                 return list(tree.values())
