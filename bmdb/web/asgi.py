@@ -2,8 +2,9 @@
 
 Only GET and HEAD are answered (405 otherwise): the UI never writes. Errors
 become short pages: 400 for bad parameters, 404 for unknown paths and
-machines and nodes, 503 when the BMDB cannot be reached, 500 (logged) for anything
-else. Each response says how long its handler took in a ``Server-Timing``
+machines and nodes, 503 when the BMDB cannot be reached, 500 (logged) for
+anything else; a cluster that does not answer is a normal page that says
+so. Each response says how long its handler took in a ``Server-Timing``
 header (``app;dur=MS``), which the page benchmark reads.
 """
 
@@ -17,7 +18,8 @@ from urllib.parse import parse_qs
 
 from bmdb.connection import Connection
 from bmdb.errors import DatabaseUnavailable, InvalidArgument
-from bmdb.web import cluster, pages
+from bmdb.web import cluster as cluster_pages
+from bmdb.web import pages
 from bmdb.web.cluster import ClusterView
 from bmdb.web.render import Html, esc, page
 from monotrio.asgi import answer_lifespan
@@ -86,7 +88,7 @@ class App:
             if path == "/cluster" or path.startswith("/cluster/"):
                 return await self._cluster(path)
             return 404, _error("Not found", f"No page at {path}.")
-        except (pages.NotFound, cluster.NotFound) as e:
+        except (pages.NotFound, cluster_pages.NotFound) as e:
             return 404, _error("Not found", str(e))
         except InvalidArgument as e:
             return 400, _error("Bad request", str(e))
@@ -98,7 +100,7 @@ class App:
 
     async def _cluster(self, path: str) -> tuple[int, Html]:
         if self.cluster is None:
-            return 200, cluster.disabled()
+            return 200, cluster_pages.disabled()
         if path == "/cluster":
             return 200, await self.cluster.nodes()
         node = path.removeprefix("/cluster/node/")
