@@ -10,7 +10,8 @@ the owner's approval) and keeps running. SIGINT or SIGTERM stops everything
 
 ``metropolis owner --root NODE_ROOT --owner-key FILE`` then ``nodes``,
 ``approve NODE``, ``set-roles NODE [--consensus-member on|off]
-[--kubernetes-controller on|off]``, ``ticket`` or ``info [--out FILE]``:
+[--kubernetes-controller on|off]``, ``tree NODE``, ``ticket`` or ``info
+[--out FILE]``:
 the owner's calls (:mod:`metropolis.owner`).
 """
 
@@ -28,7 +29,7 @@ from metropolis import identity, pki
 from metropolis.consensus.process import Tuning
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
-from metropolis.owner import format_table, load_owner_key, open_owner
+from metropolis.owner import format_table, format_tree, load_owner_key, open_owner
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
 from metropolis.roleserve.node import RoleServer
@@ -102,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     roles.add_argument("node", help="node ID (or a unique prefix)")
     roles.add_argument("--consensus-member", choices=["on", "off"])
     roles.add_argument("--kubernetes-controller", choices=["on", "off"])
+    tree = calls.add_parser("tree", help="a node's supervision tree, from the node")
+    tree.add_argument("node", help="node ID (or a unique prefix)")
     calls.add_parser("ticket", help="print the register ticket (hex)")
     info = calls.add_parser("info", help="cluster directory and CA")
     info.add_argument("--out", type=Path, help="write them for 'node register --cluster'")
@@ -149,6 +152,9 @@ async def _owner(args: argparse.Namespace) -> None:
                 consensus_member=_onoff(args.consensus_member),
                 kubernetes_controller=_onoff(args.kubernetes_controller),
             )
+        elif args.action == "tree":
+            tree = await owner.supervision_tree(await owner.row(args.node))
+            sys.stdout.write(format_tree(tree) + "\n")
         elif args.action == "ticket":
             sys.stdout.write((await owner.ticket()).hex() + "\n")
         else:

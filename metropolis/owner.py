@@ -45,6 +45,7 @@ __all__ = [
     "OwnerAccess",
     "OwnerError",
     "format_table",
+    "format_tree",
     "load_owner",
     "open_owner",
     "role_names",
@@ -112,11 +113,15 @@ class Owner:
                 )
         return sorted(rows, key=lambda r: r.node_id)
 
-    async def _public_key(self, node: str) -> bytes:
+    async def row(self, node: str) -> NodeRow:
+        """The node ``node`` (its ID or a prefix of it); :class:`OwnerError` if none."""
         for row in await self.nodes():
             if row.node_id == node or row.node_id.startswith(node):
-                return row.public_key
+                return row
         raise OwnerError(f"no node {node}")
+
+    async def _public_key(self, node: str) -> bytes:
+        return (await self.row(node)).public_key
 
     async def approve(self, node: str) -> None:
         key = await self._public_key(node)
@@ -207,6 +212,15 @@ def load_owner_key(path: Path) -> Ed25519PrivateKey:
         return pki.decode_private_key(path.read_bytes())
     except (OSError, pki.PKIError) as e:
         raise OwnerError(f"cannot read the owner key {path}: {e}") from e
+
+
+def format_tree(tree: m.GetSupervisionTreeResponse) -> str:
+    """A node's supervision tree: dotted name, state, restarts, last error."""
+    lines = [f"{'RUNNABLE':<48} {'STATE':<9} {'RESTARTS':>8}  LAST ERROR"]
+    for r in tree.runnables:
+        state = m.SupervisedRunnableState(r.state).name
+        lines.append(f"{r.name:<48} {state:<9} {r.restarts:>8}  {r.last_error or '-'}")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[NodeRow]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import sys
 from pathlib import Path
 
 import httpx
@@ -130,6 +131,17 @@ async def test_debug_service_answers_only_the_owner(tmp_path: Path) -> None:
                 tree = await client.unary(methods.GET_SUPERVISION_TREE, request)
             assert tree.node_id == credentials.node_id
             assert "root.role.debug" in [r.name for r in tree.runnables]
+            # The same through the owner's CLI.
+            result = await trio.run_process(
+                [
+                    *(sys.executable, "-m", "metropolis", "owner", "--root", str(root.path)),
+                    *("--owner-key", str(tmp_path / "owner.pem"), "tree", credentials.node_id[:20]),
+                ],
+                capture_stdout=True,
+            )
+            lines = result.stdout.decode().splitlines()
+            assert lines[0].split() == ["RUNNABLE", "STATE", "RESTARTS", "LAST", "ERROR"]
+            assert {"root.role.debug", CURATOR} <= {line.split()[0] for line in lines[1:]}
 
             # A node certificate of the same cluster is not the owner's.
             as_node = client_context(
