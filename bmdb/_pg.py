@@ -31,28 +31,32 @@ tests exercise them, so an incompatible psycopg fails them loudly).
 
 Cancellation: when the calling Trio scope is cancelled while a statement
 runs, `PgConnection.execute` raises a plain `trio.Cancelled` (never an
-exception group) after making sure the statement is not running on the
-server, all under a shield bounded by `ABORT_TIMEOUT`:
+exception group) once the statement is known not to run on the server any
+more, all under a shield, each step with its own bound:
 
 1. If the statement is still being sent (libpq is flushing a message larger
-   than the socket buffers), the send is finished first. A half-sent message
-   would leave the protocol out of step, and the server drops a cancel request
-   that arrives while it is still reading the statement: it is idle then, and
-   "query cancel is supposed to be a no-op when there is no query in
-   progress" (PostgreSQL's ``postgres.c``).
-2. A cancel request goes to the server (libpq's ``PQcancelStart`` driven by
+   than the socket buffers), the send is finished first (`ABORT_TIMEOUT`). A
+   half-sent message would leave the protocol out of step.
+2. Cancel requests go to the server (libpq's ``PQcancelStart`` driven by
    Trio when libpq >= 17, else psycopg's blocking ``cancel`` in a thread),
-   and we read until the server has answered. The server may still be
-   reading the tail of the statement from its socket when the first request
-   arrives, which drops it; so the request is repeated, at growing intervals
-   (`CANCEL_RETRY`), until the answer comes.
+   repeated at growing intervals (`CANCEL_RETRY`) until the statement's
+   result arrives on the connection (the error ``query_canceled``, or its
+   normal end), for at most `CANCEL_TIMEOUT`. Repeating is what makes this
+   work: the server drops a request that arrives before it has started the
+   statement (while it still reads or parses a large one), as "query cancel
+   is supposed to be a no-op when there is no query in progress"
+   (PostgreSQL's ``postgres.c``); a request that the server answered is not
+   one that cancelled anything.
+3. If either bound passes, the connection is closed (so `reusable` is false
+   and the pool discards it). A backend notices a closed socket only when it
+   next reads or writes, so one still running the statement would go on
+   (``pg_sleep(600)`` for ten minutes): we connect anew and end it with
+   ``pg_terminate_backend``, and wait until it is gone
+   (`TERMINATE_TIMEOUT`; if the server refuses, a warning says so).
 
-The connection is then idle or in a failed transaction, never mid-statement;
-if that cannot be reached in time, the connection is closed (the server ends
-the backend when it reads the end of the stream). Either way `reusable`
-tells the pool the truth. Opening a connection runs psycopg's blocking
-``connect`` in a worker thread (abandoned, and the connection discarded, if
-cancelled).
+Without a cancel, nothing of this runs. Opening a connection runs psycopg's
+blocking ``connect`` in a worker thread (abandoned, and the connection
+discarded, if cancelled).
 
 Errors: a lost or unreachable server, and any `psycopg.Error` at connect (a
 malformed URL too), become `DatabaseUnavailable` with a one-line message
@@ -100,13 +104,23 @@ MAX_PREPARED = 256
 #: Seconds allowed to establish a connection before it counts as unavailable.
 CONNECT_TIMEOUT = 5
 
-#: Seconds allowed to cancel a running query and drain its answer (and to
-#: roll back) before the connection is given up.
+#: Seconds allowed to finish sending a statement cancelled mid-send, and to
+#: roll back, before the connection is given up (module docstring, step 1).
 ABORT_TIMEOUT = 5.0
 
+#: Seconds, once a cancelled statement is sent, that cancel requests are
+#: repeated waiting for its result before the connection is given up
+#: (step 2). Loaded or not, a server answers within milliseconds of the first
+#: request that finds the statement started; this bounds a server that never
+#: does (one not reading its cancel port, a statement that ignores cancels).
+CANCEL_TIMEOUT = 3.0
+
 #: Seconds between repeated cancel requests for one statement: the first, then
-#: doubling up to the second (see the module docstring, step 2).
-CANCEL_RETRY = (0.05, 1.0)
+#: doubling up to the second (step 2).
+CANCEL_RETRY = (0.05, 0.5)
+
+#: Seconds allowed to end the backend of a connection given up on (step 3).
+TERMINATE_TIMEOUT = 5.0
 
 
 class PgConnection:
@@ -117,8 +131,11 @@ class PgConnection:
     ensures it).
     """
 
-    def __init__(self, conn: psycopg.Connection[Row]) -> None:
+    def __init__(self, conn: psycopg.Connection[Row], conninfo: str) -> None:
         self._conn = conn
+        #: To reach the server again, to end this connection's backend if a
+        #: cancelled statement will not stop (see `_abort`).
+        self._conninfo = conninfo
         self._pgconn = conn.pgconn
         self._encoding = conn.info.encoding
         # One adapter context for every statement: it caches the dumpers and
@@ -151,7 +168,7 @@ class PgConnection:
         except psycopg.Error as e:
             reason = _without_password(_one_line(e), conninfo)
         else:
-            return cls(conn)
+            return cls(conn, conninfo)
         raise DatabaseUnavailable(f"cannot connect to the BMDB: {reason}")
 
     def begin(self, isolation: str) -> None:
@@ -179,8 +196,12 @@ class PgConnection:
         ``COMMIT``).
 
         Raises `DatabaseUnavailable` if the connection is lost, a
-        `psycopg.Error` for errors reported by the server, and `trio.Cancelled`
-        when cancelled (the query is then cancelled on the server too).
+        `psycopg.Error` for errors reported by the server, and a plain
+        `trio.Cancelled` when cancelled, also mid-send: only once the
+        statement does not run on the server any more, within a few seconds
+        (`ABORT_TIMEOUT`, `CANCEL_TIMEOUT`, `TERMINATE_TIMEOUT`, see the
+        module docstring); the connection is then idle (or in a failed
+        transaction), or closed.
         """
         if self._conn.closed:
             raise DatabaseUnavailable("the BMDB connection is closed")
@@ -278,38 +299,69 @@ class PgConnection:
             return value
 
     async def _abort(self, gen: Generator[Wait, Ready, Any], fileno: int, state: Wait) -> None:
-        """Finish sending, cancel the statement on the server until it
-        answers, and drain the generator, so that the connection is not left
-        mid-statement (see the module docstring). Shielded, bounded by
-        `ABORT_TIMEOUT`; closes the connection if that is not enough. Never
-        raises."""
-        with trio.CancelScope(shield=True) as scope:
-            scope.relative_deadline = ABORT_TIMEOUT
+        """Finish sending, cancel the statement on the server until its
+        result arrives, and drain the generator, so that the connection is
+        not left mid-statement; if that takes too long, close the connection
+        and end its backend (steps 1-3 of the module docstring). Shielded
+        and bounded; never raises."""
+        with trio.CancelScope(shield=True):
+            pid = self._pgconn.backend_pid
+            ended = False
             try:
                 # psycopg's generators wait for R/W only while flushing, and
                 # for R alone once everything is sent.
-                while state != Wait.R:
-                    state = gen.send(await _wait(fileno, state))
-                interval, longest = CANCEL_RETRY
-                while True:
-                    if self._pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
-                        await self._request_cancel()
-                    with trio.move_on_after(interval):
-                        while True:
-                            state = gen.send(await _wait(fileno, state))
-                    interval = min(2 * interval, longest)
+                with trio.move_on_after(ABORT_TIMEOUT):
+                    while state != Wait.R:
+                        state = gen.send(await _wait(fileno, state))
+                if state == Wait.R:
+                    with trio.move_on_after(CANCEL_TIMEOUT):
+                        ended = await self._cancel_until_ended(gen, fileno, state)
             except StopIteration:
-                pass
+                ended = True
             except (psycopg.Error, OSError) as e:
                 # QueryCanceled is the expected answer; it comes as a result,
-                # so anything raised here means the connection is in trouble.
+                # so anything raised here means the connection is lost.
                 logger.debug("aborted statement ended with: %s", _first_line(e))
-        if scope.cancelled_caught or self._conn.pgconn.transaction_status in (
-            pq.TransactionStatus.ACTIVE,
-            pq.TransactionStatus.UNKNOWN,
-        ):
-            logger.warning("could not abort a cancelled statement in time: closing the connection")
+                self._conn.close()
+                return
+            if ended and self._pgconn.transaction_status not in (
+                pq.TransactionStatus.ACTIVE,
+                pq.TransactionStatus.UNKNOWN,
+            ):
+                return
+            logger.warning(
+                "a cancelled statement did not end in time: closing its connection"
+                " and terminating its backend (pid %d)",
+                pid,
+            )
             self._conn.close()
+            await _terminate_backend(self._conninfo, pid)
+
+    async def _cancel_until_ended(
+        self, gen: Generator[Wait, Ready, Any], fileno: int, state: Wait
+    ) -> bool:
+        """Send cancel requests at growing intervals (`CANCEL_RETRY`) while
+        reading the statement's result; True once it has all arrived.
+
+        Not bounded by itself (`_abort` bounds it). A request that fails to
+        be sent is logged and tried again at the next interval. Raises what
+        ``gen`` raises when the connection is lost.
+        """
+        interval, longest = CANCEL_RETRY
+        try:
+            while True:
+                if self._pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+                    try:
+                        await self._request_cancel()
+                    except psycopg.OperationalError as e:
+                        logger.debug("cancel request failed: %s", _first_line(e))
+                with trio.move_on_after(interval):
+                    while True:
+                        state = gen.send(await _wait(fileno, state))
+                interval = min(2 * interval, longest)
+        except StopIteration:
+            # Caught here: a StopIteration may not leave a coroutine.
+            return True
 
     async def _request_cancel(self) -> None:
         """Send the server one cancel request for this connection and wait
@@ -374,6 +426,45 @@ class PgConnection:
             self._conn.close()
         except (psycopg.Error, OSError) as e:
             logger.debug("closing connection failed: %s", e)
+
+
+async def _terminate_backend(conninfo: str, pid: int) -> None:
+    """End backend ``pid`` if it still runs a statement, from a new
+    connection, and wait until it is gone.
+
+    For a connection we closed while its statement ran: the backend would
+    notice only when it next reads or writes the socket. One that is not
+    running a statement (still reading a half-sent one, say) ends by itself
+    on reading the end of the stream; we wait for that too. Bounded by
+    `TERMINATE_TIMEOUT`; never raises: a failure (the server refuses, or is
+    unreachable) is logged as a warning, and the backend then lives until
+    its statement ends.
+    """
+    with trio.move_on_after(TERMINATE_TIMEOUT) as scope:
+        try:
+            observer = await PgConnection.connect(conninfo)
+        except DatabaseUnavailable as e:
+            logger.warning("cannot terminate backend %d: %s", pid, e)
+            return
+        try:
+            while True:
+                # A row while the backend exists; terminated only while it
+                # runs a statement (pg_stat_activity's snapshot is per
+                # transaction, and each of these is one).
+                alive = await observer.execute(
+                    """SELECT CASE WHEN state = 'active' THEN pg_terminate_backend(pid) END
+                       FROM pg_stat_activity WHERE pid = %s""",
+                    (pid,),
+                )
+                if not alive:
+                    break
+                await trio.sleep(0.02)
+        except (psycopg.Error, DatabaseUnavailable) as e:
+            logger.warning("cannot terminate backend %d: %s", pid, _first_line(e))
+        finally:
+            await observer.close()
+    if scope.cancelled_caught:
+        logger.warning("backend %d did not end within %s s", pid, TERMINATE_TIMEOUT)
 
 
 def _check(results: list[PGresult], encoding: str) -> None:

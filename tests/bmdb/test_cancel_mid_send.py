@@ -4,9 +4,18 @@ The statements here are larger than the socket buffers, so libpq cannot send
 them in one go and the driver waits for the socket (`bmdb._pg._wait` with
 ``Wait.RW``). A spy on that wait cancels the caller exactly then, with the
 statement half sent. The server ignores a cancel request while it is still
-reading a statement, so a driver that sends one at once (or none) leaves the
-statement running there; these tests fail on that, on an exception group
-instead of a plain `trio.Cancelled`, and on a connection left unusable.
+reading a statement (or parsing it: it has not started then), so a driver
+that sends one at once (or none) leaves the statement running there; these
+tests fail on that, on an exception group instead of a plain
+`trio.Cancelled`, and on a connection left unusable.
+
+Whether the driver's first cancel request lands before or after the server
+started the statement is a race (the server reads the tail of a 32 MB
+statement from its socket buffer and parses it, slowly under load). The
+tests without `DropCancels` leave it to chance, with bounds generous enough
+for a loaded machine (`generous_bounds`); those with it decide it: the first
+requests, or all of them, are dropped, as the server drops a request that
+arrives too early.
 """
 
 from __future__ import annotations
@@ -20,11 +29,43 @@ from psycopg.waiting import Ready, Wait
 import bmdb
 from bmdb import _pg
 from bmdb._pg import PgConnection
+from bmdb.errors import DatabaseUnavailable
 
 #: Larger than the loopback socket buffers (a few MB) many times over.
 BLOB = b"\x01" * (32 << 20)
 #: Long enough to be still running when the test looks, were it not cancelled.
 SLEEP = 600
+
+
+@pytest.fixture(autouse=True)
+def generous_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounds of the abort far above what a loaded machine needs: sending
+    32 MB took up to 5 s on two busy cores, which the driver's own bound
+    (`bmdb._pg.ABORT_TIMEOUT`) would cut short by closing the connection,
+    a legitimate outcome but not the one most of these tests look at."""
+    monkeypatch.setattr(_pg, "ABORT_TIMEOUT", 30.0)
+    monkeypatch.setattr(_pg, "CANCEL_TIMEOUT", 30.0)
+
+
+class DropCancels:
+    """Drops the driver's first ``drop`` cancel requests (all if None), as
+    the server drops those that arrive before the statement started; counts
+    the requests dropped and sent."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, drop: int | None) -> None:
+        self.dropped = 0
+        self.sent = 0
+        real = PgConnection._request_cancel
+
+        async def hook(pg: PgConnection) -> None:
+            if drop is None or self.dropped < drop:
+                self.dropped += 1
+                await trio.lowlevel.checkpoint()
+                return
+            self.sent += 1
+            await real(pg)
+
+        monkeypatch.setattr(PgConnection, "_request_cancel", hook)
 
 
 class CancelMidSend:
@@ -92,7 +133,7 @@ async def test_cancel_mid_send_on_one_connection(
                 async def statement() -> object:
                     return await pg.execute(query, (SLEEP, BLOB))
             else:
-                text = f"SELECT pg_sleep({SLEEP}), length('{'x' * len(BLOB)}')"
+                text = simple_sleep()
 
                 async def statement() -> object:
                     return await pg.execute(text)
@@ -126,3 +167,80 @@ async def test_cancel_mid_send_through_the_pool(
             assert_plain_cancelled(await spy.run(statement), spy)
             assert await running_sleeps(bmdb_url) == []
             assert await conn.transact(lambda q: q.sessions()) == []
+
+
+def simple_sleep() -> str:
+    """A simple-protocol statement larger than the socket buffers that
+    sleeps for `SLEEP` seconds."""
+    return f"SELECT pg_sleep({SLEEP}), length('{'x' * len(BLOB)}')"
+
+
+async def test_cancel_repeated_until_the_statement_ends(
+    bmdb_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first cancel requests are lost (they arrived, say, while the
+    server still parsed the statement): the driver must go on asking until
+    the statement's result arrives, not stop at the first request the server
+    answered. Cancelled on the server, the connection stays usable."""
+    pg = await PgConnection.connect(bmdb_url)
+    try:
+        with trio.fail_after(60):
+            drops = DropCancels(monkeypatch, drop=3)
+            spy = CancelMidSend(monkeypatch)
+            text = simple_sleep()
+            assert_plain_cancelled(await spy.run(lambda: pg.execute(text)), spy)
+            assert drops.dropped == 3
+            assert drops.sent >= 1
+            assert await running_sleeps(bmdb_url) == []
+            assert pg.reusable
+            assert await pg.execute("SELECT %s::int", (7,)) == [(7,)]
+    finally:
+        await pg.close()
+
+
+async def test_cancel_never_taken_closes_and_ends_the_statement(
+    bmdb_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every cancel request is lost: past `CANCEL_TIMEOUT` the driver gives
+    the connection up. Closing its socket alone would leave the backend
+    sleeping for `SLEEP` seconds (it notices only when it next reads or
+    writes); the statement must not be running when `Cancelled` is raised."""
+    monkeypatch.setattr(_pg, "CANCEL_TIMEOUT", 0.5)
+    pg = await PgConnection.connect(bmdb_url)
+    try:
+        with trio.fail_after(60):
+            drops = DropCancels(monkeypatch, drop=None)
+            spy = CancelMidSend(monkeypatch)
+            text = simple_sleep()
+            assert_plain_cancelled(await spy.run(lambda: pg.execute(text)), spy)
+            assert drops.dropped >= 1
+            assert await running_sleeps(bmdb_url) == []
+            assert not pg.reusable
+            with pytest.raises(DatabaseUnavailable):
+                await pg.execute("SELECT 1")
+    finally:
+        await pg.close()
+
+
+async def test_cancel_never_taken_through_the_pool(
+    bmdb_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, in a transaction of the pool: the pool does not hand out
+    the given-up connection again; the next transaction gets a new one."""
+    monkeypatch.setattr(_pg, "CANCEL_TIMEOUT", 0.5)
+    async with bmdb.open_connection(bmdb_url, max_connections=1) as conn:
+        [[first_pid]] = await conn.transact(lambda q: q.execute("SELECT pg_backend_pid()"))
+
+        async def body(q: bmdb.Queries) -> object:
+            return await q.execute("SELECT pg_sleep(%s), length(%s::bytea)", (SLEEP, BLOB))
+
+        async def statement() -> object:
+            return await conn.transact(body)
+
+        with trio.fail_after(60):
+            DropCancels(monkeypatch, drop=None)
+            spy = CancelMidSend(monkeypatch)
+            assert_plain_cancelled(await spy.run(statement), spy)
+            assert await running_sleeps(bmdb_url) == []
+            [[pid]] = await conn.transact(lambda q: q.execute("SELECT pg_backend_pid()"))
+            assert pid != first_pid
