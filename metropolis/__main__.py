@@ -3,9 +3,11 @@
 ``metropolis node bootstrap --root DIR --address HOST --owner-key-out FILE
 [--insecure-seal]`` creates a cluster with this node as its first member and
 keeps running; ``metropolis node run --root DIR`` restarts a node from its
-saved state; ``metropolis node register --root DIR --ticket HEX --cluster
-FILE --address HOST --insecure-seal`` joins an existing cluster (waiting for
-the owner's approval) and keeps running. SIGINT or SIGTERM stops everything
+saved state (finishing a registration a crash interrupted); ``metropolis
+node register --root DIR --ticket HEX --cluster FILE --address HOST
+--insecure-seal`` joins an existing cluster (waiting for the owner's
+approval) and keeps running; run again on the same root after a crash, it
+resumes the saved registration. SIGINT or SIGTERM stops everything
 (etcd included) and exits 0.
 
 ``metropolis owner --root NODE_ROOT --owner-key FILE`` then ``nodes``,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -34,7 +37,7 @@ from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
 from metropolis.roleserve.node import RoleServer
 from metropolis.roleserve.register import register
-from metropolis.roleserve.values import BootstrapData
+from metropolis.roleserve.values import BootstrapData, RegisterIntent
 from metropolis.supervisor import Node, supervise
 
 log = logging.getLogger("metropolis.cli")
@@ -167,18 +170,36 @@ async def _owner(args: argparse.Namespace) -> None:
                 sys.stdout.write(f"{identity.node_id(node.public_key)} {hosts}\n")
 
 
-async def _register_and_run(args: argparse.Namespace) -> None:
+def _fresh(root: Root) -> bool:
+    """Whether ``root`` holds nothing but an interrupted start of a registration.
+
+    Empty directories of the layout and settings alone are left by a crash
+    before the register intent was saved: nothing reached the cluster, so
+    registering again may start over.
+    """
+    for directory, _, files in os.walk(root.path):
+        for name in files:
+            if Path(directory, name) != disk.settings_path(root):
+                return False
+    return True
+
+
+def _prepare_register(args: argparse.Namespace) -> Root:
+    """Save settings and a register intent, or find the intent a crash left; the root."""
     if not args.insecure_seal:
         raise MetropolisError("no TPM support: pass --insecure-seal to store secrets in plain text")
-    heartbeat, election = (int(x) for x in args.raft_tuning.split(","))
     root = Root(args.root.resolve())
-    if root.path.exists() and any(root.path.iterdir()):
+    if disk.register_path(root).exists():
+        log.info("resuming the registration saved in %s (with its keys and ticket)", root.path)
+        return root
+    if root.path.exists() and not _fresh(root):
         raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
     try:
         cluster = GetClusterInfoResponse.parse(args.cluster.read_bytes())
         ticket = bytes.fromhex(args.ticket)
     except (OSError, ValueError) as e:
         raise MetropolisError(f"cannot read the ticket or cluster file: {e}") from e
+    heartbeat, election = (int(x) for x in args.raft_tuning.split(","))
     settings = disk.NodeSettings(
         address=args.address,
         peer_port=args.peer_port,
@@ -187,36 +208,36 @@ async def _register_and_run(args: argparse.Namespace) -> None:
         tuning=Tuning(heartbeat, election),
         insecure_seal=True,
     )
+    disk.save_register_intent(root, settings, RegisterIntent.generate(ticket, cluster))
+    return root
+
+
+async def _run_node(root: Root) -> None:
+    """Finish a saved registration if there is one, then run the node; until a signal."""
+    saved = disk.load(root)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal() -> None:
-                async for _ in signals:
+                async for signum in signals:
+                    log.info("%s: stopping", signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
+                    return
 
             nursery.start_soon(stop_on_signal)
-            await register(root, settings, cluster, ticket)
-            nursery.cancel_scope.cancel()
-    if disk.settings_path(root).exists():
-        await _run_node(root)
+            if saved.register is not None:
+                await register(root, saved.settings, saved.register)
+                saved = disk.load(root)
+            # An intent a crash left beside the credentials is done with.
+            await trio.to_thread.run_sync(disk.drop_finished_intents, root)
+            server = RoleServer(root, saved)
 
+            async def main(node: Node) -> None:
+                node.run("role", server.run)
+                node.signal_healthy()
+                await trio.sleep_forever()
 
-async def _run_node(root: Root) -> None:
-    saved = disk.load(root)
-    server = RoleServer(root, saved)
-
-    async def main(node: Node) -> None:
-        node.run("role", server.run)
-        node.signal_healthy()
-        await trio.sleep_forever()
-
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
             nursery.start_soon(supervise, main)
-            async for signum in signals:
-                log.info("%s: stopping", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,17 +252,35 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "owner":
             trio.run(_owner, args)
-        elif args.action == "register":
-            trio.run(_register_and_run, args)
         else:
-            root = _bootstrap(args) if args.action == "bootstrap" else Root(args.root.resolve())
-            if args.action == "run":
-                disk.load(root)  # fail before starting anything
+            if args.action == "register":
+                root = _prepare_register(args)
+            elif args.action == "bootstrap":
+                root = _bootstrap(args)
+            else:
+                root = Root(args.root.resolve())
+            disk.load(root)  # fail before starting anything
             trio.run(_run_node, root)
     except MetropolisError as e:
         log.error("%s", e)
         return 2
+    except BaseExceptionGroup as group:
+        # Errors from inside the node's nursery (a refused registration):
+        # one line each, like any other error of ours, not a traceback.
+        ours, rest = group.split(MetropolisError)
+        if ours is None or rest is not None:
+            raise
+        for error in _leaves(ours):
+            log.error("%s", error)
+        return 2
     return 0
+
+
+def _leaves(group: BaseExceptionGroup[MetropolisError]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for error in group.exceptions:
+        leaves += _leaves(error) if isinstance(error, BaseExceptionGroup) else [error]
+    return leaves
 
 
 if __name__ == "__main__":

@@ -25,15 +25,14 @@ here fails on it.
 from __future__ import annotations
 
 import functools
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import trio
 from cryptography import x509
 
 from metropolis import consensus, identity, pki
+from metropolis.crashpoint import CRASH_ENV, crash_point
 from metropolis.curator.bootstrap import bootstrap_cluster
 from metropolis.curator.service import Curator
 from metropolis.curator.state import CA_KEY_KEY, CuratorError
@@ -65,15 +64,6 @@ from metropolis.roleserve.values import BootstrapData, ClusterMembership, join_k
 from metropolis.supervisor import Node, Scope
 
 __all__ = ["CRASH_ENV", "ControlPlaneWorker"]
-
-#: Test hook: the name of a bootstrap step at which the node SIGKILLs itself.
-CRASH_ENV = "METROPOLIS_TEST_CRASH_AT"
-
-
-def _crash_point(step: str) -> None:
-    """Die here, as a power cut would, if the test hook names ``step``."""
-    if os.environ.get(CRASH_ENV) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class ControlPlaneWorker:
@@ -265,7 +255,7 @@ class ControlPlaneWorker:
         )
         node.logger.info("bootstrapping: cluster created in etcd; saving credentials")
         await self._issue_owner_certificate(status, result.ca_certificate, data.initial_owner_key)
-        _crash_point("after-bootstrap-cluster")
+        crash_point("after-bootstrap-cluster")
         credentials = NodeCredentials(
             data.node_private_key, result.node_certificate, result.ca_certificate
         )

@@ -5,6 +5,8 @@ In ``<root>/data/node/`` (owner-only), beside the credentials::
     settings.json    address, peer port, raft timing, sealing mode   written first
     bootstrap.json   the bootstrap intent: node key, join key, unlock keys, owner
                      (present only until the bootstrap has finished)
+    register.json    the register intent: node key, join key, unlock keys, ticket,
+                     cluster CA and directory (present only until committed)
     roles.pb         the node's roles, as last received
     credentials/     written last by a bootstrap: their presence means done
 
@@ -13,6 +15,14 @@ bootstrap saves roles, directory and sealed configuration, then the
 credentials, then removes the intent, so a node restarts from whatever a
 crash left: credentials -> run; intent without credentials -> resume the
 bootstrap (it is idempotent); neither -> a half-written root, refused.
+
+A registering node (``node register``) writes its settings, then its
+register intent, before it calls the cluster, and finishes like a bootstrap
+(credentials last, then the intent goes). A crash leaves settings alone
+(nothing was sent: registering again starts over), or an intent (register
+and commit are idempotent for the same keys: ``run`` or ``register``
+resumes with them), or credentials (done). No crash can give the node keys
+other than the ones the cluster knows it by.
 """
 
 from __future__ import annotations
@@ -23,25 +33,30 @@ from pathlib import Path
 
 from metropolis import pki
 from metropolis.consensus.process import Tuning
+from metropolis.crashpoint import crash_point
 from metropolis.errors import MetropolisError
 from metropolis.identity import CredentialsError, NodeCredentials
 from metropolis.localstorage import LocalStorageError, Root, atomic_write, make_durable
 from metropolis.proto.common import ClusterDirectory, NodeRoles
+from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.proto.private import SealedConfiguration
-from metropolis.roleserve.values import BootstrapData
+from metropolis.roleserve.values import BootstrapData, RegisterIntent
 
 __all__ = [
     "NodeRootError",
     "NodeSettings",
     "SavedNode",
     "bootstrap_path",
+    "drop_finished_intents",
     "finish_bootstrap",
     "load",
     "owner_certificate_path",
+    "register_path",
     "roles_path",
-    "save_registered",
+    "save_register_intent",
     "save_roles",
     "save_settings_and_intent",
+    "settings_path",
 ]
 
 
@@ -77,6 +92,10 @@ def settings_path(root: Root) -> Path:
 
 def bootstrap_path(root: Root) -> Path:
     return root.data.path / "node" / "bootstrap.json"
+
+
+def register_path(root: Root) -> Path:
+    return root.data.path / "node" / "register.json"
 
 
 def roles_path(root: Root) -> Path:
@@ -118,33 +137,52 @@ def _settings_json(settings: NodeSettings) -> bytes:
     ).encode()
 
 
-def save_registered(
-    root: Root,
-    settings: NodeSettings,
-    *,
-    directory: ClusterDirectory,
-    sealed: SealedConfiguration,
-    credentials: NodeCredentials,
-) -> None:
-    """Persist a node that registered and committed; credentials last (they mean done).
+def save_register_intent(root: Root, settings: NodeSettings, intent: RegisterIntent) -> None:
+    """Persist the settings, then the register intent (fsynced), before any call to the cluster.
 
-    Refuses (:class:`NodeRootError`) a root that already holds a node. A
-    crash before the credentials leaves a half-written root that :func:`load`
-    refuses; registering again with new keys is the way on (the old
-    registration stays in the cluster as a NEW/STANDBY node). Blocking I/O.
+    Refuses (:class:`NodeRootError`) a root that holds a node or an intent.
+    Settings without an intent (a crash in between) are overwritten: nothing
+    had been sent to the cluster yet. Blocking I/O.
     """
-    if settings_path(root).exists() or root.data.node_credentials.all_present():
+    if (
+        root.data.node_credentials.all_present()
+        or bootstrap_path(root).exists()
+        or register_path(root).exists()
+    ):
         raise NodeRootError(f"{root.path} already holds a node; use 'run'")
     root.create()
+    raw = {
+        "node_private_key": pki.encode_private_key(intent.node_private_key, pki.Encoding.DER).hex(),
+        "join_private_key": pki.encode_private_key(intent.join_private_key, pki.Encoding.DER).hex(),
+        "cluster_unlock_key": intent.cluster_unlock_key.hex(),
+        "node_unlock_key": intent.node_unlock_key.hex(),
+        "ticket": intent.ticket.hex(),
+        "cluster": bytes(intent.cluster).hex(),
+    }
+    # Settings first: an intent must always find its settings, and settings
+    # alone are harmless (nothing reached the cluster).
     atomic_write(settings_path(root), _settings_json(settings))
-    finish_bootstrap(
-        root,
-        settings,
-        roles=NodeRoles(),
-        directory=directory,
-        sealed=sealed,
-        credentials=credentials,
-    )
+    crash_point("register-after-settings")
+    atomic_write(register_path(root), json.dumps(raw).encode())
+    crash_point("register-after-intent")
+
+
+def _load_register_intent(root: Root) -> RegisterIntent:
+    try:
+        raw = json.loads(register_path(root).read_bytes())
+        return RegisterIntent(
+            node_private_key=pki.decode_private_key(bytes.fromhex(raw["node_private_key"])),
+            join_private_key=pki.decode_private_key(bytes.fromhex(raw["join_private_key"])),
+            cluster_unlock_key=bytes.fromhex(raw["cluster_unlock_key"]),
+            node_unlock_key=bytes.fromhex(raw["node_unlock_key"]),
+            ticket=bytes.fromhex(raw["ticket"]),
+            cluster=GetClusterInfoResponse.parse(bytes.fromhex(raw["cluster"])),
+        )
+    # betterproto2 raises assorted errors on bad input, hence the broad catch.
+    except Exception as e:
+        raise NodeRootError(
+            f"{register_path(root)} is damaged ({e}); remove {root.path} and register again"
+        ) from e
 
 
 def owner_certificate_path(root: Root) -> Path:
@@ -158,13 +196,15 @@ def save_roles(root: Root, roles: NodeRoles) -> None:
 
 @dataclass(frozen=True)
 class SavedNode:
-    """What :func:`load` found: settings, and either a finished node or a bootstrap."""
+    """What :func:`load` found: settings, and a finished node, a bootstrap or a registration."""
 
     settings: NodeSettings
     bootstrap: BootstrapData | None
     credentials: NodeCredentials | None
     directory: ClusterDirectory | None
     roles: NodeRoles | None
+    #: A registration to resume (no credentials yet).
+    register: RegisterIntent | None = None
 
 
 def load(root: Root) -> SavedNode:
@@ -184,7 +224,8 @@ def load(root: Root) -> SavedNode:
         )
     except FileNotFoundError:
         raise NodeRootError(
-            f"{root.path} is not a node's root (no {settings_path(root)})"
+            f"{root.path} is not a node's root (no {settings_path(root)}): "
+            "bootstrap or register a node there first"
         ) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise NodeRootError(f"{settings_path(root)} is damaged: {e}") from e
@@ -198,6 +239,8 @@ def load(root: Root) -> SavedNode:
             raise NodeRootError(f"{root.path} is half-written: {e}") from e
         return SavedNode(settings, None, credentials, directory, roles)
 
+    if register_path(root).exists():
+        return SavedNode(settings, None, None, None, None, _load_register_intent(root))
     try:
         intent = json.loads(bootstrap_path(root).read_bytes())
         data = BootstrapData(
@@ -208,12 +251,25 @@ def load(root: Root) -> SavedNode:
             initial_owner_key=bytes.fromhex(intent["initial_owner_key"]),
         )
     except FileNotFoundError:
+        # Only a registration crashed between its settings and its intent
+        # leaves this (a bootstrap saves its intent first): nothing was sent.
         raise NodeRootError(
-            f"{root.path} is half-written: neither credentials nor a bootstrap intent"
+            f"{root.path} is half-written: neither credentials nor an intent (nothing reached "
+            "the cluster): run 'node register' again with the same --root"
         ) from None
     except (OSError, ValueError, KeyError, TypeError, pki.PKIError) as e:
         raise NodeRootError(f"{bootstrap_path(root)} is damaged: {e}") from e
     return SavedNode(settings, data, None, None, None)
+
+
+def drop_finished_intents(root: Root) -> None:
+    """Remove intents a crash left beside the credentials (:func:`load` ignores them).
+
+    Does nothing for a root without credentials. Blocking I/O.
+    """
+    if root.data.node_credentials.all_present():
+        bootstrap_path(root).unlink(missing_ok=True)
+        register_path(root).unlink(missing_ok=True)
 
 
 def finish_bootstrap(
@@ -225,7 +281,7 @@ def finish_bootstrap(
     sealed: SealedConfiguration,
     credentials: NodeCredentials,
 ) -> None:
-    """Persist a finished bootstrap in crash-safe order, then drop the intent.
+    """Persist a finished bootstrap or registration in crash-safe order, then drop the intent.
 
     Blocking I/O (fsync): call it from a worker thread.
     """
@@ -236,8 +292,11 @@ def finish_bootstrap(
     sealed_file = root.esp.sealed_configuration
     sealed_file.seal(sealed, insecure=settings.insecure_seal, durable=False)
     make_durable([roles_path(root), root.esp.cluster_directory, sealed_file.path])
+    crash_point("finish-before-credentials")
     credentials.save(root.data.node_credentials, durable=False)
     make_durable(list(root.data.node_credentials.files()))
+    crash_point("finish-before-intent-removal")
     # Not fsynced: should the intent come back after a power cut, load()
     # prefers the credentials and the intent is ignored.
     bootstrap_path(root).unlink(missing_ok=True)
+    register_path(root).unlink(missing_ok=True)

@@ -1,6 +1,7 @@
 """The role server's inputs and outputs, held in event values.
 
 * :class:`BootstrapData`: set once on the first node of a new cluster.
+* :class:`RegisterIntent`: what a joining node keeps until it is committed.
 * :class:`ClusterMembership`: how this node reaches the cluster: its
   credentials, the cluster directory, and the local consensus and curator
   when it runs them. It is *home* once it has credentials and a directory.
@@ -21,8 +22,15 @@ from metropolis.consensus.service import Service as ConsensusService
 from metropolis.curator.service import Curator
 from metropolis.identity import NodeCredentials
 from metropolis.proto.common import ClusterDirectory, NodeRoles
+from metropolis.proto.management import GetClusterInfoResponse
 
-__all__ = ["BootstrapData", "ClusterMembership", "join_key_bytes", "role_names"]
+__all__ = [
+    "BootstrapData",
+    "ClusterMembership",
+    "RegisterIntent",
+    "join_key_bytes",
+    "role_names",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,42 @@ class BootstrapData:
     @property
     def join_public_key(self) -> bytes:
         return pki.public_key_bytes(self.join_private_key)
+
+
+@dataclass(frozen=True)
+class RegisterIntent:
+    """What a node joining a cluster needs until it is committed (``node register``).
+
+    Saved before the first call to the cluster, so that a node that crashes
+    anywhere in the registration comes back with the same keys: the
+    cluster's record (NEW, STANDBY or UP) stays this node's, and register
+    and commit are idempotent for the same keys.
+    """
+
+    node_private_key: Ed25519PrivateKey
+    join_private_key: Ed25519PrivateKey
+    cluster_unlock_key: bytes
+    node_unlock_key: bytes
+    #: The cluster's register ticket (from ``owner ticket``).
+    ticket: bytes
+    #: The cluster's CA and directory (from ``owner info --out``).
+    cluster: GetClusterInfoResponse
+
+    @classmethod
+    def generate(cls, ticket: bytes, cluster: GetClusterInfoResponse) -> RegisterIntent:
+        """Fresh node and join keys and random unlock keys."""
+        return cls(
+            node_private_key=pki.generate_key(),
+            join_private_key=pki.generate_key(),
+            cluster_unlock_key=os.urandom(32),
+            node_unlock_key=os.urandom(32),
+            ticket=ticket,
+            cluster=cluster,
+        )
+
+    @property
+    def node_public_key(self) -> bytes:
+        return pki.public_key_bytes(self.node_private_key)
 
 
 def join_key_bytes(key: Ed25519PrivateKey) -> bytes:
