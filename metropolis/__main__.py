@@ -72,6 +72,14 @@ def _parser() -> argparse.ArgumentParser:
         help="etcd raft timing (loopback clusters can use 20,200)",
     )
 
+    boot.add_argument(
+        "--status-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="heartbeat: seconds between status pushes (timeout: twice that)",
+    )
+
     run = actions.add_parser("run", help="restart a node from its saved state")
     run.add_argument("--root", type=Path, required=True, help="the node's data directory")
 
@@ -94,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
         "--debug-port", type=int, default=7837, help="debug service port (the owner's view)"
     )
     reg.add_argument("--raft-tuning", default="100,1000", metavar="HEARTBEAT_MS,ELECTION_MS")
+    reg.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS")
 
     owner = commands.add_parser("owner", help="manage the cluster as its owner")
     owner.add_argument("--root", type=Path, required=True, help="a node's data directory")
@@ -130,6 +139,7 @@ def _bootstrap(args: argparse.Namespace) -> Root:
         debug_port=args.debug_port,
         tuning=Tuning(heartbeat, election),
         insecure_seal=True,
+        status_interval=args.status_interval,
     )
     args.owner_key_out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.owner_key_out.resolve(), pki.encode_private_key(owner))
@@ -207,6 +217,7 @@ def _prepare_register(args: argparse.Namespace) -> Root:
         debug_port=args.debug_port,
         tuning=Tuning(heartbeat, election),
         insecure_seal=True,
+        status_interval=args.status_interval,
     )
     disk.save_register_intent(root, settings, RegisterIntent.generate(ticket, cluster))
     return root

@@ -44,6 +44,7 @@ __all__ = [
     "Owner",
     "OwnerAccess",
     "OwnerError",
+    "format_age",
     "format_table",
     "format_tree",
     "load_owner",
@@ -223,13 +224,26 @@ def format_tree(tree: m.GetSupervisionTreeResponse) -> str:
     return "\n".join(lines)
 
 
+def format_age(seconds: float | None) -> str:
+    """``3s ago``, ``4m ago``, ``2h ago``; ``-`` for never."""
+    if seconds is None:
+        return "-"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{int(seconds)}s ago"
+
+
 def format_table(rows: list[NodeRow]) -> str:
-    """The node table: id, address, state, curator (running, or LEADER), roles."""
-    lines = [f"{'NODE':<44} {'ADDRESS':<16} {'STATE':<17} {'CURATOR':<8} ROLES"]
+    """The node table: id, address, state, health, last heartbeat, curator (or LEADER), roles."""
+    lines = [
+        f"{'NODE':<44} {'ADDRESS':<16} {'STATE':<17} {'HEALTH':<17} {'LAST HEARTBEAT':<14} "
+        f"{'CURATOR':<8} ROLES"
+    ]
     for r in rows:
         curator = "LEADER" if r.leader else ("yes" if r.curator else "-")
         lines.append(
-            f"{r.node_id:<44} {r.address or '-':<16} {r.state:<17} "
-            f"{curator:<8} {','.join(r.roles) or '-'}"
+            f"{r.node_id:<44} {r.address or '-':<16} {r.state:<17} {r.health:<17} "
+            f"{format_age(r.since_heartbeat):<14} {curator:<8} {','.join(r.roles) or '-'}"
         )
     return "\n".join(lines)

@@ -25,6 +25,15 @@ Granting ConsensusMember adds an etcd learner; revoking removes the member
 and revokes its etcd peer certificate (:meth:`CuratorAPI.update_node_roles`).
 The cluster CRL (``CRL_KEY``) is followed for the security hook; nothing
 here writes it yet (decommissioning a node is not built).
+Heartbeats: every accepted ``UpdateNodeStatus`` is one (the status push
+repeats itself periodically). The leader stores its own wall-clock time of
+it under ``/heartbeats/<id>`` (a small key apart from the record, so that
+a repeated status does not wake every Watch of the record), and
+``GetNodes`` reports HEALTHY within ``heartbeat_timeout`` of it,
+HEARTBEAT_TIMEOUT after, UNKNOWN if the node never reported or is not UP.
+Kept in etcd, the times survive a change of leader (on another machine
+its clock may differ a little: ages are clamped at zero).
+
 A learner that never starts is removed at the next grant after
 :data:`LEARNER_TIMEOUT`. Not here yet: refreshing a ConsensusMember's peer
 list at send time (the join data stored at grant is sent as is).
@@ -32,8 +41,10 @@ list at send time (the join data stored at grant is sent as is).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -42,14 +53,15 @@ from cryptography import x509
 from metropolis import identity, pki
 from metropolis.consensus import ConsensusError
 from metropolis.consensus import Status as ConsensusStatus
-from metropolis.consensus.client import Compare, Get, Put, RangeResult
+from metropolis.consensus.client import Compare, EtcdError, Get, Put, RangeResult
 from metropolis.curator.bootstrap import node_certificate
-from metropolis.curator.election import ElectionState, Leader, NotLeader
+from metropolis.curator.election import ElectionState, Follower, Leader, NotLeader
 from metropolis.curator.state import (
     CA_CERTIFICATE_KEY,
     CA_KEY_KEY,
     INITIAL_OWNER_KEY,
     CuratorError,
+    heartbeat_key,
     issued_certificate_key,
     join_key_key,
     node_key,
@@ -73,7 +85,7 @@ from metropolis.rpc import CallContext, LeaderHint, Leadership, RPCError, Server
 from metropolis.rpc import api as methods
 from metropolis.rpc.status import Status
 
-__all__ = ["CRL_KEY", "LEARNER_TIMEOUT", "REGISTER_TICKET_KEY", "CuratorAPI"]
+__all__ = ["CRL_KEY", "HEARTBEAT_TIMEOUT", "LEARNER_TIMEOUT", "REGISTER_TICKET_KEY", "CuratorAPI"]
 
 _log = logging.getLogger("metropolis.curator.api")
 
@@ -81,6 +93,9 @@ _log = logging.getLogger("metropolis.curator.api")
 CRL_KEY = b"/cluster-pki/ca/crl"
 #: Seconds a granted node has to start its etcd before a later grant removes it.
 LEARNER_TIMEOUT = 60.0
+#: Seconds without a status update after which a node is HEARTBEAT_TIMEOUT
+#: (Monogon's: twice its 5 s heartbeat interval).
+HEARTBEAT_TIMEOUT = 10.0
 #: The register ticket (curator.RegisterTicket), made on first request.
 REGISTER_TICKET_KEY = b"/global/register_ticket"
 
@@ -101,9 +116,11 @@ class CuratorAPI:
         crl: x509.CertificateRevocationList | None,
         peer_port: int = 7834,
         learner_timeout: float = LEARNER_TIMEOUT,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
     ) -> None:
         self._consensus = consensus
         self._learner_timeout = learner_timeout
+        self._heartbeat_timeout = heartbeat_timeout
         #: Learners this curator added: node ID -> (peer URL, when added).
         self._learners: dict[str, tuple[str, float]] = {}
         self._kv = consensus.curator_client()
@@ -115,6 +132,8 @@ class CuratorAPI:
         self._ca = ca
         self._crl = crl
         self._election: ElectionState | None = None
+        #: The leading curator's host:port when following (for the hint).
+        self._leader_address = ""
 
     @classmethod
     async def load(
@@ -123,6 +142,7 @@ class CuratorAPI:
         *,
         peer_port: int = 7834,
         learner_timeout: float = LEARNER_TIMEOUT,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
     ) -> CuratorAPI:
         """Read owner key, CA and CRL; :class:`CuratorError` if the cluster is missing.
 
@@ -140,6 +160,7 @@ class CuratorAPI:
                 consensus,
                 peer_port=peer_port,
                 learner_timeout=learner_timeout,
+                heartbeat_timeout=heartbeat_timeout,
                 owner_key=InitialOwner.parse(owner.kvs[0].value).public_key,
                 ca=pki.decode_certificate(ca.kvs[0].value),
                 crl=pki.decode_crl(crl.kvs[0].value) if crl.kvs else None,
@@ -162,13 +183,34 @@ class CuratorAPI:
             return Leadership(True)
         if state is None or state.leader is None:
             return Leadership(False)
-        return Leadership(False, LeaderHint(state.leader.node_id))
+        return Leadership(False, LeaderHint(state.leader.node_id, self._leader_address))
 
     async def follow_election(self, election: ReadOnlyValue[ElectionState]) -> None:
         """Keep ``leadership()`` at the election's latest state; runs until cancelled."""
         with election.watch() as watcher:
             while True:
-                self._election = await watcher.get()
+                self._election = state = await watcher.get()
+                self._leader_address = ""
+                if isinstance(state, Follower) and state.leader is not None:
+                    self._leader_address = await self._curator_address(state.leader.node_id)
+
+    async def _curator_address(self, node_id: str) -> str:
+        """``host:port`` of the curator on ``node_id`` as its status says; "" if unknown.
+
+        Sent with UNAVAILABLE, it lets a client whose directory predates
+        that curator reach the leader.
+        """
+        try:
+            found = await self._read(node_id)
+        except (CuratorError, EtcdError) as e:
+            _log.info("leader's address unknown: %s", e)
+            return ""
+        status = found[0].status if found is not None else None
+        if status is None or not status.external_address or status.running_curator is None:
+            return ""
+        host = status.external_address
+        host = f"[{host}]" if ":" in host else host
+        return f"{host}:{status.running_curator.port}"
 
     def _leader(self) -> Leader:
         state = self._election
@@ -179,6 +221,7 @@ class CuratorAPI:
     async def _txn(
         self, compare: list[Compare], success: list[Put], failure: list[Get] | None = None
     ) -> bool:
+        """A leader-guarded txn; whether ``compare`` held. UNAVAILABLE if we no longer lead."""
         try:
             result = await self._leader().txn(self._kv, compare, success, failure or [])
         except NotLeader as e:
@@ -245,13 +288,19 @@ class CuratorAPI:
         if request.status is None:
             raise RPCError(Status.INVALID_ARGUMENT, "status missing")
         status = request.status
-
-        def change(record: Node) -> Node:
-            record.status = status
-            return record
-
-        await self._update(request.node_id, change)
-        return c.UpdateNodeStatusResponse()
+        key = node_key(request.node_id)
+        while True:
+            found = await self._read(request.node_id)
+            if found is None:
+                raise RPCError(Status.NOT_FOUND, f"no node {request.node_id}")
+            record, revision = found
+            # The heartbeat always; the record only when the status changed.
+            writes = [Put(heartbeat_key(request.node_id), str(time.time_ns()).encode())]
+            if record.status != status:
+                record.status = status
+                writes.append(Put(key, bytes(record)))
+            if await self._txn([Compare.mod_revision(key, "==", revision)], writes):
+                return c.UpdateNodeStatusResponse()
 
     async def _ticket(self) -> bytes:
         stored = await self._kv.get(REGISTER_TICKET_KEY)
@@ -377,16 +426,38 @@ class CuratorAPI:
     ) -> None:
         if request.filter:
             raise RPCError(Status.UNIMPLEMENTED, "filters are not supported")
+        beats = await self._kv.range(b"/heartbeats/", prefix=True)
+        heard = {kv.key.removeprefix(b"/heartbeats/").decode(): kv.value for kv in beats.kvs}
+        now = time.time_ns()
         for record in await self._records():
+            health, since = self._health(record, heard, now)
             await send(
                 m.Node(
                     pubkey=record.public_key,
                     state=record.fsm_state,
                     status=record.status,
                     roles=record.roles or NodeRoles(),
-                    health=m.NodeHealth.UNKNOWN,
+                    health=health,
+                    time_since_heartbeat=since,
                 )
             )
+
+    def _health(
+        self, record: Node, heard: dict[str, bytes], now: int
+    ) -> tuple[m.NodeHealth, datetime.timedelta | None]:
+        """Health and time since the last heartbeat (None: never, or not UP)."""
+        raw = heard.get(identity.node_id(record.public_key))
+        if record.fsm_state != NodeState.UP or raw is None:
+            return m.NodeHealth.UNKNOWN, None
+        try:
+            age = max(0, now - int(raw)) / 1e9
+        except ValueError:
+            _log.error("damaged heartbeat of %s", identity.node_id(record.public_key))
+            return m.NodeHealth.UNKNOWN, None
+        since = datetime.timedelta(seconds=age)
+        if age > self._heartbeat_timeout:
+            return m.NodeHealth.HEARTBEAT_TIMEOUT, since
+        return m.NodeHealth.HEALTHY, since
 
     async def approve_node(
         self, request: m.ApproveNodeRequest, ctx: CallContext

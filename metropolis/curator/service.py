@@ -17,12 +17,16 @@ name the leader.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import trio
 
 from metropolis.consensus.client import EtcdClosed
 from metropolis.consensus.service import Status
-from metropolis.curator.api import LEARNER_TIMEOUT, CuratorAPI
+from metropolis.curator.api import HEARTBEAT_TIMEOUT, LEARNER_TIMEOUT, CuratorAPI
 from metropolis.curator.election import DEFAULT_TTL, ElectionState, Follower, run_election
+from metropolis.curator.probe import PROBE_ENV, run_probe
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
 from metropolis.rpc import Server, server_context
@@ -44,6 +48,7 @@ class Curator:
         listen: tuple[str, int] | None = None,
         peer_port: int = 7834,
         learner_timeout: float = LEARNER_TIMEOUT,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
     ):
         """``credentials`` and ``listen`` (host, port): serve the RPC API there.
 
@@ -52,6 +57,8 @@ class Curator:
         at the node's reported address and this port.
 
         Without them the curator only campaigns (tests of the election).
+        ``heartbeat_timeout``: seconds after a node's last status update at
+        which this curator, leading, reports it HEARTBEAT_TIMEOUT.
         """
         self._consensus = consensus
         self.node_id = node_id
@@ -60,6 +67,7 @@ class Curator:
         self._listen = listen
         self._peer_port = peer_port
         self._learner_timeout = learner_timeout
+        self._heartbeat_timeout = heartbeat_timeout
         self._port: Value[int] = Value()
         #: The port the RPC API is bound to, once it is.
         self.port: ReadOnlyValue[int] = self._port.readonly()
@@ -100,9 +108,18 @@ class Curator:
 
                 nursery.start_soon(follow_consensus)
                 await nursery.start(elect)
+                if os.environ.get(PROBE_ENV) == "1":  # test hook: leader-guarded writes
+                    nursery.start_soon(
+                        functools.partial(
+                            run_probe, kv, self.election, self.node_id, logger=node.logger
+                        )
+                    )
                 if self._credentials is not None and self._listen is not None:
                     api = await CuratorAPI.load(
-                        status, peer_port=self._peer_port, learner_timeout=self._learner_timeout
+                        status,
+                        peer_port=self._peer_port,
+                        learner_timeout=self._learner_timeout,
+                        heartbeat_timeout=self._heartbeat_timeout,
                     )
                     server = Server(server_context(self._credentials), api.security())
                     api.register(server)

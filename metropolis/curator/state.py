@@ -4,6 +4,7 @@ Keys, relative to the curator's namespace (``namespaced/curator/``), as in
 Monogon's curator::
 
     /nodes/<node id>              curator.Node         one per node
+    /heartbeats/<node id>         text: leader's Unix time (ns) of the node's last status
     /join_keys/<hex join key>     node id (text)       who owns a join key
     /global/initial_owner         curator.InitialOwner
     /leader                       curator.LeaderElectionValue, on the leader's lease
@@ -28,6 +29,7 @@ __all__ = [
     "INITIAL_OWNER_KEY",
     "LEADER_KEY",
     "CuratorError",
+    "heartbeat_key",
     "issued_certificate_key",
     "join_key_key",
     "node_key",
@@ -55,6 +57,10 @@ def _id_part(identifier: str) -> bytes:
 
 def node_key(node_id: str) -> bytes:
     return b"/nodes/" + _id_part(node_id)
+
+
+def heartbeat_key(node_id: str) -> bytes:
+    return b"/heartbeats/" + _id_part(node_id)
 
 
 def join_key_key(join_public_key: bytes) -> bytes:

@@ -225,6 +225,7 @@ class ControlPlaneWorker:
             credentials=credentials,
             listen=(settings.address, settings.curator_port),
             peer_port=settings.peer_port,
+            heartbeat_timeout=2 * settings.status_interval,
         )
         inner.run("curator", curator.run)
         self._membership.set(

@@ -79,6 +79,9 @@ class NodeSettings:
     debug_port: int = 7837
     #: No TPM: the sealed configuration is stored in plain text (logged).
     insecure_seal: bool = False
+    #: Seconds between status pushes (the node's heartbeat, as Monogon's 5 s);
+    #: this node's curator, when it leads, times nodes out after twice that.
+    status_interval: float = 5.0
 
     @property
     def peer_address(self) -> str:
@@ -133,6 +136,7 @@ def _settings_json(settings: NodeSettings) -> bytes:
             "heartbeat_ms": settings.tuning.heartbeat_ms,
             "election_ms": settings.tuning.election_ms,
             "insecure_seal": settings.insecure_seal,
+            "status_interval_s": settings.status_interval,
         }
     ).encode()
 
@@ -221,6 +225,8 @@ def load(root: Root) -> SavedNode:
             debug_port=int(raw.get("debug_port", 7837)),
             tuning=Tuning(int(raw["heartbeat_ms"]), int(raw["election_ms"])),
             insecure_seal=bool(raw["insecure_seal"]),
+            # Older roots have no status interval: the default.
+            status_interval=float(raw.get("status_interval_s", 5.0)),
         )
     except FileNotFoundError:
         raise NodeRootError(

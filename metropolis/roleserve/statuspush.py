@@ -7,9 +7,17 @@ curator, that curator's port. The leader stores it in the node's record;
 granting ConsensusMember needs the address, and the cluster directory is
 built from the nodes that run curators.
 
+The same status is sent again every ``status_interval`` seconds: it is the
+node's heartbeat, which the leader records for ``GetNodes`` health (a
+curator that only heard of a node once could not tell it died). A push
+that finds no leader (UNAVAILABLE: an election under way, the leader's
+node gone) is retried at the next interval, not raised: the supervisor's
+growing backoff would otherwise silence the heartbeat for a minute after a
+failover, and the node would look dead.
+
 Cancellation: cancelled with the role server. Errors: :class:`RPCError`
-from the curators, raised to the supervisor, which retries after its
-backoff; a restarted push sends the current status again.
+from the curators other than UNAVAILABLE, raised to the supervisor, which
+retries after its backoff; a restarted push sends the current status again.
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ from metropolis.proto.common import NodeStatus, NodeStatusRunningCurator
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.rolefetch import curator_endpoints, restart_on_change, wait_home
 from metropolis.roleserve.values import ClusterMembership
+from metropolis.rpc import RPCError, Status, client_context, open_client
 from metropolis.rpc import api as methods
-from metropolis.rpc import client_context, open_client
 from metropolis.supervisor import Node
 
 __all__ = ["StatusPush"]
@@ -55,13 +63,28 @@ class StatusPush:
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(restart_on_change, node, self._membership, current)
+            request = c.UpdateNodeStatusRequest(node_id=credentials.node_id, status=status)
             async with open_client(curator_endpoints(self._settings, current), context) as client:
-                await client.unary(
-                    methods.UPDATE_NODE_STATUS,
-                    c.UpdateNodeStatusRequest(node_id=credentials.node_id, status=status),
-                )
-            node.logger.info(
-                "status pushed: %s, curator %s", status.external_address, "on" if running else "off"
-            )
-            node.signal_healthy()
-            await trio.sleep_forever()
+                pushed = failing = False
+                while True:
+                    try:
+                        await client.unary(methods.UPDATE_NODE_STATUS, request)
+                    except RPCError as e:
+                        if e.code is not Status.UNAVAILABLE:
+                            raise
+                        if not failing:  # once per outage, not every interval
+                            node.logger.warning("status push failed, retrying: %s", e)
+                        failing = True
+                    else:
+                        if failing:
+                            node.logger.info("status push works again")
+                        failing = False
+                        if not pushed:
+                            node.logger.info(
+                                "status pushed: %s, curator %s",
+                                status.external_address,
+                                "on" if running else "off",
+                            )
+                            node.signal_healthy()
+                            pushed = True
+                    await trio.sleep(self._settings.status_interval)

@@ -105,6 +105,14 @@ class Endpoint:
         return self.public_key is not None and identity.node_id(self.public_key) == hint.node_id
 
 
+def _hinted_endpoint(leader: LeaderHint) -> Endpoint | None:
+    """The endpoint a leader hint's ``host:port`` names; None if it names none."""
+    host, _, port = leader.address.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return Endpoint(host.removeprefix("[").removesuffix("]"), int(port))
+
+
 def endpoints_from_directory(
     directory: ClusterDirectory, port: int = CURATOR_PORT
 ) -> list[Endpoint]:
@@ -324,6 +332,15 @@ class Client:
                 if i not in tried and endpoint.is_leader(leader):
                     self._current = i
                     return
+            hinted = _hinted_endpoint(leader)
+            if hinted is not None and not any(e.is_leader(leader) for e in self._endpoints):
+                # A leader missing from the directory we were given (it
+                # predates that curator): go where the follower says. The
+                # server is still checked against the cluster CA; only the
+                # binding to a node key is missing.
+                self._endpoints.append(hinted)
+                self._current = len(self._endpoints) - 1
+                return
         for step in range(1, len(self._endpoints) + 1):
             i = (self._current + step) % len(self._endpoints)
             if i not in tried:

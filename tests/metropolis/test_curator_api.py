@@ -19,7 +19,7 @@ from metropolis.curator.api import CRL_KEY
 from metropolis.curator.bootstrap import bootstrap_cluster
 from metropolis.curator.election import Leader
 from metropolis.curator.service import Curator
-from metropolis.curator.state import CA_KEY_KEY, read_node
+from metropolis.curator.state import CA_KEY_KEY, node_key, read_node
 from metropolis.proto import curator_api as c
 from metropolis.proto import management as m
 from metropolis.proto.common import NodeState, NodeStatus, NodeStatusRunningCurator
@@ -65,7 +65,9 @@ class Cluster:
 
 
 @asynccontextmanager
-async def cluster(tmp_path: Path, *, learner_timeout: float = 60.0) -> AsyncIterator[Cluster]:
+async def cluster(
+    tmp_path: Path, *, learner_timeout: float = 60.0, heartbeat_timeout: float = 10.0
+) -> AsyncIterator[Cluster]:
     """A bootstrapped node whose curator leads and serves the API on loopback."""
     async with consensus(tmp_path) as (service, _, status):
         node_key = service.config.node_private_key
@@ -89,6 +91,7 @@ async def cluster(tmp_path: Path, *, learner_timeout: float = 60.0) -> AsyncIter
             credentials=credentials,
             listen=("127.0.0.1", 0),
             learner_timeout=learner_timeout,
+            heartbeat_timeout=heartbeat_timeout,
         )
         async with open_supervisor(curator.run, name="curator"):
             with trio.fail_after(BOUND):
@@ -223,6 +226,47 @@ async def test_register_approve_commit_watch_and_status(tmp_path: Path) -> None:
             directory = info.cluster_directory
             assert directory is not None
             assert [n.addresses[0].host for n in directory.nodes] == ["127.0.0.2"]
+
+
+async def test_status_updates_are_heartbeats_and_get_nodes_reports_health(
+    tmp_path: Path,
+) -> None:
+    async with (
+        cluster(tmp_path, heartbeat_timeout=1.0) as cl,
+        cl.owner() as owner,
+        open_client([cl.endpoint], cl.node_context(cl.node)) as node,
+    ):
+        [never] = await _nodes(owner)
+        assert never.health == m.NodeHealth.UNKNOWN
+        assert never.time_since_heartbeat is None
+
+        request = c.UpdateNodeStatusRequest(
+            node_id=cl.node.node_id, status=NodeStatus(external_address="127.0.0.1")
+        )
+        await node.unary(methods.UPDATE_NODE_STATUS, request)
+        [heard] = await _nodes(owner)
+        assert heard.health == m.NodeHealth.HEALTHY
+        assert heard.time_since_heartbeat is not None
+
+        # The same status again is only a heartbeat: the record (and so
+        # every Watch of it) stays untouched.
+        record = await cl.kv.get(node_key(cl.node.node_id))
+        await node.unary(methods.UPDATE_NODE_STATUS, request)
+        again = await cl.kv.get(node_key(cl.node.node_id))
+        assert record is not None and again is not None
+        assert again.mod_revision == record.mod_revision
+
+        # Silence: the node times out (polling: only time passes here).
+        with trio.fail_after(BOUND):
+            while (await _nodes(owner))[0].health != m.NodeHealth.HEARTBEAT_TIMEOUT:  # noqa: ASYNC110
+                await trio.sleep(0.1)
+        [silent] = await _nodes(owner)
+        assert silent.time_since_heartbeat is not None
+        assert silent.time_since_heartbeat.total_seconds() > 1.0
+
+        await node.unary(methods.UPDATE_NODE_STATUS, request)
+        [back] = await _nodes(owner)
+        assert back.health == m.NodeHealth.HEALTHY
 
 
 async def test_bad_peers_are_refused_and_write_nothing(tmp_path: Path) -> None:
