@@ -25,6 +25,7 @@ Granting ConsensusMember adds an etcd learner; revoking removes the member
 and revokes its etcd peer certificate (:meth:`CuratorAPI.update_node_roles`).
 The cluster CRL (``CRL_KEY``) is followed for the security hook; nothing
 here writes it yet (decommissioning a node is not built).
+
 Heartbeats: every accepted ``UpdateNodeStatus`` is one (the status push
 repeats itself periodically). The leader stores its own wall-clock time of
 it under ``/heartbeats/<id>`` (a small key apart from the record, so that
@@ -33,6 +34,10 @@ a repeated status does not wake every Watch of the record), and
 HEARTBEAT_TIMEOUT after, UNKNOWN if the node never reported or is not UP.
 Kept in etcd, the times survive a change of leader (on another machine
 its clock may differ a little: ages are clamped at zero).
+
+A follower's UNAVAILABLE names the leader's node ID and, from the leader's
+reported status, its curator's ``host:port``: a client whose directory
+predates that curator goes there.
 
 A learner that never starts is removed at the next grant after
 :data:`LEARNER_TIMEOUT`. Not here yet: refreshing a ConsensusMember's peer

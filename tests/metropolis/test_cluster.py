@@ -283,7 +283,8 @@ async def _probe_history(root: Root) -> list[tuple[str, int, int]]:
 
 def _check_one_leader_at_a_time(history: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
     """Assert the probes' writes never interleave; the (node, term) of each run, in order."""
-    assert [count for _, _, count in history] == list(range(1, len(history) + 1))
+    for i, (node_id, term, count) in enumerate(history, 1):
+        assert count == i, f"write {i} by {node_id} (term {term}) counted {count}: lost or repeated"
     runs: list[tuple[str, int]] = []
     for node_id, term, _ in history:
         if not runs or runs[-1] != (node_id, term):

@@ -440,15 +440,14 @@ async def test_follower_names_the_leader_and_the_client_goes_there(cluster: Clus
             is_leader=False, leader=LeaderHint("leader-id", f"127.0.0.1:{leader_port}")
         )
         follower = Endpoint("127.0.0.1", follower_port)
+        leader = Endpoint("127.0.0.1", leader_port)
         async with open_client([follower], _node_context(cluster)) as client:
-            with pytest.raises(RPCError) as e:
-                await client.unary(WHO_NODE, ClusterDirectory())
-            # Only one endpoint known: the caller sees who leads.
-            assert e.value.code is Status.UNAVAILABLE
             # A method any curator may serve is answered by the follower.
             await client.unary(ANY_LEADER, ClusterDirectory())
+            # Only the follower known: the client goes to the address it names.
+            await client.unary(WHO_NODE, ClusterDirectory())
+            assert client.endpoint == leader
 
-        leader = Endpoint("127.0.0.1", leader_port)
         async with open_client([follower, leader], _node_context(cluster)) as client:
             await client.unary(WHO_NODE, ClusterDirectory())
             assert client.endpoint == leader
@@ -458,15 +457,16 @@ async def test_follower_names_the_leader_and_the_client_goes_there(cluster: Clus
             await client.unary(WHO_NODE, ClusterDirectory())
             assert client.endpoint == leader
         assert follower_state.calls == [ANY_LEADER.path]
-        assert leader_state.calls == [WHO_NODE.path] * 2
+        assert leader_state.calls == [WHO_NODE.path] * 3
 
 
 async def test_follower_refusal_carries_the_leader(cluster: Cluster) -> None:
     state = State(owner=b"")
-    hint = LeaderHint("metropolis-abc", "192.0.2.1:7835")
+    hint = LeaderHint("metropolis-abc")
     state.leadership = Leadership(is_leader=False, leader=hint)
     async with running_server(cluster, state) as port:
-        # The named leader is not in the client's list: the caller learns it.
+        # The named leader is not in the client's list and has no address:
+        # the caller learns who it is.
         async with open_client([Endpoint("127.0.0.1", port)], _node_context(cluster)) as client:
             with pytest.raises(RPCError) as e:
                 await client.unary(WHO_NODE, ClusterDirectory())
