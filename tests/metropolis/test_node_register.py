@@ -71,7 +71,7 @@ async def test_a_kill_at_each_register_step_resumes_with_the_same_identity(
             *("bootstrap", "--root", str(seed.path), "--address", "127.0.0.1"),
             *("--owner-key-out", str(owner_key), "--insecure-seal"),
             *("--peer-port", str(free_loopback_port()), "--curator-port", curator_port),
-            *("--raft-tuning", "20,200"),
+            *("--debug-port", str(free_loopback_port()), "--raft-tuning", "20,200"),
         ) as first:
             await first.wait_for(LEADS)
             await first.wait_for("status pushed")
@@ -89,6 +89,7 @@ async def test_a_kill_at_each_register_step_resumes_with_the_same_identity(
                         *("--ticket", ticket, "--directory", str(cluster), "--insecure-seal"),
                         *("--peer-port", str(free_loopback_port())),
                         *("--curator-port", curator_port),
+                        *("--debug-port", str(free_loopback_port())),
                     ]
                     async with node(*register, env={CRASH_ENV: step}) as crashed:
                         pass
