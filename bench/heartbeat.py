@@ -52,7 +52,7 @@ import bmdb
 from bmdb import Provider, Queries
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from shepherd.agent import takeover as agent
-from shepherd.agent_server import AgentServerConfig, ConnectApp, run_agent_server
+from shepherd.agent_server import AgentServerConfig, ConnectUnary, run_agent_server
 from shepherd.agent_server.server import serve_app
 
 #: The interval the goal is stated for.
@@ -69,7 +69,7 @@ async def _bare(headers: object, body: bytes) -> bytes:
 async def _serve(mode: str, listen: str, url: str) -> None:
     config = AgentServerConfig(listen=listen)
     if mode == "bare":
-        await serve_app(ConnectApp({agent.HEARTBEAT_PATH: _bare}, config.limits), config)
+        await serve_app(ConnectUnary({agent.HEARTBEAT_PATH: _bare}, config.limits), config)
         return
     async with bmdb.open_connection(url) as conn:
         await run_agent_server(conn, config)

@@ -21,6 +21,7 @@ import enum
 import functools
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bmdb import _pg
@@ -162,15 +163,25 @@ def _agent_recovery(
 # recoverer deleting it either waits for the heartbeat to commit (and then
 # deletes its row too), or has deleted it first, and the heartbeat then
 # finds no row and writes nothing.
-_RECORD_HEARTBEAT = """
-    WITH auth AS (
-        SELECT machine_id FROM machine_agent_started
-        WHERE machine_id = %(machine_id)s AND agent_public_key = %(key)s
-        FOR KEY SHARE
+# Heartbeats of several machines in one statement (the agent callback
+# server commits concurrent heartbeats as a group). Each request row is
+# authenticated against its machine's AgentStarted key; authenticated ones
+# with a newer request time are written. The inserts go in machine-id order
+# so that two concurrent groups lock heartbeat rows in the same order.
+_RECORD_HEARTBEATS = """
+    WITH req AS (
+        SELECT * FROM unnest(
+            %(machine_ids)s::uuid[], %(keys)s::bytea[], %(times)s::bigint[], %(reports)s::bytea[]
+        ) WITH ORDINALITY AS r(machine_id, key, time_ns, report, ord)
+    ), auth AS (
+        SELECT r.machine_id, r.time_ns, r.report FROM req r
+        JOIN machine_agent_started s
+          ON s.machine_id = r.machine_id AND s.agent_public_key = r.key
+        FOR KEY SHARE OF s
     ), beat AS (
         INSERT INTO machine_agent_heartbeat AS h
             (machine_id, agent_heartbeat_at, agent_request_time_ns)
-        SELECT machine_id, now(), %(time_ns)s FROM auth
+        SELECT machine_id, now(), time_ns FROM auth ORDER BY machine_id
         ON CONFLICT (machine_id) DO UPDATE
         SET agent_heartbeat_at = EXCLUDED.agent_heartbeat_at,
             agent_request_time_ns = EXCLUDED.agent_request_time_ns
@@ -178,12 +189,17 @@ _RECORD_HEARTBEAT = """
         RETURNING machine_id
     ), report AS (
         INSERT INTO machine_hardware_report (machine_id, hardware_report_raw)
-        SELECT machine_id, %(report)s::bytea FROM beat WHERE %(report)s::bytea IS NOT NULL
+        SELECT a.machine_id, a.report FROM auth a JOIN beat b USING (machine_id)
+        WHERE a.report IS NOT NULL
+        ORDER BY a.machine_id
         ON CONFLICT (machine_id) DO UPDATE
         SET hardware_report_raw = EXCLUDED.hardware_report_raw
         RETURNING 1
     )
-    SELECT (SELECT count(*) FROM auth), (SELECT count(*) FROM beat)
+    SELECT r.ord,
+           EXISTS (SELECT 1 FROM auth a WHERE a.machine_id = r.machine_id),
+           EXISTS (SELECT 1 FROM beat b WHERE b.machine_id = r.machine_id)
+    FROM req r ORDER BY r.ord
 """
 
 
@@ -212,6 +228,18 @@ class HeartbeatOutcome(enum.Enum):
     UNKNOWN_AGENT = "unknown agent"
     #: The request time is not newer than the last accepted one.
     REPLAYED = "replayed"
+
+
+@dataclass(frozen=True)
+class AgentHeartbeat:
+    """One agent's heartbeat request, as `Queries.record_agent_heartbeats` takes it."""
+
+    machine_id: uuid.UUID
+    public_key: bytes
+    #: The agent's request time (ns since the epoch): must grow per machine.
+    request_time_ns: int
+    #: The raw AgentHardwareReport, if the request carried one.
+    hardware_report: bytes | None = None
 
 
 class Queries:
@@ -404,21 +432,49 @@ class Queries:
         heartbeat; then the heartbeat (and ``hardware_report``, if given) is
         written. Otherwise nothing is written.
         """
-        if not isinstance(request_time_ns, int) or not 0 < request_time_ns < 2**63:
-            raise InvalidArgument(f"request time out of range: {request_time_ns!r}")
+        (outcome,) = await self.record_agent_heartbeats(
+            [AgentHeartbeat(as_uuid(machine_id), public_key, request_time_ns, hardware_report)]
+        )
+        return outcome
+
+    async def record_agent_heartbeats(
+        self, beats: Sequence[AgentHeartbeat]
+    ) -> list[HeartbeatOutcome]:
+        """`record_agent_heartbeat` for several machines in one statement.
+
+        Returns one outcome per beat, in order; each beat is judged on its
+        own (one unknown key does not refuse the others). Raises
+        `InvalidArgument`, writing nothing, if a machine appears twice (one
+        statement cannot order two updates of one row) or a time is out of
+        range.
+        """
+        ids = [as_uuid(b.machine_id) for b in beats]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("a machine appears twice in one heartbeat batch")
+        for b in beats:
+            t = b.request_time_ns
+            if not isinstance(t, int) or not 0 < t < 2**63:
+                raise InvalidArgument(f"request time out of range: {t!r}")
+        if not beats:
+            return []
         rows = await self.execute(
-            _RECORD_HEARTBEAT,
+            _RECORD_HEARTBEATS,
             {
-                "machine_id": as_uuid(machine_id),
-                "key": bytes(public_key),
-                "time_ns": request_time_ns,
-                "report": None if hardware_report is None else bytes(hardware_report),
+                "machine_ids": ids,
+                "keys": [bytes(b.public_key) for b in beats],
+                "times": [b.request_time_ns for b in beats],
+                "reports": [
+                    None if b.hardware_report is None else bytes(b.hardware_report) for b in beats
+                ],
             },
         )
-        authenticated, beat = rows[0]
-        if not authenticated:
-            return HeartbeatOutcome.UNKNOWN_AGENT
-        return HeartbeatOutcome.ACCEPTED if beat else HeartbeatOutcome.REPLAYED
+        outcomes = []
+        for _, authenticated, beat in rows:
+            if not authenticated:
+                outcomes.append(HeartbeatOutcome.UNKNOWN_AGENT)
+            else:
+                outcomes.append(HeartbeatOutcome.ACCEPTED if beat else HeartbeatOutcome.REPLAYED)
+        return outcomes
 
     async def agent_heartbeat(self, machine_id: uuid.UUID | str) -> datetime.datetime | None:
         """When the machine's agent last heartbeated, or None."""

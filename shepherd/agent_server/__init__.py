@@ -2,27 +2,29 @@
 
 ::
 
-    agent --HTTPS/1.1 POST /cloud.bmaas.server.api.AgentCallback/Heartbeat--> hypercorn (trio)
-          (Connect unary: body = HeartbeatRequest, signed headers)
-      connect.ConnectApp          size, deadline, framing
-      service.HeartbeatService    id, freshness, signature
-      BMDB, one statement         key of the AgentStarted tag, newer time,
-                                  heartbeat (+ hardware report)
+    agent --HTTPS/1.1 POST /cloud.bmaas.server.api.AgentCallback/Heartbeat--> worker process
+          (Connect unary: body = HeartbeatRequest, signed headers)   (N of them, SO_REUSEPORT)
+      http1                       HTTP/1.1, keep-alive, size bounds, timeouts
+      connect.ConnectUnary        path, method, content type; Connect errors
+      service.HeartbeatService    id, freshness, signature; queued for a group
+      BMDB, one statement/group   key of the AgentStarted tag, newer time,
+                                  heartbeat (+ hardware report); answers after commit
 
-Modules: `connect` (Connect's unary protocol as an ASGI app, with the
-limits), `service` (authentication and the BMDB write), `server` (hypercorn,
-the BMDB session, ``run_agent_server``), ``__main__`` (``python -m
+Modules: `http1` (the HTTP/1.1 transport, its limits), `connect` (Connect's
+unary protocol), `service` (authentication, group commit into the BMDB),
+`server` (one process: listener, BMDB session, ``run_agent_server``),
+`workers` (N such processes on one port), ``__main__`` (``python -m
 shepherd.agent_server``).
 """
 
-from shepherd.agent_server.connect import ConnectApp, ConnectError, Limits
+from shepherd.agent_server.connect import ConnectError, ConnectUnary, Limits
 from shepherd.agent_server.server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.service import HeartbeatService
 
 __all__ = [
     "AgentServerConfig",
-    "ConnectApp",
     "ConnectError",
+    "ConnectUnary",
     "HeartbeatService",
     "Limits",
     "run_agent_server",

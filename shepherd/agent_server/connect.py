@@ -1,10 +1,10 @@
-"""Connect's unary protocol over HTTP/1.1, as a small ASGI app for hypercorn's Trio worker.
+"""Connect's unary protocol: which calls are served, their checks, their answers.
 
-Why not ``connectrpc``'s ASGI app: it works on Google-protobuf classes
-(another runtime and code generator beside the betterproto2 classes this
-tree uses), it decodes the body before the handler sees it, and the
-agent's signature is over the raw body bytes, which must be bounded and
-hashed before anything parses them. Connect unary is small enough to speak
+Why not ``connectrpc``: it works on Google-protobuf classes (another
+runtime and code generator beside the betterproto2 classes this tree
+uses), it decodes the body before the handler sees it, and the agent's
+signature is over the raw body bytes, which must be bounded and hashed
+before anything parses them. Connect unary is small enough to speak
 directly (https://connectrpc.com/docs/protocol): ``POST /<service>/<method>``
 with ``Content-Type: application/proto`` and the bare message as body; a
 success is ``200`` with the bare response message; an error is a JSON
@@ -12,11 +12,10 @@ object ``{"code", "message"}`` with the code's HTTP status. The agent (a
 stdlib ``http.client``) and any Connect client (Go's connect-go with
 ``WithProtoJSON`` off) speak it; HTTP/2 and gRPC are not needed.
 
-Limits (so that one client cannot hold the server): a body larger than
-``Limits.max_body`` is refused (by ``Content-Length`` before reading, or
-as soon as the read passes it); the body must arrive within
-``Limits.body_timeout``; a connection idle for ``read_timeout`` is closed
-by hypercorn (see `shepherd.agent_server.server`).
+The transport (HTTP/1.1, its limits and timeouts) is
+`shepherd.agent_server.http1`; it asks `ConnectUnary.check` about a request
+from its head alone, before reading the body (bounded by
+``Limits.max_body``), and `ConnectUnary.call` for the answer.
 """
 
 from __future__ import annotations
@@ -25,11 +24,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-import trio
-
-from monotrio.asgi import answer_lifespan
 from shepherd.errors import ShepherdError
 
 logger = logging.getLogger("shepherd.agent_server.connect")
@@ -50,17 +45,13 @@ HTTP_STATUS = {
 #: A unary handler: request headers (lower-case names) and body -> response body.
 Handler = Callable[[Mapping[str, str], bytes], Awaitable[bytes]]
 
-ASGIScope = dict[str, Any]
-ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
-ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
-
 
 class ConnectError(ShepherdError):
     """Raised by a handler: answer with Connect error ``code`` and ``message``.
 
     ``http_status`` overrides the code's usual status where HTTP has a more
-    precise word (404 for a path that names no method, 408 for a body that
-    did not arrive in time).
+    precise word (404 for a path that names no method, 408 for a request that
+    did not arrive in time, 431 for a head too large).
     """
 
     def __init__(self, code: str, message: str, http_status: int | None = None) -> None:
@@ -78,103 +69,57 @@ class Limits:
 
     #: Largest accepted request body, bytes.
     max_body: int = 256 * 1024
-    #: Seconds within which the whole body must have arrived.
+    #: Seconds within which a whole request (head and body) must have
+    #: arrived, from its first byte.
     body_timeout: float = 10.0
+    #: Largest accepted request head (request line and headers), bytes.
+    max_head: int = 16 * 1024
 
 
-class ConnectApp:
-    """An ASGI app serving unary Connect methods from ``routes`` (path -> handler).
-
-    A handler's `ConnectError` becomes that error; any other exception is
-    logged and answered as ``internal`` (the client learns nothing more).
-    Cancellation (server shutdown) propagates.
-    """
+class ConnectUnary:
+    """Unary Connect methods from ``routes`` (path -> handler)."""
 
     def __init__(self, routes: Mapping[str, Handler], limits: Limits = Limits()) -> None:
         self.routes = dict(routes)
         self.limits = limits
 
-    async def __call__(self, scope: ASGIScope, receive: ASGIReceive, send: ASGISend) -> None:
-        if scope["type"] == "lifespan":
-            await answer_lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return  # websockets: not served; hypercorn closes the connection
-        try:
-            body = await self._request(scope, receive)
-            handler = self.routes[scope["path"]]
-            response = await handler(_headers(scope), body)
-        except ConnectError as exc:
-            await _send_error(send, exc.http_status, exc.code, exc.message)
-            return
-        except Exception:
-            logger.exception("handler of %s crashed", scope.get("path"))
-            await _send_error(send, 500, "internal", "internal error")
-            return
-        await _send(send, 200, b"application/proto", response)
-
-    async def _request(self, scope: ASGIScope, receive: ASGIReceive) -> bytes:
-        """Check method, path and content type; read the body within the limits."""
-        if scope["path"] not in self.routes:
-            raise ConnectError("unimplemented", f"no method {scope['path']}", 404)
-        if scope["method"] != "POST":
+    def check(self, method: str, path: str, headers: Mapping[str, str]) -> Handler:
+        """The handler for a request, judged by its head; `ConnectError` if refused."""
+        handler = self.routes.get(path)
+        if handler is None:
+            raise ConnectError("unimplemented", f"no method {path}", 404)
+        if method != "POST":
             raise ConnectError("unimplemented", "Connect unary calls are POST")
-        headers = _headers(scope)
-        content_type = headers.get("content-type", "").split(";")[0].strip()
-        if content_type != "application/proto":
+        content_type = headers.get("content-type", "")
+        # The common case first, without splitting.
+        if (
+            content_type != "application/proto"
+            and content_type.split(";")[0].strip() != "application/proto"
+        ):
             raise ConnectError("invalid_argument", "content-type must be application/proto")
         if headers.get("content-encoding", "identity") != "identity":
             raise ConnectError("unimplemented", "compressed requests are not supported")
-        limit = self.limits.max_body
-        declared = headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            raise ConnectError("resource_exhausted", f"request body larger than {limit} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self.limits.body_timeout) as deadline:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ConnectError("unavailable", "client went away")
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise ConnectError(
-                        "resource_exhausted", f"request body larger than {limit} bytes"
-                    )
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        if deadline.cancelled_caught:
-            raise ConnectError(
-                "deadline_exceeded",
-                f"request body not received within {self.limits.body_timeout:g}s",
-                408,
-            )
-        return b"".join(chunks)
+        return handler
+
+    async def call(
+        self, handler: Handler, headers: Mapping[str, str], body: bytes
+    ) -> tuple[int, bytes, bytes]:
+        """(HTTP status, content type, body) of the answer to a checked request.
+
+        A handler's `ConnectError` becomes that error; any other exception is
+        logged and answered as ``internal`` (the client learns nothing more).
+        Cancellation (server shutdown) propagates.
+        """
+        try:
+            return 200, b"application/proto", await handler(headers, body)
+        except ConnectError as exc:
+            return error_answer(exc)
+        except Exception:
+            logger.exception("handler crashed")
+            return error_answer(ConnectError("internal", "internal error"))
 
 
-def _headers(scope: ASGIScope) -> dict[str, str]:
-    """Request headers by lower-case name (the last of repeated ones wins)."""
-    return {
-        name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]
-    }
-
-
-async def _send(send: ASGISend, status: int, content_type: bytes, body: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", content_type),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_error(send: ASGISend, status: int, code: str, message: str) -> None:
-    body = json.dumps({"code": code, "message": message}).encode()
-    await _send(send, status, b"application/json", body)
+def error_answer(exc: ConnectError) -> tuple[int, bytes, bytes]:
+    """(HTTP status, content type, body) of a Connect error."""
+    body = json.dumps({"code": exc.code, "message": exc.message}).encode()
+    return exc.http_status, b"application/json", body

@@ -1,4 +1,4 @@
-"""Run the agent callback server: hypercorn on Trio, under its own BMDB session.
+"""Run the agent callback server: `http1` on Trio, under its own BMDB session.
 
 The session is the server's presence in the BMDB (``agent-callback`` in the
 sessions list, and its share of collecting expired sessions). If it is lost
@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hypercorn.trio
 import trio
-from hypercorn.config import Config
 
 from bmdb import Connection, Session
 from bmdb.errors import BMDBError
 from shepherd.agent.takeover import HEARTBEAT_PATH
-from shepherd.agent_server.connect import ConnectApp, Limits
+from shepherd.agent_server.connect import ConnectUnary, Limits
+from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, split_listen, url_of
 from shepherd.agent_server.service import DEFAULT_FRESHNESS, HeartbeatService
 
 logger = logging.getLogger("shepherd.agent_server")
@@ -45,53 +44,59 @@ class AgentServerConfig:
     limits: Limits = field(default_factory=Limits)
     #: Bound on |agent clock - server clock|, seconds.
     freshness: float = DEFAULT_FRESHNESS
-    #: A read that waits longer than this many seconds closes the connection
-    #: (hypercorn applies it to every read, also between kept-alive requests,
-    #: so it must exceed ``keep_alive_timeout``).
-    read_timeout: int = 30
+    #: Seconds a client may take to read an answer before it is cut off.
+    send_timeout: float = 10.0
     #: Kept-alive connections idle longer than this are closed, seconds;
     #: longer than the agents' heartbeat interval, so that they reuse theirs.
     keep_alive_timeout: float = 25.0
+    #: Connections at once (per process); more wait in the accept queue.
+    max_connections: int = 10000
     #: Pending connections the kernel queues (a fleet's agents connect at once
     #: after a server restart).
     backlog: int = 1024
+    #: Listen with SO_REUSEPORT, beside other processes on the same port (the
+    #: workers of `shepherd.agent_server.workers`).
+    reuse_port: bool = False
     #: BMDB session interval, seconds.
     session_interval: float = 5.0
     #: Heartbeat transactions at once: fewer than the BMDB connection pool
     #: holds (32 by default), so that the session's poke finds a connection.
     db_slots: int = 24
-    #: Longest wait for one of those, seconds; then ``unavailable``.
+    #: Longest wait of a heartbeat for its group's turn, seconds; then ``unavailable``.
     queue_timeout: float = 5.0
+    #: How long the first heartbeat of a group waits for others, seconds.
+    batch_window: float = 0.005
 
-    def hypercorn(self) -> Config:
-        config = Config()
-        config.bind = [self.listen]
-        if self.certfile is not None:
-            config.certfile = str(self.certfile)
-            config.keyfile = str(self.keyfile) if self.keyfile is not None else None
-        config.read_timeout = self.read_timeout
-        config.keep_alive_timeout = self.keep_alive_timeout
-        config.backlog = self.backlog
-        # Headers beyond this are refused: a heartbeat's are a few hundred bytes.
-        config.h11_max_incomplete_size = 16 * 1024
-        config.graceful_timeout = 2.0
-        config.accesslog = None
-        config.errorlog = logging.getLogger("shepherd.agent_server.hypercorn")
-        return config
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The server's TLS context, or None for plain HTTP; OSError/SSLError if unusable."""
+        if self.certfile is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.certfile, self.keyfile)
+        return context
 
 
 async def serve_app(
-    app: Callable[..., Awaitable[None]],
+    app: ConnectUnary,
     config: AgentServerConfig,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` with hypercorn until cancelled; ``task_status`` gets the bound URLs."""
-    await hypercorn.trio.serve(
+    """Serve ``app`` until cancelled; ``task_status`` gets the bound URLs.
+
+    Raises OSError if the address cannot be bound (or the TLS files not read).
+    """
+    context = config.ssl_context()
+    host, port = split_listen(config.listen)
+    listener = await open_listener(host, port, backlog=config.backlog, reuse_port=config.reuse_port)
+    # Listening already: connections wait in the accept queue until served.
+    task_status.started([url_of(listener, context is not None)])
+    await serve_http1(
         app,
-        config.hypercorn(),
-        mode="asgi",
-        task_status=task_status,
+        [listener],
+        ssl_context=context,
+        timeouts=Timeouts(keep_alive=config.keep_alive_timeout, send=config.send_timeout),
+        max_connections=config.max_connections,
     )
 
 
@@ -146,16 +151,17 @@ async def run_agent_server(
         freshness=config.freshness,
         db_slots=config.db_slots,
         queue_timeout=config.queue_timeout,
+        batch_window=config.batch_window,
     )
-    routes: Mapping[str, Callable[..., Awaitable[bytes]]] = {HEARTBEAT_PATH: service.heartbeat}
-    app = ConnectApp(routes, config.limits)
+    app = ConnectUnary({HEARTBEAT_PATH: service.heartbeat}, config.limits)
     async with trio.open_nursery() as nursery:
         await nursery.start(holder.run)
+        await nursery.start(service.run)
         binds = await nursery.start(functools.partial(serve_app, app, config))
         logger.info("agent callback server listening on %s", ", ".join(binds))
         task_status.started(binds)
 
 
 def port_of(bind: str) -> int:
-    """The port of a URL hypercorn reports (``http://127.0.0.1:41234``)."""
+    """The port of a URL the server reports (``http://127.0.0.1:41234``)."""
     return int(bind.rsplit(":", 1)[1])

@@ -12,14 +12,30 @@ Checks, in order, each refusing with nothing written::
       time > last accepted time        else unauthenticated ("replayed")
       write heartbeat (+ report)
 
-Why signatures instead of the reference's client certificates: hypercorn
-does not hand the peer certificate to the app, and a signature also works
-behind a TLS-terminating proxy. What a signature alone would not stop, a
+Why signatures instead of the reference's client certificates: a signature
+also works behind a TLS-terminating proxy, and the server's TLS needs no
+client-certificate handling. What a signature alone would not stop, a
 replay, is stopped by the time check: within the freshness window by the
 monotonic per-machine time kept in the BMDB, beyond it by the window.
 
 The same response for "no such machine" and "wrong key", so that nobody
 learns which machines exist without holding an agent key.
+
+Group commit: concurrent heartbeats are written together, one transaction
+and one statement (`bmdb.Queries.record_agent_heartbeats`) per group,
+because a transaction's fixed cost (round trips, commit, the Python that
+drives them) is most of a heartbeat's database cost::
+
+    heartbeat()  authenticate, queue ---------------------+   wait for own outcome
+    writer       first in queue -> wait `batch_window` -> take up to `max_batch`
+                 (one per machine) -> write in a db slot -> wake each member
+
+Each heartbeat is answered only after the transaction that wrote it
+committed: nothing is acknowledged that is not durable. If the group's
+transaction fails, every member is answered ``unavailable`` (the agents
+retry) and nothing of the group is written. While slots are busy the
+queue grows, so groups grow with load; at low load a heartbeat waits at
+most `batch_window` longer than alone.
 
 The write does not go through the server's BMDB session (`Session.transact`
 checks the session first, one more statement, and fails every heartbeat
@@ -28,8 +44,13 @@ under overload the session's own poke, which competes with the heartbeats
 for database connections, must not take every heartbeat down with it. So
 the service bounds its database use instead: at most ``db_slots``
 transactions at once (fewer than the pool, which keeps room for the poke),
-and a request that waits longer than ``queue_timeout`` for a slot is
-answered ``unavailable`` (the agent backs off) rather than queued forever.
+and a heartbeat still queued after ``queue_timeout`` (no slot freed in
+time) is taken out of the queue and answered ``unavailable`` (the agent
+backs off) rather than queued forever. One already being written waits
+for its transaction.
+
+Verified public keys are cached by their bytes (bounded), which saves
+decoding the key, not checking: every request's signature is verified.
 """
 
 from __future__ import annotations
@@ -40,7 +61,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 from cryptography.exceptions import InvalidSignature
@@ -48,7 +69,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
-from bmdb.model import HeartbeatOutcome
+from bmdb.model import AgentHeartbeat, HeartbeatOutcome
 from shepherd.agent.takeover import (
     HEADER_KEY,
     HEADER_SIGNATURE,
@@ -68,6 +89,21 @@ logger = logging.getLogger("shepherd.agent_server.service")
 DEFAULT_FRESHNESS = 300.0
 
 _EMPTY_RESPONSE = bytes(HeartbeatResponse())
+
+#: Decoded public keys kept (a fleet's worth; beyond, the cache starts over).
+KEY_CACHE_SIZE = 65536
+_keys: dict[bytes, Ed25519PublicKey] = {}
+
+
+def _public_key(raw: bytes) -> Ed25519PublicKey:
+    """The key object for 32 raw bytes, from the cache if seen before; ValueError if invalid."""
+    key = _keys.get(raw)
+    if key is None:
+        key = Ed25519PublicKey.from_public_bytes(raw)
+        if len(_keys) >= KEY_CACHE_SIZE:
+            _keys.clear()
+        _keys[raw] = key
+    return key
 
 
 @dataclass(frozen=True)
@@ -139,14 +175,26 @@ def authenticate(
         )
     message = signed_message("POST", HEARTBEAT_PATH, text_id, time_ns, body)
     try:
-        Ed25519PublicKey.from_public_bytes(key).verify(signature, message)
+        _public_key(key).verify(signature, message)
     except (InvalidSignature, ValueError):
         raise ConnectError("unauthenticated", "bad signature") from None
     return Heartbeat(machine_id, key, time_ns, report)
 
 
+@dataclass(eq=False)
+class _Pending:
+    """A queued heartbeat and, once its group's transaction ended, its outcome."""
+
+    beat: Heartbeat
+    done: trio.Event = field(default_factory=trio.Event)
+    outcome: HeartbeatOutcome | ConnectError | None = None
+
+
 class HeartbeatService:
-    """The Heartbeat method, writing through ``conn``."""
+    """The Heartbeat method, writing through ``conn`` in groups.
+
+    `run` must be running (it is the writer) for `heartbeat` to answer.
+    """
 
     def __init__(
         self,
@@ -155,38 +203,45 @@ class HeartbeatService:
         freshness: float = DEFAULT_FRESHNESS,
         db_slots: int = 12,
         queue_timeout: float = 5.0,
+        batch_window: float = 0.005,
+        max_batch: int = 512,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self._conn = conn
         self.freshness = freshness
-        self._slots = trio.CapacityLimiter(db_slots)
+        self._slots = trio.Semaphore(db_slots)
         self.queue_timeout = queue_timeout
+        self.batch_window = batch_window
+        self.max_batch = max_batch
         self._clock = clock
+        # Insertion-ordered; a dict so that a timed-out member leaves in O(1).
+        self._queue: dict[_Pending, None] = {}
+        self._arrived = trio.Event()
 
     async def heartbeat(self, headers: Mapping[str, str], body: bytes) -> bytes:
-        """Handle one request (a `shepherd.agent_server.connect.Handler`)."""
+        """Handle one request (a `shepherd.agent_server.connect.Handler`).
+
+        Returns after the transaction that wrote the heartbeat committed.
+        Cancelled while queued, the heartbeat leaves the queue; cancelled
+        while its group is being written, the write still completes.
+        """
         beat = authenticate(headers, body, now_ns=self._clock(), freshness=self.freshness)
-
-        async def record(q: Queries) -> HeartbeatOutcome:
-            return await q.record_agent_heartbeat(
-                beat.machine_id, beat.key, beat.time_ns, beat.hardware_report
-            )
-
-        acquired = False
-        with trio.move_on_after(self.queue_timeout):
-            await self._slots.acquire()
-            acquired = True  # no checkpoint between: a slot taken is a slot known
-        if not acquired:
-            raise ConnectError("unavailable", "overloaded, try again later")
+        pending = _Pending(beat)
+        self._queue[pending] = None
+        self._arrived.set()
         try:
-            outcome = await self._conn.transact(record, isolation=Isolation.READ_COMMITTED)
-        except InvalidArgument as exc:
-            raise ConnectError("invalid_argument", str(exc)) from exc
-        except BMDBError as exc:
-            logger.warning("heartbeat of %s not recorded: %s", beat.machine_id, exc)
-            raise ConnectError("unavailable", "could not record heartbeat") from exc
+            with trio.move_on_after(self.queue_timeout):
+                await pending.done.wait()
         finally:
-            self._slots.release()
+            # Still queued (timed out or cancelled): never written, never answered.
+            queued = pending in self._queue
+            self._queue.pop(pending, None)
+        if queued:
+            raise ConnectError("unavailable", "overloaded, try again later")
+        await pending.done.wait()  # taken into a group: its transaction is bounded
+        outcome = pending.outcome
+        if isinstance(outcome, ConnectError):  # shared by the group: raise a copy
+            raise ConnectError(outcome.code, outcome.message)
         if outcome is HeartbeatOutcome.UNKNOWN_AGENT:
             logger.info("refused heartbeat: unknown machine %s or key", beat.machine_id)
             raise ConnectError("unauthenticated", "machine id or public key unknown")
@@ -199,3 +254,71 @@ class HeartbeatService:
             " with hardware report" if beat.hardware_report is not None else "",
         )
         return _EMPTY_RESPONSE
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The writer: form groups from the queue and write them, until cancelled.
+
+        Cancelled, groups being written are cancelled too (their transactions
+        roll back; their members are answered ``unavailable``, if anyone
+        still listens).
+        """
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                while not self._queue:
+                    self._arrived = trio.Event()
+                    await self._arrived.wait()
+                if self.batch_window > 0 and len(self._queue) < self.max_batch:
+                    await trio.sleep(self.batch_window)
+                await self._slots.acquire()
+                group = self._take()
+                if group:
+                    nursery.start_soon(self._write, group)
+                else:  # all of them timed out while waiting for the slot
+                    self._slots.release()
+
+    def _take(self) -> list[_Pending]:
+        """Up to `max_batch` queued members, at most one per machine, out of the queue."""
+        group: list[_Pending] = []
+        machines: set[uuid.UUID] = set()
+        for pending in self._queue:
+            if pending.beat.machine_id not in machines:
+                machines.add(pending.beat.machine_id)
+                group.append(pending)
+                if len(group) >= self.max_batch:
+                    break
+        for pending in group:
+            del self._queue[pending]
+        # Sorted: concurrent groups then lock their machines in the same order.
+        group.sort(key=lambda p: p.beat.machine_id)
+        return group
+
+    async def _write(self, group: list[_Pending]) -> None:
+        """Write ``group`` in one transaction (holding a slot) and wake its members."""
+        beats = [
+            AgentHeartbeat(b.machine_id, b.key, b.time_ns, b.hardware_report)
+            for b in (p.beat for p in group)
+        ]
+
+        async def record(q: Queries) -> list[HeartbeatOutcome]:
+            return await q.record_agent_heartbeats(beats)
+
+        # What members learn if the write is cancelled (server stopping).
+        outcomes: list[HeartbeatOutcome | ConnectError]
+        outcomes = [ConnectError("unavailable", "server stopping")] * len(group)
+        try:
+            outcomes = list(await self._conn.transact(record, isolation=Isolation.READ_COMMITTED))
+        except InvalidArgument as exc:
+            logger.warning("heartbeat group of %d refused: %s", len(group), exc)
+            outcomes = [ConnectError("invalid_argument", str(exc))] * len(group)
+        except BMDBError as exc:
+            logger.warning("heartbeat group of %d not recorded: %s", len(group), exc)
+            outcomes = [ConnectError("unavailable", "could not record heartbeat")] * len(group)
+        except Exception:
+            logger.exception("heartbeat group of %d crashed", len(group))
+            outcomes = [ConnectError("internal", "internal error")] * len(group)
+        finally:
+            self._slots.release()
+            for pending, outcome in zip(group, outcomes, strict=True):
+                pending.outcome = outcome
+                pending.done.set()

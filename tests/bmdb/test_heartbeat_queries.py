@@ -5,9 +5,12 @@ from __future__ import annotations
 import datetime
 import uuid
 
+import pytest
+
 import bmdb
 from bmdb import Process
-from bmdb.model import HeartbeatOutcome, Queries
+from bmdb.errors import InvalidArgument
+from bmdb.model import AgentHeartbeat, HeartbeatOutcome, Queries
 from tests.bmdb.helpers import add_provided_machines
 
 KEY = bytes(range(32))
@@ -128,3 +131,56 @@ async def test_parallel_recovery_claims_spread_over_the_window(bmdb_conn: bmdb.C
     assert len(set(claimed)) == 16
     # In creation order they would be exactly the 16 oldest.
     assert set(claimed) != set(machines[:16])
+
+
+async def test_heartbeat_batch_judges_each_member_and_writes_the_accepted(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """One statement for several machines: unknown keys and replays are refused
+    per member, the others written, with their reports."""
+    good, replayed, wrong_key, never_started = await add_provided_machines(bmdb_conn, 4)
+
+    async def start(q: Queries) -> None:
+        now = datetime.datetime.now(datetime.UTC)
+        for machine in (good, replayed, wrong_key):
+            await q.set_agent_started(machine, now, KEY)
+        assert await q.record_agent_heartbeat(replayed, KEY, 50) is HeartbeatOutcome.ACCEPTED
+
+    await bmdb_conn.transact(start)
+    beats = [
+        AgentHeartbeat(good, KEY, 10, b"good-report"),
+        AgentHeartbeat(replayed, KEY, 50, b"replayed-report"),
+        AgentHeartbeat(wrong_key, OTHER_KEY, 10, b"r"),
+        AgentHeartbeat(never_started, KEY, 10, None),
+    ]
+
+    async def record(q: Queries) -> list[HeartbeatOutcome]:
+        return await q.record_agent_heartbeats(beats)
+
+    assert await bmdb_conn.transact(record) == [
+        HeartbeatOutcome.ACCEPTED,
+        HeartbeatOutcome.REPLAYED,
+        HeartbeatOutcome.UNKNOWN_AGENT,
+        HeartbeatOutcome.UNKNOWN_AGENT,
+    ]
+    at, report = await _state(bmdb_conn, good)
+    assert at is not None and report == b"good-report"
+    assert (await _state(bmdb_conn, replayed))[1] is None
+    assert await _state(bmdb_conn, wrong_key) == (None, None)
+    assert await _state(bmdb_conn, never_started) == (None, None)
+
+
+async def test_heartbeat_batch_with_a_machine_twice_is_refused_whole(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    (machine,) = await add_provided_machines(bmdb_conn, 1)
+
+    async def record(q: Queries) -> list[HeartbeatOutcome]:
+        await q.set_agent_started(machine, datetime.datetime.now(datetime.UTC), KEY)
+        return await q.record_agent_heartbeats(
+            [AgentHeartbeat(machine, KEY, 10), AgentHeartbeat(machine, KEY, 11)]
+        )
+
+    with pytest.raises(InvalidArgument):
+        await bmdb_conn.transact(record)
+    assert await _state(bmdb_conn, machine) == (None, None)

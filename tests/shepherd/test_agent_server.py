@@ -234,12 +234,14 @@ async def test_overload_is_answered_unavailable_not_queued_forever(
     hb = heartbeater("http://unused", str(mid), seed, report=False)
     body, headers = hb.request()
     lower = {k.lower(): v for k, v in headers.items()}
-    holder = object()
-    await service._slots.acquire_on_behalf_of(holder)
-    with pytest.raises(ConnectError) as refused:
-        await service.heartbeat(lower, body)
-    assert refused.value.code == "unavailable"
-    assert await stored(bmdb_conn, mid) == (None, None)
-    service._slots.release_on_behalf_of(holder)
-    assert await service.heartbeat(lower, body) == b""
-    assert (await stored(bmdb_conn, mid))[0] is not None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        await service._slots.acquire()
+        with pytest.raises(ConnectError) as refused:
+            await service.heartbeat(lower, body)
+        assert refused.value.code == "unavailable"
+        assert await stored(bmdb_conn, mid) == (None, None)
+        service._slots.release()
+        assert await service.heartbeat(lower, body) == b""
+        assert (await stored(bmdb_conn, mid))[0] is not None
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,409 @@
+"""A lean HTTP/1.1 server on Trio for the agent callback's unary Connect calls.
+
+Why not hypercorn (which served this endpoint first): profiled under
+``bench/heartbeat.py``, hypercorn's general machinery (h11's event objects
+and validation, the ASGI message dicts, a task and several cancel scopes
+and locks per request, its flow control) cost about 3 ms of CPU per
+request on this project's test machine, more than the signature check and
+the (grouped) database write together, and capped the server at a few
+hundred heartbeats per second per core. This endpoint needs a small part of
+HTTP/1.1: one method, small bodies, answers whose length is known, no
+upgrades and no streaming. Serving exactly that, with one task per
+connection, is a few hundred lines and several times cheaper per request.
+
+What it speaks::
+
+    request line   METHOD SP target SP HTTP/1.1 (or HTTP/1.0), target's query ignored
+    headers        name: value, by lower-case name (the last of repeated ones wins;
+                   obsolete line folding refused)
+    body           Content-Length, or Transfer-Encoding: chunked (trailers ignored);
+                   Expect: 100-continue answered before the body is read
+    answer         status, Content-Type, Content-Length, body; Connection: close
+                   when the connection ends after it
+    keep-alive     HTTP/1.1 unless "Connection: close"; HTTP/1.0 only when asked
+    pipelining     requests on one connection are answered in order, one at a time
+
+Anything else (a malformed head, both Content-Length and chunked, a head
+larger than ``Limits.max_head``, a body larger than ``Limits.max_body``)
+is answered with a Connect error (see `shepherd.agent_server.connect`) and
+the connection closed, since its remaining bytes cannot be trusted.
+
+Limits, so that no client can hold the server:
+
+- a kept-alive connection idle for ``keep_alive_timeout`` is closed;
+- a request must arrive whole (head and body) within ``Limits.body_timeout``
+  of its first byte, else ``408`` and the connection is closed;
+- a TLS handshake must finish within that time too, an answer must be
+  taken by the client within ``send_timeout``, else the connection is closed;
+- at most ``max_connections`` connections at once; beyond that, new ones
+  wait in the kernel's accept queue.
+
+Cancellation: cancelling `serve_http1` closes the listeners and every
+connection (a request being handled is cancelled with it).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import socket
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from shepherd.agent_server.connect import ConnectError, ConnectUnary, error_answer
+
+logger = logging.getLogger("shepherd.agent_server.http1")
+
+_REASONS = {
+    100: b"Continue",
+    200: b"OK",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    403: b"Forbidden",
+    404: b"Not Found",
+    408: b"Request Timeout",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    501: b"Not Implemented",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+    505: b"HTTP Version Not Supported",
+}
+
+_RECEIVE = 65536
+_HEX = b"0123456789abcdefABCDEF"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a connection may keep the server waiting, seconds."""
+
+    #: Idle between kept-alive requests.
+    keep_alive: float = 25.0
+    #: For the client to take an answer.
+    send: float = 10.0
+
+
+class _Close(Exception):
+    """The connection ends (after an answer, if one is given)."""
+
+    def __init__(self, answer: tuple[int, bytes, bytes] | None = None) -> None:
+        super().__init__()
+        self.answer = answer
+
+
+def _refuse(exc: ConnectError) -> _Close:
+    return _Close(error_answer(exc))
+
+
+async def open_listener(
+    host: str, port: int, *, backlog: int, reuse_port: bool = False
+) -> trio.SocketListener:
+    """A listening TCP socket on ``host``:``port`` (port 0: any free one).
+
+    ``reuse_port`` sets SO_REUSEPORT, so that several processes can listen
+    on one port and the kernel spreads connections among them. Raises
+    OSError if the address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6 and host in ("::", ""):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        # Agents write small requests and wait for small answers: no Nagle delay.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError if malformed."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{listen!r}: want HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def url_of(listener: trio.SocketListener, tls: bool) -> str:
+    """The URL a listener serves (``http://127.0.0.1:41234``, ``https://[::]:8443``)."""
+    host, port = listener.socket.getsockname()[:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+async def serve_http1(
+    app: ConnectUnary,
+    listeners: Sequence[trio.SocketListener],
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    timeouts: Timeouts = Timeouts(),
+    max_connections: int = 10000,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on ``listeners`` until cancelled (listeners closed then)."""
+    connections = trio.Semaphore(max_connections)
+    server = _Server(app, ssl_context, timeouts)
+    try:
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(_accept_loop, listener, connections, server, nursery)
+            task_status.started()
+    finally:
+        for listener in listeners:
+            await trio.aclose_forcefully(listener)
+
+
+# accept() errors that mean "this one connection failed" or "out of
+# resources for now": log, pause, go on (as trio.serve_listeners does).
+_ACCEPT_CAPACITY = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+async def _accept_loop(
+    listener: trio.SocketListener,
+    connections: trio.Semaphore,
+    server: _Server,
+    nursery: trio.Nursery,
+) -> None:
+    while True:
+        await connections.acquire()
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            connections.release()
+            if exc.errno not in _ACCEPT_CAPACITY:
+                raise
+            logger.error("accept: %s; pausing", exc)
+            await trio.sleep(0.1)
+            continue
+        except BaseException:
+            connections.release()
+            raise
+        nursery.start_soon(server.connection, stream, connections)
+
+
+class _Server:
+    def __init__(
+        self, app: ConnectUnary, ssl_context: ssl.SSLContext | None, timeouts: Timeouts
+    ) -> None:
+        self.app = app
+        self.ssl_context = ssl_context
+        self.timeouts = timeouts
+        self.limits = app.limits
+
+    async def connection(self, tcp: trio.SocketStream, connections: trio.Semaphore) -> None:
+        """Serve one connection until it closes, times out or breaks."""
+        stream: trio.abc.Stream = tcp
+        try:
+            if self.ssl_context is not None:
+                tls = trio.SSLStream(tcp, self.ssl_context, server_side=True)
+                stream = tls
+                with trio.move_on_after(self.limits.body_timeout) as handshake:
+                    await tls.do_handshake()
+                if handshake.cancelled_caught:
+                    return
+            await _Connection(self, stream).serve()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away (or TLS broke): nothing to answer
+        finally:
+            connections.release()
+            await trio.aclose_forcefully(stream)
+
+
+class _Connection:
+    """One connection's state: its stream, unread bytes, and its one cancel
+    scope whose deadline moves with the phase (cheaper than a scope per read)."""
+
+    def __init__(self, server: _Server, stream: trio.abc.Stream) -> None:
+        self.app = server.app
+        self.limits = server.limits
+        self.timeouts = server.timeouts
+        self.stream = stream
+        self.buffer = bytearray()
+        self.scope = trio.CancelScope()
+        #: Between a request's first byte and its last: a timeout then is a 408.
+        self.reading = False
+
+    async def receive(self) -> None:
+        """More bytes into the buffer; `_Close` at the end of the stream."""
+        data = await self.stream.receive_some(_RECEIVE)
+        if not data:
+            raise _Close()
+        self.buffer += data
+
+    async def serve(self) -> None:
+        buffer = self.buffer
+        with self.scope:
+            while True:
+                self.reading = False
+                if not buffer:
+                    self.scope.deadline = trio.current_time() + self.timeouts.keep_alive
+                    data = await self.stream.receive_some(_RECEIVE)
+                    if not data:
+                        return  # closed between requests: the normal end
+                    buffer += data
+                self.reading = True
+                self.scope.deadline = trio.current_time() + self.limits.body_timeout
+                try:
+                    keep_alive = await self.request()
+                except _Close as close:
+                    if close.answer is not None:
+                        self.scope.deadline = trio.current_time() + self.timeouts.send
+                        await self.answer(*close.answer, keep_alive=False)
+                    return
+                if not keep_alive:
+                    return
+        if self.scope.cancelled_caught and self.reading:
+            # In the middle of a request: tell the client why it is cut off.
+            with trio.move_on_after(self.timeouts.send):
+                exc = ConnectError(
+                    "deadline_exceeded",
+                    f"request not received within {self.limits.body_timeout:g}s",
+                    408,
+                )
+                await self.answer(*error_answer(exc), keep_alive=False)
+
+    async def request(self) -> bool:
+        """Read, handle and answer one request; keep the connection alive?"""
+        buffer = self.buffer
+        max_head = self.limits.max_head
+        end = buffer.find(b"\r\n\r\n")
+        while end < 0:
+            if len(buffer) > max_head:
+                raise _refuse(ConnectError("resource_exhausted", "request head too large", 431))
+            searched = max(0, len(buffer) - 3)
+            await self.receive()
+            end = buffer.find(b"\r\n\r\n", searched)
+        if end > max_head:
+            raise _refuse(ConnectError("resource_exhausted", "request head too large", 431))
+        head = bytes(buffer[:end])
+        del buffer[: end + 4]
+        method, path, version, headers = _parse_head(head)
+        keep_alive = _keep_alive(version, headers.get("connection", ""))
+        try:
+            handler = self.app.check(method, path, headers)
+        except ConnectError as exc:
+            raise _refuse(exc) from None
+        body = await self.body(headers)
+        # The request is in: its handling is not the client's to time out.
+        self.reading = False
+        self.scope.deadline = math.inf
+        status, content_type, answer = await self.app.call(handler, headers, body)
+        self.scope.deadline = trio.current_time() + self.timeouts.send
+        await self.answer(status, content_type, answer, keep_alive=keep_alive)
+        return keep_alive
+
+    async def body(self, headers: dict[str, str]) -> bytes:
+        """The request body, at most ``Limits.max_body`` bytes."""
+        limit = self.limits.max_body
+        too_large = ConnectError("resource_exhausted", f"request body larger than {limit} bytes")
+        expect = headers.get("expect", "").lower() == "100-continue"
+        encoding = headers.get("transfer-encoding")
+        if encoding is not None:
+            if encoding.lower() != "chunked" or "content-length" in headers:
+                raise _refuse(ConnectError("invalid_argument", "unsupported transfer-encoding"))
+            if expect:
+                await self.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            return await self.chunked(limit, too_large)
+        declared = headers.get("content-length", "0")
+        if not declared.isdigit() or len(declared) > 12:
+            raise _refuse(ConnectError("invalid_argument", "malformed content-length"))
+        length = int(declared)
+        if length > limit:
+            raise _refuse(too_large)
+        if expect and len(self.buffer) < length:
+            await self.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+        while len(self.buffer) < length:
+            await self.receive()
+        body = bytes(self.buffer[:length])
+        del self.buffer[:length]
+        return body
+
+    async def chunked(self, limit: int, too_large: ConnectError) -> bytes:
+        """A chunked body, at most ``limit`` bytes; trailers skipped."""
+        buffer = self.buffer
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            size_text = (await self.line()).split(b";", 1)[0].strip()
+            if not size_text or len(size_text) > 8 or size_text.strip(_HEX):
+                raise _refuse(ConnectError("invalid_argument", "malformed chunk size"))
+            length = int(size_text, 16)
+            if length == 0:
+                while await self.line():  # trailers, up to the empty line
+                    pass
+                return b"".join(chunks)
+            size += length
+            if size > limit:
+                raise _refuse(too_large)
+            while len(buffer) < length + 2:
+                await self.receive()
+            if buffer[length : length + 2] != b"\r\n":
+                raise _refuse(ConnectError("invalid_argument", "malformed chunked body"))
+            chunks.append(bytes(buffer[:length]))
+            del buffer[: length + 2]
+
+    async def line(self) -> bytes:
+        """One CRLF-terminated line of a chunked body (at most 1 KiB)."""
+        buffer = self.buffer
+        while (end := buffer.find(b"\r\n")) < 0:
+            if len(buffer) > 1024:
+                raise _refuse(ConnectError("invalid_argument", "malformed chunked body"))
+            await self.receive()
+        if end > 1024:
+            raise _refuse(ConnectError("invalid_argument", "malformed chunked body"))
+        text = bytes(buffer[:end])
+        del buffer[: end + 2]
+        return text
+
+    async def answer(
+        self, status: int, content_type: bytes, body: bytes, *, keep_alive: bool
+    ) -> None:
+        head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n" % (
+            status,
+            _REASONS.get(status, b"Unknown"),
+            content_type,
+            len(body),
+            b"" if keep_alive else b"Connection: close\r\n",
+        )
+        await self.stream.send_all(head + body)
+
+
+def _parse_head(head: bytes) -> tuple[str, str, bytes, dict[str, str]]:
+    """(method, path, version, headers by lower-case name) of a request head."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3:
+        raise _refuse(ConnectError("invalid_argument", "malformed request line"))
+    method, target, version = parts
+    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
+        raise _refuse(ConnectError("unimplemented", "HTTP/1.1 only", 505))
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name[-1:] in b" \t" or name[:1] in b" \t":
+            raise _refuse(ConnectError("invalid_argument", "malformed header line"))
+        headers[name.decode("latin-1").lower()] = value.strip(b" \t").decode("latin-1")
+    path = target.split(b"?", 1)[0].decode("latin-1")
+    return method.decode("latin-1"), path, version, headers
+
+
+def _keep_alive(version: bytes, connection: str) -> bool:
+    tokens = {t.strip() for t in connection.lower().split(",")} if connection else set()
+    if version == b"HTTP/1.1":
+        return "close" not in tokens
+    return "keep-alive" in tokens
