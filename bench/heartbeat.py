@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
+import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -54,6 +56,7 @@ from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from shepherd.agent import takeover as agent
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, run_agent_server
 from shepherd.agent_server.server import serve_app
+from shepherd.agent_server.workers import default_workers, reserve_port
 
 #: The interval the goal is stated for.
 TARGET_INTERVAL = 10.0
@@ -67,7 +70,8 @@ async def _bare(headers: object, body: bytes) -> bytes:
 
 
 async def _serve(mode: str, listen: str, url: str) -> None:
-    config = AgentServerConfig(listen=listen)
+    # One of --workers processes on the port, as `python -m shepherd.agent_server` runs them.
+    config = AgentServerConfig(listen=listen, reuse_port=True)
     if mode == "bare":
         await serve_app(ConnectUnary({agent.HEARTBEAT_PATH: _bare}, config.limits), config)
         return
@@ -105,7 +109,10 @@ def _request(machine_id: str, key: Ed25519PrivateKey, public: bytes, time_ns: in
     return head.encode() + body
 
 
-def make_load(agents: list[tuple[str, Ed25519PrivateKey, bytes]], per_agent: int) -> Load:
+Agent = tuple[str, Ed25519PrivateKey, bytes]
+
+
+def make_load(agents: list[Agent], per_agent: int) -> Load:
     now = time.time_ns()
     return Load(
         [
@@ -170,36 +177,70 @@ async def _one_agent(port: int, queue: list[bytes], load: Load) -> None:
 
 
 async def run_load(port: int, load: Load, seconds: float) -> float:
-    """Run every agent until ``seconds`` pass (or its requests run out); return answers/s."""
+    """Run every agent until ``seconds`` pass (or its requests run out); return the time taken."""
     start = trio.current_time()
     with trio.move_on_after(seconds):
         async with trio.open_nursery() as nursery:
             for queue in load.requests:
                 nursery.start_soon(_one_agent, port, queue, load)
-    elapsed = trio.current_time() - start
-    return (load.ok + load.refused) / elapsed
+    return trio.current_time() - start
+
+
+def _client(port: int, seconds: float, agents_file: Path) -> None:
+    """A load process: sign its agents' requests, say ready, wait for "go", load, report.
+
+    Its result (a JSON line on stdout): answers by kind, seconds taken,
+    and its own CPU seconds during the load.
+    """
+    rows = json.loads(agents_file.read_text())
+    agents = [
+        (mid, Ed25519PrivateKey.from_private_bytes(bytes.fromhex(seed)), bytes.fromhex(public))
+        for mid, seed, public in rows
+    ]
+    # Enough requests that no agent runs out within the time, at up to
+    # PER_PROCESS_RATE answers/s for this process.
+    load = make_load(agents, per_agent=int(seconds * PER_PROCESS_RATE / len(agents)) + 2)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    elapsed = trio.run(run_load, port, load, seconds)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    result = {"ok": load.ok, "refused": load.refused, "errors": load.errors}
+    print(json.dumps({**result, "elapsed": elapsed, "cpu": cpu}), flush=True)
+
+
+#: Most answers/s one load process is expected to see (requests are signed beforehand).
+PER_PROCESS_RATE = 3000
 
 
 # --- measurements -----------------------------------------------------------
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    ticks = 0
+def _cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """CPU seconds (user + system) so far of each of ``pids`` still alive."""
+    cpu = {}
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return cpu
 
 
 def _postgres_pids(server: LocalPostgres) -> list[int]:
+    """The postmaster and all its children now (backends come and go with pool connections)."""
     postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
     children = subprocess.run(
         ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
     ).stdout.split()
     return [postmaster, *(int(c) for c in children)]
+
+
+def _spent(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two snapshots (processes born meanwhile count whole)."""
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
 
 
 def _commits(url: str) -> int:
@@ -211,8 +252,10 @@ def _commits(url: str) -> int:
         return int(row[0])
 
 
-async def _setup(url: str, count: int) -> list[tuple[str, Ed25519PrivateKey, bytes]]:
+async def _setup(url: str, count: int) -> list[tuple[str, bytes, bytes]]:
+    """``count`` machines with started agents: (machine id, private seed, public key)."""
     keys = [Ed25519PrivateKey.generate() for _ in range(count)]
+    seeds = [k.private_bytes_raw() for k in keys]
     publics = [k.public_key().public_bytes_raw() for k in keys]
 
     async def fn(q: Queries) -> list[str]:
@@ -227,35 +270,77 @@ async def _setup(url: str, count: int) -> list[tuple[str, Ed25519PrivateKey, byt
 
     async with bmdb.open_connection(url) as conn:
         ids = await conn.transact(fn)
-    return list(zip(ids, keys, publics, strict=True))
+    return list(zip(ids, seeds, publics, strict=True))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _start_server(mode: str, url: str) -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
-    profile = os.environ.get("HEARTBEAT_BENCH_PROFILE")  # a folder: cProfile the servers
-    python = [sys.executable]
-    if profile:
-        python += ["-m", "cProfile", "-o", str(Path(profile) / f"{mode}.prof")]
-    process = subprocess.Popen(
-        [*python, "-m", "bench.heartbeat", "serve", mode, f"127.0.0.1:{port}", url],
-        stdin=subprocess.DEVNULL,
-    )
+def _wait_listening(port: int, processes: list[subprocess.Popen[bytes]]) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError("a server process exited at start")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return process, port
+            return
         except OSError:
             time.sleep(0.05)
-    process.kill()
-    raise RuntimeError(f"{mode} server did not start")
+    raise RuntimeError("server did not start")
+
+
+def _start_servers(mode: str, url: str, workers: int) -> tuple[list[subprocess.Popen[bytes]], int]:
+    """``workers`` server processes of ``mode`` on one port (SO_REUSEPORT), all listening."""
+    reserved, listen = reserve_port("127.0.0.1:0")
+    port = int(listen.rsplit(":", 1)[1])
+    profile = os.environ.get("HEARTBEAT_BENCH_PROFILE")  # a folder: cProfile the servers
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for index in range(workers):
+            python = [sys.executable]
+            if profile:
+                python += ["-m", "cProfile", "-o", str(Path(profile) / f"{mode}-{index}.prof")]
+            processes.append(
+                subprocess.Popen(
+                    [*python, "-m", "bench.heartbeat", "serve", mode, listen, url],
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+        # One answering is not all listening: wait for every socket, so that
+        # the load is spread over all of them from the start.
+        _wait_listening(port, processes)
+        _wait_all_bound(port, workers)
+    except BaseException:
+        _stop(processes)
+        raise
+    finally:
+        reserved.close()
+    return processes, port
+
+
+def _wait_all_bound(port: int, workers: int) -> None:
+    """Until ``workers`` sockets listen on ``port`` (per /proc/net/tcp), at most 120 s."""
+    hex_port = f":{port:04X}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        listening = 0
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(hex_port) and fields[3] == "0A":  # LISTEN
+                listening += 1
+        if listening >= workers:
+            return
+        time.sleep(0.05)
+    raise RuntimeError("not every server process listens")
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)  # a clean exit, so that a profile gets written
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @dataclass
@@ -266,29 +351,74 @@ class Result:
     errors: int
     server_cpu: float
     db_cpu: float
+    client_cpu: float
     commits: int
 
 
-Agent = tuple[str, Ed25519PrivateKey, bytes]
-
-
 def measure(
-    mode: str, server: LocalPostgres, url: str, agents: list[Agent], seconds: float
+    mode: str,
+    server: LocalPostgres,
+    url: str,
+    agents_files: list[Path],
+    seconds: float,
+    workers: int,
 ) -> Result:
-    process, port = _start_server(mode, url)
+    processes, port = _start_servers(mode, url, workers)
+    clients: list[subprocess.Popen[str]] = []
     try:
-        # Enough requests that no agent runs out within the time.
-        load = make_load(agents, per_agent=max(4, int(seconds * 2000 / len(agents)) + 2))
+        for agents_file in agents_files:
+            clients.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.heartbeat",
+                        "client",
+                        str(port),
+                        str(seconds),
+                        str(agents_file),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for client in clients:
+            assert client.stdout is not None
+            if client.stdout.readline().strip() != "ready":
+                raise RuntimeError("a load process failed")
+        server_pids = [p.pid for p in processes]
         pg_pids = _postgres_pids(server)
-        cpu0, db0, commits0 = _cpu_seconds([process.pid]), _cpu_seconds(pg_pids), _commits(url)
-        rate = trio.run(run_load, port, load, seconds)
-        cpu1, db1, commits1 = _cpu_seconds([process.pid]), _cpu_seconds(pg_pids), _commits(url)
+        cpu0, db0, commits0 = _cpu_seconds(server_pids), _cpu_seconds(pg_pids), _commits(url)
+        for client in clients:
+            assert client.stdin is not None
+            client.stdin.write("go\n")
+            client.stdin.flush()
+        results = []
+        for client in clients:
+            assert client.stdout is not None
+            results.append(json.loads(client.stdout.readline()))
+        cpu1, db1 = _cpu_seconds(server_pids), _cpu_seconds(_postgres_pids(server))
+        commits1 = _commits(url)
     finally:
-        process.send_signal(signal.SIGINT)  # a clean exit, so that a profile gets written
-        process.wait(timeout=60)
+        for client in clients:
+            if client.poll() is None:
+                client.kill()
+            client.wait()
+        _stop(processes)
+    ok = sum(r["ok"] for r in results)
+    refused = sum(r["refused"] for r in results)
+    elapsed = max(r["elapsed"] for r in results)
     # _commits' own transaction counts once.
     return Result(
-        rate, load.ok, load.refused, load.errors, cpu1 - cpu0, db1 - db0, commits1 - commits0 - 1
+        (ok + refused) / elapsed,
+        ok,
+        refused,
+        sum(r["errors"] for r in results),
+        _spent(cpu0, cpu1),
+        _spent(db0, db1),
+        sum(r["cpu"] for r in results),
+        commits1 - commits0 - 1,
     )
 
 
@@ -301,10 +431,17 @@ def main() -> None:
         except* KeyboardInterrupt:
             pass
         return
+    if len(sys.argv) == 5 and sys.argv[1] == "client":
+        _client(int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--workers", type=int, default=default_workers(), help="server processes (%(default)s)"
+    )
+    parser.add_argument("--clients", type=int, default=2, help="load processes (%(default)s)")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="heartbeat-bench-"))
@@ -312,12 +449,21 @@ def main() -> None:
     try:
         url = server.create_database("bench", template=TEMPLATE_DB)
         agents = trio.run(_setup, url, args.agents)
-        ratios = []
+        agents_files = []
+        for index in range(args.clients):
+            part = [
+                (mid, seed.hex(), public.hex())
+                for mid, seed, public in agents[index :: args.clients]
+            ]
+            agents_files.append(root / f"agents-{index}.json")
+            agents_files[-1].write_text(json.dumps(part))
+        ratios, rates = [], []
         for round_ in range(args.rounds):
-            bare = measure("bare", server, url, agents, args.seconds)
-            full = measure("full", server, url, agents, args.seconds)
+            bare = measure("bare", server, url, agents_files, args.seconds, args.workers)
+            full = measure("full", server, url, agents_files, args.seconds, args.workers)
             ratio = full.rate / bare.rate
             ratios.append(ratio)
+            rates.append(full.rate)
             need = args.agents / TARGET_INTERVAL
             per = max(full.ok, 1)
             # The shared test machine's wall-clock rates swing with its load;
@@ -325,25 +471,31 @@ def main() -> None:
             per_core = per / max(full.server_cpu + full.db_cpu, 1e-9)
             load_average = " ".join(Path("/proc/loadavg").read_text().split()[:3])
             print(
-                f"round {round_ + 1}: {args.agents} agents, {args.seconds:g}s each mode\n"
+                f"round {round_ + 1}: {args.agents} agents, {args.seconds:g}s each mode,"
+                f" {args.workers} server processes, {args.clients} load processes\n"
                 f"  bare: {bare.rate:8.0f} answers/s  (server CPU {bare.server_cpu:.1f}s,"
-                f" errors {bare.errors})\n"
+                f" load CPU {bare.client_cpu:.1f}s, errors {bare.errors})\n"
                 f"  full: {full.rate:8.0f} heartbeats/s accepted {full.ok}, refused"
-                f" {full.refused}, errors {full.errors} (server CPU {full.server_cpu:.1f}s)\n"
+                f" {full.refused}, errors {full.errors} (server CPU {full.server_cpu:.1f}s,"
+                f" PostgreSQL CPU {full.db_cpu:.1f}s, load CPU {full.client_cpu:.1f}s)\n"
                 f"  ratio full/bare: {ratio:.2f} (goal >= 0.5)\n"
                 f"  headroom for {args.agents} agents every {TARGET_INTERVAL:g}s"
                 f" ({need:.0f}/s): {full.rate / need:.1f}x (goal >= 10x)\n"
-                f"  per accepted heartbeat: {full.commits / per:.2f} DB transactions,"
+                f"  per accepted heartbeat: {full.commits / per:.3f} DB transactions,"
                 f" {1000 * full.db_cpu / per:.3f} ms PostgreSQL CPU,"
                 f" {1000 * full.server_cpu / per:.3f} ms server CPU"
-                f" (bare: {1000 * bare.server_cpu / max(bare.ok, 1):.3f} ms)\n"
+                f" (bare: {1000 * bare.server_cpu / max(bare.ok, 1):.3f} ms),"
+                f" {1000 * full.client_cpu / per:.3f} ms load CPU\n"
                 f"  CPU-bound capacity of one core (server + PostgreSQL CPU per heartbeat):"
                 f" {per_core:.0f}/s, {per_core / need:.1f}x the need\n"
                 f"  load average during the run: {load_average}",
                 flush=True,
             )
         if args.rounds > 1:
-            print(f"median ratio full/bare over {args.rounds} rounds: {median(ratios):.2f}")
+            print(
+                f"median over {args.rounds} rounds: ratio full/bare {median(ratios):.2f},"
+                f" headroom {median(rates) / (args.agents / TARGET_INTERVAL):.1f}x"
+            )
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)

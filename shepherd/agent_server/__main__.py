@@ -5,6 +5,11 @@ machines' network (and scales with the fleet), while the Shepherd holds the
 provider's and the SSH credentials; the two share nothing but the BMDB.
 SIGINT or SIGTERM stops it (exit status 0); an unusable BMDB or an address
 that cannot be bound exits with status 1.
+
+``--workers N`` (default: one per CPU) runs N worker processes on the one
+port (see `shepherd.agent_server.workers`); this process then supervises
+them. ``--workers 1`` serves in this process. ``--reuse-port`` (not in the
+help) is how the supervisor starts a worker.
 """
 
 from __future__ import annotations
@@ -14,14 +19,17 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
 import bmdb
+from bmdb import Queries
 from bmdb.errors import BMDBError
 from shepherd.agent_server.connect import Limits
 from shepherd.agent_server.server import AgentServerConfig, run_agent_server
+from shepherd.agent_server.workers import default_workers, supervise, watch_parent
 from shepherd.control_loop import default_runtime_info
 
 logger = logging.getLogger("shepherd.agent_server.main")
@@ -53,13 +61,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="accepted clock difference agent/server (default: %(default)s)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        metavar="N",
+        help="server processes sharing the port (default: one per CPU, %(default)s)",
+    )
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
 
-def parse_config(argv: Sequence[str] | None) -> tuple[str, AgentServerConfig, bool]:
+@dataclass(frozen=True)
+class Options:
+    """The parsed command line."""
+
+    url: str
+    config: AgentServerConfig
+    verbose: bool
+    workers: int
+    #: The arguments a worker gets (without --listen and --workers).
+    worker_argv: list[str]
+
+
+def parse_options(argv: Sequence[str] | None) -> Options:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     tls = args.tls_certificate_path is not None or args.tls_key_path is not None
     if tls and (args.tls_certificate_path is None or args.tls_key_path is None):
         parser.error("--tls-certificate-path and --tls-key-path go together")
@@ -76,33 +106,66 @@ def parse_config(argv: Sequence[str] | None) -> tuple[str, AgentServerConfig, bo
         keyfile=args.tls_key_path,
         limits=Limits(max_body=args.max_body),
         freshness=args.freshness,
+        reuse_port=args.reuse_port,
     )
-    return args.bmdb_url, config, args.verbose
+    worker_argv = ["--bmdb-url", args.bmdb_url, "--workers", "1"]
+    if tls:
+        worker_argv += [
+            "--tls-certificate-path",
+            str(args.tls_certificate_path),
+            "--tls-key-path",
+            str(args.tls_key_path),
+        ]
+    else:
+        worker_argv.append("--insecure-plain-http")
+    worker_argv += ["--max-body", str(args.max_body), "--freshness", str(args.freshness)]
+    if args.verbose:
+        worker_argv.append("--verbose")
+    return Options(args.bmdb_url, config, args.verbose, args.workers, worker_argv)
 
 
-async def run(url: str, config: AgentServerConfig) -> None:
+def parse_config(argv: Sequence[str] | None) -> tuple[str, AgentServerConfig, bool]:
+    """(BMDB URL, config, verbose) of a command line."""
+    options = parse_options(argv)
+    return options.url, options.config, options.verbose
+
+
+async def run(options: Options) -> None:
+    url, config = options.url, options.config
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with bmdb.open_connection(url) as conn, trio.open_nursery() as nursery:
-            await nursery.start(
-                lambda task_status: run_agent_server(
-                    conn, config, runtime_info=default_runtime_info(), task_status=task_status
+            if options.workers > 1:
+                # Checked here, so that bad TLS files or BMDB fail once, not per worker.
+                config.ssl_context()
+                await conn.transact(_nothing)
+                await nursery.start(supervise, options.worker_argv, config.listen, options.workers)
+            else:
+                if config.reuse_port:
+                    nursery.start_soon(watch_parent, nursery.cancel_scope)
+                await nursery.start(
+                    lambda task_status: run_agent_server(
+                        conn, config, runtime_info=default_runtime_info(), task_status=task_status
+                    )
                 )
-            )
             async for signum in signals:
                 logger.info("got %s, stopping", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
                 break
 
 
+async def _nothing(q: Queries) -> None:
+    """A transaction that shows the BMDB usable (reachable, migrated)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    url, config, verbose = parse_config(argv)
+    options = parse_options(argv)
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if options.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     errors: list[BaseException] = []
     try:
-        trio.run(run, url, config)
+        trio.run(run, options)
     except* (BMDBError, OSError) as group:
         errors.extend(group.exceptions)
     for exc in errors:

@@ -245,3 +245,76 @@ async def test_overload_is_answered_unavailable_not_queued_forever(
         assert await service.heartbeat(lower, body) == b""
         assert (await stored(bmdb_conn, mid))[0] is not None
         nursery.cancel_scope.cancel()
+
+
+async def test_group_commit_writes_each_member_once_its_group_committed(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """Concurrent heartbeats form one group (one transaction); each is written."""
+    machines = [await started_machine(bmdb_conn) for _ in range(3)]
+    service = HeartbeatService(bmdb_conn, batch_window=0.5)
+    answers: list[bytes] = []
+
+    async def beat(mid: uuid.UUID, seed: bytes) -> None:
+        body, headers = heartbeater("http://unused", str(mid), seed, report=False).request()
+        answers.append(await service.heartbeat({k.lower(): v for k, v in headers.items()}, body))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        async with trio.open_nursery() as beats:
+            for mid, seed in machines:
+                beats.start_soon(beat, mid, seed)
+        nursery.cancel_scope.cancel()
+    assert answers == [b""] * 3
+    times = {(await stored(bmdb_conn, mid))[0] for mid, _ in machines}
+    # The heartbeat time is the writing transaction's now(): one for the group.
+    assert len(times) == 1 and None not in times
+
+
+async def test_failed_group_answers_every_member_and_writes_nothing(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """A group whose transaction fails: all its heartbeats are answered
+    unavailable and none is written, also those that alone would have been."""
+    machines = [await started_machine(bmdb_conn) for _ in range(3)]
+    poisoned = machines[1][0]
+
+    async def poison(q: Queries) -> None:
+        # A real failure inside the group's statement, for one member.
+        await q.execute(
+            f"""CREATE FUNCTION hb_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF NEW.machine_id = '{poisoned}' THEN RAISE EXCEPTION 'poisoned'; END IF;
+                    RETURN NEW;
+                END $$;
+                CREATE TRIGGER hb_poison BEFORE INSERT ON machine_agent_heartbeat
+                FOR EACH ROW EXECUTE FUNCTION hb_poison()"""
+        )
+
+    await bmdb_conn.transact(poison)
+    service = HeartbeatService(bmdb_conn, batch_window=0.5)
+    codes: list[str] = []
+
+    async def beat(mid: uuid.UUID, seed: bytes) -> None:
+        body, headers = heartbeater("http://unused", str(mid), seed, report=True).request()
+        with pytest.raises(ConnectError) as refused:
+            await service.heartbeat({k.lower(): v for k, v in headers.items()}, body)
+        codes.append(refused.value.code)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            async with trio.open_nursery() as beats:
+                for mid, seed in machines:
+                    beats.start_soon(beat, mid, seed)
+            nursery.cancel_scope.cancel()
+    finally:
+
+        async def cure(q: Queries) -> None:
+            await q.execute("DROP TRIGGER hb_poison ON machine_agent_heartbeat")
+            await q.execute("DROP FUNCTION hb_poison()")
+
+        await bmdb_conn.transact(cure)
+    assert codes == ["unavailable"] * 3
+    for mid, _ in machines:
+        assert await stored(bmdb_conn, mid) == (None, None)
