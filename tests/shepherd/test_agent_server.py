@@ -318,3 +318,73 @@ async def test_failed_group_answers_every_member_and_writes_nothing(
     assert codes == ["unavailable"] * 3
     for mid, _ in machines:
         assert await stored(bmdb_conn, mid) == (None, None)
+
+
+async def _exchange(port: int, data: bytes, answers: int) -> list[bytes]:
+    """Send ``data`` on one connection; the heads of ``answers`` answers (fewer at EOF)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    heads: list[bytes] = []
+    buffer = b""
+    async with stream:
+        await stream.send_all(data)
+        with trio.fail_after(30):
+            while len(heads) < answers:
+                while b"\r\n\r\n" not in buffer:
+                    chunk = await stream.receive_some()
+                    if not chunk:
+                        return heads
+                    buffer += chunk
+                head, buffer = buffer.split(b"\r\n\r\n", 1)
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                while len(buffer) < length:
+                    buffer += await stream.receive_some()
+                buffer = buffer[length:]
+                heads.append(head)
+    return heads
+
+
+def _raw(body: bytes, headers: dict[str, str], *, chunked: bool = False) -> bytes:
+    lines = [f"POST {agent.HEARTBEAT_PATH} HTTP/1.1", "Host: x"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+        half = len(body) // 2
+        framed = b"".join(
+            b"%x;ext=1\r\n%s\r\n" % (len(part), part) for part in (body[:half], body[half:])
+        )
+        return ("\r\n".join(lines) + "\r\n\r\n").encode() + framed + b"0\r\nTrailer: t\r\n\r\n"
+    lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def test_keep_alive_chunked_and_pipelined_requests(server: Server) -> None:
+    """Two requests on one connection (sent at once, the second chunked, as
+    other Connect clients may send it) are both answered and written."""
+    mid, seed = await started_machine(server.conn)
+    hb = heartbeater(server.url, str(mid), seed, report=False)
+    first, second = hb.request(), hb.request()
+    data = _raw(*first) + _raw(*second, chunked=True)
+    heads = await _exchange(port_of(server.url), data, 2)
+    assert [h.split(b"\r\n")[0] for h in heads] == [b"HTTP/1.1 200 OK"] * 2
+    assert not any(b"connection: close" in h.lower() for h in heads)
+    stored_time = await server.conn.transact(
+        lambda q: q.execute(
+            "SELECT agent_request_time_ns FROM machine_agent_heartbeat WHERE machine_id = %s",
+            (mid,),
+        )
+    )
+    assert stored_time[0][0] == int(second[1][agent.HEADER_TIME])
+
+
+async def test_oversized_head_and_malformed_requests_close_the_connection(server: Server) -> None:
+    huge = {"X-Padding": "p" * (20 * 1024), "Content-Type": "application/proto"}
+    (head,) = await _exchange(port_of(server.url), _raw(b"", huge), 2)
+    assert head.startswith(b"HTTP/1.1 431 ") and b"connection: close" in head.lower()
+    bad = b"POST / HTTP/1.1 extra\r\n\r\n"
+    (head,) = await _exchange(port_of(server.url), bad, 2)
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower()
+    smuggle = _raw(b"", {"Content-Type": "application/proto"}).replace(
+        b"Content-Length: 0", b"Content-Length: 0\r\nTransfer-Encoding: chunked"
+    )
+    (head,) = await _exchange(port_of(server.url), smuggle, 2)
+    assert head.startswith(b"HTTP/1.1 400 ")
