@@ -1,30 +1,39 @@
 """Agent callback server throughput: accepted heartbeats/s against a bare endpoint, one run.
 
     python -m bench.heartbeat [--agents 1000] [--seconds 10] [--rounds 1]
+                              [--workers N] [--clients 2]
 
-The server runs in its own process (as in production), on hypercorn's Trio
-worker, plain HTTP on loopback, in two modes with the same stack:
+The server runs as ``--workers`` processes on one port (SO_REUSEPORT, as
+``python -m shepherd.agent_server --workers N`` runs them; default one per
+CPU), on `shepherd.agent_server.http1`, plain HTTP on loopback, in three
+modes with the same stack:
 
-- bare: the same ConnectApp (framing, size and deadline limits) with a
-  handler that answers an empty HeartbeatResponse and checks nothing, writes
-  nothing;
+- bare: the same transport and Connect layer (framing, size and deadline
+  limits) with a handler that answers an empty HeartbeatResponse and checks
+  nothing, writes nothing;
+- auth: the same with the full authentication that needs no database
+  (parse, freshness, Ed25519 signature), writing nothing: full/auth is the
+  share the database write (group commit, BMDB session) leaves;
 - full: the real agent callback server: signature check, its BMDB session,
-  one statement that authenticates against the AgentStarted tag, refuses
-  replays and writes the heartbeat, in a PostgreSQL 15 of its own.
+  group commit of concurrent heartbeats in one statement that authenticates
+  against the AgentStarted tag, refuses replays and writes the heartbeats,
+  each answered after its commit, in a PostgreSQL 15 of its own.
 
 The load: ``--agents`` simulated agents, each with its own machine in the
 BMDB, its own Ed25519 key and real signed requests (signed with
 ``cryptography`` before the clock starts, each with a newer time, so none
 is a replay), sent like the real agent does: each on its own kept-alive
-connection, back to back (a closed loop, no pause), all agents at once.
+connection, back to back (a closed loop, no pause), all agents at once. The
+agents are split over ``--clients`` load processes, each a bare epoll loop
+so that the load costs far less CPU than the server; their CPU is printed.
 
-Prints heartbeats/s of both, the ratio full/bare (goal >= 0.5), the
+Prints answers/s of each mode, the ratio full/bare (goal >= 0.5), the
 headroom over what ``--agents`` agents at a 10 s interval need (goal >=
-10x), and the database cost per accepted heartbeat: transactions, and
-PostgreSQL CPU time (all its processes, from /proc). Because the wall-clock
-rate on a shared machine follows its load (printed too), it also prints
-what one core sustains given the CPU time server and PostgreSQL spent per
-heartbeat. The client (this process) shares the same cores.
+10x), and the cost per accepted heartbeat: database transactions, and CPU
+time of server, PostgreSQL (all its processes, from /proc) and load.
+Because the wall-clock rate on a shared machine follows its load (printed
+too), it also prints what one core sustains given the CPU time server and
+PostgreSQL spent per heartbeat.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import datetime
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -42,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
@@ -56,6 +67,7 @@ from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from shepherd.agent import takeover as agent
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, run_agent_server
 from shepherd.agent_server.server import serve_app
+from shepherd.agent_server.service import DEFAULT_FRESHNESS, authenticate
 from shepherd.agent_server.workers import default_workers, reserve_port
 
 #: The interval the goal is stated for.
@@ -69,11 +81,17 @@ async def _bare(headers: object, body: bytes) -> bytes:
     return b""
 
 
+async def _authenticated(headers: Mapping[str, str], body: bytes) -> bytes:
+    authenticate(headers, body, now_ns=time.time_ns(), freshness=DEFAULT_FRESHNESS)
+    return b""
+
+
 async def _serve(mode: str, listen: str, url: str) -> None:
     # One of --workers processes on the port, as `python -m shepherd.agent_server` runs them.
     config = AgentServerConfig(listen=listen, reuse_port=True)
-    if mode == "bare":
-        await serve_app(ConnectUnary({agent.HEARTBEAT_PATH: _bare}, config.limits), config)
+    if mode in ("bare", "auth"):
+        handler = _bare if mode == "bare" else _authenticated
+        await serve_app(ConnectUnary({agent.HEARTBEAT_PATH: handler}, config.limits), config)
         return
     async with bmdb.open_connection(url) as conn:
         await run_agent_server(conn, config)
@@ -122,68 +140,99 @@ def make_load(agents: list[Agent], per_agent: int) -> Load:
     )
 
 
-async def _read_response(stream: trio.SocketStream, buffer: bytearray) -> bytes | None:
-    """One HTTP response (status line and headers; the body is skipped), or None at EOF."""
-    while b"\r\n\r\n" not in buffer:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return None
-        buffer += chunk
-    end = buffer.index(b"\r\n\r\n") + 4
-    head = bytes(buffer[:end])
-    length = 0
-    for line in head.lower().split(b"\r\n"):
-        if line.startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    while len(buffer) < end + length:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return None
-        buffer += chunk
-    del buffer[: end + length]
-    return head
+class _Agent:
+    """One simulated agent's connection in the load loop."""
+
+    def __init__(self, queue: list[bytes]) -> None:
+        self.queue = queue
+        self.next = 0
+        self.sock: socket.socket | None = None
+        self.out = b""
+        self.buffer = b""
 
 
-async def _one_agent(port: int, queue: list[bytes], load: Load) -> None:
-    """Send ``queue`` back to back on one kept-alive connection, as the agent does."""
-    stream: trio.SocketStream | None = None
-    buffer = bytearray()
-    try:
-        for request in queue:
-            try:
-                if stream is None:
-                    stream = await trio.open_tcp_stream("127.0.0.1", port)
-                    buffer.clear()
-                await stream.send_all(request)
-                head = await _read_response(stream, buffer)
-            except OSError:
-                head = None
-            if head is None:
-                load.errors += 1
-                if stream is not None:
-                    await stream.aclose()
-                stream = None
+def run_load(port: int, load: Load, seconds: float) -> float:
+    """Run every agent until ``seconds`` pass (or its requests run out); return the time taken.
+
+    Each agent sends its requests back to back on one kept-alive connection
+    (reconnecting if it closes), as the agent does. A bare epoll loop, not
+    Trio: the load must cost far less CPU than the server it measures.
+    """
+    poller = select.epoll()
+    agents: dict[int, _Agent] = {}
+
+    def connect(agent_: _Agent) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+        agent_.sock, agent_.buffer = sock, b""
+        agent_.out = agent_.queue[agent_.next]
+        agents[sock.fileno()] = agent_
+        poller.register(sock.fileno(), select.EPOLLOUT)
+
+    def drop(agent_: _Agent, error: bool) -> None:
+        assert agent_.sock is not None
+        if error:
+            load.errors += 1
+        poller.unregister(agent_.sock.fileno())
+        del agents[agent_.sock.fileno()]
+        agent_.sock.close()
+        agent_.sock = None
+        if agent_.next < len(agent_.queue):
+            connect(agent_)
+
+    for queue in load.requests:
+        connect(_Agent(queue))
+    start = time.monotonic()
+    end = start + seconds
+    while agents and (now := time.monotonic()) < end:
+        for fd, events in poller.poll(end - now):
+            agent_ = agents.get(fd)
+            if agent_ is None or agent_.sock is None:
                 continue
-            if head.startswith(b"HTTP/1.1 200"):
+            try:
+                if events & select.EPOLLOUT:
+                    sent = agent_.sock.send(agent_.out)
+                    agent_.out = agent_.out[sent:]
+                    if not agent_.out:
+                        poller.modify(fd, select.EPOLLIN)
+                    continue
+                data = agent_.sock.recv(65536)
+            except OSError:
+                drop(agent_, error=True)
+                continue
+            if not data:
+                drop(agent_, error=True)
+                continue
+            agent_.buffer += data
+            end_of_head = agent_.buffer.find(b"\r\n\r\n")
+            if end_of_head < 0:
+                continue
+            head = agent_.buffer[:end_of_head].lower()
+            length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            if len(agent_.buffer) < end_of_head + 4 + length:
+                continue
+            agent_.buffer = agent_.buffer[end_of_head + 4 + length :]
+            if head.startswith(b"http/1.1 200"):
                 load.ok += 1
             else:
                 load.refused += 1
-            if b"connection: close" in head.lower() and stream is not None:
-                await stream.aclose()
-                stream = None
-    finally:
-        if stream is not None:
-            await stream.aclose()
-
-
-async def run_load(port: int, load: Load, seconds: float) -> float:
-    """Run every agent until ``seconds`` pass (or its requests run out); return the time taken."""
-    start = trio.current_time()
-    with trio.move_on_after(seconds):
-        async with trio.open_nursery() as nursery:
-            for queue in load.requests:
-                nursery.start_soon(_one_agent, port, queue, load)
-    return trio.current_time() - start
+            agent_.next += 1
+            if b"connection: close" in head or agent_.next >= len(agent_.queue):
+                drop(agent_, error=False)
+                continue
+            agent_.out = agent_.queue[agent_.next]
+            sent = agent_.sock.send(agent_.out)
+            agent_.out = agent_.out[sent:]
+            if agent_.out:
+                poller.modify(fd, select.EPOLLOUT)
+    elapsed = time.monotonic() - start
+    for agent_ in list(agents.values()):
+        if agent_.sock is not None:
+            agent_.sock.close()
+    poller.close()
+    return elapsed
 
 
 def _client(port: int, seconds: float, agents_file: Path) -> None:
@@ -203,7 +252,7 @@ def _client(port: int, seconds: float, agents_file: Path) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     before = resource.getrusage(resource.RUSAGE_SELF)
-    elapsed = trio.run(run_load, port, load, seconds)
+    elapsed = run_load(port, load, seconds)
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     result = {"ok": load.ok, "refused": load.refused, "errors": load.errors}
@@ -457,11 +506,13 @@ def main() -> None:
             ]
             agents_files.append(root / f"agents-{index}.json")
             agents_files[-1].write_text(json.dumps(part))
-        ratios, rates = [], []
+        ratios, rates, auth_ratios = [], [], []
         for round_ in range(args.rounds):
             bare = measure("bare", server, url, agents_files, args.seconds, args.workers)
+            auth = measure("auth", server, url, agents_files, args.seconds, args.workers)
             full = measure("full", server, url, agents_files, args.seconds, args.workers)
             ratio = full.rate / bare.rate
+            auth_ratios.append(full.rate / auth.rate)
             ratios.append(ratio)
             rates.append(full.rate)
             need = args.agents / TARGET_INTERVAL
@@ -475,16 +526,20 @@ def main() -> None:
                 f" {args.workers} server processes, {args.clients} load processes\n"
                 f"  bare: {bare.rate:8.0f} answers/s  (server CPU {bare.server_cpu:.1f}s,"
                 f" load CPU {bare.client_cpu:.1f}s, errors {bare.errors})\n"
+                f"  auth: {auth.rate:8.0f} answers/s  (server CPU {auth.server_cpu:.1f}s,"
+                f" load CPU {auth.client_cpu:.1f}s, errors {auth.errors})\n"
                 f"  full: {full.rate:8.0f} heartbeats/s accepted {full.ok}, refused"
                 f" {full.refused}, errors {full.errors} (server CPU {full.server_cpu:.1f}s,"
                 f" PostgreSQL CPU {full.db_cpu:.1f}s, load CPU {full.client_cpu:.1f}s)\n"
-                f"  ratio full/bare: {ratio:.2f} (goal >= 0.5)\n"
+                f"  ratio full/bare: {ratio:.2f} (goal >= 0.5);"
+                f" full/auth (the database's share): {auth_ratios[-1]:.2f}\n"
                 f"  headroom for {args.agents} agents every {TARGET_INTERVAL:g}s"
                 f" ({need:.0f}/s): {full.rate / need:.1f}x (goal >= 10x)\n"
                 f"  per accepted heartbeat: {full.commits / per:.3f} DB transactions,"
                 f" {1000 * full.db_cpu / per:.3f} ms PostgreSQL CPU,"
                 f" {1000 * full.server_cpu / per:.3f} ms server CPU"
-                f" (bare: {1000 * bare.server_cpu / max(bare.ok, 1):.3f} ms),"
+                f" (bare: {1000 * bare.server_cpu / max(bare.ok, 1):.3f} ms,"
+                f" auth: {1000 * auth.server_cpu / max(auth.ok, 1):.3f} ms),"
                 f" {1000 * full.client_cpu / per:.3f} ms load CPU\n"
                 f"  CPU-bound capacity of one core (server + PostgreSQL CPU per heartbeat):"
                 f" {per_core:.0f}/s, {per_core / need:.1f}x the need\n"
@@ -494,6 +549,7 @@ def main() -> None:
         if args.rounds > 1:
             print(
                 f"median over {args.rounds} rounds: ratio full/bare {median(ratios):.2f},"
+                f" full/auth {median(auth_ratios):.2f},"
                 f" headroom {median(rates) / (args.agents / TARGET_INTERVAL):.1f}x"
             )
     finally:
