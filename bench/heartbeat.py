@@ -506,7 +506,7 @@ def main() -> None:
             ]
             agents_files.append(root / f"agents-{index}.json")
             agents_files[-1].write_text(json.dumps(part))
-        ratios, rates, auth_ratios = [], [], []
+        ratios, rates, auth_ratios, capacities = [], [], [], []
         for round_ in range(args.rounds):
             bare = measure("bare", server, url, agents_files, args.seconds, args.workers)
             auth = measure("auth", server, url, agents_files, args.seconds, args.workers)
@@ -520,6 +520,10 @@ def main() -> None:
             # The shared test machine's wall-clock rates swing with its load;
             # CPU time per heartbeat says what one core could sustain.
             per_core = per / max(full.server_cpu + full.db_cpu, 1e-9)
+            # ... and all of this machine's cores, the load's CPU counted too.
+            cores = len(os.sched_getaffinity(0))
+            per_machine = cores * per / max(full.server_cpu + full.db_cpu + full.client_cpu, 1e-9)
+            capacities.append(per_machine)
             load_average = " ".join(Path("/proc/loadavg").read_text().split()[:3])
             print(
                 f"round {round_ + 1}: {args.agents} agents, {args.seconds:g}s each mode,"
@@ -543,6 +547,8 @@ def main() -> None:
                 f" {1000 * full.client_cpu / per:.3f} ms load CPU\n"
                 f"  CPU-bound capacity of one core (server + PostgreSQL CPU per heartbeat):"
                 f" {per_core:.0f}/s, {per_core / need:.1f}x the need\n"
+                f"  CPU-bound capacity of this machine alone ({cores} cores, server + PostgreSQL"
+                f" + load CPU): {per_machine:.0f}/s, {per_machine / need:.1f}x the need\n"
                 f"  load average during the run: {load_average}",
                 flush=True,
             )
@@ -550,7 +556,9 @@ def main() -> None:
             print(
                 f"median over {args.rounds} rounds: ratio full/bare {median(ratios):.2f},"
                 f" full/auth {median(auth_ratios):.2f},"
-                f" headroom {median(rates) / (args.agents / TARGET_INTERVAL):.1f}x"
+                f" headroom {median(rates) / (args.agents / TARGET_INTERVAL):.1f}x,"
+                f" CPU-bound headroom of this machine alone"
+                f" {median(capacities) / (args.agents / TARGET_INTERVAL):.1f}x"
             )
     finally:
         server.stop()
