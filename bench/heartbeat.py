@@ -97,6 +97,17 @@ async def _serve(mode: str, listen: str, url: str) -> None:
         await run_agent_server(conn, config)
 
 
+async def _serve_until_sigint(mode: str, listen: str, url: str) -> None:
+    """Serve until SIGINT (how the benchmark stops a server): a clean exit,
+    so that a profile is written and no coroutine is abandoned."""
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_serve, mode, listen, url)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+
+
 # --- the load ---------------------------------------------------------------
 
 
@@ -473,12 +484,7 @@ def measure(
 
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "serve":
-        # SIGINT is how the benchmark stops a server (a clean exit, so that
-        # a profile is written); Trio may deliver it grouped.
-        try:
-            trio.run(_serve, sys.argv[2], sys.argv[3], sys.argv[4])
-        except* KeyboardInterrupt:
-            pass
+        trio.run(_serve_until_sigint, sys.argv[2], sys.argv[3], sys.argv[4])
         return
     if len(sys.argv) == 5 and sys.argv[1] == "client":
         _client(int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4]))

@@ -388,3 +388,16 @@ async def test_oversized_head_and_malformed_requests_close_the_connection(server
     )
     (head,) = await _exchange(port_of(server.url), smuggle, 2)
     assert head.startswith(b"HTTP/1.1 400 ")
+
+
+async def test_idle_connection_is_closed_after_the_keep_alive_timeout(
+    bmdb_conn: bmdb.Connection, nursery: trio.Nursery
+) -> None:
+    config = AgentServerConfig(listen="127.0.0.1:0", keep_alive_timeout=0.5)
+    binds = await nursery.start(
+        lambda task_status: run_agent_server(bmdb_conn, config, task_status=task_status)
+    )
+    idle = await trio.open_tcp_stream("127.0.0.1", port_of(binds[0]))
+    async with idle:
+        with trio.fail_after(30):
+            assert await idle.receive_some() == b""  # closed by the server, unanswered
