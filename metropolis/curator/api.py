@@ -40,8 +40,31 @@ reported status, its curator's ``host:port``: a client whose directory
 predates that curator goes there.
 
 A learner that never starts is removed at the next grant after
-:data:`LEARNER_TIMEOUT`. Not here yet: refreshing a ConsensusMember's peer
-list at send time (the join data stored at grant is sent as is).
+:data:`LEARNER_TIMEOUT`. ``Watch`` computes a ConsensusMember's peer list
+when it sends the role (from etcd's member list then), so a node that
+(re)starts its etcd later joins the members of that moment, not those of
+the grant.
+
+**Revoking ConsensusMember from the leader's own node.** The leader cannot
+remove its own etcd member: the write that records the revocation and the
+answer to the owner go through that very etcd. So the work is split across
+two terms::
+
+    owner ─ UpdateNodeRoles(n1, consensus off) ─▶ leader on n1
+      n1 leader: one guarded txn: n1's record without ConsensusMember
+                 + /consensus-removals/n1 = n1's key      ── answers OK
+      n1 election: sees its own mark ─▶ Follower, deletes /leader (resigns);
+                   it cannot campaign again while the mark exists
+      n2 curator wins; at the start of its term (and whenever a mark appears)
+        complete_removals: member remove(n1), n1's peer cert revoked on the
+                           etcd peer CRL, CRL written ─▶ delete the mark
+      meanwhile n1's role fetch got the record (from its curator, later from
+      n2/n3 through its self-updating cluster directory): its control plane
+      stops (curator, lease revoked; then etcd) and etcd's data is wiped
+
+A grant while the mark is still there completes the removal first, so the
+node always joins as a new member from empty data. Leadership moves only
+through the election key, so there is never a second leader.
 """
 
 from __future__ import annotations
@@ -50,7 +73,7 @@ import datetime
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 from cryptography import x509
@@ -58,14 +81,25 @@ from cryptography import x509
 from metropolis import identity, pki
 from metropolis.consensus import ConsensusError
 from metropolis.consensus import Status as ConsensusStatus
-from metropolis.consensus.client import Compare, EtcdError, Get, Put, RangeResult
+from metropolis.consensus.client import (
+    Compare,
+    Delete,
+    EtcdClosed,
+    EtcdError,
+    Get,
+    Op,
+    Put,
+    RangeResult,
+)
 from metropolis.curator.bootstrap import node_certificate
 from metropolis.curator.election import ElectionState, Follower, Leader, NotLeader
 from metropolis.curator.state import (
     CA_CERTIFICATE_KEY,
     CA_KEY_KEY,
+    CONSENSUS_REMOVALS,
     INITIAL_OWNER_KEY,
     CuratorError,
+    consensus_removal_key,
     heartbeat_key,
     issued_certificate_key,
     join_key_key,
@@ -81,6 +115,8 @@ from metropolis.proto.common import (
     ClusterDirectoryNode,
     ClusterDirectoryNodeAddress,
     NodeRoles,
+    NodeRolesConsensusMember,
+    NodeRolesConsensusMemberPeer,
     NodeRolesKubernetesController,
     NodeRolesKubernetesWorker,
     NodeState,
@@ -224,7 +260,7 @@ class CuratorAPI:
         return state
 
     async def _txn(
-        self, compare: list[Compare], success: list[Put], failure: list[Get] | None = None
+        self, compare: list[Compare], success: Sequence[Op], failure: list[Get] | None = None
     ) -> bool:
         """A leader-guarded txn; whether ``compare`` held. UNAVAILABLE if we no longer lead."""
         try:
@@ -239,10 +275,13 @@ class CuratorAPI:
             return None
         return parse_node(stored.value, node_id), stored.mod_revision
 
-    async def _update(self, node_id: str, change: Callable[[Node], Node | None]) -> Node:
+    async def _update(
+        self, node_id: str, change: Callable[[Node], Node | None], also: Sequence[Op] = ()
+    ) -> Node:
         """Apply ``change`` to the record of ``node_id`` atomically (retried on races).
 
         ``change`` returns the new record, or None to leave it as is.
+        ``also`` is written in the same transaction as a changed record.
         NOT_FOUND if there is no record.
         """
         while True:
@@ -254,7 +293,9 @@ class CuratorAPI:
             if new is None:
                 return record
             key = node_key(node_id)
-            if await self._txn([Compare.mod_revision(key, "==", revision)], [Put(key, bytes(new))]):
+            if await self._txn(
+                [Compare.mod_revision(key, "==", revision)], [Put(key, bytes(new)), *also]
+            ):
                 return new
 
     # --- node side -------------------------------------------------------
@@ -265,7 +306,19 @@ class CuratorAPI:
         ctx: CallContext,
         send: Callable[[c.WatchEvent], Awaitable[None]],
     ) -> None:
-        """Send the caller's own record, then each change; until the caller leaves."""
+        """Send the watched records, then each change; until the caller leaves.
+
+        ``node_in_cluster``: the caller's own record (another node's is
+        PERMISSION_DENIED), its ConsensusMember peers computed at each send
+        (:meth:`_current_roles`). ``nodes_in_cluster``: every node's ID,
+        status and role names (no join data), all current ones in the first
+        event (``LAST_BACKLOGGED``), then each change; nodes keep their
+        cluster directory current with it. UNAVAILABLE when etcd's member
+        list cannot be read.
+        """
+        if request.nodes_in_cluster is not None:
+            await self._watch_all(send)
+            return
         wanted = request.node_in_cluster.node_id if request.node_in_cluster else ""
         if wanted != ctx.peer.node_id:
             raise RPCError(Status.PERMISSION_DENIED, "a node may only watch its own record")
@@ -274,16 +327,72 @@ class CuratorAPI:
                 if record is None:
                     await send(c.WatchEvent(node_tombstones=[c.WatchEventNodeTombstone(wanted)]))
                     continue
+                roles = await self._current_roles(wanted, record)
                 await send(
                     c.WatchEvent(
-                        nodes=[
-                            c.Node(
-                                id=wanted, roles=record.roles or NodeRoles(), status=record.status
-                            )
-                        ],
+                        nodes=[c.Node(id=wanted, roles=roles, status=record.status)],
                         progress=c.WatchEventProgress.LAST_BACKLOGGED,
                     )
                 )
+
+    async def _current_roles(self, node_id: str, record: Node) -> NodeRoles:
+        """The record's roles, a ConsensusMember's peers being etcd's members now.
+
+        The join data stored at grant names the members of that moment; a
+        node that starts its etcd later (a restart from wiped data, a slow
+        start) must be told the current ones, or it would dial members that
+        are gone and miss those added since. Every member but the node's own
+        (by name, or by peer URL while it is an unstarted learner) is a peer.
+        """
+        roles = record.roles or NodeRoles()
+        role = roles.consensus_member
+        if role is None:
+            return roles
+        try:
+            members = await self._consensus.members()
+        except ConsensusError as e:
+            raise RPCError(Status.UNAVAILABLE, f"etcd member list unreadable: {e}") from None
+        own_url = self._peer_url(record)
+        peers = [
+            NodeRolesConsensusMemberPeer(name=m.name or f"unstarted-{m.id:x}", url=m.peer_urls[0])
+            for m in members
+            if m.peer_urls and m.name != node_id and own_url not in m.peer_urls
+        ]
+        return NodeRoles(
+            consensus_member=NodeRolesConsensusMember(
+                ca_certificate=role.ca_certificate,
+                peer_certificate=role.peer_certificate,
+                initial_crl=role.initial_crl,
+                peers=peers,
+            ),
+            kubernetes_controller=roles.kubernetes_controller,
+            kubernetes_worker=roles.kubernetes_worker,
+        )
+
+    def _peer_url(self, record: Node) -> str | None:
+        """The etcd peer URL of a node at its reported address (None: none reported)."""
+        address = record.status.external_address if record.status else ""
+        if not address:
+            return None
+        host = f"[{address}]" if ":" in address else address
+        return f"https://{host}:{self._peer_port}"
+
+    async def _watch_all(self, send: Callable[[c.WatchEvent], Awaitable[None]]) -> None:
+        """Every node (ID, status, role names), then each change; until cancelled."""
+        first = await self._kv.range(b"/nodes/", prefix=True)
+        backlog = [n for kv in first.kvs if (n := _directory_node(kv.key, kv.value)) is not None]
+        await send(c.WatchEvent(nodes=backlog, progress=c.WatchEventProgress.LAST_BACKLOGGED))
+        async with self._kv.watch(b"/nodes/", prefix=True, start_revision=first.revision + 1) as w:
+            async for response in w:
+                event = c.WatchEvent()
+                for change in response.events:
+                    if change.type == "DELETE":
+                        node_id = change.kv.key.removeprefix(b"/nodes/").decode()
+                        event.node_tombstones.append(c.WatchEventNodeTombstone(node_id))
+                    elif (n := _directory_node(change.kv.key, change.kv.value)) is not None:
+                        event.nodes.append(n)
+                if event.nodes or event.node_tombstones:
+                    await send(event)
 
     async def update_node_status(
         self, request: c.UpdateNodeStatusRequest, ctx: CallContext
@@ -490,24 +599,29 @@ class CuratorAPI:
         Granting ConsensusMember adds the node as a learner at its reported
         address (FAILED_PRECONDITION if it reported none) and stores its join
         data; its role fetch then starts etcd. Revoking it is refused for the
-        last consensus member and for the node this curator runs on (ask
-        after another curator leads); otherwise the etcd member is removed,
-        its peer certificate revoked on the etcd peer CRL, and the role
-        dropped, which stops the node's control plane.
+        last consensus member; otherwise the etcd member is removed, its peer
+        certificate revoked on the etcd peer CRL, and the role dropped, which
+        stops the node's control plane. For the node this curator runs on,
+        the removal is left to the next leader (see the module docstring):
+        the role is dropped together with a removal mark, and this curator
+        resigns once it has answered.
         """
         node_id = request.id if request.id else _node_id(request.pubkey or b"")
         worker, controller = request.kubernetes_worker, request.kubernetes_controller
         consensus = request.consensus_member
         async with self._membership_lock:
+            deferred: list[Op] = []
             if consensus is True:
                 await self._grant_consensus(node_id)
             elif consensus is False:
-                await self._revoke_consensus(node_id)
+                deferred = await self._revoke_consensus(node_id)
 
             def change(record: Node) -> Node:
                 if record.fsm_state != NodeState.UP:
                     raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
                 roles = record.roles or NodeRoles()
+                if deferred:
+                    roles.consensus_member = None
                 if worker is not None:
                     roles.kubernetes_worker = NodeRolesKubernetesWorker() if worker else None
                 if controller is not None:
@@ -517,7 +631,9 @@ class CuratorAPI:
                 record.roles = roles
                 return record
 
-            await self._update(node_id, change)
+            await self._update(node_id, change, deferred)
+        if deferred:
+            _log.info("revoked ConsensusMember of %s (this node); resigning", node_id)
         return m.UpdateNodeRolesResponse()
 
     async def _grant_consensus(self, node_id: str) -> None:
@@ -529,11 +645,14 @@ class CuratorAPI:
             raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
         if record.roles is not None and record.roles.consensus_member is not None:
             return
-        address = record.status.external_address if record.status else ""
-        if not address:
+        peer_url = self._peer_url(record)
+        if peer_url is None:
             raise RPCError(Status.FAILED_PRECONDITION, "node has not reported its address yet")
-        host = f"[{address}]" if ":" in address else address
-        peer_url = f"https://{host}:{self._peer_port}"
+        address = record.status.external_address if record.status else ""
+        # Revoked while its curator led, and the removal not done yet: its
+        # old member must go first, so that it joins as a new one.
+        if await self._kv.get(consensus_removal_key(node_id)) is not None:
+            await self._complete_removal(node_id, record.public_key)
         await self._remove_stuck_learners(node_id)
         try:
             join = await self._consensus.add_node(record.public_key, peer_url=peer_url)
@@ -586,23 +705,26 @@ class CuratorAPI:
 
             await self._update(node_id, change)
 
-    async def _revoke_consensus(self, node_id: str) -> None:
+    async def _revoke_consensus(self, node_id: str) -> list[Op]:
+        """Revoke ConsensusMember; the ops to write with the record (none: done here).
+
+        For another node, its member is removed and the role dropped now.
+        For this curator's own node, the removal mark is returned, to be
+        written in the same transaction as the record without the role.
+        """
         found = await self._read(node_id)
         if found is None:
             raise RPCError(Status.NOT_FOUND, f"no node {node_id}")
         record = found[0]
         if record.roles is None or record.roles.consensus_member is None:
-            return
+            return []
         members = [r for r in await self._records() if r.roles and r.roles.consensus_member]
         if len(members) <= 1:
             raise RPCError(
                 Status.FAILED_PRECONDITION, "refusing to remove the last consensus member"
             )
         if node_id == self._consensus.node_id:
-            raise RPCError(
-                Status.FAILED_PRECONDITION,
-                "this curator runs on that node; revoke it while another curator leads",
-            )
+            return [Put(consensus_removal_key(node_id), record.public_key)]
         # The member goes and its *peer* certificate lands on the etcd peer
         # CRL (remove_node). The node's cluster certificate stays valid: the
         # node stays in the cluster and keeps fetching its roles.
@@ -615,6 +737,67 @@ class CuratorAPI:
 
         await self._update(node_id, change)
         _log.info("revoked ConsensusMember of %s", node_id)
+        return []
+
+    async def _complete_removal(self, node_id: str, public_key: bytes) -> None:
+        """Remove the member of a node revoked while its curator led; drop the mark.
+
+        Idempotent (a member already gone is skipped, a certificate revoked
+        again stays revoked), so a leader that dies half-way leaves the
+        mark for its successor. UNAVAILABLE if this curator lost leadership.
+        """
+        try:
+            await self._consensus.remove_node(public_key)
+        except ConsensusError as e:
+            raise RPCError(Status.UNAVAILABLE, f"etcd refused the removal: {e}") from None
+        await self._txn([], [Delete(consensus_removal_key(node_id))])
+        _log.info("removed the consensus member of %s (revoked while it led)", node_id)
+
+    async def complete_removals(self, election: ReadOnlyValue[ElectionState]) -> None:
+        """While this curator leads, finish the removals earlier leaders left.
+
+        Runs until cancelled. At the start of each term, and whenever a mark
+        appears, every marked node's member is removed (:meth:`_complete_removal`).
+        A failure (etcd refusing membership changes for a while, leadership
+        lost) is logged and retried after a pause while this curator leads.
+        """
+        with election.watch() as watcher:
+            state = await watcher.get(lambda s: isinstance(s, Leader))
+            while True:
+                with trio.CancelScope() as term:
+                    async with trio.open_nursery() as nursery:
+
+                        async def until_term_ends(leader: ElectionState = state) -> None:
+                            nonlocal state
+                            state = await watcher.get(lambda s: s != leader)
+                            term.cancel()
+
+                        nursery.start_soon(until_term_ends)
+                        await self._removals_of_term()
+                if not isinstance(state, Leader):
+                    state = await watcher.get(lambda s: isinstance(s, Leader))
+
+    async def _removals_of_term(self) -> None:
+        while True:
+            try:
+                first = await self._kv.range(CONSENSUS_REMOVALS, prefix=True)
+                for kv in first.kvs:
+                    node_id = kv.key.removeprefix(CONSENSUS_REMOVALS).decode()
+                    if node_id == self._consensus.node_id:
+                        continue  # cannot happen: a marked node does not lead
+                    async with self._membership_lock:
+                        await self._complete_removal(node_id, kv.value)
+                async with self._kv.watch(
+                    CONSENSUS_REMOVALS, prefix=True, start_revision=first.revision + 1
+                ) as watch:
+                    async for response in watch:
+                        if any(e.type == "PUT" for e in response.events):
+                            break
+            except EtcdClosed:
+                raise  # the curator restarts on the new consensus status
+            except (RPCError, ConsensusError) as e:
+                _log.warning("pending consensus removal not done yet: %s", e)
+                await trio.sleep(1.0)
 
     async def follow_crl(self) -> None:
         """Keep the cached CRL at etcd's (other curators revoke too); runs until cancelled."""
@@ -655,7 +838,32 @@ class CuratorAPI:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.follow_election, election)
             nursery.start_soon(self.follow_crl)
+            nursery.start_soon(self.complete_removals, election)
             task_status.started(await nursery.start(server.serve, host, port))
+
+
+def _directory_node(key: bytes, raw: bytes) -> c.Node | None:
+    """A record as ``nodes_in_cluster`` sends it: ID, status, role names only.
+
+    The ConsensusMember join data is the node's own business (peer
+    certificates); others learn only that it has the role.
+    """
+    node_id = key.removeprefix(b"/nodes/").decode()
+    try:
+        record = parse_node(raw, node_id)
+    except CuratorError as e:
+        _log.error("skipping a record: %s", e)
+        return None
+    roles = record.roles or NodeRoles()
+    return c.Node(
+        id=node_id,
+        status=record.status,
+        roles=NodeRoles(
+            consensus_member=NodeRolesConsensusMember() if roles.consensus_member else None,
+            kubernetes_controller=roles.kubernetes_controller,
+            kubernetes_worker=roles.kubernetes_worker,
+        ),
+    )
 
 
 def _node_id(public_key: bytes) -> str:

@@ -13,6 +13,24 @@ The leader's writes are guarded by the election key's create revision
 cannot overwrite its successor's work. A key left by this same node's
 previous life (the process died, its lease lives on for up to a TTL) is
 deleted at once: no other curator can hold our node ID.
+
+**Stepping down.** A node whose ConsensusMember role is revoked while its
+curator leads cannot remove its own etcd member (its etcd would vanish under
+the write that records it). The leader instead writes a removal mark for
+itself (``/consensus-removals/<id>``, see :mod:`.api`) and the election
+hands leadership on::
+
+    leader ── sees its own removal mark (watch) ─┐
+              publish Follower(None)             │  stop answering as leader first,
+              delete /leader (guarded by term)   │  then end the term: another
+                                                 ▼  curator's campaign wins at once
+    campaign: if /leader absent AND own mark absent -> lead
+              own mark present, no leader        -> wait (follower) until
+                                                    one leads or the mark goes
+
+The campaign's mark check is in the same transaction as the leader key
+put, so a marked node can never lead again, not even for an instant,
+until the new leader has removed its member and the mark.
 """
 
 from __future__ import annotations
@@ -28,13 +46,14 @@ from metropolis.consensus.client import (
     Compare,
     Delete,
     EtcdError,
+    EtcdUnavailable,
     Get,
     Op,
     Put,
     RangeResult,
     TxnResult,
 )
-from metropolis.curator.state import LEADER_KEY, CuratorError
+from metropolis.curator.state import LEADER_KEY, CuratorError, consensus_removal_key
 from metropolis.event import Value
 from metropolis.proto.curator import LeaderElectionValue
 
@@ -107,6 +126,7 @@ async def run_election(
     """
     log = logger or logging.getLogger("metropolis.curator.election")
     value = bytes(LeaderElectionValue(node_id=node_id, ttl=ttl))
+    removal = consensus_removal_key(node_id)
     lease = await kv.grant(ttl)
     try:
         async with trio.open_nursery() as nursery:
@@ -114,18 +134,35 @@ async def run_election(
             task_status.started()
             while True:
                 result = await kv.txn(
-                    [Compare.absent(LEADER_KEY)],
+                    [Compare.absent(LEADER_KEY), Compare.absent(removal)],
                     [Put(LEADER_KEY, value, lease=lease.id)],
-                    [Get(LEADER_KEY)],
+                    [Get(LEADER_KEY), Get(removal)],
                 )
                 if result.succeeded:
                     log.info("this curator leads (term %d)", result.revision)
                     state.set(Leader(node_id, lease.id, result.revision))
-                    await trio.sleep_forever()  # until keep_alive loses the lease
-                held = result.responses[0]
-                assert isinstance(held, RangeResult)
+                    # Until keep_alive loses the lease (it raises), or this
+                    # node's ConsensusMember role is revoked.
+                    await _until(kv, result.revision + 1, (removal, "PUT"))
+                    log.info("resigning: this node leaves consensus (term %d)", result.revision)
+                    # Not leader first, then end the term: never two leaders.
+                    state.set(Follower(None))
+                    await kv.txn(
+                        [Compare.create_revision(LEADER_KEY, "==", result.revision)],
+                        [Delete(LEADER_KEY)],
+                    )
+                    continue
+                held, marked = result.responses
+                assert isinstance(held, RangeResult) and isinstance(marked, RangeResult)
                 if not held.kvs:
-                    continue  # deleted in between: try again
+                    if not marked.kvs:
+                        continue  # deleted in between: try again
+                    # No leader, but this node is on its way out of consensus:
+                    # leave the election to the others; look again when one
+                    # leads or the mark goes (its removal is done).
+                    state.set(Follower(None))
+                    await _until(kv, result.revision + 1, (LEADER_KEY, "PUT"), (removal, "DELETE"))
+                    continue
                 current = held.kvs[0]
                 try:
                     leader: LeaderElectionValue | None = LeaderElectionValue.parse(current.value)
@@ -150,3 +187,24 @@ async def run_election(
                 await kv.revoke(lease.id)
             except EtcdError as e:
                 log.info("lease not revoked on exit: %s", e)
+
+
+async def _until(kv: KV, start_revision: int, *events: tuple[bytes, str]) -> None:
+    """Return once any of ``events`` (key, "PUT" or "DELETE") happens from ``start_revision``."""
+    async with trio.open_nursery() as nursery:
+
+        async def one(key: bytes, kind: str) -> None:
+            while True:
+                try:
+                    # Once open, the watch reconnects by itself; opening it
+                    # fails while etcd restarts (the curator is restarted on
+                    # the new consensus status; until then, retry quietly).
+                    async with kv.watch(key, start_revision=start_revision) as watch:
+                        async for response in watch:
+                            if any(e.type == kind for e in response.events):
+                                nursery.cancel_scope.cancel()
+                except EtcdUnavailable:
+                    await trio.sleep(0.5)
+
+        for key, kind in events:
+            nursery.start_soon(one, key, kind)

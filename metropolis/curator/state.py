@@ -11,6 +11,9 @@ Monogon's curator::
     /cluster-pki/ca/certificate   DER    the cluster CA (signs node certificates)
     /cluster-pki/ca/key           DER    PKCS#8
     /cluster-pki/issued/node-<id> DER    node certificates issued so far
+    /consensus-removals/<node id> raw public key: the node's etcd member is
+                                  to be removed by the *next* leader (it was
+                                  revoked on the node whose curator led)
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from metropolis.proto.curator import Node
 __all__ = [
     "CA_CERTIFICATE_KEY",
     "CA_KEY_KEY",
+    "CONSENSUS_REMOVALS",
     "INITIAL_OWNER_KEY",
     "LEADER_KEY",
     "CuratorError",
+    "consensus_removal_key",
     "heartbeat_key",
     "issued_certificate_key",
     "join_key_key",
@@ -43,6 +48,8 @@ INITIAL_OWNER_KEY = b"/global/initial_owner"
 LEADER_KEY = b"/leader"
 CA_CERTIFICATE_KEY = b"/cluster-pki/ca/certificate"
 CA_KEY_KEY = b"/cluster-pki/ca/key"
+#: Prefix of the pending removals of consensus members (see :mod:`.api`).
+CONSENSUS_REMOVALS = b"/consensus-removals/"
 
 
 class CuratorError(MetropolisError):
@@ -65,6 +72,10 @@ def heartbeat_key(node_id: str) -> bytes:
 
 def join_key_key(join_public_key: bytes) -> bytes:
     return b"/join_keys/" + join_public_key.hex().encode()
+
+
+def consensus_removal_key(node_id: str) -> bytes:
+    return CONSENSUS_REMOVALS + _id_part(node_id)
 
 
 def issued_certificate_key(node_id: str) -> bytes:

@@ -216,7 +216,11 @@ class ControlPlaneWorker:
             credentials, directory, roles = await self._bootstrap_cluster(node, service, startup)
         else:
             credentials = startup.credentials
-            directory = startup.membership.remote_curators or ClusterDirectory()
+            # The newest directory, not the one of the startup decision: the
+            # directory updater may have published a newer one since.
+            with self._membership.watch() as watcher:
+                latest = await watcher.get()
+            directory = latest.remote_curators or ClusterDirectory()
             directory = _with_node(directory, credentials.public_key, settings.address)
 
         curator = Curator(

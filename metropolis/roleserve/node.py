@@ -7,6 +7,7 @@
                    │                                 └── curator
                    ├── persist-roles: roles ──> data/node/roles.pb
                    ├── rolefetch: Watch(own node) at the curators ──> roles
+                   ├── directory: Watch(all nodes) ──> cluster directory (disk, membership)
                    ├── statuspush: address, curator running ──> UpdateNodeStatus
                    └── debug: NodeDebug for the owner (the supervision tree)
 
@@ -28,6 +29,7 @@ from metropolis.proto.common import NodeRoles
 from metropolis.roleserve import disk
 from metropolis.roleserve.controlplane import ControlPlaneWorker
 from metropolis.roleserve.debugservice import DebugService
+from metropolis.roleserve.directory import DirectoryUpdate
 from metropolis.roleserve.rolefetch import RoleFetch
 from metropolis.roleserve.statuspush import StatusPush
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
@@ -76,6 +78,8 @@ class RoleServer:
         if self._fetch_roles:
             fetch = RoleFetch(self.settings, self.membership.readonly(), self.roles)
             node.run("rolefetch", fetch.run)
+            directory = DirectoryUpdate(self.root, self.settings, self.membership)
+            node.run("directory", directory.run)
         node.run("statuspush", StatusPush(self.settings, self.membership.readonly()).run)
         node.run("debug", DebugService(self.settings, self.membership.readonly()).run)
         node.signal_healthy()

@@ -21,6 +21,7 @@ the curators, raised to the supervisor.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import trio
 
@@ -41,7 +42,9 @@ def curator_endpoints(settings: NodeSettings, membership: ClusterMembership) -> 
     """The curators to call: this node's own first when it runs one, then the directory's.
 
     Every curator of the cluster listens on the same port (this node's
-    curator port): Monogon's nodes share one port too.
+    curator port): Monogon's nodes share one port too. A directory entry
+    without a public key (learnt by :mod:`.directory`) is dialled by
+    address alone; TLS still demands a node certificate of the cluster.
     """
     endpoints: list[Endpoint] = []
     if membership.local_curator is not None:
@@ -49,7 +52,7 @@ def curator_endpoints(settings: NodeSettings, membership: ClusterMembership) -> 
     directory = membership.remote_curators
     for node in directory.nodes if directory is not None else []:
         for address in node.addresses:
-            endpoint = Endpoint(address.host, settings.curator_port, node.public_key)
+            endpoint = Endpoint(address.host, settings.curator_port, node.public_key or None)
             if endpoint not in endpoints:
                 endpoints.append(endpoint)
     return endpoints
@@ -90,11 +93,14 @@ async def restart_on_change(
     """Restart ``node`` when the membership differs from ``current``.
 
     Services are compared by identity: a restarted curator is a new one.
+    A new directory alone does not count: a connected client has no use
+    for it, and one that loses its curator fails and, restarted, reads the
+    newest directory (:mod:`.directory` updates it).
     """
     with membership.watch() as watcher:
         await watcher.get(
             lambda m: (
-                m != current
+                replace(m, remote_curators=None) != replace(current, remote_curators=None)
                 or m.local_curator is not current.local_curator
                 or m.local_consensus is not current.local_consensus
             )

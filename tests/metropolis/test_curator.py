@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,9 +15,15 @@ from metropolis.consensus import Config, Service, Status
 from metropolis.consensus.client import KV, Compare, Put
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, kill_etcd
 from metropolis.curator.bootstrap import bootstrap_cluster
-from metropolis.curator.election import Follower, Leader, NotLeader, run_election
+from metropolis.curator.election import ElectionState, Follower, Leader, NotLeader, run_election
 from metropolis.curator.service import Curator
-from metropolis.curator.state import CuratorError, node_key, read_node, watch_node
+from metropolis.curator.state import (
+    CuratorError,
+    consensus_removal_key,
+    node_key,
+    read_node,
+    watch_node,
+)
 from metropolis.event import Value
 from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRoles, NodeRolesKubernetesWorker, NodeState
@@ -136,6 +143,54 @@ async def test_election_one_leader_failover_and_guarded_writes(tmp_path: Path) -
                 # A failing compare with leadership intact is just a failed txn.
                 failed = await b_lead.txn(kv, [Compare.absent(b"x")], [Put(b"x", b"b")])
                 assert not failed.succeeded
+                nursery.cancel_scope.cancel()
+
+
+async def test_a_leader_marked_for_removal_resigns_and_stays_out(tmp_path: Path) -> None:
+    """Its own removal mark ends a leader's term; it cannot lead until the mark goes."""
+    async with consensus(tmp_path) as (_, _, status):
+        kv = status.curator_client()
+        a_state: Value[ElectionState] = Value()
+        b_state: Value[ElectionState] = Value()
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(functools.partial(run_election, kv, "a", a_state))
+                with a_state.watch() as w:
+                    a_lead = await w.get(lambda s: isinstance(s, Leader))
+                b_scope, c_scope = trio.CancelScope(), trio.CancelScope()
+
+                async def run(
+                    scope: trio.CancelScope, name: str, state: Value[ElectionState]
+                ) -> None:
+                    with scope:
+                        await run_election(kv, name, state)
+
+                nursery.start_soon(run, b_scope, "b", b_state)
+                with b_state.watch() as w:
+                    await w.get(lambda s: isinstance(s, Follower) and s.leader is not None)
+
+                await kv.put(consensus_removal_key("a"), b"a's key")
+                with b_state.watch() as w:
+                    b_lead = await w.get(lambda s: isinstance(s, Leader))
+                assert isinstance(a_lead, Leader) and isinstance(b_lead, Leader)
+                with pytest.raises(NotLeader):
+                    await a_lead.txn(kv, [], [Put(b"x", b"stale")])
+                # b stops: a (marked) must not take over; c, starting later, does.
+                b_scope.cancel()
+                c_state: Value[ElectionState] = Value()
+                nursery.start_soon(run, c_scope, "c", c_state)
+
+                def decided(s: ElectionState) -> bool:
+                    following = s.leader.node_id if isinstance(s, Follower) and s.leader else ""
+                    return isinstance(s, Leader) or following == "a"
+
+                with c_state.watch() as w:
+                    assert isinstance(await w.get(decided), Leader)
+                # The removal is done (the mark goes): a may lead again.
+                await kv.delete(consensus_removal_key("a"))
+                c_scope.cancel()
+                with a_state.watch() as w:
+                    assert isinstance(await w.get(lambda s: isinstance(s, Leader)), Leader)
                 nursery.cancel_scope.cancel()
 
 

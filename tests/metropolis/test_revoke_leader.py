@@ -1,0 +1,174 @@
+"""Revoking ConsensusMember from the node whose curator leads, and Watch's current peers.
+
+Three real nodes (each its own OS process, real etcd) on 127.0.0.1/2/3, as
+in :mod:`tests.metropolis.test_cluster`. The bootstrap node n1 leads; the
+owner revokes its ConsensusMember role: n1 resigns, another curator leads
+and removes n1's member, n1's etcd stops and its data is wiped, and n1 goes
+on fetching its roles through the other curators (its cluster directory,
+which named only itself, updated itself). Granting the role again joins it
+as a new member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+from metropolis import pki
+from metropolis.consensus.localetcd import etcd_pid
+from metropolis.localstorage import Root
+from metropolis.proto import curator_api as c
+from metropolis.proto.common import NodeRoles
+from metropolis.roleserve import disk
+from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
+from metropolis.rpc import api as methods
+from tests.metropolis.test_cluster import (
+    ADDRESSES,
+    BOUND,
+    _curators,
+    _form,
+    _members,
+    _owner_of_all,
+    _rows,
+    _until,
+    _voters,
+    three_nodes,
+)
+from tests.metropolis.test_node_cli import LEADS
+
+
+async def _retried(call: Callable[[], Awaitable[object]]) -> None:
+    """``call`` until it succeeds; UNAVAILABLE (a curator going away) is retried."""
+
+    async def once() -> bool:
+        try:
+            await call()
+        except RPCError as e:
+            assert e.code is Status.UNAVAILABLE, e
+            return False
+        return True
+
+    await _until(once)
+
+
+def _saved_roles(root: Root) -> NodeRoles:
+    return NodeRoles.parse(disk.roles_path(root).read_bytes())
+
+
+async def test_revoke_consensus_from_the_leading_bootstrap_node(tmp_path: Path) -> None:
+    with trio.fail_after(2 * BOUND):
+        async with (
+            three_nodes(tmp_path) as (procs, roots, owner_key),
+            _owner_of_all(roots, owner_key) as owner,
+        ):
+            n1, _, _ = await _form(owner, roots[0])
+            await _until(lambda: _curators(owner, 3))
+            assert procs[0].logged(LEADS)
+
+            # n1 saved a directory naming only itself; it learns the others.
+            async def n1_knows_all_curators() -> bool:
+                return len(roots[0].esp.read_cluster_directory().nodes) == 3
+
+            await _until(n1_knows_all_curators)
+            [old_member] = [m for m in await _members(roots[0]) if m.name == n1.node_id]
+            peer_certificate = roots[0].data.etcd.peer_pki.certificate.read_bytes()
+            serial = pki.decode_certificate(peer_certificate).serial_number
+
+            # The leader's own node: accepted now (it used to be refused).
+            await _retried(lambda: owner.set_roles(n1.node_id, consensus_member=False))
+            await procs[0].wait_for("resigning")
+
+            async def another_leads() -> bool:
+                return sum(p.logged(LEADS) for p in procs[1:]) == 1
+
+            await _until(another_leads)
+            await _voters(roots[1], 2)
+            assert all(m.name != n1.node_id for m in await _members(roots[1]))
+
+            async def n1_without_etcd() -> bool:
+                return etcd_pid(roots[0].ephemeral.consensus) is None
+
+            await _until(n1_without_etcd)
+            await procs[0].wait_for("wiping etcd data")
+            assert not (roots[0].data.etcd.data / "member").exists()
+
+            async def revoked_on_crl() -> bool:
+                crl = pki.decode_crl(roots[1].data.etcd.peer_crl.read_bytes())
+                return crl.get_revoked_certificate_by_serial_number(serial) is not None
+
+            await _until(revoked_on_crl)
+
+            # n1 stays home: UP, without the role, and its role fetch (now
+            # through n2/n3) delivers a change made after its curator stopped.
+            async def n1_row_without_consensus() -> bool:
+                row = (await _rows(owner))[ADDRESSES[0]]
+                return row.state == "UP" and "ConsensusMember" not in row.roles
+
+            await _until(n1_row_without_consensus)
+            # The bootstrap node has KubernetesController from the start.
+            assert _saved_roles(roots[0]).kubernetes_controller is not None
+            seen = len(procs[0].lines)
+            await _retried(lambda: owner.set_roles(n1.node_id, kubernetes_controller=False))
+
+            async def fetched_without_any_role() -> bool:
+                return any("roles from the curator: none" in line for line in procs[0].lines[seen:])
+
+            await _until(fetched_without_any_role)
+
+            async def saved_roles_follow() -> bool:
+                roles = _saved_roles(roots[0])
+                return roles.consensus_member is None and roles.kubernetes_controller is None
+
+            await _until(saved_roles_follow)
+
+            # Grant again: a new member from wiped data, voting, curator up.
+            await _retried(lambda: owner.set_roles(n1.node_id, consensus_member=True))
+            await _voters(roots[1], 3)
+            [new_member] = [m for m in await _members(roots[1]) if m.name == n1.node_id]
+            assert new_member.id != old_member.id
+            await _until(lambda: _curators(owner, 3))
+            # One leader: the marked node never campaigned successfully again.
+            assert sum(LEADS in line for line in procs[0].lines) == 1
+            assert sum(p.logged(LEADS) for p in procs[1:]) == 1
+
+        for proc in procs:
+            assert proc.process.returncode == 0
+        for root in roots:
+            assert etcd_pid(root.ephemeral.consensus) is None
+
+
+async def test_watch_sends_the_current_peers(tmp_path: Path) -> None:
+    """n2 was granted when n1 was the only member; its Watch now names n1 and n3."""
+    with trio.fail_after(BOUND):
+        async with (
+            three_nodes(tmp_path) as (_, roots, owner_key),
+            _owner_of_all(roots, owner_key) as owner,
+        ):
+            _, n2, _ = await _form(owner, roots[0])
+            saved = disk.load(roots[1])
+            credentials = saved.credentials
+            assert credentials is not None and credentials.node_id == n2.node_id
+            endpoints = [Endpoint(a, saved.settings.curator_port) for a in ADDRESSES]
+            context = client_context(
+                credentials.ca_certificate, credentials.certificate, credentials.private_key
+            )
+            request = c.WatchRequest(
+                node_in_cluster=c.WatchRequestNodeInCluster(node_id=n2.node_id)
+            )
+            expected = {
+                (m.name, m.peer_urls[0]) for m in await _members(roots[0]) if m.name != n2.node_id
+            }
+            assert len(expected) == 2
+            async with (
+                open_client(endpoints, context) as client,
+                client.stream(methods.WATCH, request) as call,
+            ):
+                async for event in call:
+                    [record] = event.nodes
+                    assert record.roles is not None
+                    role = record.roles.consensus_member
+                    assert role is not None
+                    assert {(p.name, p.url) for p in role.peers} == expected
+                    break
