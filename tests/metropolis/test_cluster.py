@@ -217,7 +217,13 @@ async def test_three_voters_revoke_and_grant_again(tmp_path: Path) -> None:
                     return etcd_pid(roots[2].ephemeral.consensus) is None
 
                 await _until(n3_without_etcd)
-                assert not (roots[2].data.etcd.data / "member").exists()
+
+                async def n3_wiped() -> bool:
+                    # Wiped, then the empty layout made again (not just gone).
+                    etcd = roots[2].data.etcd
+                    return not (etcd.data / "member").exists() and etcd.peer_pki.path.is_dir()
+
+                await _until(n3_wiped)
                 await _until(lambda: _curators(owner, 2))
                 n3_row = (await _rows(owner))[ADDRESSES[2]]
                 assert "ConsensusMember" not in n3_row.roles and n3_row.state == "UP"

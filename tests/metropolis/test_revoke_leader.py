@@ -91,8 +91,14 @@ async def test_revoke_consensus_from_the_leading_bootstrap_node(tmp_path: Path) 
                 return etcd_pid(roots[0].ephemeral.consensus) is None
 
             await _until(n1_without_etcd)
+
+            async def n1_wiped() -> bool:
+                # Wiped, then the empty layout made again (not just gone).
+                etcd = roots[0].data.etcd
+                return not (etcd.data / "member").exists() and etcd.peer_pki.path.is_dir()
+
             await procs[0].wait_for("wiping etcd data")
-            assert not (roots[0].data.etcd.data / "member").exists()
+            await _until(n1_wiped)
 
             async def revoked_on_crl() -> bool:
                 crl = pki.decode_crl(roots[1].data.etcd.peer_crl.read_bytes())
