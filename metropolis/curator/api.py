@@ -51,19 +51,28 @@ answer to the owner go through that very etcd. So the work is split across
 two terms::
 
     owner ─ UpdateNodeRoles(n1, consensus off) ─▶ leader on n1
-      n1 leader: one guarded txn: n1's record without ConsensusMember
-                 + /consensus-removals/n1 = n1's key      ── answers OK
+      n1 leader: guarded txn: /consensus-removals/n1 = n1's key (the record
+                 keeps ConsensusMember: n1's etcd must run on) ── answers OK
       n1 election: sees its own mark ─▶ Follower, deletes /leader (resigns);
                    it cannot campaign again while the mark exists
       n2 curator wins; at the start of its term (and whenever a mark appears)
-        complete_removals: member remove(n1), n1's peer cert revoked on the
-                           etcd peer CRL, CRL written ─▶ delete the mark
-      meanwhile n1's role fetch got the record (from its curator, later from
-      n2/n3 through its self-updating cluster directory): its control plane
+        complete_removals: member remove(n1) while n1's etcd still votes
+                           (a 2-member cluster keeps its quorum for it),
+                           n1's peer cert revoked, CRL written
+                        ─▶ guarded txn: n1's record without ConsensusMember
+                                        + delete the mark
+      n1's etcd, removed, exits; n1's role fetch (through n2/n3: its cluster
+      directory keeps itself current) gets the record: its control plane
       stops (curator, lease revoked; then etcd) and etcd's data is wiped
 
-A grant while the mark is still there completes the removal first, so the
-node always joins as a new member from empty data. Leadership moves only
+Stopping n1's etcd first and removing its member afterwards (as a removal
+of another node does) would be wrong here: in a two-member cluster the
+survivor alone has no quorum to elect a curator or remove anything. etcd
+3.4 would also let the leader remove its own member (the raft leader steps
+down), but the local etcd then exits under the curator before the record
+is written and answered. Any ConsensusMember change while a mark is still
+there completes that removal first, so the last-voter check counts right
+and a granted node always joins as a new member. Leadership moves only
 through the election key, so there is never a second leader.
 """
 
@@ -603,14 +612,16 @@ class CuratorAPI:
         certificate revoked on the etcd peer CRL, and the role dropped, which
         stops the node's control plane. For the node this curator runs on,
         the removal is left to the next leader (see the module docstring):
-        the role is dropped together with a removal mark, and this curator
-        resigns once it has answered.
+        a removal mark is written, this curator resigns once it has
+        answered, and the next leader removes the member, then the role.
         """
         node_id = request.id if request.id else _node_id(request.pubkey or b"")
         worker, controller = request.kubernetes_worker, request.kubernetes_controller
         consensus = request.consensus_member
         async with self._membership_lock:
             deferred: list[Op] = []
+            if consensus is not None:
+                await self._complete_pending_removals()
             if consensus is True:
                 await self._grant_consensus(node_id)
             elif consensus is False:
@@ -620,8 +631,6 @@ class CuratorAPI:
                 if record.fsm_state != NodeState.UP:
                     raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
                 roles = record.roles or NodeRoles()
-                if deferred:
-                    roles.consensus_member = None
                 if worker is not None:
                     roles.kubernetes_worker = NodeRolesKubernetesWorker() if worker else None
                 if controller is not None:
@@ -633,7 +642,7 @@ class CuratorAPI:
 
             await self._update(node_id, change, deferred)
         if deferred:
-            _log.info("revoked ConsensusMember of %s (this node); resigning", node_id)
+            _log.info("ConsensusMember of %s (this node) to be removed; resigning", node_id)
         return m.UpdateNodeRolesResponse()
 
     async def _grant_consensus(self, node_id: str) -> None:
@@ -649,10 +658,6 @@ class CuratorAPI:
         if peer_url is None:
             raise RPCError(Status.FAILED_PRECONDITION, "node has not reported its address yet")
         address = record.status.external_address if record.status else ""
-        # Revoked while its curator led, and the removal not done yet: its
-        # old member must go first, so that it joins as a new one.
-        if await self._kv.get(consensus_removal_key(node_id)) is not None:
-            await self._complete_removal(node_id, record.public_key)
         await self._remove_stuck_learners(node_id)
         try:
             join = await self._consensus.add_node(record.public_key, peer_url=peer_url)
@@ -710,7 +715,8 @@ class CuratorAPI:
 
         For another node, its member is removed and the role dropped now.
         For this curator's own node, the removal mark is returned, to be
-        written in the same transaction as the record without the role.
+        written with the record (which keeps the role until the next leader
+        has removed the member: :meth:`_complete_removal`).
         """
         found = await self._read(node_id)
         if found is None:
@@ -740,18 +746,33 @@ class CuratorAPI:
         return []
 
     async def _complete_removal(self, node_id: str, public_key: bytes) -> None:
-        """Remove the member of a node revoked while its curator led; drop the mark.
+        """Remove the member of a node revoked while its curator led; drop role and mark.
 
+        The role goes only now, in one transaction with the mark: until its
+        member is removed the node keeps its etcd running, so that a
+        two-member cluster keeps its quorum for the removal itself.
         Idempotent (a member already gone is skipped, a certificate revoked
-        again stays revoked), so a leader that dies half-way leaves the
-        mark for its successor. UNAVAILABLE if this curator lost leadership.
+        again stays revoked), so a leader that dies half-way leaves the mark
+        for its successor. UNAVAILABLE if this curator lost leadership.
         """
         try:
             await self._consensus.remove_node(public_key)
         except ConsensusError as e:
             raise RPCError(Status.UNAVAILABLE, f"etcd refused the removal: {e}") from None
-        await self._txn([], [Delete(consensus_removal_key(node_id))])
-        _log.info("removed the consensus member of %s (revoked while it led)", node_id)
+        mark = consensus_removal_key(node_id)
+
+        def change(r: Node) -> Node:
+            if r.roles is not None:
+                r.roles.consensus_member = None
+            return r
+
+        try:
+            await self._update(node_id, change, [Delete(mark)])
+        except RPCError as e:
+            if e.code is not Status.NOT_FOUND:
+                raise
+            await self._txn([], [Delete(mark)])  # the node is gone altogether
+        _log.info("revoked ConsensusMember of %s (its member removed after it led)", node_id)
 
     async def complete_removals(self, election: ReadOnlyValue[ElectionState]) -> None:
         """While this curator leads, finish the removals earlier leaders left.
@@ -777,18 +798,27 @@ class CuratorAPI:
                 if not isinstance(state, Leader):
                     state = await watcher.get(lambda s: isinstance(s, Leader))
 
+    async def _complete_pending_removals(self) -> int:
+        """Complete every pending removal; the revision they were read at.
+
+        Call with the membership lock held. Any other membership change
+        waits for these: a member whose node stopped its etcd still counts
+        for etcd's quorum until it is removed.
+        """
+        pending = await self._kv.range(CONSENSUS_REMOVALS, prefix=True)
+        for kv in pending.kvs:
+            node_id = kv.key.removeprefix(CONSENSUS_REMOVALS).decode()
+            if node_id != self._consensus.node_id:  # always: a marked node does not lead
+                await self._complete_removal(node_id, kv.value)
+        return pending.revision
+
     async def _removals_of_term(self) -> None:
         while True:
             try:
-                first = await self._kv.range(CONSENSUS_REMOVALS, prefix=True)
-                for kv in first.kvs:
-                    node_id = kv.key.removeprefix(CONSENSUS_REMOVALS).decode()
-                    if node_id == self._consensus.node_id:
-                        continue  # cannot happen: a marked node does not lead
-                    async with self._membership_lock:
-                        await self._complete_removal(node_id, kv.value)
+                async with self._membership_lock:
+                    revision = await self._complete_pending_removals()
                 async with self._kv.watch(
-                    CONSENSUS_REMOVALS, prefix=True, start_revision=first.revision + 1
+                    CONSENSUS_REMOVALS, prefix=True, start_revision=revision + 1
                 ) as watch:
                     async for response in watch:
                         if any(e.type == "PUT" for e in response.events):
