@@ -409,3 +409,32 @@ async def test_a_learner_that_never_starts_is_removed_at_the_next_grant(tmp_path
         record = await read_node(cl.kv, stuck.node_id)
         assert record is not None and record.roles is not None
         assert record.roles.consensus_member is None
+
+
+async def test_watch_of_all_nodes_sends_statuses_and_role_names_only(tmp_path: Path) -> None:
+    """What nodes keep their cluster directory with: every node, then each change."""
+    async with cluster(tmp_path) as cl:
+        own = cl.node.node_id
+        request = c.WatchRequest(nodes_in_cluster=c.WatchRequestNodesInCluster())
+        async with (
+            open_client([cl.endpoint], cl.node_context(cl.node)) as node,
+            node.stream(methods.WATCH, request) as call,
+        ):
+            with trio.fail_after(BOUND):
+                first = await call.__anext__()
+            assert first.progress == c.WatchEventProgress.LAST_BACKLOGGED
+            assert [n.id for n in first.nodes] == [own]
+            roles = first.nodes[0].roles
+            # The role is named, its join data (peer certificate, CA) is not sent.
+            assert roles is not None and roles.consensus_member is not None
+            assert roles.consensus_member.peer_certificate == b""
+            status = NodeStatus(
+                external_address="127.0.0.1",
+                running_curator=NodeStatusRunningCurator(port=cl.endpoint.port),
+            )
+            await node.unary(
+                methods.UPDATE_NODE_STATUS, c.UpdateNodeStatusRequest(node_id=own, status=status)
+            )
+            with trio.fail_after(BOUND):
+                second = await call.__anext__()
+            assert [(n.id, n.status) for n in second.nodes] == [(own, status)]
