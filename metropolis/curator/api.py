@@ -802,8 +802,8 @@ class CuratorAPI:
         """Complete every pending removal; the revision they were read at.
 
         Call with the membership lock held. Any other membership change
-        waits for these: a member whose node stopped its etcd still counts
-        for etcd's quorum until it is removed.
+        waits for these: a marked node still holds its role (the last-voter
+        check would count it) and its member (a grant must add a new one).
         """
         pending = await self._kv.range(CONSENSUS_REMOVALS, prefix=True)
         for kv in pending.kvs:
