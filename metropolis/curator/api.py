@@ -827,7 +827,7 @@ class CuratorAPI:
                 raise  # the curator restarts on the new consensus status
             except (RPCError, ConsensusError) as e:
                 _log.warning("pending consensus removal not done yet: %s", e)
-                await trio.sleep(1.0)
+                await trio.sleep(0.25)  # mostly "leader changed": the member just left
 
     async def follow_crl(self) -> None:
         """Keep the cached CRL at etcd's (other curators revoke too); runs until cancelled."""
