@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import trio
 
 from shepherd.agent_server.connect import ConnectError, ConnectUnary, error_answer
+from shepherd.errors import ShepherdError
 
 logger = logging.getLogger("shepherd.agent_server.http1")
 
@@ -94,8 +95,10 @@ class Timeouts:
     send: float = 10.0
 
 
-class _Close(Exception):
-    """The connection ends (after an answer, if one is given)."""
+class _Close(ShepherdError):
+    """The connection ends (after an answer, if one is given). Control flow
+    inside this module, never raised to a caller; a `ShepherdError` like
+    every exception the package defines."""
 
     def __init__(self, answer: tuple[int, bytes, bytes] | None = None) -> None:
         super().__init__()

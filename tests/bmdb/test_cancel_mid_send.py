@@ -20,6 +20,8 @@ arrives too early.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -45,6 +47,25 @@ def generous_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     a legitimate outcome but not the one most of these tests look at."""
     monkeypatch.setattr(_pg, "ABORT_TIMEOUT", 30.0)
     monkeypatch.setattr(_pg, "CANCEL_TIMEOUT", 30.0)
+
+
+@pytest.fixture(autouse=True)
+def small_send_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every connection gets the smallest send buffer the kernel allows, so
+    that sending a large statement must wait for the socket (and the spy
+    sees it) however fast the server reads. With the default buffers a
+    server reading on the other core as fast as libpq writes could take the
+    whole statement without the socket ever filling: the spy never fires,
+    nothing is cancelled and ``pg_sleep`` runs out the test's bound."""
+    real = PgConnection.connect.__func__  # type: ignore[attr-defined]
+
+    async def connect(cls: type[PgConnection], conninfo: str) -> PgConnection:
+        pg: PgConnection = await real(cls, conninfo)
+        with socket.socket(fileno=os.dup(pg._pgconn.socket)) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return pg
+
+    monkeypatch.setattr(PgConnection, "connect", classmethod(connect))
 
 
 class DropCancels:
