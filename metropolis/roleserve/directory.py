@@ -34,7 +34,7 @@ from dataclasses import replace
 import trio
 
 from metropolis import identity
-from metropolis.event import Value
+from metropolis.event import ReadOnlyValue, Value
 from metropolis.localstorage import Root
 from metropolis.proto import curator_api as c
 from metropolis.proto.common import (
@@ -44,6 +44,7 @@ from metropolis.proto.common import (
 )
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.rolefetch import curator_endpoints, restart_on_change, wait_home
+from metropolis.roleserve.startup import ControlPlaneStartup
 from metropolis.roleserve.values import ClusterMembership
 from metropolis.rpc import RPCError, Status, client_context, open_client
 from metropolis.rpc import api as methods
@@ -77,14 +78,20 @@ class DirectoryUpdate:
     """The directory-update runnable of one node; see the module docstring."""
 
     def __init__(
-        self, root: Root, settings: NodeSettings, membership: Value[ClusterMembership]
+        self,
+        root: Root,
+        settings: NodeSettings,
+        membership: Value[ClusterMembership],
+        startup: ReadOnlyValue[ControlPlaneStartup] | None = None,
     ) -> None:
+        """``startup``: the control-plane worker's decision (see :func:`.wait_home`)."""
         self._root = root
         self._settings = settings
         self._membership = membership
+        self._startup = startup
 
     async def run(self, node: Node) -> None:
-        current, credentials = await wait_home(self._membership.readonly())
+        current, credentials = await wait_home(self._membership.readonly(), self._startup)
         context = client_context(
             credentials.ca_certificate, credentials.certificate, credentials.private_key
         )

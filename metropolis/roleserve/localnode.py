@@ -1,7 +1,9 @@
 """A node root ready to bootstrap on loopback, for tests, benchmarks and demos.
 
 What ``python -m metropolis node bootstrap`` saves before it starts
-anything, with a free loopback peer port and etcd's loopback tuning, so a
+anything, with free loopback peer and curator ports (never the fixed
+defaults: another node on this machine, a test running beside this one,
+may hold them) and etcd's loopback tuning, so a
 test or benchmark can start a :class:`~metropolis.roleserve.node.RoleServer`
 on it in-process.
 """
@@ -24,6 +26,7 @@ def prepare_loopback_bootstrap(root: Root) -> BootstrapData:
     settings = disk.NodeSettings(
         address="127.0.0.1",
         peer_port=free_loopback_port(),
+        curator_port=free_loopback_port(),
         debug_port=free_loopback_port(),
         tuning=LOOPBACK_TUNING,
         insecure_seal=True,

@@ -76,11 +76,16 @@ class RoleServer:
         node.run("controlplane", self.worker.run)
         node.run("persist-roles", self._persist_roles)
         if self._fetch_roles:
-            fetch = RoleFetch(self.settings, self.membership.readonly(), self.roles)
+            fetch = RoleFetch(
+                self.settings, self.membership.readonly(), self.roles, self.worker.startup
+            )
             node.run("rolefetch", fetch.run)
-            directory = DirectoryUpdate(self.root, self.settings, self.membership)
+            directory = DirectoryUpdate(
+                self.root, self.settings, self.membership, self.worker.startup
+            )
             node.run("directory", directory.run)
-        node.run("statuspush", StatusPush(self.settings, self.membership.readonly()).run)
+        push = StatusPush(self.settings, self.membership.readonly(), self.worker.startup)
+        node.run("statuspush", push.run)
         node.run("debug", DebugService(self.settings, self.membership.readonly()).run)
         node.signal_healthy()
         await trio.sleep_forever()

@@ -30,6 +30,7 @@ from metropolis.identity import NodeCredentials
 from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeRoles
 from metropolis.roleserve.disk import NodeSettings
+from metropolis.roleserve.startup import ControlPlaneStartup, has_control_plane
 from metropolis.roleserve.values import ClusterMembership, role_names
 from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
 from metropolis.rpc import api as methods
@@ -59,31 +60,41 @@ def curator_endpoints(settings: NodeSettings, membership: ClusterMembership) -> 
 
 
 #: How long to wait for this node's own curator to listen before calling
-#: the directory's curators without it. The membership names the local
-#: curator as soon as it is created, a moment before it serves; calling it
-#: then fails, and the supervisor would log that failure with a traceback
-#: on every start of a control-plane node.
+#: the directory's curators without it. A node that is to run a curator
+#: (bootstrap data, or a ConsensusMember role, perhaps persisted from its
+#: last life) is named in its own directory, and calling that address
+#: before the curator serves fails: the supervisor would log the failure
+#: with a traceback on every start of a control-plane node. The wait ends
+#: on the events themselves (the decision, the curator in the membership,
+#: its port bound); this is only the bound for a curator that never comes
+#: (e.g. etcd cannot join), after which the other curators are called.
 LOCAL_CURATOR_WAIT = 10.0
 
 
 async def wait_home(
     membership: ReadOnlyValue[ClusterMembership],
+    startup: ReadOnlyValue[ControlPlaneStartup] | None = None,
 ) -> tuple[ClusterMembership, NodeCredentials]:
     """The first home membership, once its local curator (if any) serves.
 
-    Waits at most :data:`LOCAL_CURATOR_WAIT` for the local curator; after
-    that the client simply moves on to the directory's curators.
+    ``startup`` is the control-plane worker's decision: when it says this
+    node runs a control plane, the membership that names the local curator
+    is waited for too (a node restarting from disk is home at once, before
+    its curator exists). Waits at most :data:`LOCAL_CURATOR_WAIT` for all
+    that; then returns the home membership it has. Cancellable.
     """
     with membership.watch() as watcher:
         current = await watcher.get(lambda m: m.home)
+        with trio.move_on_after(LOCAL_CURATOR_WAIT), contextlib.suppress(Closed):
+            if startup is not None and current.local_curator is None:
+                with startup.watch() as decision:
+                    runs_curator = has_control_plane(await decision.get())
+                if runs_curator:
+                    current = await watcher.get(lambda m: m.home and m.local_curator is not None)
+            if current.local_curator is not None:
+                with current.local_curator.port.watch() as port:
+                    await port.get()
     assert current.credentials is not None  # home means credentials
-    if current.local_curator is not None:
-        with (
-            trio.move_on_after(LOCAL_CURATOR_WAIT),
-            current.local_curator.port.watch() as port,
-            contextlib.suppress(Closed),
-        ):
-            await port.get()
     return current, current.credentials
 
 
@@ -116,14 +127,17 @@ class RoleFetch:
         settings: NodeSettings,
         membership: ReadOnlyValue[ClusterMembership],
         roles: Value[NodeRoles],
+        startup: ReadOnlyValue[ControlPlaneStartup] | None = None,
     ) -> None:
+        """``startup``: the control-plane worker's decision (see :func:`wait_home`)."""
         self._settings = settings
         self._membership = membership
         self._roles = roles
+        self._startup = startup
         self._last: NodeRoles | None = None
 
     async def run(self, node: Node) -> None:
-        current, credentials = await wait_home(self._membership)
+        current, credentials = await wait_home(self._membership, self._startup)
         endpoints = curator_endpoints(self._settings, current)
         context = client_context(
             credentials.ca_certificate, credentials.certificate, credentials.private_key

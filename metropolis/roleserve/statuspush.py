@@ -29,6 +29,7 @@ from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeStatus, NodeStatusRunningCurator
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.rolefetch import curator_endpoints, restart_on_change, wait_home
+from metropolis.roleserve.startup import ControlPlaneStartup
 from metropolis.roleserve.values import ClusterMembership
 from metropolis.rpc import RPCError, Status, client_context, open_client
 from metropolis.rpc import api as methods
@@ -41,13 +42,18 @@ class StatusPush:
     """The status-push runnable of one node; see the module docstring."""
 
     def __init__(
-        self, settings: NodeSettings, membership: ReadOnlyValue[ClusterMembership]
+        self,
+        settings: NodeSettings,
+        membership: ReadOnlyValue[ClusterMembership],
+        startup: ReadOnlyValue[ControlPlaneStartup] | None = None,
     ) -> None:
+        """``startup``: the control-plane worker's decision (see :func:`.wait_home`)."""
         self._settings = settings
         self._membership = membership
+        self._startup = startup
 
     async def run(self, node: Node) -> None:
-        current, credentials = await wait_home(self._membership)
+        current, credentials = await wait_home(self._membership, self._startup)
         running = (
             NodeStatusRunningCurator(port=self._settings.curator_port)
             if current.local_curator is not None

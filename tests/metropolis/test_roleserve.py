@@ -184,3 +184,27 @@ async def test_launcher_restarts_only_when_the_control_plane_changes(
             await _until(lambda: not etcd.data.exists() and etcd.peer_pki.path.is_dir())
         info = next(i for i in supervisor.snapshot() if i.name == launcher)
         assert info.last_error is None  # restarts on request, never failures
+
+
+async def test_restart_from_disk_logs_no_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node stopped and started again in one process: role fetch, status push
+    and directory update find its own curator at once, so nothing fails on the
+    way (no ERROR logged).
+
+    Its directory names the node itself; calling that address before the
+    node's curator serves again used to fail both runnables once per start.
+    """
+    root, _ = new_root(tmp_path / "n")
+    caplog.set_level(logging.INFO)
+    for _ in range(2):  # bootstrap, then run from what it left
+        server = RoleServer(root, disk.load(root))
+        async with open_supervisor(server.run, name="role") as supervisor:
+            with trio.fail_after(BOUND):
+                await supervisor.wait_healthy("role.rolefetch")
+                await supervisor.wait_healthy("role.statuspush")
+                await supervisor.wait_healthy("role.directory")
+        assert etcd_pid(root.ephemeral.consensus) is None
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
