@@ -264,6 +264,8 @@ class EndpointStatus:
     raft_term: int
     raft_index: int
     version: str
+    #: A learner does not vote (yet); etcd 3.4 says so in its status.
+    is_learner: bool = False
 
 
 # --- transaction building blocks ----------------------------------------------
@@ -897,6 +899,7 @@ class Client(KV):
             raft_term=_int(obj, "raftTerm"),
             raft_index=_int(obj, "raftIndex"),
             version=obj.get("version", ""),
+            is_learner=bool(obj.get("isLearner", False)),
         )
 
     async def compact(self, revision: int) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import trio
 
+from metropolis.consensus.client import EndpointStatus
 from metropolis.consensus.process import EtcdExited, ProcessConfig, Tuning, run_etcd
 from monotrio.net import free_loopback_port
 
@@ -50,7 +51,9 @@ class EtcdServer:
         self._scope = trio.CancelScope()
         await self._nursery.start(self._run, self._scope)
 
-    async def _run(self, scope: trio.CancelScope, *, task_status: trio.TaskStatus[None]) -> None:
+    async def _run(
+        self, scope: trio.CancelScope, *, task_status: trio.TaskStatus[EndpointStatus]
+    ) -> None:
         logger = logging.getLogger("metropolis.consensus.localetcd")
         try:
             with scope:

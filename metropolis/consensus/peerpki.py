@@ -33,13 +33,16 @@ from metropolis.errors import ConsensusError
 
 __all__ = [
     "NAMESPACE",
+    "NodePKI",
     "PeerCA",
     "PeerPKIError",
     "ensure_ca",
     "get_crl",
     "issue_peer_certificate",
     "load_ca",
+    "load_for_node",
     "new_ca",
+    "reuse_or_issue",
     "revoke_peer_certificate",
     "store_bootstrap",
 ]
@@ -199,6 +202,46 @@ def _covers(certificate: x509.Certificate, hosts: Sequence[str]) -> bool:
     return set(hosts) <= names
 
 
+@dataclass(frozen=True)
+class NodePKI:
+    """What issuing a node's peer certificate needs, read in one round trip."""
+
+    ca: PeerCA
+    crl: x509.CertificateRevocationList
+    #: The peer certificate stored for the node (DER), None if none was issued.
+    stored_certificate: bytes | None
+
+
+async def load_for_node(kv: KV, node_id: str) -> NodePKI:
+    """The CA, the CRL and ``node_id``'s stored certificate, in one read-only txn.
+
+    :class:`PeerPKIError` if the PKI is missing or damaged. Granting a role
+    and bootstrapping wait on this, so it is one round trip, not four.
+    """
+    result = await kv.txn(
+        [],
+        [
+            Get(KEY_CA_CERTIFICATE),
+            Get(KEY_CA_KEY),
+            Get(KEY_CRL),
+            Get(KEY_CERTIFICATES + node_id.encode()),
+        ],
+    )
+    cert_range, key_range, crl_range, issued = result.responses
+    assert isinstance(cert_range, RangeResult) and isinstance(key_range, RangeResult)
+    assert isinstance(crl_range, RangeResult) and isinstance(issued, RangeResult)
+    if not cert_range.kvs or not key_range.kvs:
+        raise PeerPKIError("no peer CA in etcd (cluster not bootstrapped?)")
+    if not crl_range.kvs:
+        raise PeerPKIError("no CRL in etcd (cluster not bootstrapped?)")
+    ca = _parse_ca(key_range.kvs[0].value, cert_range.kvs[0].value)
+    try:
+        crl = pki.decode_crl(crl_range.kvs[0].value)
+    except pki.PKIError as e:
+        raise PeerPKIError(f"CRL in etcd is damaged: {e}") from e
+    return NodePKI(ca, crl, issued.kvs[0].value if issued.kvs else None)
+
+
 async def issue_peer_certificate(
     kv: KV,
     ca: PeerCA,
@@ -215,18 +258,31 @@ async def issue_peer_certificate(
     unless ``crl`` revokes it (a member removed and now added again).
     """
     node = identity.node_id(public_key)
+    existing = await kv.get(KEY_CERTIFICATES + node.encode())
+    stored = existing.value if existing is not None else None
+    return await reuse_or_issue(kv, ca, public_key, hosts, crl, stored)
+
+
+async def reuse_or_issue(
+    kv: KV,
+    ca: PeerCA,
+    public_key: bytes,
+    hosts: Sequence[str],
+    crl: x509.CertificateRevocationList | None,
+    stored: bytes | None,
+) -> x509.Certificate:
+    """:func:`issue_peer_certificate` with the stored certificate already read (``stored``)."""
+    node = identity.node_id(public_key)
     path = KEY_CERTIFICATES + node.encode()
-    existing = await kv.get(path)
-    if existing is not None:
+    if stored is not None:
         try:
-            certificate = pki.decode_certificate(existing.value)
+            certificate = pki.decode_certificate(stored)
         except pki.PKIError as e:
             raise PeerPKIError(f"stored peer certificate of {node} is damaged: {e}") from e
         same_key = pki.public_key_bytes(pki.certificate_public_key(certificate)) == public_key
         revoked = crl is not None and pki.is_revoked(crl, certificate)
         if same_key and _covers(certificate, hosts) and not revoked:
             return certificate
-
     certificate = issue_local_certificate(ca, public_key, hosts)
     await kv.put(path, pki.encode_certificate(certificate, pki.Encoding.DER))
     return certificate

@@ -43,7 +43,7 @@ from typing import Literal
 
 import trio
 
-from metropolis.consensus.client import Client, EtcdError, check_socket_path
+from metropolis.consensus.client import Client, EndpointStatus, EtcdError, check_socket_path
 from metropolis.errors import ConsensusError
 
 __all__ = ["SOCKET_NAME", "EtcdExited", "PeerTLS", "ProcessConfig", "Tuning", "run_etcd"]
@@ -181,12 +181,13 @@ async def run_etcd(
     config: ProcessConfig,
     logger: logging.Logger,
     *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[EndpointStatus] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run etcd until it exits or this call is cancelled.
 
-    Calls ``task_status.started()`` once etcd answers on its client socket
-    (so ``await nursery.start(run_etcd, ...)`` returns a usable member).
+    Calls ``task_status.started(status)`` once etcd answers on its client
+    socket, with that first answer (so ``await nursery.start(run_etcd, ...)``
+    returns a usable member, and what it says about itself).
     Never returns normally: raises :class:`EtcdExited` when the process
     exits, before or after becoming ready. On cancellation the process is
     stopped (SIGTERM, then SIGKILL after a grace period) before the
@@ -277,15 +278,17 @@ class _Child:
             self._popen.send_signal(sig)
 
 
-async def _report_ready(socket: Path, process: _Child, task_status: trio.TaskStatus[None]) -> None:
+async def _report_ready(
+    socket: Path, process: _Child, task_status: trio.TaskStatus[EndpointStatus]
+) -> None:
     async with Client(socket, timeout=2.0) as client:
         while process.returncode is None:
             try:
-                await client.status()
+                status = await client.status()
             except EtcdError:
                 await trio.sleep(_READY_POLL)
                 continue
-            task_status.started()
+            task_status.started(status)
             return
 
 

@@ -53,7 +53,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
 from metropolis.consensus import peerpki
-from metropolis.consensus.client import KV, Client, EtcdAPIError, EtcdUnavailable, Member
+from metropolis.consensus.client import (
+    KV,
+    Client,
+    EndpointStatus,
+    EtcdAPIError,
+    EtcdUnavailable,
+    Member,
+)
 from metropolis.consensus.process import SOCKET_NAME, PeerTLS, ProcessConfig, Tuning, run_etcd
 from metropolis.errors import ConsensusError
 from metropolis.event import ReadOnlyValue, Value
@@ -80,6 +87,9 @@ DEFAULT_PEER_PORT = 7834
 CURATOR_NAMESPACE = b"namespaced/curator/"
 
 _T = TypeVar("_T")
+
+#: How often a learner looks whether it was promoted (a status call on its own socket).
+_VOTER_POLL = 0.1
 
 #: The new peer CA's key, on disk only from bootstrap until etcd stores it.
 _PENDING_CA_KEY = "bootstrap_ca_key.pem"
@@ -268,13 +278,12 @@ class Status:
             raise ValueError(f"peer URL {peer_url!r} has no host")
 
         pki_kv = client.namespaced(peerpki.NAMESPACE)
-        # Independent reads at once: one round trip instead of three on the
-        # bootstrap path, which waits on each.
-        ca, (crl, _), members = await _gather(
-            lambda: peerpki.load_ca(pki_kv),
-            lambda: peerpki.get_crl(pki_kv),
-            client.member_list,
+        # Independent reads at once, the PKI ones in one txn: one round trip
+        # instead of four on the bootstrap and grant paths, which wait on each.
+        state, members = await _gather(
+            lambda: peerpki.load_for_node(pki_kv, node), client.member_list
         )
+        ca, crl = state.ca, state.crl
         hosts = [host]
         if _is_loopback(host) and host != "127.0.0.1":
             # etcd checks a peer's client certificate against the address the
@@ -283,7 +292,9 @@ class Status:
             # route). A cluster on 127.0.0.1/2/3 needs that address too; it
             # grants nothing beyond this host.
             hosts.append("127.0.0.1")
-        certificate = await peerpki.issue_peer_certificate(pki_kv, ca, public_key, hosts, crl)
+        certificate = await peerpki.reuse_or_issue(
+            pki_kv, ca, public_key, hosts, crl, state.stored_certificate
+        )
 
         if not any(peer_url in m.peer_urls for m in members):
             member = await _retry_transient(
@@ -353,21 +364,18 @@ def _is_loopback(host: str) -> bool:
 
 _A = TypeVar("_A")
 _B = TypeVar("_B")
-_C = TypeVar("_C")
 
 
-async def _gather(
-    a: Callable[[], Awaitable[_A]], b: Callable[[], Awaitable[_B]], c: Callable[[], Awaitable[_C]]
-) -> tuple[_A, _B, _C]:
-    """Run three calls concurrently; the first error cancels the others and propagates."""
-    results: list[object] = [None, None, None]
+async def _gather(a: Callable[[], Awaitable[_A]], b: Callable[[], Awaitable[_B]]) -> tuple[_A, _B]:
+    """Run two calls concurrently; the first error cancels the other and propagates."""
+    results: list[object] = [None, None]
 
     async def one(i: int, fn: Callable[[], Awaitable[object]]) -> None:
         results[i] = await fn()
 
     try:
         async with trio.open_nursery() as nursery:
-            for i, fn in enumerate((a, b, c)):
+            for i, fn in enumerate((a, b)):
                 nursery.start_soon(one, i, fn)
     except BaseExceptionGroup as group:
         # Callers expect an error itself, as from sequential calls: the
@@ -379,7 +387,7 @@ async def _gather(
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
         raise first from None
-    return results[0], results[1], results[2]  # type: ignore[return-value]
+    return results[0], results[1]  # type: ignore[return-value]
 
 
 async def _retry_transient(fn: Callable[[], Awaitable[_T]], patience: float) -> _T:
@@ -479,12 +487,13 @@ class Service:
             synced = trio.Event()
             if pending.exists():
                 nursery.start_soon(self._sync_bootstrap_pki, synced)
-            await nursery.start(run_etcd, process, etcd_logger)
+            first: EndpointStatus = await nursery.start(run_etcd, process, etcd_logger)
             if pending.exists():
                 await synced.wait()
                 await self._store_bootstrap_pki(node, client)
-            member_id = (await client.status()).member_id
-            await _wait_voter(client, member_id, node.logger)
+            member_id = first.member_id
+            if first.is_learner:
+                await _wait_voter(client, node.logger)
 
             # The children borrow the client: the scope ends them before the
             # client is closed. It is left when run_etcd raises EtcdExited
@@ -631,19 +640,22 @@ def _has_content(path: Path, data: bytes) -> bool:
         return False
 
 
-async def _wait_voter(client: Client, member_id: int, logger: logging.Logger) -> None:
-    """Wait until this member is a voter (learners are promoted by the leader)."""
+async def _wait_voter(client: Client, logger: logging.Logger) -> None:
+    """Wait until this member is a voter (learners are promoted by the leader).
+
+    etcd 3.4's status says whether the member behind the socket is a
+    learner: one small call per look, no member list.
+    """
+    logger.info("still a learner, waiting for promotion")
     while True:
+        await trio.sleep(_VOTER_POLL)
         try:
-            members = await client.member_list()
+            status = await client.status()
         except (EtcdAPIError, EtcdUnavailable) as e:
-            logger.info("member list not available yet: %s", e)
+            logger.info("status not available yet: %s", e)
         else:
-            me = [m for m in members if m.id == member_id]
-            if me and not me[0].is_learner:
+            if not status.is_learner:
                 return
-            logger.info("still a learner, waiting for promotion")
-        await trio.sleep(0.2)
 
 
 async def _promoter(node: Node, client: Client, interval: float) -> None:
