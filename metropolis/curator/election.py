@@ -130,7 +130,9 @@ async def run_election(
     lease = await kv.grant(ttl)
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(kv.keep_alive, lease)
+            # The lease holds for its TTL from the grant: campaign at once
+            # rather than a round trip later, after the first refresh.
+            nursery.start_soon(kv.keep_alive, lease)
             task_status.started()
             while True:
                 result = await kv.txn(
