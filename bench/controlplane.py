@@ -45,8 +45,9 @@ logger = logging.getLogger("bench.controlplane")
 
 async def node_start(root: Root) -> tuple[float, float]:
     """Seconds until home with a running local control plane, and until the curator leads."""
-    server = RoleServer(root, disk.load(root))
     start = trio.current_time()
+    # Reading the root is part of the node's start, as for `node run`.
+    server = RoleServer(root, disk.load(root))
     async with open_supervisor(server.run, name="role"):
         with server.membership.watch() as w:
             membership = await w.get(

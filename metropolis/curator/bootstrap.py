@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
 from metropolis.consensus.client import Compare, Get, Put, RangeResult
-from metropolis.consensus.service import Status
+from metropolis.consensus.service import JoinCluster, Status
 from metropolis.curator.state import (
     CA_CERTIFICATE_KEY,
     CA_KEY_KEY,
@@ -42,7 +42,14 @@ from metropolis.proto.common import (
 )
 from metropolis.proto.curator import InitialOwner, Node
 
-__all__ = ["CLUSTER_CA_NAME", "BootstrapResult", "bootstrap_cluster", "node_certificate"]
+__all__ = [
+    "CLUSTER_CA_NAME",
+    "BootstrapResult",
+    "bootstrap_cluster",
+    "bootstrap_roles",
+    "cluster_ca",
+    "node_certificate",
+]
 
 CLUSTER_CA_NAME = "Metropolis Cluster CA"
 
@@ -52,9 +59,16 @@ class BootstrapResult:
     """What the first node needs from the new cluster."""
 
     ca_certificate: x509.Certificate
+    #: The cluster CA's key (the bootstrap node issues the owner's certificate with it).
+    ca_key: Ed25519PrivateKey
     node_certificate: x509.Certificate
     #: The node's record as stored (roles: ConsensusMember, KubernetesController).
     record: Node
+
+
+def cluster_ca(ca_key: Ed25519PrivateKey) -> x509.Certificate:
+    """The self-signed cluster CA certificate for ``ca_key``."""
+    return pki.new_ca(ca_key, CLUSTER_CA_NAME)
 
 
 def node_certificate(
@@ -67,6 +81,14 @@ def node_certificate(
     )
 
 
+def bootstrap_roles(join: JoinCluster) -> NodeRoles:
+    """The first node's roles: ConsensusMember (with ``join``) and KubernetesController."""
+    return NodeRoles(
+        consensus_member=join.to_proto(),
+        kubernetes_controller=NodeRolesKubernetesController(),
+    )
+
+
 async def bootstrap_cluster(
     consensus: Status,
     *,
@@ -74,30 +96,38 @@ async def bootstrap_cluster(
     join_public_key: bytes,
     cluster_unlock_key: bytes,
     owner_public_key: bytes,
+    join: JoinCluster | None = None,
+    ca_key: Ed25519PrivateKey | None = None,
 ) -> BootstrapResult:
     """Create the cluster's curator state for its first node; idempotent.
 
-    ``consensus`` must be running (on this node). Returns the cluster CA,
-    the node's certificate and its record. Raises :class:`CuratorError` if
+    ``consensus`` must be running (on this node). ``join`` is this node's
+    own join data, if the caller already asked ``consensus.add_node`` for
+    it; ``ca_key`` the cluster CA key to use if none exists yet (the CA
+    certificate is made from it here). Both let the caller start on what
+    depends on them (writing them to disk) while this runs; when etcd
+    already holds a cluster (a retry), what is stored wins and is returned.
+
+    Returns the cluster CA,
+    its key, the node's certificate and its record. Raises :class:`CuratorError` if
     etcd already holds a different cluster (another node, or partial state
     that no bootstrap writes), and the etcd client's errors as they come.
     Cancellation at any point leaves either nothing or everything written.
     """
     node = identity.node_id(node_public_key)
-    join = await consensus.add_node(node_public_key)
+    if join is None:
+        join = await consensus.add_node(node_public_key)
     kv = consensus.curator_client()
 
-    ca_key = pki.generate_key()
-    ca = pki.new_ca(ca_key, CLUSTER_CA_NAME)
+    if ca_key is None:
+        ca_key = pki.generate_key()
+    ca = cluster_ca(ca_key)
     certificate = node_certificate(ca_key, ca, node_public_key)
     record = Node(
         public_key=node_public_key,
         cluster_unlock_key=cluster_unlock_key,
         fsm_state=NodeState.UP,
-        roles=NodeRoles(
-            consensus_member=join.to_proto(),
-            kubernetes_controller=NodeRolesKubernetesController(),
-        ),
+        roles=bootstrap_roles(join),
         join_key=join_public_key,
     )
     der = pki.Encoding.DER
@@ -116,16 +146,21 @@ async def bootstrap_cluster(
             Put(INITIAL_OWNER_KEY, bytes(InitialOwner(public_key=owner_public_key))),
             Put(join_key_key(join_public_key), node),
         ],
-        [Get(node_key(node)), Get(CA_CERTIFICATE_KEY), Get(issued_certificate_key(node))],
+        [
+            Get(node_key(node)),
+            Get(CA_CERTIFICATE_KEY),
+            Get(issued_certificate_key(node)),
+            Get(CA_KEY_KEY),
+        ],
     )
     if result.succeeded:
-        return BootstrapResult(ca, certificate, record)
+        return BootstrapResult(ca, ca_key, certificate, record)
 
     # Already bootstrapped: by us (a retry), or something else is here.
-    stored_node, stored_ca, stored_cert = result.responses
-    assert isinstance(stored_node, RangeResult)
+    stored_node, stored_ca, stored_cert, stored_key = result.responses
+    assert isinstance(stored_node, RangeResult) and isinstance(stored_key, RangeResult)
     assert isinstance(stored_ca, RangeResult) and isinstance(stored_cert, RangeResult)
-    if not (stored_node.kvs and stored_ca.kvs and stored_cert.kvs):
+    if not (stored_node.kvs and stored_ca.kvs and stored_cert.kvs and stored_key.kvs):
         raise CuratorError(
             "etcd already holds cluster state that is not this node's bootstrap; refusing"
         )
@@ -135,6 +170,7 @@ async def bootstrap_cluster(
     try:
         return BootstrapResult(
             pki.decode_certificate(stored_ca.kvs[0].value),
+            pki.decode_private_key(stored_key.kvs[0].value),
             pki.decode_certificate(stored_cert.kvs[0].value),
             existing,
         )

@@ -30,15 +30,15 @@ from pathlib import Path
 
 import trio
 from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import consensus, identity, pki
 from metropolis.crashpoint import CRASH_ENV, crash_point
-from metropolis.curator.bootstrap import bootstrap_cluster
+from metropolis.curator.bootstrap import bootstrap_cluster, bootstrap_roles, cluster_ca
 from metropolis.curator.service import Curator
-from metropolis.curator.state import CA_KEY_KEY, CuratorError
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
-from metropolis.localstorage import Root, atomic_write
+from metropolis.localstorage import Root
 from metropolis.proto.common import (
     ClusterDirectory,
     ClusterDirectoryNode,
@@ -247,68 +247,83 @@ class ControlPlaneWorker:
     async def _bootstrap_cluster(
         self, node: Node, service: consensus.Service, startup: BootstrapControlPlane
     ) -> tuple[NodeCredentials, ClusterDirectory, NodeRoles]:
+        """Create the cluster and persist this node as its first member.
+
+        Pipelined, since each step waits on disk or etcd: the cluster CA is
+        made while etcd starts; once this node's join data is known, its
+        roles, directory, sealed configuration and the owner's certificate
+        are written and fsynced while the cluster is created in etcd; the
+        credentials (which mean "done") only after both. A retry that finds
+        the cluster in etcd already rewrites those files from what is stored.
+        """
         data = startup.data
+        directory = _with_node(ClusterDirectory(), data.node_public_key, self._settings.address)
+        ca_key = pki.generate_key()
         node.logger.info("bootstrapping: waiting for consensus")
         status = await service.wait_running()
         node.logger.info("bootstrapping: creating the cluster")
-        result = await bootstrap_cluster(
-            status,
-            node_public_key=data.node_public_key,
-            join_public_key=data.join_public_key,
-            cluster_unlock_key=data.cluster_unlock_key,
-            owner_public_key=data.initial_owner_key,
-        )
+        join = await status.add_node(data.node_public_key)
+        ca = cluster_ca(ca_key)
+        planned_roles = bootstrap_roles(join)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._save_cluster_files, data, ca, ca_key, planned_roles, directory)
+            result = await bootstrap_cluster(
+                status,
+                node_public_key=data.node_public_key,
+                join_public_key=data.join_public_key,
+                cluster_unlock_key=data.cluster_unlock_key,
+                owner_public_key=data.initial_owner_key,
+                join=join,
+                ca_key=ca_key,
+            )
         node.logger.info("bootstrapping: cluster created in etcd; saving credentials")
-        await self._issue_owner_certificate(status, result.ca_certificate, data.initial_owner_key)
+        roles = result.record.roles or NodeRoles()
+        if result.ca_certificate != ca or roles != planned_roles:
+            node.logger.info("bootstrapping: etcd holds an earlier attempt's cluster; using it")
+            await self._save_cluster_files(
+                data, result.ca_certificate, result.ca_key, roles, directory
+            )
         crash_point("after-bootstrap-cluster")
         credentials = NodeCredentials(
             data.node_private_key, result.node_certificate, result.ca_certificate
         )
-        directory = _with_node(ClusterDirectory(), credentials.public_key, self._settings.address)
-        sealed = SealedConfiguration(
-            node_unlock_key=data.node_unlock_key,
-            join_key=join_key_bytes(data.join_private_key),
-            cluster_ca=pki.encode_certificate(result.ca_certificate, pki.Encoding.DER),
-        )
-        roles = result.record.roles or NodeRoles()
-        await trio.to_thread.run_sync(
-            functools.partial(
-                disk.finish_bootstrap,
-                self._root,
-                self._settings,
-                roles=roles,
-                directory=directory,
-                sealed=sealed,
-                credentials=credentials,
-            )
-        )
+        await trio.to_thread.run_sync(disk.save_credentials, self._root, credentials)
         node.logger.info("bootstrap complete: %s", credentials.node_id)
         return credentials, directory, roles
 
-    async def _issue_owner_certificate(
-        self, status: consensus.Status, ca: x509.Certificate, owner_key: bytes
+    async def _save_cluster_files(
+        self,
+        data: BootstrapData,
+        ca: x509.Certificate,
+        ca_key: Ed25519PrivateKey,
+        roles: NodeRoles,
+        directory: ClusterDirectory,
     ) -> None:
-        """Leave a certificate for the owner key in the root, for the owner CLI.
-
-        Monogon's owner fetches it from the AAA service with a self-signed
-        certificate; that service is not built here, so the bootstrap node,
-        which has the CA key at hand, issues it once. It is public data.
-        """
-        stored = await status.curator_client().get(CA_KEY_KEY)
-        if stored is None:
-            raise CuratorError("cluster CA key missing right after bootstrap")
-        certificate = pki.issue_certificate(
-            pki.decode_private_key(stored.value),
+        sealed = SealedConfiguration(
+            node_unlock_key=data.node_unlock_key,
+            join_key=join_key_bytes(data.join_private_key),
+            cluster_ca=pki.encode_certificate(ca, pki.Encoding.DER),
+        )
+        owner = pki.issue_certificate(
+            ca_key,
             ca,
-            pki.decode_public_key(owner_key),
+            pki.decode_public_key(data.initial_owner_key),
             identity.OWNER_COMMON_NAME,
             pki.Usage.CLIENT,
         )
         await trio.to_thread.run_sync(
             functools.partial(
-                atomic_write,
-                disk.owner_certificate_path(self._root),
-                pki.encode_certificate(certificate),
+                disk.save_cluster_files,
+                self._root,
+                self._settings,
+                roles=roles,
+                directory=directory,
+                sealed=sealed,
+                # For the owner CLI in this root. Monogon's owner fetches it
+                # from the AAA service with a self-signed certificate; that
+                # service is not built here, so the bootstrap node, which has
+                # the CA key at hand, issues it. It is public data.
+                owner_certificate=pki.encode_certificate(owner),
             )
         )
 

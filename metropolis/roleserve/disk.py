@@ -53,6 +53,8 @@ __all__ = [
     "owner_certificate_path",
     "register_path",
     "roles_path",
+    "save_cluster_files",
+    "save_credentials",
     "save_register_intent",
     "save_roles",
     "save_settings_and_intent",
@@ -286,18 +288,58 @@ def finish_bootstrap(
     directory: ClusterDirectory,
     sealed: SealedConfiguration,
     credentials: NodeCredentials,
+    owner_certificate: bytes | None = None,
 ) -> None:
     """Persist a finished bootstrap or registration in crash-safe order, then drop the intent.
 
-    Blocking I/O (fsync): call it from a worker thread.
+    :func:`save_cluster_files`, then :func:`save_credentials`. Blocking I/O
+    (fsync): call it from a worker thread.
     """
-    # Two rounds of parallel fsyncs keep the order that matters: the
-    # credentials (which mean "done") only after everything else is durable.
+    save_cluster_files(
+        root,
+        settings,
+        roles=roles,
+        directory=directory,
+        sealed=sealed,
+        owner_certificate=owner_certificate,
+    )
+    save_credentials(root, credentials)
+
+
+def save_cluster_files(
+    root: Root,
+    settings: NodeSettings,
+    *,
+    roles: NodeRoles,
+    directory: ClusterDirectory,
+    sealed: SealedConfiguration,
+    owner_certificate: bytes | None = None,
+) -> None:
+    """Write and fsync what a node needs besides its credentials (first of two rounds).
+
+    ``owner_certificate`` (PEM; the bootstrap node has one) goes to
+    :func:`owner_certificate_path`. Without credentials these files mean
+    nothing to :func:`load`, so a bootstrap may write them before its
+    cluster exists, and again if etcd turns out to hold other values.
+    Blocking I/O; the fsyncs run in parallel.
+    """
     atomic_write(roles_path(root), bytes(roles), durable=False)
     root.esp.write_cluster_directory(directory, durable=False)
     sealed_file = root.esp.sealed_configuration
     sealed_file.seal(sealed, insecure=settings.insecure_seal, durable=False)
-    make_durable([roles_path(root), root.esp.cluster_directory, sealed_file.path])
+    paths = [roles_path(root), root.esp.cluster_directory, sealed_file.path]
+    if owner_certificate is not None:
+        atomic_write(owner_certificate_path(root), owner_certificate, durable=False)
+        paths.append(owner_certificate_path(root))
+    make_durable(paths)
+
+
+def save_credentials(root: Root, credentials: NodeCredentials) -> None:
+    """Write and fsync the credentials, which mean "done", then drop the intents.
+
+    Only after :func:`save_cluster_files` returned: that order is what makes
+    a node root crash-safe. Blocking I/O.
+    """
     crash_point("finish-before-credentials")
     credentials.save(root.data.node_credentials, durable=False)
     make_durable(list(root.data.node_credentials.files()))

@@ -14,7 +14,7 @@ from metropolis import identity, pki
 from metropolis.consensus import Config, Service, Status
 from metropolis.consensus.client import KV, Compare, Put
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, kill_etcd
-from metropolis.curator.bootstrap import bootstrap_cluster
+from metropolis.curator.bootstrap import BootstrapResult, bootstrap_cluster
 from metropolis.curator.election import ElectionState, Follower, Leader, NotLeader, run_election
 from metropolis.curator.service import Curator
 from metropolis.curator.state import (
@@ -66,13 +66,17 @@ async def test_bootstrap_cluster_is_one_idempotent_step(tmp_path: Path) -> None:
     async with consensus(tmp_path) as (service, _, status):
         key = pki.public_key_bytes(service.config.node_private_key)
         join, owner = _keys()["join"], _keys()["owner"]
-        kwargs: dict[str, bytes] = dict(
-            node_public_key=key,
-            join_public_key=join,
-            cluster_unlock_key=b"cuk",
-            owner_public_key=owner,
-        )
-        first = await bootstrap_cluster(status, **kwargs)
+
+        async def bootstrap(join_key: bytes) -> BootstrapResult:
+            return await bootstrap_cluster(
+                status,
+                node_public_key=key,
+                join_public_key=join_key,
+                cluster_unlock_key=b"cuk",
+                owner_public_key=owner,
+            )
+
+        first = await bootstrap(join)
         keys = await _all_keys(status)
         node = identity.node_id(key)
         assert sorted(keys) == sorted(
@@ -97,15 +101,15 @@ async def test_bootstrap_cluster_is_one_idempotent_step(tmp_path: Path) -> None:
         )
 
         # Again: same cluster, nothing new written.
-        second = await bootstrap_cluster(status, **kwargs)
+        second = await bootstrap(join)
         assert second.ca_certificate == first.ca_certificate
+        assert pki.public_key_bytes(second.ca_key) == pki.public_key_bytes(first.ca_key)
         assert second.node_certificate == first.node_certificate
         assert await _all_keys(status) == keys
 
         # Another node's bootstrap on the same cluster is refused.
-        other = dict(kwargs, join_public_key=_keys()["join"])
         with pytest.raises(CuratorError):
-            await bootstrap_cluster(status, **other)
+            await bootstrap(_keys()["join"])
 
 
 async def test_election_one_leader_failover_and_guarded_writes(tmp_path: Path) -> None:
