@@ -1,24 +1,42 @@
-"""Control-plane start against bare etcd, measured in one run.
+"""Control-plane start and membership changes against bare etcd, measured in one run.
 
     python -m bench.controlplane [--runs 5]
 
-Each on a fresh directory, ``--runs`` times, each node start right after
-its baseline (interleaved: the machine's load drifts); figures are medians,
-ratios the median of the per-pair ratios:
+Start-up. Each on a fresh directory, ``--runs`` times, each node start
+right after its baseline (interleaved: the machine's load drifts):
 
 - baseline: a bare ``etcd`` (plain peers, new data dir) until it answers on
   its UNIX socket; and the same etcd restarted on its own data;
 - bootstrap to home: a role server on a root holding only a bootstrap
-  intent, until its membership is home with local consensus and curator
-  (etcd started with peer TLS, cluster created in etcd, credentials,
-  directory, sealed configuration and roles fsynced); and until the
-  curator leads;
+  intent (reading the root included), until its membership is home with
+  local consensus and curator (etcd started with peer TLS, cluster created
+  in etcd, credentials, directory, sealed configuration and roles
+  fsynced); and until the curator leads;
 - run to home: the same role server restarted on what the bootstrap left
   (ratio against the bare restart).
 
-In-process (no Python start-up): the node's own work is what is measured.
+Membership changes (issue 11). A two-node cluster of in-process role
+servers (one Trio thread for both nodes and the owner: conservative, their
+Python work cannot overlap): n1 bootstraps on 127.0.0.1, n2 registers on
+127.0.0.2 with the owner's ticket and is approved. Then ``--runs`` times:
+
+- baseline: two bare etcds with peer TLS (the same cost of TLS as the
+  nodes' etcds): member add (learner), the learner's etcd started, promote
+  retried every heartbeat until etcd accepts it; then (5.5 s later, see
+  ``_HEALTHY_AFTER``) member remove;
+- grant: from the owner's ``UpdateNodeRoles`` (ConsensusMember on) until
+  n2 runs etcd as a voter and its curator serves (the curator leader adds
+  the learner and stores the join data, n2's role fetch sees it, its
+  launcher starts etcd, the promoter on n1 promotes it);
+- revoke (5.5 s after the grant): from ``UpdateNodeRoles`` (ConsensusMember off) until n2 is no
+  member in n1's etcd any more; and, for information, until n2's control
+  plane has stopped.
+
+Both membership figures are given as ratios to the add + start + promote
+baseline (the issue's measure); the bare member remove is printed too.
+
 All etcds use the loopback raft timing (heartbeat 20 ms, election 200 ms).
-Prints one table; each figure is also given as a ratio to its baseline.
+Prints one table; figures are medians, ratios the median of per-pair ratios.
 Goal: <= 1.5x.
 """
 
@@ -28,19 +46,50 @@ import argparse
 import logging
 import statistics
 import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
 from bench.consensus_start import bare_etcd_start
+from bench.ratios import report
+from metropolis import pki
+from metropolis.consensus import peerpki
+from metropolis.consensus.client import Client, EndpointStatus, EtcdAPIError
+from metropolis.consensus.localetcd import LOOPBACK_TUNING
+from metropolis.consensus.process import SOCKET_NAME, EtcdExited, PeerTLS, ProcessConfig, run_etcd
 from metropolis.curator.election import Leader
-from metropolis.localstorage import Root
+from metropolis.identity import node_id
+from metropolis.localstorage import Root, atomic_write
+from metropolis.owner import Owner, open_owner
+from metropolis.proto import management as m
 from metropolis.roleserve import disk
-from metropolis.roleserve.localnode import prepare_loopback_bootstrap
+from metropolis.roleserve.localnode import loopback_settings, prepare_loopback_bootstrap
 from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.register import register
+from metropolis.roleserve.values import ClusterMembership
+from metropolis.rpc import api as methods
 from metropolis.supervisor import open_supervisor
+from monotrio.net import free_loopback_port
 
 logger = logging.getLogger("bench.controlplane")
+
+#: How often the baseline retries promoting its learner: etcd's heartbeat,
+#: the soonest the leader can know the learner caught up.
+_PROMOTE_RETRY = LOOPBACK_TUNING.heartbeat_ms / 1000
+#: etcd refuses to remove a member until the others have been connected to
+#: it for 5 s (its --strict-reconfig-check, HealthInterval): both the bare
+#: remove and the revoke wait that long after the join, untimed, so that
+#: neither measures etcd's own wait.
+_HEALTHY_AFTER = 5.5
+#: How often the revoke measurement looks at n1's member list.
+_MEMBER_POLL = 0.005
+
+
+def _local(m: ClusterMembership) -> bool:
+    return m.home and m.local_consensus is not None and m.local_curator is not None
 
 
 async def node_start(root: Root) -> tuple[float, float]:
@@ -50,9 +99,7 @@ async def node_start(root: Root) -> tuple[float, float]:
     server = RoleServer(root, disk.load(root))
     async with open_supervisor(server.run, name="role"):
         with server.membership.watch() as w:
-            membership = await w.get(
-                lambda m: m.home and m.local_consensus is not None and m.local_curator is not None
-            )
+            membership = await w.get(_local)
         assert membership.local_consensus is not None and membership.local_curator is not None
         await membership.local_consensus.wait_running()
         home = trio.current_time() - start
@@ -62,39 +109,231 @@ async def node_start(root: Root) -> tuple[float, float]:
     return home, leads
 
 
-async def main(runs: int) -> None:
+# --- bare etcd: member add + learner start + promote, and member remove ---------
+
+
+def _bare_member(directory: Path, ca: peerpki.PeerCA, crl_pem: bytes) -> PeerTLS:
+    """Peer TLS files for one bare member under ``directory``."""
+    key = pki.generate_key()
+    certificate = peerpki.issue_local_certificate(ca, pki.public_key_bytes(key), ["127.0.0.1"])
+    tls = PeerTLS(
+        ca_certificate=directory / "ca.pem",
+        certificate=directory / "cert.pem",
+        key=directory / "key.pem",
+        crl=directory / "crl.pem",
+    )
+    directory.mkdir(parents=True)
+    atomic_write(tls.ca_certificate, pki.encode_certificate(ca.certificate), durable=False)
+    atomic_write(tls.certificate, pki.encode_certificate(certificate), durable=False)
+    atomic_write(tls.key, pki.encode_private_key(key), durable=False)
+    atomic_write(tls.crl, crl_pem, durable=False)
+    return tls
+
+
+async def _run_learner(
+    config: ProcessConfig, *, task_status: trio.TaskStatus[EndpointStatus]
+) -> None:
+    # A removed member's etcd exits on its own: that is the expected end.
+    with suppress(EtcdExited):
+        await run_etcd(config, logger, task_status=task_status)
+
+
+async def bare_join(directory: Path) -> tuple[float, float]:
+    """etcd's own join (member add, learner start, promote) and member remove, in seconds."""
+    ca, crl = peerpki.new_ca()
+    crl_pem = pki.encode_crl(crl)
+    urls = {name: f"https://127.0.0.1:{free_loopback_port()}" for name in ("a", "b")}
+
+    def config(name: str, initial: dict[str, str], state: str) -> ProcessConfig:
+        member = directory / name
+        return ProcessConfig(
+            name=name,
+            data_dir=member / "data",
+            working_dir=member / "run",
+            peer_address=urls[name].removeprefix("https://"),
+            peer_tls=_bare_member(member / "pki", ca, crl_pem),
+            initial_cluster=initial,
+            cluster_state="new" if state == "new" else "existing",
+            tuning=LOOPBACK_TUNING,
+        )
+
+    first = config("a", {"a": urls["a"]}, "new")
+    learner = config("b", urls, "existing")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_etcd, first, logger)
+        async with Client(first.socket_path) as client:
+            start = trio.current_time()
+            member = await client.member_add([urls["b"]], learner=True)
+            await nursery.start(_run_learner, learner)
+            while True:
+                try:
+                    await client.member_promote(member.id)
+                    break
+                except EtcdAPIError as e:
+                    if not e.transient:
+                        raise
+                await trio.sleep(_PROMOTE_RETRY)
+            join = trio.current_time() - start
+            await trio.sleep(_HEALTHY_AFTER)
+            start = trio.current_time()
+            await client.member_remove(member.id)
+            remove = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    return join, remove
+
+
+# --- a two-node cluster: granting and revoking ConsensusMember ---------------------
+
+
+@dataclass
+class Pair:
+    """n1 (bootstrapped, leads) and n2 (registered, no roles), and the owner's client."""
+
+    n1: RoleServer
+    n2: RoleServer
+    owner: Owner
+    n2_key: bytes
+
+
+@asynccontextmanager
+async def two_nodes(base: Path) -> AsyncIterator[Pair]:
+    owner_key = pki.generate_key()
+    s1 = loopback_settings("127.0.0.1")
+    # One peer port and one curator port for the cluster (as in Monogon).
+    s2 = loopback_settings("127.0.0.2", peer_port=s1.peer_port, curator_port=s1.curator_port)
+    r1, r2 = Root(base / "c1"), Root(base / "c2")
+    prepare_loopback_bootstrap(r1, owner_key=owner_key, settings=s1)
+    n1 = RoleServer(r1, disk.load(r1))
+    async with open_supervisor(n1.run, name="n1") as sup1:
+        await sup1.wait_healthy("n1.statuspush")  # its curator serves, leads
+        async with open_owner(r1, owner_key) as owner:
+            ticket, info = await owner.ticket(), await owner.info()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: register(r2, s2, info, ticket, poll=0.05))
+                # Another process's state (over RPC): polling is all there is.
+                while not (new := [r for r in await owner.nodes() if r.state == "NEW"]):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+                await owner.approve(new[0].node_id)
+            n2 = RoleServer(r2, disk.load(r2))
+            async with open_supervisor(n2.run, name="n2") as sup2:
+                await sup2.wait_healthy("n2.statuspush")  # its address is known: grantable
+                assert n2.membership is not None
+                with n2.membership.watch() as w:
+                    key = (await w.get()).public_key
+                yield Pair(n1, n2, owner, key)
+
+
+async def _set_consensus(pair: Pair, on: bool) -> None:
+    # The owner's RPC itself (Owner.set_roles would first look the key up).
+    request = m.UpdateNodeRolesRequest(pubkey=pair.n2_key, consensus_member=on)
+    await pair.owner.client.unary(methods.UPDATE_NODE_ROLES, request)
+
+
+async def grant(pair: Pair) -> float:
+    """Seconds from granting ConsensusMember until n2 votes and its curator serves."""
+    start = trio.current_time()
+    await _set_consensus(pair, True)
+    with pair.n2.membership.watch() as w:
+        membership = await w.get(_local)
+    assert membership.local_consensus is not None and membership.local_curator is not None
+    await membership.local_consensus.wait_running()  # running means a voter
+    with membership.local_curator.port.watch() as port:
+        await port.get()
+    return trio.current_time() - start
+
+
+async def revoke(pair: Pair, seed: Root) -> tuple[float, float]:
+    """Seconds from revoking ConsensusMember until n2 is no etcd member; until it stopped."""
+    name = node_id(pair.n2_key)
+    async with Client(seed.ephemeral.consensus / SOCKET_NAME) as etcd:
+        start = trio.current_time()
+        await _set_consensus(pair, False)
+        # etcd has no membership watch: look until the member is gone.
+        while any(member.name == name for member in await etcd.member_list()):  # noqa: ASYNC110
+            await trio.sleep(_MEMBER_POLL)
+        gone = trio.current_time() - start
+    with pair.n2.membership.watch() as w:
+        await w.get(lambda m: m.home and m.local_consensus is None)
+    stopped = trio.current_time() - start
+    return gone, stopped
+
+
+async def _settled(root: Root) -> None:
+    """Wait until a revoked node has wiped its etcd data (its next grant joins fresh)."""
+    etcd = root.data.etcd
+    while etcd.data.exists() or not etcd.peer_pki.path.is_dir():  # noqa: ASYNC110
+        await trio.sleep(0.05)
+
+
+# --- the run --------------------------------------------------------------------------
+
+
+def _row(name: str, values: list[float], baseline: list[float]) -> tuple[str, float, float]:
+    ratio = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
+    return name, statistics.median(values), ratio
+
+
+async def startup_rows(base: Path, runs: int) -> list[tuple[str, float, float]]:
     # Interleaved, so that a load change on this shared machine hits a node
     # start and its baseline alike; each ratio is the median of per-pair ratios.
     bare: list[float] = []
     boots: list[tuple[float, float]] = []
     bare_restart: list[float] = []
     restarts: list[tuple[float, float]] = []
+    roots = [Root(base / f"n{i}") for i in range(runs)]
+    for i, root in enumerate(roots):
+        prepare_loopback_bootstrap(root)
+        bare.append(await bare_etcd_start(base / f"bare{i}"))
+        boots.append(await node_start(root))
+    for i, root in enumerate(roots):
+        bare_restart.append(await bare_etcd_start(base / f"bare{i}"))
+        restarts.append(await node_start(root))
+    return [
+        _row("etcd bare start (baseline)", bare, bare),
+        _row("bootstrap to home", [b[0] for b in boots], bare),
+        _row("bootstrap to curator leading", [b[1] for b in boots], bare),
+        _row("etcd bare restart (baseline)", bare_restart, bare_restart),
+        _row("run to home", [r[0] for r in restarts], bare_restart),
+        _row("run to curator leading", [r[1] for r in restarts], bare_restart),
+    ]
+
+
+async def membership_rows(base: Path, runs: int) -> list[tuple[str, float, float]]:
+    joins: list[float] = []
+    removes: list[float] = []
+    grants: list[float] = []
+    gone: list[float] = []
+    stopped: list[float] = []
+    async with two_nodes(base / "cluster") as pair:
+        for i in range(runs):
+            join, remove = await bare_join(base / f"join{i}")
+            joins.append(join)
+            removes.append(remove)
+            grants.append(await grant(pair))
+            await trio.sleep(_HEALTHY_AFTER)
+            g, s = await revoke(pair, pair.n1.root)
+            gone.append(g)
+            stopped.append(s)
+            await _settled(pair.n2.root)
+    return [
+        _row("etcd add+start+promote (baseline)", joins, joins),
+        _row("grant ConsensusMember to voting", grants, joins),
+        _row("revoke ConsensusMember to member gone", gone, joins),
+        _row("  (etcd member remove, bare)", removes, joins),
+        _row("  (revoke to n2's etcd stopped)", stopped, joins),
+    ]
+
+
+async def main(runs: int) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-cp-") as tmp:
         base = Path(tmp)
-        roots = [Root(base / f"n{i}") for i in range(runs)]
-        for i, root in enumerate(roots):
-            prepare_loopback_bootstrap(root)
-            bare.append(await bare_etcd_start(base / f"bare{i}"))
-            boots.append(await node_start(root))
-        for i, root in enumerate(roots):
-            bare_restart.append(await bare_etcd_start(base / f"bare{i}"))
-            restarts.append(await node_start(root))
-
-    def row(name: str, values: list[float], baseline: list[float]) -> tuple[str, float, float]:
-        ratio = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
-        return name, statistics.median(values), ratio
-
-    rows = [
-        row("etcd bare start (baseline)", bare, bare),
-        row("bootstrap to home", [b[0] for b in boots], bare),
-        row("bootstrap to curator leading", [b[1] for b in boots], bare),
-        row("etcd bare restart (baseline)", bare_restart, bare_restart),
-        row("run to home", [r[0] for r in restarts], bare_restart),
-        row("run to curator leading", [r[1] for r in restarts], bare_restart),
-    ]
-    print(f"{'measure':<40} {'median':>10} {'ratio':>8}")
+        rows = await startup_rows(base, runs)
+        rows += await membership_rows(base, runs)
+    print(f"{'measure':<42} {'median':>10} {'ratio':>8}")
     for name, seconds, ratio in rows:
-        print(f"{name:<40} {seconds * 1000:>7.0f} ms {ratio:>8.2f}")
+        print(f"{name:<42} {seconds * 1000:>7.0f} ms {ratio:>8.2f}")
+        if not name.endswith("(baseline)") and not name.startswith(" "):
+            report("controlplane", name, ratio, "<= 1.5")
 
 
 if __name__ == "__main__":

@@ -239,6 +239,8 @@ class Status:
     member_id: int = 0
     _client: Client | None = field(default=None, repr=False, compare=False)
     _config: Config | None = field(default=None, repr=False, compare=False)
+    #: Wakes this node's promoter when ``add_node`` added a learner.
+    _nudge: _Nudge | None = field(default=None, repr=False, compare=False)
 
     def _running(self) -> tuple[Client, Config]:
         if not self.running or self._client is None or self._config is None:
@@ -303,6 +305,8 @@ class Status:
             logging.getLogger("metropolis.consensus").info(
                 "added %s (%s) as learner %x", node, peer_url, member.id
             )
+            if self._nudge is not None:
+                self._nudge.set()
             members = await client.member_list()
         existing = tuple(
             # A learner that has not started yet has no name; etcd matches
@@ -498,8 +502,9 @@ class Service:
             # The children borrow the client: the scope ends them before the
             # client is closed. It is left when run_etcd raises EtcdExited
             # (which cancels this block) or when we are cancelled.
+            nudge = _Nudge()
             async with node.scope() as sub:
-                sub.run("promoter", lambda n: _promoter(n, client, config.promote_interval))
+                sub.run("promoter", lambda n: _promoter(n, client, config, nudge))
                 sub.run("crl", lambda n: _sync_crl(n, client, config.data.peer_crl))
                 self._status.set(
                     Status(
@@ -509,6 +514,7 @@ class Service:
                         member_id=member_id,
                         _client=client,
                         _config=config,
+                        _nudge=nudge,
                     )
                 )
                 node.logger.info("etcd member %x running", member_id)
@@ -658,30 +664,80 @@ async def _wait_voter(client: Client, logger: logging.Logger) -> None:
                 return
 
 
-async def _promoter(node: Node, client: Client, interval: float) -> None:
+class _Nudge:
+    """Wakes the promoter: a learner may be on its way (set from any task)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = trio.Event()
+
+
+async def _promoter(node: Node, client: Client, config: Config, nudge: _Nudge) -> None:
     """On the raft leader, promote every started learner; etcd refuses those not caught up.
 
     Only the leader acts, so members do not all hammer etcd with the same
     promotions; if leadership moves in between, a promotion is merely
     refused or repeated, both harmless.
+
+    When it looks: at once when a learner may be coming (``add_node`` on
+    this node nudges it; on any node, ``add_node`` issues the peer
+    certificate first, which a watch sees); while a learner waits (not
+    started, or not caught up), again after a heartbeat, backing off x1.5
+    up to ``promote_interval``; otherwise every ``promote_interval``.
     """
-    node.signal_healthy()
-    while True:
-        await trio.sleep(interval)
-        status = await client.status()
-        if status.leader != status.member_id:
-            continue
-        for member in await client.member_list():
-            if not member.is_learner or not member.name:
-                continue  # a voter, or a learner that has not started
-            try:
-                await client.member_promote(member.id)
-            except EtcdAPIError as e:
-                if not e.transient:
-                    raise
-                node.logger.info("learner %s not promotable yet: %s", member.name, e.message)
+    first_retry = max(config.tuning.heartbeat_ms / 1000, 0.01)
+    kv = client.namespaced(peerpki.NAMESPACE)
+
+    async def watch_issued() -> None:
+        async with kv.watch(peerpki.KEY_CERTIFICATES, prefix=True) as watch:
+            async for _ in watch:
+                nudge.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_issued)
+        node.signal_healthy()
+        delay = config.promote_interval
+        while True:
+            nudged = False
+            with trio.move_on_after(delay):
+                await nudge.wait()
+                nudged = True
+            if not await _promote_learners(node, client):
+                delay = config.promote_interval
+            elif nudged or delay >= config.promote_interval:
+                delay = first_retry
             else:
-                node.logger.info("promoted %s (%x) to voter", member.name, member.id)
+                delay = min(delay * 1.5, config.promote_interval)
+
+
+async def _promote_learners(node: Node, client: Client) -> bool:
+    """Promote the started learners if this member leads raft; whether any learner is left."""
+    status = await client.status()
+    if status.leader != status.member_id:
+        return False
+    waiting = False
+    for member in await client.member_list():
+        if not member.is_learner:
+            continue
+        if not member.name:
+            waiting = True  # added, not started yet
+            continue
+        try:
+            await client.member_promote(member.id)
+        except EtcdAPIError as e:
+            if not e.transient:
+                raise
+            waiting = True
+            node.logger.debug("learner %s not promotable yet: %s", member.name, e.message)
+        else:
+            node.logger.info("promoted %s (%x) to voter", member.name, member.id)
+    return waiting
 
 
 async def _sync_crl(node: Node, client: Client, path: Path) -> None:

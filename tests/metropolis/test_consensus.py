@@ -46,6 +46,7 @@ class Machine:
     root: Root
     key: Ed25519PrivateKey
     port: int
+    promote_interval: float = 0.2
 
     @classmethod
     def make(cls, path: Path) -> Machine:
@@ -69,7 +70,7 @@ class Machine:
             peer_address=f"127.0.0.1:{self.port}",
             join_cluster=join,
             tuning=LOOPBACK_TUNING,
-            promote_interval=0.2,
+            promote_interval=self.promote_interval,
         )
 
 
@@ -298,6 +299,23 @@ async def start(
 
     started: Started = await nursery.start(run)
     return started
+
+
+async def test_a_learner_is_promoted_without_waiting_for_the_poll(tmp_path: Path) -> None:
+    """The promoter looks when a learner is added (nudged; the peer certificate
+    is watched), and retries at heartbeat pace while it catches up: never the
+    hour-long poll interval set here."""
+    n1, n2 = Machine.make(tmp_path / "n1"), Machine.make(tmp_path / "n2")
+    n1.promote_interval = 3600
+    async with trio.open_nursery() as nursery:
+        first = await start(nursery, n1)
+        join = await first.status.add_node(n2.public_key, peer_url=n2.peer_url)
+        # running() waits for n2's status to say running: a voter, promoted.
+        second = await start(nursery, n2, join)
+        async with Client(first.service.config.client_socket) as c1:
+            assert not any(m.is_learner for m in await c1.member_list())
+        await second.stop()
+        await first.stop()
 
 
 async def test_three_nodes_join_replicate_and_survive_a_loss(tmp_path: Path) -> None:
