@@ -88,9 +88,6 @@ CURATOR_NAMESPACE = b"namespaced/curator/"
 
 _T = TypeVar("_T")
 
-#: How often a learner looks whether it was promoted (a status call on its own socket).
-_VOTER_POLL = 0.1
-
 #: The new peer CA's key, on disk only from bootstrap until etcd stores it.
 _PENDING_CA_KEY = "bootstrap_ca_key.pem"
 
@@ -463,7 +460,7 @@ class Service:
         join = config.join_cluster
         if join is not None:
             node.logger.info("joining existing cluster via %d members", len(join.existing_nodes))
-            await self._write_join_pki(join)
+            unsynced = await self._write_join_pki(join)
             initial = own | {n.name: n.url for n in join.existing_nodes}
             process = config._process(peer_tls=True, initial=initial, state="existing")
         else:
@@ -485,19 +482,22 @@ class Service:
             else:
                 self._check_peer_pki()
             process = config._process(peer_tls=True, initial=own, state="new")
+            pending = data.path / _PENDING_CA_KEY
+            unsynced = [pending, data.peer_crl, *data.peer_pki.files()] if pending.exists() else []
 
         async with Client(process.socket_path) as client, trio.open_nursery() as nursery:
-            pending = data.path / _PENDING_CA_KEY
+            # Files written without fsync are made durable while etcd starts;
+            # nothing counts on them surviving a power cut before that is done
+            # (the bootstrap PKI is not stored in etcd, status is not running).
             synced = trio.Event()
-            if pending.exists():
-                nursery.start_soon(self._sync_bootstrap_pki, synced)
+            nursery.start_soon(_make_durable, unsynced, synced)
             first: EndpointStatus = await nursery.start(run_etcd, process, etcd_logger)
-            if pending.exists():
-                await synced.wait()
+            await synced.wait()
+            if (data.path / _PENDING_CA_KEY).exists():
                 await self._store_bootstrap_pki(node, client)
             member_id = first.member_id
             if first.is_learner:
-                await _wait_voter(client, node.logger)
+                await _wait_voter(client, config.tuning, node.logger)
 
             # The children borrow the client: the scope ends them before the
             # client is closed. It is left when run_etcd raises EtcdExited
@@ -543,8 +543,13 @@ class Service:
                 f"not this node ({self.config.node_id})"
             )
 
-    async def _write_join_pki(self, join: JoinCluster) -> None:
-        """Check the join data against our key, then write it (owner-only)."""
+    async def _write_join_pki(self, join: JoinCluster) -> list[Path]:
+        """Check the join data against our key, then write it (owner-only).
+
+        Written without fsync: returns the files written, for the caller to
+        make durable while etcd starts. Should they be lost in a power cut,
+        the join data (kept in the node's roles) writes them again.
+        """
         join.check(self.config.node_private_key)
         directory = self.config.data.peer_pki
         files = {
@@ -554,6 +559,7 @@ class Service:
         }
         # Join data is replayed on every restart: the files are usually there
         # already, and rewriting them costs three fsyncs on the start path.
+        written: list[Path] = []
         if not all(_has_content(path, data) for path, data in files.items()):
             await trio.to_thread.run_sync(
                 functools.partial(
@@ -561,13 +567,17 @@ class Service:
                     ca_certificate=files[directory.ca_certificate],
                     certificate=files[directory.certificate],
                     key=files[directory.key],
+                    durable=False,
                 )
             )
-        if self._have_newer_crl(join):
-            return
-        await trio.to_thread.run_sync(
-            atomic_write, self.config.data.peer_crl, pki.encode_crl(join.initial_crl)
-        )
+            written += files
+        if not self._have_newer_crl(join):
+            crl = pki.encode_crl(join.initial_crl)
+            await trio.to_thread.run_sync(
+                functools.partial(atomic_write, self.config.data.peer_crl, crl, durable=False)
+            )
+            written.append(self.config.data.peer_crl)
+        return written
 
     def _have_newer_crl(self, join: JoinCluster) -> bool:
         """Whether the CRL on disk is at least as new as the join data's.
@@ -600,7 +610,7 @@ class Service:
 
         # The CA key first: its presence marks a bootstrap in progress. Then
         # the CRL, and the credentials last, so all_present() implies a CRL.
-        # Not fsynced here: _sync_bootstrap_pki does that while etcd starts,
+        # Not fsynced here: _run does that while etcd starts,
         # and nothing is stored in etcd before it is done (a power cut before
         # then leaves no PKI in etcd, so a fresh one is made and stored).
         atomic_write(
@@ -613,13 +623,6 @@ class Service:
             key=pki.encode_private_key(config.node_private_key),
             durable=False,
         )
-
-    async def _sync_bootstrap_pki(self, done: trio.Event) -> None:
-        """fsync the bootstrap PKI files (overlapping etcd's start), then set ``done``."""
-        data = self.config.data
-        paths = [data.path / _PENDING_CA_KEY, data.peer_crl, *data.peer_pki.files()]
-        await trio.to_thread.run_sync(make_durable, paths)
-        done.set()
 
     async def _store_bootstrap_pki(self, node: Node, client: Client) -> None:
         """Put the PKI made before etcd started into etcd, then drop the CA key file."""
@@ -639,6 +642,13 @@ class Service:
         node.logger.info("bootstrap peer PKI stored in etcd")
 
 
+async def _make_durable(paths: list[Path], done: trio.Event) -> None:
+    """fsync ``paths`` (in a worker thread, overlapping etcd's start), then set ``done``."""
+    if paths:
+        await trio.to_thread.run_sync(make_durable, paths)
+    done.set()
+
+
 def _has_content(path: Path, data: bytes) -> bool:
     try:
         return path.read_bytes() == data
@@ -646,15 +656,17 @@ def _has_content(path: Path, data: bytes) -> bool:
         return False
 
 
-async def _wait_voter(client: Client, logger: logging.Logger) -> None:
+async def _wait_voter(client: Client, tuning: Tuning, logger: logging.Logger) -> None:
     """Wait until this member is a voter (learners are promoted by the leader).
 
     etcd 3.4's status says whether the member behind the socket is a
-    learner: one small call per look, no member list.
+    learner: one small call on our own socket per look, every heartbeat
+    (the leader cannot promote sooner than it hears from us).
     """
     logger.info("still a learner, waiting for promotion")
+    interval = max(tuning.heartbeat_ms / 1000, 0.01)
     while True:
-        await trio.sleep(_VOTER_POLL)
+        await trio.sleep(interval)
         try:
             status = await client.status()
         except (EtcdAPIError, EtcdUnavailable) as e:
@@ -688,10 +700,12 @@ async def _promoter(node: Node, client: Client, config: Config, nudge: _Nudge) -
     When it looks: at once when a learner may be coming (``add_node`` on
     this node nudges it; on any node, ``add_node`` issues the peer
     certificate first, which a watch sees); while a learner waits (not
-    started, or not caught up), again after a heartbeat, backing off x1.5
-    up to ``promote_interval``; otherwise every ``promote_interval``.
+    started, or not caught up), every heartbeat for ten election timeouts
+    (a learner's etcd starts and catches up within a few), then backing off
+    x1.5 up to ``promote_interval``; otherwise every ``promote_interval``.
     """
     first_retry = max(config.tuning.heartbeat_ms / 1000, 0.01)
+    fast_window = 10 * config.tuning.election_ms / 1000
     kv = client.namespaced(peerpki.NAMESPACE)
 
     async def watch_issued() -> None:
@@ -703,14 +717,20 @@ async def _promoter(node: Node, client: Client, config: Config, nudge: _Nudge) -
         nursery.start_soon(watch_issued)
         node.signal_healthy()
         delay = config.promote_interval
+        waiting = False
+        fast_until = 0.0
         while True:
             nudged = False
             with trio.move_on_after(delay):
                 await nudge.wait()
                 nudged = True
-            if not await _promote_learners(node, client):
+            was_waiting, waiting = waiting, await _promote_learners(node, client)
+            now = trio.current_time()
+            if nudged or (waiting and not was_waiting):
+                fast_until = now + fast_window
+            if not waiting:
                 delay = config.promote_interval
-            elif nudged or delay >= config.promote_interval:
+            elif now < fast_until:
                 delay = first_retry
             else:
                 delay = min(delay * 1.5, config.promote_interval)

@@ -107,20 +107,34 @@ class Curator:
                         node.restart("the etcd client closed")
 
                 nursery.start_soon(follow_consensus)
-                await nursery.start(elect)
+                serve = self._credentials is not None and self._listen is not None
+                loaded: list[CuratorAPI] = []
+
+                async def load_api() -> None:
+                    loaded.append(
+                        await CuratorAPI.load(
+                            status,
+                            peer_port=self._peer_port,
+                            learner_timeout=self._learner_timeout,
+                            heartbeat_timeout=self._heartbeat_timeout,
+                        )
+                    )
+
+                # The API's state is read while the lease is granted: one
+                # round trip less before the curator serves.
+                async with trio.open_nursery() as startup:
+                    if serve:
+                        startup.start_soon(load_api)
+                    await nursery.start(elect)
                 if os.environ.get(PROBE_ENV) == "1":  # test hook: leader-guarded writes
                     nursery.start_soon(
                         functools.partial(
                             run_probe, kv, self.election, self.node_id, logger=node.logger
                         )
                     )
-                if self._credentials is not None and self._listen is not None:
-                    api = await CuratorAPI.load(
-                        status,
-                        peer_port=self._peer_port,
-                        learner_timeout=self._learner_timeout,
-                        heartbeat_timeout=self._heartbeat_timeout,
-                    )
+                if serve:
+                    assert self._credentials is not None and self._listen is not None
+                    [api] = loaded
                     server = Server(server_context(self._credentials), api.security())
                     api.register(server)
                     host, port = self._listen
