@@ -63,10 +63,14 @@ def _load_chain(context: ssl.SSLContext, certificate: x509.Certificate, key: Pri
 
 
 def _base(purpose: ssl.Purpose, ca_certificate: x509.Certificate) -> ssl.SSLContext:
-    context = ssl.create_default_context(purpose)
+    # The cluster CA and nothing else. Without cadata here, a client context
+    # would also load (and trust) the system's public CAs: ~150 of them,
+    # 0.05-0.3 s of every role fetch, status push and owner call's start.
+    context = ssl.create_default_context(
+        purpose, cadata=pki.encode_certificate(ca_certificate, pki.Encoding.DER)
+    )
     context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.set_alpn_protocols(["h2"])
-    context.load_verify_locations(cadata=pki.encode_certificate(ca_certificate, pki.Encoding.DER))
     return context
 
 

@@ -190,6 +190,14 @@ def _node_context(
     return client_context(cluster.ca, creds.certificate, creds.private_key)
 
 
+def test_contexts_trust_the_cluster_ca_only(cluster: Cluster) -> None:
+    """Neither side trusts the system's public CAs (loading them cost 0.2 s a client)."""
+    der = pki.encode_certificate(cluster.ca, pki.Encoding.DER)
+    for context in (_node_context(cluster), server_context(cluster.server)):
+        assert context.get_ca_certs(binary_form=True) == [der]
+        assert context.cert_store_stats()["x509_ca"] == 1
+
+
 # --- identities that reach the handler -----------------------------------------
 
 
