@@ -66,9 +66,10 @@ class BootstrapResult:
     record: Node
 
 
-def cluster_ca(ca_key: Ed25519PrivateKey) -> x509.Certificate:
-    """The self-signed cluster CA certificate for ``ca_key``."""
-    return pki.new_ca(ca_key, CLUSTER_CA_NAME)
+def cluster_ca() -> tuple[Ed25519PrivateKey, x509.Certificate]:
+    """A new cluster CA: its key and self-signed certificate."""
+    key = pki.generate_key()
+    return key, pki.new_ca(key, CLUSTER_CA_NAME)
 
 
 def node_certificate(
@@ -97,14 +98,14 @@ async def bootstrap_cluster(
     cluster_unlock_key: bytes,
     owner_public_key: bytes,
     join: JoinCluster | None = None,
-    ca_key: Ed25519PrivateKey | None = None,
+    ca: tuple[Ed25519PrivateKey, x509.Certificate] | None = None,
 ) -> BootstrapResult:
     """Create the cluster's curator state for its first node; idempotent.
 
     ``consensus`` must be running (on this node). ``join`` is this node's
     own join data, if the caller already asked ``consensus.add_node`` for
-    it; ``ca_key`` the cluster CA key to use if none exists yet (the CA
-    certificate is made from it here). Both let the caller start on what
+    it; ``ca`` the cluster CA (key, certificate: :func:`cluster_ca`) to use
+    if none exists yet. Both let the caller start on what
     depends on them (writing them to disk) while this runs; when etcd
     already holds a cluster (a retry), what is stored wins and is returned.
 
@@ -119,10 +120,8 @@ async def bootstrap_cluster(
         join = await consensus.add_node(node_public_key)
     kv = consensus.curator_client()
 
-    if ca_key is None:
-        ca_key = pki.generate_key()
-    ca = cluster_ca(ca_key)
-    certificate = node_certificate(ca_key, ca, node_public_key)
+    ca_key, ca_certificate = ca if ca is not None else cluster_ca()
+    certificate = node_certificate(ca_key, ca_certificate, node_public_key)
     record = Node(
         public_key=node_public_key,
         cluster_unlock_key=cluster_unlock_key,
@@ -139,7 +138,7 @@ async def bootstrap_cluster(
             Compare.absent(CA_CERTIFICATE_KEY),
         ],
         [
-            Put(CA_CERTIFICATE_KEY, pki.encode_certificate(ca, der)),
+            Put(CA_CERTIFICATE_KEY, pki.encode_certificate(ca_certificate, der)),
             Put(CA_KEY_KEY, pki.encode_private_key(ca_key, der)),
             Put(issued_certificate_key(node), pki.encode_certificate(certificate, der)),
             Put(node_key(node), bytes(record)),
@@ -154,7 +153,7 @@ async def bootstrap_cluster(
         ],
     )
     if result.succeeded:
-        return BootstrapResult(ca, ca_key, certificate, record)
+        return BootstrapResult(ca_certificate, ca_key, certificate, record)
 
     # Already bootstrapped: by us (a retry), or something else is here.
     stored_node, stored_ca, stored_cert, stored_key = result.responses

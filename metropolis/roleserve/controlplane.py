@@ -258,12 +258,11 @@ class ControlPlaneWorker:
         """
         data = startup.data
         directory = _with_node(ClusterDirectory(), data.node_public_key, self._settings.address)
-        ca_key = pki.generate_key()
+        ca_key, ca = cluster_ca()
         node.logger.info("bootstrapping: waiting for consensus")
         status = await service.wait_running()
         node.logger.info("bootstrapping: creating the cluster")
         join = await status.add_node(data.node_public_key)
-        ca = cluster_ca(ca_key)
         planned_roles = bootstrap_roles(join)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._save_cluster_files, data, ca, ca_key, planned_roles, directory)
@@ -274,7 +273,7 @@ class ControlPlaneWorker:
                 cluster_unlock_key=data.cluster_unlock_key,
                 owner_public_key=data.initial_owner_key,
                 join=join,
-                ca_key=ca_key,
+                ca=(ca_key, ca),
             )
         node.logger.info("bootstrapping: cluster created in etcd; saving credentials")
         roles = result.record.roles or NodeRoles()

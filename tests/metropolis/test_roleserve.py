@@ -119,6 +119,9 @@ async def test_bootstrap_from_nothing(tmp_path: Path, caplog: pytest.LogCaptureF
     # Consensus started etcd once, and the bootstrap ran once.
     starts = [r for r in caplog.records if r.getMessage().startswith("starting etcd:")]
     assert len(starts) == 1
+    # The files written while etcd created the cluster were the right ones:
+    # no second round to write etcd's version of them.
+    assert not any("earlier attempt" in r.getMessage() for r in caplog.records)
     assert etcd_pid(root.ephemeral.consensus) is None
 
 
