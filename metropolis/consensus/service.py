@@ -795,5 +795,10 @@ async def _apply_crl(raw: bytes, ca: peerpki.PeerCA, path: Path, logger: logging
     except pki.PKIError as e:
         logger.error("ignoring bad CRL from etcd, keeping the last one: %s", e)
         return
-    await trio.to_thread.run_sync(atomic_write, path, pki.encode_crl(crl))
+    encoded = pki.encode_crl(crl)
+    if _has_content(path, encoded):
+        # Every start reads the CRL back from etcd, and it is usually the
+        # one on disk: an fsync saved on the start path.
+        return
+    await trio.to_thread.run_sync(atomic_write, path, encoded)
     logger.info("CRL written (%d revoked)", len(list(crl)))

@@ -579,3 +579,18 @@ def test_join_data_round_trips_through_the_node_role() -> None:
     role.initial_crl = b"garbage"
     with pytest.raises(ConsensusError, match="initial CRL"):
         JoinCluster.from_proto(role)
+
+
+async def test_a_restart_leaves_an_unchanged_crl_file_alone(tmp_path: Path) -> None:
+    """The CRL watcher reads etcd's CRL at every start; when the file already
+    holds it, it is not rewritten (an fsync less on the start path)."""
+    machine = Machine.make(tmp_path / "n1")
+    crl = machine.root.data.etcd.peer_crl
+    async with running(machine) as (_, supervisor, _):
+        with trio.fail_after(BOUND):
+            await supervisor.wait_healthy("consensus.crl")
+    inode = crl.stat().st_ino  # atomic_write replaces the file: a new inode
+    async with running(machine) as (_, supervisor, _):
+        with trio.fail_after(BOUND):
+            await supervisor.wait_healthy("consensus.crl")
+    assert crl.stat().st_ino == inode
