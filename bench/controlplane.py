@@ -245,13 +245,21 @@ async def grant(pair: Pair) -> float:
 async def revoke(pair: Pair, seed: Root) -> tuple[float, float]:
     """Seconds from revoking ConsensusMember until n2 is no etcd member; until it stopped."""
     name = node_id(pair.n2_key)
+    gone = 0.0
     async with Client(seed.ephemeral.consensus / SOCKET_NAME) as etcd:
+
+        async def until_gone() -> None:
+            nonlocal gone
+            # etcd has no membership watch: look until the member is gone
+            # (beside the call: the curator removes it before it answers).
+            while any(m.name == name for m in await etcd.member_list()):  # noqa: ASYNC110
+                await trio.sleep(_MEMBER_POLL)
+            gone = trio.current_time() - start
+
         start = trio.current_time()
-        await _set_consensus(pair, False)
-        # etcd has no membership watch: look until the member is gone.
-        while any(member.name == name for member in await etcd.member_list()):  # noqa: ASYNC110
-            await trio.sleep(_MEMBER_POLL)
-        gone = trio.current_time() - start
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(until_gone)
+            await _set_consensus(pair, False)
     with pair.n2.membership.watch() as w:
         await w.get(lambda m: m.home and m.local_consensus is None)
     stopped = trio.current_time() - start
