@@ -181,7 +181,8 @@ class Config:
     #: Set to join an existing cluster; None to bootstrap (or restart from disk).
     join_cluster: JoinCluster | None = None
     tuning: Tuning = field(default_factory=Tuning)
-    #: How often the promoter looks for learners to promote.
+    #: The longest the promoter goes without looking for learners to promote
+    #: (it looks at once when one is added, and often while one waits).
     promote_interval: float = 5.0
     #: How long ``add_node`` keeps retrying while etcd refuses membership changes.
     membership_timeout: float = 60.0
