@@ -69,7 +69,7 @@ from metropolis.roleserve import disk
 from metropolis.roleserve.localnode import loopback_settings, prepare_loopback_bootstrap
 from metropolis.roleserve.node import RoleServer
 from metropolis.roleserve.register import register
-from metropolis.roleserve.values import ClusterMembership
+from metropolis.roleserve.values import ClusterMembership, RegisterIntent
 from metropolis.rpc import api as methods
 from metropolis.supervisor import open_supervisor
 from monotrio.net import free_loopback_port
@@ -207,9 +207,10 @@ async def two_nodes(base: Path) -> AsyncIterator[Pair]:
     async with open_supervisor(n1.run, name="n1") as sup1:
         await sup1.wait_healthy("n1.statuspush")  # its curator serves, leads
         async with open_owner(r1, owner_key) as owner:
-            ticket, info = await owner.ticket(), await owner.info()
+            intent = RegisterIntent.generate(await owner.ticket(), await owner.info())
+            disk.save_register_intent(r2, s2, intent)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(lambda: register(r2, s2, info, ticket, poll=0.05))
+                nursery.start_soon(lambda: register(r2, s2, intent, poll=0.05))
                 # Another process's state (over RPC): polling is all there is.
                 while not (new := [r for r in await owner.nodes() if r.state == "NEW"]):  # noqa: ASYNC110
                     await trio.sleep(0.05)
