@@ -120,10 +120,12 @@ def endpoints_from_directory(
 
     The directory lists nodes that run curators; binding each address to
     the node's public key means a curator is believed only if it holds
-    that node's key.
+    that node's key. Entries without a key (learnt from the curators, see
+    :mod:`metropolis.roleserve.directory`) are reached by address: any
+    curator with a certificate of the cluster CA.
     """
     return [
-        Endpoint(address.host, port, node.public_key)
+        Endpoint(address.host, port, node.public_key or None)
         for node in directory.nodes
         for address in node.addresses
     ]

@@ -878,6 +878,15 @@ def test_endpoints_come_from_the_cluster_directory() -> None:
     assert endpoints_from_directory(directory, 1234)[0].port == 1234
 
 
+def test_directory_entries_without_a_key_are_reached_by_address() -> None:
+    """A learnt entry (no key) must not be held to the empty key: that refused
+    every curator it names ("curator's key is not the one the directory lists")."""
+    directory = ClusterDirectory(
+        nodes=[ClusterDirectoryNode(addresses=[ClusterDirectoryNodeAddress("10.0.0.3")])]
+    )
+    assert endpoints_from_directory(directory) == [Endpoint("10.0.0.3", CURATOR_PORT, None)]
+
+
 def test_owner_by_name_only_where_the_owner_key_is_unknown() -> None:
     """A node's debug service knows no owner key: the CA's "owner" certificate is the owner.
 
