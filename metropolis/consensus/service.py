@@ -27,7 +27,10 @@ in a supervisor scope that ends before the etcd client they use is closed::
                             └── crl:      etcd's CRL key ──watch──> data/etcd/peer_crl.pem
 
 and ``status`` (a read-only view) says running. If etcd dies, the runnable
-fails and the supervisor restarts it, on the same data. When the runnable
+fails and the supervisor restarts it, on the same data; but when etcd exits
+by itself with status 0 (it does so once its member was removed from the
+cluster) the runnable logs one WARNING and waits, status not running, to be
+stopped or restarted by its owner when the node's roles change. When the runnable
 ends for any reason, ``status`` goes back to not running and the children
 are stopped, then the client is closed, and the etcd process is stopped
 before ``run`` returns.
@@ -61,7 +64,14 @@ from metropolis.consensus.client import (
     EtcdUnavailable,
     Member,
 )
-from metropolis.consensus.process import SOCKET_NAME, PeerTLS, ProcessConfig, Tuning, run_etcd
+from metropolis.consensus.process import (
+    SOCKET_NAME,
+    EtcdExited,
+    PeerTLS,
+    ProcessConfig,
+    Tuning,
+    run_etcd,
+)
 from metropolis.errors import ConsensusError
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.localstorage import EtcdDataDirectory, atomic_write, make_durable
@@ -492,7 +502,10 @@ class Service:
             # (the bootstrap PKI is not stored in etcd, status is not running).
             synced = trio.Event()
             nursery.start_soon(_make_durable, unsynced, synced)
-            first: EndpointStatus = await nursery.start(run_etcd, process, etcd_logger)
+            removed = _Removed()
+            first: EndpointStatus = await nursery.start(
+                removed.run_etcd, process, etcd_logger, nursery.cancel_scope
+            )
             await synced.wait()
             if (data.path / _PENDING_CA_KEY).exists():
                 await self._store_bootstrap_pki(node, client)
@@ -525,6 +538,17 @@ class Service:
                 finally:
                     # Withdrawn before the client closes, not after.
                     self._status.set(self._stopped())
+        if removed.exited:
+            # Only reached when etcd left by itself with status 0 (otherwise
+            # EtcdExited or Cancelled went through the nursery). Restarting
+            # it on this data would only see it exit again: the roles that
+            # say so arrive through the role fetch, and the launcher then
+            # stops this service (or starts it with new join data).
+            node.logger.warning(
+                "etcd exited by itself with status 0: this member was removed from the"
+                " cluster; waiting for the role change instead of restarting it"
+            )
+            await trio.sleep_forever()
 
     def _check_peer_pki(self) -> None:
         """Refuse peer credentials on disk that are damaged or not this node's.
@@ -641,6 +665,43 @@ class Service:
         await peerpki.store_bootstrap(client.namespaced(peerpki.NAMESPACE), ca, crl, certificate)
         pending.unlink()
         node.logger.info("bootstrap peer PKI stored in etcd")
+
+
+class _Removed:
+    """Runs etcd and notes whether it left on its own with status 0.
+
+    etcd 3.4 stops by itself, with status 0, once it learns that its member
+    was removed from the cluster (``member remove``, here the revocation of
+    the node's ConsensusMember role). Every stop we ask for cancels
+    :func:`run_etcd` instead (SIGTERM, and no :class:`EtcdExited`), so an
+    ``EtcdExited(0)`` is etcd's own decision. A crash (non-zero status, a
+    signal) is still raised, for the supervisor to restart etcd.
+    """
+
+    def __init__(self) -> None:
+        self.exited = False
+
+    async def run_etcd(
+        self,
+        process: ProcessConfig,
+        logger: logging.Logger,
+        scope: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[EndpointStatus] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """:func:`run_etcd`; on its own exit with status 0, cancel ``scope`` and wait.
+
+        Waiting (not returning) keeps ``nursery.start`` from failing when
+        etcd leaves before it was ready: the cancellation ends both.
+        """
+        try:
+            await run_etcd(process, logger, task_status=task_status)
+        except EtcdExited as e:
+            if e.returncode != 0:
+                raise
+        self.exited = True
+        scope.cancel()
+        await trio.sleep_forever()
 
 
 async def _make_durable(paths: list[Path], done: trio.Event) -> None:

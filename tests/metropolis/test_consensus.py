@@ -223,6 +223,36 @@ async def test_sigkilled_etcd_is_restarted_on_same_data(tmp_path: Path) -> None:
         assert restarted.member_id == status.member_id
 
 
+async def test_a_removed_member_whose_etcd_exits_is_not_restarted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd leaves by itself (status 0) once its member is removed: the service
+    says so in one WARNING and waits for its owner, logging no ERROR and not
+    starting etcd again on the stale data."""
+    caplog.set_level(logging.INFO)
+    n1, n2 = Machine.make(tmp_path / "n1"), Machine.make(tmp_path / "n2")
+    async with trio.open_nursery() as nursery:
+        first = await start(nursery, n1)
+        join = await first.status.add_node(n2.public_key, peer_url=n2.peer_url)
+        async with running(n2, join) as (service, supervisor, _):
+            assert etcd_pid(n2.root.ephemeral.consensus) is not None
+            await first.status.remove_node(n2.public_key)
+            with trio.fail_after(BOUND):
+                await eventually(
+                    lambda: any("was removed" in r.getMessage() for r in caplog.records)
+                )
+            assert etcd_pid(n2.root.ephemeral.consensus) is None
+            with service.status.watch() as watcher:
+                assert not (await watcher.get()).running
+            assert supervisor.restarts("consensus") == 0
+            # One start on each node: n2's etcd was not started again.
+            starts = [r for r in caplog.records if r.getMessage().startswith("starting etcd:")]
+            assert len(starts) == 2
+        await first.stop()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
 async def test_children_end_before_the_etcd_client_closes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
