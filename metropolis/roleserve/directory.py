@@ -21,14 +21,16 @@ certificate of this cluster.
 Role fetch and status push do not restart on a new directory (see
 :func:`.rolefetch.restart_on_change`): they read it when they (re)connect.
 
-Cancellation: cancelled with the role server. Errors: :class:`RPCError`
-from the curators (the stream breaks when the curator in use stops), raised
-to the supervisor, which starts it again after its backoff.
+Cancellation: cancelled with the role server. Errors: the stream breaks
+when the curator in use stops: one WARNING, and the watch is opened again
+on any curator of the newest directory (:mod:`.curatorloss`). Other
+:class:`RPCError` from the curators is raised to the supervisor.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
 
 import trio
@@ -42,11 +44,12 @@ from metropolis.proto.common import (
     ClusterDirectoryNode,
     ClusterDirectoryNodeAddress,
 )
+from metropolis.roleserve.curatorloss import follow_curators
 from metropolis.roleserve.disk import NodeSettings
-from metropolis.roleserve.rolefetch import curator_endpoints, restart_on_change, wait_home
+from metropolis.roleserve.rolefetch import latest_endpoints, restart_on_change, wait_home
 from metropolis.roleserve.startup import ControlPlaneStartup
 from metropolis.roleserve.values import ClusterMembership
-from metropolis.rpc import RPCError, Status, client_context, open_client
+from metropolis.rpc import Client, client_context
 from metropolis.rpc import api as methods
 from metropolis.supervisor import Node
 
@@ -96,13 +99,10 @@ class DirectoryUpdate:
             credentials.ca_certificate, credentials.certificate, credentials.private_key
         )
         request = c.WatchRequest(nodes_in_cluster=c.WatchRequestNodesInCluster())
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(restart_on_change, node, self._membership.readonly(), current)
-            async with (
-                open_client(curator_endpoints(self._settings, current), context) as client,
-                client.stream(methods.WATCH, request) as call,
-            ):
-                node.signal_healthy()
+
+        async def session(client: Client, connected: Callable[[], None]) -> None:
+            async with client.stream(methods.WATCH, request) as call:
+                connected()
                 curators: dict[str, str] = {}
                 backlogged = False
                 async for event in call:
@@ -117,7 +117,17 @@ class DirectoryUpdate:
                     backlogged |= event.progress == c.WatchEventProgress.LAST_BACKLOGGED
                     if backlogged and curators:
                         await self._publish(node, curators)
-            raise RPCError(Status.UNAVAILABLE, "the curator ended the watch")
+
+        membership = self._membership.readonly()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart_on_change, node, membership, current)
+            await follow_curators(
+                node,
+                "directory update",
+                latest_endpoints(self._settings, membership),
+                context,
+                session,
+            )
 
     async def _publish(self, node: Node, curators: dict[str, str]) -> None:
         with self._membership.watch() as watcher:

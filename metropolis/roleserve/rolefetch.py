@@ -15,12 +15,13 @@ or goes) restarts it at once with the new list.
 
 Cancellation: the runnable is cancelled with the role server; its stream
 is cancelled on the curator (RST_STREAM). Errors: :class:`RPCError` from
-the curators, raised to the supervisor.
+the curators other than UNAVAILABLE, raised to the supervisor.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import trio
@@ -29,14 +30,15 @@ from metropolis.event import Closed, ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
 from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeRoles
+from metropolis.roleserve.curatorloss import follow_curators
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.startup import ControlPlaneStartup, has_control_plane
 from metropolis.roleserve.values import ClusterMembership, role_names
-from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
+from metropolis.rpc import Client, Endpoint, client_context
 from metropolis.rpc import api as methods
 from metropolis.supervisor import Node
 
-__all__ = ["RoleFetch", "curator_endpoints"]
+__all__ = ["RoleFetch", "curator_endpoints", "latest_endpoints"]
 
 
 def curator_endpoints(settings: NodeSettings, membership: ClusterMembership) -> list[Endpoint]:
@@ -98,6 +100,18 @@ async def wait_home(
     return current, current.credentials
 
 
+def latest_endpoints(
+    settings: NodeSettings, membership: ReadOnlyValue[ClusterMembership]
+) -> Callable[[], Awaitable[list[Endpoint]]]:
+    """The curators to call, from the membership as it is when asked (the newest directory)."""
+
+    async def endpoints() -> list[Endpoint]:
+        with membership.watch() as watcher:
+            return curator_endpoints(settings, await watcher.get())
+
+    return endpoints
+
+
 async def restart_on_change(
     node: Node, membership: ReadOnlyValue[ClusterMembership], current: ClusterMembership
 ) -> None:
@@ -105,8 +119,8 @@ async def restart_on_change(
 
     Services are compared by identity: a restarted curator is a new one.
     A new directory alone does not count: a connected client has no use
-    for it, and one that loses its curator fails and, restarted, reads the
-    newest directory (:mod:`.directory` updates it).
+    for it, and one that loses its curator reconnects with the newest
+    directory (:func:`latest_endpoints`; :mod:`.directory` updates it).
     """
     with membership.watch() as watcher:
         await watcher.get(
@@ -138,20 +152,16 @@ class RoleFetch:
 
     async def run(self, node: Node) -> None:
         current, credentials = await wait_home(self._membership, self._startup)
-        endpoints = curator_endpoints(self._settings, current)
         context = client_context(
             credentials.ca_certificate, credentials.certificate, credentials.private_key
         )
         request = c.WatchRequest(
             node_in_cluster=c.WatchRequestNodeInCluster(node_id=credentials.node_id)
         )
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(restart_on_change, node, self._membership, current)
-            async with (
-                open_client(endpoints, context) as client,
-                client.stream(methods.WATCH, request) as call,
-            ):
-                node.signal_healthy()
+
+        async def session(client: Client, connected: Callable[[], None]) -> None:
+            async with client.stream(methods.WATCH, request) as call:
+                connected()
                 async for event in call:
                     for record in event.nodes:
                         roles = record.roles
@@ -162,4 +172,13 @@ class RoleFetch:
                         )
                         self._last = roles
                         self._roles.set(roles)
-            raise RPCError(Status.UNAVAILABLE, "the curator ended the watch")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart_on_change, node, self._membership, current)
+            await follow_curators(
+                node,
+                "role fetch",
+                latest_endpoints(self._settings, self._membership),
+                context,
+                session,
+            )

@@ -13,7 +13,9 @@ curator that only heard of a node once could not tell it died). A push
 that finds no leader (UNAVAILABLE: an election under way, the leader's
 node gone) is retried at the next interval, not raised: the supervisor's
 growing backoff would otherwise silence the heartbeat for a minute after a
-failover, and the node would look dead.
+failover, and the node would look dead. It is logged as role fetch and
+directory update log it (:class:`.curatorloss.CuratorOutage`): one WARNING
+per outage. The client itself moves on to the next curator of its list.
 
 Cancellation: cancelled with the role server. Errors: :class:`RPCError`
 from the curators other than UNAVAILABLE, raised to the supervisor, which
@@ -27,11 +29,12 @@ import trio
 from metropolis.event import ReadOnlyValue
 from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeStatus, NodeStatusRunningCurator
+from metropolis.roleserve.curatorloss import CuratorOutage
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.rolefetch import curator_endpoints, restart_on_change, wait_home
 from metropolis.roleserve.startup import ControlPlaneStartup
 from metropolis.roleserve.values import ClusterMembership
-from metropolis.rpc import RPCError, Status, client_context, open_client
+from metropolis.rpc import RPCError, client_context, open_client
 from metropolis.rpc import api as methods
 from metropolis.supervisor import Node
 
@@ -71,20 +74,16 @@ class StatusPush:
             nursery.start_soon(restart_on_change, node, self._membership, current)
             request = c.UpdateNodeStatusRequest(node_id=credentials.node_id, status=status)
             async with open_client(curator_endpoints(self._settings, current), context) as client:
-                pushed = failing = False
+                pushed = False
+                outage = CuratorOutage(node.logger, "status push")
                 while True:
+                    curator = client.endpoint.address
                     try:
                         await client.unary(methods.UPDATE_NODE_STATUS, request)
                     except RPCError as e:
-                        if e.code is not Status.UNAVAILABLE:
-                            raise
-                        if not failing:  # once per outage, not every interval
-                            node.logger.warning("status push failed, retrying: %s", e)
-                        failing = True
+                        outage.lost(e, curator)
                     else:
-                        if failing:
-                            node.logger.info("status push works again")
-                        failing = False
+                        outage.recovered(client.endpoint.address)
                         if not pushed:
                             node.logger.info(
                                 "status pushed: %s, curator %s",
