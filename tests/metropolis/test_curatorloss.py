@@ -1,7 +1,9 @@
-"""Losing the curator a role fetch streams from: a WARNING and a reconnect, no ERROR.
+"""Losing the curator a role fetch or directory update streams from: a WARNING
+and a reconnect, no ERROR.
 
 A real curator (real etcd under it) is stopped and started again on the
-same port while a :class:`RoleFetch` watches through it.
+same port while a :class:`RoleFetch` and a :class:`DirectoryUpdate` watch
+through it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from metropolis.curator.bootstrap import bootstrap_cluster
 from metropolis.curator.election import Leader
 from metropolis.curator.service import Curator
 from metropolis.event import ReadOnlyValue, Value
+from metropolis.localstorage import Root
 from metropolis.proto.common import (
     ClusterDirectory,
     ClusterDirectoryNode,
     ClusterDirectoryNodeAddress,
     NodeRoles,
 )
+from metropolis.roleserve.directory import DirectoryUpdate
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.rolefetch import RoleFetch
 from metropolis.roleserve.values import ClusterMembership
@@ -118,30 +122,37 @@ async def test_a_role_fetch_reconnects_when_its_curator_stops_and_returns(
             )
         )
         roles: Value[NodeRoles] = Value()
-        fetch = RoleFetch(
-            NodeSettings(address="127.0.0.1", curator_port=port),
-            membership.readonly(),
-            roles,
-        )
+        settings = NodeSettings(address="127.0.0.1", curator_port=port)
+        fetch = RoleFetch(settings, membership.readonly(), roles)
+        root = Root(tmp_path / "node")
+        root.create()
+        directory = DirectoryUpdate(root, settings, membership)
         async with trio.open_nursery() as nursery:
             first = await start_curator(nursery, service.status, credentials, port)
-            async with open_supervisor(fetch.run, name="rolefetch") as supervisor:
+            async with (
+                open_supervisor(fetch.run, name="rolefetch") as fetching,
+                open_supervisor(directory.run, name="directory") as updating,
+            ):
                 with trio.fail_after(BOUND), roles.watch() as watcher:
                     got = await watcher.get()
+                    await updating.wait_healthy("directory")
                 assert got.consensus_member is not None
 
-                # The curator goes: one WARNING, and the fetch keeps trying.
+                # The curator goes: one WARNING each, and they keep trying.
                 await first()
                 with trio.fail_after(BOUND):
-                    await eventually(lambda: bool(_messages(caplog, "lost curator")))
-                # It is back: the fetch streams from it again by itself.
+                    await eventually(lambda: len(_messages(caplog, "lost curator")) == 2)
+                # It is back: both stream from it again by themselves.
                 second = await start_curator(nursery, service.status, credentials, port)
                 with trio.fail_after(BOUND):
-                    await eventually(lambda: bool(_messages(caplog, "answers again")))
-                assert supervisor.restarts("rolefetch") == 0
+                    await eventually(lambda: len(_messages(caplog, "answers again")) == 2)
+                assert fetching.restarts("rolefetch") == 0
+                assert updating.restarts("directory") == 0
             await second()
     lost = _messages(caplog, "lost curator")
-    assert len(lost) == 1 and lost[0].levelno == logging.WARNING
-    assert f"127.0.0.1:{port}" in lost[0].getMessage()
+    assert sorted(r.getMessage().split(":")[0] for r in lost) == ["directory update", "role fetch"]
+    for record in lost:
+        assert record.levelno == logging.WARNING
+        assert f"127.0.0.1:{port}" in record.getMessage()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
