@@ -10,7 +10,7 @@ tests fail on that, on an exception group instead of a plain
 `trio.Cancelled`, and on a connection left unusable.
 
 Whether the driver's first cancel request lands before or after the server
-started the statement is a race (the server reads the tail of a 32 MB
+started the statement is a race (the server reads the tail of a large
 statement from its socket buffer and parses it, slowly under load). The
 tests without `DropCancels` leave it to chance, with bounds generous enough
 for a loaded machine (`generous_bounds`); those with it decide it: the first
@@ -33,8 +33,9 @@ from bmdb import _pg
 from bmdb._pg import PgConnection
 from bmdb.errors import DatabaseUnavailable
 
-#: Larger than the loopback socket buffers (a few MB) many times over.
-BLOB = b"\x01" * (32 << 20)
+#: Larger than the send buffer every connection here gets (`small_send_buffers`)
+#: a thousand times over, and than default socket buffers too.
+BLOB = b"\x01" * (4 << 20)
 #: Long enough to be still running when the test looks, were it not cancelled.
 SLEEP = 600
 
