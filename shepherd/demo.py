@@ -27,12 +27,9 @@ Exit status: 0 when every machine ended as expected, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import logging
-import os
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -51,7 +48,7 @@ from shepherd.agent_server.server import port_of
 from shepherd.control_loop import start_control_loop
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
-from shepherd.localfleet import FleetMachine, open_fleet
+from shepherd.localfleet import FleetMachine, open_fleet, stop_agent
 from shepherd.providers.static import StaticProvider
 from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
@@ -262,18 +259,6 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
     if not finished:
         logger.error("gave up after %.0f s: not every machine reached its outcome", options.timeout)
     return finished
-
-
-def stop_agent(target: Path) -> None:
-    """Stop the detached agent running from ``target`` (its pid file says which)."""
-    try:
-        pid = int(target.with_name(target.name + ".pid").read_text())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except (OSError, ValueError):
-        return
-    if str(target).encode() in cmdline:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
 
 
 async def _watch(

@@ -24,8 +24,11 @@ machine (port, root) and then ``ready``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shlex
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -170,11 +173,30 @@ async def wait_until(predicate: Callable[[], bool]) -> None:
         await trio.sleep(0.01)
 
 
+def stop_agent(target: Path) -> None:
+    """SIGTERM the detached agent running from ``target``, if its pid file
+    (``target`` + ``.pid``) names a live process started from ``target``."""
+    try:
+        pid = int(target.with_name(target.name + ".pid").read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return
+    if str(target).encode() in cmdline:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+
+
 async def _stop(fleet: Fleet) -> None:
     for machine in fleet.machines:
         if machine._acceptor is not None:
             machine._acceptor.close()
             await machine._acceptor.wait_closed()
+        # An agent detaches from the SSH session that started it (on a real
+        # machine it outlives the Shepherd's connection), so closing the
+        # server does not end it; a machine that goes away takes its agents
+        # along, found by their pid files anywhere under its root.
+        for pid_file in machine.root.rglob("*.pid"):
+            stop_agent(pid_file.with_name(pid_file.name.removesuffix(".pid")))
 
 
 @asynccontextmanager
@@ -187,6 +209,9 @@ async def open_fleet(
     port: int = 0,
 ) -> AsyncIterator[Fleet]:
     """Serve ``count`` machines under ``directory`` for the duration of the block.
+
+    Leaving the block closes the servers and stops (SIGTERM) the agents
+    running from the machines' roots.
 
     By default each machine listens on its own port of 127.0.0.1. With
     ``hosts`` (one loopback address per machine) and ``port``, they all
