@@ -27,10 +27,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn
 
-import trio
-
 from metropolis.rpc import Client, Endpoint, RPCError, Status, open_client
 from metropolis.supervisor import Node
+from monotrio.backoff import ExponentialBackoff, Retrier
 
 __all__ = ["FIRST_DELAY", "MAX_DELAY", "CuratorOutage", "follow_curators"]
 
@@ -49,7 +48,7 @@ class CuratorOutage:
         """``what`` names the runnable in the log lines ("role fetch")."""
         self._logger = logger
         self._what = what
-        self._delay = FIRST_DELAY
+        self._retry = Retrier(ExponentialBackoff(initial=FIRST_DELAY, maximum=MAX_DELAY))
         self.failing = False
 
     def lost(self, error: RPCError, curator: str) -> None:
@@ -74,13 +73,12 @@ class CuratorOutage:
         if self.failing:
             self._logger.info("%s: curator %s answers again", self._what, curator)
         self.failing = False
-        self._delay = FIRST_DELAY
+        self._retry.reset()
 
     async def backoff(self) -> None:
         """Sleep before the next attempt: doubling from :data:`FIRST_DELAY` up to
         :data:`MAX_DELAY`. Cancellable."""
-        await trio.sleep(self._delay)
-        self._delay = min(self._delay * 2, MAX_DELAY)
+        await self._retry.sleep()
 
 
 async def follow_curators(
