@@ -173,15 +173,22 @@ async def wait_until(predicate: Callable[[], bool]) -> None:
         await trio.sleep(0.01)
 
 
-def stop_agent(target: Path) -> None:
-    """SIGTERM the detached agent running from ``target``, if its pid file
-    (``target`` + ``.pid``) names a live process started from ``target``."""
+def agent_pid(target: Path) -> int | None:
+    """The pid of the detached agent running from ``target``: the one its pid
+    file (``target`` + ``.pid``) names, if that process was started from
+    ``target`` (a stale file may name a pid reused by something else)."""
     try:
         pid = int(target.with_name(target.name + ".pid").read_text())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
-        return
-    if str(target).encode() in cmdline:
+        return None
+    return pid if str(target).encode() in cmdline else None
+
+
+def stop_agent(target: Path) -> None:
+    """SIGTERM the detached agent running from ``target``, if any."""
+    pid = agent_pid(target)
+    if pid is not None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
 

@@ -17,6 +17,7 @@ from cryptography.x509.oid import NameOID
 
 from shepherd.agent import agent_script
 from shepherd.agent import takeover as agent
+from shepherd.localfleet import agent_pid
 from shepherd.proto import agent as bp
 
 
@@ -101,19 +102,6 @@ def host_macs() -> set[bytes]:
         for p in Path("/sys/class/net").iterdir()
         if (p / "device").exists()
     }
-
-
-def agent_pid(target: Path) -> int | None:
-    """The pid of the detached agent installed at ``target``, if it runs."""
-    try:
-        pid = int(target.with_name(target.name + ".pid").read_text())
-    except (OSError, ValueError):
-        return None
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return pid if str(target).encode() in cmdline else None
 
 
 def kill_agent(target: Path) -> None:

@@ -17,8 +17,9 @@ from shepherd.agent import agent_script
 from shepherd.agent import takeover as agent
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
+from shepherd.localfleet import agent_pid
 from shepherd.proto import agent as bp
-from tests.shepherd.agents import agent_pid, kill_agent, make_tls, start_agent_process
+from tests.shepherd.agents import kill_agent, make_tls, start_agent_process
 from tests.shepherd.helpers import provide
 
 

@@ -23,6 +23,7 @@ from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
 from shepherd.control_loop import Processor, run_control_loop
 from shepherd.initializer import Initializer
+from shepherd.localfleet import agent_pid
 from shepherd.localsshd import Sshd
 from shepherd.proto.agent_callback import AgentHardwareReport
 from shepherd.providers import Machine
@@ -32,7 +33,7 @@ from shepherd.recoverer import Recoverer
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
 from shepherd.takeover import AgentConfig
-from tests.shepherd.agents import agent_pid, host_macs, kill_agent, make_tls
+from tests.shepherd.agents import host_macs, kill_agent, make_tls
 from tests.shepherd.helpers import provide
 
 INTERVAL = 0.5

@@ -22,7 +22,8 @@ import bmdb
 from bmdb import Queries
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
-from tests.shepherd.agents import agent_pid, kill_agent, start_agent_process
+from shepherd.localfleet import agent_pid
+from tests.shepherd.agents import kill_agent, start_agent_process
 from tests.shepherd.helpers import provide
 
 logger = logging.getLogger("tests.heartbeat_restart")

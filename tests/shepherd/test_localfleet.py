@@ -7,9 +7,9 @@ from pathlib import Path
 import trio
 import trio_asyncio
 
-from shepherd.localfleet import open_fleet
+from shepherd.localfleet import agent_pid, open_fleet
 from shepherd.ssh_key import SSHKey
-from tests.shepherd.agents import agent_pid, kill_agent, start_agent_process
+from tests.shepherd.agents import kill_agent, start_agent_process
 
 
 async def test_closing_the_fleet_stops_the_agents_its_machines_run(
