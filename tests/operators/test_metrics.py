@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,18 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 import bmdb
 from bmdb import Isolation
 from bmdb.model import Queries
+from monotrio.net import free_loopback_port
 from shepherd.localfleet import open_fleet
 from shepherd.ssh_key import SSHKey
 
 GOOD = 3
 DEAD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -76,7 +69,7 @@ async def test_metrics_after_an_initializer_run_match_the_history(
     tmp_path: Path,
     aio_loop: trio_asyncio.TrioEventLoop,  # the local fleet's asyncssh servers
 ) -> None:
-    dead_ports = [_free_port() for _ in range(DEAD)]  # nothing listens there
+    dead_ports = [free_loopback_port() for _ in range(DEAD)]  # nothing listens there
     async with open_fleet(
         tmp_path / "fleet", count=GOOD, authorized_key=shepherd_ssh_key.authorized_key
     ) as fleet:
@@ -93,7 +86,7 @@ async def test_metrics_after_an_initializer_run_match_the_history(
         key = tmp_path / "id_ed25519"
         key.write_bytes(shepherd_ssh_key.openssh_private)
         key.chmod(0o600)
-        metrics_port = _free_port()
+        metrics_port = free_loopback_port()
         argv = [
             sys.executable, "-m", "shepherd",
             "--bmdb-url", bmdb_url,

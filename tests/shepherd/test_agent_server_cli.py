@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import trio
 
 import bmdb
+from monotrio.net import free_loopback_port
 from shepherd.agent import takeover as agent
 from shepherd.agent_server.__main__ import parse_config
 
@@ -37,15 +37,8 @@ def test_tls_or_explicitly_plain(tmp_path: Path, capsys: pytest.CaptureFixture[s
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 async def test_serves_and_stops_on_sigterm(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
-    port = _free_port()
+    port = free_loopback_port()
     process = await trio.lowlevel.open_process(
         [
             sys.executable,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,18 +20,12 @@ import trio
 
 import bmdb
 from bmdb import Queries
+from monotrio.net import free_loopback_port
 from shepherd.agent import takeover as agent
 from shepherd.agent_server.server import COMPONENT
 from tests.shepherd.test_agent_server import heartbeater, started_machine
 
 AGENTS = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _children(pid: int) -> set[int]:
@@ -71,7 +64,7 @@ async def test_workers_share_the_port_and_a_killed_one_loses_no_acknowledged_hea
     bmdb_conn: bmdb.Connection, bmdb_url: str
 ) -> None:
     machines = [await started_machine(bmdb_conn) for _ in range(AGENTS)]
-    port = _free_port()
+    port = free_loopback_port()
     url = f"http://127.0.0.1:{port}"
     supervisor = await trio.lowlevel.open_process(
         [
