@@ -8,19 +8,26 @@ that cannot be bound exits with status 1.
 
 ``--workers N`` (default: one per CPU) runs N worker processes on the one
 port (see `shepherd.agent_server.workers`); this process then supervises
-them. ``--workers 1`` serves in this process. ``--reuse-port`` (not in the
-help) is how the supervisor starts a worker.
+them. ``--workers 1`` serves in this process. ``--reuse-port`` and
+``--agent-session-secret-stdin`` (not in the help) are how the supervisor
+starts a worker: the second makes it read the agent session secret
+(`shepherd.agent_server.session`), hex, from the first line of its stdin,
+so that every worker accepts the sessions any of them issued, and the
+secret shows in no command line or environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import logging
 import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import trio
 
@@ -29,6 +36,7 @@ from bmdb import Queries
 from bmdb.errors import BMDBError
 from shepherd.agent_server.connect import Limits
 from shepherd.agent_server.server import AgentServerConfig, run_agent_server
+from shepherd.agent_server.session import new_secret
 from shepherd.agent_server.workers import default_workers, supervise, watch_parent
 from shepherd.control_loop import default_runtime_info
 
@@ -49,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--insecure-plain-http",
         action="store_true",
-        help="serve without TLS (tests, or behind a TLS-terminating proxy)",
+        help="serve without TLS (tests, or behind a TLS-terminating proxy): requests,"
+        " answers and the agents' session keys in them travel in the clear",
     )
     parser.add_argument(
         "--max-body", type=int, default=Limits().max_body, metavar="BYTES", help="(%(default)s)"
@@ -62,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted clock difference agent/server (default: %(default)s)",
     )
     parser.add_argument(
+        "--agent-session-lifetime",
+        type=float,
+        default=AgentServerConfig().agent_session_lifetime,
+        metavar="SECONDS",
+        help="how long an agent's session (MACed heartbeats after one signed one) lasts"
+        " (default: %(default)s)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=default_workers(),
@@ -69,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="server processes sharing the port (default: one per CPU, %(default)s)",
     )
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--agent-session-secret-stdin", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -81,8 +99,10 @@ class Options:
     config: AgentServerConfig
     verbose: bool
     workers: int
-    #: The arguments a worker gets (without --listen and --workers).
+    #: The arguments a worker gets (without --listen and --reuse-port).
     worker_argv: list[str]
+    #: Read the agent session secret from stdin (how a worker gets its supervisor's).
+    secret_from_stdin: bool = False
 
 
 def parse_options(argv: Sequence[str] | None) -> Options:
@@ -98,8 +118,11 @@ def parse_options(argv: Sequence[str] | None) -> Options:
     for path in (args.tls_certificate_path, args.tls_key_path):
         if path is not None and not path.is_file():
             parser.error(f"{path}: no such file")
-    if args.max_body < 1024 or args.freshness <= 0:
-        parser.error("--max-body must be at least 1024, --freshness positive")
+    if args.max_body < 1024 or args.freshness <= 0 or args.agent_session_lifetime < 1:
+        parser.error(
+            "--max-body must be at least 1024, --freshness positive,"
+            " --agent-session-lifetime at least 1"
+        )
     config = AgentServerConfig(
         listen=args.listen,
         certfile=args.tls_certificate_path,
@@ -107,6 +130,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         limits=Limits(max_body=args.max_body),
         freshness=args.freshness,
         reuse_port=args.reuse_port,
+        agent_session_lifetime=args.agent_session_lifetime,
     )
     worker_argv = ["--bmdb-url", args.bmdb_url, "--workers", "1"]
     if tls:
@@ -119,9 +143,27 @@ def parse_options(argv: Sequence[str] | None) -> Options:
     else:
         worker_argv.append("--insecure-plain-http")
     worker_argv += ["--max-body", str(args.max_body), "--freshness", str(args.freshness)]
+    worker_argv += ["--agent-session-lifetime", str(args.agent_session_lifetime)]
+    worker_argv.append("--agent-session-secret-stdin")
     if args.verbose:
         worker_argv.append("--verbose")
-    return Options(args.bmdb_url, config, args.verbose, args.workers, worker_argv)
+    return Options(
+        args.bmdb_url,
+        config,
+        args.verbose,
+        args.workers,
+        worker_argv,
+        secret_from_stdin=args.agent_session_secret_stdin,
+    )
+
+
+def read_secret(stream: IO[str]) -> bytes:
+    """The agent session secret from the first line of ``stream`` (hex);
+    ValueError if it is missing or malformed."""
+    secret = bytes.fromhex(stream.readline().strip())
+    if len(secret) < 16:
+        raise ValueError("agent session secret on stdin missing or too short")
+    return secret
 
 
 def parse_config(argv: Sequence[str] | None) -> tuple[str, AgentServerConfig, bool]:
@@ -138,7 +180,12 @@ async def run(options: Options) -> None:
                 # Checked here, so that bad TLS files or BMDB fail once, not per worker.
                 config.ssl_context()
                 await conn.transact(_nothing)
-                await nursery.start(supervise, options.worker_argv, config.listen, options.workers)
+                await nursery.start(
+                    functools.partial(supervise, secret=new_secret()),
+                    options.worker_argv,
+                    config.listen,
+                    options.workers,
+                )
             else:
                 if config.reuse_port:
                     nursery.start_soon(watch_parent, nursery.cancel_scope)
@@ -159,6 +206,14 @@ async def _nothing(q: Queries) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse_options(argv)
+    if options.secret_from_stdin:
+        try:
+            secret = read_secret(sys.stdin)
+        except ValueError as problem:
+            print(f"agent-server: {problem}", file=sys.stderr)
+            return 1
+        config = dataclasses.replace(options.config, agent_session_secret=secret)
+        options = dataclasses.replace(options, config=config)
     logging.basicConfig(
         level=logging.DEBUG if options.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

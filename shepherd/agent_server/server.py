@@ -24,6 +24,7 @@ from shepherd.agent.takeover import HEARTBEAT_PATH
 from shepherd.agent_server.connect import ConnectUnary, Limits
 from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, split_listen, url_of
 from shepherd.agent_server.service import DEFAULT_FRESHNESS, HeartbeatService
+from shepherd.agent_server.session import DEFAULT_LIFETIME, SessionKeys, new_secret
 
 logger = logging.getLogger("shepherd.agent_server")
 
@@ -66,6 +67,11 @@ class AgentServerConfig:
     queue_timeout: float = 5.0
     #: How long the first heartbeat of a group waits for others, seconds.
     batch_window: float = 0.005
+    #: The secret agent sessions are made with (`shepherd.agent_server.session`);
+    #: None: a new one of this server's own. Workers of one server share one.
+    agent_session_secret: bytes | None = field(default=None, repr=False)
+    #: How long an agent session is valid, seconds.
+    agent_session_lifetime: float = DEFAULT_LIFETIME
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The server's TLS context, or None for plain HTTP; OSError/SSLError if unusable."""
@@ -146,12 +152,16 @@ async def run_agent_server(
     meanwhile get ``unavailable``.
     """
     holder = _SessionHolder(conn, runtime_info, config.session_interval)
+    secret = (
+        config.agent_session_secret if config.agent_session_secret is not None else new_secret()
+    )
     service = HeartbeatService(
         conn,
         freshness=config.freshness,
         db_slots=config.db_slots,
         queue_timeout=config.queue_timeout,
         batch_window=config.batch_window,
+        sessions=SessionKeys(secret, config.agent_session_lifetime),
     )
     app = ConnectUnary({HEARTBEAT_PATH: service.heartbeat}, config.limits)
     async with trio.open_nursery() as nursery:

@@ -30,10 +30,12 @@ reaches the supervisor only; it stops them with SIGTERM (SIGKILL after
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -81,14 +83,17 @@ async def supervise(
     listen: str,
     count: int,
     *,
+    secret: bytes | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run ``count`` workers on ``listen`` until cancelled; ``task_status`` gets HOST:PORT.
 
     Each worker is ``python -m shepherd.agent_server`` with ``worker_argv``
-    and ``--listen HOST:PORT --reuse-port``. Cancelled, it stops them all
-    (under a shield, bounded by `STOP_TIMEOUT`). Raises OSError if the
-    address cannot be bound.
+    and ``--listen HOST:PORT --reuse-port``; ``secret``, if given, is
+    written (hex, one line) to its stdin: the agent session secret all of
+    them share, also a restarted one. Cancelled, it stops them all (under a
+    shield, bounded by `STOP_TIMEOUT`). Raises OSError if the address cannot
+    be bound.
     """
     reserved, bound = reserve_port(listen)
     try:
@@ -103,18 +108,25 @@ async def supervise(
         ]
         async with trio.open_nursery() as nursery:
             for index in range(count):
-                nursery.start_soon(_keep_running, index, argv)
+                nursery.start_soon(_keep_running, index, argv, secret)
             logger.info("%d workers on %s", count, bound)
             task_status.started(bound)
     finally:
         reserved.close()
 
 
-async def _keep_running(index: int, argv: list[str]) -> None:
+async def _keep_running(index: int, argv: list[str], secret: bytes | None) -> None:
     while True:
-        process = await trio.lowlevel.open_process(argv, start_new_session=True)
+        process = await trio.lowlevel.open_process(
+            argv, start_new_session=True, stdin=subprocess.PIPE if secret is not None else None
+        )
         logger.info("worker %d started (pid %d)", index, process.pid)
         try:
+            if process.stdin is not None and secret is not None:
+                # A worker that died at once: its exit is logged and it is restarted.
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await process.stdin.send_all(secret.hex().encode() + b"\n")
+                await process.stdin.aclose()
             status = await process.wait()
         finally:
             if process.returncode is None:  # cancelled: stop it

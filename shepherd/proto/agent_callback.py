@@ -2,6 +2,7 @@
 
 from shepherd.proto.gen.cloud.bmaas.server.api import (
     AgentHardwareReport,
+    AgentSession,
     HeartbeatRequest,
     HeartbeatResponse,
     OsInstallationReport,
@@ -14,6 +15,7 @@ HEARTBEAT_PATH = "/cloud.bmaas.server.api.AgentCallback/Heartbeat"
 __all__ = [
     "HEARTBEAT_PATH",
     "AgentHardwareReport",
+    "AgentSession",
     "HeartbeatRequest",
     "HeartbeatResponse",
     "OsInstallationReport",

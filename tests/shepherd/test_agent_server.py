@@ -27,7 +27,7 @@ from shepherd.agent_server import (
     run_agent_server,
 )
 from shepherd.agent_server.server import port_of
-from shepherd.proto.agent_callback import AgentHardwareReport
+from shepherd.proto.agent_callback import AgentHardwareReport, HeartbeatResponse
 from tests.shepherd.helpers import provide
 
 MAX_BODY = 8192
@@ -242,7 +242,8 @@ async def test_overload_is_answered_unavailable_not_queued_forever(
         assert refused.value.code == "unavailable"
         assert await stored(bmdb_conn, mid) == (None, None)
         service._slots.release()
-        assert await service.heartbeat(lower, body) == b""
+        # Accepted, signed: answered with a session.
+        assert HeartbeatResponse.parse(await service.heartbeat(lower, body)).session is not None
         assert (await stored(bmdb_conn, mid))[0] is not None
         nursery.cancel_scope.cancel()
 
@@ -265,7 +266,7 @@ async def test_group_commit_writes_each_member_once_its_group_committed(
             for mid, seed in machines:
                 beats.start_soon(beat, mid, seed)
         nursery.cancel_scope.cancel()
-    assert answers == [b""] * 3
+    assert [HeartbeatResponse.parse(a).session is not None for a in answers] == [True] * 3
     times = {(await stored(bmdb_conn, mid))[0] for mid, _ in machines}
     # The heartbeat time is the writing transaction's now(): one for the group.
     assert len(times) == 1 and None not in times

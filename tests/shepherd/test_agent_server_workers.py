@@ -3,7 +3,8 @@
 Heartbeats over many connections (spread by the kernel over the workers)
 are all accepted and written; a worker killed while agents heartbeat is
 started again, and every heartbeat acknowledged before, during and after
-is in the BMDB.
+is in the BMDB. The workers share one agent session secret: a session one
+of them issued is accepted by the other, and by a restarted one.
 """
 
 from __future__ import annotations
@@ -84,11 +85,14 @@ async def test_workers_share_the_port_and_a_killed_one_loses_no_acknowledged_hea
     acknowledged: dict[uuid.UUID, int] = {}
     through: set[uuid.UUID] = set()
     refused: list[int] = []
+    by_session = 0
 
     async def agent_loop(mid: uuid.UUID, seed: bytes, rounds: int) -> None:
+        nonlocal by_session
         hb = heartbeater(url, str(mid), seed, report=False)
         for _ in range(rounds):
             body, headers = hb.request()
+            by_session += agent.HEADER_SESSION in headers
             try:
                 # A connection per request: the kernel spreads them over the workers.
                 async with httpx.AsyncClient() as client:
@@ -101,6 +105,9 @@ async def test_workers_share_the_port_and_a_killed_one_loses_no_acknowledged_hea
             if response.status_code == 200:
                 acknowledged[mid] = int(headers[agent.HEADER_TIME])
                 through.add(mid)
+                # Its session: the next requests, on new connections, reach
+                # either worker (also the restarted one), which must accept it.
+                hb.accepted(response.content)
             else:
                 refused.append(response.status_code)
 
@@ -124,8 +131,10 @@ async def test_workers_share_the_port_and_a_killed_one_loses_no_acknowledged_hea
             async with trio.open_nursery() as nursery:
                 for mid, seed in machines:
                     nursery.start_soon(agent_loop, mid, seed, 3)
-        # Refusals only as unavailable (a worker stopping), never a wrong answer.
+        # Refusals only as unavailable (a worker stopping), never a wrong
+        # answer: no session refused by a worker other than its issuer's.
         assert set(refused) <= {503}
+        assert by_session > AGENTS * 8  # most requests (each loop signs its first)
         assert through == {mid for mid, _ in machines}
         stored = await _stored_times(bmdb_conn, [mid for mid, _ in machines])
         for mid, time_ns in acknowledged.items():

@@ -4,7 +4,8 @@ The agents are real agent processes (the uploaded script, detached and
 heartbeating, started as the initializer starts them but without SSH, which
 the end-to-end tests cover): 50 python3 processes are light enough for the
 2-core test machine. The server goes away for a few seconds and comes back
-on the same port; every agent's heartbeats must resume by themselves.
+on the same port; every agent's heartbeats must resume by themselves, the
+restarted server having refused their sessions (it has a new secret).
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ async def test_fifty_agents_recover_from_a_server_restart(
                 BACKOFF_CAP,
             )
             assert all(agent_pid(t) is not None for t in targets)
+            # Each agent heartbeated with a session before the restart, which
+            # the restarted server (a new secret) refused; it signed again.
+            for target in targets:
+                log = target.with_name(target.name + ".log").read_text()
+                assert "session refused, signing again" in log, log
             second.cancel()
     finally:
         for target in targets:

@@ -3,7 +3,8 @@
 The agent encodes HeartbeatRequest and the hardware report with its own
 codec; Google's protobuf runtime (classes protoc generates from the same
 ``.proto`` sources) and betterproto2 (the server's classes) must read the
-same bytes, and Google's must write them byte for byte. Signatures must
+same bytes, and Google's must write them byte for byte; the agent must
+read the session of a HeartbeatResponse either writes. Signatures must
 verify with ``cryptography``.
 """
 
@@ -195,3 +196,31 @@ def test_ed25519_rfc8032_test_vector_1_signature() -> None:
         "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555f"
         "b8821590a33bacc61e39701cf9b46bd25bf5f0595bbe24655141438e7a100b"
     )
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    token=st.binary(max_size=100),
+    key=st.binary(max_size=40),
+    lifetime=st.integers(min_value=0, max_value=2**62),
+    installation=st.none() | st.integers(min_value=0, max_value=2**62),
+)
+def test_heartbeat_response_session_matches_other_implementations(
+    pb: ModuleType, token: bytes, key: bytes, lifetime: int, installation: int | None
+) -> None:
+    """The agent reads the session (field 100) from what Google's runtime and
+    betterproto2 (the server's classes) write, beside the reference's fields."""
+    theirs = pb.HeartbeatResponse(
+        session=pb.AgentSession(token=token, key=key, lifetime_seconds=lifetime)
+    )
+    if installation is not None:
+        theirs.installation_request.generation = installation
+    wire = theirs.SerializeToString(deterministic=True)
+    expected = agent.AgentSession(token, key, lifetime)
+    assert agent.decode_heartbeat_session(wire) == expected
+    server = bp.HeartbeatResponse(
+        session=bp.AgentSession(token=token, key=key, lifetime_seconds=lifetime)
+    )
+    assert bytes(server) == pb.HeartbeatResponse(session=theirs.session).SerializeToString()
+    assert agent.decode_heartbeat_session(bytes(server)) == expected
+    assert agent.decode_heartbeat_session(b"") is None

@@ -7,6 +7,7 @@ __all__ = (
     "AgentCallbackBase",
     "AgentCallbackStub",
     "AgentHardwareReport",
+    "AgentSession",
     "HeartbeatRequest",
     "HeartbeatResponse",
     "OsInstallationReport",
@@ -51,6 +52,36 @@ default_message_pool.register_message(
 
 
 @dataclass(eq=False, repr=False)
+class AgentSession(betterproto2.Message):
+    """
+    A session (not in the reference, which authenticates the agent once per
+    TLS connection with a client certificate): issued in answer to a heartbeat
+    signed with the agent's key, it lets later heartbeats be authenticated by
+    a MAC with `key` instead of a signature (see shepherd/agent_server/session.py).
+    """
+
+    token: "bytes" = betterproto2.field(1, betterproto2.TYPE_BYTES)
+    """
+    Opaque to the agent; sent back with every heartbeat of the session.
+    """
+
+    key: "bytes" = betterproto2.field(2, betterproto2.TYPE_BYTES)
+    """
+    HMAC-SHA256 key for the session's heartbeats. Secret: it travels
+    inside the server's TLS (in the clear over plain HTTP).
+    """
+
+    lifetime_seconds: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+    """
+    How long the session is valid from its issue, seconds; the agent signs
+    again before it ends.
+    """
+
+
+default_message_pool.register_message("cloud.bmaas.server.api", "AgentSession", AgentSession)
+
+
+@dataclass(eq=False, repr=False)
 class HeartbeatRequest(betterproto2.Message):
     machine_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
     """
@@ -76,6 +107,13 @@ class HeartbeatResponse(betterproto2.Message):
     installation_request: "OsInstallationRequest | None" = betterproto2.field(
         1, betterproto2.TYPE_MESSAGE, optional=True
     )
+
+    session: "AgentSession | None" = betterproto2.field(
+        100, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    Field number outside the reference's, so that none it adds collides.
+    """
 
 
 default_message_pool.register_message(
