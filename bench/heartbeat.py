@@ -5,27 +5,37 @@
 
 The server runs as ``--workers`` processes on one port (SO_REUSEPORT, as
 ``python -m shepherd.agent_server --workers N`` runs them; default one per
-CPU), on `shepherd.agent_server.http1`, plain HTTP on loopback, in three
-modes with the same stack:
+CPU), sharing one agent session secret (as those workers do), on
+`shepherd.agent_server.http1`, plain HTTP on loopback, in these modes with
+the same stack:
 
 - bare: the same transport and Connect layer (framing, size and deadline
   limits) with a handler that answers an empty HeartbeatResponse and checks
   nothing, writes nothing;
 - auth: the same with the full authentication that needs no database
-  (parse, freshness, Ed25519 signature), writing nothing: full/auth is the
-  share the database write (group commit, BMDB session) leaves;
-- full: the real agent callback server: signature check, its BMDB session,
+  (parse, freshness, session token and MAC), writing nothing: full/auth is
+  the share the database write (group commit, BMDB session) leaves;
+- full: the real agent callback server: session check, its BMDB session,
   group commit of concurrent heartbeats in one statement that authenticates
   against the AgentStarted tag, refuses replays and writes the heartbeats,
-  each answered after its commit, in a PostgreSQL 15 of its own.
+  each answered after its commit, in a PostgreSQL 15 of its own;
+- full-signed (for information): the same server with every request
+  signed (Ed25519), as agents did before sessions and as each does once an
+  hour (and after a server restart) to get a new session.
 
 The load: ``--agents`` simulated agents, each with its own machine in the
-BMDB, its own Ed25519 key and real signed requests (signed with
-``cryptography`` before the clock starts, each with a newer time, so none
-is a replay), sent like the real agent does: each on its own kept-alive
-connection, back to back (a closed loop, no pause), all agents at once. The
-agents are split over ``--clients`` load processes, each a bare epoll loop
-so that the load costs far less CPU than the server; their CPU is printed.
+BMDB and its own Ed25519 key, sent like the real agent sends: each on its
+own kept-alive connection, back to back (a closed loop, no pause), all
+agents at once. Before the clock starts, each agent sends one signed
+heartbeat (so the server of the mode, which has a new secret, issues it a
+session, as the real agent's first heartbeat does) and its requests are
+prepared with that session: token and HMAC-SHA256, each with a newer time,
+so none is a replay (full-signed: each signed, with ``cryptography``; bare:
+the same shape with a dummy session, since bare issues none). The timed
+window thus holds what an agent sends for all but its first heartbeat of
+an hour. The agents are split over ``--clients`` load processes, each a
+bare epoll loop so that the load costs far less CPU than the server; their
+CPU is printed.
 
 Prints answers/s of each mode, the ratio full/bare (goal >= 0.5), the
 headroom over what ``--agents`` agents at a 10 s interval need (goal >=
@@ -62,12 +72,15 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
+from bench.ratios import report
 from bmdb import Provider, Queries
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from shepherd.agent import takeover as agent
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, run_agent_server
+from shepherd.agent_server.connect import Handler
 from shepherd.agent_server.server import serve_app
-from shepherd.agent_server.service import DEFAULT_FRESHNESS, authenticate
+from shepherd.agent_server.service import DEFAULT_FRESHNESS, authenticate, session_response
+from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret
 from shepherd.agent_server.workers import default_workers, reserve_port
 
 #: The interval the goal is stated for.
@@ -77,32 +90,40 @@ TARGET_INTERVAL = 10.0
 # --- the server process -----------------------------------------------------
 
 
+#: The modes, in the order they run.
 async def _bare(headers: object, body: bytes) -> bytes:
     return b""
 
 
-async def _authenticated(headers: Mapping[str, str], body: bytes) -> bytes:
-    authenticate(headers, body, now_ns=time.time_ns(), freshness=DEFAULT_FRESHNESS)
-    return b""
+def _authenticated(sessions: SessionKeys) -> Handler:
+    async def handler(headers: Mapping[str, str], body: bytes) -> bytes:
+        now = time.time_ns()
+        beat = authenticate(
+            headers, body, now_ns=now, freshness=DEFAULT_FRESHNESS, sessions=sessions
+        )
+        return session_response(sessions, beat, now) if beat.signed else b""
+
+    return handler
 
 
-async def _serve(mode: str, listen: str, url: str) -> None:
-    # One of --workers processes on the port, as `python -m shepherd.agent_server` runs them.
-    config = AgentServerConfig(listen=listen, reuse_port=True)
+async def _serve(mode: str, listen: str, url: str, secret: bytes) -> None:
+    # One of --workers processes on the port, as `python -m shepherd.agent_server`
+    # runs them: the same session secret in all.
+    config = AgentServerConfig(listen=listen, reuse_port=True, agent_session_secret=secret)
     if mode in ("bare", "auth"):
-        handler = _bare if mode == "bare" else _authenticated
+        handler = _bare if mode == "bare" else _authenticated(SessionKeys(secret))
         await serve_app(ConnectUnary({agent.HEARTBEAT_PATH: handler}, config.limits), config)
         return
     async with bmdb.open_connection(url) as conn:
         await run_agent_server(conn, config)
 
 
-async def _serve_until_sigint(mode: str, listen: str, url: str) -> None:
+async def _serve_until_sigint(mode: str, listen: str, url: str, secret: bytes) -> None:
     """Serve until SIGINT (how the benchmark stops a server): a clean exit,
     so that a profile is written and no coroutine is abandoned."""
     with trio.open_signal_receiver(signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_serve, mode, listen, url)
+            nursery.start_soon(_serve, mode, listen, url, secret)
             async for _ in signals:
                 nursery.cancel_scope.cancel()
                 break
@@ -113,7 +134,7 @@ async def _serve_until_sigint(mode: str, listen: str, url: str) -> None:
 
 @dataclass
 class Load:
-    """Pre-signed requests per agent, and what came back."""
+    """Prepared requests per agent, and what came back."""
 
     requests: list[list[bytes]]
     ok: int = 0
@@ -121,32 +142,78 @@ class Load:
     errors: int = 0
 
 
-def _request(machine_id: str, key: Ed25519PrivateKey, public: bytes, time_ns: int) -> bytes:
+def _request(machine_id: str, time_ns: int, auth: dict[str, str]) -> bytes:
     body = agent.encode_heartbeat_request(machine_id)
-    message = agent.signed_message("POST", agent.HEARTBEAT_PATH, machine_id, time_ns, body)
     head = (
         f"POST {agent.HEARTBEAT_PATH} HTTP/1.1\r\n"
         "Host: 127.0.0.1\r\n"
         "Content-Type: application/proto\r\n"
         "Connect-Protocol-Version: 1\r\n"
         f"Content-Length: {len(body)}\r\n"
-        f"{agent.HEADER_KEY}: {base64.b64encode(public).decode()}\r\n"
         f"{agent.HEADER_TIME}: {time_ns}\r\n"
-        f"{agent.HEADER_SIGNATURE}: {base64.b64encode(key.sign(message)).decode()}\r\n"
-        "\r\n"
+        + "".join(f"{name}: {value}\r\n" for name, value in auth.items())
+        + "\r\n"
     )
     return head.encode() + body
 
 
+def _message(machine_id: str, time_ns: int) -> bytes:
+    body = agent.encode_heartbeat_request(machine_id)
+    return agent.signed_message("POST", agent.HEARTBEAT_PATH, machine_id, time_ns, body)
+
+
+def signed_request(machine_id: str, key: Ed25519PrivateKey, public: bytes, time_ns: int) -> bytes:
+    signature = key.sign(_message(machine_id, time_ns))
+    auth = {
+        agent.HEADER_KEY: base64.b64encode(public).decode(),
+        agent.HEADER_SIGNATURE: base64.b64encode(signature).decode(),
+    }
+    return _request(machine_id, time_ns, auth)
+
+
+def session_request(machine_id: str, session: agent.AgentSession, time_ns: int) -> bytes:
+    mac = agent.session_mac(session.key, _message(machine_id, time_ns))
+    auth = {
+        agent.HEADER_SESSION: base64.b64encode(session.token).decode(),
+        agent.HEADER_MAC: base64.b64encode(mac).decode(),
+    }
+    return _request(machine_id, time_ns, auth)
+
+
 Agent = tuple[str, Ed25519PrivateKey, bytes]
 
+#: What the load uses where the server issued no session (bare): the same shape.
+DUMMY_SESSION = agent.AgentSession(bytes(TOKEN_BYTES), bytes(32), 3600)
 
-def make_load(agents: list[Agent], per_agent: int) -> Load:
+
+def open_sessions(port: int, agents: list[Agent]) -> list[agent.AgentSession]:
+    """One signed heartbeat per agent, all at once; the session each was answered with."""
     now = time.time_ns()
+    load = Load([[signed_request(mid, key, public, now)] for mid, key, public in agents])
+    answers: list[bytes] = [b""] * len(agents)
+    run_load(port, load, 120.0, answers)
+    if load.ok != len(agents):
+        raise RuntimeError(f"only {load.ok} of {len(agents)} signed heartbeats accepted")
+    return [agent.decode_heartbeat_session(a) or DUMMY_SESSION for a in answers]
+
+
+def make_load(
+    agents: list[Agent], sessions: list[agent.AgentSession] | None, per_agent: int
+) -> Load:
+    """``per_agent`` requests per agent, each newer than the last: with the
+    agent's session, or signed if ``sessions`` is None."""
+    now = time.time_ns()
+    if sessions is None:
+        return Load(
+            [
+                [signed_request(mid, key, public, now + i) for i in range(per_agent)]
+                for mid, key, public in agents
+            ]
+        )
     return Load(
         [
-            [_request(mid, key, public, now + i) for i in range(per_agent)]
-            for mid, key, public in agents
+            [session_request(mid, session, now + i) for i in range(per_agent)]
+            for (mid, _, _), session in zip(agents, sessions, strict=True)
         ]
     )
 
@@ -154,7 +221,8 @@ def make_load(agents: list[Agent], per_agent: int) -> Load:
 class _Agent:
     """One simulated agent's connection in the load loop."""
 
-    def __init__(self, queue: list[bytes]) -> None:
+    def __init__(self, index: int, queue: list[bytes]) -> None:
+        self.index = index
         self.queue = queue
         self.next = 0
         self.sock: socket.socket | None = None
@@ -162,12 +230,13 @@ class _Agent:
         self.buffer = b""
 
 
-def run_load(port: int, load: Load, seconds: float) -> float:
+def run_load(port: int, load: Load, seconds: float, answers: list[bytes] | None = None) -> float:
     """Run every agent until ``seconds`` pass (or its requests run out); return the time taken.
 
     Each agent sends its requests back to back on one kept-alive connection
     (reconnecting if it closes), as the agent does. A bare epoll loop, not
     Trio: the load must cost far less CPU than the server it measures.
+    ``answers``, if given, gets the body of each agent's last answer.
     """
     poller = select.epoll()
     agents: dict[int, _Agent] = {}
@@ -193,8 +262,8 @@ def run_load(port: int, load: Load, seconds: float) -> float:
         if agent_.next < len(agent_.queue):
             connect(agent_)
 
-    for queue in load.requests:
-        connect(_Agent(queue))
+    for index, queue in enumerate(load.requests):
+        connect(_Agent(index, queue))
     start = time.monotonic()
     end = start + seconds
     while agents and (now := time.monotonic()) < end:
@@ -224,6 +293,8 @@ def run_load(port: int, load: Load, seconds: float) -> float:
             length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
             if len(agent_.buffer) < end_of_head + 4 + length:
                 continue
+            if answers is not None:
+                answers[agent_.index] = agent_.buffer[end_of_head + 4 : end_of_head + 4 + length]
             agent_.buffer = agent_.buffer[end_of_head + 4 + length :]
             if head.startswith(b"http/1.1 200"):
                 load.ok += 1
@@ -246,8 +317,9 @@ def run_load(port: int, load: Load, seconds: float) -> float:
     return elapsed
 
 
-def _client(port: int, seconds: float, agents_file: Path) -> None:
-    """A load process: sign its agents' requests, say ready, wait for "go", load, report.
+def _client(mode: str, port: int, seconds: float, agents_file: Path) -> None:
+    """A load process: open its agents' sessions, prepare their requests,
+    say ready, wait for "go", load, report.
 
     Its result (a JSON line on stdout): answers by kind, seconds taken,
     and its own CPU seconds during the load.
@@ -257,9 +329,11 @@ def _client(port: int, seconds: float, agents_file: Path) -> None:
         (mid, Ed25519PrivateKey.from_private_bytes(bytes.fromhex(seed)), bytes.fromhex(public))
         for mid, seed, public in rows
     ]
+    sessions = None if mode == "full-signed" else open_sessions(port, agents)
     # Enough requests that no agent runs out within the time, at up to
     # PER_PROCESS_RATE answers/s for this process.
-    load = make_load(agents, per_agent=int(seconds * PER_PROCESS_RATE / len(agents)) + 2)
+    per_agent = int(seconds * PER_PROCESS_RATE / len(agents)) + 2
+    load = make_load(agents, sessions, per_agent)
     print("ready", flush=True)
     sys.stdin.readline()
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -270,8 +344,8 @@ def _client(port: int, seconds: float, agents_file: Path) -> None:
     print(json.dumps({**result, "elapsed": elapsed, "cpu": cpu}), flush=True)
 
 
-#: Most answers/s one load process is expected to see (requests are signed beforehand).
-PER_PROCESS_RATE = 3000
+#: Most answers/s one load process is expected to see (requests are made beforehand).
+PER_PROCESS_RATE = 6000
 
 
 # --- measurements -----------------------------------------------------------
@@ -352,17 +426,21 @@ def _start_servers(mode: str, url: str, workers: int) -> tuple[list[subprocess.P
     port = int(listen.rsplit(":", 1)[1])
     profile = os.environ.get("HEARTBEAT_BENCH_PROFILE")  # a folder: cProfile the servers
     processes: list[subprocess.Popen[bytes]] = []
+    # One secret for the mode's workers, on their stdin (as the agent server's supervisor does).
+    secret = new_secret().hex().encode() + b"\n"
     try:
         for index in range(workers):
             python = [sys.executable]
             if profile:
                 python += ["-m", "cProfile", "-o", str(Path(profile) / f"{mode}-{index}.prof")]
-            processes.append(
-                subprocess.Popen(
-                    [*python, "-m", "bench.heartbeat", "serve", mode, listen, url],
-                    stdin=subprocess.DEVNULL,
-                )
+            process = subprocess.Popen(
+                [*python, "-m", "bench.heartbeat", "serve", mode, listen, url],
+                stdin=subprocess.PIPE,
             )
+            processes.append(process)
+            assert process.stdin is not None
+            process.stdin.write(secret)
+            process.stdin.close()
         # One answering is not all listening: wait for every socket, so that
         # the load is spread over all of them from the start.
         _wait_listening(port, processes)
@@ -434,6 +512,7 @@ def measure(
                         "-m",
                         "bench.heartbeat",
                         "client",
+                        mode,
                         str(port),
                         str(seconds),
                         str(agents_file),
@@ -484,10 +563,11 @@ def measure(
 
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "serve":
-        trio.run(_serve_until_sigint, sys.argv[2], sys.argv[3], sys.argv[4])
+        secret = bytes.fromhex(sys.stdin.readline())
+        trio.run(_serve_until_sigint, sys.argv[2], sys.argv[3], sys.argv[4], secret)
         return
-    if len(sys.argv) == 5 and sys.argv[1] == "client":
-        _client(int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "client":
+        _client(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), Path(sys.argv[5]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=1000)
@@ -517,6 +597,7 @@ def main() -> None:
             bare = measure("bare", server, url, agents_files, args.seconds, args.workers)
             auth = measure("auth", server, url, agents_files, args.seconds, args.workers)
             full = measure("full", server, url, agents_files, args.seconds, args.workers)
+            signed = measure("full-signed", server, url, agents_files, args.seconds, args.workers)
             ratio = full.rate / bare.rate
             auth_ratios.append(full.rate / auth.rate)
             ratios.append(ratio)
@@ -541,6 +622,10 @@ def main() -> None:
                 f"  full: {full.rate:8.0f} heartbeats/s accepted {full.ok}, refused"
                 f" {full.refused}, errors {full.errors} (server CPU {full.server_cpu:.1f}s,"
                 f" PostgreSQL CPU {full.db_cpu:.1f}s, load CPU {full.client_cpu:.1f}s)\n"
+                f"  full-signed (for information): {signed.rate:8.0f} heartbeats/s accepted"
+                f" {signed.ok}, refused {signed.refused}, errors {signed.errors}"
+                f" (server CPU {1000 * signed.server_cpu / max(signed.ok, 1):.3f} ms a heartbeat),"
+                f" {signed.rate / bare.rate:.2f} of bare\n"
                 f"  ratio full/bare: {ratio:.2f} (goal >= 0.5);"
                 f" full/auth (the database's share): {auth_ratios[-1]:.2f}\n"
                 f"  headroom for {args.agents} agents every {TARGET_INTERVAL:g}s"
@@ -558,6 +643,9 @@ def main() -> None:
                 f"  load average during the run: {load_average}",
                 flush=True,
             )
+        need = args.agents / TARGET_INTERVAL
+        report("heartbeat", "full/bare", median(ratios), ">= 0.5")
+        report("heartbeat", "headroom at 10 s", median(rates) / need, ">= 10")
         if args.rounds > 1:
             print(
                 f"median over {args.rounds} rounds: ratio full/bare {median(ratios):.2f},"
