@@ -248,6 +248,32 @@ async def test_overload_is_answered_unavailable_not_queued_forever(
         nursery.cancel_scope.cancel()
 
 
+async def test_heartbeat_cancelled_while_queued_leaves_the_queue_unwritten(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """A request cancelled (its connection gone, the server stopping) while
+    its heartbeat waits for a database slot is never written, and the writer
+    goes on with the others."""
+    (mid, seed), (other, other_seed) = [await started_machine(bmdb_conn) for _ in range(2)]
+    service = HeartbeatService(bmdb_conn, db_slots=1, queue_timeout=60)
+
+    def request(machine: uuid.UUID, key: bytes) -> tuple[dict[str, str], bytes]:
+        body, headers = heartbeater("http://unused", str(machine), key, report=False).request()
+        return {k.lower(): v for k, v in headers.items()}, body
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        await service._slots.acquire()
+        with trio.move_on_after(0.5) as waited:
+            await service.heartbeat(*request(mid, seed))
+        assert waited.cancelled_caught
+        service._slots.release()
+        await service.heartbeat(*request(other, other_seed))
+        nursery.cancel_scope.cancel()
+    assert await stored(bmdb_conn, mid) == (None, None)
+    assert (await stored(bmdb_conn, other))[0] is not None
+
+
 async def test_group_commit_writes_each_member_once_its_group_committed(
     bmdb_conn: bmdb.Connection,
 ) -> None:
