@@ -1,12 +1,14 @@
 """Several agent-server processes on one port, kept running.
 
 Why processes: a heartbeat costs the server a few hundred microseconds of
-CPU, nearly all of it Python (HTTP framing, the signature check's call,
-the Trio scheduling around both), and one Python process runs on one core
-at a time. N worker processes (default: as many as there are CPUs) each
-run the whole server (`shepherd.agent_server.server.run_agent_server`:
+CPU, nearly all of it Python (HTTP framing, the session check, the Trio
+scheduling around both), and one Python process runs on one core at a
+time. N worker processes (default: as many as there are CPUs) each run
+the whole server (`shepherd.agent_server.server.run_agent_server`:
 listener, BMDB connection pool and session, group commit) and share
-nothing but the port and the BMDB.
+nothing but the port, the BMDB and the agent session secret, which the
+supervisor makes and writes to each worker's stdin (so that a session one
+worker issued is accepted by all, also by a restarted one).
 
 Why SO_REUSEPORT: each worker listens on its own socket, bound to the same
 port, and the kernel spreads new connections among them (by a hash of the
