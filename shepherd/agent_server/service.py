@@ -103,7 +103,7 @@ from shepherd.agent.takeover import (
     signed_message,
 )
 from shepherd.agent_server.connect import ConnectError
-from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret
+from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret, session_mac
 from shepherd.proto.agent_callback import AgentSession, HeartbeatResponse
 
 logger = logging.getLogger("shepherd.agent_server.service")
@@ -215,7 +215,7 @@ def authenticate(
         session = sessions.open(token, now_ns)
         if session.machine_id != machine_id:
             raise ConnectError("unauthenticated", "session token is for another machine")
-        if not hmac.compare_digest(session.mac.digest(message), mac):
+        if not hmac.compare_digest(session_mac(session.mac, message), mac):
             raise ConnectError("unauthenticated", "bad session MAC")
         return Heartbeat(machine_id, session.public_key, time_ns, report, signed=False)
     key = _header_bytes(headers, HEADER_KEY, 32)

@@ -30,7 +30,7 @@ from bmdb import Queries
 from shepherd.agent import takeover as agent
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
-from shepherd.agent_server.session import PrekeyedHMAC, SessionKeys, new_secret
+from shepherd.agent_server.session import SessionKeys, new_secret, session_mac
 from shepherd.proto.agent_callback import HeartbeatResponse
 from tests.shepherd.test_agent_server import heartbeater, started_machine
 
@@ -270,9 +270,10 @@ def test_token_tampering_is_detected_everywhere() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(key=st.binary(max_size=130), message=st.binary(max_size=300))
-def test_prekeyed_hmac_is_hmac_sha256(key: bytes, message: bytes) -> None:
-    """The server's MAC check (a key schedule done once) computes what the
-    agent's (and every) HMAC-SHA256 computes."""
-    mac = PrekeyedHMAC(key)
-    assert mac.digest(message) == hmac.digest(key, message, "sha256")
-    assert mac.digest(message) == agent.session_mac(key, message)  # reusable
+def test_server_mac_is_the_agents(key: bytes, message: bytes) -> None:
+    """The server's MAC check (one keyed object, copied per message)
+    computes what the agent's (and every) HMAC-SHA256 computes, and leaves
+    its keyed object reusable."""
+    keyed = hmac.new(key, digestmod="sha256")
+    assert session_mac(keyed, message) == hmac.digest(key, message, "sha256")
+    assert session_mac(keyed, message) == agent.session_mac(key, message)
