@@ -1,6 +1,6 @@
 """Control-plane start and membership changes against bare etcd, measured in one run.
 
-    python -m bench.controlplane [--runs 5]
+    python -m bench.controlplane [--runs 5] [--only startup|membership]
 
 Start-up. Each on a fresh directory, ``--runs`` times, each node start
 right after its baseline (interleaved: the machine's load drifts):
@@ -333,11 +333,14 @@ async def membership_rows(base: Path, runs: int) -> list[tuple[str, float, float
     ]
 
 
-async def main(runs: int) -> None:
+async def main(runs: int, only: str | None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-cp-") as tmp:
         base = Path(tmp)
-        rows = await startup_rows(base, runs)
-        rows += await membership_rows(base, runs)
+        rows = []
+        if only in (None, "startup"):
+            rows += await startup_rows(base, runs)
+        if only in (None, "membership"):
+            rows += await membership_rows(base, runs)
     print(f"{'measure':<42} {'median':>10} {'ratio':>8}")
     for name, seconds, ratio in rows:
         print(f"{name:<42} {seconds * 1000:>7.0f} ms {ratio:>8.2f}")
@@ -348,6 +351,9 @@ async def main(runs: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--only", choices=("startup", "membership"), help="one half of the table (default: both)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    trio.run(main, args.runs)
+    trio.run(main, args.runs, args.only)
