@@ -19,6 +19,12 @@ etcd once (starting it twice, first with plain-HTTP peers, cost 3.2x a bare
 start). A crash anywhere in between resumes: while the CA key file exists,
 the PKI is not in etcd yet; if etcd never ran, everything is made anew.
 
+While the CA key file exists nobody can have joined either, so this node's
+own join data is known before etcd starts (``Service.bootstrap_join``), and
+the caller's first writes (``Config.on_bootstrap``: the curator's cluster)
+go to etcd beside the PKI store, in the same round trip, before the status
+says running.
+
 Once etcd answers and this member is a voter, two children run beside it,
 in a supervisor scope that ends before the etcd client they use is closed::
 
@@ -196,6 +202,16 @@ class Config:
     promote_interval: float = 5.0
     #: How long ``add_node`` keeps retrying while etcd refuses membership changes.
     membership_timeout: float = 60.0
+    #: On a bootstrap (a run that stores the bootstrap PKI), called once etcd
+    #: answers, concurrently with that store and before ``running`` is
+    #: published: with the curator's view of etcd (``Status.curator_client``)
+    #: and this node's join data (``Service.bootstrap_join``). Lets the first
+    #: node create its cluster's curator state in the same round trip (etcd
+    #: commits concurrent writes with one WAL fsync). Not called on other
+    #: runs: the caller then falls back to a running ``Status``.
+    on_bootstrap: Callable[[KV, JoinCluster], Awaitable[None]] | None = field(
+        default=None, compare=False
+    )
 
     @property
     def node_id(self) -> str:
@@ -428,11 +444,28 @@ class Service:
         self.config = config
         self._status: Value[Status] = Value()
         self._status_view = self._status.readonly()
+        self._bootstrap_join: Value[JoinCluster | None] = Value()
+        self._bootstrap_join_view = self._bootstrap_join.readonly()
 
     @property
     def status(self) -> ReadOnlyValue[Status]:
         """The service's :class:`Status`, to watch; only the service sets it."""
         return self._status_view
+
+    @property
+    def bootstrap_join(self) -> ReadOnlyValue[JoinCluster | None]:
+        """This node's own join data when ``run`` bootstraps a new cluster, known before etcd runs.
+
+        Set by each ``run`` before it starts etcd: the join data
+        ``Status.add_node`` would return for this node's own key (the peer
+        CA, this node's peer certificate, the CRL, no other members) when
+        this run creates the cluster or resumes a bootstrap whose PKI is not
+        in etcd yet; None otherwise (joining, restarting, or a bootstrap
+        whose PKI etcd holds already: ask ``add_node`` then). It lets the
+        bootstrapping node write what depends on its join data while etcd
+        starts, instead of after a round trip to it.
+        """
+        return self._bootstrap_join_view
 
     async def wait_running(self) -> Status:
         """Wait until the member runs (now or later) and return that status.
@@ -469,6 +502,7 @@ class Service:
 
         own = {config.node_id: config.peer_url}
         join = config.join_cluster
+        bootstrap_join: JoinCluster | None = None
         if join is not None:
             node.logger.info("joining existing cluster via %d members", len(join.existing_nodes))
             unsynced = await self._write_join_pki(join)
@@ -480,8 +514,9 @@ class Service:
                 # A bootstrap that crashed before etcd ever ran: the CA never
                 # left this machine, so start over rather than trust half a PKI.
                 self._discard_unstarted_bootstrap(node)
+            made = None
             if data.peer_pki.all_absent():
-                await self._prepare_bootstrap_pki(node)
+                made = self._prepare_bootstrap_pki(node)
             elif not data.peer_pki.all_present():
                 raise ConsensusError(f"partial peer PKI in {data.peer_pki.path}: refusing to guess")
             elif not (data.data / "member").exists() and not pending.exists():
@@ -495,6 +530,14 @@ class Service:
             process = config._process(peer_tls=True, initial=own, state="new")
             pending = data.path / _PENDING_CA_KEY
             unsynced = [pending, data.peer_crl, *data.peer_pki.files()] if pending.exists() else []
+            if pending.exists():
+                # The bootstrap PKI is not in etcd yet (its CA key is still
+                # pending on disk), so no node can have been added, nor any
+                # certificate revoked: this node's join data is what is on
+                # disk, with no other members.
+                ca, crl, certificate = made or self._load_bootstrap_pki()
+                bootstrap_join = JoinCluster(ca.certificate, certificate, crl, ())
+        self._bootstrap_join.set(bootstrap_join)
 
         async with Client(process.socket_path) as client, trio.open_nursery() as nursery:
             # Files written without fsync are made durable while etcd starts;
@@ -506,9 +549,16 @@ class Service:
             first: EndpointStatus = await nursery.start(
                 removed.run_etcd, process, etcd_logger, nursery.cancel_scope
             )
+            # Nothing goes into etcd before the PKI files are durable: a power
+            # cut must not leave etcd with a PKI (or curator state naming it)
+            # that this node's disk lost.
             await synced.wait()
             if (data.path / _PENDING_CA_KEY).exists():
-                await self._store_bootstrap_pki(node, client)
+                async with trio.open_nursery() as bootstrap:
+                    bootstrap.start_soon(self._store_bootstrap_pki, node, client)
+                    if config.on_bootstrap is not None and bootstrap_join is not None:
+                        kv = client.namespaced(CURATOR_NAMESPACE)
+                        bootstrap.start_soon(config.on_bootstrap, kv, bootstrap_join)
             member_id = first.member_id
             if first.is_learner:
                 await _wait_voter(client, config.tuning, node.logger)
@@ -623,8 +673,13 @@ class Service:
         for path in (*data.peer_pki.files(), data.peer_crl, data.path / _PENDING_CA_KEY):
             path.unlink(missing_ok=True)
 
-    async def _prepare_bootstrap_pki(self, node: Node) -> None:
-        """Make a new peer PKI on disk, with the CA key kept aside until etcd has it."""
+    def _prepare_bootstrap_pki(
+        self, node: Node
+    ) -> tuple[peerpki.PeerCA, x509.CertificateRevocationList, x509.Certificate]:
+        """Make a new peer PKI on disk, with the CA key kept aside until etcd has it.
+
+        Returns what it wrote, as :meth:`_load_bootstrap_pki` would read it back.
+        """
         config = self.config
         node.logger.info("no peer PKI on disk: bootstrapping a new cluster")
         ca, crl = peerpki.new_ca()
@@ -648,20 +703,28 @@ class Service:
             key=pki.encode_private_key(config.node_private_key),
             durable=False,
         )
+        return ca, crl, certificate
 
-    async def _store_bootstrap_pki(self, node: Node, client: Client) -> None:
-        """Put the PKI made before etcd started into etcd, then drop the CA key file."""
+    def _load_bootstrap_pki(
+        self,
+    ) -> tuple[peerpki.PeerCA, x509.CertificateRevocationList, x509.Certificate]:
+        """The bootstrap PKI on disk (CA with its pending key, CRL, own certificate)."""
         data = self.config.data
-        pending = data.path / _PENDING_CA_KEY
         try:
             ca = peerpki.PeerCA(
-                pki.decode_private_key(pending.read_bytes()),
+                pki.decode_private_key((data.path / _PENDING_CA_KEY).read_bytes()),
                 pki.decode_certificate(data.peer_pki.ca_certificate.read_bytes()),
             )
             crl = pki.decode_crl(data.peer_crl.read_bytes())
             certificate = pki.decode_certificate(data.peer_pki.certificate.read_bytes())
         except (OSError, pki.PKIError) as e:
             raise ConsensusError(f"bootstrap PKI on disk is damaged: {e}") from e
+        return ca, crl, certificate
+
+    async def _store_bootstrap_pki(self, node: Node, client: Client) -> None:
+        """Put the PKI made before etcd started into etcd, then drop the CA key file."""
+        pending = self.config.data.path / _PENDING_CA_KEY
+        ca, crl, certificate = self._load_bootstrap_pki()
         await peerpki.store_bootstrap(client.namespaced(peerpki.NAMESPACE), ca, crl, certificate)
         pending.unlink()
         node.logger.info("bootstrap peer PKI stored in etcd")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import ssl
 import stat
@@ -28,7 +29,7 @@ from metropolis.consensus import (
     Status,
     peerpki,
 )
-from metropolis.consensus.client import Client, EtcdClosed
+from metropolis.consensus.client import KV, Client, EtcdClosed
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRolesConsensusMember
@@ -167,6 +168,40 @@ async def test_bootstrap_starts_etcd_once(tmp_path: Path, caplog: pytest.LogCapt
     assert len(starts) == 1, [r.getMessage()[:80] for r in starts]
     assert "--peer-cert-file" in starts[0].getMessage()  # peer TLS from the first start
     assert not (machine.root.data.etcd.path / "bootstrap_ca_key.pem").exists()
+
+
+async def test_bootstrap_knows_its_join_data_early_and_runs_its_hook_once(
+    tmp_path: Path,
+) -> None:
+    """Before etcd runs, a bootstrap publishes the join data add_node gives later; its
+    hook writes beside the PKI store, before running; a restart does neither."""
+    machine = Machine.make(tmp_path / "n1")
+    calls: list[tuple[bool, JoinCluster]] = []
+    service: Service | None = None
+
+    async def hook(kv: KV, join: JoinCluster) -> None:
+        assert service is not None
+        with service.status.watch() as watcher:
+            calls.append(((await watcher.get()).running, join))
+        await kv.put("created-early", "yes")
+
+    for attempt in range(2):
+        service = Service(dataclasses.replace(machine.config(), on_bootstrap=hook))
+        async with open_supervisor(service.run, name="consensus"):
+            with trio.fail_after(BOUND):
+                with service.bootstrap_join.watch() as watcher:
+                    early = await watcher.get()
+                status = await service.wait_running()
+            if attempt == 0:
+                assert early is not None
+                assert early == await status.add_node(machine.public_key)
+                assert [c[1] for c in calls] == [early]
+                assert calls[0][0] is False  # before running was published
+            else:
+                assert early is None  # a restart: the cluster exists, ask etcd
+                assert len(calls) == 1  # and the hook is not called again
+            stored = await status.curator_client().get("created-early")
+            assert stored is not None and stored.value == b"yes"
 
 
 async def test_bootstrap_interrupted_before_the_pki_is_stored_resumes(
