@@ -11,6 +11,9 @@ is that collapse::
                then put CA, node certificate, node record, owner, join key
                else read what is there and return it if it is ours
 
+(:func:`create_cluster` is that transaction alone, for a caller that has
+its join data and the curator's view of etcd before consensus runs.)
+
 A crash at any point leaves either nothing or everything in etcd, and
 running it again returns the same cluster.
 """
@@ -23,7 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
-from metropolis.consensus.client import Compare, Get, Put, RangeResult
+from metropolis.consensus.client import KV, Compare, Get, Put, RangeResult
 from metropolis.consensus.service import JoinCluster, Status
 from metropolis.curator.state import (
     CA_CERTIFICATE_KEY,
@@ -48,6 +51,7 @@ __all__ = [
     "bootstrap_cluster",
     "bootstrap_roles",
     "cluster_ca",
+    "create_cluster",
     "node_certificate",
 ]
 
@@ -115,11 +119,35 @@ async def bootstrap_cluster(
     that no bootstrap writes), and the etcd client's errors as they come.
     Cancellation at any point leaves either nothing or everything written.
     """
-    node = identity.node_id(node_public_key)
     if join is None:
         join = await consensus.add_node(node_public_key)
-    kv = consensus.curator_client()
+    return await create_cluster(
+        consensus.curator_client(),
+        node_public_key=node_public_key,
+        join_public_key=join_public_key,
+        cluster_unlock_key=cluster_unlock_key,
+        owner_public_key=owner_public_key,
+        join=join,
+        ca=ca,
+    )
 
+
+async def create_cluster(
+    kv: KV,
+    *,
+    node_public_key: bytes,
+    join_public_key: bytes,
+    cluster_unlock_key: bytes,
+    owner_public_key: bytes,
+    join: JoinCluster,
+    ca: tuple[Ed25519PrivateKey, x509.Certificate] | None = None,
+) -> BootstrapResult:
+    """:func:`bootstrap_cluster` on the curator's view of etcd, with the join data at hand.
+
+    One transaction, no other round trip: usable before the consensus
+    service says it runs (its ``on_bootstrap`` hook). Same results and errors.
+    """
+    node = identity.node_id(node_public_key)
     ca_key, ca_certificate = ca if ca is not None else cluster_ca()
     certificate = node_certificate(ca_key, ca_certificate, node_public_key)
     record = Node(

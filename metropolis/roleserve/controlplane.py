@@ -11,12 +11,20 @@ Monogon's seed (``worker_controlplane.go``), reshaped for Trio::
               request) only when changed() says the control plane
               appears or disappears.
 
-Bootstrap (as the seed, made restartable): start consensus (it bootstraps
-etcd), wait until it runs, :func:`~metropolis.curator.bootstrap.bootstrap_cluster`,
-save roles, cluster directory, sealed configuration and credentials
-(fsynced, credentials last), drop the bootstrap intent, start the curator,
-publish the new membership and the roles. Every step is idempotent, so a
-crash anywhere resumes on the next start.
+Bootstrap (as the seed, made restartable and pipelined around etcd's
+start)::
+
+    consensus starts: peer PKI made, etcd spawned ──────────────┐
+    while etcd starts: roles (this node's join data), directory, │
+      sealed configuration, owner certificate written, fsynced  │
+    etcd answers: peer PKI + the cluster (curator state) stored  ◀┘
+      in etcd, concurrently (one round trip), then running
+    curator started (it campaigns) ‖ credentials written, fsynced
+    intent dropped; membership (home) and roles published
+
+Every step is idempotent, and the credentials (which mean "done") are
+written only after the cluster exists in etcd and every other file is
+durable, so a crash anywhere resumes on the next start.
 
 Bad join data in the roles is logged and skipped by ``reduce()``; nothing
 here fails on it.
@@ -33,9 +41,19 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import consensus, identity, pki
+from metropolis.consensus.client import KV
+from metropolis.consensus.service import JoinCluster
 from metropolis.crashpoint import CRASH_ENV, crash_point
-from metropolis.curator.bootstrap import bootstrap_cluster, bootstrap_roles, cluster_ca
+from metropolis.curator.bootstrap import (
+    BootstrapResult,
+    bootstrap_cluster,
+    bootstrap_roles,
+    cluster_ca,
+    create_cluster,
+)
 from metropolis.curator.service import Curator
+from metropolis.curator.state import CuratorError
+from metropolis.errors import ConsensusError
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
 from metropolis.localstorage import Root
@@ -193,9 +211,11 @@ class ControlPlaneWorker:
         startup: BootstrapControlPlane | JoinControlPlane,
     ) -> None:
         settings = self._settings
+        creation: _ClusterCreation | None = None
         if isinstance(startup, BootstrapControlPlane):
             key = startup.data.node_private_key
             join = None
+            creation = _ClusterCreation(startup.data, node)
         else:
             key = startup.credentials.private_key
             join = startup.join
@@ -206,15 +226,28 @@ class ControlPlaneWorker:
             peer_address=settings.peer_address,
             join_cluster=join,
             tuning=settings.tuning,
+            on_bootstrap=creation.in_etcd if creation is not None else None,
         )
         service = consensus.Service(config)
         node.logger.info("starting consensus and curator")
         outer.run("consensus", service.run)
 
         roles: NodeRoles | None = None
-        if isinstance(startup, BootstrapControlPlane):
-            credentials, directory, roles = await self._bootstrap_cluster(node, service, startup)
+        if creation is not None:
+            credentials, directory, roles = await self._create_cluster(node, service, creation)
+            # The curator campaigns while the credentials are written. Safe
+            # before they are durable: whatever it writes to etcd (its
+            # election key, anything it is asked to do) is cluster state a
+            # resumed bootstrap finds and keeps (bootstrap_cluster returns
+            # what etcd holds; the election removes its own stale key).
+            curator = self._run_curator(inner, service, credentials)
+            # Last: the credentials mean "done" (disk.load), so they are
+            # written only after the cluster exists in etcd and the other
+            # files are durable; the node is home only once they are too.
+            await trio.to_thread.run_sync(disk.save_credentials, self._root, credentials)
+            node.logger.info("bootstrap complete: %s", credentials.node_id)
         else:
+            assert isinstance(startup, JoinControlPlane)
             credentials = startup.credentials
             # The newest directory, not the one of the startup decision: the
             # directory updater may have published a newer one since.
@@ -222,16 +255,8 @@ class ControlPlaneWorker:
                 latest = await watcher.get()
             directory = latest.remote_curators or ClusterDirectory()
             directory = _with_node(directory, credentials.public_key, settings.address)
+            curator = self._run_curator(inner, service, credentials)
 
-        curator = Curator(
-            service.status,
-            credentials.node_id,
-            credentials=credentials,
-            listen=(settings.address, settings.curator_port),
-            peer_port=settings.peer_port,
-            heartbeat_timeout=2 * settings.status_interval,
-        )
-        inner.run("curator", curator.run)
         self._membership.set(
             ClusterMembership(
                 public_key=credentials.public_key,
@@ -244,37 +269,77 @@ class ControlPlaneWorker:
         if roles is not None:
             self._roles.set(roles)
 
-    async def _bootstrap_cluster(
-        self, node: Node, service: consensus.Service, startup: BootstrapControlPlane
-    ) -> tuple[NodeCredentials, ClusterDirectory, NodeRoles]:
-        """Create the cluster and persist this node as its first member.
+    def _run_curator(
+        self, inner: Scope, service: consensus.Service, credentials: NodeCredentials
+    ) -> Curator:
+        """Start this node's curator in ``inner``; return it."""
+        settings = self._settings
+        curator = Curator(
+            service.status,
+            credentials.node_id,
+            credentials=credentials,
+            listen=(settings.address, settings.curator_port),
+            peer_port=settings.peer_port,
+            heartbeat_timeout=2 * settings.status_interval,
+        )
+        inner.run("curator", curator.run)
+        return curator
 
-        Pipelined, since each step waits on disk or etcd: the cluster CA is
-        made while etcd starts; once this node's join data is known, its
-        roles, directory, sealed configuration and the owner's certificate
-        are written and fsynced while the cluster is created in etcd; the
-        credentials (which mean "done") only after both. A retry that finds
-        the cluster in etcd already rewrites those files from what is stored.
+    async def _create_cluster(
+        self, node: Node, service: consensus.Service, creation: _ClusterCreation
+    ) -> tuple[NodeCredentials, ClusterDirectory, NodeRoles]:
+        """Create the cluster in etcd and write every file but the credentials.
+
+        Pipelined, so that etcd's start is nearly all of it. While etcd
+        starts, with this node's join data (known locally on a fresh
+        bootstrap: ``Service.bootstrap_join``): its roles, directory, sealed
+        configuration and the owner's certificate are written and fsynced.
+        Once etcd answers, the consensus service creates the cluster
+        (:meth:`_ClusterCreation.in_etcd`) beside storing its peer PKI: one
+        round trip. Returns once etcd runs and both are done, with the
+        credentials to save.
+
+        Without local join data (a resumed bootstrap whose PKI etcd holds)
+        or when that early creation did not happen or failed, it is done
+        once consensus runs: join data asked from etcd, then
+        :func:`bootstrap_cluster` (idempotent; its errors are raised here).
+
+        Crash safety: the files written here mean nothing to
+        :func:`~.disk.load` without credentials, so writing them before the
+        cluster exists is harmless; a retry that finds an earlier attempt's
+        cluster in etcd rewrites them from what is stored.
         """
-        data = startup.data
+        data = creation.data
+        ca_key, ca = creation.ca_key, creation.ca
         directory = _with_node(ClusterDirectory(), data.node_public_key, self._settings.address)
-        ca_key, ca = cluster_ca()
-        node.logger.info("bootstrapping: waiting for consensus")
-        status = await service.wait_running()
-        node.logger.info("bootstrapping: creating the cluster")
-        join = await status.add_node(data.node_public_key)
-        planned_roles = bootstrap_roles(join)
+        with service.bootstrap_join.watch() as watcher:
+            join = await watcher.get()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._save_cluster_files, data, ca, ca_key, planned_roles, directory)
-            result = await bootstrap_cluster(
-                status,
-                node_public_key=data.node_public_key,
-                join_public_key=data.join_public_key,
-                cluster_unlock_key=data.cluster_unlock_key,
-                owner_public_key=data.initial_owner_key,
-                join=join,
-                ca=(ca_key, ca),
-            )
+            if join is not None:
+                planned_roles = bootstrap_roles(join)
+                nursery.start_soon(
+                    self._save_cluster_files, data, ca, ca_key, planned_roles, directory
+                )
+            node.logger.info("bootstrapping: waiting for consensus")
+            status = await service.wait_running()
+            result = creation.result
+            if result is None:
+                node.logger.info("bootstrapping: creating the cluster")
+                if join is None:
+                    join = await status.add_node(data.node_public_key)
+                    planned_roles = bootstrap_roles(join)
+                    nursery.start_soon(
+                        self._save_cluster_files, data, ca, ca_key, planned_roles, directory
+                    )
+                result = await bootstrap_cluster(
+                    status,
+                    node_public_key=data.node_public_key,
+                    join_public_key=data.join_public_key,
+                    cluster_unlock_key=data.cluster_unlock_key,
+                    owner_public_key=data.initial_owner_key,
+                    join=join,
+                    ca=(ca_key, ca),
+                )
         node.logger.info("bootstrapping: cluster created in etcd; saving credentials")
         roles = result.record.roles or NodeRoles()
         if result.ca_certificate != ca or roles != planned_roles:
@@ -286,8 +351,6 @@ class ControlPlaneWorker:
         credentials = NodeCredentials(
             data.node_private_key, result.node_certificate, result.ca_certificate
         )
-        await trio.to_thread.run_sync(disk.save_credentials, self._root, credentials)
-        node.logger.info("bootstrap complete: %s", credentials.node_id)
         return credentials, directory, roles
 
     async def _save_cluster_files(
@@ -339,3 +402,36 @@ def _with_node(directory: ClusterDirectory, public_key: bytes, host: str) -> Clu
         public_key=public_key, addresses=[ClusterDirectoryNodeAddress(host=host)]
     )
     return ClusterDirectory(nodes=[*directory.nodes, node])
+
+
+class _ClusterCreation:
+    """One bootstrap attempt: its cluster CA and, once created in etcd early, the result."""
+
+    def __init__(self, data: BootstrapData, node: Node) -> None:
+        self.data = data
+        self._logger = node.logger
+        # Made before consensus starts (well under a millisecond): the hook
+        # below and the files written while etcd starts both need it.
+        self.ca_key, self.ca = cluster_ca()
+        self.result: BootstrapResult | None = None
+
+    async def in_etcd(self, kv: KV, join: JoinCluster) -> None:
+        """The consensus service's ``on_bootstrap`` hook: create the cluster beside its PKI.
+
+        Never raises etcd's or the curator's errors: consensus must not fail
+        for them. The launcher then tries again once consensus runs, and
+        raises what that meets.
+        """
+        data = self.data
+        try:
+            self.result = await create_cluster(
+                kv,
+                node_public_key=data.node_public_key,
+                join_public_key=data.join_public_key,
+                cluster_unlock_key=data.cluster_unlock_key,
+                owner_public_key=data.initial_owner_key,
+                join=join,
+                ca=(self.ca_key, self.ca),
+            )
+        except (CuratorError, ConsensusError) as e:
+            self._logger.info("bootstrapping: cluster not created early (%s); retrying", e)

@@ -122,6 +122,11 @@ async def test_bootstrap_from_nothing(tmp_path: Path, caplog: pytest.LogCaptureF
     # The files written while etcd created the cluster were the right ones:
     # no second round to write etcd's version of them.
     assert not any("earlier attempt" in r.getMessage() for r in caplog.records)
+    # The cluster was created beside the PKI store, before consensus ran:
+    # never on the slower path that asks etcd for the join data first.
+    messages = [r.getMessage() for r in caplog.records]
+    assert "bootstrapping: cluster created in etcd; saving credentials" in messages
+    assert "bootstrapping: creating the cluster" not in messages
     assert etcd_pid(root.ephemeral.consensus) is None
 
 
