@@ -22,6 +22,7 @@ Ed25519-capable gRPC implementation speaks.
 
 from __future__ import annotations
 
+import functools
 import os
 import ssl
 
@@ -36,6 +37,15 @@ from metropolis.rpc.status import RPCError, Status
 
 #: Ed25519 in the cluster; other types only where a test peer needs them.
 PrivateKey = CertificateIssuerPrivateKeyTypes
+
+#: Contexts kept for reuse. A node's role fetch, directory watch and status
+#: push call with the same credentials, and its debug service and curator
+#: serve with them: each context costs ~2 ms of CPU (OpenSSL parses the CA,
+#: the certificate and the key), all spent on the Trio thread at the moment
+#: the node comes home, when its curator campaigns. A context is safe to
+#: share between connections as long as nobody changes it after creation.
+#: Private keys compare by identity, so a reloaded key gets a new context.
+_CACHED = 16
 
 __all__ = [
     "check_server_key",
@@ -75,7 +85,10 @@ def _base(purpose: ssl.Purpose, ca_certificate: x509.Certificate) -> ssl.SSLCont
 
 
 def server_context(credentials: NodeCredentials) -> ssl.SSLContext:
-    """Context for a curator serving with ``credentials`` (its node certificate)."""
+    """Context for a curator serving with ``credentials`` (its node certificate).
+
+    Shared, as :func:`server_context_for` says: treat it as read-only.
+    """
     return server_context_for(
         credentials.certificate, credentials.private_key, credentials.ca_certificate
     )
@@ -87,7 +100,16 @@ def server_context_for(
     """Like :func:`server_context`, for a certificate and key of any type TLS takes.
 
     For tests against peers that cannot verify Ed25519 (grpcio's BoringSSL).
+    The same certificate, key (object) and CA give the same context object:
+    see :data:`_CACHED`. Treat it as read-only.
     """
+    return _server_context(certificate, key, ca_certificate)
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _server_context(
+    certificate: x509.Certificate, key: PrivateKey, ca_certificate: x509.Certificate
+) -> ssl.SSLContext:
     context = _base(ssl.Purpose.CLIENT_AUTH, ca_certificate)
     context.verify_mode = ssl.CERT_OPTIONAL
     _load_chain(context, certificate, key)
@@ -103,14 +125,24 @@ def client_context(
 
     ``certificate`` and ``key`` (an Ed25519 private key) are the caller's
     identity: a node certificate or the owner's; None to call with a proof
-    of possession only.
+    of possession only. The same arguments (the key: the same object) give
+    the same context object, see :data:`_CACHED`. Treat it as read-only.
     """
+    if certificate is not None and key is None:
+        raise ValueError("a client certificate needs its private key")
+    return _client_context(ca_certificate, certificate, key)
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _client_context(
+    ca_certificate: x509.Certificate,
+    certificate: x509.Certificate | None,
+    key: PrivateKey | None,
+) -> ssl.SSLContext:
     context = _base(ssl.Purpose.SERVER_AUTH, ca_certificate)
     context.check_hostname = False
     context.verify_mode = ssl.CERT_REQUIRED
-    if certificate is not None:
-        if key is None:
-            raise ValueError("a client certificate needs its private key")
+    if certificate is not None and key is not None:
         _load_chain(context, certificate, key)
     return context
 

@@ -190,6 +190,20 @@ def _node_context(
     return client_context(cluster.ca, creds.certificate, creds.private_key)
 
 
+def test_contexts_are_made_once_per_identity(cluster: Cluster) -> None:
+    """A node's services share their contexts (each costs ms of CPU as the node comes home)."""
+    creds = cluster.node
+    assert _node_context(cluster) is _node_context(cluster)
+    assert server_context(cluster.server) is server_context(cluster.server)
+    assert client_context(cluster.ca) is client_context(cluster.ca)
+    assert client_context(cluster.ca) is not _node_context(cluster)
+    # Another key object (even for the same key) is another identity.
+    reloaded = pki.decode_private_key(pki.encode_private_key(creds.private_key))
+    assert client_context(cluster.ca, creds.certificate, reloaded) is not _node_context(cluster)
+    with pytest.raises(ValueError, match="private key"):
+        client_context(cluster.ca, creds.certificate)
+
+
 def test_contexts_trust_the_cluster_ca_only(cluster: Cluster) -> None:
     """Neither side trusts the system's public CAs (loading them cost 0.2 s a client)."""
     der = pki.encode_certificate(cluster.ca, pki.Encoding.DER)
