@@ -48,6 +48,7 @@ from metropolis.consensus.client import (
     EtcdError,
     EtcdUnavailable,
     Get,
+    Lease,
     Op,
     Put,
     RangeResult,
@@ -114,10 +115,13 @@ async def run_election(
     *,
     ttl: int = DEFAULT_TTL,
     logger: logging.Logger | None = None,
+    lease: Lease | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Campaign until cancelled, publishing the state to ``state``.
 
+    ``lease``: one granted already (with ``ttl``) for this campaign, used
+    instead of granting one here; it is revoked on the way out like our own.
     Signals ``task_status.started()`` once the lease is held. Raises the
     etcd client's errors (``LeaseExpired`` when the lease is lost, which
     ends a term; ``EtcdClosed`` when the client goes away). On the way out
@@ -127,7 +131,8 @@ async def run_election(
     log = logger or logging.getLogger("metropolis.curator.election")
     value = bytes(LeaderElectionValue(node_id=node_id, ttl=ttl))
     removal = consensus_removal_key(node_id)
-    lease = await kv.grant(ttl)
+    if lease is None:
+        lease = await kv.grant(ttl)
     try:
         async with trio.open_nursery() as nursery:
             # The lease holds for its TTL from the grant: campaign at once

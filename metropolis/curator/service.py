@@ -22,7 +22,7 @@ import os
 
 import trio
 
-from metropolis.consensus.client import EtcdClosed
+from metropolis.consensus.client import EtcdClosed, Lease
 from metropolis.consensus.service import Status
 from metropolis.curator.api import HEARTBEAT_TIMEOUT, LEARNER_TIMEOUT, CuratorAPI
 from metropolis.curator.election import DEFAULT_TTL, ElectionState, Follower, run_election
@@ -49,12 +49,17 @@ class Curator:
         peer_port: int = 7834,
         learner_timeout: float = LEARNER_TIMEOUT,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        lease: Lease | None = None,
     ):
         """``credentials`` and ``listen`` (host, port): serve the RPC API there.
 
         ``peer_port`` is the consensus peer port of every node (the cluster
         uses one, as Monogon does): granting ConsensusMember adds a member
         at the node's reported address and this port.
+
+        ``lease``: granted already for the first campaign (the bootstrap
+        grants it in the round trip that creates the cluster, one fewer before
+        this curator leads); later runs grant their own.
 
         Without them the curator only campaigns (tests of the election).
         ``heartbeat_timeout``: seconds after a node's last status update at
@@ -68,6 +73,7 @@ class Curator:
         self._peer_port = peer_port
         self._learner_timeout = learner_timeout
         self._heartbeat_timeout = heartbeat_timeout
+        self._lease = lease
         self._port: Value[int] = Value()
         #: The port the RPC API is bound to, once it is.
         self.port: ReadOnlyValue[int] = self._port.readonly()
@@ -92,6 +98,13 @@ class Curator:
                     await watcher.get()
                     node.restart("consensus changed; its etcd client is gone")
 
+                # Only the first run: the lease is revoked when a run ends.
+                granted = [self._lease] if self._lease is not None else []
+                self._lease = None
+
+                async def grant() -> None:
+                    granted.append(await kv.grant(self.ttl))
+
                 async def elect(task_status: trio.TaskStatus[None]) -> None:
                     try:
                         await run_election(
@@ -100,6 +113,7 @@ class Curator:
                             self._election,
                             ttl=self.ttl,
                             logger=node.logger,
+                            lease=granted[0],
                             task_status=task_status,
                         )
                     except* EtcdClosed:
@@ -122,17 +136,17 @@ class Curator:
 
                 # The API's state is read while the lease is granted: one
                 # round trip less before the curator serves.
-                async with trio.open_nursery() as startup:
-                    if serve:
-                        startup.start_soon(load_api)
-                    await nursery.start(elect)
-                if os.environ.get(PROBE_ENV) == "1":  # test hook: leader-guarded writes
-                    nursery.start_soon(
-                        functools.partial(
-                            run_probe, kv, self.election, self.node_id, logger=node.logger
-                        )
-                    )
+                try:
+                    async with trio.open_nursery() as startup:
+                        if serve:
+                            startup.start_soon(load_api)
+                        if not granted:
+                            startup.start_soon(grant)
+                except* EtcdClosed:
+                    node.restart("the etcd client closed")
                 if serve:
+                    # Listening before campaigning: whoever sees this curator
+                    # lead can call it at once.
                     assert self._credentials is not None and self._listen is not None
                     [api] = loaded
                     server = Server(server_context(self._credentials), api.security())
@@ -141,4 +155,11 @@ class Curator:
                     bound = await nursery.start(api.serve, server, self.election, host, port)
                     node.logger.info("serving the curator API on %s:%d", host, bound)
                     self._port.set(bound)
+                await nursery.start(elect)
+                if os.environ.get(PROBE_ENV) == "1":  # test hook: leader-guarded writes
+                    nursery.start_soon(
+                        functools.partial(
+                            run_probe, kv, self.election, self.node_id, logger=node.logger
+                        )
+                    )
                 node.signal_healthy()

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from metropolis import identity, pki
 from metropolis.consensus import Config, Service, Status
-from metropolis.consensus.client import KV, Compare, Put
+from metropolis.consensus.client import KV, Compare, LeaseExpired, Put
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, kill_etcd
 from metropolis.curator.bootstrap import BootstrapResult, bootstrap_cluster
 from metropolis.curator.election import ElectionState, Follower, Leader, NotLeader, run_election
@@ -211,6 +212,74 @@ async def test_stale_election_key_of_this_node_is_taken_over(tmp_path: Path) -> 
                 with state.watch() as w:
                     assert isinstance(await w.get(lambda s: isinstance(s, Leader)), Leader)
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_curator_campaigns_on_a_lease_granted_for_it_once(tmp_path: Path) -> None:
+    """The bootstrap grants the first lease early; the curator leads on it, revokes it on
+    the way out, and a restarted curator grants its own."""
+    async with consensus(tmp_path) as (service, _, status):
+        kv = status.curator_client()
+        granted = await kv.grant(10)
+        curator = Curator(service.status, "me", lease=granted)
+        leases: list[int] = []
+        with trio.fail_after(BOUND):
+            for _ in range(2):
+                async with open_supervisor(curator.run, name="curator"):
+                    with curator.election.watch() as w:
+                        # (The value keeps the first run's term until the second leads.)
+                        leader = await w.get(
+                            lambda s: isinstance(s, Leader) and s.lease_id not in leases
+                        )
+                    assert isinstance(leader, Leader)
+                    leases.append(leader.lease_id)
+        assert leases[0] == granted.id and leases[1] != granted.id
+        with pytest.raises(LeaseExpired):
+            await kv.keep_alive_once(granted.id)  # revoked when the first run ended
+
+
+async def test_a_serving_curator_listens_before_it_leads(tmp_path: Path) -> None:
+    """Whoever sees the curator lead can call it: with its lease at hand it could
+    campaign before its API listens, and must not."""
+    async with consensus(tmp_path) as (service, _, status):
+        node_key = service.config.node_private_key
+        result = await bootstrap_cluster(
+            status,
+            node_public_key=pki.public_key_bytes(node_key),
+            join_public_key=_keys()["join"],
+            cluster_unlock_key=b"k" * 32,
+            owner_public_key=_keys()["owner"],
+        )
+        credentials = identity.NodeCredentials(
+            node_key, result.node_certificate, result.ca_certificate
+        )
+        curator = Curator(
+            service.status,
+            credentials.node_id,
+            credentials=credentials,
+            listen=("127.0.0.1", 0),
+            lease=await status.curator_client().grant(10),
+        )
+        order: list[str] = []
+
+        async def leads() -> None:
+            with curator.election.watch() as w:
+                await w.get(lambda s: isinstance(s, Leader))
+            order.append("leads")
+
+        async def listens() -> None:
+            with curator.port.watch() as w:
+                await w.get()
+            order.append("listens")
+
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(leads)
+                nursery.start_soon(listens)
+                await trio.testing.wait_all_tasks_blocked()  # both watch before it starts
+                async with open_supervisor(curator.run, name="curator"):
+                    while len(order) < 2:  # noqa: ASYNC110
+                        await trio.sleep(0.01)
+        assert order == ["listens", "leads"]
 
 
 async def test_watch_node_sees_the_record_and_every_change(tmp_path: Path) -> None:
