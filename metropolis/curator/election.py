@@ -146,7 +146,7 @@ async def run_election(
                     [Get(LEADER_KEY), Get(removal)],
                 )
                 if result.succeeded:
-                    log.info("this curator leads (term %d)", result.revision)
+                    log.info("won the election (term %d)", result.revision)
                     state.set(Leader(node_id, lease.id, result.revision))
                     # Until keep_alive loses the lease (it raises), or this
                     # node's ConsensusMember role is revoked.

@@ -3,7 +3,9 @@
 ::
 
     curator ── waits for a running consensus status, takes its etcd view
-       ├── election (in the curator's own task): lease, campaign, lead/follow
+       ├── election (in the curator's own task): lease, campaign, lead/follow;
+       │   published as ``election`` (and logged "this curator leads") only
+       │   once the API listens, so that whoever sees it lead can call it
        └── follower of consensus: a newer consensus status (restarted,
            stopped) means the etcd client in hand is gone -> restart on request
 
@@ -25,7 +27,13 @@ import trio
 from metropolis.consensus.client import EtcdClosed, Lease
 from metropolis.consensus.service import Status
 from metropolis.curator.api import HEARTBEAT_TIMEOUT, LEARNER_TIMEOUT, CuratorAPI
-from metropolis.curator.election import DEFAULT_TTL, ElectionState, Follower, run_election
+from metropolis.curator.election import (
+    DEFAULT_TTL,
+    ElectionState,
+    Follower,
+    Leader,
+    run_election,
+)
 from metropolis.curator.probe import PROBE_ENV, run_probe
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
@@ -99,21 +107,31 @@ class Curator:
                     node.restart("consensus changed; its etcd client is gone")
 
                 # Only the first run: the lease is revoked when a run ends.
-                granted = [self._lease] if self._lease is not None else []
-                self._lease = None
+                lease, self._lease = self._lease, None
+                # The campaign runs beside the API's start, but its outcome is
+                # published only once the API listens: whoever sees this
+                # curator lead can call it at once.
+                campaign: Value[ElectionState] = Value()
+                listening = trio.Event()
 
-                async def grant() -> None:
-                    granted.append(await kv.grant(self.ttl))
+                async def publish() -> None:
+                    await listening.wait()
+                    with campaign.watch() as states:
+                        while True:
+                            state = await states.get()
+                            if isinstance(state, Leader):
+                                node.logger.info("this curator leads (term %d)", state.revision)
+                            self._election.set(state)
 
                 async def elect(task_status: trio.TaskStatus[None]) -> None:
                     try:
                         await run_election(
                             kv,
                             self.node_id,
-                            self._election,
+                            campaign,
                             ttl=self.ttl,
                             logger=node.logger,
-                            lease=granted[0],
+                            lease=lease,
                             task_status=task_status,
                         )
                     except* EtcdClosed:
@@ -134,19 +152,20 @@ class Curator:
                         )
                     )
 
+                nursery.start_soon(publish)
                 # The API's state is read while the lease is granted: one
                 # round trip less before the curator serves.
-                try:
-                    async with trio.open_nursery() as startup:
-                        if serve:
-                            startup.start_soon(load_api)
-                        if not granted:
-                            startup.start_soon(grant)
-                except* EtcdClosed:
-                    node.restart("the etcd client closed")
+                async with trio.open_nursery() as startup:
+                    if serve:
+                        startup.start_soon(load_api)
+                    await nursery.start(elect)
+                if os.environ.get(PROBE_ENV) == "1":  # test hook: leader-guarded writes
+                    nursery.start_soon(
+                        functools.partial(
+                            run_probe, kv, self.election, self.node_id, logger=node.logger
+                        )
+                    )
                 if serve:
-                    # Listening before campaigning: whoever sees this curator
-                    # lead can call it at once.
                     assert self._credentials is not None and self._listen is not None
                     [api] = loaded
                     server = Server(server_context(self._credentials), api.security())
@@ -155,11 +174,5 @@ class Curator:
                     bound = await nursery.start(api.serve, server, self.election, host, port)
                     node.logger.info("serving the curator API on %s:%d", host, bound)
                     self._port.set(bound)
-                await nursery.start(elect)
-                if os.environ.get(PROBE_ENV) == "1":  # test hook: leader-guarded writes
-                    nursery.start_soon(
-                        functools.partial(
-                            run_probe, kv, self.election, self.node_id, logger=node.logger
-                        )
-                    )
+                listening.set()
                 node.signal_healthy()
