@@ -197,7 +197,20 @@ def owner_certificate_path(root: Root) -> Path:
 
 
 def save_roles(root: Root, roles: NodeRoles) -> None:
-    atomic_write(roles_path(root), bytes(roles))
+    """Persist ``roles`` (fsynced), unless the file holds them already.
+
+    The roles a node starts with, or a bootstrap just wrote, come back here
+    as the node comes home: rewriting them would cost an fsync exactly when
+    the new curator's campaign writes to etcd.
+    """
+    path = roles_path(root)
+    encoded = bytes(roles)
+    try:
+        if path.read_bytes() == encoded:
+            return
+    except OSError:
+        pass
+    atomic_write(path, encoded)
 
 
 @dataclass(frozen=True)

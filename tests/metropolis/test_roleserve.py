@@ -216,3 +216,18 @@ async def test_restart_from_disk_logs_no_error(
         assert etcd_pid(root.ephemeral.consensus) is None
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
+
+
+def test_saving_the_roles_a_node_has_already_writes_nothing(tmp_path: Path) -> None:
+    """Roles come back as a node comes home; rewriting them cost an fsync at that moment."""
+    root = Root(tmp_path / "n")
+    root.create()
+    (root.data.path / "node").mkdir(exist_ok=True)
+    roles = NodeRoles(kubernetes_controller=NodeRolesKubernetesController())
+    disk.save_roles(root, roles)
+    written = disk.roles_path(root).stat().st_ino
+    disk.save_roles(root, roles)
+    assert disk.roles_path(root).stat().st_ino == written  # atomic_write makes a new inode
+    disk.save_roles(root, NodeRoles())
+    assert disk.roles_path(root).stat().st_ino != written
+    assert NodeRoles.parse(disk.roles_path(root).read_bytes()) == NodeRoles()
