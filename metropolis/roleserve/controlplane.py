@@ -38,6 +38,7 @@ import shutil
 from pathlib import Path
 
 import trio
+import trio.lowlevel
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -81,6 +82,7 @@ from metropolis.roleserve.startup import (
     reduce,
 )
 from metropolis.roleserve.values import BootstrapData, ClusterMembership, join_key_bytes
+from metropolis.rpc import client_context, server_context
 from metropolis.supervisor import Node, Scope
 
 __all__ = ["CRASH_ENV", "ControlPlaneWorker"]
@@ -240,7 +242,14 @@ class ControlPlaneWorker:
             # Last: the credentials mean "done" (disk.load), so they are
             # written only after the cluster exists in etcd and the other
             # files are durable; the node is home only once they are too.
-            await trio.to_thread.run_sync(disk.save_credentials, self._root, credentials)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    functools.partial(
+                        trio.to_thread.run_sync, disk.save_credentials, self._root, credentials
+                    )
+                )
+                await trio.lowlevel.checkpoint()  # the thread starts its fsync first
+                _warm_tls_contexts(credentials)
             node.logger.info("bootstrap complete: %s", credentials.node_id)
             # Only now: its campaign is an etcd write, and etcd's WAL fsync
             # beside the credentials' fsync made both wait on the same
@@ -393,6 +402,19 @@ class ControlPlaneWorker:
                 owner_certificate=pki.encode_certificate(owner),
             )
         )
+
+
+def _warm_tls_contexts(credentials: NodeCredentials) -> None:
+    """Build the TLS contexts this node's services will ask for (rpc.tls keeps them).
+
+    Its curator, debug service, role fetch, directory and status push all
+    start as it comes home, each asking for one of these two contexts
+    (~2 ms of CPU each, on the Trio thread, while the new curator
+    campaigns); built here, they cost nothing then. Called while the
+    credentials' fsync keeps the disk busy and this thread idle.
+    """
+    server_context(credentials)
+    client_context(credentials.ca_certificate, credentials.certificate, credentials.private_key)
 
 
 def _remove_tree(path: Path) -> None:
