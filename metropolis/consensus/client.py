@@ -2,8 +2,8 @@
 
 Layers, bottom up (each only talks to the one below)::
 
-    httpx.AsyncClient (AsyncHTTPTransport(uds=socket); Trio-native via anyio)
-        |
+    UnixHTTP (unary calls; .unixhttp)   httpx.AsyncClient (streams; uds=socket)
+        |                                   |
     _Gateway      POST /v3/<path> with a JSON body -> decoded JSON, or a typed error
         |
     KV            keys, values, transactions, leases, watches -- under a key prefix
@@ -21,10 +21,11 @@ The gateway's wire quirks (etcd 3.4), handled here and nowhere else:
 * streaming calls (watch, lease keep-alive) answer one JSON object per line,
   each wrapped in ``{"result": ...}``.
 
-Errors: everything raised is an :class:`EtcdError` (httpx's errors never
-escape: every ``httpx.RequestError`` becomes one). :class:`EtcdUnavailable`
-means etcd could not be reached at all (socket missing, connection refused
-or dropped, an answer httpx cannot decode), which may pass;
+Errors: everything raised is an :class:`EtcdError` (transport errors never
+escape: every ``httpx.RequestError`` and ``unixhttp.TransportError`` becomes
+one). :class:`EtcdUnavailable` means etcd could not be reached at all (socket
+missing, connection refused or dropped, an answer that is not HTTP, no answer
+within the client's timeout), which may pass;
 :class:`EtcdClosed` means this client was closed, which never passes, so
 nothing retries it (watches and keep-alives raise it at once);
 :class:`EtcdAPIError` means etcd answered with an error. Cancellation is
@@ -47,6 +48,7 @@ from typing import Any, Literal, NoReturn
 import httpx
 import trio
 
+from metropolis.consensus.unixhttp import TransportClosed, TransportError, UnixHTTP
 from metropolis.errors import ConsensusError
 from monotrio.backoff import ExponentialBackoff, Retrier
 
@@ -372,6 +374,11 @@ class _Gateway:
     def __init__(self, socket_path: Path, timeout: float) -> None:
         check_socket_path(socket_path)
         self.socket_path = socket_path
+        # Unary calls: a lean keep-alive pool (an eighth of httpx's CPU per
+        # call, see unixhttp). Streams (watch, keep-alive): httpx.
+        self._unary = UnixHTTP(
+            socket_path, timeout=timeout, connect_timeout=min(timeout, 2.0), host="etcd"
+        )
         self._http = httpx.AsyncClient(
             # Plain HTTP over a UNIX socket: no TLS ever. verify=False spares
             # loading the CA bundle, which took 0.3-3 s per client and was
@@ -383,30 +390,32 @@ class _Gateway:
         )
 
     async def aclose(self) -> None:
+        self._unary.close()
         await self._http.aclose()
 
     @property
     def closed(self) -> bool:
-        return self._http.is_closed
+        return self._http.is_closed or self._unary.closed
 
     def _unavailable(self, e: Exception) -> EtcdUnavailable:
         return EtcdUnavailable(f"etcd at {self.socket_path} is unavailable: {e!r}")
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        if self._http.is_closed:
+        if self.closed:
             raise EtcdClosed("etcd client is closed")
+        payload = json.dumps(body, separators=(",", ":")).encode()
         try:
-            response = await self._http.post(f"/v3/{path}", json=body)
-        except httpx.RequestError as e:
-            if self._http.is_closed:
-                raise EtcdClosed("etcd client was closed during the call") from e
+            status, content = await self._unary.post(f"/v3/{path}", payload)
+        except TransportClosed as e:
+            raise EtcdClosed("etcd client was closed during the call") from e
+        except TransportError as e:
             raise self._unavailable(e) from e
-        return self._decode(response, response.content)
+        return self._decode(status, content)
 
     @asynccontextmanager
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[_Lines]:
         """POST and yield the response's JSON lines (each unwrapped from ``result``)."""
-        if self._http.is_closed:
+        if self.closed:
             raise EtcdClosed("etcd client is closed")
         try:
             request = self._http.build_request(
@@ -423,7 +432,7 @@ class _Gateway:
                     content = await response.aread()
                 except httpx.RequestError as e:
                     raise self._unavailable(e) from e
-                self._decode(response, content)
+                self._decode(response.status_code, content)
             yield _Lines(self, response)
         finally:
             # Shielded: a cancelled watch must still hand its connection back.
@@ -431,16 +440,16 @@ class _Gateway:
                 await response.aclose()
 
     @staticmethod
-    def _decode(response: httpx.Response, content: bytes) -> dict[str, Any]:
+    def _decode(http_status: int, content: bytes) -> dict[str, Any]:
         try:
             obj = json.loads(content)
         except ValueError:
             raise EtcdAPIError(
                 content[:200].decode(errors="replace") or "empty response",
                 code=0,
-                http_status=response.status_code,
+                http_status=http_status,
             ) from None
-        return _check(obj, response.status_code)
+        return _check(obj, http_status)
 
 
 def _check(obj: Any, http_status: int) -> dict[str, Any]:
@@ -917,6 +926,20 @@ class Client(KV):
             body["isLearner"] = True
         obj = await self._gw.call("cluster/member/add", body)
         return _member(obj.get("member", {}))
+
+    async def member_add_listing(
+        self, peer_urls: Iterable[str], *, learner: bool = True
+    ) -> tuple[Member, list[Member]]:
+        """:meth:`member_add`, with the member list etcd sends with its answer.
+
+        The list is the membership right after the addition: a caller that
+        needs it saves a ``member_list`` round trip.
+        """
+        body: dict[str, Any] = {"peerURLs": list(peer_urls)}
+        if learner:
+            body["isLearner"] = True
+        obj = await self._gw.call("cluster/member/add", body)
+        return _member(obj.get("member", {})), [_member(m) for m in obj.get("members", [])]
 
     async def member_promote(self, member_id: int) -> None:
         """Make a learner a voter. FAILED_PRECONDITION while it is not caught up."""
