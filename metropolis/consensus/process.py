@@ -67,11 +67,17 @@ _LEVELS = {
 
 
 class EtcdExited(ConsensusError):
-    """The etcd process exited on its own (crash, kill, bad flags, lost data dir)."""
+    """The etcd process exited on its own (crash, kill, bad flags, lost data dir).
 
-    def __init__(self, returncode: int) -> None:
-        super().__init__(f"etcd exited with status {returncode}")
+    ``fatal`` is the message of the last line etcd logged at a fatal or
+    panic level before it exited ("" if none): it says why etcd gave up.
+    """
+
+    def __init__(self, returncode: int, fatal: str = "") -> None:
+        why = f": {fatal}" if fatal else ""
+        super().__init__(f"etcd exited with status {returncode}{why}")
         self.returncode = returncode
+        self.fatal = fatal
 
 
 @dataclass(frozen=True)
@@ -200,9 +206,10 @@ async def run_etcd(
     logger.info("starting etcd: %s", " ".join(config.argv()))
 
     process = _Child.spawn(config.argv(), config.working_dir)
+    fatal: list[str] = []
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump_logs, process.output, logger)
+            nursery.start_soon(_pump_logs, process.output, logger, fatal)
             async with trio.open_nursery() as waiters:
                 waiters.start_soon(_report_ready, config.socket_path, process, task_status)
                 returncode = await process.wait()
@@ -214,7 +221,7 @@ async def run_etcd(
         await _stop(process, logger)
         with trio.CancelScope(shield=True):
             await process.output.aclose()
-    raise EtcdExited(returncode)
+    raise EtcdExited(returncode, fatal[-1] if fatal else "")
 
 
 class _Child:
@@ -307,19 +314,24 @@ async def _stop(process: _Child, logger: logging.Logger) -> None:
         await process.wait()
 
 
-async def _pump_logs(stream: trio.abc.ReceiveStream, logger: logging.Logger) -> None:
-    """Turn etcd's zap JSON lines into log records at the matching level, until EOF."""
+async def _pump_logs(
+    stream: trio.abc.ReceiveStream, logger: logging.Logger, fatal: list[str]
+) -> None:
+    """Turn etcd's zap JSON lines into log records at the matching level, until EOF.
+
+    The messages of fatal and panic lines are appended to ``fatal``.
+    """
     buffer = b""
     async for chunk in stream:
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
-            _log_line(line, logger)
+            _log_line(line, logger, fatal)
     if buffer:
-        _log_line(buffer, logger)
+        _log_line(buffer, logger, fatal)
 
 
-def _log_line(line: bytes, logger: logging.Logger) -> None:
+def _log_line(line: bytes, logger: logging.Logger, fatal: list[str]) -> None:
     text = line.decode(errors="replace").strip()
     if not text:
         return
@@ -333,6 +345,8 @@ def _log_line(line: bytes, logger: logging.Logger) -> None:
         return
     level = _LEVELS.get(str(entry.pop("level", "info")), logging.INFO)
     message = entry.pop("msg", "")
+    if level >= logging.CRITICAL:
+        fatal.append(str(message))
     for noise in ("ts", "caller"):
         entry.pop(noise, None)
     details = " ".join(f"{k}={v}" for k, v in entry.items())

@@ -34,8 +34,9 @@ in a supervisor scope that ends before the etcd client they use is closed::
 
 and ``status`` (a read-only view) says running. If etcd dies, the runnable
 fails and the supervisor restarts it, on the same data; but when etcd exits
-by itself with status 0 (it does so once its member was removed from the
-cluster) the runnable logs one WARNING and waits, status not running, to be
+by itself because its member was removed from the cluster (status 0, or
+etcd's known panic in that moment: see ``_Removed``) the runnable logs one
+WARNING and waits, status not running, to be
 stopped or restarted by its owner when the node's roles change. When the runnable
 ends for any reason, ``status`` goes back to not running and the children
 are stopped, then the client is closed, and the etcd process is stopped
@@ -87,6 +88,7 @@ from metropolis.supervisor import Node
 __all__ = [
     "CURATOR_NAMESPACE",
     "DEFAULT_PEER_PORT",
+    "REMOVAL_PANIC",
     "Config",
     "ConsensusError",
     "ExistingNode",
@@ -549,6 +551,7 @@ class Service:
             first: EndpointStatus = await nursery.start(
                 removed.run_etcd, process, etcd_logger, nursery.cancel_scope
             )
+            removed.ready = True
             # Nothing goes into etcd before the PKI files are durable: a power
             # cut must not leave etcd with a PKI (or curator state naming it)
             # that this node's disk lost.
@@ -589,13 +592,14 @@ class Service:
                     # Withdrawn before the client closes, not after.
                     self._status.set(self._stopped())
         if removed.exited:
-            # Only reached when etcd left by itself with status 0 (otherwise
-            # EtcdExited or Cancelled went through the nursery). Restarting
+            # Only reached when etcd left by itself because its member was
+            # removed (otherwise EtcdExited or Cancelled went through the
+            # nursery; see _Removed). Restarting
             # it on this data would only see it exit again: the roles that
             # say so arrive through the role fetch, and the launcher then
             # stops this service (or starts it with new join data).
             node.logger.warning(
-                "etcd exited by itself with status 0: this member was removed from the"
+                "etcd exited by itself: this member was removed from the"
                 " cluster; waiting for the role change instead of restarting it"
             )
             await trio.sleep_forever()
@@ -730,19 +734,33 @@ class Service:
         node.logger.info("bootstrap peer PKI stored in etcd")
 
 
+#: What etcd 3.4 panics with when a client request races the removal of its
+#: own member (etcd-io/etcd#21966, #18606): it means "removed" as much as
+#: its clean exit does.
+REMOVAL_PANIC = "failed to find local ID in cluster members"
+
+
 class _Removed:
-    """Runs etcd and notes whether it left on its own with status 0.
+    """Runs etcd and notes whether it left on its own because its member was removed.
 
     etcd 3.4 stops by itself, with status 0, once it learns that its member
     was removed from the cluster (``member remove``, here the revocation of
     the node's ConsensusMember role). Every stop we ask for cancels
     :func:`run_etcd` instead (SIGTERM, and no :class:`EtcdExited`), so an
-    ``EtcdExited(0)`` is etcd's own decision. A crash (non-zero status, a
-    signal) is still raised, for the supervisor to restart etcd.
+    ``EtcdExited(0)`` is etcd's own decision. So is one known crash: a
+    client request that reaches etcd while it applies its own removal
+    makes it panic (status 2, :data:`REMOVAL_PANIC`) instead of exiting
+    cleanly; any request of this node (the promoter's, the curator's) can
+    be the one. That panic counts as a removal only once etcd had been
+    running: at start it would mean a damaged data directory. Any other
+    crash (non-zero status, a signal) is raised, for the supervisor to
+    restart etcd.
     """
 
     def __init__(self) -> None:
         self.exited = False
+        #: Set by the caller once etcd answered (``nursery.start`` returned).
+        self.ready = False
 
     async def run_etcd(
         self,
@@ -752,7 +770,7 @@ class _Removed:
         *,
         task_status: trio.TaskStatus[EndpointStatus] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """:func:`run_etcd`; on its own exit with status 0, cancel ``scope`` and wait.
+        """:func:`run_etcd`; when it leaves because it was removed, cancel ``scope`` and wait.
 
         Waiting (not returning) keeps ``nursery.start`` from failing when
         etcd leaves before it was ready: the cancellation ends both.
@@ -760,8 +778,11 @@ class _Removed:
         try:
             await run_etcd(process, logger, task_status=task_status)
         except EtcdExited as e:
-            if e.returncode != 0:
+            panicked = e.returncode == 2 and REMOVAL_PANIC in e.fatal and self.ready
+            if e.returncode != 0 and not panicked:
                 raise
+            if panicked:
+                logger.warning("etcd panicked while its member was removed (a known etcd race)")
         self.exited = True
         scope.cancel()
         await trio.sleep_forever()

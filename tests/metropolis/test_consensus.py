@@ -31,6 +31,7 @@ from metropolis.consensus import (
 )
 from metropolis.consensus.client import KV, Client, EtcdClosed
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
+from metropolis.consensus.service import REMOVAL_PANIC
 from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRolesConsensusMember
 from metropolis.supervisor import State, Supervisor, open_supervisor
@@ -284,7 +285,14 @@ async def test_a_removed_member_whose_etcd_exits_is_not_restarted(
             starts = [r for r in caplog.records if r.getMessage().startswith("starting etcd:")]
             assert len(starts) == 2
         await first.stop()
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # etcd itself may panic instead of exiting cleanly when a request (the
+    # promoter's status call) races its removal (etcd-io/etcd#21966): its
+    # own CRITICAL line is etcd's; the service must log no error of its own.
+    errors = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.ERROR and not r.getMessage().startswith(REMOVAL_PANIC)
+    ]
     assert not errors, [r.getMessage() for r in errors]
 
 
