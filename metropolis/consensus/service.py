@@ -81,6 +81,7 @@ from metropolis.consensus.process import (
 )
 from metropolis.errors import ConsensusError
 from metropolis.event import ReadOnlyValue, Value
+from metropolis.gather import gather
 from metropolis.localstorage import EtcdDataDirectory, atomic_write, make_durable
 from metropolis.proto.common import NodeRolesConsensusMember, NodeRolesConsensusMemberPeer
 from metropolis.supervisor import Node
@@ -278,7 +279,13 @@ class Status:
         client, _ = self._running()
         return client.namespaced(CURATOR_NAMESPACE)
 
-    async def add_node(self, public_key: bytes, *, peer_url: str | None = None) -> JoinCluster:
+    async def add_node(
+        self,
+        public_key: bytes,
+        *,
+        peer_url: str | None = None,
+        members: list[Member] | None = None,
+    ) -> JoinCluster:
         """Make the node with ``public_key`` a (future) member; return its join data.
 
         Issues (or reuses) its peer certificate and, unless a member with
@@ -294,6 +301,9 @@ class Status:
         membership changes for a few seconds after one (and accepts only one
         learner at a time); those refusals are retried for
         ``Config.membership_timeout``, then :class:`ConsensusError` is raised.
+
+        ``members``: etcd's member list, if the caller has just read it (one
+        round trip less).
         """
         client, config = self._running()
         node = identity.node_id(public_key)
@@ -308,9 +318,13 @@ class Status:
         pki_kv = client.namespaced(peerpki.NAMESPACE)
         # Independent reads at once, the PKI ones in one txn: one round trip
         # instead of four on the bootstrap and grant paths, which wait on each.
-        state, members = await _gather(
-            lambda: peerpki.load_for_node(pki_kv, node), client.member_list
-        )
+        current: list[Member]
+        if members is None:
+            state, current = await gather(
+                lambda: peerpki.load_for_node(pki_kv, node), client.member_list
+            )
+        else:
+            state, current = await peerpki.load_for_node(pki_kv, node), members
         ca, crl = state.ca, state.crl
         hosts = [host]
         if _is_loopback(host) and host != "127.0.0.1":
@@ -320,28 +334,41 @@ class Status:
             # route). A cluster on 127.0.0.1/2/3 needs that address too; it
             # grants nothing beyond this host.
             hosts.append("127.0.0.1")
-        certificate = await peerpki.reuse_or_issue(
-            pki_kv, ca, public_key, hosts, crl, state.stored_certificate
-        )
 
-        if not any(peer_url in m.peer_urls for m in members):
-            member = await _retry_transient(
-                lambda: client.member_add([peer_url], learner=True), config.membership_timeout
+        async def certificate() -> x509.Certificate:
+            return await peerpki.reuse_or_issue(
+                pki_kv, ca, public_key, hosts, crl, state.stored_certificate
+            )
+
+        async def add_learner() -> list[Member]:
+            member, after = await _retry_transient(
+                lambda: client.member_add_listing([peer_url], learner=True),
+                config.membership_timeout,
             )
             logging.getLogger("metropolis.consensus").info(
                 "added %s (%s) as learner %x", node, peer_url, member.id
             )
             if self._nudge is not None:
                 self._nudge.set()
-            members = await client.member_list()
+            return after
+
+        if any(peer_url in m.peer_urls for m in current):
+            issued = await certificate()
+        else:
+            # The certificate's write and the member's addition at once: they
+            # are independent, and nothing hands the certificate out before
+            # both are done (the caller stores the join data afterwards). If
+            # one fails, a retry finds the other done (reused or skipped); a
+            # learner left without join data is removed as a stuck learner.
+            issued, current = await gather(certificate, add_learner)
         existing = tuple(
             # A learner that has not started yet has no name; etcd matches
             # --initial-cluster by URL, so any unique placeholder will do.
             ExistingNode(m.name or f"unstarted-{m.id:x}", m.peer_urls[0])
-            for m in members
+            for m in current
             if peer_url not in m.peer_urls and m.peer_urls
         )
-        return JoinCluster(ca.certificate, certificate, crl, existing)
+        return JoinCluster(ca.certificate, issued, crl, existing)
 
     async def members(self) -> list[Member]:
         """etcd's member list, learners and not-yet-started members included."""
@@ -390,34 +417,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-_A = TypeVar("_A")
-_B = TypeVar("_B")
-
-
-async def _gather(a: Callable[[], Awaitable[_A]], b: Callable[[], Awaitable[_B]]) -> tuple[_A, _B]:
-    """Run two calls concurrently; the first error cancels the other and propagates."""
-    results: list[object] = [None, None]
-
-    async def one(i: int, fn: Callable[[], Awaitable[object]]) -> None:
-        results[i] = await fn()
-
-    try:
-        async with trio.open_nursery() as nursery:
-            for i, fn in enumerate((a, b)):
-                nursery.start_soon(one, i, fn)
-    except BaseExceptionGroup as group:
-        # Callers expect an error itself, as from sequential calls: the
-        # first that is not the cancellation it caused in the others.
-        _, errors = group.split(trio.Cancelled)
-        if errors is None:
-            raise
-        first: BaseException = errors
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
-    return results[0], results[1]  # type: ignore[return-value]
 
 
 async def _retry_transient(fn: Callable[[], Awaitable[_T]], patience: float) -> _T:

@@ -96,6 +96,7 @@ from metropolis.consensus.client import (
     EtcdClosed,
     EtcdError,
     Get,
+    Member,
     Op,
     Put,
     RangeResult,
@@ -117,6 +118,7 @@ from metropolis.curator.state import (
     watch_node,
 )
 from metropolis.event import ReadOnlyValue
+from metropolis.gather import gather
 from metropolis.proto import curator_api as c
 from metropolis.proto import management as m
 from metropolis.proto.common import (
@@ -285,19 +287,29 @@ class CuratorAPI:
         return parse_node(stored.value, node_id), stored.mod_revision
 
     async def _update(
-        self, node_id: str, change: Callable[[Node], Node | None], also: Sequence[Op] = ()
+        self,
+        node_id: str,
+        change: Callable[[Node], Node | None],
+        also: Sequence[Op] = (),
+        *,
+        read: tuple[Node, int] | None = None,
     ) -> Node:
         """Apply ``change`` to the record of ``node_id`` atomically (retried on races).
 
         ``change`` returns the new record, or None to leave it as is.
         ``also`` is written in the same transaction as a changed record.
-        NOT_FOUND if there is no record.
+        NOT_FOUND if there is no record. ``read``: the record and its mod
+        revision as the caller just read them (the first attempt skips the
+        read; the revision check makes a stale one merely retry).
         """
+        found = read
         while True:
-            found = await self._read(node_id)
+            if found is None:
+                found = await self._read(node_id)
             if found is None:
                 raise RPCError(Status.NOT_FOUND, f"no node {node_id}")
             record, revision = found
+            found = None
             new = change(record)
             if new is None:
                 return record
@@ -620,16 +632,18 @@ class CuratorAPI:
         consensus = request.consensus_member
         async with self._membership_lock:
             deferred: list[Op] = []
-            if consensus is not None:
-                await self._complete_pending_removals()
             if consensus is True:
+                # Completes pending removals first, as below.
                 await self._grant_consensus(node_id)
             elif consensus is False:
+                await self._complete_pending_removals()
                 deferred = await self._revoke_consensus(node_id)
 
-            def change(record: Node) -> Node:
+            def change(record: Node) -> Node | None:
                 if record.fsm_state != NodeState.UP:
                     raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
+                if worker is None and controller is None and not deferred:
+                    return None  # nothing more to write (a grant wrote its own)
                 roles = record.roles or NodeRoles()
                 if worker is not None:
                     roles.kubernetes_worker = NodeRolesKubernetesWorker() if worker else None
@@ -646,7 +660,23 @@ class CuratorAPI:
         return m.UpdateNodeRolesResponse()
 
     async def _grant_consensus(self, node_id: str) -> None:
-        found = await self._read(node_id)
+        """Complete pending removals, add the node as a learner, store its join data.
+
+        Its reads (removal marks, the record, etcd's members) go at once;
+        the usual grant then takes three more round trips: the peer PKI,
+        the certificate's write together with the member's addition, and
+        the record's write. Call with the membership lock held.
+        """
+        pending, found, members = await gather(
+            lambda: self._kv.range(CONSENSUS_REMOVALS, prefix=True),
+            lambda: self._read(node_id),
+            self._members,
+        )
+        if pending.kvs:
+            # Rare: a removal a former leader left. It changes the members
+            # and perhaps this very record: read both again after it.
+            await self._complete_pending_removals()
+            found, members = await gather(lambda: self._read(node_id), self._members)
         if found is None:
             raise RPCError(Status.NOT_FOUND, f"no node {node_id}")
         record = found[0]
@@ -658,9 +688,12 @@ class CuratorAPI:
         if peer_url is None:
             raise RPCError(Status.FAILED_PRECONDITION, "node has not reported its address yet")
         address = record.status.external_address if record.status else ""
-        await self._remove_stuck_learners(node_id)
+        if await self._remove_stuck_learners(node_id, members):
+            members = await self._members()
         try:
-            join = await self._consensus.add_node(record.public_key, peer_url=peer_url)
+            join = await self._consensus.add_node(
+                record.public_key, peer_url=peer_url, members=members
+            )
         except ConsensusError as e:
             raise RPCError(Status.UNAVAILABLE, f"etcd refused the new member: {e}") from None
         self._learners[node_id] = (peer_url, trio.current_time())
@@ -672,11 +705,21 @@ class CuratorAPI:
             r.roles = roles
             return r
 
-        await self._update(node_id, change)
+        # The record as read above: if it changed since, the write retries.
+        await self._update(node_id, change, read=found)
         _log.info("granted ConsensusMember to %s at %s", node_id, address)
 
-    async def _remove_stuck_learners(self, granting: str) -> None:
+    async def _members(self) -> list[Member]:
+        try:
+            return await self._consensus.members()
+        except ConsensusError as e:
+            raise RPCError(Status.UNAVAILABLE, f"etcd member list unreadable: {e}") from None
+
+    async def _remove_stuck_learners(self, granting: str, members: list[Member]) -> bool:
         """Remove learners this curator added that never started within the timeout.
+
+        ``members`` is etcd's member list as just read; returns whether any
+        learner was removed (the list is then out of date).
 
         etcd 3.4 takes one learner at a time: a node granted the role that
         never starts its etcd would block every later grant. Such a node
@@ -685,9 +728,7 @@ class CuratorAPI:
         tracked: after a change of leader, a stuck learner is removed at the
         next grant after the timeout counted from then.
         """
-        if not self._learners:
-            return
-        members = await self._consensus.members()
+        removed = False
         now = trio.current_time()
         for node_id, (peer_url, added) in list(self._learners.items()):
             member = next((m for m in members if peer_url in m.peer_urls), None)
@@ -702,6 +743,7 @@ class CuratorAPI:
             _log.warning("learner %s never started; removing it", node_id)
             await self._consensus.remove_node(found[0].public_key)
             del self._learners[node_id]
+            removed = True
 
             def change(r: Node) -> Node:
                 if r.roles is not None:
@@ -709,6 +751,7 @@ class CuratorAPI:
                 return r
 
             await self._update(node_id, change)
+        return removed
 
     async def _revoke_consensus(self, node_id: str) -> list[Op]:
         """Revoke ConsensusMember; the ops to write with the record (none: done here).
