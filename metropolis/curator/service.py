@@ -95,6 +95,11 @@ class Curator:
         supervisor restarts it with backoff).
         """
         self._election.set(Follower(None))
+        serve = self._credentials is not None and self._listen is not None
+        # Made while etcd starts (a joining node's is a learner until
+        # promoted): loading the certificate chain is CPU that would
+        # otherwise come after the promotion, on the way to serving.
+        context = server_context(self._credentials) if self._credentials is not None else None
         with self._consensus.watch() as watcher:
             node.logger.info("waiting for consensus")
             status = await watcher.get(lambda s: s.running)
@@ -139,7 +144,6 @@ class Curator:
                         node.restart("the etcd client closed")
 
                 nursery.start_soon(follow_consensus)
-                serve = self._credentials is not None and self._listen is not None
                 loaded: list[CuratorAPI] = []
 
                 async def load_api() -> None:
@@ -166,9 +170,9 @@ class Curator:
                         )
                     )
                 if serve:
-                    assert self._credentials is not None and self._listen is not None
+                    assert context is not None and self._listen is not None
                     [api] = loaded
-                    server = Server(server_context(self._credentials), api.security())
+                    server = Server(context, api.security())
                     api.register(server)
                     host, port = self._listen
                     bound = await nursery.start(api.serve, server, self.election, host, port)
