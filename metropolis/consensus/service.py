@@ -781,7 +781,8 @@ class _Removed:
             if e.returncode != 0 and not panicked:
                 raise
             if panicked:
-                logger.warning("etcd panicked while its member was removed (a known etcd race)")
+                # Not "was removed": that is said once, when the service has stopped.
+                logger.warning("etcd panicked during its member's removal (a known etcd race)")
         self.exited = True
         scope.cancel()
         await trio.sleep_forever()
