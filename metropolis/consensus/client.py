@@ -379,23 +379,35 @@ class _Gateway:
         self._unary = UnixHTTP(
             socket_path, timeout=timeout, connect_timeout=min(timeout, 2.0), host="etcd"
         )
-        self._http = httpx.AsyncClient(
-            # Plain HTTP over a UNIX socket: no TLS ever. verify=False spares
-            # loading the CA bundle, which took 0.3-3 s per client and was
-            # most of a node's start-up time.
-            transport=httpx.AsyncHTTPTransport(uds=str(socket_path), verify=False),
-            trust_env=False,
-            base_url="http://etcd",
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 2.0)),
-        )
+        self._timeout = timeout
+        # Made at the first stream: building it (an SSL context among other
+        # things, though no TLS is ever used) cost CPU on the start path of
+        # every client, including those that only make unary calls.
+        self._streams: httpx.AsyncClient | None = None
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        if self._streams is None:
+            self._streams = httpx.AsyncClient(
+                # Plain HTTP over a UNIX socket: no TLS ever. verify=False spares
+                # loading the CA bundle, which took 0.3-3 s per client and was
+                # most of a node's start-up time.
+                transport=httpx.AsyncHTTPTransport(uds=str(self.socket_path), verify=False),
+                trust_env=False,
+                base_url="http://etcd",
+                timeout=httpx.Timeout(self._timeout, connect=min(self._timeout, 2.0)),
+            )
+        return self._streams
 
     async def aclose(self) -> None:
         self._unary.close()
-        await self._http.aclose()
+        if self._streams is not None:
+            await self._streams.aclose()
 
     @property
     def closed(self) -> bool:
-        return self._http.is_closed or self._unary.closed
+        # Closing closes the unary pool always, the stream client if made.
+        return self._unary.closed
 
     def _unavailable(self, e: Exception) -> EtcdUnavailable:
         return EtcdUnavailable(f"etcd at {self.socket_path} is unavailable: {e!r}")
@@ -423,7 +435,7 @@ class _Gateway:
             )
             response = await self._http.send(request, stream=True)
         except httpx.RequestError as e:
-            if self._http.is_closed:
+            if self.closed:
                 raise EtcdClosed("etcd client was closed during the call") from e
             raise self._unavailable(e) from e
         try:

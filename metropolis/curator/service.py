@@ -97,9 +97,12 @@ class Curator:
         self._election.set(Follower(None))
         serve = self._credentials is not None and self._listen is not None
         # Made while etcd starts (a joining node's is a learner until
-        # promoted): loading the certificate chain is CPU that would
-        # otherwise come after the promotion, on the way to serving.
-        context = server_context(self._credentials) if self._credentials is not None else None
+        # promoted), in a worker thread (the ssl module releases the GIL
+        # while loading): CPU that would otherwise come after the
+        # promotion, on the way to serving, or hold up etcd's start.
+        context = None
+        if self._credentials is not None:
+            context = await trio.to_thread.run_sync(server_context, self._credentials)
         with self._consensus.watch() as watcher:
             node.logger.info("waiting for consensus")
             status = await watcher.get(lambda s: s.running)
