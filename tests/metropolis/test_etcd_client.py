@@ -209,6 +209,39 @@ async def test_watch_resumes_after_etcd_restart(
             assert await _next_values(watch, 2) == [b"after-1", b"after-2"]
 
 
+async def test_unary_calls_survive_an_etcd_restart_between_them(
+    etcd: EtcdServer, client: Client
+) -> None:
+    # The keep-alive connection of the first call is closed by the old etcd;
+    # the next call must notice (before sending) and dial the new one.
+    with trio.fail_after(BOUND):
+        await client.put("k", "before")
+        await etcd.stop()
+        await etcd.start()
+        await client.put("k", "after")
+        got = await client.get("k")
+    assert got is not None and got.value == b"after"
+
+
+async def test_large_and_concurrent_unary_answers(client: Client) -> None:
+    # etcd's gateway sends bodies over 2 KiB chunked; concurrent calls each
+    # get a connection of their own from the pool.
+    big = bytes(range(256)) * 400  # 100 KiB, base64 in JSON on the wire
+    with trio.fail_after(BOUND):
+        await client.put("big", big)
+        results: list[bytes] = []
+
+        async def get() -> None:
+            kv = await client.get("big")
+            assert kv is not None
+            results.append(kv.value)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(get)
+    assert results == [big] * 5
+
+
 async def test_watch_from_compacted_revision(client: Client) -> None:
     first = (await client.put("c", "1")).revision
     latest = (await client.put("c", "2")).revision
