@@ -17,6 +17,7 @@ __all__ = ["gather"]
 _A = TypeVar("_A")
 _B = TypeVar("_B")
 _C = TypeVar("_C")
+_D = TypeVar("_D")
 
 
 @overload
@@ -32,6 +33,16 @@ async def gather(
     c: Callable[[], Awaitable[_C]],
     /,
 ) -> tuple[_A, _B, _C]: ...
+
+
+@overload
+async def gather(
+    a: Callable[[], Awaitable[_A]],
+    b: Callable[[], Awaitable[_B]],
+    c: Callable[[], Awaitable[_C]],
+    d: Callable[[], Awaitable[_D]],
+    /,
+) -> tuple[_A, _B, _C, _D]: ...
 
 
 async def gather(*calls: Callable[[], Awaitable[Any]]) -> tuple[Any, ...]:

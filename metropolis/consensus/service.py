@@ -284,6 +284,7 @@ class Status:
         *,
         peer_url: str | None = None,
         members: list[Member] | None = None,
+        node_pki: peerpki.NodePKI | None = None,
     ) -> JoinCluster:
         """Make the node with ``public_key`` a (future) member; return its join data.
 
@@ -301,8 +302,9 @@ class Status:
         learner at a time); those refusals are retried for
         ``Config.membership_timeout``, then :class:`ConsensusError` is raised.
 
-        ``members``: etcd's member list, if the caller has just read it (one
-        round trip less).
+        ``members``: etcd's member list, and ``node_pki``: what
+        :meth:`load_node_pki` returned for this node, if the caller has just
+        read them (alongside its own reads: round trips less).
         """
         client, config = self._running()
         node = identity.node_id(public_key)
@@ -315,15 +317,16 @@ class Status:
             raise ValueError(f"peer URL {peer_url!r} has no host")
 
         pki_kv = client.namespaced(peerpki.NAMESPACE)
+
         # Independent reads at once, the PKI ones in one txn: one round trip
         # instead of four on the bootstrap and grant paths, which wait on each.
-        current: list[Member]
-        if members is None:
-            state, current = await gather(
-                lambda: peerpki.load_for_node(pki_kv, node), client.member_list
-            )
-        else:
-            state, current = await peerpki.load_for_node(pki_kv, node), members
+        async def load_pki() -> peerpki.NodePKI:
+            return node_pki or await peerpki.load_for_node(pki_kv, node)
+
+        async def list_members() -> list[Member]:
+            return members if members is not None else await client.member_list()
+
+        state, current = await gather(load_pki, list_members)
         ca, crl = state.ca, state.crl
         hosts = [host]
         if _is_loopback(host) and host != "127.0.0.1":
@@ -368,6 +371,11 @@ class Status:
             if peer_url not in m.peer_urls and m.peer_urls
         )
         return JoinCluster(ca.certificate, issued, crl, existing)
+
+    async def load_node_pki(self, node_id: str) -> peerpki.NodePKI:
+        """The peer CA, CRL and certificate stored for ``node_id``, for :meth:`add_node`."""
+        client, _ = self._running()
+        return await peerpki.load_for_node(client.namespaced(peerpki.NAMESPACE), node_id)
 
     async def members(self) -> list[Member]:
         """etcd's member list, learners and not-yet-started members included."""

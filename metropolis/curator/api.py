@@ -101,6 +101,7 @@ from metropolis.consensus.client import (
     Put,
     RangeResult,
 )
+from metropolis.consensus.peerpki import NodePKI
 from metropolis.curator.bootstrap import node_certificate
 from metropolis.curator.election import ElectionState, Follower, Leader, NotLeader
 from metropolis.curator.state import (
@@ -662,21 +663,24 @@ class CuratorAPI:
     async def _grant_consensus(self, node_id: str) -> None:
         """Complete pending removals, add the node as a learner, store its join data.
 
-        Its reads (removal marks, the record, etcd's members) go at once;
-        the usual grant then takes three more round trips: the peer PKI,
-        the certificate's write together with the member's addition, and
-        the record's write. Call with the membership lock held.
+        Its reads (removal marks, the record, etcd's members and the peer
+        PKI) go at once; the usual grant then takes two more round trips:
+        the certificate's write together with the member's addition, and the
+        record's write. Call with the membership lock held.
         """
-        pending, found, members = await gather(
+        pending, found, members, node_pki = await gather(
             lambda: self._kv.range(CONSENSUS_REMOVALS, prefix=True),
             lambda: self._read(node_id),
             self._members,
+            lambda: self._node_pki(node_id),
         )
         if pending.kvs:
-            # Rare: a removal a former leader left. It changes the members
-            # and perhaps this very record: read both again after it.
+            # Rare: a removal a former leader left. It changes the members,
+            # the CRL and perhaps this very record: read them again after it.
             await self._complete_pending_removals()
-            found, members = await gather(lambda: self._read(node_id), self._members)
+            found, members, node_pki = await gather(
+                lambda: self._read(node_id), self._members, lambda: self._node_pki(node_id)
+            )
         if found is None:
             raise RPCError(Status.NOT_FOUND, f"no node {node_id}")
         record = found[0]
@@ -688,11 +692,17 @@ class CuratorAPI:
         if peer_url is None:
             raise RPCError(Status.FAILED_PRECONDITION, "node has not reported its address yet")
         address = record.status.external_address if record.status else ""
-        if await self._remove_stuck_learners(node_id, members):
+        stuck = await self._remove_stuck_learners(node_id, members)
+        if stuck:
             members = await self._members()
         try:
             join = await self._consensus.add_node(
-                record.public_key, peer_url=peer_url, members=members
+                record.public_key,
+                peer_url=peer_url,
+                members=members,
+                # Stale if a stuck learner was removed (its certificate
+                # revoked): read again then.
+                node_pki=None if stuck else node_pki,
             )
         except ConsensusError as e:
             raise RPCError(Status.UNAVAILABLE, f"etcd refused the new member: {e}") from None
@@ -708,6 +718,12 @@ class CuratorAPI:
         # The record as read above: if it changed since, the write retries.
         await self._update(node_id, change, read=found)
         _log.info("granted ConsensusMember to %s at %s", node_id, address)
+
+    async def _node_pki(self, node_id: str) -> NodePKI:
+        try:
+            return await self._consensus.load_node_pki(node_id)
+        except ConsensusError as e:
+            raise RPCError(Status.UNAVAILABLE, f"etcd peer PKI unreadable: {e}") from None
 
     async def _members(self) -> list[Member]:
         try:
