@@ -216,6 +216,9 @@ class UnixHTTP:
             connection = await self._connect()
         except OSError as e:
             raise self._error(e) from e
+        if self._closed:  # closed while connecting
+            connection.close()
+            raise TransportClosed("the connection pool was closed during the call")
         self._busy.add(connection)
         keep = False
         try:
