@@ -8,6 +8,9 @@
     │   ├── NotRunning             .service: the local member is not running (yet)
     │   ├── EtcdExited             .process: the etcd process ended
     │   ├── PeerPKIError           .peerpki: the peer CA, certificates or CRL in etcd
+    │   ├── TransportError         .unixhttp: no whole HTTP answer (the etcd client
+    │   │   │                      turns it into EtcdUnavailable; never escapes it)
+    │   │   └── TransportClosed    the connection pool was closed (-> EtcdClosed)
     │   └── EtcdError              .client: anything the etcd client raises
     │       ├── EtcdUnavailable    etcd cannot be reached (socket gone, refused,
     │       │                      dropped, garbled answer): may pass, retried
@@ -34,7 +37,7 @@ MetropolisError`` and lets anything else (a bug) propagate. Other
 exceptions a public function may raise are Python's own, for misuse:
 `ValueError` for a bad argument, `RuntimeError` for a call in the wrong
 state; and Trio's `trio.Cancelled`, which is never caught here. The etcd
-client lets no httpx error escape untranslated.
+client lets no httpx or transport error escape untranslated.
 ``tests/test_error_trees.py`` checks the tree and what public functions
 raise.
 """

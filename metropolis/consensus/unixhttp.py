@@ -50,7 +50,7 @@ class TransportClosed(TransportError):
     """The pool was closed (before or during the call)."""
 
 
-class _Malformed(Exception):
+class _Malformed(ConsensusError):
     """Internal: the server's bytes are not the HTTP/1.1 we speak."""
 
 
