@@ -95,14 +95,6 @@ class Curator:
         supervisor restarts it with backoff).
         """
         self._election.set(Follower(None))
-        serve = self._credentials is not None and self._listen is not None
-        # Made while etcd starts (a joining node's is a learner until
-        # promoted), in a worker thread (the ssl module releases the GIL
-        # while loading): CPU that would otherwise come after the
-        # promotion, on the way to serving, or hold up etcd's start.
-        context = None
-        if self._credentials is not None:
-            context = await trio.to_thread.run_sync(server_context, self._credentials)
         with self._consensus.watch() as watcher:
             node.logger.info("waiting for consensus")
             status = await watcher.get(lambda s: s.running)
@@ -147,6 +139,7 @@ class Curator:
                         node.restart("the etcd client closed")
 
                 nursery.start_soon(follow_consensus)
+                serve = self._credentials is not None and self._listen is not None
                 loaded: list[CuratorAPI] = []
 
                 async def load_api() -> None:
@@ -173,9 +166,9 @@ class Curator:
                         )
                     )
                 if serve:
-                    assert context is not None and self._listen is not None
+                    assert self._credentials is not None and self._listen is not None
                     [api] = loaded
-                    server = Server(context, api.security())
+                    server = Server(server_context(self._credentials), api.security())
                     api.register(server)
                     host, port = self._listen
                     bound = await nursery.start(api.serve, server, self.election, host, port)
