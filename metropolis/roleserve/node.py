@@ -77,7 +77,11 @@ class RoleServer:
         node.run("persist-roles", self._persist_roles)
         if self._fetch_roles:
             fetch = RoleFetch(
-                self.settings, self.membership.readonly(), self.roles, self.worker.startup
+                self.root,
+                self.settings,
+                self.membership.readonly(),
+                self.roles,
+                self.worker.startup,
             )
             node.run("rolefetch", fetch.run)
             directory = DirectoryUpdate(
@@ -91,6 +95,9 @@ class RoleServer:
         await trio.sleep_forever()
 
     async def _persist_roles(self, node: Node) -> None:
+        # Roles from the curators are already on disk when published (role
+        # fetch saves them first; save_roles skips unchanged content): this
+        # saves roles set by anybody else, e.g. a caller with fetch_roles off.
         node.signal_healthy()
         with self.roles.watch() as watcher:
             while True:

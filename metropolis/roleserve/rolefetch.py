@@ -5,8 +5,14 @@ Monogon's ``worker_rolefetch.go``, on Trio::
     membership home ─> client to curators (local first, then the directory)
                        Watch(own node) ─> each record's roles ─> roles value
 
-The roles value is persisted by the role server (:mod:`.node`), so a node
-restarts with the roles it last saw. Any curator will do: followers name
+Each new set of roles is made durable on the node's disk *before* it is
+published: the control-plane worker acts on the roles value (starts etcd
+on join data, or stops it and wipes its data), so the disk must never be
+behind what the node did. Otherwise a crash right after a join (etcd
+started, perhaps promoted to a voter that acknowledged writes) would
+restart the node on its old roles, which say "no control plane": it would
+wipe the data of a voting member. So a node restarts with at least the
+roles it last acted on. Any curator will do: followers name
 the leader and the client moves there; when the curator in use stops (the
 local one, say, when the control plane goes), the call fails, the runnable
 fails, and the supervisor starts it again after its backoff, connecting to
@@ -21,6 +27,7 @@ the curators other than UNAVAILABLE, raised to the supervisor.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -28,8 +35,10 @@ import trio
 
 from metropolis.event import Closed, ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
+from metropolis.localstorage import Root
 from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeRoles
+from metropolis.roleserve import disk
 from metropolis.roleserve.curatorloss import follow_curators
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.startup import ControlPlaneStartup, has_control_plane
@@ -138,12 +147,15 @@ class RoleFetch:
 
     def __init__(
         self,
+        root: Root,
         settings: NodeSettings,
         membership: ReadOnlyValue[ClusterMembership],
         roles: Value[NodeRoles],
         startup: ReadOnlyValue[ControlPlaneStartup] | None = None,
     ) -> None:
-        """``startup``: the control-plane worker's decision (see :func:`wait_home`)."""
+        """``root``: where the roles are saved before they are published.
+        ``startup``: the control-plane worker's decision (see :func:`wait_home`)."""
+        self._root = root
         self._settings = settings
         self._membership = membership
         self._roles = roles
@@ -169,6 +181,10 @@ class RoleFetch:
                             continue
                         node.logger.info(
                             "roles from the curator: %s", ", ".join(role_names(roles)) or "none"
+                        )
+                        # Durable first: see the module docstring.
+                        await trio.to_thread.run_sync(
+                            functools.partial(disk.save_roles, self._root, roles)
                         )
                         self._last = roles
                         self._roles.set(roles)

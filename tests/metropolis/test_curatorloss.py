@@ -30,7 +30,7 @@ from metropolis.proto.common import (
     NodeRoles,
 )
 from metropolis.roleserve.directory import DirectoryUpdate
-from metropolis.roleserve.disk import NodeSettings
+from metropolis.roleserve.disk import NodeSettings, roles_path
 from metropolis.roleserve.rolefetch import RoleFetch
 from metropolis.roleserve.values import ClusterMembership
 from metropolis.supervisor import open_supervisor
@@ -123,9 +123,9 @@ async def test_a_role_fetch_reconnects_when_its_curator_stops_and_returns(
         )
         roles: Value[NodeRoles] = Value()
         settings = NodeSettings(address="127.0.0.1", curator_port=port)
-        fetch = RoleFetch(settings, membership.readonly(), roles)
         root = Root(tmp_path / "node")
         root.create()
+        fetch = RoleFetch(root, settings, membership.readonly(), roles)
         directory = DirectoryUpdate(root, settings, membership)
         async with trio.open_nursery() as nursery:
             first = await start_curator(nursery, service.status, credentials, port)
@@ -135,6 +135,8 @@ async def test_a_role_fetch_reconnects_when_its_curator_stops_and_returns(
             ):
                 with trio.fail_after(BOUND), roles.watch() as watcher:
                     got = await watcher.get()
+                    # Published only once durable: the worker acts on them.
+                    assert roles_path(root).read_bytes() == bytes(got)
                     await updating.wait_healthy("directory")
                 assert got.consensus_member is not None
 
