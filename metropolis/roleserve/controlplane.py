@@ -48,7 +48,6 @@ from metropolis.consensus.service import JoinCluster
 from metropolis.crashpoint import CRASH_ENV, crash_point
 from metropolis.curator.bootstrap import (
     BootstrapResult,
-    bootstrap_cluster,
     bootstrap_roles,
     cluster_ca,
     create_cluster,
@@ -316,7 +315,7 @@ class ControlPlaneWorker:
         Without local join data (a resumed bootstrap whose PKI etcd holds)
         or when that early creation did not happen or failed, it is done
         once consensus runs: join data asked from etcd, then
-        :func:`bootstrap_cluster` (idempotent; its errors are raised here).
+        :meth:`_ClusterCreation.create` (idempotent; its errors are raised here).
 
         Crash safety: the files written here mean nothing to
         :func:`~.disk.load` without credentials, so writing them before the
@@ -345,15 +344,7 @@ class ControlPlaneWorker:
                     nursery.start_soon(
                         self._save_cluster_files, data, ca, ca_key, planned_roles, directory
                     )
-                result = await bootstrap_cluster(
-                    status,
-                    node_public_key=data.node_public_key,
-                    join_public_key=data.join_public_key,
-                    cluster_unlock_key=data.cluster_unlock_key,
-                    owner_public_key=data.initial_owner_key,
-                    join=join,
-                    ca=(ca_key, ca),
-                )
+                result = await creation.create(status.curator_client(), join)
         node.logger.info("bootstrapping: cluster created in etcd; saving credentials")
         roles = result.record.roles or NodeRoles()
         if result.ca_certificate != ca or roles != planned_roles:
@@ -463,17 +454,22 @@ class _ClusterCreation:
         except ConsensusError as e:
             self._logger.info("bootstrapping: no early lease (%s)", e)
 
-    async def _create(self, kv: KV, join: JoinCluster) -> None:
+    async def create(self, kv: KV, join: JoinCluster) -> BootstrapResult:
+        """Create this attempt's cluster in etcd (idempotent: see
+        :func:`~metropolis.curator.bootstrap.create_cluster`, whose errors it raises)."""
         data = self.data
+        return await create_cluster(
+            kv,
+            node_public_key=data.node_public_key,
+            join_public_key=data.join_public_key,
+            cluster_unlock_key=data.cluster_unlock_key,
+            owner_public_key=data.initial_owner_key,
+            join=join,
+            ca=(self.ca_key, self.ca),
+        )
+
+    async def _create(self, kv: KV, join: JoinCluster) -> None:
         try:
-            self.result = await create_cluster(
-                kv,
-                node_public_key=data.node_public_key,
-                join_public_key=data.join_public_key,
-                cluster_unlock_key=data.cluster_unlock_key,
-                owner_public_key=data.initial_owner_key,
-                join=join,
-                ca=(self.ca_key, self.ca),
-            )
+            self.result = await self.create(kv, join)
         except (CuratorError, ConsensusError) as e:
             self._logger.info("bootstrapping: cluster not created early (%s); retrying", e)
