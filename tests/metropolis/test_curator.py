@@ -54,6 +54,24 @@ async def consensus(tmp_path: Path) -> AsyncIterator[tuple[Service, Supervisor, 
         yield service, supervisor, status
 
 
+async def bootstrapped(
+    service: Service, status: Status, *, owner_public_key: bytes | None = None
+) -> tuple[BootstrapResult, identity.NodeCredentials]:
+    """The cluster bootstrapped by ``service``'s node (fresh join and owner keys
+    unless given), and that node's credentials."""
+    node_key = service.config.node_private_key
+    result = await bootstrap_cluster(
+        status,
+        node_public_key=pki.public_key_bytes(node_key),
+        join_public_key=pki.public_key_bytes(pki.generate_key()),
+        cluster_unlock_key=b"k" * 32,
+        owner_public_key=owner_public_key or pki.public_key_bytes(pki.generate_key()),
+    )
+    return result, identity.NodeCredentials(
+        node_key, result.node_certificate, result.ca_certificate
+    )
+
+
 def _keys() -> dict[str, bytes]:
     return {name: pki.public_key_bytes(pki.generate_key()) for name in ("node", "join", "owner")}
 
@@ -241,17 +259,7 @@ async def test_a_serving_curator_listens_before_it_leads(tmp_path: Path) -> None
     """Whoever sees the curator lead can call it: with its lease at hand it could
     campaign before its API listens, and must not."""
     async with consensus(tmp_path) as (service, _, status):
-        node_key = service.config.node_private_key
-        result = await bootstrap_cluster(
-            status,
-            node_public_key=pki.public_key_bytes(node_key),
-            join_public_key=_keys()["join"],
-            cluster_unlock_key=b"k" * 32,
-            owner_public_key=_keys()["owner"],
-        )
-        credentials = identity.NodeCredentials(
-            node_key, result.node_certificate, result.ca_certificate
-        )
+        _, credentials = await bootstrapped(service, status)
         curator = Curator(
             service.status,
             credentials.node_id,

@@ -16,7 +16,6 @@ from metropolis import identity, pki
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.consensus.client import KV
 from metropolis.curator.api import CRL_KEY
-from metropolis.curator.bootstrap import bootstrap_cluster
 from metropolis.curator.election import Leader
 from metropolis.curator.service import Curator
 from metropolis.curator.state import CA_KEY_KEY, node_key, read_node
@@ -34,7 +33,7 @@ from metropolis.rpc import (
 )
 from metropolis.rpc import api as methods
 from metropolis.supervisor import open_supervisor
-from tests.metropolis.test_curator import consensus
+from tests.metropolis.test_curator import bootstrapped, consensus
 
 BOUND = 60
 
@@ -70,21 +69,13 @@ async def cluster(
 ) -> AsyncIterator[Cluster]:
     """A bootstrapped node whose curator leads and serves the API on loopback."""
     async with consensus(tmp_path) as (service, _, status):
-        node_key = service.config.node_private_key
         owner_key = pki.generate_key()
-        result = await bootstrap_cluster(
-            status,
-            node_public_key=pki.public_key_bytes(node_key),
-            join_public_key=pki.public_key_bytes(pki.generate_key()),
-            cluster_unlock_key=b"k" * 32,
-            owner_public_key=pki.public_key_bytes(owner_key),
+        result, credentials = await bootstrapped(
+            service, status, owner_public_key=pki.public_key_bytes(owner_key)
         )
         kv = status.curator_client()
         stored = await kv.get(CA_KEY_KEY)
         assert stored is not None
-        credentials = identity.NodeCredentials(
-            node_key, result.node_certificate, result.ca_certificate
-        )
         curator = Curator(
             service.status,
             credentials.node_id,

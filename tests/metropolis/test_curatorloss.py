@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from metropolis import identity, pki
+from metropolis import identity
 from metropolis.consensus import Status as ConsensusStatus
-from metropolis.curator.bootstrap import bootstrap_cluster
 from metropolis.curator.election import Leader
 from metropolis.curator.service import Curator
 from metropolis.event import ReadOnlyValue, Value
@@ -36,7 +35,7 @@ from metropolis.roleserve.values import ClusterMembership
 from metropolis.supervisor import open_supervisor
 from monotrio.net import free_loopback_port
 from tests.metropolis.test_consensus import eventually
-from tests.metropolis.test_curator import consensus
+from tests.metropolis.test_curator import bootstrapped, consensus
 
 BOUND = 60
 
@@ -94,17 +93,7 @@ async def test_a_role_fetch_reconnects_when_its_curator_stops_and_returns(
 ) -> None:
     caplog.set_level(logging.INFO)
     async with consensus(tmp_path) as (service, _, status):
-        node_key = service.config.node_private_key
-        result = await bootstrap_cluster(
-            status,
-            node_public_key=pki.public_key_bytes(node_key),
-            join_public_key=pki.public_key_bytes(pki.generate_key()),
-            cluster_unlock_key=b"k" * 32,
-            owner_public_key=pki.public_key_bytes(pki.generate_key()),
-        )
-        credentials = identity.NodeCredentials(
-            node_key, result.node_certificate, result.ca_certificate
-        )
+        _, credentials = await bootstrapped(service, status)
         port = free_loopback_port()
         membership: Value[ClusterMembership] = Value()
         membership.set(
