@@ -514,6 +514,7 @@ class Service:
         if join is not None:
             node.logger.info("joining existing cluster via %d members", len(join.existing_nodes))
             unsynced = await self._write_join_pki(join)
+            store_pki = False
             initial = own | {n.name: n.url for n in join.existing_nodes}
             process = config._process(peer_tls=True, initial=initial, state="existing")
         else:
@@ -536,9 +537,10 @@ class Service:
             else:
                 self._check_peer_pki()
             process = config._process(peer_tls=True, initial=own, state="new")
-            pending = data.path / _PENDING_CA_KEY
-            unsynced = [pending, data.peer_crl, *data.peer_pki.files()] if pending.exists() else []
-            if pending.exists():
+            # Looked at once: nothing removes the pending key before etcd runs.
+            store_pki = pending.exists()
+            unsynced = [pending, data.peer_crl, *data.peer_pki.files()] if store_pki else []
+            if store_pki:
                 # The bootstrap PKI is not in etcd yet (its CA key is still
                 # pending on disk), so no node can have been added, nor any
                 # certificate revoked: this node's join data is what is on
@@ -562,7 +564,7 @@ class Service:
             # cut must not leave etcd with a PKI (or curator state naming it)
             # that this node's disk lost.
             await synced.wait()
-            if (data.path / _PENDING_CA_KEY).exists():
+            if store_pki:
                 async with trio.open_nursery() as bootstrap:
                     bootstrap.start_soon(self._store_bootstrap_pki, node, client)
                     if config.on_bootstrap is not None and bootstrap_join is not None:
