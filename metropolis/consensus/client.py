@@ -88,11 +88,23 @@ Key = str | bytes
 # gRPC status codes that etcd puts in the gateway's "code" field.
 GRPC_CANCELED = 1
 GRPC_INVALID_ARGUMENT = 3
+GRPC_DEADLINE_EXCEEDED = 4
 GRPC_NOT_FOUND = 5
 GRPC_FAILED_PRECONDITION = 9
 GRPC_OUT_OF_RANGE = 11
 GRPC_UNAVAILABLE = 14
 
+
+#: How long etcd may take to settle a membership change (add, promote,
+#: remove) before it answers DEADLINE_EXCEEDED or "request timed out".
+#: Without a deadline, a change raft drops is never answered at all: raft
+#: lets one change be pending (proposed, not yet applied) at a time and
+#: silently replaces any other proposed meanwhile ("ignoring conf change ...
+#: possible unapplied conf change" in etcd's log), while etcd waits for that
+#: change to apply for as long as the request lives. Two changes at once are
+#: ordinary here: the promoter on the raft leader and the curator leader's
+#: grants and revokes work independently. etcdctl's own default is 5 s.
+MEMBERSHIP_DEADLINE = 5.0
 
 #: The lease keep-alive retries an unreachable etcd every second (but never
 #: past the moment the lease must have expired).
@@ -160,9 +172,12 @@ class EtcdAPIError(EtcdError):
         Membership changes are refused with UNAVAILABLE (503) while the
         cluster is settling after a previous change, and with
         FAILED_PRECONDITION (412) while a learner is not yet in sync or etcd's
-        single learner slot is taken.
+        single learner slot is taken. DEADLINE_EXCEEDED (504), or UNAVAILABLE
+        "request timed out", means a membership change was not settled
+        within :data:`MEMBERSHIP_DEADLINE` (raft may have dropped it): its
+        outcome is unknown, so a retry must first look whether it applied.
         """
-        return self.code in (GRPC_UNAVAILABLE, GRPC_FAILED_PRECONDITION)
+        return self.code in (GRPC_UNAVAILABLE, GRPC_FAILED_PRECONDITION, GRPC_DEADLINE_EXCEEDED)
 
 
 class LeaseExpired(EtcdError):
@@ -412,12 +427,21 @@ class _Gateway:
     def _unavailable(self, e: Exception) -> EtcdUnavailable:
         return EtcdUnavailable(f"etcd at {self.socket_path} is unavailable: {e!r}")
 
-    async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def call(
+        self, path: str, body: dict[str, Any], *, deadline: float | None = None
+    ) -> dict[str, Any]:
+        """One unary call. ``deadline`` (seconds) is passed on to etcd, which
+        then gives up on the request itself (DEADLINE_EXCEEDED) once it passes."""
         if self.closed:
             raise EtcdClosed("etcd client is closed")
         payload = json.dumps(body, separators=(",", ":")).encode()
+        headers: tuple[tuple[str, str], ...] = ()
+        if deadline is not None:
+            # The gateway turns gRPC's timeout header into the request's context
+            # deadline (milliseconds: "<n>m").
+            headers = (("Grpc-Timeout", f"{max(1, round(deadline * 1000))}m"),)
         try:
-            status, content = await self._unary.post(f"/v3/{path}", payload)
+            status, content = await self._unary.post(f"/v3/{path}", payload, headers)
         except TransportClosed as e:
             raise EtcdClosed("etcd client was closed during the call") from e
         except TransportError as e:
@@ -893,11 +917,20 @@ class Client(KV):
 
     Construction does no I/O: a missing socket shows up as
     :class:`EtcdUnavailable` on the first call. ``timeout`` bounds each
-    unary call (watches and keep-alives stream without a read timeout).
+    unary call (watches and keep-alives stream without a read timeout);
+    ``membership_deadline`` is etcd's own deadline for membership changes
+    (see :data:`MEMBERSHIP_DEADLINE`).
     """
 
-    def __init__(self, socket_path: Path | str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        socket_path: Path | str,
+        *,
+        timeout: float = 30.0,
+        membership_deadline: float = MEMBERSHIP_DEADLINE,
+    ) -> None:
         super().__init__(_Gateway(Path(socket_path), timeout))
+        self._membership_deadline = membership_deadline
 
     async def __aenter__(self) -> Client:
         return self
@@ -932,12 +965,14 @@ class Client(KV):
         return [_member(m) for m in obj.get("members", [])]
 
     async def member_add(self, peer_urls: Iterable[str], *, learner: bool = True) -> Member:
-        """Add a member (a non-voting learner by default). See :attr:`EtcdAPIError.transient`."""
-        body: dict[str, Any] = {"peerURLs": list(peer_urls)}
-        if learner:
-            body["isLearner"] = True
-        obj = await self._gw.call("cluster/member/add", body)
-        return _member(obj.get("member", {}))
+        """Add a member (a non-voting learner by default). See :attr:`EtcdAPIError.transient`.
+
+        Like every membership change, bounded by etcd's deadline: a change
+        etcd does not settle in time raises DEADLINE_EXCEEDED (or
+        UNAVAILABLE), and may or may not have applied.
+        """
+        member, _ = await self.member_add_listing(peer_urls, learner=learner)
+        return member
 
     async def member_add_listing(
         self, peer_urls: Iterable[str], *, learner: bool = True
@@ -950,12 +985,16 @@ class Client(KV):
         body: dict[str, Any] = {"peerURLs": list(peer_urls)}
         if learner:
             body["isLearner"] = True
-        obj = await self._gw.call("cluster/member/add", body)
+        obj = await self._gw.call("cluster/member/add", body, deadline=self._membership_deadline)
         return _member(obj.get("member", {})), [_member(m) for m in obj.get("members", [])]
 
     async def member_promote(self, member_id: int) -> None:
         """Make a learner a voter. FAILED_PRECONDITION while it is not caught up."""
-        await self._gw.call("cluster/member/promote", {"ID": str(member_id)})
+        await self._gw.call(
+            "cluster/member/promote", {"ID": str(member_id)}, deadline=self._membership_deadline
+        )
 
     async def member_remove(self, member_id: int) -> None:
-        await self._gw.call("cluster/member/remove", {"ID": str(member_id)})
+        await self._gw.call(
+            "cluster/member/remove", {"ID": str(member_id)}, deadline=self._membership_deadline
+        )

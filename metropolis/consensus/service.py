@@ -63,6 +63,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from metropolis import identity, pki
 from metropolis.consensus import peerpki
 from metropolis.consensus.client import (
+    GRPC_NOT_FOUND,
     KV,
     Client,
     EndpointStatus,
@@ -343,10 +344,7 @@ class Status:
             )
 
         async def add_learner() -> list[Member]:
-            member, after = await _retry_transient(
-                lambda: client.member_add_listing([peer_url], learner=True),
-                config.membership_timeout,
-            )
+            member, after = await _add_learner(client, peer_url, config.membership_timeout)
             logging.getLogger("metropolis.consensus").info(
                 "added %s (%s) as learner %x", node, peer_url, member.id
             )
@@ -407,10 +405,7 @@ class Status:
         for member in await client.member_list():
             hosts = {urlsplit(u).hostname for u in member.peer_urls}
             if member.name == node or (not member.name and hosts & urls):
-                await _retry_transient(
-                    lambda m=member.id: client.member_remove(m),  # type: ignore[misc]
-                    config.membership_timeout,
-                )
+                await _remove_member(client, member.id, config.membership_timeout)
                 logging.getLogger("metropolis.consensus").info(
                     "removed member %x (%s)", member.id, node
                 )
@@ -426,8 +421,24 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-async def _retry_transient(fn: Callable[[], Awaitable[_T]], patience: float) -> _T:
-    """Call ``fn`` until etcd stops refusing it transiently, for at most ``patience`` s."""
+#: Between two tries of a membership change etcd refused for now.
+_MEMBERSHIP_RETRY = 0.5
+
+
+async def _retry_transient(
+    fn: Callable[[], Awaitable[_T]],
+    patience: float,
+    *,
+    applied: Callable[[], Awaitable[_T | None]],
+) -> _T:
+    """Call ``fn`` until etcd stops refusing it transiently, for at most ``patience`` s.
+
+    A membership change refused transiently may still have applied (it
+    timed out, see :data:`~.client.MEMBERSHIP_DEADLINE`), and a repeated
+    one would then fail (a member added twice, removed twice). So before
+    each retry ``applied()`` looks: what it returns, if not None, is the
+    change's result.
+    """
     last: EtcdAPIError | None = None
     with trio.move_on_after(patience):
         while True:
@@ -437,8 +448,46 @@ async def _retry_transient(fn: Callable[[], Awaitable[_T]], patience: float) -> 
                 if not e.transient:
                     raise
                 last = e
-            await trio.sleep(0.5)
+            await trio.sleep(_MEMBERSHIP_RETRY)
+            if (result := await applied()) is not None:
+                return result
     raise ConsensusError(f"etcd kept refusing the membership change for {patience}s: {last}")
+
+
+async def _add_learner(
+    client: Client, peer_url: str, patience: float
+) -> tuple[Member, list[Member]]:
+    """Add ``peer_url`` as a learner; the member and the member list after it.
+
+    Idempotent by peer URL: a member with it found before a retry is the
+    one an earlier, timed-out try added.
+    """
+
+    async def applied() -> tuple[Member, list[Member]] | None:
+        members = await client.member_list()
+        added = next((m for m in members if peer_url in m.peer_urls), None)
+        return None if added is None else (added, members)
+
+    return await _retry_transient(
+        lambda: client.member_add_listing([peer_url], learner=True), patience, applied=applied
+    )
+
+
+async def _remove_member(client: Client, member_id: int, patience: float) -> None:
+    """Remove member ``member_id``; done too if it is (or goes) missing meanwhile."""
+
+    async def remove() -> bool:
+        try:
+            await client.member_remove(member_id)
+        except EtcdAPIError as e:
+            if e.code != GRPC_NOT_FOUND:
+                raise
+        return True
+
+    async def applied() -> bool | None:
+        return True if all(m.id != member_id for m in await client.member_list()) else None
+
+    await _retry_transient(remove, patience, applied=applied)
 
 
 class Service:

@@ -26,6 +26,7 @@ connection it used is then closed, never reused half-read.
 from __future__ import annotations
 
 import select
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,9 +184,12 @@ class UnixHTTP:
             connection.close()
         self._idle.clear()
 
-    def _request(self, target: str, body: bytes) -> bytes:
+    def _request(self, target: str, body: bytes, headers: Sequence[tuple[str, str]]) -> bytes:
+        extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
+        if "\n" in extra.replace("\r\n", "") or "\r" in extra.replace("\r\n", ""):
+            raise ValueError(f"a header holds a line break: {headers!r}")
         head = (
-            f"POST {target} HTTP/1.1\r\nHost: {self._host}\r\n"
+            f"POST {target} HTTP/1.1\r\nHost: {self._host}\r\n{extra}"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         )
         return head.encode("latin-1") + body
@@ -202,14 +206,19 @@ class UnixHTTP:
             raise TransportError(f"connecting to {self.socket_path} timed out")
         return _Connection(stream)
 
-    async def post(self, target: str, body: bytes) -> tuple[int, bytes]:
+    async def post(
+        self, target: str, body: bytes, headers: Sequence[tuple[str, str]] = ()
+    ) -> tuple[int, bytes]:
         """POST ``body`` (JSON) to ``target``; return the status and the whole answer body.
+
+        ``headers`` are sent besides Host, Content-Type and Content-Length
+        (names and values must not contain CR or LF).
 
         Never sends a request twice: a reused connection that fails (the
         server closed it after the idle check) fails the call, as a dropped
         one does. Raises :class:`TransportError` for every failure.
         """
-        request = self._request(target, body)
+        request = self._request(target, body, headers)
         if self._closed:
             raise TransportClosed("the connection pool is closed")
         try:

@@ -9,6 +9,7 @@ import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -504,6 +505,27 @@ async def test_revoked_peer_certificate_is_refused(tmp_path: Path) -> None:
         # The member itself is unaffected.
         async with Client(service.config.client_socket) as client:
             await client.put("still", "fine")
+
+
+async def test_an_addition_and_a_removal_at_once_both_complete(tmp_path: Path) -> None:
+    """raft drops a membership change proposed while another is pending, and
+    etcd takes one learner at a time: whichever way the two race, both calls
+    finish (a dropped change times out at etcd's deadline and is tried again,
+    after looking whether it applied) and the membership is as asked."""
+    machine = Machine.make(tmp_path / "n1")
+    leaving, joining = (pki.public_key_bytes(pki.generate_key()) for _ in range(2))
+    async with running(machine) as (_, _, status):
+        await status.add_node(leaving, peer_url="https://127.0.0.2:2380")
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(status.remove_node, leaving)
+                nursery.start_soon(
+                    partial(status.add_node, joining, peer_url="https://127.0.0.3:2380")
+                )
+        urls = [u for m in await status.members() for u in m.peer_urls]
+        assert "https://127.0.0.3:2380" in urls
+        assert "https://127.0.0.2:2380" not in urls
+        assert len(urls) == 2
 
 
 @pytest.mark.parametrize("damage", ["foreign-cert", "partial-pki"])

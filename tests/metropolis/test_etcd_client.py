@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -325,6 +326,41 @@ async def test_members_and_status(client: Client) -> None:
 
     await client.member_remove(learner.id)
     assert [m.id for m in await client.member_list()] == [status.member_id]
+
+
+async def test_membership_changes_at_once_are_all_answered(etcd: EtcdServer) -> None:
+    """raft keeps one membership change pending at a time and silently drops
+    any other proposed meanwhile; etcd then never answers the dropped one
+    unless the request has a deadline. Every change here must get an answer
+    (done, or refused transiently) well before the client's own timeout."""
+    outcomes: list[str] = []
+    async with Client(etcd.socket_path, timeout=BOUND, membership_deadline=1.0) as client:
+
+        async def change(call: Callable[[], Awaitable[object]]) -> None:
+            try:
+                await call()
+            except EtcdAPIError as e:
+                assert e.transient, e
+                outcomes.append("refused" if e.code == GRPC_FAILED_PRECONDITION else "timed out")
+            else:
+                outcomes.append("done")
+
+        for port in range(1, 6):
+            learner = await client.member_add([f"https://127.0.0.2:{port}"])
+            # Well below BOUND: without etcd's deadline a dropped change waits
+            # for the client's timeout (BOUND), and this fails.
+            with trio.fail_after(BOUND / 2):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(change, partial(client.member_remove, learner.id))
+                    nursery.start_soon(
+                        change, partial(client.member_add, [f"https://127.0.0.3:{port}"])
+                    )
+            for member in await client.member_list():
+                if member.is_learner:
+                    await client.member_remove(member.id)
+    # The race is real: raft dropped at least one change (nine rounds in ten
+    # here); each such change timed out instead of hanging.
+    assert "timed out" in outcomes, outcomes
 
 
 async def test_prefix_ranges_handle_0xff_bytes(client: Client) -> None:
