@@ -92,9 +92,9 @@ def etcd_pid(working_dir: Path) -> int | None:
     return None
 
 
-def kill_etcd(working_dir: Path) -> int:
-    """SIGKILL the etcd process running in ``working_dir``, as a crash would; return its pid.
-    Raises `ProcessLookupError` if none runs there.
+def kill_etcd(working_dir: Path, sig: signal.Signals = signal.SIGKILL) -> int:
+    """Send ``sig`` (SIGKILL: as a crash would) to the etcd process running in
+    ``working_dir``; return its pid. Raises `ProcessLookupError` if none runs there.
 
     Lets tests crash an etcd that some service started without that service
     exposing the process.
@@ -102,5 +102,5 @@ def kill_etcd(working_dir: Path) -> int:
     pid = etcd_pid(working_dir)
     if pid is None:
         raise ProcessLookupError(f"no etcd process runs in {working_dir}")
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     return pid
