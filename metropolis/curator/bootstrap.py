@@ -141,15 +141,20 @@ async def create_cluster(
     owner_public_key: bytes,
     join: JoinCluster,
     ca: tuple[Ed25519PrivateKey, x509.Certificate] | None = None,
+    certificate: x509.Certificate | None = None,
 ) -> BootstrapResult:
     """:func:`bootstrap_cluster` on the curator's view of etcd, with the join data at hand.
 
     One transaction, no other round trip: usable before the consensus
     service says it runs (its ``on_bootstrap`` hook). Same results and errors.
+    ``certificate``: this node's certificate from ``ca``
+    (:func:`node_certificate`) if the caller made it already, to write it
+    to disk while this runs; made here if None.
     """
     node = identity.node_id(node_public_key)
     ca_key, ca_certificate = ca if ca is not None else cluster_ca()
-    certificate = node_certificate(ca_key, ca_certificate, node_public_key)
+    if certificate is None:
+        certificate = node_certificate(ca_key, ca_certificate, node_public_key)
     record = Node(
         public_key=node_public_key,
         cluster_unlock_key=cluster_unlock_key,

@@ -14,18 +14,21 @@ Monogon's seed (``worker_controlplane.go``), reshaped for Trio::
 Bootstrap (as the seed, made restartable and pipelined around etcd's
 start)::
 
+    cluster CA and this node's certificate made (its credentials)
     consensus starts: peer PKI made, etcd spawned ──────────────┐
     while etcd starts: roles (this node's join data), directory, │
-      sealed configuration, owner certificate written, fsynced  │
+      sealed configuration, owner certificate written, and the  │
+      credentials staged, all fsynced; TLS contexts built       │
     etcd answers: peer PKI, the cluster (curator state) and the  ◀┘
       curator's first lease, concurrently (one round trip); running
-    credentials written, fsynced; intent dropped
+    credentials committed (a directory rename, fsynced); intent dropped
     curator started (it campaigns at once, on that lease)
     membership (home) and roles published
 
-Every step is idempotent, and the credentials (which mean "done") are
-written only after the cluster exists in etcd and every other file is
-durable, so a crash anywhere resumes on the next start.
+Every step is idempotent, and the credentials (which mean "done") become
+the node's only after the cluster exists in etcd and every other file is
+durable, so a crash anywhere resumes on the next start (staged credentials
+mean nothing to ``disk.load``).
 
 Bad join data in the roles is logged and skipped by ``reduce()``; nothing
 here fails on it.
@@ -38,7 +41,6 @@ import shutil
 from pathlib import Path
 
 import trio
-import trio.lowlevel
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -51,6 +53,7 @@ from metropolis.curator.bootstrap import (
     bootstrap_roles,
     cluster_ca,
     create_cluster,
+    node_certificate,
 )
 from metropolis.curator.election import DEFAULT_TTL
 from metropolis.curator.service import Curator
@@ -238,16 +241,21 @@ class ControlPlaneWorker:
         roles: NodeRoles | None = None
         if creation is not None:
             credentials, directory, roles = await self._create_cluster(node, service, creation)
-            # Last: the credentials mean "done" (disk.load), so they are
-            # written only after the cluster exists in etcd and the other
-            # files are durable; the node is home only once they are too.
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    functools.partial(
-                        trio.to_thread.run_sync, disk.save_credentials, self._root, credentials
-                    )
-                )
-                await trio.lowlevel.checkpoint()  # the thread starts its fsync first
+            # Last: the credentials mean "done" (disk.load), so they become
+            # the node's only after the cluster exists in etcd and the other
+            # files are durable; the node is home only once that is durable
+            # too.
+            if credentials is creation.credentials:
+                # Staged and fsynced while etcd started: one rename and one
+                # directory fsync (~5 ms), done here, blocking the event
+                # loop. In a worker thread it took twice as long (measured):
+                # the CRL watcher and promoter, which start as consensus
+                # runs, keep this thread busy, and the worker waits for the
+                # GIL (5 ms switch interval) before and after its fsync.
+                # Nothing of this node waits on the loop meanwhile but them.
+                disk.commit_credentials(self._root, credentials)
+            else:  # another attempt's cluster won: staged and fsynced now
+                await trio.to_thread.run_sync(disk.commit_credentials, self._root, credentials)
                 _warm_tls_contexts(credentials)
             node.logger.info("bootstrap complete: %s", credentials.node_id)
             # Only now: its campaign is an etcd write, and etcd's WAL fsync
@@ -306,7 +314,9 @@ class ControlPlaneWorker:
         Pipelined, so that etcd's start is nearly all of it. While etcd
         starts, with this node's join data (known locally on a fresh
         bootstrap: ``Service.bootstrap_join``): its roles, directory, sealed
-        configuration and the owner's certificate are written and fsynced.
+        configuration and the owner's certificate are written and fsynced,
+        and the attempt's credentials staged (:func:`~.disk.commit_credentials`
+        makes them the node's) and their TLS contexts built.
         Once etcd answers, the consensus service creates the cluster
         (:meth:`_ClusterCreation.in_etcd`) beside storing its peer PKI: one
         round trip. Returns once etcd runs and both are done, with the
@@ -316,6 +326,8 @@ class ControlPlaneWorker:
         or when that early creation did not happen or failed, it is done
         once consensus runs: join data asked from etcd, then
         :meth:`_ClusterCreation.create` (idempotent; its errors are raised here).
+        The credentials returned are the attempt's (``creation.credentials``)
+        unless etcd holds an earlier attempt's cluster.
 
         Crash safety: the files written here mean nothing to
         :func:`~.disk.load` without credentials, so writing them before the
@@ -327,11 +339,12 @@ class ControlPlaneWorker:
         directory = _with_node(ClusterDirectory(), data.node_public_key, self._settings.address)
         with service.bootstrap_join.watch() as watcher:
             join = await watcher.get()
+        staged = creation.credentials
         async with trio.open_nursery() as nursery:
             if join is not None:
                 planned_roles = bootstrap_roles(join)
                 nursery.start_soon(
-                    self._save_cluster_files, data, ca, ca_key, planned_roles, directory
+                    self._save_cluster_files, data, ca, ca_key, planned_roles, directory, staged
                 )
             node.logger.info("bootstrapping: waiting for consensus")
             status = await service.wait_running()
@@ -342,20 +355,21 @@ class ControlPlaneWorker:
                     join = await status.add_node(data.node_public_key)
                     planned_roles = bootstrap_roles(join)
                     nursery.start_soon(
-                        self._save_cluster_files, data, ca, ca_key, planned_roles, directory
+                        self._save_cluster_files, data, ca, ca_key, planned_roles, directory, staged
                     )
                 result = await creation.create(status.curator_client(), join)
         node.logger.info("bootstrapping: cluster created in etcd; saving credentials")
         roles = result.record.roles or NodeRoles()
+        credentials = staged
         if result.ca_certificate != ca or roles != planned_roles:
             node.logger.info("bootstrapping: etcd holds an earlier attempt's cluster; using it")
             await self._save_cluster_files(
                 data, result.ca_certificate, result.ca_key, roles, directory
             )
+            credentials = NodeCredentials(
+                data.node_private_key, result.node_certificate, result.ca_certificate
+            )
         crash_point("after-bootstrap-cluster")
-        credentials = NodeCredentials(
-            data.node_private_key, result.node_certificate, result.ca_certificate
-        )
         return credentials, directory, roles
 
     async def _save_cluster_files(
@@ -365,7 +379,15 @@ class ControlPlaneWorker:
         ca_key: Ed25519PrivateKey,
         roles: NodeRoles,
         directory: ClusterDirectory,
+        staged: NodeCredentials | None = None,
     ) -> None:
+        """Write and fsync the cluster files (in a worker thread), ``staged`` credentials too.
+
+        Staged credentials get their TLS contexts built afterwards, on this
+        thread (~5 ms of CPU): etcd has been spawned by then (this runs
+        while it starts), so that does not delay its start, and the node's
+        services find them ready as it comes home.
+        """
         sealed = SealedConfiguration(
             node_unlock_key=data.node_unlock_key,
             join_key=join_key_bytes(data.join_private_key),
@@ -391,8 +413,11 @@ class ControlPlaneWorker:
                 # service is not built here, so the bootstrap node, which has
                 # the CA key at hand, issues it. It is public data.
                 owner_certificate=pki.encode_certificate(owner),
+                staged_credentials=staged,
             )
         )
+        if staged is not None:
+            _warm_tls_contexts(staged)
 
 
 def _warm_tls_contexts(credentials: NodeCredentials) -> None:
@@ -401,8 +426,7 @@ def _warm_tls_contexts(credentials: NodeCredentials) -> None:
     Its curator, debug service, role fetch, directory and status push all
     start as it comes home, each asking for one of these two contexts
     (~2 ms of CPU each, on the Trio thread, while the new curator
-    campaigns); built here, they cost nothing then. Called while the
-    credentials' fsync keeps the disk busy and this thread idle.
+    campaigns); built before, they cost nothing then.
     """
     server_context(credentials)
     client_context(credentials.ca_certificate, credentials.certificate, credentials.private_key)
@@ -428,9 +452,15 @@ class _ClusterCreation:
     def __init__(self, data: BootstrapData, node: Node) -> None:
         self.data = data
         self._logger = node.logger
-        # Made before consensus starts (well under a millisecond): the hook
-        # below and the files written while etcd starts both need it.
+        # Made before consensus starts (under a millisecond each): the hook
+        # below and the files written while etcd starts both need them.
         self.ca_key, self.ca = cluster_ca()
+        #: This attempt's credentials, staged on disk while etcd starts.
+        self.credentials = NodeCredentials(
+            data.node_private_key,
+            node_certificate(self.ca_key, self.ca, data.node_public_key),
+            self.ca,
+        )
         self.result: BootstrapResult | None = None
         #: A lease for the curator's first campaign, granted in the same round trip.
         self.lease: Lease | None = None
@@ -466,6 +496,7 @@ class _ClusterCreation:
             owner_public_key=data.initial_owner_key,
             join=join,
             ca=(self.ca_key, self.ca),
+            certificate=self.credentials.certificate,
         )
 
     async def _create(self, kv: KV, join: JoinCluster) -> None:

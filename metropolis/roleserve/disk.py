@@ -9,12 +9,25 @@ In ``<root>/data/node/`` (owner-only), beside the credentials::
                      cluster CA and directory (present only until committed)
     roles.pb         the node's roles, as last received
     credentials/     written last by a bootstrap: their presence means done
+    credentials.staged/
+                     a bootstrap's credentials, written and fsynced while
+                     etcd starts; renamed to credentials/ once the cluster
+                     exists (meaningless until then: load() ignores it)
 
 and the cluster directory and sealed configuration under ``esp/``. A
 bootstrap saves roles, directory and sealed configuration, then the
 credentials, then removes the intent, so a node restarts from whatever a
 crash left: credentials -> run; intent without credentials -> resume the
 bootstrap (it is idempotent); neither -> a half-written root, refused.
+
+The credentials of a bootstrap are staged: written and fsynced beside the
+other files while etcd starts (:func:`save_cluster_files` with
+``staged_credentials``), then made the node's by one directory rename and
+one directory fsync (:func:`commit_credentials`) once the cluster exists in
+etcd; writing and fsyncing three files there cost that moment two
+filesystem journal commits beside etcd's. A crash between staging and the
+rename leaves an intent without credentials: the bootstrap resumes, and
+stages again if the cluster etcd holds is another attempt's.
 
 A registering node (``node register``) writes its settings, then its
 register intent, before it calls the cluster, and finishes like a bootstrap
@@ -27,7 +40,9 @@ other than the ones the cluster knows it by.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +51,13 @@ from metropolis.consensus.process import Tuning
 from metropolis.crashpoint import crash_point
 from metropolis.errors import MetropolisError
 from metropolis.identity import CredentialsError, NodeCredentials
-from metropolis.localstorage import LocalStorageError, Root, atomic_write, make_durable
+from metropolis.localstorage import (
+    LocalStorageError,
+    PKIDirectory,
+    Root,
+    atomic_write,
+    make_durable,
+)
 from metropolis.proto.common import ClusterDirectory, NodeRoles
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.proto.private import SealedConfiguration
@@ -47,6 +68,7 @@ __all__ = [
     "NodeSettings",
     "SavedNode",
     "bootstrap_path",
+    "commit_credentials",
     "drop_finished_intents",
     "finish_bootstrap",
     "load",
@@ -59,6 +81,7 @@ __all__ = [
     "save_roles",
     "save_settings_and_intent",
     "settings_path",
+    "staged_credentials_path",
 ]
 
 
@@ -189,6 +212,11 @@ def _load_register_intent(root: Root) -> RegisterIntent:
         raise NodeRootError(
             f"{register_path(root)} is damaged ({e}); remove {root.path} and register again"
         ) from e
+
+
+def staged_credentials_path(root: Root) -> PKIDirectory:
+    """Where a bootstrap stages its credentials (see :func:`commit_credentials`)."""
+    return PKIDirectory(root.data.path / "node" / "credentials.staged")
 
 
 def owner_certificate_path(root: Root) -> Path:
@@ -327,14 +355,17 @@ def save_cluster_files(
     directory: ClusterDirectory,
     sealed: SealedConfiguration,
     owner_certificate: bytes | None = None,
+    staged_credentials: NodeCredentials | None = None,
 ) -> None:
     """Write and fsync what a node needs besides its credentials (first of two rounds).
 
     ``owner_certificate`` (PEM; the bootstrap node has one) goes to
-    :func:`owner_certificate_path`. Without credentials these files mean
-    nothing to :func:`load`, so a bootstrap may write them before its
-    cluster exists, and again if etcd turns out to hold other values.
-    Blocking I/O; the fsyncs run in parallel.
+    :func:`owner_certificate_path`; ``staged_credentials`` to
+    :func:`staged_credentials_path`, for :func:`commit_credentials`. Without
+    credentials these files mean nothing to :func:`load`, so a bootstrap may
+    write them before its cluster exists, and again if etcd turns out to
+    hold other values. Blocking I/O; the fsyncs run in parallel (one
+    journal commit for all).
     """
     atomic_write(roles_path(root), bytes(roles), durable=False)
     root.esp.write_cluster_directory(directory, durable=False)
@@ -344,7 +375,72 @@ def save_cluster_files(
     if owner_certificate is not None:
         atomic_write(owner_certificate_path(root), owner_certificate, durable=False)
         paths.append(owner_certificate_path(root))
+    if staged_credentials is not None:
+        paths += _stage(root, staged_credentials)
     make_durable(paths)
+
+
+def _stage(root: Root, credentials: NodeCredentials) -> list[Path]:
+    """Write ``credentials`` to the staging directory, unsynced; the files written."""
+    staged = staged_credentials_path(root)
+    credentials.save(staged, durable=False)
+    return list(staged.files())
+
+
+def _staged_are(root: Root, credentials: NodeCredentials) -> bool:
+    """Whether the staging directory holds exactly ``credentials``."""
+    staged = staged_credentials_path(root)
+    try:
+        return (
+            staged.key.read_bytes() == pki.encode_private_key(credentials.private_key)
+            and staged.certificate.read_bytes() == pki.encode_certificate(credentials.certificate)
+            and staged.ca_certificate.read_bytes()
+            == pki.encode_certificate(credentials.ca_certificate)
+        )
+    except OSError:
+        return False
+
+
+def commit_credentials(root: Root, credentials: NodeCredentials) -> None:
+    """Make ``credentials`` the node's, durably, through the staging directory; drop the intents.
+
+    The second round of a bootstrap, as :func:`save_credentials`: only
+    after the cluster exists and the other files are durable. If the
+    staging directory holds ``credentials`` (staged, fsynced, by
+    :func:`save_cluster_files`), this is one rename of the directory over
+    the empty ``credentials/`` and one fsync of their parent; otherwise
+    (another attempt's cluster won, or nothing was staged) they are staged
+    and fsynced first. Either way the credentials appear all at once, and a
+    crash before the rename leaves the node without them (the bootstrap
+    resumes). Blocking I/O.
+    """
+    staged = staged_credentials_path(root)
+    if not _staged_are(root, credentials):
+        make_durable(_stage(root, credentials))
+    crash_point("bootstrap-credentials-staged")
+    final = root.data.node_credentials
+    try:
+        os.rename(staged.path, final.path)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        # Leftovers of a save that never completed (load() took no
+        # credentials from there, or this would be no bootstrap): rename(2)
+        # replaces an empty directory only.
+        for path in final.path.iterdir():
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+        os.rename(staged.path, final.path)
+    # The rename survives a crash once their parent is synced.
+    parent = os.open(final.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(parent)
+    finally:
+        os.close(parent)
+    crash_point("finish-before-intent-removal")
+    # Not fsynced, as in save_credentials.
+    bootstrap_path(root).unlink(missing_ok=True)
+    register_path(root).unlink(missing_ok=True)
 
 
 def save_credentials(root: Root, credentials: NodeCredentials) -> None:

@@ -187,18 +187,22 @@ async def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -
         assert errors == []
 
 
-async def test_a_crash_mid_bootstrap_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("step", ["after-bootstrap-cluster", "bootstrap-credentials-staged"])
+async def test_a_crash_mid_bootstrap_resumes(tmp_path: Path, step: str) -> None:
     root = Root(tmp_path / "n")
+    staged = disk.staged_credentials_path(root)
     with trio.fail_after(BOUND):
-        # The cluster is created in etcd, then the node dies before saving anything.
-        async with node(
-            *bootstrap_args(tmp_path), env={CRASH_ENV: "after-bootstrap-cluster"}
-        ) as crashed:
+        # The cluster is created in etcd, then the node dies before its
+        # credentials are in place: right away, or with them staged, just
+        # before the rename that commits them.
+        async with node(*bootstrap_args(tmp_path), env={CRASH_ENV: step}) as crashed:
             pass
         assert crashed.process.returncode == -signal.SIGKILL
         await _wait_no_etcd(root)
         assert not root.data.node_credentials.all_present()
         assert disk.bootstrap_path(root).exists()
+        # Staged while etcd started, so there either way; fsynced.
+        assert staged.all_present()
 
         async with node("run", "--root", str(root.path)) as resumed:
             await resumed.wait_for(LEADS)
@@ -215,6 +219,9 @@ async def test_a_crash_mid_bootstrap_resumes(tmp_path: Path) -> None:
             )
             resumed.process.send_signal(signal.SIGTERM)
         assert not disk.bootstrap_path(root).exists()
+        # The crashed attempt's cluster won: the resumed one staged its
+        # credentials anew and renamed them into place.
+        assert not staged.path.exists()
 
 
 @pytest.mark.parametrize("damage", ["missing", "foreign", "half-written"])

@@ -14,19 +14,23 @@ from pathlib import Path
 
 import pytest
 import trio
+from cryptography import x509
 
 from metropolis import pki
 from metropolis.consensus.client import Client
 from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.process import SOCKET_NAME
+from metropolis.curator.bootstrap import cluster_ca, node_certificate
 from metropolis.curator.election import Leader
 from metropolis.identity import NodeCredentials, node_id
 from metropolis.localstorage import Root
 from metropolis.proto.common import (
+    ClusterDirectory,
     NodeRoles,
     NodeRolesConsensusMember,
     NodeRolesKubernetesController,
 )
+from metropolis.proto.private import SealedConfiguration
 from metropolis.roleserve import disk
 from metropolis.roleserve.localnode import prepare_loopback_bootstrap
 from metropolis.roleserve.node import RoleServer
@@ -116,6 +120,7 @@ async def test_bootstrap_from_nothing(tmp_path: Path, caplog: pytest.LogCaptureF
     roles = NodeRoles.parse(disk.roles_path(root).read_bytes())
     assert roles.consensus_member is not None and roles.kubernetes_controller is not None
     assert not disk.bootstrap_path(root).exists()
+    assert not disk.staged_credentials_path(root).path.exists()  # renamed into place
     # Consensus started etcd once, and the bootstrap ran once.
     starts = [r for r in caplog.records if r.getMessage().startswith("starting etcd:")]
     assert len(starts) == 1
@@ -128,6 +133,96 @@ async def test_bootstrap_from_nothing(tmp_path: Path, caplog: pytest.LogCaptureF
     assert "bootstrapping: cluster created in etcd; saving credentials" in messages
     assert "bootstrapping: creating the cluster" not in messages
     assert etcd_pid(root.ephemeral.consensus) is None
+
+
+async def test_bootstrap_stages_its_credentials_while_etcd_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By the time the cluster exists, the credentials are staged: only a rename is left."""
+    root, _ = new_root(tmp_path / "n")
+    staged_at_commit: list[x509.Certificate | None] = []
+    committed: list[x509.Certificate] = []
+    commit = disk.commit_credentials
+
+    def watched_commit(r: Root, credentials: NodeCredentials) -> None:
+        staged = disk.staged_credentials_path(r)
+        if staged.all_present():
+            staged_at_commit.append(NodeCredentials.load(staged).certificate)
+        else:
+            staged_at_commit.append(None)
+        committed.append(credentials.certificate)
+        commit(r, credentials)
+
+    monkeypatch.setattr(disk, "commit_credentials", watched_commit)
+    async with node(root) as (_, _, membership):
+        # Home means committed: the credentials are in place, nothing staged.
+        assert membership.credentials is not None
+        assert NodeCredentials.load(root.data.node_credentials).certificate == (
+            membership.credentials.certificate
+        )
+        assert not disk.staged_credentials_path(root).path.exists()
+    assert staged_at_commit == committed and len(committed) == 1
+
+
+def _credentials() -> NodeCredentials:
+    """A node's credentials in a new cluster, as a bootstrap makes them."""
+    ca_key, ca = cluster_ca()
+    key = pki.generate_key()
+    return NodeCredentials(key, node_certificate(ca_key, ca, pki.public_key_bytes(key)), ca)
+
+
+def _stage(root: Root, credentials: NodeCredentials) -> None:
+    disk.save_cluster_files(
+        root,
+        disk.NodeSettings(address="127.0.0.1", insecure_seal=True),
+        roles=NodeRoles(),
+        directory=ClusterDirectory(),
+        sealed=SealedConfiguration(),
+        staged_credentials=credentials,
+    )
+
+
+def test_staged_credentials_mean_nothing_until_committed(tmp_path: Path) -> None:
+    root, _ = new_root(tmp_path / "n")
+    credentials = _credentials()
+    _stage(root, credentials)
+    staged = disk.staged_credentials_path(root)
+    assert _mode(staged.path) == 0o700 and all(_mode(p) == 0o600 for p in staged.files())
+    # A crash now: the node resumes its bootstrap.
+    saved = disk.load(root)
+    assert saved.credentials is None and saved.bootstrap is not None
+
+    disk.commit_credentials(root, credentials)
+    saved = disk.load(root)
+    assert saved.credentials is not None and saved.bootstrap is None
+    assert saved.credentials.certificate == credentials.certificate
+    assert not staged.path.exists()
+    assert _mode(root.data.node_credentials.path) == 0o700
+    assert not disk.bootstrap_path(root).exists()
+
+
+def test_commit_stages_credentials_other_than_the_staged_ones(tmp_path: Path) -> None:
+    """Another attempt's cluster won: its credentials are committed, not the staged ones."""
+    root, _ = new_root(tmp_path / "n")
+    _stage(root, _credentials())
+    winner = _credentials()
+    disk.commit_credentials(root, winner)
+    saved = disk.load(root).credentials
+    assert saved is not None and saved.certificate == winner.certificate
+    assert saved.ca_certificate == winner.ca_certificate
+
+
+def test_commit_replaces_the_leftovers_of_an_unfinished_save(tmp_path: Path) -> None:
+    root, _ = new_root(tmp_path / "n")
+    credentials = _credentials()
+    final = root.data.node_credentials
+    final.ca_certificate.write_bytes(b"half of an earlier save")
+    (final.path / ".cert.pem.x.tmp").write_bytes(b"")
+    _stage(root, credentials)
+    disk.commit_credentials(root, credentials)
+    loaded = NodeCredentials.load(final)
+    assert loaded.certificate == credentials.certificate
+    assert sorted(p.name for p in final.path.iterdir()) == ["ca.pem", "cert.pem", "key.pem"]
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
