@@ -17,10 +17,12 @@ it is enough.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import importlib
 import inspect
 import itertools
+import json
 import logging
 import statistics
 import tempfile
@@ -33,6 +35,7 @@ import trio
 
 from bench.consensus_start import bare_etcd_start
 from bench.controlplane import _local
+from metropolis.consensus import process
 from metropolis.localstorage import Root
 from metropolis.roleserve import disk
 from metropolis.roleserve.localnode import prepare_loopback_bootstrap
@@ -111,6 +114,31 @@ class _Recorder(logging.Handler):
         _note(prefix + record.getMessage()[:110])
 
 
+#: Wall clock minus perf_counter: etcd stamps its lines with the wall clock.
+_WALL = time.time() - time.perf_counter()
+
+
+def _trace_etcd_lines() -> None:
+    """Note etcd's lines at the moment etcd wrote them (its "ts", in ms).
+
+    The log records arrive when the Trio thread reads etcd's pipe, which
+    is later whenever that thread is busy.
+    """
+    original = process._log_line
+
+    def traced(line: bytes, logger: logging.Logger, fatal: list[str]) -> None:
+        try:
+            entry = json.loads(line)
+            stamp = datetime.datetime.fromisoformat(entry["ts"]).timestamp()
+        except (ValueError, KeyError, TypeError):
+            pass
+        else:
+            _events.append((stamp - _WALL - _t0, f"etcd@ {entry.get('msg', '')}"[:110]))
+        original(line, logger, fatal)
+
+    process._log_line = traced  # type: ignore[assignment]
+
+
 def _wrap(owner: Any, name: str, label: str) -> None:
     original = inspect.getattr_static(owner, name)
     kind = type(original) if isinstance(original, staticmethod | classmethod) else None
@@ -149,6 +177,7 @@ def _install() -> None:
             owner = getattr(owner, parent)
         if hasattr(owner, name):
             _wrap(owner, name, path)
+    _trace_etcd_lines()
     handler = _Recorder(level=logging.DEBUG)
     logging.getLogger().addHandler(handler)
     logging.getLogger().setLevel(logging.DEBUG)
@@ -185,15 +214,16 @@ _GAPS = [
     ("home", "HOME"),
 ]
 
-#: etcd's start, as its log tells it: (label, substring of an event).
+#: etcd's start, as its log tells it (stamped by etcd, to the millisecond):
+#: (label, substring of an event).
 _ETCD_STEPS = [
-    ("peer listeners", "configuring peer listeners"),
-    ("client listeners", "configuring client listeners"),
-    ("local member", "starting local member"),
-    ("server started", "started as single-node"),
-    ("raft leader", "became leader"),
-    ("published", "published local member"),
-    ("serving clients", "serving client traffic"),
+    ("peer listeners", "etcd@ configuring peer listeners"),
+    ("client listeners", "etcd@ configuring client listeners"),
+    ("local member", "etcd@ starting local member"),
+    ("server started", "etcd@ started as single-node"),
+    ("raft leader", "etcd@ raft.node"),
+    ("published", "etcd@ published local member"),
+    ("serving clients", "etcd@ serving client traffic"),
     ("answered", "< _report_ready"),
 ]
 
