@@ -126,7 +126,7 @@ def _trace_etcd_lines() -> None:
     """
     original = process._log_line
 
-    def traced(line: bytes, logger: logging.Logger, fatal: list[str]) -> None:
+    def traced(line: bytes, logger: logging.Logger, fatal: list[str]) -> str:
         try:
             entry = json.loads(line)
             stamp = datetime.datetime.fromisoformat(entry["ts"]).timestamp()
@@ -134,9 +134,9 @@ def _trace_etcd_lines() -> None:
             pass
         else:
             _events.append((stamp - _WALL - _t0, f"etcd@ {entry.get('msg', '')}"[:110]))
-        original(line, logger, fatal)
+        return original(line, logger, fatal)
 
-    process._log_line = traced  # type: ignore[assignment]
+    process._log_line = traced
 
 
 def _wrap(owner: Any, name: str, label: str) -> None:

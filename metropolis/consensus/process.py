@@ -55,6 +55,11 @@ _ETCD_BINARY = "etcd"
 _STOP_GRACE = 5.0
 _READY_POLL = 0.02
 
+#: What etcd 3.4 logs once its server runs (raft started, peer and client
+#: listeners served): from here a member waits for an election or its peers,
+#: nearly idle, until it answers.
+_SERVER_STARTED = "now serving peer/client/metrics"
+
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -188,12 +193,17 @@ async def run_etcd(
     logger: logging.Logger,
     *,
     task_status: trio.TaskStatus[EndpointStatus] = trio.TASK_STATUS_IGNORED,
+    server_started: trio.Event | None = None,
 ) -> None:
     """Run etcd until it exits or this call is cancelled.
 
     Calls ``task_status.started(status)`` once etcd answers on its client
     socket, with that first answer (so ``await nursery.start(run_etcd, ...)``
     returns a usable member, and what it says about itself).
+    ``server_started`` is set once etcd logs that its server runs, or at
+    the latest when it answers: what else a caller wants done while etcd
+    starts goes best after it, when etcd waits (for an election, for its
+    peers) instead of starting up on the same cores and disk.
     Never returns normally: raises :class:`EtcdExited` when the process
     exits, before or after becoming ready. On cancellation the process is
     stopped (SIGTERM, then SIGKILL after a grace period) before the
@@ -209,9 +219,10 @@ async def run_etcd(
     fatal: list[str] = []
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump_logs, process.output, logger, fatal)
+            started = server_started if server_started is not None else trio.Event()
+            nursery.start_soon(_pump_logs, process.output, logger, fatal, started)
             async with trio.open_nursery() as waiters:
-                waiters.start_soon(_report_ready, config.socket_path, process, task_status)
+                waiters.start_soon(_report_ready, config.socket_path, process, task_status, started)
                 returncode = await process.wait()
                 waiters.cancel_scope.cancel()
             # The last lines usually say why etcd died: give them a moment to
@@ -286,7 +297,10 @@ class _Child:
 
 
 async def _report_ready(
-    socket: Path, process: _Child, task_status: trio.TaskStatus[EndpointStatus]
+    socket: Path,
+    process: _Child,
+    task_status: trio.TaskStatus[EndpointStatus],
+    server_started: trio.Event,
 ) -> None:
     async with Client(socket, timeout=2.0) as client:
         while process.returncode is None:
@@ -295,6 +309,7 @@ async def _report_ready(
             except EtcdError:
                 await trio.sleep(_READY_POLL)
                 continue
+            server_started.set()  # also if its log line was missed
             task_status.started(status)
             return
 
@@ -315,39 +330,46 @@ async def _stop(process: _Child, logger: logging.Logger) -> None:
 
 
 async def _pump_logs(
-    stream: trio.abc.ReceiveStream, logger: logging.Logger, fatal: list[str]
+    stream: trio.abc.ReceiveStream,
+    logger: logging.Logger,
+    fatal: list[str],
+    server_started: trio.Event,
 ) -> None:
     """Turn etcd's zap JSON lines into log records at the matching level, until EOF.
 
-    The messages of fatal and panic lines are appended to ``fatal``.
+    The messages of fatal and panic lines are appended to ``fatal``;
+    ``server_started`` is set at etcd's line that says so.
     """
     buffer = b""
     async for chunk in stream:
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
-            _log_line(line, logger, fatal)
+            if _log_line(line, logger, fatal) == _SERVER_STARTED:
+                server_started.set()
     if buffer:
         _log_line(buffer, logger, fatal)
 
 
-def _log_line(line: bytes, logger: logging.Logger, fatal: list[str]) -> None:
+def _log_line(line: bytes, logger: logging.Logger, fatal: list[str]) -> str:
+    """Log one line of etcd's; return its message ("" if none)."""
     text = line.decode(errors="replace").strip()
     if not text:
-        return
+        return ""
     try:
         entry = json.loads(text)
     except ValueError:
         logger.info("%s", text)
-        return
+        return ""
     if not isinstance(entry, dict):
         logger.info("%s", text)
-        return
+        return ""
     level = _LEVELS.get(str(entry.pop("level", "info")), logging.INFO)
-    message = entry.pop("msg", "")
+    message = str(entry.pop("msg", ""))
     if level >= logging.CRITICAL:
-        fatal.append(str(message))
+        fatal.append(message)
     for noise in ("ts", "caller"):
         entry.pop(noise, None)
     details = " ".join(f"{k}={v}" for k, v in entry.items())
     logger.log(level, "%s %s", message, details)
+    return message

@@ -20,10 +20,13 @@ start). A crash anywhere in between resumes: while the CA key file exists,
 the PKI is not in etcd yet; if etcd never ran, everything is made anew.
 
 While the CA key file exists nobody can have joined either, so this node's
-own join data is known before etcd starts (``Service.bootstrap_join``), and
-the caller's first writes (``Config.on_bootstrap``: the curator's cluster)
-go to etcd beside the PKI store, in the same round trip, before the status
-says running.
+own join data is known before etcd starts (``Service.bootstrap_join``, given
+out once etcd's server has started: the caller writes its files while etcd
+waits for its first election), and the caller's first writes
+(``Config.on_bootstrap``: the curator's cluster) go to etcd beside the PKI
+store, in the same round trip, before the status says running. The PKI's
+fsync waits for etcd's server start too: work beside etcd's own start-up,
+on two cores and one disk, slowed it by 10-20 ms.
 
 Once etcd answers and this member is a voter, two children run beside it,
 in a supervisor scope that ends before the etcd client they use is closed::
@@ -513,14 +516,17 @@ class Service:
     def bootstrap_join(self) -> ReadOnlyValue[JoinCluster | None]:
         """This node's own join data when ``run`` bootstraps a new cluster, known before etcd runs.
 
-        Set by each ``run`` before it starts etcd: the join data
-        ``Status.add_node`` would return for this node's own key (the peer
-        CA, this node's peer certificate, the CRL, no other members) when
-        this run creates the cluster or resumes a bootstrap whose PKI is not
-        in etcd yet; None otherwise (joining, restarting, or a bootstrap
-        whose PKI etcd holds already: ask ``add_node`` then). It lets the
-        bootstrapping node write what depends on its join data while etcd
-        starts, instead of after a round trip to it.
+        Set by each ``run``: the join data ``Status.add_node`` would return
+        for this node's own key (the peer CA, this node's peer certificate,
+        the CRL, no other members) when this run creates the cluster or
+        resumes a bootstrap whose PKI is not in etcd yet, once etcd's server
+        has started (see :func:`~.process.run_etcd`'s ``server_started``),
+        before it answers but for a missed log line; None otherwise, before
+        etcd starts (joining, restarting, or a bootstrap whose PKI etcd
+        holds already: ask ``add_node`` then). It lets the bootstrapping
+        node write what depends on its join data while etcd waits for its
+        first election, instead of after a round trip to it, and not beside
+        etcd's own start, which that slowed down.
         """
         return self._bootstrap_join_view
 
@@ -596,17 +602,26 @@ class Service:
                 # disk, with no other members.
                 ca, crl, certificate = made or self._load_bootstrap_pki()
                 bootstrap_join = JoinCluster(ca.certificate, certificate, crl, ())
-        self._bootstrap_join.set(bootstrap_join)
+        if bootstrap_join is None:
+            self._bootstrap_join.set(None)
 
         async with Client(process.socket_path) as client, trio.open_nursery() as nursery:
             # Files written without fsync are made durable while etcd starts;
             # nothing counts on them surviving a power cut before that is done
             # (the bootstrap PKI is not stored in etcd, status is not running).
             synced = trio.Event()
-            nursery.start_soon(_make_durable, unsynced, synced)
+            # On a bootstrap, that fsync and the caller's writes (which wait
+            # for the join data) go once etcd's server has started and waits
+            # for its first election: beside etcd's own start up to there,
+            # on two cores, they made it 10-20 ms slower (measured).
+            server_started = trio.Event()
+            gate = server_started if store_pki else None
+            nursery.start_soon(_make_durable, unsynced, synced, gate)
+            if bootstrap_join is not None:
+                nursery.start_soon(_set_after, server_started, self._bootstrap_join, bootstrap_join)
             removed = _Removed()
             first: EndpointStatus = await nursery.start(
-                removed.run_etcd, process, etcd_logger, nursery.cancel_scope
+                removed.run_etcd, process, etcd_logger, nursery.cancel_scope, server_started
             )
             removed.ready = True
             # Nothing goes into etcd before the PKI files are durable: a power
@@ -822,6 +837,7 @@ class _Removed:
         process: ProcessConfig,
         logger: logging.Logger,
         scope: trio.CancelScope,
+        server_started: trio.Event,
         *,
         task_status: trio.TaskStatus[EndpointStatus] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -831,7 +847,7 @@ class _Removed:
         etcd leaves before it was ready: the cancellation ends both.
         """
         try:
-            await run_etcd(process, logger, task_status=task_status)
+            await run_etcd(process, logger, task_status=task_status, server_started=server_started)
         except EtcdExited as e:
             panicked = e.returncode == 2 and REMOVAL_PANIC in e.fatal and self.ready
             if e.returncode != 0 and not panicked:
@@ -844,11 +860,22 @@ class _Removed:
         await trio.sleep_forever()
 
 
-async def _make_durable(paths: list[Path], done: trio.Event) -> None:
-    """fsync ``paths`` (in a worker thread, overlapping etcd's start), then set ``done``."""
+async def _make_durable(paths: list[Path], done: trio.Event, after: trio.Event | None) -> None:
+    """fsync ``paths`` (in a worker thread, overlapping etcd's start), then set ``done``.
+
+    With ``after``: not before that is set.
+    """
+    if after is not None:
+        await after.wait()
     if paths:
         await trio.to_thread.run_sync(make_durable, paths)
     done.set()
+
+
+async def _set_after(event: trio.Event, value: Value[_T], new: _T) -> None:
+    """Set ``value`` to ``new`` once ``event`` is set."""
+    await event.wait()
+    value.set(new)
 
 
 def _has_content(path: Path, data: bytes) -> bool:

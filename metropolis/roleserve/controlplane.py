@@ -16,8 +16,9 @@ start)::
 
     cluster CA and this node's certificate made (its credentials)
     consensus starts: peer PKI made, etcd spawned ──────────────┐
-    while etcd starts: roles (this node's join data), directory, │
-      sealed configuration, owner certificate written, and the  │
+    etcd's server started, it waits for its first election:     │
+      roles (this node's join data), directory, sealed          │
+      configuration, owner certificate written, and the         │
       credentials staged, all fsynced; TLS contexts built       │
     etcd answers: peer PKI, the cluster (curator state) and the  ◀┘
       curator's first lease, concurrently (one round trip); running
@@ -312,8 +313,9 @@ class ControlPlaneWorker:
         """Create the cluster in etcd and write every file but the credentials.
 
         Pipelined, so that etcd's start is nearly all of it. While etcd
-        starts, with this node's join data (known locally on a fresh
-        bootstrap: ``Service.bootstrap_join``): its roles, directory, sealed
+        waits for its first election, with this node's join data (known
+        locally on a fresh bootstrap: ``Service.bootstrap_join``, given out
+        then): its roles, directory, sealed
         configuration and the owner's certificate are written and fsynced,
         and the attempt's credentials staged (:func:`~.disk.commit_credentials`
         makes them the node's) and their TLS contexts built.
@@ -384,9 +386,9 @@ class ControlPlaneWorker:
         """Write and fsync the cluster files (in a worker thread), ``staged`` credentials too.
 
         Staged credentials get their TLS contexts built afterwards, on this
-        thread (~5 ms of CPU): etcd has been spawned by then (this runs
-        while it starts), so that does not delay its start, and the node's
-        services find them ready as it comes home.
+        thread (~5 ms of CPU): on a fresh bootstrap this runs while etcd
+        waits for its first election, so that costs nothing, and the
+        node's services find them ready as it comes home.
         """
         sealed = SealedConfiguration(
             node_unlock_key=data.node_unlock_key,

@@ -20,7 +20,7 @@ import trio
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from metropolis import identity, pki
+from metropolis import identity, localstorage, pki
 from metropolis.consensus import (
     Config,
     ConsensusError,
@@ -31,6 +31,7 @@ from metropolis.consensus import (
     Status,
     peerpki,
 )
+from metropolis.consensus import service as service_module
 from metropolis.consensus.client import KV, Client, EtcdClosed
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.consensus.service import REMOVAL_PANIC
@@ -205,6 +206,31 @@ async def test_bootstrap_knows_its_join_data_early_and_runs_its_hook_once(
                 assert len(calls) == 1  # and the hook is not called again
             stored = await status.curator_client().get("created-early")
             assert stored is not None and stored.value == b"yes"
+
+
+async def test_bootstrap_writes_beside_etcd_only_once_its_server_started(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The PKI's fsync and the join data for the caller's writes wait for etcd's start."""
+    machine = Machine.make(tmp_path / "n1")
+    caplog.set_level(logging.INFO, logger="consensus.etcd")
+    seen: list[str] = []
+
+    def server_started() -> bool:
+        return any("now serving peer/client/metrics" in r.getMessage() for r in caplog.records)
+
+    def make_durable(paths: list[Path]) -> None:
+        seen.append(f"fsync after start: {server_started()}")
+        localstorage.make_durable(paths)
+
+    monkeypatch.setattr(service_module, "make_durable", make_durable)
+    service = Service(machine.config())
+    async with open_supervisor(service.run, name="consensus"):
+        with trio.fail_after(BOUND), service.bootstrap_join.watch() as watcher:
+            assert await watcher.get() is not None
+            seen.append(f"join data after start: {server_started()}")
+            await service.wait_running()
+    assert sorted(seen) == ["fsync after start: True", "join data after start: True"]
 
 
 async def test_bootstrap_interrupted_before_the_pki_is_stored_resumes(

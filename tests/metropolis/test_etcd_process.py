@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from metropolis.consensus.client import Client
+from metropolis.consensus.client import Client, EtcdError
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.consensus.process import EtcdExited, ProcessConfig, run_etcd
 from monotrio.net import free_loopback_port
@@ -51,6 +51,28 @@ async def test_ready_then_cancel_leaves_no_process(
         "not cryptographically signed" in r.getMessage() and r.levelno == logging.WARNING
         for r in ours
     )
+
+
+async def test_server_started_is_told_before_etcd_can_answer(tmp_path: Path) -> None:
+    """Told at etcd's own log line: a member whose peer never comes never answers."""
+    config = _config(tmp_path)
+    absent = f"https://127.0.0.1:{free_loopback_port()}"
+    config = dataclasses.replace(
+        config, initial_cluster={**config.initial_cluster, "absent": absent}
+    )
+    started = trio.Event()
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                lambda: run_etcd(config, logging.getLogger("test"), server_started=started)
+            )
+            await started.wait()
+            # No quorum: etcd runs its server but cannot answer.
+            with pytest.raises(EtcdError):
+                async with Client(config.socket_path, timeout=0.5) as client:
+                    await client.status()
+            nursery.cancel_scope.cancel()
+    assert etcd_pid(config.working_dir) is None
 
 
 async def test_crash_raises_etcd_exited(tmp_path: Path) -> None:
