@@ -566,6 +566,9 @@ class Service:
         own = {config.node_id: config.peer_url}
         join = config.join_cluster
         bootstrap_join: JoinCluster | None = None
+        bootstrap_pki: (
+            tuple[peerpki.PeerCA, x509.CertificateRevocationList, x509.Certificate] | None
+        ) = None
         if join is not None:
             node.logger.info("joining existing cluster via %d members", len(join.existing_nodes))
             unsynced = await self._write_join_pki(join)
@@ -600,7 +603,8 @@ class Service:
                 # pending on disk), so no node can have been added, nor any
                 # certificate revoked: this node's join data is what is on
                 # disk, with no other members.
-                ca, crl, certificate = made or self._load_bootstrap_pki()
+                bootstrap_pki = made or self._load_bootstrap_pki()
+                ca, crl, certificate = bootstrap_pki
                 bootstrap_join = JoinCluster(ca.certificate, certificate, crl, ())
         if bootstrap_join is None:
             self._bootstrap_join.set(None)
@@ -628,9 +632,9 @@ class Service:
             # cut must not leave etcd with a PKI (or curator state naming it)
             # that this node's disk lost.
             await synced.wait()
-            if store_pki:
+            if bootstrap_pki is not None:
                 async with trio.open_nursery() as bootstrap:
-                    bootstrap.start_soon(self._store_bootstrap_pki, node, client)
+                    bootstrap.start_soon(self._store_bootstrap_pki, node, client, bootstrap_pki)
                     if config.on_bootstrap is not None and bootstrap_join is not None:
                         kv = client.namespaced(CURATOR_NAMESPACE)
                         bootstrap.start_soon(config.on_bootstrap, kv, bootstrap_join)
@@ -795,10 +799,18 @@ class Service:
             raise ConsensusError(f"bootstrap PKI on disk is damaged: {e}") from e
         return ca, crl, certificate
 
-    async def _store_bootstrap_pki(self, node: Node, client: Client) -> None:
-        """Put the PKI made before etcd started into etcd, then drop the CA key file."""
+    async def _store_bootstrap_pki(
+        self,
+        node: Node,
+        client: Client,
+        made: tuple[peerpki.PeerCA, x509.CertificateRevocationList, x509.Certificate],
+    ) -> None:
+        """Put the PKI made before etcd started (``made``, as on disk) into etcd, then drop
+        the CA key file."""
         pending = self.config.data.path / _PENDING_CA_KEY
-        ca, crl, certificate = self._load_bootstrap_pki()
+        # Not read back from disk: that cost ~1 ms of this thread at the
+        # moment etcd first answers, and these are the files' contents.
+        ca, crl, certificate = made
         await peerpki.store_bootstrap(client.namespaced(peerpki.NAMESPACE), ca, crl, certificate)
         pending.unlink()
         node.logger.info("bootstrap peer PKI stored in etcd")

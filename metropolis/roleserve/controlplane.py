@@ -337,11 +337,10 @@ class ControlPlaneWorker:
         cluster in etcd rewrites them from what is stored.
         """
         data = creation.data
-        ca_key, ca = creation.ca_key, creation.ca
         directory = _with_node(ClusterDirectory(), data.node_public_key, self._settings.address)
         with service.bootstrap_join.watch() as watcher:
             join = await watcher.get()
-        staged = creation.credentials
+        ca_key, ca, staged = creation.ca_key, creation.ca, creation.credentials
         async with trio.open_nursery() as nursery:
             if join is not None:
                 planned_roles = bootstrap_roles(join)
@@ -454,18 +453,33 @@ class _ClusterCreation:
     def __init__(self, data: BootstrapData, node: Node) -> None:
         self.data = data
         self._logger = node.logger
-        # Made before consensus starts (under a millisecond each): the hook
-        # below and the files written while etcd starts both need them.
-        self.ca_key, self.ca = cluster_ca()
-        #: This attempt's credentials, staged on disk while etcd starts.
-        self.credentials = NodeCredentials(
-            data.node_private_key,
-            node_certificate(self.ca_key, self.ca, data.node_public_key),
-            self.ca,
-        )
         self.result: BootstrapResult | None = None
         #: A lease for the curator's first campaign, granted in the same round trip.
         self.lease: Lease | None = None
+
+    @functools.cached_property
+    def _made(self) -> tuple[Ed25519PrivateKey, x509.Certificate, NodeCredentials]:
+        # Made at first use (~1.5 ms of CPU), not before etcd is spawned:
+        # the files written while etcd waits for its election and the hook
+        # below are the first to need them.
+        ca_key, ca = cluster_ca()
+        certificate = node_certificate(ca_key, ca, self.data.node_public_key)
+        return ca_key, ca, NodeCredentials(self.data.node_private_key, certificate, ca)
+
+    @property
+    def ca_key(self) -> Ed25519PrivateKey:
+        """This attempt's cluster CA key."""
+        return self._made[0]
+
+    @property
+    def ca(self) -> x509.Certificate:
+        """This attempt's cluster CA certificate."""
+        return self._made[1]
+
+    @property
+    def credentials(self) -> NodeCredentials:
+        """This attempt's credentials, staged on disk while etcd starts."""
+        return self._made[2]
 
     async def in_etcd(self, kv: KV, join: JoinCluster) -> None:
         """The consensus service's ``on_bootstrap`` hook: create the cluster beside its PKI.
