@@ -43,7 +43,8 @@ baseline (the issue's measure); the bare member remove is printed too.
 
 All etcds use the loopback raft timing (heartbeat 20 ms, election 200 ms).
 Prints one table; figures are medians, ratios the median of per-pair ratios.
-Goal: <= 1.5x.
+Goal: <= 1.5x. Where a bootstrap's time goes, phase by phase:
+``python -m bench.startup_trace``.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ async def test_bootstrap_starts_etcd_once(tmp_path: Path, caplog: pytest.LogCapt
 async def test_bootstrap_knows_its_join_data_early_and_runs_its_hook_once(
     tmp_path: Path,
 ) -> None:
-    """Before etcd runs, a bootstrap publishes the join data add_node gives later; its
+    """Before etcd answers, a bootstrap publishes the join data add_node gives later; its
     hook writes beside the PKI store, before running; a restart does neither."""
     machine = Machine.make(tmp_path / "n1")
     calls: list[tuple[bool, JoinCluster]] = []
