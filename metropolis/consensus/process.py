@@ -351,8 +351,24 @@ async def _pump_logs(
         _log_line(buffer, logger, fatal)
 
 
+#: How zap spells the levels below WARNING (its JSON starts with the level).
+_QUIET_LEVELS = (b'{"level":"info"', b'{"level":"debug"')
+#: The server-started line, as zap writes its message.
+_SERVER_STARTED_MSG = b'"msg":"' + _SERVER_STARTED.encode() + b'"'
+
+
 def _log_line(line: bytes, logger: logging.Logger, fatal: list[str]) -> str:
-    """Log one line of etcd's; return its message ("" if none)."""
+    """Log one line of etcd's; return its message ("" if none).
+
+    Lines below WARNING that ``logger`` would drop are not decoded: their
+    message is "" except for :data:`_SERVER_STARTED`, found by its bytes.
+    """
+    # A joining etcd logs a few hundred info lines while it replays the
+    # cluster's history, each decoded here on the Trio thread, which the
+    # node's own start competes for. Fatal and panic lines never match the
+    # quiet levels, so ``fatal`` misses none.
+    if line.lstrip().startswith(_QUIET_LEVELS) and not logger.isEnabledFor(logging.INFO):
+        return _SERVER_STARTED if _SERVER_STARTED_MSG in line else ""
     text = line.decode(errors="replace").strip()
     if not text:
         return ""

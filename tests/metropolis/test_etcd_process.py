@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from metropolis.consensus import process
 from metropolis.consensus.client import Client, EtcdError
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.consensus.process import EtcdExited, ProcessConfig, run_etcd
@@ -150,3 +152,30 @@ async def _eventually(predicate: Callable[[], bool]) -> None:
         if predicate():
             return
         await trio.sleep(0.05)
+
+
+def test_lines_below_the_loggers_level_are_not_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Info lines a quiet logger would drop cost no JSON decoding; fatal ones still count,
+    and the server-started line is still recognised."""
+    decoded: list[str] = []
+    real_loads = json.loads
+
+    def counting_loads(text: str) -> object:
+        decoded.append(text)
+        return real_loads(text)
+
+    monkeypatch.setattr(json, "loads", counting_loads)
+    logger = logging.getLogger("test.etcd.quiet")
+    logger.setLevel(logging.WARNING)
+    fatal: list[str] = []
+    info = b'{"level":"info","ts":1.0,"msg":"added member","peer":"x"}'
+    assert process._log_line(info, logger, fatal) == ""
+    started = b'{"level":"info","ts":1.0,"msg":"now serving peer/client/metrics","x":"y"}'
+    assert process._log_line(started, logger, fatal) == process._SERVER_STARTED
+    assert decoded == []
+    process._log_line(b'{"level":"fatal","ts":1.0,"msg":"cannot start"}', logger, fatal)
+    assert fatal == ["cannot start"]
+
+    logger.setLevel(logging.INFO)
+    assert process._log_line(info, logger, fatal) == "added member"
+    assert len(decoded) == 2  # the fatal line, and the info line once it is logged
