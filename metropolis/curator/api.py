@@ -918,17 +918,16 @@ class CuratorAPI:
         self,
         server: Server,
         election: ReadOnlyValue[ElectionState],
-        host: str,
-        port: int,
+        listeners: list[trio.SocketListener],
         *,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Follow the election and serve on ``host:port`` until cancelled; reports the port."""
+        """Follow the election and serve on ``listeners`` until cancelled; reports the port."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.follow_election, election)
             nursery.start_soon(self.follow_crl)
             nursery.start_soon(self.complete_removals, election)
-            task_status.started(await nursery.start(server.serve, host, port))
+            task_status.started(await nursery.start(server.serve_listeners, listeners))
 
 
 def _directory_node(key: bytes, raw: bytes) -> c.Node | None:

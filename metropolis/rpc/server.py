@@ -135,8 +135,21 @@ class Server:
         dropped and logged at debug level; the server goes on.
         """
         listeners = await trio.open_tcp_listeners(port, host=host)
+        await self.serve_listeners(listeners, task_status=task_status)
+
+    async def serve_listeners(
+        self,
+        listeners: list[trio.SocketListener],
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> NoReturn:
+        """:meth:`serve` on listeners opened already (their port is reported); closes them.
+
+        Lets a caller bind before it can serve: connections wait in the
+        listen backlog until this is called.
+        """
         bound = listeners[0].socket.getsockname()[1]
-        _log.info("RPC listening on %s:%d", host, bound)
+        _log.info("RPC listening on port %d", bound)
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self.handle_connection, listeners)
             task_status.started(bound)

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
 from metropolis.consensus import Status as ConsensusStatus
-from metropolis.consensus.client import KV
+from metropolis.consensus.client import KV, Lease
 from metropolis.curator.api import CRL_KEY
 from metropolis.curator.election import Leader
 from metropolis.curator.service import Curator
@@ -429,3 +429,54 @@ async def test_watch_of_all_nodes_sends_statuses_and_role_names_only(tmp_path: P
             with trio.fail_after(BOUND):
                 second = await call.__anext__()
             assert [(n.id, n.status) for n in second.nodes] == [(own, status)]
+
+
+async def test_the_api_serves_while_the_campaigns_lease_is_granted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The port is published once the API is loaded and bound, not after the lease.
+
+    Until the campaign's outcome is published the API answers UNAVAILABLE,
+    as it did while a granted lease's campaign was in flight; then it leads.
+    """
+    async with consensus(tmp_path) as (service, _, status):
+        owner_key = pki.generate_key()
+        result, credentials = await bootstrapped(
+            service, status, owner_public_key=pki.public_key_bytes(owner_key)
+        )
+        stored = await status.curator_client().get(CA_KEY_KEY)
+        assert stored is not None
+        release = trio.Event()
+        real_grant = KV.grant
+
+        async def held_grant(self: KV, ttl: int) -> Lease:
+            await release.wait()
+            return await real_grant(self, ttl)
+
+        monkeypatch.setattr(KV, "grant", held_grant)
+        curator = Curator(
+            service.status, credentials.node_id, credentials=credentials, listen=("127.0.0.1", 0)
+        )
+        async with open_supervisor(curator.run, name="curator"):
+            with trio.fail_after(BOUND):
+                with curator.port.watch() as w:
+                    port = await w.get()
+            cl = Cluster(
+                status,
+                status.curator_client(),
+                Endpoint("127.0.0.1", port, credentials.public_key),
+                result.ca_certificate,
+                pki.decode_private_key(stored.value),
+                credentials,
+                owner_key,
+            )
+            async with cl.owner() as owner:
+                with pytest.raises(RPCError) as early:
+                    await owner.unary(methods.GET_CLUSTER_INFO, m.GetClusterInfoRequest())
+                assert early.value.code is Status.UNAVAILABLE
+                release.set()
+                with trio.fail_after(BOUND):
+                    with curator.election.watch() as e:
+                        await e.get(lambda s: isinstance(s, Leader))
+                info = await owner.unary(methods.GET_CLUSTER_INFO, m.GetClusterInfoRequest())
+                assert pki.decode_certificate(info.ca_certificate) == cl.ca
