@@ -48,7 +48,11 @@ Python work cannot overlap): n1 bootstraps on 127.0.0.1, n2 registers on
 - grant: from the owner's ``UpdateNodeRoles`` (ConsensusMember on) until
   n2 runs etcd as a voter and its curator serves (the curator leader adds
   the learner and stores the join data, n2's role fetch sees it, its
-  launcher starts etcd, the promoter on n1 promotes it);
+  launcher starts etcd, the promoter on n1 promotes it). "Serves": its
+  API is loaded from etcd and listening; its campaign may still be in
+  flight (as it always was: the port never waited for the campaign's
+  outcome), and until then the API answers as a follower of an unknown
+  leader;
 - revoke (5.5 s after the grant): from ``UpdateNodeRoles`` (ConsensusMember off) until n2 is no
   member in n1's etcd any more; and, for information, until n2's control
   plane has stopped.
