@@ -169,9 +169,16 @@ class Curator:
                     # trip): a caller that connects meanwhile waits in the
                     # listen backlog, not refused; the port is published
                     # only once the API serves.
-                    async with trio.open_nursery() as startup:
-                        startup.start_soon(load_api)
-                        listeners = await trio.open_tcp_listeners(port, host=host)
+                    try:
+                        async with trio.open_nursery() as startup:
+                            startup.start_soon(load_api)
+                            listeners = await trio.open_tcp_listeners(port, host=host)
+                    except BaseException:
+                        # The API failed to load (or we were cancelled) with
+                        # the port bound: release it now, not at collection.
+                        for listener in listeners:
+                            listener.socket.close()
+                        raise
                 if os.environ.get(PROBE_ENV) == "1":  # test hook: leader-guarded writes
                     nursery.start_soon(
                         functools.partial(

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -15,10 +16,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from metropolis import identity, pki
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.consensus.client import KV, Lease
-from metropolis.curator.api import CRL_KEY
+from metropolis.curator.api import CRL_KEY, CuratorAPI
 from metropolis.curator.election import Leader
 from metropolis.curator.service import Curator
-from metropolis.curator.state import CA_KEY_KEY, node_key, read_node
+from metropolis.curator.state import CA_KEY_KEY, CuratorError, node_key, read_node
 from metropolis.proto import curator_api as c
 from metropolis.proto import management as m
 from metropolis.proto.common import NodeState, NodeStatus, NodeStatusRunningCurator
@@ -33,6 +34,7 @@ from metropolis.rpc import (
 )
 from metropolis.rpc import api as methods
 from metropolis.supervisor import open_supervisor
+from monotrio.net import free_loopback_port
 from tests.metropolis.test_curator import bootstrapped, consensus
 
 BOUND = 60
@@ -480,3 +482,46 @@ async def test_the_api_serves_while_the_campaigns_lease_is_granted(
                         await e.get(lambda s: isinstance(s, Leader))
                 info = await owner.unary(methods.GET_CLUSTER_INFO, m.GetClusterInfoRequest())
                 assert pki.decode_certificate(info.ca_certificate) == cl.ca
+
+
+async def test_an_api_that_fails_to_load_releases_its_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The port is bound while the API loads; if loading fails, the port is
+    released at once, so the restarted curator can bind it again."""
+    async with consensus(tmp_path) as (service, _, status):
+        _, credentials = await bootstrapped(service, status)
+        port = free_loopback_port()
+        opened: list[str] = []
+        three = trio.Event()
+        bound_send, bound_receive = trio.open_memory_channel[None](10)
+        real_open = trio.open_tcp_listeners
+
+        async def open_then_signal(port: int, *, host: str | None = None) -> list[Any]:
+            try:
+                listeners = await real_open(port, host=host)
+            except OSError as e:
+                opened.append(f"errno {e.errno}")
+                raise
+            else:
+                opened.append("bound")
+                bound_send.send_nowait(None)
+                return listeners
+            finally:
+                if len(opened) >= 3:
+                    three.set()
+
+        async def failing_load(*args: object, **kwargs: object) -> CuratorAPI:
+            await bound_receive.receive()  # this run's port is bound
+            raise CuratorError("damaged state (injected)")
+
+        monkeypatch.setattr(trio, "open_tcp_listeners", open_then_signal)
+        monkeypatch.setattr(CuratorAPI, "load", failing_load)
+        curator = Curator(
+            service.status, credentials.node_id, credentials=credentials, listen=("127.0.0.1", port)
+        )
+        async with open_supervisor(curator.run, name="curator"):
+            with trio.fail_after(BOUND):
+                await three.wait()
+        # Each run bound the port (EADDRINUSE if an earlier run's listener leaked).
+        assert opened[:3] == ["bound"] * 3, opened
