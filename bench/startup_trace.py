@@ -57,7 +57,6 @@ _STEPS = [
     ("metropolis.roleserve.controlplane", "_ClusterCreation.in_etcd"),
     ("metropolis.roleserve.controlplane", "ControlPlaneWorker._save_cluster_files"),
     ("metropolis.roleserve.disk", "save_credentials"),
-    ("metropolis.roleserve.disk", "commit_credentials"),
     ("metropolis.roleserve.controlplane", "_warm_tls_contexts"),
     ("metropolis.curator.service", "Curator.run"),
 ]
@@ -101,7 +100,7 @@ def _note(what: str) -> None:
         ("etcd boot", "< _Child.spawn"),
         ("after ready", "< _report_ready"),
         ("consensus running", "etcd member "),
-        ("credentials committed", "< commit_credentials"),
+        ("credentials committed", "< save_credentials"),
         ("after home", "HOME"),
     ):
         if marker in what:
@@ -198,8 +197,7 @@ _MILESTONES = [
     ("PKI stored", "< Service._store_bootstrap_pki"),
     ("cluster created", "< _ClusterCreation.in_etcd"),
     ("consensus running", "etcd member "),
-    ("credentials durable", "< save_credentials"),
-    ("credentials committed", "< commit_credentials"),
+    ("credentials committed", "< save_credentials"),
     ("TLS warmed", "< _warm_tls_contexts"),
     ("home", "HOME"),
 ]

@@ -106,7 +106,7 @@ def atomic_write(
             tmp.unlink()
         raise
     if durable:
-        _fsync_directory(directory)
+        fsync_directory(directory)
 
 
 def make_durable(paths: list[Path]) -> None:
@@ -128,7 +128,8 @@ def make_durable(paths: list[Path]) -> None:
         list(pool.map(fsync, dict.fromkeys(p.parent for p in paths)))
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """fsync ``directory`` itself: what makes a rename or unlink in it survive a crash."""
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)

@@ -254,9 +254,9 @@ class ControlPlaneWorker:
                 # runs, keep this thread busy, and the worker waits for the
                 # GIL (5 ms switch interval) before and after its fsync.
                 # Nothing of this node waits on the loop meanwhile but them.
-                disk.commit_credentials(self._root, credentials)
+                disk.save_credentials(self._root, credentials)
             else:  # another attempt's cluster won: staged and fsynced now
-                await trio.to_thread.run_sync(disk.commit_credentials, self._root, credentials)
+                await trio.to_thread.run_sync(disk.save_credentials, self._root, credentials)
                 _warm_tls_contexts(credentials)
             node.logger.info("bootstrap complete: %s", credentials.node_id)
             # Only now: its campaign is an etcd write, and etcd's WAL fsync
@@ -317,7 +317,7 @@ class ControlPlaneWorker:
         locally on a fresh bootstrap: ``Service.bootstrap_join``, given out
         then): its roles, directory, sealed
         configuration and the owner's certificate are written and fsynced,
-        and the attempt's credentials staged (:func:`~.disk.commit_credentials`
+        and the attempt's credentials staged (:func:`~.disk.save_credentials`
         makes them the node's) and their TLS contexts built.
         Once etcd answers, the consensus service creates the cluster
         (:meth:`_ClusterCreation.in_etcd`) beside storing its peer PKI: one

@@ -23,7 +23,7 @@ bootstrap (it is idempotent); neither -> a half-written root, refused.
 The credentials of a bootstrap are staged: written and fsynced beside the
 other files while etcd starts (:func:`save_cluster_files` with
 ``staged_credentials``), then made the node's by one directory rename and
-one directory fsync (:func:`commit_credentials`) once the cluster exists in
+one directory fsync (:func:`save_credentials`) once the cluster exists in
 etcd; writing and fsyncing three files there cost that moment two
 filesystem journal commits beside etcd's. A crash between staging and the
 rename leaves an intent without credentials: the bootstrap resumes, and
@@ -56,6 +56,7 @@ from metropolis.localstorage import (
     PKIDirectory,
     Root,
     atomic_write,
+    fsync_directory,
     make_durable,
 )
 from metropolis.proto.common import ClusterDirectory, NodeRoles
@@ -68,7 +69,6 @@ __all__ = [
     "NodeSettings",
     "SavedNode",
     "bootstrap_path",
-    "commit_credentials",
     "drop_finished_intents",
     "finish_bootstrap",
     "load",
@@ -215,7 +215,7 @@ def _load_register_intent(root: Root) -> RegisterIntent:
 
 
 def staged_credentials_path(root: Root) -> PKIDirectory:
-    """Where a bootstrap stages its credentials (see :func:`commit_credentials`)."""
+    """Where a bootstrap stages its credentials (see :func:`save_credentials`)."""
     return PKIDirectory(root.data.path / "node" / "credentials.staged")
 
 
@@ -361,7 +361,7 @@ def save_cluster_files(
 
     ``owner_certificate`` (PEM; the bootstrap node has one) goes to
     :func:`owner_certificate_path`; ``staged_credentials`` to
-    :func:`staged_credentials_path`, for :func:`commit_credentials`. Without
+    :func:`staged_credentials_path`, for :func:`save_credentials`. Without
     credentials these files mean nothing to :func:`load`, so a bootstrap may
     write them before its cluster exists, and again if etcd turns out to
     hold other values. Blocking I/O; the fsyncs run in parallel (one
@@ -401,23 +401,24 @@ def _staged_are(root: Root, credentials: NodeCredentials) -> bool:
         return False
 
 
-def commit_credentials(root: Root, credentials: NodeCredentials) -> None:
-    """Make ``credentials`` the node's, durably, through the staging directory; drop the intents.
+def save_credentials(root: Root, credentials: NodeCredentials) -> None:
+    """Make ``credentials`` the node's, durably, all at once; then drop the intents.
 
-    The second round of a bootstrap, as :func:`save_credentials`: only
-    after the cluster exists and the other files are durable. If the
-    staging directory holds ``credentials`` (staged, fsynced, by
-    :func:`save_cluster_files`), this is one rename of the directory over
-    the empty ``credentials/`` and one fsync of their parent; otherwise
-    (another attempt's cluster won, or nothing was staged) they are staged
-    and fsynced first. Either way the credentials appear all at once, and a
-    crash before the rename leaves the node without them (the bootstrap
-    resumes). Blocking I/O.
+    The last step of a bootstrap or registration: only after the cluster
+    exists and :func:`save_cluster_files` returned (that order is what
+    makes a node root crash-safe). The credentials go through the staging
+    directory: if it holds ``credentials`` already (staged and fsynced by
+    :func:`save_cluster_files`, while etcd started), this is one rename of
+    the directory over the empty ``credentials/`` and one fsync of their
+    parent; otherwise they are staged and fsynced first. A crash before
+    the rename leaves the node without credentials (the bootstrap or
+    registration resumes), never with some of them. Blocking I/O.
     """
+    crash_point("finish-before-credentials")
     staged = staged_credentials_path(root)
     if not _staged_are(root, credentials):
         make_durable(_stage(root, credentials))
-    crash_point("bootstrap-credentials-staged")
+    crash_point("finish-credentials-staged")
     final = root.data.node_credentials
     try:
         os.rename(staged.path, final.path)
@@ -425,33 +426,14 @@ def commit_credentials(root: Root, credentials: NodeCredentials) -> None:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
         # Leftovers of a save that never completed (load() took no
-        # credentials from there, or this would be no bootstrap): rename(2)
-        # replaces an empty directory only.
+        # credentials from there, or this would be no bootstrap), as
+        # earlier versions, which wrote the files in place, could leave:
+        # rename(2) replaces an empty directory only.
         for path in final.path.iterdir():
             if path.is_file() and not path.is_symlink():
                 path.unlink()
         os.rename(staged.path, final.path)
-    # The rename survives a crash once their parent is synced.
-    parent = os.open(final.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(parent)
-    finally:
-        os.close(parent)
-    crash_point("finish-before-intent-removal")
-    # Not fsynced, as in save_credentials.
-    bootstrap_path(root).unlink(missing_ok=True)
-    register_path(root).unlink(missing_ok=True)
-
-
-def save_credentials(root: Root, credentials: NodeCredentials) -> None:
-    """Write and fsync the credentials, which mean "done", then drop the intents.
-
-    Only after :func:`save_cluster_files` returned: that order is what makes
-    a node root crash-safe. Blocking I/O.
-    """
-    crash_point("finish-before-credentials")
-    credentials.save(root.data.node_credentials, durable=False)
-    make_durable(list(root.data.node_credentials.files()))
+    fsync_directory(final.path.parent)  # the rename survives a crash from here
     crash_point("finish-before-intent-removal")
     # Not fsynced: should the intent come back after a power cut, load()
     # prefers the credentials and the intent is ignored.

@@ -187,7 +187,7 @@ async def test_ctrl_c_to_the_whole_process_group_stops_cleanly(tmp_path: Path) -
         assert errors == []
 
 
-@pytest.mark.parametrize("step", ["after-bootstrap-cluster", "bootstrap-credentials-staged"])
+@pytest.mark.parametrize("step", ["after-bootstrap-cluster", "finish-credentials-staged"])
 async def test_a_crash_mid_bootstrap_resumes(tmp_path: Path, step: str) -> None:
     root = Root(tmp_path / "n")
     staged = disk.staged_credentials_path(root)

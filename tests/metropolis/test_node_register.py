@@ -34,6 +34,7 @@ STEPS = (
     "register-after-register-rpc",
     "register-after-commit",
     "finish-before-credentials",
+    "finish-credentials-staged",
     "finish-before-intent-removal",
 )
 

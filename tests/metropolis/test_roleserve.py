@@ -142,7 +142,7 @@ async def test_bootstrap_stages_its_credentials_while_etcd_starts(
     root, _ = new_root(tmp_path / "n")
     staged_at_commit: list[x509.Certificate | None] = []
     committed: list[x509.Certificate] = []
-    commit = disk.commit_credentials
+    commit = disk.save_credentials
 
     def watched_commit(r: Root, credentials: NodeCredentials) -> None:
         staged = disk.staged_credentials_path(r)
@@ -153,7 +153,7 @@ async def test_bootstrap_stages_its_credentials_while_etcd_starts(
         committed.append(credentials.certificate)
         commit(r, credentials)
 
-    monkeypatch.setattr(disk, "commit_credentials", watched_commit)
+    monkeypatch.setattr(disk, "save_credentials", watched_commit)
     async with node(root) as (_, _, membership):
         # Home means committed: the credentials are in place, nothing staged.
         assert membership.credentials is not None
@@ -192,7 +192,7 @@ def test_staged_credentials_mean_nothing_until_committed(tmp_path: Path) -> None
     saved = disk.load(root)
     assert saved.credentials is None and saved.bootstrap is not None
 
-    disk.commit_credentials(root, credentials)
+    disk.save_credentials(root, credentials)
     saved = disk.load(root)
     assert saved.credentials is not None and saved.bootstrap is None
     assert saved.credentials.certificate == credentials.certificate
@@ -206,7 +206,7 @@ def test_commit_stages_credentials_other_than_the_staged_ones(tmp_path: Path) ->
     root, _ = new_root(tmp_path / "n")
     _stage(root, _credentials())
     winner = _credentials()
-    disk.commit_credentials(root, winner)
+    disk.save_credentials(root, winner)
     saved = disk.load(root).credentials
     assert saved is not None and saved.certificate == winner.certificate
     assert saved.ca_certificate == winner.ca_certificate
@@ -219,7 +219,7 @@ def test_commit_replaces_the_leftovers_of_an_unfinished_save(tmp_path: Path) -> 
     final.ca_certificate.write_bytes(b"half of an earlier save")
     (final.path / ".cert.pem.x.tmp").write_bytes(b"")
     _stage(root, credentials)
-    disk.commit_credentials(root, credentials)
+    disk.save_credentials(root, credentials)
     loaded = NodeCredentials.load(final)
     assert loaded.certificate == credentials.certificate
     assert sorted(p.name for p in final.path.iterdir()) == ["ca.pem", "cert.pem", "key.pem"]
