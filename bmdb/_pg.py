@@ -270,7 +270,16 @@ class PgConnection:
         replies: list[list[PGresult]] = []
         for _ in range(commands + 1):  # each command's results, then the Sync's
             replies.append((yield from generators.fetch_many(pgconn)))
-        pgconn.exit_pipeline_mode()
+        try:
+            pgconn.exit_pipeline_mode()
+        except psycopg.OperationalError:
+            # Replies are missing ("cannot exit pipeline mode while busy"):
+            # seen when a fast shutdown ends the backend mid-pipeline before
+            # libpq noticed the connection close. What the connection would
+            # answer next is unknown: it is lost (execute then raises
+            # DatabaseUnavailable).
+            self._conn.close()
+            raise
         parsed = replies[commands - 2] if prepare else []
         if name is not None and parsed and parsed[0].status == COMMAND_OK:
             # Server-side statements outlive transactions, rolled back or not.
