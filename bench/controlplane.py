@@ -24,10 +24,14 @@ machine); over 40 pairs (under a minute), six runs of one version gave
 - run to home: the same role server restarted on what the bootstrap left
   (ratio against the bare restart).
 
-Membership changes (issue 11). A two-node cluster of in-process role
-servers (one Trio thread for both nodes and the owner: conservative, their
-Python work cannot overlap): n1 bootstraps on 127.0.0.1, n2 registers on
-127.0.0.2 with the owner's ticket and is approved. Then ``--runs`` times:
+Membership changes (issue 11). A two-node cluster: n1 bootstraps on
+127.0.0.1 as an in-process role server, n2 registers on 127.0.0.2 with the
+owner's ticket and is approved. First n2 runs in-process too (one Trio
+thread for both nodes and the owner: conservative, their Python work cannot
+overlap) for ``--runs`` grants and revokes; then, on the same root, in its
+own OS process as a real node does (``python -m metropolis node run``,
+logging at INFO as that command does), for ``--runs`` more grants and
+revokes (see "grant, n2 in its own process" below). Each time:
 
 - baseline: bare etcds with peer TLS (the same cost of TLS as the
   nodes' etcds), in a cluster that lives as long as the nodes' cluster and
@@ -56,9 +60,32 @@ Python work cannot overlap): n1 bootstraps on 127.0.0.1, n2 registers on
   flight (as it always was: the port never waited for the campaign's
   outcome), and until then the API answers as a follower of an unknown
   leader;
+- grant, n2 in its own process: the same window, from the owner's
+  ``UpdateNodeRoles`` until n2 votes and its curator serves, but both
+  seen from outside n2 (its state is in another process): n1's etcd lists
+  n2's peer URL as a voter (``member_list`` every 5 ms, ``_GRANT_POLL``),
+  and a TLS connection to n2's curator port (known beforehand: the
+  cluster's one curator port at n2's address) with the owner's
+  certificate completes its handshake and receives the server's HTTP/2
+  SETTINGS (its first frame, sent once it accepted our certificate);
+  the end is the later of the two. A refused connection is retried every
+  5 ms; once the port is bound (while the API loads) the connection
+  waits in its backlog, so the handshake ends as soon as the API serves,
+  with no polling delay. This end is stricter than the in-process one,
+  which is the curator publishing its port, before its serving task has
+  run: it includes n2 accepting and handshaking the connection (measured
+  40-70 ms on this loaded 2-core machine, much of it n2's own Python work
+  after its curator starts). The handshake alone (without SETTINGS) is
+  printed for information. n2 lives in one process for all these grants
+  (as a node lives), so its first grant also pays that process's lazy
+  import of httpcore (the etcd client's first request, in the curator's
+  first etcd read: 60-100 ms); that grant is printed on its own line too.
+  Each grant is paired with a baseline join just before it (the
+  ``next`` baseline row), which replays the same membership history;
 - revoke (5.5 s after the grant): from ``UpdateNodeRoles`` (ConsensusMember off) until n2 is no
   member in n1's etcd any more; and, for information, until n2's control
-  plane has stopped.
+  plane has stopped. Measured with n2 in-process only (with n2 in its own
+  process the revoke runs, untimed, to make way for the next grant).
 
 Both membership figures are given as ratios to the add + start + promote
 baseline (the issue's measure); the fresh-cluster join, the grant against
@@ -74,7 +101,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import statistics
+import sys
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -93,13 +122,14 @@ from metropolis.consensus.process import SOCKET_NAME, EtcdExited, PeerTLS, Proce
 from metropolis.curator.election import Leader
 from metropolis.identity import node_id
 from metropolis.localstorage import Root, atomic_write
-from metropolis.owner import Owner, open_owner
+from metropolis.owner import Owner, OwnerAccess, OwnerError, load_owner
 from metropolis.proto import management as m
 from metropolis.roleserve import disk
 from metropolis.roleserve.localnode import loopback_settings, prepare_loopback_bootstrap
 from metropolis.roleserve.node import RoleServer
 from metropolis.roleserve.register import register
 from metropolis.roleserve.values import ClusterMembership, RegisterIntent
+from metropolis.rpc import RPCError
 from metropolis.rpc import api as methods
 from metropolis.supervisor import open_supervisor
 from monotrio.net import free_loopback_port
@@ -293,11 +323,17 @@ class BareCluster:
 
 @dataclass
 class Pair:
-    """n1 (bootstrapped, leads) and n2 (registered, no roles), and the owner's client."""
+    """n1 (bootstrapped, leads), n2's root (registered, approved; not running), the owner.
+
+    n2 runs either in this process (:func:`in_process`) or in its own
+    (:func:`own_process`), never both at once: they share its root.
+    """
 
     n1: RoleServer
-    n2: RoleServer
+    n2_root: Root
+    n2_settings: disk.NodeSettings
     owner: Owner
+    owner_access: OwnerAccess
     n2_key: bytes
 
 
@@ -312,7 +348,8 @@ async def two_nodes(base: Path) -> AsyncIterator[Pair]:
     n1 = RoleServer(r1, disk.load(r1))
     async with open_supervisor(n1.run, name="n1") as sup1:
         await sup1.wait_healthy("n1.statuspush")  # its curator serves, leads
-        async with open_owner(r1, owner_key) as owner:
+        access = load_owner(r1, owner_key)
+        async with access.open() as owner:
             intent = RegisterIntent.generate(await owner.ticket(), await owner.info())
             disk.save_register_intent(r2, s2, intent)
             async with trio.open_nursery() as nursery:
@@ -321,13 +358,70 @@ async def two_nodes(base: Path) -> AsyncIterator[Pair]:
                 while not (new := [r for r in await owner.nodes() if r.state == "NEW"]):  # noqa: ASYNC110
                     await trio.sleep(0.05)
                 await owner.approve(new[0].node_id)
-            n2 = RoleServer(r2, disk.load(r2))
-            async with open_supervisor(n2.run, name="n2") as sup2:
-                await sup2.wait_healthy("n2.statuspush")  # its address is known: grantable
-                assert n2.membership is not None
-                with n2.membership.watch() as w:
-                    key = (await w.get()).public_key
-                yield Pair(n1, n2, owner, key)
+            yield Pair(n1, r2, s2, owner, access, new[0].public_key)
+
+
+@asynccontextmanager
+async def in_process(pair: Pair) -> AsyncIterator[RoleServer]:
+    """n2 as a role server in this process (and Trio thread), ready to be granted roles."""
+    n2 = RoleServer(pair.n2_root, disk.load(pair.n2_root))
+    async with open_supervisor(n2.run, name="n2") as sup2:
+        await sup2.wait_healthy("n2.statuspush")  # its address is known: grantable
+        yield n2
+
+
+#: Runnables of n2 that must be healthy before a grant: its status is
+#: pushed (its address known) and its role fetch watches its node.
+_READY = ("root.role.statuspush", "root.role.rolefetch")
+#: Seconds a node process gets to stop on SIGTERM (it stops etcd first)
+#: before it is killed.
+_STOP_BOUND = 30.0
+
+
+async def _process_ready(pair: Pair, process: trio.Process, log: Path) -> None:
+    """Wait until the node process ``process`` (n2) is ready to be granted roles."""
+    name = node_id(pair.n2_key)
+    with trio.fail_after(60):
+        while True:
+            if process.returncode is not None:
+                text = await trio.Path(log).read_text()
+                raise RuntimeError(f"n2 exited ({process.returncode}):\n{text}")
+            # Another process's state (over RPC): polling is all there is.
+            rows = [r for r in await pair.owner.nodes() if r.node_id == name]
+            with suppress(RPCError, OwnerError):
+                tree = await pair.owner.supervision_tree(rows[0])
+                healthy = {
+                    r.name for r in tree.runnables if r.state == m.SupervisedRunnableState.HEALTHY
+                }
+                if all(n in healthy for n in _READY):
+                    return
+            await trio.sleep(0.05)
+
+
+@asynccontextmanager
+async def own_process(pair: Pair, log: Path) -> AsyncIterator[trio.Process]:
+    """n2 as a node runs: ``python -m metropolis node run --root`` in its own OS process.
+
+    Ready to be granted roles when the block starts. On leaving (also on
+    error or Ctrl-C) the process gets SIGTERM (it stops its etcd, which
+    runs in a session of its own, and exits) and is killed if it has not
+    exited within :data:`_STOP_BOUND`.
+    """
+    argv = [sys.executable, "-m", "metropolis", "node", "run", "--root", str(pair.n2_root.path)]
+    with log.open("ab") as out:
+        process = await trio.lowlevel.open_process(argv, stdout=out, stderr=out)
+    try:
+        await _process_ready(pair, process, log)
+        yield process
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.terminate()
+                with trio.move_on_after(_STOP_BOUND):
+                    await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
 
 
 async def _set_consensus(pair: Pair, on: bool) -> None:
@@ -336,11 +430,11 @@ async def _set_consensus(pair: Pair, on: bool) -> None:
     await pair.owner.client.unary(methods.UPDATE_NODE_ROLES, request)
 
 
-async def grant(pair: Pair) -> float:
+async def grant(pair: Pair, n2: RoleServer) -> float:
     """Seconds from granting ConsensusMember until n2 votes and its curator serves."""
     start = trio.current_time()
     await _set_consensus(pair, True)
-    with pair.n2.membership.watch() as w:
+    with n2.membership.watch() as w:
         membership = await w.get(_local)
     assert membership.local_consensus is not None and membership.local_curator is not None
     await membership.local_consensus.wait_running()  # running means a voter
@@ -349,11 +443,81 @@ async def grant(pair: Pair) -> float:
     return trio.current_time() - start
 
 
-async def revoke(pair: Pair, seed: Root) -> tuple[float, float]:
-    """Seconds from revoking ConsensusMember until n2 is no etcd member; until it stopped."""
+#: How often the separate-process grant looks for n2's promotion in n1's
+#: member list, and retries a refused connection to n2's curator port.
+_GRANT_POLL = 0.005
+#: An HTTP/2 client preface and an empty SETTINGS frame (RFC 9113 3.4).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+async def _curator_answers(host: str, port: int, context: ssl.SSLContext) -> float | None:
+    """When the curator at ``host:port`` completed TLS with our owner certificate, if it
+    then sent its HTTP/2 SETTINGS; None if the connection was refused or broke."""
+    try:
+        tcp = await trio.open_tcp_stream(host, port)
+    except OSError:
+        return None
+    stream = trio.SSLStream(tcp, context, server_hostname=host)
+    try:
+        # A port bound while the API still loads holds us in its backlog:
+        # the handshake completes once the API serves.
+        await stream.do_handshake()
+        handshake = trio.current_time()
+        await stream.send_all(_H2_PREFACE)
+        # TLS 1.3: the server judges our certificate after the handshake;
+        # its first frame (SETTINGS, type 4) says it accepted it and serves.
+        head = b""
+        while len(head) < 9:
+            chunk = await stream.receive_some(9 - len(head))
+            if not chunk:
+                return None
+            head += chunk
+        return handshake if head[3] == 4 else None
+    except (OSError, trio.BrokenResourceError, ssl.SSLError):
+        return None
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def grant_process(pair: Pair) -> tuple[float, float]:
+    """Seconds from granting ConsensusMember to n2 (its own process) until it votes and
+    its curator serves, both seen from outside n2 (see the module docstring); and
+    until it votes and its curator completed the TLS handshake (for information)."""
+    peer_url = f"https://{pair.n2_settings.peer_address}"
+    host, port = pair.n2_settings.address, pair.n2_settings.curator_port
+    voter = serves = handshake = 0.0
+    async with Client(pair.n1.root.ephemeral.consensus / SOCKET_NAME) as etcd:
+
+        async def until_voter() -> None:
+            nonlocal voter
+            # etcd has no membership watch: look until n2 is a voting member.
+            while not any(  # noqa: ASYNC110
+                peer_url in m.peer_urls and not m.is_learner for m in await etcd.member_list()
+            ):
+                await trio.sleep(_GRANT_POLL)
+            voter = trio.current_time()
+
+        async def until_serves() -> None:
+            nonlocal serves, handshake
+            # Another process's port: a refused connection is retried.
+            while (shaken := await _curator_answers(host, port, pair.owner_access.context)) is None:  # noqa: ASYNC110
+                await trio.sleep(_GRANT_POLL)
+            serves, handshake = trio.current_time(), shaken
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                start = trio.current_time()
+                nursery.start_soon(until_voter)
+                nursery.start_soon(until_serves)
+                await _set_consensus(pair, True)
+    return max(voter, serves) - start, max(voter, handshake) - start
+
+
+async def _until_gone(pair: Pair) -> tuple[float, float]:
+    """Revoke ConsensusMember: seconds until n2 is no member in n1's etcd, and when it started."""
     name = node_id(pair.n2_key)
     gone = 0.0
-    async with Client(seed.ephemeral.consensus / SOCKET_NAME) as etcd:
+    async with Client(pair.n1.root.ephemeral.consensus / SOCKET_NAME) as etcd:
 
         async def until_gone() -> None:
             nonlocal gone
@@ -367,7 +531,13 @@ async def revoke(pair: Pair, seed: Root) -> tuple[float, float]:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(until_gone)
             await _set_consensus(pair, False)
-    with pair.n2.membership.watch() as w:
+    return gone, start
+
+
+async def revoke(pair: Pair, n2: RoleServer) -> tuple[float, float]:
+    """Seconds from revoking ConsensusMember until n2 is no etcd member; until it stopped."""
+    gone, start = await _until_gone(pair)
+    with n2.membership.watch() as w:
         await w.get(lambda m: m.home and m.local_consensus is None)
     stopped = trio.current_time() - start
     return gone, stopped
@@ -420,22 +590,45 @@ async def membership_rows(base: Path, runs: int) -> list[tuple[str, float, float
     grants: list[float] = []
     gone: list[float] = []
     stopped: list[float] = []
+    proc_joins: list[float] = []
+    proc_grants: list[float] = []
+    proc_handshakes: list[float] = []
+    log = base / "n2-process.log"
     async with two_nodes(base / "cluster") as pair, BareCluster.open(base / "bare") as bare:
-        for i in range(runs):
-            join, remove = await bare_join(base / f"join{i}")
-            fresh.append(join)
-            removes.append(remove)
-            joins.append(await bare.join())
-            grants.append(await grant(pair))
-            await trio.sleep(_HEALTHY_AFTER)
-            g, s = await revoke(pair, pair.n1.root)
-            gone.append(g)
-            stopped.append(s)
-            await bare.remove()
-            await _settled(pair.n2.root)
+        # n2 in this process (and Trio thread), for all its grants.
+        async with in_process(pair) as n2:
+            for i in range(runs):
+                join, remove = await bare_join(base / f"join{i}")
+                fresh.append(join)
+                removes.append(remove)
+                joins.append(await bare.join())
+                grants.append(await grant(pair, n2))
+                await trio.sleep(_HEALTHY_AFTER)
+                g, s = await revoke(pair, n2)
+                gone.append(g)
+                stopped.append(s)
+                await bare.remove()
+                await _settled(pair.n2_root)
+        # Then n2 in its own OS process on the same root, one process for
+        # all its grants (as a node lives), each paired with the baseline
+        # join that replays the same history.
+        async with own_process(pair, log):
+            for _ in range(runs):
+                proc_joins.append(await bare.join())
+                served, shaken = await grant_process(pair)
+                proc_grants.append(served)
+                proc_handshakes.append(shaken)
+                await trio.sleep(_HEALTHY_AFTER)
+                await _until_gone(pair)
+                await bare.remove()
+                await _settled(pair.n2_root)
     return [
         _row("etcd add+start+promote (baseline)", joins, joins),
+        _row("etcd add+start+promote, next (baseline)", proc_joins, proc_joins),
         _row("grant ConsensusMember to voting", grants, joins),
+        _row("grant, n2 in its own process", proc_grants, proc_joins),
+        _row("  (its first grant, same process)", proc_grants[:1], proc_joins[:1]),
+        _row("  (own process, until TLS handshake)", proc_handshakes, proc_joins),
         _row("revoke ConsensusMember to member gone", gone, joins),
         _row("  (etcd add+start+promote, fresh cluster)", fresh, joins),
         _row("  (grant, against the fresh cluster)", grants, fresh),
