@@ -61,27 +61,33 @@ revokes (see "grant, n2 in its own process" below). Each time:
   outcome), and until then the API answers as a follower of an unknown
   leader;
 - grant, n2 in its own process: the same window, from the owner's
-  ``UpdateNodeRoles`` until n2 votes and its curator serves, but both
-  seen from outside n2 (its state is in another process): n1's etcd lists
-  n2's peer URL as a voter (``member_list`` every 5 ms, ``_GRANT_POLL``),
-  and a TLS connection to n2's curator port (known beforehand: the
-  cluster's one curator port at n2's address) with the owner's
-  certificate completes its handshake and receives the server's HTTP/2
-  SETTINGS (its first frame, sent once it accepted our certificate);
-  the end is the later of the two. A refused connection is retried every
-  5 ms; once the port is bound (while the API loads) the connection
-  waits in its backlog, so the handshake ends as soon as the API serves,
-  with no polling delay. This end is stricter than the in-process one,
-  which is the curator publishing its port, before its serving task has
-  run: it includes n2 accepting and handshaking the connection (measured
-  40-70 ms on this loaded 2-core machine, much of it n2's own Python work
-  after its curator starts). The handshake alone (without SETTINGS) is
-  printed for information. n2 lives in one process for all these grants
-  (as a node lives), so its first grant also pays that process's lazy
-  import of httpcore (the etcd client's first request, in the curator's
-  first etcd read: 60-100 ms); that grant is printed on its own line too.
-  Each grant is paired with a baseline join just before it (the
-  ``next`` baseline row), which replays the same membership history;
+  ``UpdateNodeRoles`` until n2 votes and its curator serves, but seen
+  from outside n2 (its state is in another process): a TLS connection to
+  n2's curator port (known beforehand: the cluster's one curator port at
+  n2's address) with the owner's certificate completes its handshake and
+  receives the server's HTTP/2 SETTINGS (its first frame, sent once it
+  accepted our certificate); then n1's etcd must list n2's peer URL as a
+  voter. n2's curator starts only once its etcd is a voter (its launcher
+  waits for the promotion), so that holds at once; it is looked at after
+  the curator answered, not polled beside it, so that no polling of n1's
+  etcd runs in this thread (n1's) on the grant's critical path (it made
+  no difference measurable over the run-to-run spread).
+  (Were it not yet a voter, the end would be when a member list, looked
+  at every 5 ms, first shows it.) A refused connection is retried every
+  5 ms (``_GRANT_POLL``); once the port is bound (while the API loads)
+  the connection waits in its backlog, so the handshake ends as soon as
+  the API serves, with no polling delay. This end is stricter than the
+  in-process one, the curator publishing its port before its serving
+  task has run: it includes n2 accepting and handshaking the connection
+  (seen: 40-70 ms after n2 logs that it serves, on this loaded 2-core
+  machine; n2's own Python work after its curator starts). The
+  handshake alone (without SETTINGS) is printed for information. n2
+  lives in one process for all these grants (as a node lives), so its
+  first grant also pays that process's lazy import of httpcore (the etcd
+  client's first request, in the curator's first etcd read: 60-100 ms);
+  that grant is printed on its own line too. Each grant is paired with a
+  baseline join just before it (the ``next`` baseline row), which
+  replays the same membership history;
 - revoke (5.5 s after the grant): from ``UpdateNodeRoles`` (ConsensusMember off) until n2 is no
   member in n1's etcd any more; and, for information, until n2's control
   plane has stopped. Measured with n2 in-process only (with n2 in its own
@@ -443,8 +449,9 @@ async def grant(pair: Pair, n2: RoleServer) -> float:
     return trio.current_time() - start
 
 
-#: How often the separate-process grant looks for n2's promotion in n1's
-#: member list, and retries a refused connection to n2's curator port.
+#: How often the separate-process grant retries a refused connection to
+#: n2's curator port (and, should n2 not yet be a voter when its curator
+#: answers, looks at n1's member list again).
 _GRANT_POLL = 0.005
 #: An HTTP/2 client preface and an empty SETTINGS frame (RFC 9113 3.4).
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
@@ -485,32 +492,27 @@ async def grant_process(pair: Pair) -> tuple[float, float]:
     until it votes and its curator completed the TLS handshake (for information)."""
     peer_url = f"https://{pair.n2_settings.peer_address}"
     host, port = pair.n2_settings.address, pair.n2_settings.curator_port
-    voter = serves = handshake = 0.0
     async with Client(pair.n1.root.ephemeral.consensus / SOCKET_NAME) as etcd:
-
-        async def until_voter() -> None:
-            nonlocal voter
-            # etcd has no membership watch: look until n2 is a voting member.
-            while not any(  # noqa: ASYNC110
-                peer_url in m.peer_urls and not m.is_learner for m in await etcd.member_list()
-            ):
-                await trio.sleep(_GRANT_POLL)
-            voter = trio.current_time()
-
-        async def until_serves() -> None:
-            nonlocal serves, handshake
+        with trio.fail_after(120):
+            start = trio.current_time()
+            await _set_consensus(pair, True)
             # Another process's port: a refused connection is retried.
             while (shaken := await _curator_answers(host, port, pair.owner_access.context)) is None:  # noqa: ASYNC110
                 await trio.sleep(_GRANT_POLL)
-            serves, handshake = trio.current_time(), shaken
-
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                start = trio.current_time()
-                nursery.start_soon(until_voter)
-                nursery.start_soon(until_serves)
-                await _set_consensus(pair, True)
-    return max(voter, serves) - start, max(voter, handshake) - start
+            serves = trio.current_time()
+            looked_again = False
+            # n2's curator starts only once n2's etcd is a voter (its
+            # launcher waits for the promotion), so this holds at once; it
+            # is looked at afterwards, not polled beside: no polling of n1's
+            # etcd in this thread, n1's, on the grant's critical path.
+            while not any(
+                peer_url in m.peer_urls and not m.is_learner for m in await etcd.member_list()
+            ):
+                await trio.sleep(_GRANT_POLL)
+                looked_again = True
+            # 0: already a voter when the curator answered.
+            voter = trio.current_time() if looked_again else 0.0
+    return max(voter, serves) - start, max(voter, shaken) - start
 
 
 async def _until_gone(pair: Pair) -> tuple[float, float]:
