@@ -330,6 +330,10 @@ class Compare:
 class Get:
     key: Key
     prefix: bool = False
+    #: Answered from the member's own applied state, without asking the
+    #: leader (:meth:`KV.range`). A transaction of serializable gets only
+    #: is serializable; one linearizable get makes all of it linearizable.
+    serializable: bool = False
 
 
 @dataclass(frozen=True)
@@ -571,13 +575,16 @@ class KV:
 
     # -- keys
 
-    def _range_body(self, key: Key, prefix: bool) -> dict[str, Any]:
+    def _range_body(self, key: Key, prefix: bool, serializable: bool = False) -> dict[str, Any]:
         full = self.prefix + _b(key)
+        body: dict[str, Any] = {"key": _enc(full)}
         if prefix:
             # etcd rejects an empty key; "from \\0 to the end" is how it
             # spells the whole keyspace.
-            return {"key": _enc(full or b"\x00"), "range_end": _enc(_prefix_end(full))}
-        return {"key": _enc(full)}
+            body = {"key": _enc(full or b"\x00"), "range_end": _enc(_prefix_end(full))}
+        if serializable:
+            body["serializable"] = True
+        return body
 
     def _kv(self, raw: dict[str, Any]) -> KeyValue:
         key = _dec(raw.get("key"))
@@ -608,15 +615,27 @@ class KV:
         return result.kvs[0] if result.kvs else None
 
     async def range(
-        self, key: Key, *, prefix: bool = False, limit: int = 0, revision: int = 0
+        self,
+        key: Key,
+        *,
+        prefix: bool = False,
+        limit: int = 0,
+        revision: int = 0,
+        serializable: bool = False,
     ) -> RangeResult:
         """Read ``key``, or every key starting with it if ``prefix``.
 
         ``limit`` 0 means no limit; ``revision`` 0 means the latest. Keys come
         sorted by key. Raises :class:`EtcdAPIError` for a compacted or future
         revision.
+
+        ``serializable``: answered from what this member has applied, which
+        may lag the cluster's latest writes (etcd's default, linearizable,
+        first confirms with the leader that nothing newer is committed: a
+        round trip to it, and on the leader a round of heartbeats). A
+        learner answers only serializable reads.
         """
-        body = self._range_body(key, prefix)
+        body = self._range_body(key, prefix, serializable)
         if limit:
             body["limit"] = limit
         if revision:
@@ -644,7 +663,11 @@ class KV:
         success: Sequence[Op],
         failure: Sequence[Op] = (),
     ) -> TxnResult:
-        """Atomically: if every ``compare`` holds, run ``success``, else ``failure``."""
+        """Atomically: if every ``compare`` holds, run ``success``, else ``failure``.
+
+        A transaction of :class:`Get` only is a read, linearizable unless
+        every get is ``serializable`` (see :meth:`range`).
+        """
         body = {
             "compare": [self._compare(c) for c in compare],
             "success": [self._op(op) for op in success],
@@ -687,7 +710,7 @@ class KV:
 
     def _op(self, op: Op) -> dict[str, Any]:
         if isinstance(op, Get):
-            return {"request_range": self._range_body(op.key, op.prefix)}
+            return {"request_range": self._range_body(op.key, op.prefix, op.serializable)}
         if isinstance(op, Delete):
             return {"request_delete_range": self._range_body(op.key, op.prefix)}
         put = {"key": _enc(self.prefix + _b(op.key)), "value": _enc(_b(op.value))}

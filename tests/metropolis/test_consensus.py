@@ -32,7 +32,7 @@ from metropolis.consensus import (
     peerpki,
 )
 from metropolis.consensus import service as service_module
-from metropolis.consensus.client import KV, Client, EtcdClosed
+from metropolis.consensus.client import KV, Client, EtcdClosed, Get, RangeResult
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.consensus.service import REMOVAL_PANIC
 from metropolis.localstorage import Root
@@ -423,6 +423,37 @@ async def test_a_learner_is_promoted_without_waiting_for_the_poll(tmp_path: Path
             assert not any(m.is_learner for m in await c1.member_list())
         await second.stop()
         await first.stop()
+
+
+async def test_serializable_reads_answer_from_the_members_own_state(tmp_path: Path) -> None:
+    """A member cut off from its quorum still answers serializable reads (and a
+    transaction of serializable gets) from what it applied; a linearizable
+    read, which asks the leader first, gets no answer."""
+    n1, n2 = Machine.make(tmp_path / "n1"), Machine.make(tmp_path / "n2")
+    async with trio.open_nursery() as nursery:
+        first = await start(nursery, n1)
+        join = await first.status.add_node(n2.public_key, peer_url=n2.peer_url)
+        second = await start(nursery, n2, join)
+        async with (
+            Client(first.service.config.client_socket) as c1,
+            Client(second.service.config.client_socket) as c2,
+        ):
+            await c1.put("k", "v")
+            assert (await c2.range("k")).kvs[0].value == b"v"  # applied on n2 too
+            await first.stop()  # n2 alone: one voter of two, no quorum
+            with trio.fail_after(BOUND):
+                alone = await c2.range("k", serializable=True)
+                txn = await c2.txn([], [Get("k", serializable=True), Get("x", serializable=True)])
+            assert alone.kvs[0].value == b"v"
+            found, missing = (r for r in txn.responses if isinstance(r, RangeResult))
+            assert found.kvs[0].value == b"v" and not missing.kvs
+            with trio.move_on_after(1) as waiting:
+                await c2.range("k")
+            assert waiting.cancelled_caught
+            with trio.move_on_after(1) as waiting:
+                await c2.txn([], [Get("k", serializable=True), Get("x")])
+            assert waiting.cancelled_caught
+        nursery.cancel_scope.cancel()
 
 
 async def test_three_nodes_join_replicate_and_survive_a_loss(tmp_path: Path) -> None:
