@@ -36,7 +36,7 @@ import logging
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -59,6 +59,9 @@ _READY_POLL = 0.02
 #: listeners served): from here a member waits for an election or its peers,
 #: nearly idle, until it answers.
 _SERVER_STARTED = "now serving peer/client/metrics"
+#: What etcd 3.4 logs when it applies the promotion of a learner to a voter
+#: (the line does not say whose).
+_PROMOTED = "promote member"
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -194,6 +197,7 @@ async def run_etcd(
     *,
     task_status: trio.TaskStatus[EndpointStatus] = trio.TASK_STATUS_IGNORED,
     server_started: trio.Event | None = None,
+    on_promotion: Callable[[], None] | None = None,
 ) -> None:
     """Run etcd until it exits or this call is cancelled.
 
@@ -204,6 +208,9 @@ async def run_etcd(
     the latest when it answers: what else a caller wants done while etcd
     starts goes best after it, when etcd waits (for an election, for its
     peers) instead of starting up on the same cores and disk.
+    ``on_promotion`` is called at each line saying that etcd applied the
+    promotion of a learner, any member's (a joining member replays earlier
+    ones too): a hint to look at the member's status, not a fact.
     Never returns normally: raises :class:`EtcdExited` when the process
     exits, before or after becoming ready. On cancellation the process is
     stopped (SIGTERM, then SIGKILL after a grace period) before the
@@ -220,7 +227,9 @@ async def run_etcd(
     try:
         async with trio.open_nursery() as nursery:
             started = server_started if server_started is not None else trio.Event()
-            nursery.start_soon(_pump_logs, process.output, logger, fatal, started)
+            nursery.start_soon(
+                _pump_logs, process.output, logger, fatal, started, on_promotion or _ignore
+            )
             async with trio.open_nursery() as waiters:
                 waiters.start_soon(_report_ready, config.socket_path, process, task_status, started)
                 returncode = await process.wait()
@@ -334,41 +343,51 @@ async def _pump_logs(
     logger: logging.Logger,
     fatal: list[str],
     server_started: trio.Event,
+    on_promotion: Callable[[], None],
 ) -> None:
     """Turn etcd's zap JSON lines into log records at the matching level, until EOF.
 
     The messages of fatal and panic lines are appended to ``fatal``;
-    ``server_started`` is set at etcd's line that says so.
+    ``server_started`` is set at etcd's line that says so, and
+    ``on_promotion`` called at each that says a learner was promoted.
     """
     buffer = b""
     async for chunk in stream:
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
-            if _log_line(line, logger, fatal) == _SERVER_STARTED:
+            message = _log_line(line, logger, fatal)
+            if message == _SERVER_STARTED:
                 server_started.set()
+            elif message == _PROMOTED:
+                on_promotion()
     if buffer:
         _log_line(buffer, logger, fatal)
 
 
+def _ignore() -> None:
+    pass
+
+
 #: How zap spells the levels below WARNING (its JSON starts with the level).
 _QUIET_LEVELS = (b'{"level":"info"', b'{"level":"debug"')
-#: The server-started line, as zap writes its message.
-_SERVER_STARTED_MSG = b'"msg":"' + _SERVER_STARTED.encode() + b'"'
+#: The messages looked for in lines that are not decoded, as zap writes them.
+_MARKERS = tuple((b'"msg":"' + m.encode() + b'"', m) for m in (_SERVER_STARTED, _PROMOTED))
 
 
 def _log_line(line: bytes, logger: logging.Logger, fatal: list[str]) -> str:
     """Log one line of etcd's; return its message ("" if none).
 
     Lines below WARNING that ``logger`` would drop are not decoded: their
-    message is "" except for :data:`_SERVER_STARTED`, found by its bytes.
+    message is "" except for :data:`_SERVER_STARTED` and :data:`_PROMOTED`,
+    found by their bytes.
     """
     # A joining etcd logs a few hundred info lines while it replays the
     # cluster's history, each decoded here on the Trio thread, which the
     # node's own start competes for. Fatal and panic lines never match the
     # quiet levels, so ``fatal`` misses none.
     if line.lstrip().startswith(_QUIET_LEVELS) and not logger.isEnabledFor(logging.INFO):
-        return _SERVER_STARTED if _SERVER_STARTED_MSG in line else ""
+        return next((message for raw, message in _MARKERS if raw in line), "")
     text = line.decode(errors="replace").strip()
     if not text:
         return ""

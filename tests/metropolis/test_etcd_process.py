@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from metropolis.consensus import process
 from metropolis.consensus.client import Client, EtcdError
@@ -179,3 +180,29 @@ def test_lines_below_the_loggers_level_are_not_decoded(monkeypatch: pytest.Monke
     logger.setLevel(logging.INFO)
     assert process._log_line(info, logger, fatal) == "added member"
     assert len(decoded) == 2  # the fatal line, and the info line once it is logged
+
+
+@pytest.mark.parametrize("level", [logging.WARNING, logging.INFO])
+async def test_promotion_lines_are_told_at_any_log_level(level: int) -> None:
+    """Each line saying etcd applied a promotion calls the hook, decoded or not; also
+    when the line arrives in pieces."""
+    logger = logging.getLogger("test.etcd.promotion")
+    logger.setLevel(level)
+    promotions: list[None] = []
+    started = trio.Event()
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    lines = [
+        b'{"level":"info","ts":1.0,"msg":"added member","peer":"x"}',
+        b'{"level":"info","ts":1.0,"msg":"promote member","cluster-id":"c"}',
+        b'{"level":"info","ts":1.0,"msg":"now serving peer/client/metrics"}',
+        b'{"level":"info","ts":1.0,"msg":"promote member","cluster-id":"c"}',
+    ]
+    data = b"\n".join(lines) + b"\n"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            process._pump_logs, receive, logger, [], started, lambda: promotions.append(None)
+        )
+        for piece in (data[:70], data[70:150], data[150:]):
+            await send.send_all(piece)
+        await send.aclose()
+    assert len(promotions) == 2 and started.is_set()
