@@ -37,7 +37,7 @@ MetropolisError`` and lets anything else (a bug) propagate. Other
 exceptions a public function may raise are Python's own, for misuse:
 `ValueError` for a bad argument, `RuntimeError` for a call in the wrong
 state; and Trio's `trio.Cancelled`, which is never caught here. The etcd
-client lets no httpx or transport error escape untranslated.
+client lets no transport error escape untranslated.
 ``tests/test_error_trees.py`` checks the tree and what public functions
 raise.
 """

@@ -2,8 +2,8 @@
 
 Layers, bottom up (each only talks to the one below)::
 
-    UnixHTTP (unary calls; .unixhttp)   httpx.AsyncClient (streams; uds=socket)
-        |                                   |
+    UnixHTTP      HTTP/1.1 on the socket (.unixhttp): unary calls, streams
+        |
     _Gateway      POST /v3/<path> with a JSON body -> decoded JSON, or a typed error
         |
     KV            keys, values, transactions, leases, watches -- under a key prefix
@@ -22,8 +22,8 @@ The gateway's wire quirks (etcd 3.4), handled here and nowhere else:
   each wrapped in ``{"result": ...}``.
 
 Errors: everything raised is an :class:`EtcdError` (transport errors never
-escape: every ``httpx.RequestError`` and ``unixhttp.TransportError`` becomes
-one). :class:`EtcdUnavailable` means etcd could not be reached at all (socket
+escape: every ``unixhttp.TransportError`` becomes one).
+:class:`EtcdUnavailable` means etcd could not be reached at all (socket
 missing, connection refused or dropped, an answer that is not HTTP, no answer
 within the client's timeout), which may pass;
 :class:`EtcdClosed` means this client was closed, which never passes, so
@@ -45,10 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
-import httpx
 import trio
 
-from metropolis.consensus.unixhttp import TransportClosed, TransportError, UnixHTTP
+from metropolis.consensus.unixhttp import (
+    ResponseStream,
+    TransportClosed,
+    TransportError,
+    UnixHTTP,
+)
 from metropolis.errors import ConsensusError
 from monotrio.backoff import ExponentialBackoff, Retrier
 
@@ -393,39 +397,18 @@ class _Gateway:
     def __init__(self, socket_path: Path, timeout: float) -> None:
         check_socket_path(socket_path)
         self.socket_path = socket_path
-        # Unary calls: a lean keep-alive pool (an eighth of httpx's CPU per
-        # call, see unixhttp). Streams (watch, keep-alive): httpx.
+        # One lean HTTP/1.1 client (see unixhttp): unary calls on a pool of
+        # kept-alive connections, each stream on a connection of its own.
         self._unary = UnixHTTP(
             socket_path, timeout=timeout, connect_timeout=min(timeout, 2.0), host="etcd"
         )
         self._timeout = timeout
-        # Made at the first stream: building it (an SSL context among other
-        # things, though no TLS is ever used) cost CPU on the start path of
-        # every client, including those that only make unary calls.
-        self._streams: httpx.AsyncClient | None = None
-
-    @property
-    def _http(self) -> httpx.AsyncClient:
-        if self._streams is None:
-            self._streams = httpx.AsyncClient(
-                # Plain HTTP over a UNIX socket: no TLS ever. verify=False spares
-                # loading the CA bundle, which took 0.3-3 s per client and was
-                # most of a node's start-up time.
-                transport=httpx.AsyncHTTPTransport(uds=str(self.socket_path), verify=False),
-                trust_env=False,
-                base_url="http://etcd",
-                timeout=httpx.Timeout(self._timeout, connect=min(self._timeout, 2.0)),
-            )
-        return self._streams
 
     async def aclose(self) -> None:
         self._unary.close()
-        if self._streams is not None:
-            await self._streams.aclose()
 
     @property
     def closed(self) -> bool:
-        # Closing closes the unary pool always, the stream client if made.
         return self._unary.closed
 
     def _unavailable(self, e: Exception) -> EtcdUnavailable:
@@ -454,30 +437,33 @@ class _Gateway:
 
     @asynccontextmanager
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[_Lines]:
-        """POST and yield the response's JSON lines (each unwrapped from ``result``)."""
+        """POST and yield the response's JSON lines (each unwrapped from ``result``).
+
+        Waits for the answer's head at most the client's timeout (the
+        gateway sends it with the stream's first object, at once); the
+        lines then come as etcd sends them, however late.
+        """
         if self.closed:
             raise EtcdClosed("etcd client is closed")
+        payload = json.dumps(body, separators=(",", ":")).encode()
         try:
-            request = self._http.build_request(
-                "POST", f"/v3/{path}", json=body, timeout=httpx.Timeout(None, connect=2.0)
+            response = await self._unary.open_stream(
+                f"/v3/{path}", payload, head_timeout=self._timeout
             )
-            response = await self._http.send(request, stream=True)
-        except httpx.RequestError as e:
-            if self.closed:
-                raise EtcdClosed("etcd client was closed during the call") from e
+        except TransportClosed as e:
+            raise EtcdClosed("etcd client was closed during the call") from e
+        except TransportError as e:
             raise self._unavailable(e) from e
         try:
-            if response.status_code != 200:
+            if response.status != 200:
                 try:
-                    content = await response.aread()
-                except httpx.RequestError as e:
+                    content = await response.read_all()
+                except TransportError as e:
                     raise self._unavailable(e) from e
-                self._decode(response.status_code, content)
+                self._decode(response.status, content)
             yield _Lines(self, response)
         finally:
-            # Shielded: a cancelled watch must still hand its connection back.
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+            response.close()
 
     @staticmethod
     def _decode(http_status: int, content: bytes) -> dict[str, Any]:
@@ -513,19 +499,20 @@ def _check(obj: Any, http_status: int) -> dict[str, Any]:
 class _Lines:
     """The lines of one streamed gateway response, decoded."""
 
-    def __init__(self, gateway: _Gateway, response: httpx.Response) -> None:
+    def __init__(self, gateway: _Gateway, response: ResponseStream) -> None:
         self._gateway = gateway
-        self._lines = response.aiter_lines()
+        self._response = response
 
     async def next(self) -> dict[str, Any]:
         """Return the next object; :class:`EtcdUnavailable` when the stream ends or breaks."""
         while True:
             try:
-                line = await anext(self._lines)
-            except StopAsyncIteration:
-                raise EtcdUnavailable("etcd closed the stream") from None
-            except httpx.RequestError as e:
+                line = await self._response.line()
+            except TransportError as e:
+                # Also when this client was closed: the caller looks at that.
                 raise self._gateway._unavailable(e) from e
+            if line is None:
+                raise EtcdUnavailable("etcd closed the stream")
             if not line.strip():
                 continue
             try:

@@ -1,13 +1,18 @@
-"""A lean HTTP/1.1 client for small POST requests to one UNIX socket.
+"""A lean HTTP/1.1 client for POST requests with JSON bodies to one UNIX socket.
 
-The etcd client's unary calls (:mod:`.client`) go through here instead of
-httpx: measured against etcd's gateway on this machine, one ``status``
-call cost 1.2-1.6 ms of CPU through httpx and 0.17 ms here. Every node
-process does all its work in one Trio thread, and the control plane's
-critical paths (granting ConsensusMember: some 40 etcd calls on two
-nodes, while a new etcd starts on the same cores) were bound by that
-thread's CPU. Streaming calls (watches, lease keep-alives) still use httpx:
-they are few and long-lived.
+The etcd client (:mod:`.client`) makes all its calls through here, not
+through httpx: measured against etcd's gateway on this machine, one
+``status`` call cost 1.2-1.6 ms of CPU through httpx and 0.17 ms here, and
+opening and closing a watch 3-4 ms (the first in a process 0.3 s: httpx
+imports httpcore then) against 0.4 ms here. Every node process does all
+its work in one Trio thread, and the control plane's critical paths
+(granting ConsensusMember: some 40 etcd calls on two nodes, and a new
+voter opening half a dozen watches and keep-alives at once, while a new
+etcd starts on the same cores) were bound by that thread's CPU.
+
+Unary calls (:meth:`UnixHTTP.post`) read the whole answer; streams
+(:meth:`UnixHTTP.open_stream`: watches, lease keep-alives) are read line
+by line as etcd writes them, each on a connection of its own.
 
 What it speaks is only what etcd's gateway (Go's ``net/http``) answers to
 ``POST`` with a JSON body: a status line, headers, and a body framed by
@@ -16,7 +21,7 @@ over 2 KiB), or by the end of the connection. Connections are kept alive
 and reused (one request at a time each); an idle one the server has closed
 (etcd restarted) is noticed before reuse and dropped.
 
-Errors: every failure to get a whole answer (no socket, refused, dropped,
+Errors: every failure to get an answer (no socket, refused, dropped,
 malformed, timed out) raises :class:`TransportError`; :meth:`UnixHTTP.aclose`
 closes the pool, and calls after it (or interrupted by it) raise
 :class:`TransportClosed`. Cancellation interrupts a call at any point; the
@@ -29,12 +34,13 @@ import select
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import trio
 
 from metropolis.errors import ConsensusError
 
-__all__ = ["TransportClosed", "TransportError", "UnixHTTP"]
+__all__ = ["ResponseStream", "TransportClosed", "TransportError", "UnixHTTP"]
 
 #: The longest header block accepted: etcd's are a few hundred bytes.
 _MAX_HEADER = 64 * 1024
@@ -97,6 +103,19 @@ class _Connection:
 
     async def read_response(self) -> tuple[int, bytes, bool]:
         """(status, body, whether the connection may be reused)."""
+        status, headers, keep = await self.read_head()
+        framing = _framing(status, headers)
+        if framing == "chunked":
+            body = await self._chunked()
+        elif isinstance(framing, int):
+            body = await self._exactly(framing)
+        else:
+            body = await self._until_eof()
+            keep = False
+        return status, body, keep
+
+    async def read_head(self) -> tuple[int, dict[str, str], bool]:
+        """(status, headers by lower-case name, whether the connection may be reused)."""
         while (end := self.buffer.find(b"\r\n\r\n")) < 0:
             if len(self.buffer) > _MAX_HEADER:
                 raise _Malformed("header block too long")
@@ -119,34 +138,40 @@ class _Connection:
         if encoding != "identity":
             # Never asked for (no Accept-Encoding is sent), so never decoded.
             raise _Malformed(f"unsupported Content-Encoding {encoding[:40]!r}")
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            body = await self._chunked()
-        elif (length := headers.get("content-length")) is not None:
-            if not length.isdigit():
-                raise _Malformed(f"bad Content-Length {length[:40]!r}")
-            body = await self._exactly(int(length))
-        elif status in (204, 304) or 100 <= status < 200:
-            body = b""
-        else:
-            body = await self._until_eof()
-            keep = False
-        return status, body, keep
+        return status, headers, keep
 
     async def _chunked(self) -> bytes:
         body = bytearray()
-        while True:
-            size_line = (await self._line()).split(b";", 1)[0].strip()
-            try:
-                size = int(size_line, 16)
-            except ValueError:
-                raise _Malformed(f"bad chunk size {size_line[:40]!r}") from None
-            if size == 0:
-                while await self._line():  # trailers, up to the empty line
-                    pass
-                return bytes(body)
-            body += await self._exactly(size)
-            if await self._exactly(2) != b"\r\n":
-                raise _Malformed("chunk not followed by CRLF")
+        while (chunk := await self.next_chunk()) is not None:
+            body += chunk
+        return bytes(body)
+
+    async def next_chunk(self) -> bytes | None:
+        """The next chunk of a chunked body; None after the last (trailers read)."""
+        size_line = (await self._line()).split(b";", 1)[0].strip()
+        try:
+            size = int(size_line, 16)
+        except ValueError:
+            raise _Malformed(f"bad chunk size {size_line[:40]!r}") from None
+        if size == 0:
+            while await self._line():  # trailers, up to the empty line
+                pass
+            return None
+        chunk = await self._exactly(size)
+        if await self._exactly(2) != b"\r\n":
+            raise _Malformed("chunk not followed by CRLF")
+        return chunk
+
+    async def some(self) -> bytes:
+        """What has arrived (at least a byte), or b"" at the end of the connection."""
+        if not self.buffer:
+            data = await self.stream.receive_some(_CHUNK)
+            if not data:
+                return b""
+            self.buffer += data
+        data = bytes(self.buffer)
+        self.buffer.clear()
+        return data
 
     async def _until_eof(self) -> bytes:
         while True:
@@ -156,6 +181,95 @@ class _Connection:
                 self.buffer.clear()
                 return body
             self.buffer += data
+
+
+def _framing(status: int, headers: dict[str, str]) -> int | Literal["chunked", "eof"]:
+    """How a body is framed: chunked, its length, or until the end of the connection."""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return "chunked"
+    if (length := headers.get("content-length")) is not None:
+        if not length.isdigit():
+            raise _Malformed(f"bad Content-Length {length[:40]!r}")
+        return int(length)
+    if status in (204, 304) or 100 <= status < 200:
+        return 0
+    return "eof"
+
+
+class ResponseStream:
+    """A streamed answer, read line by line as it arrives, on a connection of its own.
+
+    Made by :meth:`UnixHTTP.open_stream`; :meth:`close` it when done (the
+    connection is never reused: a stream is read until it is abandoned).
+    """
+
+    def __init__(
+        self, pool: UnixHTTP, connection: _Connection, status: int, headers: dict[str, str]
+    ) -> None:
+        self.status = status
+        self._pool = pool
+        self._connection = connection
+        self._framing = _framing(status, headers)
+        self._left = self._framing if isinstance(self._framing, int) else 0
+        self._lines = bytearray()
+        self._ended = False
+
+    async def line(self) -> bytes | None:
+        """The next line of the body (without its newline); None once the body ended.
+
+        Waits as long as it takes (cancel to stop waiting). Raises
+        :class:`TransportError` if the connection breaks or the framing is
+        malformed, :class:`TransportClosed` if the pool was closed.
+        """
+        try:
+            while (end := self._lines.find(b"\n")) < 0:
+                if not await self._more():
+                    rest = bytes(self._lines)
+                    self._lines.clear()
+                    return rest or None
+        except (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            raise self._pool._error(e) from e
+        except _Malformed as e:
+            raise TransportError(f"malformed stream from {self._pool.socket_path}: {e}") from e
+        line = bytes(self._lines[:end])
+        del self._lines[: end + 1]
+        return line
+
+    async def read_all(self) -> bytes:
+        """The rest of the body, whole (for an answer that is not a stream: an error)."""
+        lines = []
+        while (line := await self.line()) is not None:
+            lines.append(line)
+        return b"\n".join(lines)
+
+    async def _more(self) -> bool:
+        """Read more of the body into the line buffer; False at its end."""
+        if self._ended:
+            return False
+        connection = self._connection
+        if self._framing == "chunked":
+            chunk = await connection.next_chunk()
+        elif self._framing == "eof":
+            chunk = await connection.some() or None
+        elif self._left:
+            data = await connection.some()
+            if not data:
+                raise EOFError("connection closed inside the body")
+            # Past the body's end: not ours (nothing should be there).
+            chunk, connection.buffer[:0] = data[: self._left], data[self._left :]
+            self._left -= len(chunk)
+        else:
+            chunk = None
+        if chunk is None:
+            self._ended = True
+            return False
+        self._lines += chunk
+        return True
+
+    def close(self) -> None:
+        """Close the connection (synchronous: also from a cancelled ``finally``)."""
+        self._pool._busy.discard(self._connection)
+        self._connection.close()
 
 
 class UnixHTTP:
@@ -248,6 +362,51 @@ class UnixHTTP:
                 self._idle.append(connection)
             else:
                 connection.close()
+
+    async def open_stream(
+        self, target: str, body: bytes, *, head_timeout: float | None = None
+    ) -> ResponseStream:
+        """POST ``body`` (JSON) to ``target`` on a new connection; return its answer as a stream.
+
+        Returns once the status line and headers arrived (within
+        ``head_timeout`` seconds, if given); the body is then read as it
+        comes (:meth:`ResponseStream.line`). Close the stream when done.
+        Raises :class:`TransportError` for every failure to get the head.
+        """
+        request = self._request(target, body, ())
+        if self._closed:
+            raise TransportClosed("the connection pool is closed")
+        try:
+            with trio.move_on_after(self._connect_timeout) as scope:
+                stream = await trio.open_unix_socket(str(self.socket_path))
+        except OSError as e:
+            raise self._error(e) from e
+        if scope.cancelled_caught:
+            raise TransportError(f"connecting to {self.socket_path} timed out")
+        connection = _Connection(stream)
+        if self._closed:  # closed while connecting
+            connection.close()
+            raise TransportClosed("the connection pool was closed during the call")
+        self._busy.add(connection)
+        answered = False
+        try:
+            with trio.move_on_after(float("inf") if head_timeout is None else head_timeout):
+                await connection.stream.send_all(request)
+                status, headers, _ = await connection.read_head()
+                answered = True
+            if not answered:
+                raise TransportError(
+                    f"Timeout: no answer from {self.socket_path} within {head_timeout}s"
+                )
+        except (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            raise self._error(e) from e
+        except _Malformed as e:
+            raise TransportError(f"malformed answer from {self.socket_path}: {e}") from e
+        finally:
+            if not answered:
+                self._busy.discard(connection)
+                connection.close()
+        return ResponseStream(self, connection, status, headers)
 
     def _error(self, e: BaseException) -> TransportError:
         if self._closed:

@@ -415,7 +415,7 @@ async def test_keep_alive_gives_up_when_etcd_stays_down(etcd: EtcdServer, client
             # keep_alive now retries until a full TTL has passed, then gives up.
 
 
-async def test_no_httpx_error_escapes(tmp_path: Path) -> None:
+async def test_no_transport_error_escapes(tmp_path: Path) -> None:
     """An answer the transport cannot decode (a gzip body, never asked for)
     raises `EtcdUnavailable`, not a transport's own error."""
     path = tmp_path / "garbled.sock"
