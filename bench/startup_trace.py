@@ -273,6 +273,7 @@ async def main(runs: int, show: int) -> None:
             _events.clear()
             _t0 = _now()
             _tasks.phase = "pre-spawn"
+            _tasks.before_task_step(trio.lowlevel.current_task())  # this step, from now
             trio.lowlevel.add_instrument(_tasks)
             await _node_start(root)
             trio.lowlevel.remove_instrument(_tasks)

@@ -1,0 +1,208 @@
+"""Where a grant of ConsensusMember spends its time: milestones per grant, against etcd's own.
+
+    python -m bench.grant_trace [--runs 6] [--show 0] [--quiet]
+
+A diagnostic beside ``bench.controlplane --only membership`` (same
+cluster: n1 bootstrapped, n2 registered and running in this process; the
+same-history bare cluster as baseline). Each run times etcd's own join
+(member add, learner start, promote), then a grant to n2 until it votes
+and its curator serves, then revokes it. For each grant it prints the
+milestones (ms since the start: learner added, join data stored, roles
+at n2, etcd spawned, serving, published, answering, promoted, voter,
+curator API loaded and serving), the baseline's (spawned, serving,
+published, answering), and the Trio thread's CPU per task in each phase
+of the grant; ``--show`` prints whole timelines. etcd's milestones carry
+etcd's own timestamps. ``--quiet`` traces nothing (no log records, no
+wrapped steps: their cost is not small) and prints only the ratios.
+No ratio is a goal here: this says where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench import startup_trace as trace
+from bench.controlplane import (
+    _HEALTHY_AFTER,
+    BareCluster,
+    _settled,
+    grant,
+    in_process,
+    revoke,
+    two_nodes,
+)
+
+#: (module, attribute path) of the steps whose start and end are traced.
+_STEPS = [
+    ("metropolis.curator.api", "CuratorAPI.update_node_roles"),
+    ("metropolis.curator.api", "CuratorAPI._grant_consensus"),
+    ("metropolis.consensus.service", "_add_learner"),
+    ("metropolis.roleserve.disk", "save_roles"),
+    ("metropolis.roleserve.controlplane", "ControlPlaneWorker._start"),
+    ("metropolis.consensus.service", "Service._write_join_pki"),
+    ("metropolis.consensus.process", "_Child.spawn"),
+    ("metropolis.consensus.process", "_report_ready"),
+    ("metropolis.consensus.service", "_wait_voter"),
+    ("metropolis.consensus.service", "_promote"),
+    ("metropolis.curator.api", "CuratorAPI.load"),
+]
+
+#: A grant's milestones: (label, substring of an event).
+_GRANT = [
+    ("added", "< _add_learner"),
+    ("stored", "< CuratorAPI._grant_consensus"),
+    ("roles", "roles from the curator"),
+    ("spawned", "< _Child.spawn"),
+    ("serving", "etcd@ now serving"),
+    ("published", "etcd@ published local"),
+    ("answers", "< _report_ready"),
+    ("promoted", "promoted "),
+    ("voter", "< _wait_voter"),
+    ("loading", "> CuratorAPI.load"),
+    ("serves", "serving the curator API"),
+    ("end", "GRANTED"),
+]
+#: The baseline's milestones.
+_BARE = [
+    ("spawned", "< _Child.spawn"),
+    ("serving", "etcd@ now serving"),
+    ("published", "etcd@ published local"),
+    ("answers", "< _report_ready"),
+]
+#: Phases of a grant for the CPU account: (phase, event that starts it).
+_PHASES = [
+    ("etcd start", "< _Child.spawn"),
+    ("promotion", "< _report_ready"),
+    ("curator", "etcd member "),
+    ("after", "GRANTED"),
+]
+
+
+class _TaskTime(trio.abc.Instrument):
+    """CPU time of the Trio thread per task (its name's last part) and phase."""
+
+    def __init__(self) -> None:
+        self.phase = "before spawn"
+        self.spent: dict[str, dict[str, float]] = {}
+        self._began = 0.0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._began = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        name = task.name.rsplit(".", 1)[-1]
+        if name == "member":  # the supervisor's: name it after its runnable
+            frame = getattr(task.coro, "cr_frame", None)
+            if frame is not None:
+                name = "member:" + str(frame.f_locals.get("name", "?"))
+        phase = self.spent.setdefault(self.phase, {})
+        phase[name] = phase.get(name, 0.0) + time.perf_counter() - self._began
+
+
+_tasks = _TaskTime()
+
+
+def _install() -> None:
+    """Wrap the steps, stamp etcd's lines, record every log record (and switch phases)."""
+    note = trace._note
+
+    def noted(what: str) -> None:
+        note(what)
+        for phase, marker in _PHASES:
+            if marker in what:
+                _tasks.phase = phase
+
+    trace._note = noted  # the wrapped steps and the recorder call it by name
+    for module_name, path in _STEPS:
+        owner: Any = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        trace._wrap(owner, name, path)
+    trace._trace_etcd_lines()
+    logging.getLogger().addHandler(trace._Recorder(level=logging.DEBUG))
+    logging.getLogger().setLevel(logging.DEBUG)
+    for noisy in ("hpack", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _milestones(timeline: list[tuple[float, str]], marks: list[tuple[str, str]]) -> str:
+    found = []
+    for label, needle in marks:
+        at = next((t for t, w in timeline if needle in w), None)
+        found.append(f"{label} {at * 1000:.0f}" if at is not None else f"{label} -")
+    return ", ".join(found)
+
+
+def _restart_clock() -> None:
+    trace._events.clear()
+    trace._t0 = trace._now()
+
+
+async def main(runs: int, show: int, quiet: bool) -> None:
+    if not quiet:
+        _install()
+    timelines: list[tuple[list[tuple[float, str]], list[tuple[float, str]]]] = []
+    joins: list[float] = []
+    grants: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="bench-grant-") as tmp:
+        base = Path(tmp)
+        async with (
+            two_nodes(base / "cluster") as pair,
+            BareCluster.open(base / "bare") as bare,
+            in_process(pair) as n2,
+        ):
+            for _ in range(runs):
+                _restart_clock()
+                joins.append(await bare.join())
+                bare_timeline = sorted(trace._events)
+                _restart_clock()
+                _tasks.phase = "before spawn"
+                _tasks.before_task_step(trio.lowlevel.current_task())  # this step, from now
+                trio.lowlevel.add_instrument(_tasks)
+                grants.append(await grant(pair, n2))
+                trio.lowlevel.remove_instrument(_tasks)
+                trace._note("GRANTED")
+                timelines.append((sorted(trace._events), bare_timeline))
+                await trio.sleep(_HEALTHY_AFTER)
+                await revoke(pair, n2)
+                await bare.remove()
+                await _settled(pair.n2_root)
+    if not quiet:
+        print("--- milestones, ms since the start of each (grant / etcd's own join)")
+        for timeline, bare_timeline in timelines:
+            print("grant:", _milestones(timeline, _GRANT))
+            print("  own:", _milestones(bare_timeline, _BARE))
+        print(f"--- Trio thread CPU per phase of a grant, mean of {runs} (ms)")
+        for phase, spent in _tasks.spent.items():
+            top = sorted(spent.items(), key=lambda kv: -kv[1])[:8]
+            total = sum(spent.values()) * 1000 / runs
+            tops = ", ".join(f"{k} {v * 1000 / runs:.1f}" for k, v in top)
+            print(f"{phase} ({total:.1f}): {tops}")
+        for timeline, _ in timelines[-show:] if show else []:
+            print("--- one grant (ms since its start)")
+            for t, what in timeline:
+                print(f"{t * 1000:8.1f}  {what}")
+    ratio = statistics.median(g / j for g, j in zip(grants, joins, strict=True))
+    print(
+        f"grant {statistics.median(grants) * 1000:.0f} ms, etcd's own join"
+        f" {statistics.median(joins) * 1000:.0f} ms (medians); median ratio {ratio:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=6)
+    parser.add_argument("--show", type=int, default=0, help="whole timelines of the last grants")
+    parser.add_argument("--quiet", action="store_true", help="no tracing, only the ratios")
+    args = parser.parse_args()
+    trio.run(main, args.runs, args.show, args.quiet)
