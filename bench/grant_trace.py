@@ -24,7 +24,6 @@ import importlib
 import logging
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -87,28 +86,8 @@ _PHASES = [
 ]
 
 
-class _TaskTime(trio.abc.Instrument):
-    """CPU time of the Trio thread per task (its name's last part) and phase."""
-
-    def __init__(self) -> None:
-        self.phase = "before spawn"
-        self.spent: dict[str, dict[str, float]] = {}
-        self._began = 0.0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self._began = time.perf_counter()
-
-    def after_task_step(self, task: trio.lowlevel.Task) -> None:
-        name = task.name.rsplit(".", 1)[-1]
-        if name == "member":  # the supervisor's: name it after its runnable
-            frame = getattr(task.coro, "cr_frame", None)
-            if frame is not None:
-                name = "member:" + str(frame.f_locals.get("name", "?"))
-        phase = self.spent.setdefault(self.phase, {})
-        phase[name] = phase.get(name, 0.0) + time.perf_counter() - self._began
-
-
-_tasks = _TaskTime()
+#: The Trio thread's CPU per task and phase (startup_trace's instrument).
+_tasks = trace._TaskTime()
 
 
 def _install() -> None:
