@@ -308,8 +308,26 @@ class UnixHTTP:
         )
         return head.encode("latin-1") + body
 
-    async def _connect(self) -> _Connection:
-        while self._idle:
+    async def _checkout(self, *, reuse: bool) -> _Connection:
+        """A connection for one call (an idle one if ``reuse``), counted busy.
+
+        :class:`TransportClosed` if the pool is (or gets) closed meanwhile,
+        :class:`TransportError` if no connection could be made.
+        """
+        if self._closed:
+            raise TransportClosed("the connection pool is closed")
+        try:
+            connection = await self._connect(reuse)
+        except OSError as e:
+            raise self._error(e) from e
+        if self._closed:  # closed while connecting
+            connection.close()
+            raise TransportClosed("the connection pool was closed during the call")
+        self._busy.add(connection)
+        return connection
+
+    async def _connect(self, reuse: bool) -> _Connection:
+        while reuse and self._idle:
             connection = self._idle.pop()
             if not connection.stale():
                 return connection
@@ -333,16 +351,7 @@ class UnixHTTP:
         one does. Raises :class:`TransportError` for every failure.
         """
         request = self._request(target, body, headers)
-        if self._closed:
-            raise TransportClosed("the connection pool is closed")
-        try:
-            connection = await self._connect()
-        except OSError as e:
-            raise self._error(e) from e
-        if self._closed:  # closed while connecting
-            connection.close()
-            raise TransportClosed("the connection pool was closed during the call")
-        self._busy.add(connection)
+        connection = await self._checkout(reuse=True)
         keep = False
         try:
             with trio.move_on_after(self._timeout):
@@ -374,20 +383,8 @@ class UnixHTTP:
         Raises :class:`TransportError` for every failure to get the head.
         """
         request = self._request(target, body, ())
-        if self._closed:
-            raise TransportClosed("the connection pool is closed")
-        try:
-            with trio.move_on_after(self._connect_timeout) as scope:
-                stream = await trio.open_unix_socket(str(self.socket_path))
-        except OSError as e:
-            raise self._error(e) from e
-        if scope.cancelled_caught:
-            raise TransportError(f"connecting to {self.socket_path} timed out")
-        connection = _Connection(stream)
-        if self._closed:  # closed while connecting
-            connection.close()
-            raise TransportClosed("the connection pool was closed during the call")
-        self._busy.add(connection)
+        # A stream holds its connection until abandoned: a new one, never reused.
+        connection = await self._checkout(reuse=False)
         answered = False
         try:
             with trio.move_on_after(float("inf") if head_timeout is None else head_timeout):
