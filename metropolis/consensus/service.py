@@ -942,7 +942,8 @@ async def _wait_voter(
 
 
 class _Nudge:
-    """Wakes the promoter: a learner may be on its way (set from any task)."""
+    """A wake-up set from any task, taken by one waiter: the promoter's (a learner may
+    be on its way) and a learner's own wait for its promotion (etcd logged one)."""
 
     def __init__(self) -> None:
         self._event = trio.Event()
