@@ -62,6 +62,9 @@ _SERVER_STARTED = "now serving peer/client/metrics"
 #: What etcd 3.4 logs when it applies the promotion of a learner to a voter
 #: (the line does not say whose).
 _PROMOTED = "promote member"
+#: What etcd 3.4 logs when a stream to a peer comes up (the line names the
+#: peer): on the raft leader, the first sign that a new learner runs.
+_PEER_ACTIVE = "peer became active"
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -198,6 +201,7 @@ async def run_etcd(
     task_status: trio.TaskStatus[EndpointStatus] = trio.TASK_STATUS_IGNORED,
     server_started: trio.Event | None = None,
     on_promotion: Callable[[], None] | None = None,
+    on_peer_active: Callable[[], None] | None = None,
 ) -> None:
     """Run etcd until it exits or this call is cancelled.
 
@@ -211,6 +215,9 @@ async def run_etcd(
     ``on_promotion`` is called at each line saying that etcd applied the
     promotion of a learner, any member's (a joining member replays earlier
     ones too): a hint to look at the member's status, not a fact.
+    ``on_peer_active`` is called at each line saying that a stream to a
+    peer came up (any peer's, also a voter's that reconnects): a hint that
+    a learner may now catch up, not a fact.
     Never returns normally: raises :class:`EtcdExited` when the process
     exits, before or after becoming ready. On cancellation the process is
     stopped (SIGTERM, then SIGKILL after a grace period) before the
@@ -227,9 +234,12 @@ async def run_etcd(
     try:
         async with trio.open_nursery() as nursery:
             started = server_started if server_started is not None else trio.Event()
-            nursery.start_soon(
-                _pump_logs, process.output, logger, fatal, started, on_promotion or _ignore
-            )
+            hooks = {
+                _SERVER_STARTED: started.set,
+                _PROMOTED: on_promotion or _ignore,
+                _PEER_ACTIVE: on_peer_active or _ignore,
+            }
+            nursery.start_soon(_pump_logs, process.output, logger, fatal, hooks)
             async with trio.open_nursery() as waiters:
                 waiters.start_soon(_report_ready, config.socket_path, process, task_status, started)
                 returncode = await process.wait()
@@ -342,14 +352,13 @@ async def _pump_logs(
     stream: trio.abc.ReceiveStream,
     logger: logging.Logger,
     fatal: list[str],
-    server_started: trio.Event,
-    on_promotion: Callable[[], None],
+    hooks: dict[str, Callable[[], None]],
 ) -> None:
     """Turn etcd's zap JSON lines into log records at the matching level, until EOF.
 
-    The messages of fatal and panic lines are appended to ``fatal``;
-    ``server_started`` is set at etcd's line that says so, and
-    ``on_promotion`` called at each that says a learner was promoted.
+    The messages of fatal and panic lines are appended to ``fatal``; at
+    each line whose message is one of :data:`_MARKERS`, its hook in
+    ``hooks`` (if any) is called.
     """
     buffer = b""
     async for chunk in stream:
@@ -357,10 +366,9 @@ async def _pump_logs(
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
             message = _log_line(line, logger, fatal)
-            if message == _SERVER_STARTED:
-                server_started.set()
-            elif message == _PROMOTED:
-                on_promotion()
+            hook = hooks.get(message) if message else None
+            if hook is not None:
+                hook()
     if buffer:
         _log_line(buffer, logger, fatal)
 
@@ -372,15 +380,16 @@ def _ignore() -> None:
 #: How zap spells the levels below WARNING (its JSON starts with the level).
 _QUIET_LEVELS = (b'{"level":"info"', b'{"level":"debug"')
 #: The messages looked for in lines that are not decoded, as zap writes them.
-_MARKERS = tuple((b'"msg":"' + m.encode() + b'"', m) for m in (_SERVER_STARTED, _PROMOTED))
+_MARKERS = tuple(
+    (b'"msg":"' + m.encode() + b'"', m) for m in (_SERVER_STARTED, _PROMOTED, _PEER_ACTIVE)
+)
 
 
 def _log_line(line: bytes, logger: logging.Logger, fatal: list[str]) -> str:
     """Log one line of etcd's; return its message ("" if none).
 
     Lines below WARNING that ``logger`` would drop are not decoded: their
-    message is "" except for :data:`_SERVER_STARTED` and :data:`_PROMOTED`,
-    found by their bytes.
+    message is "" except for those of :data:`_MARKERS`, found by their bytes.
     """
     # A joining etcd logs a few hundred info lines while it replays the
     # cluster's history, each decoded here on the Trio thread, which the

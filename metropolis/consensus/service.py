@@ -55,6 +55,7 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal, TypeVar
 from urllib.parse import urlsplit
@@ -352,7 +353,7 @@ class Status:
                 "added %s (%s) as learner %x", node, peer_url, member.id
             )
             if self._nudge is not None:
-                self._nudge.set()
+                self._nudge.set(_LOOK)
             return after
 
         if any(peer_url in m.peer_urls for m in current):
@@ -625,6 +626,9 @@ class Service:
                 nursery.start_soon(_set_after, server_started, self._bootstrap_join, bootstrap_join)
             removed = _Removed()
             promoted = _Nudge()
+            # The promoter's: it starts once this member votes, but a learner's
+            # stream may come up at any time.
+            nudge = _Nudge()
             first: EndpointStatus = await nursery.start(
                 removed.run_etcd,
                 process,
@@ -632,6 +636,7 @@ class Service:
                 nursery.cancel_scope,
                 server_started,
                 promoted.set,
+                partial(nudge.set, _PEER_UP),
             )
             removed.ready = True
             # Nothing goes into etcd before the PKI files are durable: a power
@@ -651,7 +656,6 @@ class Service:
             # The children borrow the client: the scope ends them before the
             # client is closed. It is left when run_etcd raises EtcdExited
             # (which cancels this block) or when we are cancelled.
-            nudge = _Nudge()
             async with node.scope() as sub:
                 sub.run("promoter", lambda n: _promoter(n, client, config, nudge))
                 sub.run("crl", lambda n: _sync_crl(n, client, config.data.peer_crl))
@@ -857,6 +861,7 @@ class _Removed:
         scope: trio.CancelScope,
         server_started: trio.Event,
         on_promotion: Callable[[], None],
+        on_peer_active: Callable[[], None],
         *,
         task_status: trio.TaskStatus[EndpointStatus] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -872,6 +877,7 @@ class _Removed:
                 task_status=task_status,
                 server_started=server_started,
                 on_promotion=on_promotion,
+                on_peer_active=on_peer_active,
             )
         except EtcdExited as e:
             panicked = e.returncode == 2 and REMOVAL_PANIC in e.fatal and self.ready
@@ -942,18 +948,31 @@ async def _wait_voter(
 
 
 class _Nudge:
-    """A wake-up set from any task, taken by one waiter: the promoter's (a learner may
-    be on its way) and a learner's own wait for its promotion (etcd logged one)."""
+    """A wake-up set from any task, taken by one waiter with the reasons given since
+    the last: the promoter's (a learner may be on its way, or its stream came up)
+    and a learner's own wait for its promotion (etcd logged one)."""
 
     def __init__(self) -> None:
         self._event = trio.Event()
+        self._reasons: set[str] = set()
 
-    def set(self) -> None:
+    def set(self, reason: str = "") -> None:
+        self._reasons.add(reason)
         self._event.set()
 
-    async def wait(self) -> None:
+    async def wait(self) -> frozenset[str]:
         await self._event.wait()
         self._event = trio.Event()
+        reasons, self._reasons = frozenset(self._reasons), set()
+        return reasons
+
+
+#: Why the promoter is nudged: a learner may be coming (``add_node``, or a
+#: peer certificate issued), so look at the members.
+_LOOK = "look"
+#: Why the promoter is nudged: etcd logged that a stream to a peer came up,
+#: so a learner that waits may now catch up.
+_PEER_UP = "peer up"
 
 
 async def _promoter(node: Node, client: Client, config: Config, nudge: _Nudge) -> None:
@@ -963,58 +982,74 @@ async def _promoter(node: Node, client: Client, config: Config, nudge: _Nudge) -
     promotions; if leadership moves in between, a promotion is merely
     refused or repeated, both harmless.
 
-    When it looks: at once when a learner may be coming (``add_node`` on
-    this node nudges it; on any node, ``add_node`` issues the peer
-    certificate first, which a watch sees); while a learner waits (not
-    started, or not caught up), every quarter heartbeat for ten election
-    timeouts (a learner's etcd starts and catches up within a few), then
-    backing off x1.5 up to ``promote_interval``; otherwise every
-    ``promote_interval``. Why a quarter heartbeat: etcd tells nobody when
-    a learner has caught up (it is ready about when its client socket
-    answers), so the promotion comes on average half a retry later, on the
-    critical path of a grant of ConsensusMember; at a full heartbeat that
-    was 10 ms of a grant's 130 (loopback tuning). A refused promotion is
-    one small call (0.5 ms of this thread's CPU).
+    When it looks. etcd tells nobody when a learner has caught up (about
+    when its client socket answers), so a waiting learner is polled, and
+    the promotion comes on average half a retry after it could: on the
+    critical path of a grant of ConsensusMember. But a learner cannot catch
+    up before its etcd connects to the leader, and the leader's etcd logs
+    when a peer's stream comes up (``nudge`` gets :data:`_PEER_UP`):
+
+    - at once when a learner may be coming (``add_node`` on this node
+      nudges with :data:`_LOOK`; on any node, ``add_node`` issues the peer
+      certificate first, which a watch sees);
+    - while a learner waits to connect: every heartbeat, for ten election
+      timeouts (a fallback: were the log line missed, the promotion would
+      come half a heartbeat late on average);
+    - from a peer's stream coming up: every quarter heartbeat, for ten
+      election timeouts (a learner's etcd catches up within a few);
+    - past those windows, backing off x1.5 up to ``promote_interval``;
+      with no learner waiting, every ``promote_interval``.
+
+    Why the two rates. A refused promotion is one small call (0.5 ms of
+    this thread's CPU, and some of the leader etcd's), and on a grant it
+    runs beside the learner's etcd starting up on the same cores: polling
+    every quarter heartbeat from the member add on made ten or more calls
+    before the learner had even connected (measured). At a full heartbeat
+    after it connected, the promotion came 10 ms of a grant's 130 late
+    on average (loopback tuning); a quarter heartbeat cut the grant from
+    1.81 to 1.67 times etcd's own join (medians of three runs of 8 grants).
 
     How: a full look (status: do we lead? member list: which learners?)
-    when nudged and when nothing is known to wait; between those, the
-    learners the last look found waiting are promoted directly, one call
-    each per retry, as etcd's own procedure goes (member add, start the
-    learner, promote until etcd accepts). Full looks (two or three calls)
-    at every retry, on the leader's node, slowed the very learner start
-    they wait for; one call per quarter heartbeat is a net gain (grant to
-    voting: 1.81 -> 1.67 times etcd's own join, medians of three runs of 8
-    grants each). If leadership moved meanwhile, a direct promotion is
-    forwarded or refused by etcd; either is harmless, and the next full
-    look (every retry after the fast window) sees the new state.
+    when nudged to look and when nothing is known to wait; between those,
+    the learners the last look found waiting are promoted directly, one
+    call each per retry, as etcd's own procedure goes (member add, start
+    the learner, promote until etcd accepts). Full looks (two or three
+    calls) at every retry slowed the very learner start they wait for. If
+    leadership moved meanwhile, a direct promotion is forwarded or refused
+    by etcd; either is harmless, and the next full look (every retry after
+    the windows) sees the new state.
 
     Errors: an unreachable etcd is logged and looked at again later; any
     other etcd error is raised (the supervisor restarts the promoter).
     Cancellation: at any point; a promotion in flight may or may not apply.
     """
-    first_retry = max(config.tuning.heartbeat_ms / 4000, 0.005)
-    fast_window = 10 * config.tuning.election_ms / 1000
+    heartbeat = max(config.tuning.heartbeat_ms / 1000, 0.01)
+    first_retry = max(heartbeat / 4, 0.005)
+    window = 10 * config.tuning.election_ms / 1000
     kv = client.namespaced(peerpki.NAMESPACE)
 
     async def watch_issued() -> None:
         async with kv.watch(peerpki.KEY_CERTIFICATES, prefix=True) as watch:
             async for _ in watch:
-                nudge.set()
+                nudge.set(_LOOK)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch_issued)
         node.signal_healthy()
         delay = config.promote_interval
         waiting: set[int] = set()
-        fast_until = 0.0
+        start_until = 0.0  # until then, a waiting learner is retried every heartbeat
+        fast_until = 0.0  # until then, every quarter heartbeat
         while True:
-            nudged = False
+            reasons: frozenset[str] = frozenset()
             with trio.move_on_after(delay):
-                await nudge.wait()
-                nudged = True
+                reasons = await nudge.wait()
+            if _PEER_UP in reasons:
+                fast_until = trio.current_time() + window
+            look = _LOOK in reasons or trio.current_time() >= max(start_until, fast_until)
             was_waiting = bool(waiting)
             try:
-                if nudged or not waiting or trio.current_time() >= fast_until:
+                if look or not waiting:
                     waiting = await _promote_learners(node, client)
                 else:
                     waiting = await _promote(node, client, waiting)
@@ -1024,12 +1059,14 @@ async def _promoter(node: Node, client: Client, config: Config, nudge: _Nudge) -
                 # stops this one; failing here would only log a second error.
                 node.logger.info("cannot look for learners now: %s", e)
             now = trio.current_time()
-            if nudged or (waiting and not was_waiting):
-                fast_until = now + fast_window
+            if _LOOK in reasons or (waiting and not was_waiting):
+                start_until = now + window
             if not waiting:
                 delay = config.promote_interval
             elif now < fast_until:
                 delay = first_retry
+            elif now < start_until:
+                delay = heartbeat
             else:
                 delay = min(delay * 1.5, config.promote_interval)
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -183,26 +184,34 @@ def test_lines_below_the_loggers_level_are_not_decoded(monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("level", [logging.WARNING, logging.INFO])
-async def test_promotion_lines_are_told_at_any_log_level(level: int) -> None:
-    """Each line saying etcd applied a promotion calls the hook, decoded or not; also
-    when the line arrives in pieces."""
-    logger = logging.getLogger("test.etcd.promotion")
+async def test_marked_lines_call_their_hooks_at_any_log_level(level: int) -> None:
+    """Each line saying etcd started, applied a promotion or saw a peer come up calls
+    its hook, decoded or not; also when the line arrives in pieces."""
+    logger = logging.getLogger("test.etcd.markers")
     logger.setLevel(level)
-    promotions: list[None] = []
-    started = trio.Event()
+    seen: list[str] = []
     send, receive = trio.testing.memory_stream_one_way_pair()
     lines = [
         b'{"level":"info","ts":1.0,"msg":"added member","peer":"x"}',
         b'{"level":"info","ts":1.0,"msg":"promote member","cluster-id":"c"}',
         b'{"level":"info","ts":1.0,"msg":"now serving peer/client/metrics"}',
+        b'{"level":"info","ts":1.0,"msg":"peer became active","peer-id":"8e9e"}',
         b'{"level":"info","ts":1.0,"msg":"promote member","cluster-id":"c"}',
     ]
     data = b"\n".join(lines) + b"\n"
+    hooks: dict[str, Callable[[], None]] = {
+        marker: partial(seen.append, marker)
+        for marker in (process._SERVER_STARTED, process._PROMOTED, process._PEER_ACTIVE)
+    }
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            process._pump_logs, receive, logger, [], started, lambda: promotions.append(None)
-        )
-        for piece in (data[:70], data[70:150], data[150:]):
+        fatal: list[str] = []
+        nursery.start_soon(process._pump_logs, receive, logger, fatal, hooks)
+        for piece in (data[:70], data[70:150], data[150:250], data[250:]):
             await send.send_all(piece)
         await send.aclose()
-    assert len(promotions) == 2 and started.is_set()
+    assert seen == [
+        process._PROMOTED,
+        process._SERVER_STARTED,
+        process._PEER_ACTIVE,
+        process._PROMOTED,
+    ]
