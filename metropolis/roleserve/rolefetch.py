@@ -33,7 +33,8 @@ from dataclasses import replace
 
 import trio
 
-from metropolis.event import Closed, ReadOnlyValue, Value
+from metropolis.curator.service import Curator
+from metropolis.event import Closed, ReadOnlyValue, Value, Watcher
 from metropolis.identity import NodeCredentials
 from metropolis.localstorage import Root
 from metropolis.proto import curator_api as c
@@ -124,22 +125,70 @@ def latest_endpoints(
 async def restart_on_change(
     node: Node, membership: ReadOnlyValue[ClusterMembership], current: ClusterMembership
 ) -> None:
-    """Restart ``node`` when the membership differs from ``current``.
+    """Restart ``node`` when the membership differs from ``current``; a new local
+    curator counts only once it serves.
 
     Services are compared by identity: a restarted curator is a new one.
     A new directory alone does not count: a connected client has no use
     for it, and one that loses its curator reconnects with the newest
     directory (:func:`latest_endpoints`; :mod:`.directory` updates it).
+
+    Why wait for a new local curator to serve (its port published): until
+    then the curators in use still serve this node, and a restarted caller
+    would only wait for the new one (:func:`wait_home`). On a grant of
+    ConsensusMember that restart (streams cancelled, connections closed)
+    fell into the joining etcd's start, the grant's critical path, on the
+    same cores; and the status push said "curator on" before it was. If the
+    membership changes again meanwhile (the control plane stops before its
+    curator served), the newest membership is judged instead.
     """
     with membership.watch() as watcher:
-        await watcher.get(
-            lambda m: (
-                replace(m, remote_curators=None) != replace(current, remote_curators=None)
-                or m.local_curator is not current.local_curator
-                or m.local_consensus is not current.local_consensus
-            )
-        )
+        latest = await watcher.get(lambda m: _differs(m, current))
+        while True:
+            curator = latest.local_curator
+            if curator is None or curator is current.local_curator:
+                break
+            newer = await _serving_or_newer(curator, watcher)
+            if newer is None:
+                break  # it serves
+            if not _differs(newer, current):
+                # Back to what the caller has (say, the new curator went
+                # before it served): nothing to restart for, yet.
+                latest = await watcher.get(lambda m: _differs(m, current))
+            else:
+                latest = newer
     node.restart("membership changed")
+
+
+def _differs(m: ClusterMembership, current: ClusterMembership) -> bool:
+    return (
+        replace(m, remote_curators=None) != replace(current, remote_curators=None)
+        or m.local_curator is not current.local_curator
+        or m.local_consensus is not current.local_consensus
+    )
+
+
+async def _serving_or_newer(
+    curator: Curator, watcher: Watcher[ClusterMembership]
+) -> ClusterMembership | None:
+    """None once ``curator`` publishes its port; the next membership if that comes first."""
+    newer: ClusterMembership | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def serving() -> None:
+            with curator.port.watch() as port:
+                await port.get()
+            nursery.cancel_scope.cancel()
+
+        async def changed() -> None:
+            nonlocal newer
+            # Cancellation-safe: a membership set as the port comes is not lost.
+            newer = await watcher.get()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(serving)
+        nursery.start_soon(changed)
+    return newer
 
 
 class RoleFetch:
