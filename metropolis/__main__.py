@@ -258,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # One line per etcd request drowns the node's own log.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         if args.command == "owner":
             trio.run(_owner, args)

@@ -16,8 +16,9 @@ roles it last acted on. Any curator will do: followers name
 the leader and the client moves there; when the curator in use stops (the
 local one, say, when the control plane goes), the call fails, the runnable
 fails, and the supervisor starts it again after its backoff, connecting to
-whichever curator answers. A change of membership (a local curator appears
-or goes) restarts it at once with the new list.
+whichever curator answers. A change of membership restarts it with the new
+list: at once when the local curator goes, and once it serves when one
+appears (:func:`restart_on_change`).
 
 Cancellation: the runnable is cancelled with the role server; its stream
 is cancelled on the curator (RST_STREAM). Errors: :class:`RPCError` from

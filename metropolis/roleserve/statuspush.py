@@ -1,7 +1,7 @@
 """Status push: tell the curators this node's address, debug port and whether its curator runs.
 
 Monogon's ``worker_statuspush.go``, on Trio: whenever the membership
-changes (home at first, then a local curator starting or stopping), send
+changes (home at first, then a local curator serving or stopping), send
 ``UpdateNodeStatus`` with the node's external address and, when it runs a
 curator, that curator's port. The leader stores it in the node's record;
 granting ConsensusMember needs the address, and the cluster directory is
