@@ -143,21 +143,17 @@ async def restart_on_change(
     membership changes again meanwhile (the control plane stops before its
     curator served), the newest membership is judged instead.
     """
+    in_use = current.local_curator
     with membership.watch() as watcher:
         latest = await watcher.get(lambda m: _differs(m, current))
-        while True:
-            curator = latest.local_curator
-            if curator is None or curator is current.local_curator:
-                break
+        while (curator := latest.local_curator) is not None and curator is not in_use:
             newer = await _serving_or_newer(curator, watcher)
             if newer is None:
                 break  # it serves
-            if not _differs(newer, current):
-                # Back to what the caller has (say, the new curator went
-                # before it served): nothing to restart for, yet.
-                latest = await watcher.get(lambda m: _differs(m, current))
-            else:
-                latest = newer
+            # Back to what the caller has (say, the new curator went before
+            # it served): nothing to restart for, yet.
+            changed = _differs(newer, current)
+            latest = newer if changed else await watcher.get(lambda m: _differs(m, current))
     node.restart("membership changed")
 
 
