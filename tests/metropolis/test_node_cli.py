@@ -140,6 +140,9 @@ async def test_bootstrap_then_run_after_clean_stop_and_after_sigkill(tmp_path: P
             # Logs carry the supervisor's dotted names.
             assert first.logged(" root.role.controlplane.launcher.curator: ")
             assert first.logged(" root.role.controlplane.launcher.consensus.etcd: ")
+            # The first status push writes the node's heartbeat key; keys
+            # taken before it would race the push.
+            await first.wait_for("status pushed")
             keys = await _curator_keys(root)
             identity = _identity(root)
             first.process.send_signal(signal.SIGTERM)
