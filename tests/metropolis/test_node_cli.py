@@ -211,8 +211,11 @@ async def test_a_crash_mid_bootstrap_resumes(tmp_path: Path, step: str) -> None:
             await resumed.wait_for(LEADS)
             # The PKI is in etcd already: the join data comes from etcd this time.
             assert resumed.logged("bootstrapping: creating the cluster")
+            await resumed.wait_for("status pushed")
+            # CA certificate and key, the node's issued certificate, initial
+            # owner, join key, node record and its heartbeat: once each.
             keys = await _curator_keys(root)
-            assert len(keys) == 6 and len(set(keys)) == 6
+            assert len(keys) == 7 and len(set(keys)) == 7
             async with Client(root.ephemeral.consensus / SOCKET_NAME) as etcd:
                 stored = await etcd.get(b"namespaced/curator//cluster-pki/ca/certificate")
             credentials = NodeCredentials.load(root.data.node_credentials)
