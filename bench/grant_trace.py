@@ -33,9 +33,10 @@ from bench import startup_trace as trace
 from bench.controlplane import (
     _HEALTHY_AFTER,
     BareCluster,
-    _settled,
     grant,
     in_process,
+    paired_join,
+    quiet_after_revoke,
     revoke,
     two_nodes,
 )
@@ -142,7 +143,7 @@ async def main(runs: int, show: int, quiet: bool) -> None:
         ):
             for _ in range(runs):
                 _restart_clock()
-                joins.append(await bare.join())
+                joins.append(await paired_join(bare))
                 bare_timeline = sorted(trace._events)
                 _restart_clock()
                 _tasks.phase = "before spawn"
@@ -154,8 +155,7 @@ async def main(runs: int, show: int, quiet: bool) -> None:
                 timelines.append((sorted(trace._events), bare_timeline))
                 await trio.sleep(_HEALTHY_AFTER)
                 await revoke(pair, n2)
-                await bare.remove()
-                await _settled(pair.n2_root)
+                await quiet_after_revoke(pair.n2_root)
     if not quiet:
         print("--- milestones, ms since the start of each (grant / etcd's own join)")
         for timeline, bare_timeline in timelines:
