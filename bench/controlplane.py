@@ -44,8 +44,10 @@ revokes (see "grant, n2 in its own process" below). Each time:
   aftermath has settled (:func:`paired_join`, :func:`quiet_after_revoke`).
   Earlier versions let the bare learner run on through the grant, and
   started the next join right after the revoke; schedstat showed both
-  skewing the pair, one each way. Why not a fresh one-member cluster each time: a joining etcd
-  replays the whole raft log (etcd 3.4 sends a snapshot only once 5000
+  skewing the pair, one each way.
+
+  Why not a fresh one-member cluster each time: a joining etcd replays
+  the whole raft log (etcd 3.4 sends a snapshot only once 5000
   entries are compacted away), and a learner only answers once it has
   applied every configuration change in it. The k-th grant's etcd replays
   k-1 earlier joins and leaves (each add, promote and remove starts or

@@ -4,9 +4,10 @@
 
 A diagnostic beside ``bench.controlplane --only membership`` (same
 cluster: n1 bootstrapped, n2 registered and running in this process; the
-same-history bare cluster as baseline). Each run times etcd's own join
-(member add, learner start, promote), then a grant to n2 until it votes
-and its curator serves, then revokes it. For each grant it prints the
+same-history bare cluster as baseline, paired the same way). Each run times
+etcd's own join (member add, learner start, promote; its learner removed
+again before the grant), then a grant to n2 until it votes and its curator
+serves, then revokes it. For each grant it prints the
 milestones (ms since the start: learner added, join data stored, roles
 at n2, etcd spawned, serving, published, answering, promoted, voter,
 curator API loaded and serving), the baseline's (spawned, serving,
