@@ -80,14 +80,16 @@ async def test_bootstrap_from_nothing(tmp_path: Path, caplog: pytest.LogCaptureF
         me = node_id(data.node_public_key)
         assert membership.credentials is not None and membership.credentials.node_id == me
 
+        # The node's first status push writes /heartbeats/<id>: the keys
+        # are listed after it, not racing it.
+        with trio.fail_after(BOUND):
+            await _until(
+                lambda: any(r.getMessage().startswith("status pushed") for r in caplog.records)
+            )
         # The expected keys, each exactly once.
         async with Client(root.ephemeral.consensus / SOCKET_NAME) as etcd:
             keys = [kv.key for kv in (await etcd.range(b"", prefix=True)).kvs]
-        # The node's first status push adds /heartbeats/<id> whenever it
-        # comes, before or after this listing: left out.
-        curator = sorted(
-            k for k in keys if k.startswith(b"namespaced/curator/") and b"/heartbeats/" not in k
-        )
+        curator = sorted(k for k in keys if k.startswith(b"namespaced/curator/"))
         assert curator == sorted(
             b"namespaced/curator/" + k
             for k in [
@@ -96,6 +98,7 @@ async def test_bootstrap_from_nothing(tmp_path: Path, caplog: pytest.LogCaptureF
                 b"/cluster-pki/issued/node-" + me.encode(),
                 b"/global/initial_owner",
                 b"/join_keys/" + data.join_public_key.hex().encode(),
+                b"/heartbeats/" + me.encode(),
                 b"/leader",
                 b"/nodes/" + me.encode(),
             ]
