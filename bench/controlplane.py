@@ -124,7 +124,7 @@ import ssl
 import statistics
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,6 +294,9 @@ class BareCluster:
         self._crl_pem = pki.encode_crl(crl)
         self._urls = {name: f"https://127.0.0.1:{free_loopback_port()}" for name in ("a", "b")}
         self._runs = 0
+        #: The data directories of member "a" and of the latest learner "b".
+        self.first_data_dir = directory / "a" / "data"
+        self.learner_data_dir: Path | None = None
         self._member: int | None = None
         self._left = trio.Event()
         self._client: Client | None = None
@@ -324,6 +327,7 @@ class BareCluster:
         self._runs += 1
         directory = self._directory / f"join{self._runs}"
         learner = _bare_config(directory, "b", self._urls, self._ca, self._crl_pem)
+        self.learner_data_dir = learner.data_dir
         self._left = trio.Event()
         start = trio.current_time()
         member = await self._client.member_add([self._urls["b"]], learner=True)
@@ -568,8 +572,10 @@ async def _settled(root: Root) -> None:
         await trio.sleep(0.05)
 
 
-async def paired_join(bare: BareCluster) -> float:
+async def paired_join(bare: BareCluster, joined: Callable[[], object] = lambda: None) -> float:
     """etcd's own join, timed; then, untimed, its cluster back to one member.
+
+    ``joined`` is called at once when the join is over (its learner still runs).
 
     The baseline of the grant that follows, and removed before it: while
     the nodes' cluster has one member during this join, a second bare
@@ -577,6 +583,7 @@ async def paired_join(bare: BareCluster) -> float:
     (20-50 ms of CPU per grant, measured with schedstat).
     """
     join = await bare.join()
+    joined()
     await trio.sleep(_HEALTHY_AFTER)
     await bare.remove()
     return join

@@ -15,6 +15,9 @@ published, answering), and the Trio thread's CPU per task in each phase
 of the grant; ``--show`` prints whole timelines. etcd's milestones carry
 etcd's own timestamps. ``--quiet`` traces nothing (no log records, no
 wrapped steps: their cost is not small) and prints only the ratios.
+Both print the CPU each side used (the learner's etcd from its start, the
+leader's etcd and this process during the window), read from the kernel
+after the window closes: on two cores the wall time follows the CPU.
 No ratio is a goal here: this says where the time goes.
 """
 
@@ -23,8 +26,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import resource
 import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +129,66 @@ def _milestones(timeline: list[tuple[float, str]], marks: list[tuple[str, str]])
     return ", ".join(found)
 
 
+@dataclass(frozen=True)
+class _Cpu:
+    """Seconds on CPU of one grant or join (all threads of each process)."""
+
+    learner: float
+    leader: float
+    here: float
+
+
+def _etcd_cpu(data_dir: Path) -> float:
+    """Seconds on CPU so far of the etcd running on ``data_dir`` (schedstat, all threads)."""
+    needle = f"--data-dir={data_dir}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if needle not in (proc / "cmdline").read_bytes().split(b"\0"):
+                continue
+            threads = (proc / "task").iterdir()
+            return sum(int((t / "schedstat").read_text().split()[0]) for t in threads) / 1e9
+        except OSError:
+            continue  # gone meanwhile
+    raise LookupError(f"no etcd runs on {data_dir}")
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class _CpuWindow:
+    """CPU from :meth:`open` to :meth:`close`: the learner's since it started."""
+
+    def __init__(self, leader: Path) -> None:
+        self._leader_dir = leader
+        self._leader = _etcd_cpu(leader)
+        self._here = _own_cpu()
+
+    def close(self, learner: Path) -> _Cpu:
+        here = _own_cpu() - self._here
+        return _Cpu(_etcd_cpu(learner), _etcd_cpu(self._leader_dir) - self._leader, here)
+
+
+def _cpu_table(grants: list[_Cpu], joins: list[_Cpu]) -> str:
+    lines = ["--- CPU per grant / per etcd join (ms, medians; ratio: median per pair)"]
+    for name, label in (
+        ("learner", "learner etcd, from its start"),
+        ("leader", "leader etcd"),
+        ("here", "this process (both nodes, owner)"),
+    ):
+        g = [getattr(c, name) for c in grants]
+        j = [getattr(c, name) for c in joins]
+        ratio = statistics.median(a / b for a, b in zip(g, j, strict=True) if b > 0)
+        lines.append(
+            f"{label}: {statistics.median(g) * 1000:.0f} / {statistics.median(j) * 1000:.0f}"
+            f" ({ratio:.2f}x)"
+        )
+    return "\n".join(lines)
+
+
 def _restart_clock() -> None:
     trace._events.clear()
     trace._t0 = trace._now()
@@ -135,6 +200,8 @@ async def main(runs: int, show: int, quiet: bool) -> None:
     timelines: list[tuple[list[tuple[float, str]], list[tuple[float, str]]]] = []
     joins: list[float] = []
     grants: list[float] = []
+    join_cpu: list[_Cpu] = []
+    grant_cpu: list[_Cpu] = []
     with tempfile.TemporaryDirectory(prefix="bench-grant-") as tmp:
         base = Path(tmp)
         async with (
@@ -143,15 +210,23 @@ async def main(runs: int, show: int, quiet: bool) -> None:
             in_process(pair) as n2,
         ):
             for _ in range(runs):
+                window = _CpuWindow(bare.first_data_dir)
                 _restart_clock()
-                joins.append(await paired_join(bare))
+
+                def joined(window: _CpuWindow = window) -> None:
+                    assert bare.learner_data_dir is not None
+                    join_cpu.append(window.close(bare.learner_data_dir))
+
+                joins.append(await paired_join(bare, joined))
                 bare_timeline = sorted(trace._events)
+                window = _CpuWindow(pair.n1.root.data.etcd.data)
                 _restart_clock()
                 _tasks.phase = "before spawn"
                 _tasks.before_task_step(trio.lowlevel.current_task())  # this step, from now
                 trio.lowlevel.add_instrument(_tasks)
                 grants.append(await grant(pair, n2))
                 trio.lowlevel.remove_instrument(_tasks)
+                grant_cpu.append(window.close(pair.n2_root.data.etcd.data))
                 trace._note("GRANTED")
                 timelines.append((sorted(trace._events), bare_timeline))
                 await trio.sleep(_HEALTHY_AFTER)
@@ -172,6 +247,7 @@ async def main(runs: int, show: int, quiet: bool) -> None:
             print("--- one grant (ms since its start)")
             for t, what in timeline:
                 print(f"{t * 1000:8.1f}  {what}")
+    print(_cpu_table(grant_cpu, join_cpu))
     ratio = statistics.median(g / j for g, j in zip(grants, joins, strict=True))
     print(
         f"grant {statistics.median(grants) * 1000:.0f} ms, etcd's own join"
