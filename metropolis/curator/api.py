@@ -641,8 +641,11 @@ class CuratorAPI:
         async with self._membership_lock:
             deferred: list[Op] = []
             if consensus is True:
-                # Completes pending removals first, as below.
+                # Completes pending removals first, as below; refuses a node
+                # that is not UP; writes the record itself.
                 await self._grant_consensus(node_id)
+                if worker is None and controller is None:
+                    return m.UpdateNodeRolesResponse()  # nothing more to write
             elif consensus is False:
                 await self._complete_pending_removals()
                 deferred = await self._revoke_consensus(node_id)
@@ -651,7 +654,7 @@ class CuratorAPI:
                 if record.fsm_state != NodeState.UP:
                     raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
                 if worker is None and controller is None and not deferred:
-                    return None  # nothing more to write (a grant wrote its own)
+                    return None  # nothing more to write (a revoke wrote its own)
                 roles = record.roles or NodeRoles()
                 if worker is not None:
                     roles.kubernetes_worker = NodeRolesKubernetesWorker() if worker else None
