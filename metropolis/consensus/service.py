@@ -1000,6 +1000,15 @@ async def _promoter(node: Node, client: Client, config: Config, nudge: _Nudge) -
     - past those windows, backing off x1.5 up to ``promote_interval``;
       with no learner waiting, every ``promote_interval``.
 
+    Why a learner that connected is still refused for a while: an etcd
+    follower holds back its acknowledgements until it has applied every
+    committed entry of a batch that holds a configuration change (etcd's
+    raft loop: "follower needs to wait for all pending configuration
+    changes to be applied before sending messages"). A joining learner's
+    first batch is the cluster's whole history, so the leader sees it
+    caught up only once it has replayed all of it: about when its client
+    socket first answers, and later the more members came and went.
+
     Why the two rates. A refused promotion is one small call (0.5 ms of
     this thread's CPU, and some of the leader etcd's), and on a grant it
     runs beside the learner's etcd starting up on the same cores: polling
