@@ -298,8 +298,9 @@ class BareCluster:
         self._crl_pem = pki.encode_crl(crl)
         self._urls = {name: f"https://127.0.0.1:{free_loopback_port()}" for name in ("a", "b")}
         self._runs = 0
+        self._first = _bare_config(directory, "a", self._urls, self._ca, self._crl_pem)
         #: The data directories of member "a" and of the latest learner "b".
-        self.first_data_dir = directory / "a" / "data"
+        self.first_data_dir = self._first.data_dir
         self.learner_data_dir: Path | None = None
         self._member: int | None = None
         self._left = trio.Event()
@@ -310,9 +311,8 @@ class BareCluster:
     async def open(cls, directory: Path) -> AsyncIterator[BareCluster]:
         async with trio.open_nursery() as nursery:
             cluster = cls(directory, nursery)
-            first = _bare_config(directory, "a", cluster._urls, cluster._ca, cluster._crl_pem)
-            await nursery.start(run_etcd, first, logger)
-            async with Client(first.socket_path) as client:
+            await nursery.start(run_etcd, cluster._first, logger)
+            async with Client(cluster._first.socket_path) as client:
                 cluster._client = client
                 yield cluster
             nursery.cancel_scope.cancel()
