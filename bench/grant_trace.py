@@ -160,7 +160,7 @@ def _own_cpu() -> float:
 
 
 class _CpuWindow:
-    """CPU from :meth:`open` to :meth:`close`: the learner's since it started."""
+    """CPU from its creation to :meth:`close`; the learner's since it started."""
 
     def __init__(self, leader: Path) -> None:
         self._leader_dir = leader
@@ -226,8 +226,8 @@ async def main(runs: int, show: int, quiet: bool) -> None:
                 trio.lowlevel.add_instrument(_tasks)
                 grants.append(await grant(pair, n2))
                 trio.lowlevel.remove_instrument(_tasks)
-                grant_cpu.append(window.close(pair.n2_root.data.etcd.data))
                 trace._note("GRANTED")
+                grant_cpu.append(window.close(pair.n2_root.data.etcd.data))
                 timelines.append((sorted(trace._events), bare_timeline))
                 await trio.sleep(_HEALTHY_AFTER)
                 await revoke(pair, n2)
