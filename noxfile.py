@@ -22,10 +22,31 @@ nox.options.reuse_existing_virtualenvs = True
 PYTHON = "3.11"
 
 
+def _compile_installed(session: nox.Session) -> None:
+    """Cache the bytecode of everything installed in the session's virtualenv.
+
+    uv does not compile at install (pip does), and where
+    PYTHONDONTWRITEBYTECODE is set, as on these machines, nothing imported is
+    cached later either: every Python process a test starts (nodes, agents,
+    CLIs) compiled trio, cryptography, h2 and the rest again. Importing a
+    node's modules took 1.4-2.3 s, against 1.05 s from the cache (measured
+    here). The virtualenv is the session's own to write; the source tree is
+    left as the environment asks.
+    """
+    session.run(
+        "python",
+        "-c",
+        "import compileall, sysconfig;"
+        " compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)",
+        silent=True,
+    )
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Run the test suite (pytest in Trio mode) against real services."""
     session.install("-e", ".[dev]")
+    _compile_installed(session)
     # Verbose, so that a CI log shows which tests ran, not just how many.
     args = session.posargs or ["-v", "--durations=10"]
     session.run("pytest", *args)
