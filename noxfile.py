@@ -27,11 +27,11 @@ def _compile_installed(session: nox.Session) -> None:
 
     uv does not compile at install (pip does), and where
     PYTHONDONTWRITEBYTECODE is set, as on these machines, nothing imported is
-    cached later either: every Python process a test starts (nodes, agents,
-    CLIs) compiled trio, cryptography, h2 and the rest again. Importing a
-    node's modules took 1.4-2.3 s, against 1.05 s from the cache (measured
-    here). The virtualenv is the session's own to write; the source tree is
-    left as the environment asks.
+    cached later either: every Python process a test or benchmark starts
+    (nodes, agents, CLIs) compiled trio, cryptography, h2 and the rest
+    again. Importing a node's modules took 1.4-2.3 s, against 1.05 s from
+    the cache (measured here). The virtualenv is the session's own to
+    write; the source tree is left as the environment asks.
     """
     session.run(
         "python",
@@ -83,6 +83,7 @@ def bench(session: nox.Session) -> None:
     ratios through ``bench.ratios.report`` into the file this session names.
     """
     session.install("-e", ".[dev]")
+    _compile_installed(session)
     names = session.posargs or [
         path.stem
         for path in sorted(Path("bench").glob("*.py"))
