@@ -39,6 +39,7 @@ from bench import startup_trace as trace
 from bench.controlplane import (
     _HEALTHY_AFTER,
     BareCluster,
+    _row,
     grant,
     in_process,
     paired_join,
@@ -179,12 +180,11 @@ def _cpu_table(grants: list[_Cpu], joins: list[_Cpu]) -> str:
         ("leader", "leader etcd"),
         ("here", "this process (both nodes, owner)"),
     ):
-        g = [getattr(c, name) for c in grants]
         j = [getattr(c, name) for c in joins]
-        ratio = statistics.median(a / b for a, b in zip(g, j, strict=True) if b > 0)
+        row = _row(label, [getattr(c, name) for c in grants], j)
         lines.append(
-            f"{label}: {statistics.median(g) * 1000:.0f} / {statistics.median(j) * 1000:.0f}"
-            f" ({ratio:.2f}x)"
+            f"{label}: {row.seconds * 1000:.0f} / {statistics.median(j) * 1000:.0f}"
+            f" ({row.ratio:.2f}x)"
         )
     return "\n".join(lines)
 
@@ -248,10 +248,10 @@ async def main(runs: int, show: int, quiet: bool) -> None:
             for t, what in timeline:
                 print(f"{t * 1000:8.1f}  {what}")
     print(_cpu_table(grant_cpu, join_cpu))
-    ratio = statistics.median(g / j for g, j in zip(grants, joins, strict=True))
+    row = _row("grant", grants, joins)
     print(
-        f"grant {statistics.median(grants) * 1000:.0f} ms, etcd's own join"
-        f" {statistics.median(joins) * 1000:.0f} ms (medians); median ratio {ratio:.2f}"
+        f"grant {row.seconds * 1000:.0f} ms, etcd's own join"
+        f" {statistics.median(joins) * 1000:.0f} ms (medians); median ratio {row.ratio:.2f}"
     )
 
 
