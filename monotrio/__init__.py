@@ -5,5 +5,6 @@ here: one way to back off, the CLIs' error reporting, loopback helpers for the
 embedded servers. Nothing here imports from the other packages.
 
 Modules: `monotrio.backoff` (retry waits with injected randomness),
-`monotrio.net` (loopback ports). See ARCHITECTURE.md at the repository root.
+`monotrio.net` (loopback ports), `monotrio.numbers` (strict decimal
+numbers from the wire). See ARCHITECTURE.md at the repository root.
 """
