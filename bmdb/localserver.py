@@ -173,6 +173,12 @@ class LocalPostgres:
                 ],
                 user=self._user,
                 group=self._user,
+                # Its own process group: a Ctrl-C at the terminal goes to the
+                # foreground group, and must reach only our process, which
+                # then stops the server last, after its clients have closed
+                # their sessions; a SIGINT to postgres itself is a fast
+                # shutdown that would cut those clients off mid-cleanup.
+                process_group=0,
                 stdout=log,
                 stderr=log,
             )  # fmt: skip

@@ -30,6 +30,7 @@ import argparse
 import datetime
 import logging
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ import trio_asyncio
 import bmdb
 from bmdb.localserver import LocalPostgres, LocalPostgresError
 from bmdb.model import MachineSummary, Queries, WorkEvent
+from monotrio.cli import leaf_errors
 from shepherd.agent import AGENT_SCRIPT_PATH
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
@@ -384,14 +386,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LocalPostgresError as exc:
         sys.stderr.write(f"shepherd.demo: {exc}\n")
         return 1
+    except BaseException as exc:
+        if not interrupted(exc):
+            raise
+        ok = None
     finally:
+        # Cleanup is bounded (PostgreSQL's stop waits, then kills): a second
+        # Ctrl-C must not cut it short and leave the server running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Last, after trio.run has closed every BMDB session: the server
+        # runs in its own process group, so Ctrl-C did not stop it.
         if postgres is not None:
             postgres.stop()
         if options.keep:
             logger.info("kept %s", workdir.path)
         else:
             workdir.remove()
+    if ok is None:
+        sys.stderr.write(
+            "shepherd.demo: interrupted; the fleet, the Shepherd and PostgreSQL stopped\n"
+        )
+        return 130
     return 0 if ok else 1
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Ctrl-C, alone or in (nested) groups with the
+    cancellations it caused."""
+    leaves = leaf_errors(exc)
+    return any(isinstance(e, KeyboardInterrupt) for e in leaves) and all(
+        isinstance(e, KeyboardInterrupt | trio.Cancelled) for e in leaves
+    )
 
 
 if __name__ == "__main__":

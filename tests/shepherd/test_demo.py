@@ -131,3 +131,42 @@ def test_demo_removes_the_folders_it_created_and_no_more(traversable_dir: Path) 
     assert result.returncode == 0, result.stderr
     assert traversable_dir.is_dir()
     assert list(traversable_dir.iterdir()) == []
+
+
+def test_ctrl_c_ends_the_demo_with_one_line_and_leaves_nothing_running(
+    traversable_dir: Path,
+) -> None:
+    """A terminal's Ctrl-C signals the whole foreground process group, so the
+    demo is started in a group of its own and the group is signalled, as a
+    terminal would. PostgreSQL must not be part of that group: stopped
+    there, it would cut the Shepherd off while it closes its sessions."""
+    workdir = traversable_dir / "demo"
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "shepherd.demo", "--machines", "40", "--workdir", str(workdir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    try:
+        assert demo.stderr is not None
+        for line in demo.stderr:  # interrupt once the Shepherd is at work
+            if "agent started" in line:
+                break
+        postmaster = workdir / "postgres" / "data" / "postmaster.pid"
+        postgres_pid = int(postmaster.read_text().split()[0])
+        os.killpg(demo.pid, 2)
+        rest = demo.stderr.read()
+        returncode = demo.wait(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert returncode == 130, rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+    assert "could not delete" not in rest, rest
+    assert rest.strip().splitlines()[-1] == (
+        "shepherd.demo: interrupted; the fleet, the Shepherd and PostgreSQL stopped"
+    )
+    assert wait_gone(postgres_pid), "PostgreSQL still runs after the demo"
+    assert not workdir.exists()
