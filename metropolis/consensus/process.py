@@ -46,12 +46,23 @@ import trio
 from metropolis.consensus.client import Client, EndpointStatus, EtcdError, check_socket_path
 from metropolis.errors import ConsensusError
 
-__all__ = ["SOCKET_NAME", "EtcdExited", "PeerTLS", "ProcessConfig", "Tuning", "run_etcd"]
+__all__ = [
+    "ETCD_BINARY_ENV",
+    "SOCKET_NAME",
+    "EtcdExited",
+    "PeerTLS",
+    "ProcessConfig",
+    "Tuning",
+    "run_etcd",
+]
 
 #: The client socket's file name inside the working directory.
 SOCKET_NAME = "client.sock:0"
 
-_ETCD_BINARY = "etcd"
+#: Names the etcd binary to run. A node image's entry point
+#: (`metropolis.image.entry`) sets it to the etcd the image bundles; unset
+#: or empty, ``etcd`` is looked up on PATH.
+ETCD_BINARY_ENV = "METROPOLIS_ETCD_BINARY"
 _STOP_GRACE = 5.0
 _READY_POLL = 0.02
 
@@ -167,7 +178,7 @@ class ProcessConfig:
         listen_scheme = "https" if self.peer_tls else "http"
         client_url = f"unix://{SOCKET_NAME}"
         args = [
-            _ETCD_BINARY,
+            os.environ.get(ETCD_BINARY_ENV) or "etcd",
             f"--name={self.name}",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={client_url}",
