@@ -20,7 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metropolis.proto import common, configuration
+from metropolis import pki
+from metropolis.proto import common, configuration, parameters
+from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.proto.strict import parse_strict
 from shepherd.agent import takeover as agent
 from shepherd.proto import agent_callback as bp
@@ -260,3 +262,37 @@ def test_the_agent_still_reads_its_session_beside_an_installation() -> None:
     assert agent.decode_heartbeat_session(bytes(response)) == agent.AgentSession(
         b"t", b"k" * 32, 60
     )
+
+
+def test_node_parameters_file_through_the_bytes_field(ref: ModuleType, tmp_path: Path) -> None:
+    """A parameters file travels inside the request and comes out as a file
+    the node reads: fleet (betterproto2, bytes) -> reference runtime
+    (message) -> agent side (betterproto2, bytes) -> node (strict read)."""
+    ca = pki.new_ca(pki.generate_key(), "cluster CA")
+    info = GetClusterInfoResponse(
+        cluster_directory=common.ClusterDirectory(
+            nodes=[
+                common.ClusterDirectoryNode(
+                    public_key=pki.public_key_bytes(pki.generate_key()),
+                    addresses=[common.ClusterDirectoryNodeAddress(host="10.1.2.3")],
+                )
+            ]
+        ),
+        ca_certificate=pki.encode_certificate(ca, pki.Encoding.DER),
+    )
+    owner = pki.public_key_bytes(pki.generate_key())
+    params = parameters.register_parameters(info, b"ticket", owner)
+    sent = bp.OsInstallationRequest(
+        generation=3,
+        metropolis=bp.MetropolisInstallationRequest(
+            node_parameters=parameters.encode(params), root_device="sda"
+        ),
+    )
+    theirs = ref.OSInstallationRequest.FromString(bytes(sent))
+    assert theirs.metropolis.node_parameters.cluster_register.owner_public_key == owner
+    assert theirs.metropolis.node_parameters.cluster_register.register_ticket == b"ticket"
+    got = bp.OsInstallationRequest.parse(theirs.SerializeToString())
+    assert got.metropolis is not None and got.metropolis.node_parameters is not None
+    path = tmp_path / "node.params"
+    path.write_bytes(got.metropolis.node_parameters)  # what the agent does with them
+    assert parameters.read(path) == params
