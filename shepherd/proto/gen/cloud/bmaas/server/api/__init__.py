@@ -138,10 +138,12 @@ class MetropolisInstallationRequest(betterproto2.Message):
     them as messages would need metropolis's .proto files compiled into this
     package's generated code, a second Python class for each message beside
     metropolis.proto.configuration's; with bytes there is one, and the
-    agent, which has only the standard library, passes NodeParameters to the
-    node as the bytes it received. `optional`, so that a present but empty
-    message is written as the reference's runtime writes it (field present,
-    length 0) and an absent one is told apart from it.
+    agent, which has only the standard library, can hand NodeParameters to
+    the node as the bytes it received. Parsing this message does not parse
+    those bytes: whoever reads them parses them strictly (NodeParameters with
+    metropolis.proto.parameters.decode). `optional`, so that a present but
+    empty message is written as the reference's runtime writes it (field
+    present, length 0) and an absent one is told apart from it.
     """
 
     node_parameters: "bytes | None" = betterproto2.field(2, betterproto2.TYPE_BYTES, optional=True)
