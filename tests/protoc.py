@@ -14,14 +14,21 @@ from pathlib import Path
 from types import ModuleType
 
 
-def google_modules(proto_dir: Path, sources: Sequence[Path], out: Path) -> dict[str, ModuleType]:
-    """Run protoc on ``sources`` into ``out``; return each ``<stem>_pb2`` module by stem."""
+def google_modules(
+    proto_dir: Path, sources: Sequence[Path], out: Path, *, includes: Sequence[Path] = ()
+) -> dict[str, ModuleType]:
+    """Run protoc on ``sources`` into ``out``; return each ``<stem>_pb2`` module by stem.
+
+    ``includes``: further folders that the sources import from (their
+    ``_pb2`` modules must be generated too, by listing them in ``sources``).
+    """
     subprocess.run(
         [
             sys.executable,
             "-m",
             "grpc_tools.protoc",
             f"-I{proto_dir}",
+            *(f"-I{i}" for i in includes),
             f"--python_out={out}",
             *(str(s) for s in sources),
         ],

@@ -5,7 +5,10 @@ from shepherd.proto.gen.cloud.bmaas.server.api import (
     AgentSession,
     HeartbeatRequest,
     HeartbeatResponse,
+    MetropolisInstallationRequest,
     OsInstallationReport,
+    OsInstallationReportError,
+    OsInstallationReportSuccess,
     OsInstallationRequest,
 )
 
@@ -18,6 +21,9 @@ __all__ = [
     "AgentSession",
     "HeartbeatRequest",
     "HeartbeatResponse",
+    "MetropolisInstallationRequest",
     "OsInstallationReport",
+    "OsInstallationReportError",
+    "OsInstallationReportSuccess",
     "OsInstallationRequest",
 ]

@@ -10,6 +10,7 @@ __all__ = (
     "AgentSession",
     "HeartbeatRequest",
     "HeartbeatResponse",
+    "MetropolisInstallationRequest",
     "OsInstallationReport",
     "OsInstallationReportError",
     "OsInstallationReportSuccess",
@@ -122,16 +123,64 @@ default_message_pool.register_message(
 
 
 @dataclass(eq=False, repr=False)
+class MetropolisInstallationRequest(betterproto2.Message):
+    """
+    A Metropolis installation: which image, on which disk, and what the new
+    node is told at its first start.
+
+    node_parameters and os_image are, in the reference, the embedded messages
+    metropolis.proto.api.NodeParameters and metropolis.proto.api.OSImageRef.
+    Here they are `bytes` holding those messages serialized: protobuf encodes
+    an embedded message and a bytes field alike (wire type 2, length, the
+    message's bytes), so the two declarations are the same on the wire in
+    both directions (tests/shepherd/test_install_wire.py checks this against
+    Google's runtime with the reference's message-typed fields). Declaring
+    them as messages would need metropolis's .proto files compiled into this
+    package's generated code, a second Python class for each message beside
+    metropolis.proto.configuration's; with bytes there is one, and the
+    agent, which has only the standard library, can hand NodeParameters to
+    the node as the bytes it received. Parsing this message does not parse
+    those bytes: whoever reads them parses them strictly (NodeParameters with
+    metropolis.proto.parameters.decode). `optional`, so that a present but
+    empty message is written as the reference's runtime writes it (field
+    present, length 0) and an absent one is told apart from it.
+    """
+
+    node_parameters: "bytes | None" = betterproto2.field(2, betterproto2.TYPE_BYTES, optional=True)
+    """
+    Serialized metropolis.proto.api.NodeParameters for the new node.
+    """
+
+    root_device: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Name of the block device to install on (as in the hardware report).
+    """
+
+    os_image: "bytes | None" = betterproto2.field(4, betterproto2.TYPE_BYTES, optional=True)
+    """
+    Serialized metropolis.proto.api.OSImageRef: the image to install.
+    """
+
+
+default_message_pool.register_message(
+    "cloud.bmaas.server.api", "MetropolisInstallationRequest", MetropolisInstallationRequest
+)
+
+
+@dataclass(eq=False, repr=False)
 class OsInstallationReport(betterproto2.Message):
     """
-    Sent after an OS installation (not produced by this agent yet; defined so
-    that the field numbers are taken and a newer agent's report is kept).
+    What the agent reports about the OS installation it was asked for.
+    (The agent does not produce one yet; the shape is the reference's.)
 
     Oneofs:
         - result:
     """
 
     generation: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    The generation of the OSInstallationRequest this reports on.
+    """
 
     success: "OsInstallationReportSuccess | None" = betterproto2.field(
         2, betterproto2.TYPE_MESSAGE, optional=True, group="result"
@@ -150,6 +199,9 @@ default_message_pool.register_message(
 @dataclass(eq=False, repr=False)
 class OsInstallationReportError(betterproto2.Message):
     error: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    What went wrong, one line for the operator.
+    """
 
 
 default_message_pool.register_message(
@@ -159,7 +211,17 @@ default_message_pool.register_message(
 
 @dataclass(eq=False, repr=False)
 class OsInstallationReportSuccess(betterproto2.Message):
-    pass
+    """
+    Empty in the reference, which keeps it a message so that it can grow.
+    """
+
+    node_public_key: "bytes" = betterproto2.field(1, betterproto2.TYPE_BYTES)
+    """
+    Raw Ed25519 public key (32 bytes) of the node just installed: the
+    key it registers with and the owner approves, so that the fleet half
+    can tell which machine a registering node is. Beyond the reference,
+    which has no field here.
+    """
 
 
 default_message_pool.register_message(
@@ -170,12 +232,21 @@ default_message_pool.register_message(
 @dataclass(eq=False, repr=False)
 class OsInstallationRequest(betterproto2.Message):
     """
-    An OS installation the server asks for. The reference's field 2
-    (a Metropolis installation) needs the Metropolis API protos, which this
-    tree does not define for the Shepherd; it stays unused here.
+    An OS installation the server asks for.
+
+    Oneofs:
+        - type:
     """
 
     generation: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    Raised by the BMDB with every new request; the agent's report names it,
+    so that a report on an older request is told apart.
+    """
+
+    metropolis: "MetropolisInstallationRequest | None" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, optional=True, group="type"
+    )
 
 
 default_message_pool.register_message(
