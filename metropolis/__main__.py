@@ -15,6 +15,14 @@ resumes the saved registration. SIGINT or SIGTERM stops everything
 [--kubernetes-controller on|off]``, ``tree NODE``, ``ticket`` or ``info
 [--out FILE]``:
 the owner's calls (:mod:`metropolis.owner`).
+
+Every command checks its ``--root`` before it reads or writes anything
+there (:meth:`~metropolis.localstorage.Root.check`): a root that is a
+symlink, not ours, or that another user could write into (the root, a
+folder or file in it, a folder above it) is refused with one line naming
+the path, its mode and the fix; no mode is changed. A damaged file in the
+root is refused the same way (:class:`~metropolis.localstorage.CorruptFile`).
+Errors of the package are logged as one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -123,16 +131,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bootstrap(args: argparse.Namespace) -> Root:
-    if not args.insecure_seal:
-        raise MetropolisError("no TPM support: pass --insecure-seal to store secrets in plain text")
-    heartbeat, election = (int(x) for x in args.raft_tuning.split(","))
-    root = Root(args.root.resolve())
-    if root.path.exists() and any(root.path.iterdir()):
-        raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
-    owner = pki.generate_key()
-    data = BootstrapData.generate(pki.public_key_bytes(owner))
-    settings = disk.NodeSettings(
+def _root(path: Path) -> Root:
+    """The node root at ``path``, checked (:meth:`Root.check`) if anything is there.
+
+    The folders above are resolved, the root itself is not: a symlink
+    given as ``--root`` is refused by the check, not followed. A missing
+    root is left to the command (bootstrap creates it, run refuses it).
+    """
+    absolute = Path(os.path.abspath(path))
+    root = Root(absolute.parent.resolve() / absolute.name)
+    if os.path.lexists(root.path):
+        root.check()
+    return root
+
+
+def _settings(args: argparse.Namespace) -> disk.NodeSettings:
+    """The settings ``bootstrap`` and ``register`` take from their options."""
+    try:
+        heartbeat, election = (int(x) for x in args.raft_tuning.split(","))
+    except ValueError:
+        raise MetropolisError(
+            f"--raft-tuning {args.raft_tuning!r}: want HEARTBEAT_MS,ELECTION_MS"
+        ) from None
+    return disk.NodeSettings(
         address=args.address,
         peer_port=args.peer_port,
         curator_port=args.curator_port,
@@ -141,6 +162,17 @@ def _bootstrap(args: argparse.Namespace) -> Root:
         insecure_seal=True,
         status_interval=args.status_interval,
     )
+
+
+def _bootstrap(args: argparse.Namespace) -> Root:
+    if not args.insecure_seal:
+        raise MetropolisError("no TPM support: pass --insecure-seal to store secrets in plain text")
+    settings = _settings(args)
+    root = _root(args.root)
+    if root.path.exists() and any(root.path.iterdir()):
+        raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
+    owner = pki.generate_key()
+    data = BootstrapData.generate(pki.public_key_bytes(owner))
     args.owner_key_out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.owner_key_out.resolve(), pki.encode_private_key(owner))
     disk.save_settings_and_intent(root, settings, data)
@@ -153,7 +185,7 @@ def _onoff(value: str | None) -> bool | None:
 
 
 async def _owner(args: argparse.Namespace) -> None:
-    root = Root(args.root.resolve())
+    root = _root(args.root)
     async with open_owner(root, load_owner_key(args.owner_key)) as owner:
         if args.action == "nodes":
             sys.stdout.write(format_table(await owner.nodes()) + "\n")
@@ -198,27 +230,30 @@ def _prepare_register(args: argparse.Namespace) -> Root:
     """Save settings and a register intent, or find the intent a crash left; the root."""
     if not args.insecure_seal:
         raise MetropolisError("no TPM support: pass --insecure-seal to store secrets in plain text")
-    root = Root(args.root.resolve())
+    settings = _settings(args)
+    root = _root(args.root)
     if disk.register_path(root).exists():
         log.info("resuming the registration saved in %s (with its keys and ticket)", root.path)
         return root
     if root.path.exists() and not _fresh(root):
         raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
     try:
-        cluster = GetClusterInfoResponse.parse(args.cluster.read_bytes())
         ticket = bytes.fromhex(args.ticket)
-    except (OSError, ValueError) as e:
-        raise MetropolisError(f"cannot read the ticket or cluster file: {e}") from e
-    heartbeat, election = (int(x) for x in args.raft_tuning.split(","))
-    settings = disk.NodeSettings(
-        address=args.address,
-        peer_port=args.peer_port,
-        curator_port=args.curator_port,
-        debug_port=args.debug_port,
-        tuning=Tuning(heartbeat, election),
-        insecure_seal=True,
-        status_interval=args.status_interval,
-    )
+    except ValueError as e:
+        raise MetropolisError(f"--ticket: not hex ({e})") from e
+    try:
+        raw = args.cluster.read_bytes()
+    except OSError as e:
+        raise MetropolisError(f"cannot read the cluster file {args.cluster}: {e}") from e
+    # A plain message, as 'owner info --out' writes it (and other tools
+    # may): the exchange format, not one of the node's own checked files.
+    try:
+        cluster = GetClusterInfoResponse.parse(raw)
+    # betterproto2 raises assorted errors on bad input, hence the broad catch.
+    except Exception as e:
+        raise MetropolisError(
+            f"{args.cluster} is not a cluster file from 'owner info --out' ({e})"
+        ) from e
     disk.save_register_intent(root, settings, RegisterIntent.generate(ticket, cluster))
     return root
 
@@ -267,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.action == "bootstrap":
                 root = _bootstrap(args)
             else:
-                root = Root(args.root.resolve())
+                root = _root(args.root)
             disk.load(root)  # fail before starting anything
             trio.run(_run_node, root)
     except MetropolisError as e:

@@ -28,7 +28,11 @@
     ├── PKIError                   metropolis.pki: bad key, certificate or CRL
     ├── CredentialsError           metropolis.identity: node credentials do not check out
     ├── LocalStorageError          metropolis.localstorage: the node's on-disk state
-    │   └── InsecureSealError      a sealed file or folder is readable by others
+    │   ├── InsecureSealError      no TPM, and plain-text sealing was not asked for
+    │   ├── UnsafeRootError        a root, folder or file another local user could
+    │   │                          swap, change or read (symlink, owner, mode)
+    │   └── CorruptFile            a file the node wrote reads back cut short or
+    │                              changed (``path``, ``reason``)
     ├── Closed                     metropolis.event: the value was closed
     └── RestartRequested           metropolis.supervisor: a runnable asked to restart
 

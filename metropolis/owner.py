@@ -9,6 +9,13 @@ certificate the bootstrap node left there
 goes to the leading curator through :mod:`metropolis.rpc`, which moves to
 the leader a follower names.
 
+The root is checked as every entry point checks it
+(:meth:`~metropolis.localstorage.Root.check`, through
+:func:`~metropolis.roleserve.disk.load`), and refused, not merely warned
+about, if another user could have changed it: the CA certificate read
+there decides whom the owner's key authenticates to, so a swapped one
+would hand the owner's calls (approvals, tickets) to someone else.
+
 Errors: :class:`~metropolis.rpc.RPCError` from the curators,
 :class:`OwnerError` for local problems (missing files, unknown node).
 """

@@ -14,8 +14,15 @@ In ``<root>/data/node/`` (owner-only), beside the credentials::
                      etcd starts; renamed to credentials/ once the cluster
                      exists (meaningless until then: load() ignores it)
 
-and the cluster directory and sealed configuration under ``esp/``. A
-bootstrap saves roles, directory and sealed configuration, then the
+and the cluster directory and sealed configuration under ``esp/``. Every
+file of these but the credentials (PEM, self-checking) is a checked file
+(:func:`~metropolis.localstorage.write_checked`: a header with kind, length
+and SHA-256), so :func:`load` tells a cut or changed file from a valid one
+and refuses it with :class:`~metropolis.localstorage.CorruptFile` naming
+it, rather than run a node without its roles. A damaged file is never
+replaced or repaired here: the message says what the operator can do.
+
+A bootstrap saves roles, directory and sealed configuration, then the
 credentials, then removes the intent, so a node restarts from whatever a
 crash left: credentials -> run; intent without credentials -> resume the
 bootstrap (it is idempotent); neither -> a half-written root, refused.
@@ -45,6 +52,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from metropolis import pki
 from metropolis.consensus.process import Tuning
@@ -52,12 +60,17 @@ from metropolis.crashpoint import crash_point
 from metropolis.errors import MetropolisError
 from metropolis.identity import CredentialsError, NodeCredentials
 from metropolis.localstorage import (
+    CorruptFile,
     LocalStorageError,
     PKIDirectory,
     Root,
     atomic_write,
+    checked_content,
     fsync_directory,
     make_durable,
+    parse_checked,
+    read_checked,
+    write_checked,
 )
 from metropolis.proto.common import ClusterDirectory, NodeRoles
 from metropolis.proto.management import GetClusterInfoResponse
@@ -73,6 +86,7 @@ __all__ = [
     "finish_bootstrap",
     "load",
     "owner_certificate_path",
+    "read_roles",
     "register_path",
     "roles_path",
     "save_cluster_files",
@@ -130,6 +144,41 @@ def roles_path(root: Root) -> Path:
     return root.data.path / "node" / "roles.pb"
 
 
+# The kinds of the checked files kept here (localstorage.write_checked).
+_SETTINGS = "settings"
+_BOOTSTRAP = "bootstrap-intent"
+_REGISTER = "register-intent"
+_ROLES = "roles"
+
+_ROLES_ADVICE = (
+    "the node cannot run without its roles: restore the file from a backup, or remove "
+    "the root and register the node again"
+)
+
+
+def _read_json(path: Path, kind: str, advice: str) -> dict[str, Any]:
+    """The JSON object in the checked file ``path``; :class:`CorruptFile` if it is not one."""
+    payload = read_checked(path, kind, advice=advice)
+    try:
+        raw = json.loads(payload)
+    except ValueError as e:
+        raise CorruptFile(path, f"not JSON ({e})", advice) from e
+    if not isinstance(raw, dict):
+        raise CorruptFile(path, "not a JSON object", advice)
+    return raw
+
+
+def read_roles(root: Root) -> NodeRoles:
+    """The roles :func:`save_roles` (or a bootstrap) saved.
+
+    :class:`~metropolis.localstorage.LocalStorageError` if the file cannot
+    be read, :class:`~metropolis.localstorage.CorruptFile` if it is damaged.
+    """
+    path = roles_path(root)
+    payload = read_checked(path, _ROLES, advice=_ROLES_ADVICE)
+    return parse_checked(path, NodeRoles, payload, advice=_ROLES_ADVICE)
+
+
 def save_settings_and_intent(root: Root, settings: NodeSettings, data: BootstrapData) -> None:
     """Create the root's layout and persist the settings and bootstrap intent (fsynced).
 
@@ -147,8 +196,8 @@ def save_settings_and_intent(root: Root, settings: NodeSettings, data: Bootstrap
     }
     # The intent first: settings mark the root as a node's, and a node
     # root must always tell how to go on.
-    atomic_write(bootstrap_path(root), json.dumps(intent).encode())
-    atomic_write(settings_path(root), _settings_json(settings))
+    write_checked(bootstrap_path(root), _BOOTSTRAP, json.dumps(intent).encode())
+    write_checked(settings_path(root), _SETTINGS, _settings_json(settings))
 
 
 def _settings_json(settings: NodeSettings) -> bytes:
@@ -190,15 +239,17 @@ def save_register_intent(root: Root, settings: NodeSettings, intent: RegisterInt
     }
     # Settings first: an intent must always find its settings, and settings
     # alone are harmless (nothing reached the cluster).
-    atomic_write(settings_path(root), _settings_json(settings))
+    write_checked(settings_path(root), _SETTINGS, _settings_json(settings))
     crash_point("register-after-settings")
-    atomic_write(register_path(root), json.dumps(raw).encode())
+    write_checked(register_path(root), _REGISTER, json.dumps(raw).encode())
     crash_point("register-after-intent")
 
 
 def _load_register_intent(root: Root) -> RegisterIntent:
+    path = register_path(root)
+    advice = f"remove {root.path} and register again"
+    raw = _read_json(path, _REGISTER, advice)
     try:
-        raw = json.loads(register_path(root).read_bytes())
         return RegisterIntent(
             node_private_key=pki.decode_private_key(bytes.fromhex(raw["node_private_key"])),
             join_private_key=pki.decode_private_key(bytes.fromhex(raw["join_private_key"])),
@@ -209,8 +260,8 @@ def _load_register_intent(root: Root) -> RegisterIntent:
         )
     # betterproto2 raises assorted errors on bad input, hence the broad catch.
     except Exception as e:
-        raise NodeRootError(
-            f"{register_path(root)} is damaged ({e}); remove {root.path} and register again"
+        raise CorruptFile(
+            path, f"its content does not parse ({type(e).__name__}: {e})", advice
         ) from e
 
 
@@ -234,11 +285,11 @@ def save_roles(root: Root, roles: NodeRoles) -> None:
     path = roles_path(root)
     encoded = bytes(roles)
     try:
-        if path.read_bytes() == encoded:
+        if path.read_bytes() == checked_content(_ROLES, encoded):
             return
     except OSError:
         pass
-    atomic_write(path, encoded)
+    write_checked(path, _ROLES, encoded)
 
 
 @dataclass(frozen=True)
@@ -255,11 +306,25 @@ class SavedNode:
 
 
 def load(root: Root) -> SavedNode:
-    """Read a node's saved state; :class:`NodeRootError` says what is wrong."""
+    """Read a node's saved state, after :meth:`~metropolis.localstorage.Root.check`.
+
+    Raises :class:`NodeRootError` for a root that is missing, holds no node
+    or is half-written; :class:`~metropolis.localstorage.UnsafeRootError`
+    for one another user could tamper with; :class:`~metropolis.localstorage.CorruptFile`
+    naming a damaged file. Reading only.
+    """
     if not root.path.is_dir():
         raise NodeRootError(f"{root.path}: no such directory (bootstrap a node first)")
+    root.check()
+    path = settings_path(root)
+    if not os.path.lexists(path):
+        raise NodeRootError(
+            f"{root.path} is not a node's root (no {path}): "
+            "bootstrap or register a node there first"
+        )
+    advice = "restore it from a backup (it holds the node's address, ports and raft timing)"
+    raw = _read_json(path, _SETTINGS, advice)
     try:
-        raw = json.loads(settings_path(root).read_bytes())
         settings = NodeSettings(
             address=str(raw["address"]),
             peer_port=int(raw["peer_port"]),
@@ -271,27 +336,43 @@ def load(root: Root) -> SavedNode:
             # Older roots have no status interval: the default.
             status_interval=float(raw.get("status_interval_s", 5.0)),
         )
-    except FileNotFoundError:
-        raise NodeRootError(
-            f"{root.path} is not a node's root (no {settings_path(root)}): "
-            "bootstrap or register a node there first"
-        ) from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise NodeRootError(f"{settings_path(root)} is damaged: {e}") from e
+    except (ValueError, KeyError, TypeError) as e:
+        reason = f"its settings do not parse ({type(e).__name__}: {e})"
+        raise CorruptFile(path, reason, advice) from e
 
     if root.data.node_credentials.all_present():
+        folder = root.data.node_credentials.path
         try:
             credentials = NodeCredentials.load(root.data.node_credentials)
             directory = root.esp.read_cluster_directory()
-            roles = NodeRoles.parse(roles_path(root).read_bytes())
-        except (CredentialsError, LocalStorageError, OSError) as e:
+            roles = read_roles(root)
+            # Not needed to run, but damage there is damage all the same:
+            # the operator hears of it now, not at the next TPM unseal.
+            root.esp.sealed_configuration.verify()
+        except CorruptFile:
+            raise  # names the file already
+        except CredentialsError as e:
+            # All three files are there (all_present): they do not parse
+            # or do not fit together.
+            reason = str(e).removeprefix(f"credentials in {folder}: ")
+            raise CorruptFile(folder, reason, "restore the folder from a backup") from e
+        except (LocalStorageError, OSError) as e:
             raise NodeRootError(f"{root.path} is half-written: {e}") from e
         return SavedNode(settings, None, credentials, directory, roles)
 
     if register_path(root).exists():
         return SavedNode(settings, None, None, None, None, _load_register_intent(root))
+    path = bootstrap_path(root)
+    if not os.path.lexists(path):
+        # Only a registration crashed between its settings and its intent
+        # leaves this (a bootstrap saves its intent first): nothing was sent.
+        raise NodeRootError(
+            f"{root.path} is half-written: neither credentials nor an intent (nothing reached "
+            "the cluster): run 'node register' again with the same --root"
+        )
+    advice = f"remove {root.path} and bootstrap again"
+    intent = _read_json(path, _BOOTSTRAP, advice)
     try:
-        intent = json.loads(bootstrap_path(root).read_bytes())
         data = BootstrapData(
             node_private_key=pki.decode_private_key(bytes.fromhex(intent["node_private_key"])),
             join_private_key=pki.decode_private_key(bytes.fromhex(intent["join_private_key"])),
@@ -299,15 +380,10 @@ def load(root: Root) -> SavedNode:
             node_unlock_key=bytes.fromhex(intent["node_unlock_key"]),
             initial_owner_key=bytes.fromhex(intent["initial_owner_key"]),
         )
-    except FileNotFoundError:
-        # Only a registration crashed between its settings and its intent
-        # leaves this (a bootstrap saves its intent first): nothing was sent.
-        raise NodeRootError(
-            f"{root.path} is half-written: neither credentials nor an intent (nothing reached "
-            "the cluster): run 'node register' again with the same --root"
-        ) from None
-    except (OSError, ValueError, KeyError, TypeError, pki.PKIError) as e:
-        raise NodeRootError(f"{bootstrap_path(root)} is damaged: {e}") from e
+    except (ValueError, KeyError, TypeError, pki.PKIError) as e:
+        raise CorruptFile(
+            path, f"its content does not parse ({type(e).__name__}: {e})", advice
+        ) from e
     return SavedNode(settings, data, None, None, None)
 
 
@@ -367,7 +443,7 @@ def save_cluster_files(
     hold other values. Blocking I/O; the fsyncs run in parallel (one
     journal commit for all).
     """
-    atomic_write(roles_path(root), bytes(roles), durable=False)
+    write_checked(roles_path(root), _ROLES, bytes(roles), durable=False)
     root.esp.write_cluster_directory(directory, durable=False)
     sealed_file = root.esp.sealed_configuration
     sealed_file.seal(sealed, insecure=settings.insecure_seal, durable=False)

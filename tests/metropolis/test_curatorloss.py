@@ -29,7 +29,7 @@ from metropolis.proto.common import (
     NodeRoles,
 )
 from metropolis.roleserve.directory import DirectoryUpdate
-from metropolis.roleserve.disk import NodeSettings, roles_path
+from metropolis.roleserve.disk import NodeSettings, read_roles
 from metropolis.roleserve.rolefetch import RoleFetch
 from metropolis.roleserve.values import ClusterMembership
 from metropolis.supervisor import open_supervisor
@@ -125,7 +125,7 @@ async def test_a_role_fetch_reconnects_when_its_curator_stops_and_returns(
                 with trio.fail_after(BOUND), roles.watch() as watcher:
                     got = await watcher.get()
                     # Published only once durable: the worker acts on them.
-                    assert roles_path(root).read_bytes() == bytes(got)
+                    assert read_roles(root) == got
                     await updating.wait_healthy("directory")
                 assert got.consensus_member is not None
 

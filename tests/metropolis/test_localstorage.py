@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 
 from metropolis.localstorage import (
+    CorruptFile,
     InsecureSealError,
     LocalStorageError,
     Root,
     atomic_write,
+    write_checked,
 )
 from metropolis.proto.common import (
     ClusterDirectory,
@@ -139,6 +141,9 @@ def test_unseal_rejects_foreign_file(tmp_path: Path) -> None:
     with pytest.raises(LocalStorageError, match="cannot read"):
         sealed.unseal(insecure=True)
     sealed.path.write_bytes(b"\x0a\x01a")
+    with pytest.raises(CorruptFile, match="no METROPOLIS-FILE header"):
+        sealed.unseal(insecure=True)
+    write_checked(sealed.path, sealed.KIND, b"\x0a\x01a")
     with pytest.raises(LocalStorageError, match="not an insecurely sealed"):
         sealed.unseal(insecure=True)
 

@@ -24,8 +24,10 @@ from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.identity import NodeCredentials
 from metropolis.localstorage import Root
+from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
 from metropolis.roleserve.controlplane import CRASH_ENV
+from metropolis.roleserve.values import RegisterIntent
 from monotrio.net import free_loopback_port
 
 BOUND = 120
@@ -237,11 +239,11 @@ def test_run_refuses_a_bad_root(tmp_path: Path, damage: str) -> None:
         root.mkdir()
         (root / "something").write_text("not a node")
     elif damage == "half-written":
-        Root(root).create()
-        disk.settings_path(Root(root)).write_text(
-            '{"address": "127.0.0.1", "peer_port": 1, "heartbeat_ms": 20, '
-            '"election_ms": 200, "insecure_seal": true}'
-        )
+        # Settings without an intent: a registration's crash between the two.
+        settings = disk.NodeSettings(address="127.0.0.1", peer_port=1)
+        intent = RegisterIntent.generate(b"ticket", GetClusterInfoResponse())
+        disk.save_register_intent(Root(root), settings, intent)
+        disk.register_path(Root(root)).unlink()
     result = subprocess.run(
         [sys.executable, "-m", "metropolis", "node", "run", "--root", str(root)],
         capture_output=True,

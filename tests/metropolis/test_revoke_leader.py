@@ -56,7 +56,7 @@ async def _retried(call: Callable[[], Awaitable[object]]) -> None:
 
 
 def _saved_roles(root: Root) -> NodeRoles:
-    return NodeRoles.parse(disk.roles_path(root).read_bytes())
+    return disk.read_roles(root)
 
 
 async def _revoke_and_grant_the_leading_n1(

@@ -124,7 +124,7 @@ async def test_bootstrap_from_nothing(tmp_path: Path, caplog: pytest.LogCaptureF
     assert sealed.node_unlock_key == data.node_unlock_key
     assert len(sealed.join_key) == 64 and sealed.join_key[32:] == data.join_public_key
     assert pki.decode_certificate(sealed.cluster_ca) == credentials.ca_certificate
-    roles = NodeRoles.parse(disk.roles_path(root).read_bytes())
+    roles = disk.read_roles(root)
     assert roles.consensus_member is not None and roles.kubernetes_controller is not None
     assert not disk.bootstrap_path(root).exists()
     assert not disk.staged_credentials_path(root).path.exists()  # renamed into place
@@ -332,4 +332,4 @@ def test_saving_the_roles_a_node_has_already_writes_nothing(tmp_path: Path) -> N
     assert disk.roles_path(root).stat().st_ino == written  # atomic_write makes a new inode
     disk.save_roles(root, NodeRoles())
     assert disk.roles_path(root).stat().st_ino != written
-    assert NodeRoles.parse(disk.roles_path(root).read_bytes()) == NodeRoles()
+    assert disk.read_roles(root) == NodeRoles()
