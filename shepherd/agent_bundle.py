@@ -16,8 +16,8 @@ The build is deterministic: members in name order, fixed timestamps and
 modes, stored uncompressed (deflate's output may differ between zlib
 versions). The same sources give the same bytes, so the SHA-256 that
 `agent_zipapp` logs identifies what was uploaded. Sources only, no
-bytecode: the target's Python version is unknown, and zipimport compiles
-them at each start (a few milliseconds, measured in the commit).
+bytecode: bytecode is bound to one Python version and the target's is
+unknown, so zipimport compiles the modules at each start instead.
 """
 
 from __future__ import annotations
