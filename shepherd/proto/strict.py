@@ -9,7 +9,7 @@ set keeps the last, and some malformations raise ``KeyError`` or
 message's declared fields first, into embedded messages, and only then lets
 betterproto2 build the message from them.
 
-Refused, as `MalformedMessage`: field number 0; a wire type other than the
+Refused, as `MalformedMessage`: a field number outside 1 to 2**29-1; a wire type other than the
 four proto3 uses; a varint of more than 10 bytes; a length or fixed-size
 value past the end; a known field of another wire type than its declared
 type has (length-delimited for strings, bytes, messages and packed
@@ -113,8 +113,8 @@ def check(cls: type[betterproto2.Message], data: bytes, where: str = "") -> None
     while pos < len(data):
         key, pos = _varint(data, pos, where)
         number, wire_type = key >> 3, key & 7
-        if number == 0:
-            raise MalformedMessage(f"{where}: field number 0")
+        if not 0 < number < 2**29:
+            raise MalformedMessage(f"{where}: field number {number} out of range")
         at = f"{where} field {number}"
         start = pos
         if wire_type == _VARINT:
