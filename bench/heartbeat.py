@@ -75,13 +75,14 @@ import bmdb
 from bench.ratios import report
 from bmdb import Provider, Queries
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
-from shepherd.agent import takeover as agent
+from shepherd.agent import protocol
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, run_agent_server
 from shepherd.agent_server.connect import Handler
 from shepherd.agent_server.server import serve_app
 from shepherd.agent_server.service import DEFAULT_FRESHNESS, authenticate, session_response
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret
 from shepherd.agent_server.workers import default_workers, reserve_port
+from shepherd.proto.agent_callback import AgentSession, HeartbeatRequest, HeartbeatResponse
 
 #: The interval the goal is stated for.
 TARGET_INTERVAL = 10.0
@@ -112,7 +113,7 @@ async def _serve(mode: str, listen: str, url: str, secret: bytes) -> None:
     config = AgentServerConfig(listen=listen, reuse_port=True, agent_session_secret=secret)
     if mode in ("bare", "auth"):
         handler = _bare if mode == "bare" else _authenticated(SessionKeys(secret))
-        await serve_app(ConnectUnary({agent.HEARTBEAT_PATH: handler}, config.limits), config)
+        await serve_app(ConnectUnary({protocol.HEARTBEAT_PATH: handler}, config.limits), config)
         return
     async with bmdb.open_connection(url) as conn:
         await run_agent_server(conn, config)
@@ -143,14 +144,14 @@ class Load:
 
 
 def _request(machine_id: str, time_ns: int, auth: dict[str, str]) -> bytes:
-    body = agent.encode_heartbeat_request(machine_id)
+    body = bytes(HeartbeatRequest(machine_id=machine_id))
     head = (
-        f"POST {agent.HEARTBEAT_PATH} HTTP/1.1\r\n"
+        f"POST {protocol.HEARTBEAT_PATH} HTTP/1.1\r\n"
         "Host: 127.0.0.1\r\n"
         "Content-Type: application/proto\r\n"
         "Connect-Protocol-Version: 1\r\n"
         f"Content-Length: {len(body)}\r\n"
-        f"{agent.HEADER_TIME}: {time_ns}\r\n"
+        f"{protocol.HEADER_TIME}: {time_ns}\r\n"
         + "".join(f"{name}: {value}\r\n" for name, value in auth.items())
         + "\r\n"
     )
@@ -158,24 +159,24 @@ def _request(machine_id: str, time_ns: int, auth: dict[str, str]) -> bytes:
 
 
 def _message(machine_id: str, time_ns: int) -> bytes:
-    body = agent.encode_heartbeat_request(machine_id)
-    return agent.signed_message("POST", agent.HEARTBEAT_PATH, machine_id, time_ns, body)
+    body = bytes(HeartbeatRequest(machine_id=machine_id))
+    return protocol.signed_message("POST", protocol.HEARTBEAT_PATH, machine_id, time_ns, body)
 
 
 def signed_request(machine_id: str, key: Ed25519PrivateKey, public: bytes, time_ns: int) -> bytes:
     signature = key.sign(_message(machine_id, time_ns))
     auth = {
-        agent.HEADER_KEY: base64.b64encode(public).decode(),
-        agent.HEADER_SIGNATURE: base64.b64encode(signature).decode(),
+        protocol.HEADER_KEY: base64.b64encode(public).decode(),
+        protocol.HEADER_SIGNATURE: base64.b64encode(signature).decode(),
     }
     return _request(machine_id, time_ns, auth)
 
 
-def session_request(machine_id: str, session: agent.AgentSession, time_ns: int) -> bytes:
-    mac = agent.session_mac(session.key, _message(machine_id, time_ns))
+def session_request(machine_id: str, session: AgentSession, time_ns: int) -> bytes:
+    mac = protocol.session_mac(session.key, _message(machine_id, time_ns))
     auth = {
-        agent.HEADER_SESSION: base64.b64encode(session.token).decode(),
-        agent.HEADER_MAC: base64.b64encode(mac).decode(),
+        protocol.HEADER_SESSION: base64.b64encode(session.token).decode(),
+        protocol.HEADER_MAC: base64.b64encode(mac).decode(),
     }
     return _request(machine_id, time_ns, auth)
 
@@ -183,10 +184,10 @@ def session_request(machine_id: str, session: agent.AgentSession, time_ns: int) 
 Agent = tuple[str, Ed25519PrivateKey, bytes]
 
 #: What the load uses where the server issued no session (bare): the same shape.
-DUMMY_SESSION = agent.AgentSession(bytes(TOKEN_BYTES), bytes(32), 3600)
+DUMMY_SESSION = AgentSession(bytes(TOKEN_BYTES), bytes(32), 3600)
 
 
-def open_sessions(port: int, agents: list[Agent]) -> list[agent.AgentSession]:
+def open_sessions(port: int, agents: list[Agent]) -> list[AgentSession]:
     """One signed heartbeat per agent, all at once; the session each was answered with."""
     now = time.time_ns()
     load = Load([[signed_request(mid, key, public, now)] for mid, key, public in agents])
@@ -194,12 +195,10 @@ def open_sessions(port: int, agents: list[Agent]) -> list[agent.AgentSession]:
     run_load(port, load, 120.0, answers)
     if load.ok != len(agents):
         raise RuntimeError(f"only {load.ok} of {len(agents)} signed heartbeats accepted")
-    return [agent.decode_heartbeat_session(a) or DUMMY_SESSION for a in answers]
+    return [HeartbeatResponse.parse(a).session or DUMMY_SESSION for a in answers]
 
 
-def make_load(
-    agents: list[Agent], sessions: list[agent.AgentSession] | None, per_agent: int
-) -> Load:
+def make_load(agents: list[Agent], sessions: list[AgentSession] | None, per_agent: int) -> Load:
     """``per_agent`` requests per agent, each newer than the last: with the
     agent's session, or signed if ``sessions`` is None."""
     now = time.time_ns()

@@ -46,7 +46,8 @@ import bmdb
 from bench.ratios import report
 from bmdb import Provider, Queries
 from bmdb.localserver import LocalPostgres
-from shepherd.agent import agent_script
+from shepherd.agent_bundle import agent_zipapp
+from shepherd.agent_start import AgentConfig
 from shepherd.control_loop import start_control_loop
 from shepherd.initializer import Initializer
 from shepherd.localsshd import start_sshd, stop_sshd
@@ -56,7 +57,6 @@ from shepherd.providers.static import StaticProvider
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
-from shepherd.takeover import AgentConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 ENDPOINT = "bmaas.example:443"
@@ -74,12 +74,10 @@ class Target:
 
 
 def build_agent(size: int) -> bytes:
-    """The takeover agent as a zipapp, padded with incompressible data to ``size`` bytes."""
-    buffer = io.BytesIO()
-    buffer.write(b"#!/usr/bin/env python3\n")
+    """The takeover agent's zipapp, padded with incompressible data to ``size`` bytes."""
+    buffer = io.BytesIO(agent_zipapp())
     with zipfile.ZipFile(buffer, "a", zipfile.ZIP_STORED) as archive:
-        archive.writestr("__main__.py", agent_script())
-        padding = max(0, size - buffer.tell() - 200)
+        padding = max(0, size - len(buffer.getvalue()) - 200)
         archive.writestr("payload.bin", os.urandom(padding))
     return buffer.getvalue()
 

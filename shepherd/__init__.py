@@ -6,7 +6,7 @@ Modules, by concept:
   machine that lacks one (the ``ShepherdAgentStart`` process), on
 - :mod:`shepherd.control_loop`: N workers, each with its own BMDB session,
   sourcing one machine per rate-limited iteration (:mod:`shepherd.rate_limit`);
-- :mod:`shepherd.takeover`: the per-machine step: dial, upload, run, check;
+- :mod:`shepherd.agent_start`: the per-machine step: dial, upload, run, check;
 - :mod:`shepherd.ssh`: the SSH client (the only module that uses asyncssh),
   authenticating with the key from :mod:`shepherd.ssh_key`;
 - :mod:`shepherd.providers`: where machines come from (``static``: a TOML
@@ -17,7 +17,8 @@ Modules, by concept:
   creating new ones where the provider can;
 - :mod:`shepherd.updater`: refresh provided machines' address, location and
   status (power state, for BMCs) in the BMDB;
-- :mod:`shepherd.agent`: the self-contained agent script that gets uploaded;
+- :mod:`shepherd.agent`: the agent that gets uploaded (standard library only),
+  as one zipapp that :mod:`shepherd.agent_bundle` builds;
 - :mod:`shepherd.proto`: the takeover protocol messages;
 - :mod:`shepherd.cli`: ``python -m shepherd``.
 

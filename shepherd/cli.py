@@ -56,7 +56,8 @@ from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
 from monotrio.cli import run_main
 from monotrio.listen import listen_address
 from monotrio.metrics import serve_metrics
-from shepherd.agent import AGENT_SCRIPT_PATH
+from shepherd.agent_bundle import agent_zipapp
+from shepherd.agent_start import AgentConfig
 from shepherd.control_loop import LoopStats, start_control_loop
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
@@ -75,7 +76,6 @@ from shepherd.rate_limit import Rate, RateLimiter, parse_duration
 from shepherd.recoverer import Recoverer
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey, SSHKeyError, load_or_create_ssh_key
-from shepherd.takeover import AgentConfig
 from shepherd.updater import Updater, UpdaterConfig
 
 logger = logging.getLogger("shepherd.cli")
@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_arg_type("file", _nonempty_file),
         default=None,
         metavar="PATH",
-        help=f"agent to upload (default: the bundled {AGENT_SCRIPT_PATH.name})",
+        help="agent to upload (default: the bundled agent, a zipapp)",
     )
     agent.add_argument(
         "--agent-target-path",
@@ -515,7 +515,7 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             )
         except StaticFileError as exc:
             parser.error(f"argument --static-machines-path: {exc}")
-    executable = args.agent_executable_path or AGENT_SCRIPT_PATH.read_bytes()
+    executable = args.agent_executable_path or agent_zipapp()
     try:
         agent = AgentConfig(
             executable=executable,

@@ -44,9 +44,10 @@ import bmdb
 from bmdb.localserver import LocalPostgres, LocalPostgresError
 from bmdb.model import MachineSummary, Queries, WorkEvent
 from monotrio.cli import leaf_errors
-from shepherd.agent import AGENT_SCRIPT_PATH
+from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
+from shepherd.agent_start import AgentConfig
 from shepherd.control_loop import start_control_loop
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
@@ -56,7 +57,6 @@ from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey, load_or_create_ssh_key
-from shepherd.takeover import AgentConfig
 
 logger = logging.getLogger("shepherd.demo")
 
@@ -226,7 +226,7 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
             )
         )
         config = AgentConfig(
-            executable=AGENT_SCRIPT_PATH.read_bytes(),
+            executable=agent_zipapp(),
             target_path="/root/agent",
             endpoint=f"http://127.0.0.1:{port_of(binds[0])}",
             endpoint_ca_certificate=b"",

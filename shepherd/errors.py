@@ -15,7 +15,8 @@
     │   ├── HostKeyChanged         the machine's host key is not the recorded one
     │   └── ChannelError           the command channel failed
     ├── SSHKeyError                shepherd.ssh_key: the Shepherd's own key file
-    ├── TakeoverFailed             shepherd.takeover: the agent did not start
+    ├── TakeoverFailed             shepherd.agent_start: the agent did not start
+    ├── MalformedMessage           shepherd.proto.strict: bytes that are no such message
     ├── ProcessingFailed           shepherd.control_loop: a processor's verdict on
     │                              one machine (recorded as a failed work)
     ├── RateSyntaxError            shepherd.rate_limit: a bad rate (also a ValueError)
@@ -26,8 +27,8 @@ BMDB errors (`bmdb.errors.BMDBError`) pass through the Shepherd unchanged:
 the control loop handles them (a new session), and the CLI reports them.
 Other exceptions a public function may raise are Python's own, for misuse
 (`ValueError`, `RuntimeError`), and Trio's `trio.Cancelled`. The takeover
-agent (`shepherd.agent.takeover`) is outside this tree on purpose: it runs
-alone on the target machine and imports nothing from the package.
+agent (`shepherd.agent`) is outside this tree on purpose: it runs alone on
+the target machine and imports nothing from the rest of the package.
 ``tests/test_error_trees.py`` checks the tree and what public functions
 raise.
 """

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 from bmdb import Backoff, Process, Queries, Work
 from bmdb.model import MachineProvided
+from shepherd.agent_start import AgentConfig, TakeoverFailed, start_agent
 from shepherd.control_loop import ProcessingFailed
 from shepherd.providers import Provider, ProviderError
 from shepherd.ssh import SSHClient
-from shepherd.takeover import AgentConfig, TakeoverFailed, start_agent
 
 logger = logging.getLogger("shepherd.initializer")
 

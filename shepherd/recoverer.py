@@ -17,7 +17,7 @@ process ``ShepherdRecovery``::
 Without ``Capability.REBOOT`` (the static provider) nothing is power-cycled:
 the tags are cleared all the same, and the initializer's new takeover
 replaces an agent that may still run (the agent stops its predecessor,
-see ``shepherd/agent/takeover.py``). A machine that is down stays down; its
+see ``shepherd/agent/daemon.py``). A machine that is down stays down; its
 agent start then fails with the initializer's own backoff.
 
 Recovery and agent start exclude each other on one machine (each source

@@ -33,11 +33,11 @@ ROOTS: dict[str, type[Exception] | None] = {
     "monotrio": None,  # shared helpers: no errors of their own
 }
 
-#: Modules outside their package's tree, and why.
+#: Modules (and the packages below them) outside their package's tree, and why.
 EXEMPT = {
     # Runs alone on the target machine with nothing but python3: it may not
     # import the shepherd package, so it cannot derive from ShepherdError.
-    "shepherd.agent.takeover": "self-contained agent script",
+    "shepherd.agent": "self-contained agent, standard library only",
 }
 
 #: Exceptions outside the trees a public function may raise (Python's own
@@ -61,7 +61,8 @@ def _modules(package: str) -> Iterator[ModuleType]:
     root = importlib.import_module(package)
     yield root
     for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
-        if ".proto.gen" in info.name or info.name in EXEMPT:
+        exempt = any(info.name == m or info.name.startswith(f"{m}.") for m in EXEMPT)
+        if ".proto.gen" in info.name or exempt:
             continue
         yield importlib.import_module(info.name)
 

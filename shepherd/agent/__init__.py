@@ -1,18 +1,17 @@
-"""The takeover agent that the initializer uploads to machines.
+"""The takeover agent that the initializer uploads to machines, one module an idea.
 
-The agent itself is :mod:`shepherd.agent.takeover`, a self-contained script
-(standard library only) so that it runs on a target with nothing but
-``python3``. This package only tells the rest of the Shepherd where it is.
+Standard library only, every module (the target may have nothing but
+``python3``), and nothing imported from above this package: it is uploaded
+as one zipapp built from these files (`shepherd.agent_bundle`), whose
+``__main__`` is this package's `__main__`.
+
+- `wire`: the protobuf codec of the agent's messages;
+- `protocol`: what agent and server agree on beyond the messages (path,
+  headers, the signed bytes), imported by the server too;
+- `ed25519`: key derivation and signing;
+- `keyfile`: the private seed beside the agent;
+- `hwreport`: the hardware report from /proc and /sys;
+- `heartbeat`: the heartbeat client;
+- `daemon`: detaching, the pid file, log lines;
+- `files`, `errors`: small reads, the agent's error.
 """
-
-from __future__ import annotations
-
-from pathlib import Path
-
-#: The agent script, ready to be uploaded as-is.
-AGENT_SCRIPT_PATH: Path = Path(__file__).with_name("takeover.py")
-
-
-def agent_script() -> bytes:
-    """Return the bytes of the agent script (read from the installed package)."""
-    return AGENT_SCRIPT_PATH.read_bytes()

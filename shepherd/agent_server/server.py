@@ -20,7 +20,7 @@ import trio
 
 from bmdb import Connection, Session
 from bmdb.errors import BMDBError
-from shepherd.agent.takeover import HEARTBEAT_PATH
+from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.agent_server.connect import ConnectUnary, Limits
 from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, split_listen, url_of
 from shepherd.agent_server.service import DEFAULT_FRESHNESS, HeartbeatService

@@ -90,21 +90,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import AgentHeartbeat, HeartbeatOutcome
-from shepherd.agent.takeover import (
+from shepherd.agent.protocol import (
     HEADER_KEY,
     HEADER_MAC,
     HEADER_SESSION,
     HEADER_SIGNATURE,
     HEADER_TIME,
     HEARTBEAT_PATH,
-    WIRE_LEN,
-    DecodeError,
-    iter_fields,
     signed_message,
 )
 from shepherd.agent_server.connect import ConnectError
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret, session_mac
-from shepherd.proto.agent_callback import AgentSession, HeartbeatResponse
+from shepherd.proto import strict
+from shepherd.proto.agent_callback import AgentSession, HeartbeatRequest, HeartbeatResponse
 
 logger = logging.getLogger("shepherd.agent_server.service")
 
@@ -136,7 +134,7 @@ class Heartbeat:
     machine_id: uuid.UUID
     key: bytes
     time_ns: int
-    #: The raw AgentHardwareReport bytes, as sent, if any.
+    #: The AgentHardwareReport, encoded again by betterproto2, if one was sent.
     hardware_report: bytes | None
     #: Authenticated by a signature (answered with a new session once
     #: written), not by a session's MAC.
@@ -144,30 +142,19 @@ class Heartbeat:
 
 
 def parse_request(body: bytes) -> tuple[str, bytes | None]:
-    """(machine_id, raw hardware report) of a HeartbeatRequest; invalid_argument if malformed.
+    """(machine_id, encoded hardware report) of a HeartbeatRequest; invalid_argument if malformed.
 
-    Parsed with the agent's strict codec: betterproto2 would turn garbage
-    into an empty message instead of failing.
+    Parsed strictly (`shepherd.proto.strict`): betterproto2 alone would turn
+    garbage into an empty message instead of failing. The report is the
+    parsed one encoded again (the same message, unknown fields kept; not
+    always the same bytes: betterproto2 writes fields in its own order).
     """
-    machine_id, report = "", None
     try:
-        fields = iter_fields(body)
-        for number, wire_type, value in fields:
-            if number not in (1, 2):
-                continue
-            if wire_type != WIRE_LEN or not isinstance(value, bytes):
-                raise ConnectError(
-                    "invalid_argument",
-                    f"malformed HeartbeatRequest: field {number}: want length-delimited",
-                )
-            if number == 1:
-                machine_id = value.decode("utf-8")
-            else:
-                iter_fields(value)  # well-formed at least at its top level
-                report = value
-    except (DecodeError, UnicodeDecodeError) as exc:
+        request = strict.parse(HeartbeatRequest, body)
+    except strict.MalformedMessage as exc:
         raise ConnectError("invalid_argument", f"malformed HeartbeatRequest: {exc}") from exc
-    return machine_id, report
+    report = request.hardware_report
+    return request.machine_id, bytes(report) if report is not None else None
 
 
 def _header_bytes(headers: Mapping[str, str], name: str, length: int) -> bytes:

@@ -22,7 +22,7 @@ secret, its old tokens fail to verify, and agents sign again.
 
 What a session heartbeat must still pass is what a signed one passes (see
 `shepherd.agent_server.service`): the MAC is over the same bytes as the
-signature (`shepherd.agent.takeover.signed_message`: body, time, machine
+signature (`shepherd.agent.protocol.signed_message`: body, time, machine
 id), with the same freshness window, and the BMDB statement checks the
 token's public key against the machine's AgentStarted tag and the time
 against the last accepted one. A machine taken over again (a new agent

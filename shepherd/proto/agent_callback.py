@@ -1,4 +1,8 @@
-"""The agent callback (``agent_callback.proto``, package ``cloud.bmaas.server.api``)."""
+"""The agent callback (``agent_callback.proto``, package ``cloud.bmaas.server.api``).
+
+The method's path, like the rest of what agent and server agree on beyond
+the messages, is in `shepherd.agent.protocol`.
+"""
 
 from shepherd.proto.gen.cloud.bmaas.server.api import (
     AgentHardwareReport,
@@ -12,11 +16,7 @@ from shepherd.proto.gen.cloud.bmaas.server.api import (
     OsInstallationRequest,
 )
 
-#: The Connect (and gRPC) path of the one method.
-HEARTBEAT_PATH = "/cloud.bmaas.server.api.AgentCallback/Heartbeat"
-
 __all__ = [
-    "HEARTBEAT_PATH",
     "AgentHardwareReport",
     "AgentSession",
     "HeartbeatRequest",

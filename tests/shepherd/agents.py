@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from shepherd.agent import agent_script
-from shepherd.agent import takeover as agent
+from shepherd.agent import wire
+from shepherd.agent_bundle import agent_sources, agent_zipapp, build_zipapp
 from shepherd.localfleet import agent_pid
 from shepherd.proto import agent as bp
 
@@ -104,6 +104,15 @@ def host_macs() -> set[bytes]:
     }
 
 
+def patched_agent(module: str, old: bytes, new: bytes) -> bytes:
+    """The real agent's zipapp with ``old`` replaced by ``new`` in its ``module``
+    (a file name in ``shepherd/agent``): the real agent with a bug injected."""
+    sources = agent_sources()
+    name = f"shepherd/agent/{module}"
+    assert old in sources[name], (name, old)
+    return build_zipapp({**sources, name: sources[name].replace(old, new)})
+
+
 def kill_agent(target: Path) -> None:
     """SIGKILL the detached agent installed at ``target``, if any (test cleanup)."""
     pid = agent_pid(target)
@@ -117,9 +126,9 @@ def start_agent_process(
     """Install the agent at ``target`` and run it as the initializer would,
     without SSH; return its public key. The agent detaches and heartbeats."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(agent_script())
+    target.write_bytes(agent_zipapp())
     target.chmod(0o755)
-    init = agent.TakeoverInit(machine_id, endpoint, ca)
+    init = wire.TakeoverInit(machine_id, endpoint, ca)
     done = subprocess.run(
         [
             "/usr/bin/python3",

@@ -1,4 +1,4 @@
-"""The takeover agent: its wire codec, its Ed25519 derivation, and the program.
+"""The takeover agent: its wire codec, its Ed25519 derivation, its zipapp, and the program.
 
 The codec is checked byte for byte against two other implementations of the
 same ``agent.proto``: the betterproto2 classes the initializer uses, and
@@ -8,11 +8,13 @@ Google's protobuf runtime with classes protoc generates from the same source.
 from __future__ import annotations
 
 import ast
+import io
 import os
 import pwd
 import stat
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -23,8 +25,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.agent import AGENT_SCRIPT_PATH, agent_script
-from shepherd.agent import takeover as agent
+from shepherd.agent import ed25519, wire
+from shepherd.agent_bundle import AGENT_DIR, agent_sources, agent_zipapp, build_zipapp
 from shepherd.proto import agent as bp
 from tests.protoc import google_modules
 
@@ -39,7 +41,7 @@ def google_pb(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
 
 
 inits = st.builds(
-    agent.TakeoverInit,
+    wire.TakeoverInit,
     machine_id=st.text(max_size=40),
     bmaas_endpoint=st.text(max_size=40),
     ca_certificate=st.binary(max_size=300),
@@ -49,7 +51,7 @@ inits = st.builds(
 @settings(max_examples=200, deadline=None)
 @given(init=inits)
 def test_init_encoding_matches_other_implementations(
-    google_pb: ModuleType, init: agent.TakeoverInit
+    google_pb: ModuleType, init: wire.TakeoverInit
 ) -> None:
     ours = init.encode()
     theirs_bp = bytes(bp.TakeoverInit(init.machine_id, init.bmaas_endpoint, init.ca_certificate))
@@ -59,15 +61,15 @@ def test_init_encoding_matches_other_implementations(
         ca_certificate=init.ca_certificate,
     ).SerializeToString()
     assert ours == theirs_bp == theirs_pb
-    assert agent.TakeoverInit.decode(theirs_pb) == init
+    assert wire.TakeoverInit.decode(theirs_pb) == init
 
 
 @settings(max_examples=200, deadline=None)
 @given(init=inits, key=st.binary(max_size=40), warnings=st.lists(st.text(max_size=20), max_size=3))
 def test_success_encoding_matches_other_implementations(
-    google_pb: ModuleType, init: agent.TakeoverInit, key: bytes, warnings: list[str]
+    google_pb: ModuleType, init: wire.TakeoverInit, key: bytes, warnings: list[str]
 ) -> None:
-    ours = agent.encode_success(init.encode(), key, warnings)
+    ours = wire.encode_success(init.encode(), key, warnings)
     bp_init = bp.TakeoverInit(init.machine_id, init.bmaas_endpoint, init.ca_certificate)
     theirs_bp = bytes(
         bp.TakeoverResponse(
@@ -88,7 +90,7 @@ def test_success_encoding_matches_other_implementations(
 @settings(max_examples=100, deadline=None)
 @given(message=st.text(max_size=60))
 def test_error_encoding_matches_other_implementations(google_pb: ModuleType, message: str) -> None:
-    ours = agent.encode_error(message)
+    ours = wire.encode_error(message)
     theirs_bp = bytes(bp.TakeoverResponse(error=bp.TakeoverError(message=message)))
     theirs_pb = google_pb.TakeoverResponse(
         error=google_pb.TakeoverError(message=message)
@@ -97,11 +99,11 @@ def test_error_encoding_matches_other_implementations(google_pb: ModuleType, mes
 
 
 def test_decode_skips_unknown_fields_of_every_wire_type(google_pb: ModuleType) -> None:
-    known = agent.TakeoverInit("m-1", "bmdb.example:443", b"\x30\x82").encode()
+    known = wire.TakeoverInit("m-1", "bmdb.example:443", b"\x30\x82").encode()
     # field 9 varint, field 10 fixed64, field 11 bytes, field 12 fixed32
     unknown = b"\x48\x96\x01" + b"\x51" + bytes(8) + b"\x5a\x02hi" + b"\x65" + bytes(4)
-    decoded = agent.TakeoverInit.decode(unknown + known)
-    assert decoded == agent.TakeoverInit("m-1", "bmdb.example:443", b"\x30\x82")
+    decoded = wire.TakeoverInit.decode(unknown + known)
+    assert decoded == wire.TakeoverInit("m-1", "bmdb.example:443", b"\x30\x82")
     # Google's runtime agrees on what the known fields are.
     parsed = google_pb.TakeoverInit.FromString(unknown + known)
     assert (parsed.machine_id, parsed.bmaas_endpoint) == ("m-1", "bmdb.example:443")
@@ -120,8 +122,8 @@ def test_decode_skips_unknown_fields_of_every_wire_type(google_pb: ModuleType) -
     ],
 )
 def test_decode_rejects_malformed_input(data: bytes, problem: str) -> None:
-    with pytest.raises(agent.DecodeError, match=problem):
-        agent.TakeoverInit.decode(data)
+    with pytest.raises(wire.DecodeError, match=problem):
+        wire.TakeoverInit.decode(data)
 
 
 @settings(max_examples=50, deadline=None)
@@ -132,19 +134,19 @@ def test_ed25519_public_key_matches_cryptography(seed: bytes) -> None:
         .public_key()
         .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     )
-    assert agent.ed25519_public_key(seed) == expected
+    assert ed25519.ed25519_public_key(seed) == expected
 
 
 def test_ed25519_rfc8032_test_vector_1() -> None:
     seed = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
-    assert agent.ed25519_public_key(seed) == bytes.fromhex(
+    assert ed25519.ed25519_public_key(seed) == bytes.fromhex(
         "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"
     )
 
 
 def test_ed25519_rejects_wrong_seed_length() -> None:
     with pytest.raises(ValueError, match="32 bytes"):
-        agent.ed25519_public_key(b"short")
+        ed25519.ed25519_public_key(b"short")
 
 
 # --- the program, run as the initializer runs it: a file, python3, stdin/stdout
@@ -152,13 +154,13 @@ def test_ed25519_rejects_wrong_seed_length() -> None:
 
 @pytest.fixture
 def run_agent(tmp_path: Path) -> Callable[[bytes], bp.TakeoverResponse]:
-    """Install the agent script in a temp dir and run it with only the stdlib.
+    """Install the agent zipapp in a temp dir and run it with only the stdlib.
 
     ``-I -S`` isolates it from this test environment (no site-packages, no
     PYTHONPATH), like a bare machine's python3.
     """
     target = tmp_path / "agent"
-    target.write_bytes(agent_script())
+    target.write_bytes(agent_zipapp())
     target.chmod(0o755)
 
     def run(stdin: bytes) -> bp.TakeoverResponse:
@@ -239,18 +241,52 @@ def test_agent_tightens_loose_key_file_mode_with_a_warning(
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
 
 
-def test_agent_script_is_self_contained() -> None:
-    """Only standard library imports: the target has nothing else."""
-    tree = ast.parse(AGENT_SCRIPT_PATH.read_text())
-    imports: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imports.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0 and node.module is not None
-            imports.add(node.module.split(".")[0])
-    assert "hashlib" in imports  # the walk found the imports at all
-    assert imports <= set(sys.stdlib_module_names) | {"__future__"}
+def test_agent_modules_import_only_the_standard_library_and_each_other() -> None:
+    """Every import of every agent module, also under TYPE_CHECKING or in a
+    function: the standard library or a relative one (a module beside it)."""
+    modules = {path.stem for path in AGENT_DIR.glob("*.py")}
+    outside: set[str] = set()
+    for path in AGENT_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                outside.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                assert node.level == 1 and set(names) <= modules, (path.name, names)
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module is not None
+                outside.add(node.module.split(".")[0])
+    assert {"hashlib", "ssl", "http"} <= outside  # the walk found the imports at all
+    assert outside <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_every_agent_module_imports_from_the_zipapp_alone(tmp_path: Path) -> None:
+    """With only the standard library (``-I -S``) and the zipapp on the path."""
+    target = tmp_path / "agent"
+    target.write_bytes(agent_zipapp())
+    names = sorted(name[:-3].replace("/", ".") for name in agent_sources())
+    assert "shepherd.agent.heartbeat" in names
+    code = f"import importlib, sys; sys.path.insert(0, {str(target)!r})\n"
+    code += "".join(f"importlib.import_module({name!r})\n" for name in names)
+    code += "print(sorted(m for m in sys.modules if m.startswith('shepherd')))"
+    done = subprocess.run(
+        ["/usr/bin/python3", "-I", "-S", "-c", code], capture_output=True, check=True, timeout=30
+    )
+    assert done.stdout.decode().strip() == repr(["shepherd", "shepherd.agent", *names])
+
+
+def test_zipapp_is_deterministic_and_holds_the_sources() -> None:
+    sources = agent_sources()
+    data = build_zipapp(sources)
+    assert data == build_zipapp(dict(reversed(sources.items()))) == agent_zipapp()
+    assert data.startswith(b"#!/usr/bin/env python3\n")
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        assert {i.filename: i.date_time for i in archive.infolist()} == dict.fromkeys(
+            ["__main__.py", "shepherd/__init__.py", *sorted(sources)], (1980, 1, 1, 0, 0, 0)
+        )
+        assert all(archive.read(name) == body for name, body in sources.items())
+    changed = {**sources, "shepherd/agent/errors.py": sources["shepherd/agent/errors.py"] + b"\n"}
+    assert build_zipapp(changed) != data
 
 
 def _init() -> bytes:

@@ -13,8 +13,8 @@ import trio
 
 import bmdb
 from bmdb import Queries
-from shepherd.agent import agent_script
-from shepherd.agent import takeover as agent
+from shepherd.agent import wire
+from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
 from shepherd.localfleet import agent_pid
@@ -112,8 +112,8 @@ def test_unusable_ca_certificate_is_a_takeover_error(tmp_path: Path) -> None:
     """The agent answers with a TakeoverError (and does not detach) when it
     could not heartbeat anyway."""
     target = tmp_path / "agent"
-    target.write_bytes(agent_script())
-    init = agent.TakeoverInit(str(uuid.uuid4()), "https://127.0.0.1:1", b"0\x82 not DER")
+    target.write_bytes(agent_zipapp())
+    init = wire.TakeoverInit(str(uuid.uuid4()), "https://127.0.0.1:1", b"0\x82 not DER")
     done = subprocess.run(
         ["/usr/bin/python3", "-I", "-S", str(target), "--heartbeat-interval", "1"],
         input=init.encode(),

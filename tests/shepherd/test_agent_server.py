@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
 from bmdb import Queries
-from shepherd.agent import takeover as agent
+from shepherd.agent import ed25519, heartbeat, hwreport, protocol, wire
 from shepherd.agent_server import (
     AgentServerConfig,
     ConnectError,
@@ -27,7 +27,9 @@ from shepherd.agent_server import (
     run_agent_server,
 )
 from shepherd.agent_server.server import port_of
-from shepherd.proto.agent_callback import AgentHardwareReport, HeartbeatResponse
+from shepherd.agent_server.service import parse_request
+from shepherd.proto.agent_callback import AgentHardwareReport, HeartbeatRequest, HeartbeatResponse
+from shepherd.proto.hwreport import Node
 from tests.shepherd.helpers import provide
 
 MAX_BODY = 8192
@@ -58,23 +60,25 @@ async def started_machine(conn: bmdb.Connection) -> tuple[uuid.UUID, bytes]:
 
     async def start(q: Queries) -> None:
         now = datetime.datetime.now(datetime.UTC)
-        await q.set_agent_started(mid, now, agent.ed25519_public_key(seed))
+        await q.set_agent_started(mid, now, ed25519.ed25519_public_key(seed))
 
     await conn.transact(start)
     return mid, seed
 
 
-def heartbeater(url: str, machine_id: str, seed: bytes, *, report: bool) -> agent.Heartbeater:
-    hb = agent.Heartbeater(agent.TakeoverInit(machine_id, url), seed, interval=1.0, backoff_cap=1.0)
+def heartbeater(url: str, machine_id: str, seed: bytes, *, report: bool) -> heartbeat.Heartbeater:
+    hb = heartbeat.Heartbeater(
+        wire.TakeoverInit(machine_id, url), seed, interval=1.0, backoff_cap=1.0
+    )
     if report:
-        hb.report = agent.collect_hardware_report()
+        hb.report = hwreport.collect_hardware_report()
     return hb
 
 
 async def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
     """POST a heartbeat; (HTTP status, Connect error code or "")."""
     async with httpx.AsyncClient() as client:
-        response = await client.post(url + agent.HEARTBEAT_PATH, content=body, headers=headers)
+        response = await client.post(url + protocol.HEARTBEAT_PATH, content=body, headers=headers)
     if response.status_code == 200:
         assert response.headers["content-type"] == "application/proto"
         return 200, ""
@@ -117,12 +121,12 @@ def _signed(
     """Headers of a correctly signed request for ``body``, at ``time_ns`` (default: now)."""
     key = Ed25519PrivateKey.from_private_bytes(seed)
     at = time.time_ns() if time_ns is None else time_ns
-    message = agent.signed_message("POST", agent.HEARTBEAT_PATH, machine_id, at, body)
+    message = protocol.signed_message("POST", protocol.HEARTBEAT_PATH, machine_id, at, body)
     return {
         "Content-Type": "application/proto",
-        agent.HEADER_KEY: base64.b64encode(agent.ed25519_public_key(seed)).decode(),
-        agent.HEADER_TIME: str(at),
-        agent.HEADER_SIGNATURE: base64.b64encode(key.sign(message)).decode(),
+        protocol.HEADER_KEY: base64.b64encode(ed25519.ed25519_public_key(seed)).decode(),
+        protocol.HEADER_TIME: str(at),
+        protocol.HEADER_SIGNATURE: base64.b64encode(key.sign(message)).decode(),
     }
 
 
@@ -153,10 +157,10 @@ async def test_refusals_write_nothing(server: Server, case: str, status: int, co
         headers = _signed(str(mid), other_seed, body)
     elif case == "unknown-machine":
         other = str(uuid.uuid4())
-        body = agent.encode_heartbeat_request(other)
+        body = bytes(HeartbeatRequest(machine_id=other))
         headers = _signed(other, seed, body)
     elif case == "malformed-id":
-        body = agent.encode_heartbeat_request("not-a-uuid")
+        body = bytes(HeartbeatRequest(machine_id="not-a-uuid"))
         headers = _signed("not-a-uuid", seed, body)
     elif case == "malformed-body":
         body = b"\x0a\x50" + str(mid).encode()  # length past the end
@@ -166,11 +170,12 @@ async def test_refusals_write_nothing(server: Server, case: str, status: int, co
     elif case == "future":
         headers = _signed(str(mid), seed, body, time.time_ns() + 600 * 10**9)
     elif case == "tampered":
-        body = agent.encode_heartbeat_request(str(mid))  # not what was signed
+        body = bytes(HeartbeatRequest(machine_id=str(mid)))  # not what was signed
     elif case == "unsigned":
-        del headers[agent.HEADER_SIGNATURE]
+        del headers[protocol.HEADER_SIGNATURE]
     elif case == "oversized":
-        body = agent.encode_heartbeat_request(str(mid), agent.HwNode(product="x" * MAX_BODY))
+        report = AgentHardwareReport(report=Node(product="x" * MAX_BODY))
+        body = bytes(HeartbeatRequest(machine_id=str(mid), hardware_report=report))
         headers = _signed(str(mid), seed, body)
     elif case == "wrong-path":
         url += "/nope"
@@ -180,6 +185,36 @@ async def test_refusals_write_nothing(server: Server, case: str, status: int, co
     assert await stored(server.conn, mid) == (None, None)
     # The real request still goes through afterwards: nothing was burnt.
     assert await post(server.url, *hb.request()) == (200, "")
+
+
+def _len(number: int, payload: bytes) -> bytes:
+    assert len(payload) < 128
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (b"\x0a\x50" + bytes(36), "past end of message"),
+        (_len(1, b"m") + _len(1, b"n"), "machine_id, field 1: set twice"),
+        # Below the report's top level, where the agent's codec did not look.
+        (_len(1, b"m") + _len(2, _len(1, _len(10, _len(8, b"x")))), "cores, field 8: wire type 2"),
+        (_len(1, b"m") + _len(2, _len(1, _len(1, b"\xff"))), "manufacturer, field 1: not UTF-8"),
+    ],
+)
+def test_malformed_requests_are_invalid_arguments(body: bytes, problem: str) -> None:
+    with pytest.raises(ConnectError, match=problem) as caught:
+        parse_request(body)
+    assert caught.value.code == "invalid_argument"
+
+
+def test_a_request_gives_its_machine_id_and_report() -> None:
+    node, warnings = hwreport.collect_hardware_report()
+    body = wire.encode_heartbeat_request("m-1", node, warnings)
+    machine_id, report = parse_request(body)
+    assert machine_id == "m-1" and report is not None
+    assert AgentHardwareReport.parse(report) == HeartbeatRequest.parse(body).hardware_report
+    assert parse_request(wire.encode_heartbeat_request("m-2")) == ("m-2", None)
 
 
 async def test_replayed_request_is_refused_and_changes_nothing(server: Server) -> None:
@@ -207,7 +242,7 @@ async def test_slow_client_cannot_hold_the_server(server: Server) -> None:
     port = int(server.url.rsplit(":", 1)[1])
     slow = await trio.open_tcp_stream("127.0.0.1", port)
     await slow.send_all(
-        f"POST {agent.HEARTBEAT_PATH} HTTP/1.1\r\nHost: x\r\n"
+        f"POST {protocol.HEARTBEAT_PATH} HTTP/1.1\r\nHost: x\r\n"
         "Content-Type: application/proto\r\nContent-Length: 100\r\n\r\n".encode()
     )
     # Served while the slow one hangs.
@@ -371,7 +406,7 @@ async def _exchange(port: int, data: bytes, answers: int) -> list[bytes]:
 
 
 def _raw(body: bytes, headers: dict[str, str], *, chunked: bool = False) -> bytes:
-    lines = [f"POST {agent.HEARTBEAT_PATH} HTTP/1.1", "Host: x"]
+    lines = [f"POST {protocol.HEARTBEAT_PATH} HTTP/1.1", "Host: x"]
     lines += [f"{k}: {v}" for k, v in headers.items()]
     if chunked:
         lines.append("Transfer-Encoding: chunked")
@@ -400,7 +435,7 @@ async def test_keep_alive_chunked_and_pipelined_requests(server: Server) -> None
             (mid,),
         )
     )
-    assert stored_time[0][0] == int(second[1][agent.HEADER_TIME])
+    assert stored_time[0][0] == int(second[1][protocol.HEADER_TIME])
 
 
 async def test_oversized_head_and_malformed_requests_close_the_connection(server: Server) -> None:

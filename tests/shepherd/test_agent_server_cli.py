@@ -13,7 +13,7 @@ import trio
 
 import bmdb
 from monotrio.net import free_loopback_port
-from shepherd.agent import takeover as agent
+from shepherd.agent import protocol
 from shepherd.agent_server.__main__ import parse_config
 
 
@@ -58,7 +58,7 @@ async def test_serves_and_stops_on_sigterm(bmdb_conn: bmdb.Connection, bmdb_url:
                 while True:
                     try:
                         response = await client.post(
-                            f"http://127.0.0.1:{port}{agent.HEARTBEAT_PATH}",
+                            f"http://127.0.0.1:{port}{protocol.HEARTBEAT_PATH}",
                             content=b"",
                             headers={"Content-Type": "application/proto"},
                         )

@@ -22,7 +22,7 @@ import trio
 import bmdb
 from bmdb import Queries
 from monotrio.net import free_loopback_port
-from shepherd.agent import takeover as agent
+from shepherd.agent import protocol
 from shepherd.agent_server.server import COMPONENT
 from tests.shepherd.test_agent_server import heartbeater, started_machine
 
@@ -92,18 +92,18 @@ async def test_workers_share_the_port_and_a_killed_one_loses_no_acknowledged_hea
         hb = heartbeater(url, str(mid), seed, report=False)
         for _ in range(rounds):
             body, headers = hb.request()
-            by_session += agent.HEADER_SESSION in headers
+            by_session += protocol.HEADER_SESSION in headers
             try:
                 # A connection per request: the kernel spreads them over the workers.
                 async with httpx.AsyncClient() as client:
                     response = await client.post(
-                        url + agent.HEARTBEAT_PATH, content=body, headers=headers
+                        url + protocol.HEARTBEAT_PATH, content=body, headers=headers
                     )
             except httpx.TransportError:
                 await trio.sleep(0.1)  # the killed worker's connection: retried
                 continue
             if response.status_code == 200:
-                acknowledged[mid] = int(headers[agent.HEADER_TIME])
+                acknowledged[mid] = int(headers[protocol.HEADER_TIME])
                 through.add(mid)
                 # Its session: the next requests, on new connections, reach
                 # either worker (also the restarted one), which must accept it.

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import bmdb
 from bmdb import Queries
-from shepherd.agent import takeover as agent
+from shepherd.agent import ed25519, heartbeat, protocol, wire
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
 from shepherd.agent_server.session import SessionKeys, new_secret, session_mac
@@ -76,7 +76,7 @@ class Answer:
 
 async def post(url: str, body: bytes, headers: dict[str, str]) -> Answer:
     async with httpx.AsyncClient() as client:
-        response = await client.post(url + agent.HEARTBEAT_PATH, content=body, headers=headers)
+        response = await client.post(url + protocol.HEARTBEAT_PATH, content=body, headers=headers)
     if response.status_code == 200:
         return Answer(200, "", "", response.content)
     error = json.loads(response.content)
@@ -96,9 +96,9 @@ async def stored(conn: bmdb.Connection, mid: uuid.UUID) -> tuple[int | None, byt
     return await conn.transact(read)
 
 
-def with_session(hb: agent.Heartbeater, token: bytes, key: bytes) -> None:
+def with_session(hb: heartbeat.Heartbeater, token: bytes, key: bytes) -> None:
     """Make ``hb`` MAC its requests with this session."""
-    hb.session = agent.AgentSession(token, key, 3600)
+    hb.session = wire.AgentSession(token, key, 3600)
     hb.session_until = math.inf
 
 
@@ -108,7 +108,7 @@ async def test_signed_heartbeat_gets_a_session_whose_heartbeats_are_written(
     mid, seed = await started_machine(server.conn)
     hb = heartbeater(server.url, str(mid), seed, report=True)
     body, headers = hb.request()
-    assert agent.HEADER_SIGNATURE in headers and agent.HEADER_SESSION not in headers
+    assert protocol.HEADER_SIGNATURE in headers and protocol.HEADER_SESSION not in headers
     answer = await post(server.url, body, headers)
     assert answer.status == 200
     session = HeartbeatResponse.parse(answer.body).session
@@ -116,20 +116,20 @@ async def test_signed_heartbeat_gets_a_session_whose_heartbeats_are_written(
     assert session.lifetime_seconds == 3600
     # The agent's own codec reads the same session.
     hb.accepted(answer.body)
-    assert hb.session == agent.AgentSession(session.token, session.key, 3600)
+    assert hb.session == wire.AgentSession(session.token, session.key, 3600)
     _, report = await stored(server.conn, mid)
     assert report is not None
 
     hb.report = None
     for _ in range(3):
         body, headers = hb.request()
-        assert agent.HEADER_SESSION in headers
-        assert agent.HEADER_SIGNATURE not in headers and agent.HEADER_KEY not in headers
+        assert protocol.HEADER_SESSION in headers
+        assert protocol.HEADER_SIGNATURE not in headers and protocol.HEADER_KEY not in headers
         answer = await post(server.url, body, headers)
         assert answer.status == 200
         # A session heartbeat is answered without a new session.
         assert HeartbeatResponse.parse(answer.body).session is None
-        assert await stored(server.conn, mid) == (int(headers[agent.HEADER_TIME]), report)
+        assert await stored(server.conn, mid) == (int(headers[protocol.HEADER_TIME]), report)
 
 
 @pytest.mark.parametrize(
@@ -146,7 +146,7 @@ async def test_signed_heartbeat_gets_a_session_whose_heartbeats_are_written(
 )
 async def test_session_refusals_write_nothing(server: Server, case: str, message: str) -> None:
     mid, seed = await started_machine(server.conn)
-    public = agent.ed25519_public_key(seed)
+    public = ed25519.ed25519_public_key(seed)
     hb = heartbeater(server.url, str(mid), seed, report=True)
     keys = SessionKeys(SECRET)
     token, key = keys.issue(mid, public, time.time_ns())
@@ -166,13 +166,13 @@ async def test_session_refusals_write_nothing(server: Server, case: str, message
     elif case == "other-machine":
         # A valid session of another machine (its agent's key), used for this one.
         other, other_seed = await started_machine(server.conn)
-        token, key = keys.issue(other, agent.ed25519_public_key(other_seed), time.time_ns())
+        token, key = keys.issue(other, ed25519.ed25519_public_key(other_seed), time.time_ns())
     elif case == "malformed-token":
         token = token[:-1]
     with_session(hb, token, key)
     body, headers = hb.request()
     if case == "no-mac":
-        del headers[agent.HEADER_MAC]
+        del headers[protocol.HEADER_MAC]
     answer = await post(server.url, body, headers)
     assert (answer.status, answer.code, answer.message) == (401, "unauthenticated", message)
     assert await stored(server.conn, target) == (None, None)
@@ -207,7 +207,7 @@ async def test_session_of_a_machine_taken_over_again_is_refused(server: Server) 
 
     async def retake(q: Queries) -> None:
         now = datetime.datetime.now(datetime.UTC)
-        await q.set_agent_started(mid, now, agent.ed25519_public_key(os.urandom(32)))
+        await q.set_agent_started(mid, now, ed25519.ed25519_public_key(os.urandom(32)))
 
     await server.conn.transact(retake)
     answer = await post(server.url, *hb.request())
@@ -251,7 +251,7 @@ async def test_agent_renews_its_session_before_it_ends(
         await trio.to_thread.run_sync(hb.beat)
         assert hb.session is not None and hb.session.lifetime_seconds == 1
         await trio.sleep(1.0)  # past 90% of the lifetime
-        assert agent.HEADER_SIGNATURE in hb.request()[1]
+        assert protocol.HEADER_SIGNATURE in hb.request()[1]
     finally:
         scope.cancel()
 
@@ -276,4 +276,4 @@ def test_server_mac_is_the_agents(key: bytes, message: bytes) -> None:
     its keyed object reusable."""
     keyed = hmac.new(key, digestmod="sha256")
     assert session_mac(keyed, message) == hmac.digest(key, message, "sha256")
-    assert session_mac(keyed, message) == agent.session_mac(key, message)
+    assert session_mac(keyed, message) == protocol.session_mac(key, message)

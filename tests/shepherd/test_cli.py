@@ -20,7 +20,7 @@ from cryptography.x509.oid import NameOID
 import bmdb
 from bmdb import WorkEvent
 from bmdb.localserver import LocalPostgres
-from shepherd.agent import agent_script
+from shepherd.agent_bundle import agent_zipapp
 from shepherd.cli import parse_options
 from shepherd.localsshd import Sshd
 from shepherd.ssh_key import SSHKey, load_ssh_key
@@ -71,7 +71,7 @@ def test_defaults_follow_the_seed(files: dict[str, Path]) -> None:
     assert options.agent.ssh_connect_timeout == 2.0
     assert options.agent.ssh_exec_timeout == 60.0
     assert options.agent.endpoint_ca_certificate == b""
-    assert options.agent.executable == agent_script()
+    assert options.agent.executable == agent_zipapp()
     assert (options.rate.interval, options.rate.burst) == (0.25, 8)
     assert options.parallelism == 1
     assert options.provider.type == "Static"

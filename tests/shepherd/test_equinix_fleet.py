@@ -14,7 +14,8 @@ import trio
 
 import bmdb
 from bmdb import Provider, Queries
-from shepherd.agent import agent_script
+from shepherd.agent_bundle import agent_zipapp
+from shepherd.agent_start import AgentConfig
 from shepherd.control_loop import run_control_loop
 from shepherd.initializer import Initializer
 from shepherd.localfleet import open_fleet
@@ -25,7 +26,6 @@ from shepherd.provisioner import Provisioner, ProvisionerConfig
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
-from shepherd.takeover import AgentConfig
 from tests.shepherd.helpers import agent_keys
 
 COUNT = 4
@@ -74,7 +74,7 @@ async def test_provisioner_and_initializer_bring_devices_to_agent_started(
         )
         ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=10.0)
         agent = AgentConfig(
-            executable=agent_script(),
+            executable=agent_zipapp(),
             target_path="/agent",
             endpoint="bmaas.example:443",
             endpoint_ca_certificate=b"",

@@ -18,9 +18,10 @@ import trio
 
 import bmdb
 from bmdb import Backoff, Process, Queries, WorkEvent
-from shepherd.agent import agent_script
+from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
+from shepherd.agent_start import AgentConfig
 from shepherd.control_loop import Processor, run_control_loop
 from shepherd.initializer import Initializer
 from shepherd.localfleet import agent_pid
@@ -32,7 +33,6 @@ from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.recoverer import Recoverer
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
-from shepherd.takeover import AgentConfig
 from tests.shepherd.agents import host_macs, kill_agent, make_tls
 from tests.shepherd.helpers import provide
 
@@ -102,7 +102,7 @@ async def setup(
     ids = await provide(bmdb_conn, ["m-1"])
     target = sshd.root / "agent"
     agent = AgentConfig(
-        executable=agent_script(),
+        executable=agent_zipapp(),
         target_path=str(target),
         endpoint=f"https://127.0.0.1:{port_of(binds[0])}",
         endpoint_ca_certificate=tls.ca_der,

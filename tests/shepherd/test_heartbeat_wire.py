@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.agent import takeover as agent
+from shepherd.agent import ed25519, hwreport, wire
 from shepherd.proto import agent_callback as bp
 from shepherd.proto import hwreport as bp_hw
 from tests.protoc import google_modules
@@ -38,7 +38,7 @@ small = st.integers(min_value=0, max_value=2**31 - 1)
 big = st.integers(min_value=0, max_value=2**62)
 text = st.text(max_size=12)
 cpus = st.builds(
-    agent.HwCPU,
+    wire.HwCPU,
     vendor=text,
     model=text,
     cores=small,
@@ -46,7 +46,7 @@ cpus = st.builds(
     x86_64=st.none() | st.tuples(small, small, small),
 )
 disks = st.builds(
-    agent.HwBlockDevice,
+    wire.HwBlockDevice,
     vendor=text,
     device_model=text,
     serial_number=text,
@@ -58,14 +58,14 @@ disks = st.builds(
     protocol=st.sampled_from([0, 1, 3, 4]),
 )
 nics = st.builds(
-    agent.HwNetworkInterface,
+    wire.HwNetworkInterface,
     mac=st.binary(min_size=6, max_size=6),
     driver=text,
     link_up=st.booleans(),
     current_speed_bytes=big,
 )
 nodes = st.builds(
-    agent.HwNode,
+    wire.HwNode,
     manufacturer=text,
     product=text,
     serial_number=text,
@@ -79,7 +79,7 @@ nodes = st.builds(
 )
 
 
-def _pb_node(pb: ModuleType, node: agent.HwNode) -> object:
+def _pb_node(pb: ModuleType, node: wire.HwNode) -> object:
     hw = pb.hwreport__pb2
     return hw.Node(
         manufacturer=node.manufacturer,
@@ -135,9 +135,9 @@ def _pb_node(pb: ModuleType, node: agent.HwNode) -> object:
     warnings=st.lists(text, max_size=3),
 )
 def test_heartbeat_request_matches_other_implementations(
-    pb: ModuleType, machine_id: str, node: agent.HwNode | None, warnings: list[str]
+    pb: ModuleType, machine_id: str, node: wire.HwNode | None, warnings: list[str]
 ) -> None:
-    ours = agent.encode_heartbeat_request(machine_id, node, warnings)
+    ours = wire.encode_heartbeat_request(machine_id, node, warnings)
     theirs = pb.HeartbeatRequest(machine_id=machine_id)
     if node is not None:
         theirs.hardware_report.CopyFrom(
@@ -164,8 +164,8 @@ def test_heartbeat_request_matches_other_implementations(
 
 
 def test_this_machines_report_parses_back() -> None:
-    node, warnings = agent.collect_hardware_report()
-    parsed = bp.HeartbeatRequest.parse(agent.encode_heartbeat_request("m", node, warnings))
+    node, warnings = hwreport.collect_hardware_report()
+    parsed = bp.HeartbeatRequest.parse(wire.encode_heartbeat_request("m", node, warnings))
     assert parsed.hardware_report is not None and parsed.hardware_report.report is not None
     report = parsed.hardware_report.report
     assert sum(c.hardware_threads for c in report.cpu) == len(
@@ -184,7 +184,7 @@ def test_this_machines_report_parses_back() -> None:
 @settings(max_examples=30, deadline=None)
 @given(seed=st.binary(min_size=32, max_size=32), message=st.binary(max_size=200))
 def test_ed25519_signature_matches_cryptography(seed: bytes, message: bytes) -> None:
-    ours = agent.ed25519_sign(seed, message)
+    ours = ed25519.ed25519_sign(seed, message)
     key = Ed25519PrivateKey.from_private_bytes(seed)
     assert ours == key.sign(message)  # Ed25519 is deterministic
     key.public_key().verify(ours, message)
@@ -192,7 +192,7 @@ def test_ed25519_signature_matches_cryptography(seed: bytes, message: bytes) -> 
 
 def test_ed25519_rfc8032_test_vector_1_signature() -> None:
     seed = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
-    assert agent.ed25519_sign(seed, b"") == bytes.fromhex(
+    assert ed25519.ed25519_sign(seed, b"") == bytes.fromhex(
         "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555f"
         "b8821590a33bacc61e39701cf9b46bd25bf5f0595bbe24655141438e7a100b"
     )
@@ -215,12 +215,12 @@ def test_heartbeat_response_session_matches_other_implementations(
     )
     if installation is not None:
         theirs.installation_request.generation = installation
-    wire = theirs.SerializeToString(deterministic=True)
-    expected = agent.AgentSession(token, key, lifetime)
-    assert agent.decode_heartbeat_session(wire) == expected
+    encoded = theirs.SerializeToString(deterministic=True)
+    expected = wire.AgentSession(token, key, lifetime)
+    assert wire.decode_heartbeat_session(encoded) == expected
     server = bp.HeartbeatResponse(
         session=bp.AgentSession(token=token, key=key, lifetime_seconds=lifetime)
     )
     assert bytes(server) == pb.HeartbeatResponse(session=theirs.session).SerializeToString()
-    assert agent.decode_heartbeat_session(bytes(server)) == expected
-    assert agent.decode_heartbeat_session(b"") is None
+    assert wire.decode_heartbeat_session(bytes(server)) == expected
+    assert wire.decode_heartbeat_session(b"") is None

@@ -16,7 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
 from bmdb import Backoff, Isolation, Queries, WorkEvent
-from shepherd.agent import agent_script
+from shepherd.agent_bundle import agent_zipapp
+from shepherd.agent_start import AgentConfig
 from shepherd.control_loop import start_control_loop
 from shepherd.initializer import DEFAULT_BACKOFF, Initializer
 from shepherd.localfleet import open_fleet
@@ -26,7 +27,7 @@ from shepherd.providers.static import StaticProvider
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
-from shepherd.takeover import AgentConfig
+from tests.shepherd.agents import patched_agent
 from tests.shepherd.helpers import (
     agent_keys,
     backoffs,
@@ -102,7 +103,7 @@ async def test_end_to_end_on_openssh(
     mid = ids["m-1"]
     provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
     ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
-    config = agent_config(sshd.root / "agent", agent_script())
+    config = agent_config(sshd.root / "agent", agent_zipapp())
     run = LoopRun(bmdb_conn, Initializer(provider, ssh, config))
 
     await run.until(lambda: settled(bmdb_conn, [mid]))
@@ -128,12 +129,16 @@ GARBAGE = b"#!/bin/sh\ncat >/dev/null\necho 'I am not protobuf at all'\n"
 EXIT_7 = b"#!/bin/sh\ncat >/dev/null\necho boom >&2\nexit 7\n"
 FLOOD = b"#!/bin/sh\ncat >/dev/null\nexec cat /dev/zero\n"
 # The real agent with one bug injected each.
-SCRIPT = agent_script()
-SHORT_KEY = SCRIPT.replace(b"ed25519_public_key(seed), warnings)", b"b'short', warnings)")
-WRONG_ECHO = SCRIPT.replace(
-    b"encode_success(init_bytes,", b"encode_success(init_bytes + b'\\n\\x01x',"
+SCRIPT = agent_zipapp()
+SHORT_KEY = patched_agent(
+    "__main__.py", b"ed25519_public_key(seed), warnings)", b"b'short', warnings)"
 )
-assert SHORT_KEY != SCRIPT and WRONG_ECHO != SCRIPT
+# (Another machine id of the same length: "+" for each "-" of the UUID.)
+WRONG_ECHO = patched_agent(
+    "__main__.py",
+    b"encode_success(init_bytes,",
+    b"encode_success(init_bytes.replace(b'-', b'+'),",
+)
 
 
 @pytest.mark.parametrize(
@@ -214,7 +219,7 @@ async def test_unreachable_unauthorized_and_impostor_machines_fail_others_start(
             ]
         )
         ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
-        config = agent_config(sshd.root / "agent", agent_script())
+        config = agent_config(sshd.root / "agent", agent_zipapp())
         run = LoopRun(bmdb_conn, Initializer(provider, ssh, config), parallelism=3)
         await run.until(lambda: settled(bmdb_conn, list(ids.values())))
     finally:
@@ -279,7 +284,7 @@ async def test_worker_replaces_an_expired_session(
 ) -> None:
     provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
     ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
-    config = agent_config(sshd.root / "agent", agent_script())
+    config = agent_config(sshd.root / "agent", agent_zipapp())
     run = LoopRun(
         bmdb_conn, Initializer(provider, ssh, config), parallelism=1, session_interval=2.0
     )
@@ -324,7 +329,7 @@ async def test_hundred_machines_started_exactly_once(
             [Machine(f"m-{i}", "127.0.0.1", m.port) for i, m in enumerate(f.machines)]
         )
         ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=10.0)
-        config = agent_config("/agent", agent_script(), exec_timeout=60)
+        config = agent_config("/agent", agent_zipapp(), exec_timeout=60)
         run = LoopRun(bmdb_conn, Initializer(provider, ssh, config), parallelism=8)
 
         async def all_started() -> bool:
@@ -353,7 +358,7 @@ async def test_success_never_overwrites_a_host_key_recorded_meanwhile(
     mid = ids["m-1"]
     provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
     ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
-    initializer = Initializer(provider, ssh, agent_config(sshd.root / "agent", agent_script()))
+    initializer = Initializer(provider, ssh, agent_config(sshd.root / "agent", agent_zipapp()))
     # The recorded key is the server's own (a recoverer saw the same machine),
     # stored with a different first_seen; an overwrite would be an UPDATE.
     async with bmdb_conn.session("test", "here") as session:
@@ -379,11 +384,11 @@ async def test_success_never_overwrites_a_host_key_recorded_meanwhile(
 
 # An agent that answers with a huge error full of terminal escapes and a
 # forged log line.
-HOSTILE_ERROR = SCRIPT.replace(
+HOSTILE_ERROR = patched_agent(
+    "__main__.py",
     b"seed = load_or_create_seed(key_file, warnings)",
     b"raise AgentError('\\x1b[2J\\x1b[31mred\\nFAKE LOG LINE\\u202e' + 'A' * 5000)",
 )
-assert HOSTILE_ERROR != SCRIPT
 
 
 async def test_machine_text_is_bounded_and_escaped_in_history(

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import trio
 
 from monotrio.text import printable
-from shepherd.agent.takeover import WIRE_LEN, DecodeError, iter_fields
 from shepherd.errors import ShepherdError
-from shepherd.proto.agent import TakeoverInit
+from shepherd.proto import strict
+from shepherd.proto.agent import TakeoverInit, TakeoverResponse
 from shepherd.providers import Machine
 from shepherd.ssh import (
     AuthenticationError,
@@ -44,7 +44,7 @@ from shepherd.ssh import (
     SSHClient,
 )
 
-logger = logging.getLogger("shepherd.takeover")
+logger = logging.getLogger("shepherd.agent_start")
 
 #: Length of an Ed25519 public key.
 AGENT_KEY_LENGTH = 32
@@ -253,22 +253,9 @@ async def start_agent(
     return AgentStarted(key, host_key, warnings)
 
 
-def _bytes(number: int, wire_type: int, value: bytes | int) -> bytes:
-    if wire_type != WIRE_LEN or not isinstance(value, bytes):
-        raise DecodeError(f"field {number}: wire type {wire_type}, want length-delimited")
-    return value
-
-
-def _text(number: int, wire_type: int, value: bytes | int) -> str:
-    try:
-        return _bytes(number, wire_type, value).decode("utf-8")
-    except UnicodeDecodeError:
-        raise DecodeError(f"field {number}: string is not UTF-8") from None
-
-
 @dataclass(frozen=True)
 class _Reply:
-    """A decoded TakeoverResponse: exactly one of error / success."""
+    """A decoded TakeoverResponse: at most one of error / success."""
 
     error: str | None = None
     init: TakeoverInit | None = None
@@ -276,57 +263,26 @@ class _Reply:
     warnings: tuple[str, ...] = ()
 
 
-def _decode_init(data: bytes) -> TakeoverInit:
-    machine_id, endpoint, ca = "", "", b""
-    for number, wire_type, value in iter_fields(data):
-        if number == 1:
-            machine_id = _text(number, wire_type, value)
-        elif number == 2:
-            endpoint = _text(number, wire_type, value)
-        elif number == 3:
-            ca = _bytes(number, wire_type, value)
-    return TakeoverInit(machine_id=machine_id, bmaas_endpoint=endpoint, ca_certificate=ca)
-
-
 def _decode_reply(data: bytes) -> _Reply:
-    """Decode a TakeoverResponse strictly; raise DecodeError on anything odd.
+    """Decode a TakeoverResponse strictly; raise `strict.MalformedMessage` on anything odd.
 
-    Our own decoder rather than betterproto2's, which is lenient where a
-    hostile machine must not be: it turns truncated bytes into an empty
-    message, accepts a field of the wrong wire type, and resolves a reply
-    with both oneof members set by taking the last. Here each of those is an
-    error, as is a repeated singular field. Unknown fields are skipped, as
-    the protobuf rules say (a newer agent may add some).
+    Strictly (`shepherd.proto.strict`) because betterproto2 alone is lenient
+    where a hostile machine must not be: it turns truncated bytes into an
+    empty message, accepts a field of the wrong wire type, and resolves a
+    reply with both oneof members set by taking the last. Unknown fields are
+    skipped, as the protobuf rules say (a newer agent may add some).
     """
-    results = [(n, w, v) for n, w, v in iter_fields(data) if n in (1, 2)]
-    if len(results) > 1:
-        names = {1: "success", 2: "error"}
-        raise DecodeError("more than one result set: " + ", ".join(names[n] for n, _, _ in results))
-    if not results:
+    response = strict.parse(TakeoverResponse, data)
+    if response.error is not None:
+        return _Reply(error=response.error.message)
+    success = response.success
+    if success is None:
         return _Reply()
-    number, wire_type, value = results[0]
-    body = _bytes(number, wire_type, value)
-    if number == 2:
-        message = ""
-        for n, w, v in iter_fields(body):
-            if n == 1:
-                message = _text(n, w, v)
-        return _Reply(error=message)
-    init: TakeoverInit | None = None
-    key: bytes | None = None
-    warnings: list[str] = []
-    for n, w, v in iter_fields(body):
-        if n == 1:
-            if init is not None:
-                raise DecodeError("success.init_message set twice")
-            init = _decode_init(_bytes(n, w, v))
-        elif n == 2:
-            if key is not None:
-                raise DecodeError("success.key set twice")
-            key = _bytes(n, w, v)
-        elif n == 3:
-            warnings.append(_text(n, w, v))
-    return _Reply(init=init or TakeoverInit(), key=key or b"", warnings=tuple(warnings))
+    return _Reply(
+        init=success.init_message or TakeoverInit(),
+        key=success.key,
+        warnings=tuple(success.warning),
+    )
 
 
 def parse_response(
@@ -343,7 +299,7 @@ def parse_response(
         raise MalformedResponse("agent wrote nothing to stdout", host_key)
     try:
         reply = _decode_reply(stdout)
-    except DecodeError as exc:
+    except strict.MalformedMessage as exc:
         excerpt = stdout[:64]
         raise MalformedResponse(
             f"agent reply is not a TakeoverResponse ({exc}); first bytes {excerpt!r}", host_key

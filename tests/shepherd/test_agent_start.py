@@ -9,13 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.agent import agent_script
-from shepherd.localsshd import Sshd
-from shepherd.proto.agent import TakeoverError, TakeoverInit, TakeoverResponse, TakeoverSuccess
-from shepherd.providers import Machine
-from shepherd.ssh import SSHClient
-from shepherd.ssh_key import SSHKey
-from shepherd.takeover import (
+from shepherd.agent_bundle import agent_zipapp
+from shepherd.agent_start import (
     MAX_WARNINGS,
     AgentConfig,
     AgentError,
@@ -27,6 +22,12 @@ from shepherd.takeover import (
     parse_response,
     start_agent,
 )
+from shepherd.localsshd import Sshd
+from shepherd.proto.agent import TakeoverError, TakeoverInit, TakeoverResponse, TakeoverSuccess
+from shepherd.providers import Machine
+from shepherd.ssh import SSHClient
+from shepherd.ssh_key import SSHKey
+from tests.shepherd.agents import patched_agent
 
 SENT = TakeoverInit(machine_id="m-1", bmaas_endpoint="e:443", ca_certificate=b"\x30\x00")
 SENT_BYTES = bytes(SENT)
@@ -72,12 +73,12 @@ def test_good_response_gives_key_and_warnings() -> None:
         (
             _success() + bytes(TakeoverResponse(error=TakeoverError(message="x"))),
             MalformedResponse,
-            "more than one result set: success, error",
+            "more than one of result set: success, error",
         ),
         (
             bytes(TakeoverResponse(error=TakeoverError(message="x"))) + _success(),
             MalformedResponse,
-            "more than one result set: error, success",
+            "more than one of result set: error, success",
         ),
         # Fields of the wrong wire type, at every level.
         (_field(1, _field(1, SENT_BYTES) + b"\x10\x05"), MalformedResponse, "field 2: wire type 0"),
@@ -88,7 +89,7 @@ def test_good_response_gives_key_and_warnings() -> None:
         (_field(2, _field(1, b"\xff")), MalformedResponse, "not UTF-8"),
         (_field(1, _field(1, SENT_BYTES) + _field(3, b"\xff")), MalformedResponse, "not UTF-8"),
         # A singular field given twice (a parser taking the last would be fooled).
-        (_field(1, _field(2, KEY) + _field(2, KEY)), MalformedResponse, "key set twice"),
+        (_field(1, _field(2, KEY) + _field(2, KEY)), MalformedResponse, "key, field 2: set twice"),
     ],
 )
 def test_bad_responses_say_what_is_wrong(
@@ -125,7 +126,7 @@ async def test_upload_failure_is_its_own_cause(
     aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
     config = AgentConfig(
-        executable=agent_script(),
+        executable=agent_zipapp(),
         target_path=str(sshd.root / "no-such-dir" / "agent"),
         endpoint="e:443",
         endpoint_ca_certificate=b"",
@@ -173,7 +174,7 @@ async def test_start_agent_returns_key_and_host_key(
     aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
     config = AgentConfig(
-        executable=agent_script(),
+        executable=agent_zipapp(),
         target_path=str(sshd.root / "agent"),
         endpoint="e:443",
         endpoint_ca_certificate=b"",
@@ -227,7 +228,8 @@ def test_fuzz_structured_replies_parse_or_fail_cleanly(stdout: bytes) -> None:
 async def test_agent_warnings_are_capped(
     aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
-    flood = agent_script().replace(
+    flood = patched_agent(
+        "__main__.py",
         b"encode_success(init_bytes, ed25519_public_key(seed), warnings)",
         b"encode_success(init_bytes, ed25519_public_key(seed), ['w\\x1b[2J'] * 5000)",
     )

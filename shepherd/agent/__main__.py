@@ -1,0 +1,122 @@
+"""The takeover agent's program: what the Shepherd initializer uploads and runs.
+
+It runs on a freshly provided machine that may have nothing but ``python3``,
+so the whole agent (this package) is standard library only, imports nothing
+else of the ``shepherd`` package, and is uploaded as one zipapp
+(`shepherd.agent_bundle`) whose entry calls `main`.
+
+Protocol (one exchange, then exit)::
+
+    initializer --stdin-->  TakeoverInit {machine_id, bmaas_endpoint, ca_certificate}
+                            |
+                            v  validate (empty endpoint is refused)
+                            v  load or create the Ed25519 key beside the agent
+    initializer <-stdout--  TakeoverResponse {success {init_message, key, warning*}}
+                         or TakeoverResponse {error {message}}
+
+The exit status is 0 whenever a ``TakeoverResponse`` was written, error or not:
+the response is the result, and the initializer reads it whatever the status.
+
+With ``--heartbeat-interval SECONDS`` (the initializer always passes it) a
+successful takeover does not end the agent: after writing the response it
+detaches (`daemon`: double fork, new session, stdio to ``<agent>.log``), so
+the SSH session ends, and heartbeats to ``bmaas_endpoint`` until killed
+(`heartbeat`). Without it the agent only answers.
+
+Files beside the uploaded agent (``sys.argv[0]``): ``<agent>.key`` (its
+private seed, `keyfile`), ``<agent>.pid`` and ``<agent>.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .daemon import detach, log, replace_running_agent
+from .ed25519 import ed25519_public_key
+from .errors import AgentError
+from .heartbeat import Heartbeater
+from .hwreport import collect_hardware_report
+from .keyfile import load_or_create_seed
+from .wire import DecodeError, TakeoverInit, encode_error, encode_success, iter_fields
+
+
+def _beside(suffix: str) -> str:
+    """A file beside the agent: ``<agent path><suffix>``."""
+    return os.path.abspath(sys.argv[0]) + suffix
+
+
+def take_over(init_bytes: bytes, key_file: str) -> bytes:
+    """Run one takeover exchange and return the encoded TakeoverResponse."""
+    try:
+        init = TakeoverInit.decode(init_bytes)
+    except DecodeError as exc:
+        return encode_error(f"malformed TakeoverInit on stdin: {exc}")
+    if not init.bmaas_endpoint:
+        return encode_error("TakeoverInit has an empty bmaas_endpoint")
+    warnings: list[str] = []
+    try:
+        seed = load_or_create_seed(key_file, warnings)
+    except AgentError as exc:
+        return encode_error(str(exc))
+    return encode_success(init_bytes, ed25519_public_key(seed), warnings)
+
+
+def _parse_args(argv: list[str]) -> tuple[float | None, float]:
+    """``[--heartbeat-interval SECONDS] [--heartbeat-backoff-cap SECONDS]``."""
+    interval: float | None = None
+    cap = 60.0
+    args = list(argv)
+    while args:
+        flag = args.pop(0)
+        if flag not in ("--heartbeat-interval", "--heartbeat-backoff-cap") or not args:
+            raise AgentError(
+                f"usage: agent [--heartbeat-interval S] [--heartbeat-backoff-cap S], got {flag!r}"
+            )
+        value = float(args.pop(0))
+        if not value > 0:
+            raise AgentError(f"{flag} must be positive")
+        if flag == "--heartbeat-interval":
+            interval = value
+        else:
+            cap = value
+    return interval, cap
+
+
+def main() -> int:
+    try:
+        interval, cap = _parse_args(sys.argv[1:])
+    except (AgentError, ValueError) as exc:
+        sys.stderr.write(f"agent: {exc}\n")
+        return 2
+    init_bytes = sys.stdin.buffer.read()
+    response = take_over(init_bytes, _beside(".key"))
+    heartbeater = None
+    if interval is not None and iter_fields(response)[0][0] == 1:  # success
+        try:
+            warnings: list[str] = []
+            heartbeater = Heartbeater(
+                TakeoverInit.decode(init_bytes),
+                load_or_create_seed(_beside(".key"), warnings),
+                interval=interval,
+                backoff_cap=cap,
+            )
+        except AgentError as exc:
+            response = encode_error(str(exc))
+    sys.stdout.buffer.write(response)
+    sys.stdout.buffer.flush()
+    if heartbeater is None or not detach(_beside(".log")):
+        return 0
+    try:
+        replace_running_agent(_beside(".pid"))
+        log(f"heartbeating to {heartbeater.init.bmaas_endpoint} every {interval:g}s")
+        heartbeater.report = collect_hardware_report()
+        heartbeater.run()
+    except BaseException as exc:  # the daemon's last word goes to its log
+        log(f"stopped: {exc!r}")
+        os._exit(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The heartbeat client: signed (or session-MACed) heartbeats to the BMaaS endpoint.
+
+How requests are authenticated is `protocol`; this module sends them, keeps
+the connection and the session, and backs off while heartbeats fail.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from . import protocol
+from .daemon import log
+from .ed25519 import ed25519_public_key, ed25519_sign
+from .errors import AgentError
+from .wire import (
+    AgentSession,
+    DecodeError,
+    HwNode,
+    TakeoverInit,
+    decode_heartbeat_session,
+    encode_heartbeat_request,
+)
+
+if TYPE_CHECKING:
+    import http.client
+    import ssl
+
+# The heartbeat's modules (http.client, ssl, urllib.parse, base64, random)
+# are imported where they are used, not here: constructing a Heartbeater is
+# on the takeover's critical path, and they would about double the agent's
+# start-up time.
+
+#: Bound on one heartbeat exchange (connect, TLS, request, response), seconds.
+REQUEST_TIMEOUT = 15.0
+
+
+class Heartbeater:
+    """Sends heartbeats to the endpoint of ``init``, signed with ``seed``."""
+
+    def __init__(
+        self,
+        init: TakeoverInit,
+        seed: bytes,
+        *,
+        interval: float,
+        backoff_cap: float,
+        report: tuple[HwNode, list[str]] | None = None,
+    ) -> None:
+        self.init = init
+        self.seed = seed
+        self.public_key = ed25519_public_key(seed)
+        self.interval = interval
+        self.backoff_cap = max(backoff_cap, interval)
+        self.report = report  # sent until one heartbeat carrying it is accepted
+        self._last_time_ns = 0
+        #: The session requests are MACed with, if any, and when (time.monotonic())
+        #: to stop using it and sign again, ahead of its end at the server.
+        self.session: AgentSession | None = None
+        self.session_until = 0.0
+        import ssl
+        import urllib.parse
+
+        endpoint = init.bmaas_endpoint
+        url = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise AgentError(f"cannot use endpoint {endpoint!r}: want [https://]host[:port]")
+        self.scheme, self.host = url.scheme, url.hostname
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self._conn: http.client.HTTPConnection | None = None
+        self.context: ssl.SSLContext | None = None
+        if self.scheme == "https":
+            try:
+                self.context = ssl.create_default_context(cadata=init.ca_certificate or None)
+            except (ssl.SSLError, ValueError) as exc:
+                raise AgentError(f"cannot use ca_certificate: {exc}") from exc
+
+    def request(self) -> tuple[bytes, dict[str, str]]:
+        """The next request: body and headers, MACed with the session if one
+        is held and still in use, else signed."""
+        import base64
+
+        report, warnings = self.report if self.report is not None else (None, None)
+        body = encode_heartbeat_request(self.init.machine_id, report, warnings)
+        # Strictly increasing, also when the clock steps back: the server
+        # refuses a time not newer than the last it accepted.
+        now = max(time.time_ns(), self._last_time_ns + 1)
+        self._last_time_ns = now
+        message = protocol.signed_message(
+            "POST", protocol.HEARTBEAT_PATH, self.init.machine_id, now, body
+        )
+        headers = {
+            "Content-Type": "application/proto",
+            "Connect-Protocol-Version": "1",
+            "Connect-Timeout-Ms": str(int(REQUEST_TIMEOUT * 1000)),
+            protocol.HEADER_TIME: str(now),
+        }
+        if self.session is not None and time.monotonic() >= self.session_until:
+            self.session = None
+        if self.session is not None:
+            headers[protocol.HEADER_SESSION] = base64.b64encode(self.session.token).decode("ascii")
+            mac = protocol.session_mac(self.session.key, message)
+            headers[protocol.HEADER_MAC] = base64.b64encode(mac).decode("ascii")
+        else:
+            signature = ed25519_sign(self.seed, message)
+            headers[protocol.HEADER_KEY] = base64.b64encode(self.public_key).decode("ascii")
+            headers[protocol.HEADER_SIGNATURE] = base64.b64encode(signature).decode("ascii")
+        return body, headers
+
+    def accepted(self, answer: bytes) -> None:
+        """Take the session an accepted heartbeat's answer carries, if any.
+
+        Used until 90% of its lifetime has passed (by this machine's
+        monotonic clock, which the server's need not match closely), so that
+        it is renewed by a signed heartbeat before the server refuses it.
+        """
+        try:
+            session = decode_heartbeat_session(answer)
+        except DecodeError as exc:
+            log(f"ignoring a malformed session: {exc}")
+            return
+        if session is None or not session.token or not session.key:
+            return
+        if 0 < session.lifetime_seconds < 2**62:
+            self.session = session
+            self.session_until = time.monotonic() + 0.9 * session.lifetime_seconds
+
+    def _connect(self) -> http.client.HTTPConnection:
+        import http.client
+
+        if self.context is not None:
+            return http.client.HTTPSConnection(
+                self.host, self.port, timeout=REQUEST_TIMEOUT, context=self.context
+            )
+        return http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT)
+
+    def beat(self) -> None:
+        """Send one heartbeat; raise OSError, HTTPException or AgentError on failure.
+
+        The connection is kept for the next heartbeat (the server keeps idle
+        connections longer than the interval), which spares both sides a
+        TCP and TLS handshake per heartbeat. A kept connection the server
+        closed meanwhile is replaced once, with a new request. A session
+        the server refuses (expired, or made before the server restarted)
+        is dropped and the heartbeat sent again at once, signed.
+        """
+        import http.client
+
+        reconnected = resigned = False
+        while True:
+            reused = self._conn is not None
+            if self._conn is None:
+                self._conn = self._connect()
+            conn = self._conn
+            body, headers = self.request()
+            try:
+                conn.request("POST", protocol.HEARTBEAT_PATH, body=body, headers=headers)
+                response = conn.getresponse()
+                answer = response.read(64 * 1024)
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                self._conn = None
+                if reused and not reconnected:
+                    reconnected = True
+                    continue
+                raise
+            if response.will_close:
+                conn.close()
+                self._conn = None
+            if response.status == 401 and protocol.HEADER_SESSION in headers and not resigned:
+                text = answer[:300].decode("utf-8", errors="replace")
+                log(f"session refused, signing again: {text}")
+                self.session = None
+                resigned = True
+                continue
+            break
+        if response.status != 200:
+            text = answer[:300].decode("utf-8", errors="replace")
+            raise AgentError(f"heartbeat refused: HTTP {response.status}: {text}")
+        self.accepted(answer)
+        if self.report is not None:
+            log("hardware report accepted")
+            self.report = None
+
+    def run(self) -> None:
+        """Heartbeat forever: every ``interval`` while accepted, else with
+        exponential backoff (1 s doubling, jittered, up to ``backoff_cap``)."""
+        import http.client
+        import random
+
+        delay = 0.0
+        failing = False
+        while True:
+            try:
+                self.beat()
+            except (OSError, http.client.HTTPException, AgentError) as exc:
+                delay = min(self.backoff_cap, max(1.0, delay * 2)) if failing else 1.0
+                if not failing:
+                    log(f"heartbeat failed, backing off: {exc}")
+                failing = True
+                time.sleep(delay * random.uniform(0.8, 1.0))
+                continue
+            if failing:
+                log("heartbeats accepted again")
+            failing = False
+            delay = 0.0
+            time.sleep(self.interval)
