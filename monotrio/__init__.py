@@ -6,5 +6,6 @@ embedded servers. Nothing here imports from the other packages.
 
 Modules: `monotrio.backoff` (retry waits with injected randomness),
 `monotrio.net` (loopback ports), `monotrio.numbers` (strict decimal
-numbers from the wire). See ARCHITECTURE.md at the repository root.
+numbers from the wire), `monotrio.protobuf` (strict protobuf parsing).
+See ARCHITECTURE.md at the repository root.
 """

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import trio
 
+from monotrio.protobuf import parse_checked
 from monotrio.text import printable
 from shepherd.errors import ShepherdError
-from shepherd.proto import strict
 from shepherd.proto.agent import TakeoverInit, TakeoverResponse
 from shepherd.providers import Machine
 from shepherd.ssh import (
@@ -264,15 +264,15 @@ class _Reply:
 
 
 def _decode_reply(data: bytes) -> _Reply:
-    """Decode a TakeoverResponse strictly; raise `strict.MalformedMessage` on anything odd.
+    """Decode a TakeoverResponse strictly; raise ``ValueError`` on anything odd.
 
-    Strictly (`shepherd.proto.strict`) because betterproto2 alone is lenient
+    Strictly (`monotrio.protobuf`) because betterproto2 alone is lenient
     where a hostile machine must not be: it turns truncated bytes into an
     empty message, accepts a field of the wrong wire type, and resolves a
     reply with both oneof members set by taking the last. Unknown fields are
     skipped, as the protobuf rules say (a newer agent may add some).
     """
-    response = strict.parse(TakeoverResponse, data)
+    response = parse_checked(TakeoverResponse, data)
     if response.error is not None:
         return _Reply(error=response.error.message)
     success = response.success
@@ -299,7 +299,7 @@ def parse_response(
         raise MalformedResponse("agent wrote nothing to stdout", host_key)
     try:
         reply = _decode_reply(stdout)
-    except strict.MalformedMessage as exc:
+    except ValueError as exc:
         excerpt = stdout[:64]
         raise MalformedResponse(
             f"agent reply is not a TakeoverResponse ({exc}); first bytes {excerpt!r}", host_key

@@ -16,7 +16,6 @@
     │   └── ChannelError           the command channel failed
     ├── SSHKeyError                shepherd.ssh_key: the Shepherd's own key file
     ├── TakeoverFailed             shepherd.agent_start: the agent did not start
-    ├── MalformedMessage           shepherd.proto.strict: bytes that are no such message
     ├── ProcessingFailed           shepherd.control_loop: a processor's verdict on
     │                              one machine (recorded as a failed work)
     ├── RateSyntaxError            shepherd.rate_limit: a bad rate (also a ValueError)

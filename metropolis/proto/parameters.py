@@ -7,7 +7,7 @@ serialized ``GetClusterInfoResponse``: the cluster CA and directory), the
 register ticket and the owner's public key. The node half reads it to
 register.
 
-Reading is strict (see `metropolis.proto.strict`): a file that is not the
+Reading is strict (see `monotrio.protobuf`): a file that is not the
 exact encoding of a NodeParameters, or whose ClusterRegister lacks one of
 its fields or holds one that cannot be right (a directory node without a
 32-byte key or an address, a CA certificate that is not DER X.509, an owner
@@ -27,7 +27,7 @@ from metropolis.localstorage import atomic_write
 from metropolis.proto.common import ClusterDirectory
 from metropolis.proto.configuration import NodeParameters, NodeParametersClusterRegister
 from metropolis.proto.management import GetClusterInfoResponse
-from metropolis.proto.strict import parse_strict
+from monotrio.protobuf import parse_strict
 
 __all__ = [
     "MAX_FILE_SIZE",

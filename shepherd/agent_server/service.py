@@ -90,6 +90,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import AgentHeartbeat, HeartbeatOutcome
+from monotrio.protobuf import parse_checked
 from shepherd.agent.protocol import (
     HEADER_KEY,
     HEADER_MAC,
@@ -101,7 +102,6 @@ from shepherd.agent.protocol import (
 )
 from shepherd.agent_server.connect import ConnectError
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret, session_mac
-from shepherd.proto import strict
 from shepherd.proto.agent_callback import AgentSession, HeartbeatRequest, HeartbeatResponse
 
 logger = logging.getLogger("shepherd.agent_server.service")
@@ -144,14 +144,14 @@ class Heartbeat:
 def parse_request(body: bytes) -> tuple[str, bytes | None]:
     """(machine_id, encoded hardware report) of a HeartbeatRequest; invalid_argument if malformed.
 
-    Parsed strictly (`shepherd.proto.strict`): betterproto2 alone would turn
+    Parsed strictly (`monotrio.protobuf`): betterproto2 alone would turn
     garbage into an empty message instead of failing. The report is the
     parsed one encoded again (the same message, unknown fields kept; not
     always the same bytes: betterproto2 writes fields in its own order).
     """
     try:
-        request = strict.parse(HeartbeatRequest, body)
-    except strict.MalformedMessage as exc:
+        request = parse_checked(HeartbeatRequest, body)
+    except ValueError as exc:
         raise ConnectError("invalid_argument", f"malformed HeartbeatRequest: {exc}") from exc
     report = request.hardware_report
     return request.machine_id, bytes(report) if report is not None else None

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from metropolis import pki
 from metropolis.proto import common, configuration, parameters
 from metropolis.proto.management import GetClusterInfoResponse
-from metropolis.proto.strict import parse_strict
-from shepherd.agent import takeover as agent
+from monotrio.protobuf import parse_strict
+from shepherd.agent import wire as agent
 from shepherd.proto import agent_callback as bp
 from tests.protoc import google_modules
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metropolis.proto import common, configuration, management
-from metropolis.proto.strict import parse_strict
+from monotrio.protobuf import parse_checked, parse_strict
 from tests.protoc import google_modules
 
 PROTO_DIR = Path(__file__).resolve().parents[2] / "metropolis" / "proto"
@@ -87,7 +87,7 @@ def test_a_varint_in_a_bytes_field_allocates_nothing() -> None:
     of 2**40: betterproto2 would make bytes(2**40) of it."""
     huge = bytes([0x10]) + bytes([0x80] * 5) + bytes([0x20])
     inner = bytes([0x12, len(huge)]) + huge
-    with pytest.raises(ValueError, match="wire type 0, declared bytes"):
+    with pytest.raises(ValueError, match="wire type 0, want length-delimited"):
         parse_strict(configuration.NodeParameters, inner)
 
 
@@ -96,7 +96,7 @@ def test_a_varint_in_a_bytes_field_allocates_nothing() -> None:
     [
         (bytes([0x12, 0x02, 0x22, 0x00]), "field 4 is not one of"),  # unknown inside the register
         (bytes([0x0B]), "wire type 3"),  # a group start, which proto3 never writes
-        (bytes([0x12, 0x00, 0x12, 0x00]), "not the canonical encoding"),  # the oneof twice
+        (bytes([0x12, 0x00, 0x12, 0x00]), "set twice"),  # the oneof twice
         (bytes([0x12, 0x02, 0x12, 0x00]), "not the canonical encoding"),  # an empty ticket written
         (bytes([0x12, 0xFF]), "truncated"),
         (bytes([0x12, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01]), "10"),
@@ -158,3 +158,53 @@ def test_mutations_agree_with_google(pb: ModuleType, seed: int, kind: int) -> No
         assert ours == theirs == bytes(data)
     if theirs is None:
         assert ours is None
+
+
+# --- parse_checked: a peer's bytes, unknown fields and any order allowed ------
+
+
+def test_checked_skips_unknown_fields_and_takes_any_order() -> None:
+    """What a newer peer or another runtime may write: an unknown field of
+    each wire type, and the known fields out of number order."""
+    params = _params()
+    register = bytes(params.cluster_register)
+    unknown = (
+        bytes([0xF8, 0x07, 0x01])  # field 127 varint
+        + bytes([0xF9, 0x07]) + b"8bytes!!"  # field 127 fixed64
+        + bytes([0xFA, 0x07, 0x02]) + b"hi"  # field 127 length-delimited
+        + bytes([0xFD, 0x07]) + b"4byt"  # field 127 fixed32
+    )  # fmt: skip
+    length = len(register)
+    assert 128 <= length < 16384  # two bytes of varint
+    data = unknown + bytes([0x12, 0x80 | length & 0x7F, length >> 7]) + register
+    parsed = parse_checked(configuration.NodeParameters, data)
+    assert parsed.cluster_register == params.cluster_register
+    with pytest.raises(ValueError, match="field 127 is not one of"):
+        parse_strict(configuration.NodeParameters, data)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        # ClusterRegister.register_ticket (bytes) sent as a varint of 2**40.
+        (bytes([0x12, 0x07, 0x10]) + bytes([0x80] * 5) + bytes([0x20]), "wire type 0"),
+        (bytes([0x12, 0x05, 0x12, 0x09]) + b"abc", "past end of message"),  # truncated
+        (bytes([0xFB, 0x07]), "wire type 3"),  # an unknown group start
+        (bytes([0xFA, 0x07, 0x09, 0x00]), "past end of message"),  # an unknown field cut short
+    ],
+)
+def test_checked_refuses_what_is_not_a_message(data: bytes, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_checked(configuration.NodeParameters, data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_checked_takes_any_bytes_to_a_message_or_a_valueerror(data: bytes) -> None:
+    """And what it returns can be written again, no larger than it came:
+    nothing in it stands for more bytes than were sent."""
+    try:
+        message = parse_checked(configuration.NodeParameters, data)
+    except ValueError:
+        return
+    assert len(bytes(message)) <= len(data)
