@@ -1,10 +1,11 @@
 """What every one of our small ASGI apps answers alike.
 
-Our HTTP endpoints (the BMDB web UI, the agent callback server, the metrics
-endpoint) are plain ASGI apps under hypercorn's Trio worker. None of them
-has anything to set up or tear down when the server starts or stops (their
-callers open the BMDB connection around the server), but hypercorn still
-speaks the lifespan protocol to them, so they answer it here.
+Our ASGI endpoints (the BMDB web UI, the metrics endpoint) are plain ASGI
+apps under hypercorn's Trio worker (the agent callback server is not one:
+it has its own HTTP/1.1 transport). None of them has anything to set up or
+tear down when the server starts or stops (their callers open the BMDB
+connection around the server), but hypercorn still speaks the lifespan
+protocol to them, so they answer it here.
 """
 
 from __future__ import annotations

@@ -1,33 +1,50 @@
 """A lean HTTP/1.1 server on Trio for the agent callback's unary Connect calls.
 
-Why not hypercorn (which served this endpoint first): profiled under
-``bench/heartbeat.py``, hypercorn's general machinery (h11's event objects
-and validation, the ASGI message dicts, a task and several cancel scopes
-and locks per request, its flow control) cost 3-4 ms of CPU per request on
-this project's test machine, more than the signature check and the
-(grouped) database write together, and capped the server at a few hundred
-heartbeats per second. This endpoint needs a small part of HTTP/1.1: one
-method, small bodies, answers whose length is known, no upgrades and no
-streaming. Serving exactly that, with one task per connection and one
-watchdog for all timeouts, costs 0.13-0.25 ms per request in the same
-benchmark (its "bare" mode), over ten times less.
+The parser is this module's own, not h11 (or a server built on it, such
+as hypercorn, which served this endpoint first). This endpoint needs a
+small part of HTTP/1.1: one method, small bodies, answers whose length is
+known, no upgrades and no streaming, and it is the hot path of every
+agent's heartbeat, which costs the server little else once sessions
+spare the signature check. Under ``bench/heartbeat.py``, h11's general
+machinery (its event objects, the state machine it steps several times per
+request, the validation of every header it parses and of those of the
+answer it writes) added nearly as much server CPU per heartbeat as all of
+the heartbeat's path costs with this parser, far more than this project
+lets a library cost over its own code; hypercorn's ASGI machinery on top
+of h11 cost more still. So the parser stays, and is strict instead:
+it takes only what RFC 9112 allows a server to take and refuses the rest
+(mostly with a 400), in particular what request smuggling and crashes are
+made of.
 
 What it speaks::
 
-    request line   METHOD SP target SP HTTP/1.1 (or HTTP/1.0), target's query ignored
-    headers        name: value, by lower-case name (the last of repeated ones wins;
-                   obsolete line folding refused)
-    body           Content-Length, or Transfer-Encoding: chunked (trailers ignored);
+    request line   METHOD SP target SP HTTP/1.1 (or HTTP/1.0), target's query
+                   ignored; the method a token
+    headers        name: value, by lower-case name, the name a token (so no
+                   obsolete line folding, no space before the colon); the last
+                   of repeated ones wins, but repeated Content-Length must
+                   agree and Transfer-Encoding may come once
+    body           Content-Length (ASCII digits only, `monotrio.numbers`), or
+                   Transfer-Encoding: chunked (trailers ignored), not both;
                    Expect: 100-continue answered before the body is read
     answer         status, Content-Type, Content-Length, body; Connection: close
                    when the connection ends after it
     keep-alive     HTTP/1.1 unless "Connection: close"; HTTP/1.0 only when asked
     pipelining     requests on one connection are answered in order, one at a time
 
-Anything else (a malformed head, both Content-Length and chunked, a head
-larger than ``Limits.max_head``, a body larger than ``Limits.max_body``)
-is answered with a Connect error (see `shepherd.agent_server.connect`) and
-the connection closed, since its remaining bytes cannot be trusted.
+No control character may appear in a head or a chunk line but HTAB and the
+CRLF line ends: a bare CR or LF is a line end to some parsers and not to
+others, and a proxy in front would read other headers than this server.
+Anything else (a malformed head, a head larger than ``Limits.max_head``, a
+body larger than ``Limits.max_body``) is answered with a Connect error (see
+`shepherd.agent_server.connect`) and the connection closed, since its
+remaining bytes cannot be trusted.
+
+No connection's bytes can end the server: an exception out of one
+connection that is not the client going away (a bug, then) is logged (a
+line at WARNING, the traceback at DEBUG), answered ``internal`` (500) if
+no answer is half sent, and that connection closed; the accept loop and
+every other connection go on. Cancellation and KeyboardInterrupt propagate.
 
 Limits, so that no client can hold the server:
 
@@ -59,6 +76,7 @@ from dataclasses import dataclass
 
 import trio
 
+from monotrio.numbers import parse_decimal
 from shepherd.agent_server.connect import ConnectError, ConnectUnary, error_answer
 from shepherd.errors import ShepherdError
 
@@ -83,6 +101,17 @@ _REASONS = {
 
 _RECEIVE = 65536
 _HEX = b"0123456789abcdefABCDEF"
+#: Most digits of a Content-Length (a terabyte; any allowed body has fewer).
+_LENGTH_DIGITS = 12
+#: Control characters other than HTAB, CR and LF: no line of a request
+#: head or of chunked framing may hold one (nor a CR or LF outside a CRLF
+#: line end, which some parsers take for a line end and others not, so
+#: that a proxy in front and this server would read different headers).
+_CONTROL = bytes([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])
+#: RFC 9110's token characters: a method, a header name.
+_TOKEN = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+#: The headers that say where a request's body ends.
+_FRAMING = ("content-length", "transfer-encoding")
 
 
 @dataclass(frozen=True)
@@ -137,13 +166,22 @@ async def open_listener(
 
 
 def split_listen(listen: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError if malformed."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{listen!r}: want HOST:PORT")
+    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError if malformed.
+
+    The port is ASCII digits, 0 to 65535.
+    """
+    host, sep, text = listen.rpartition(":")
+    try:
+        if not sep:
+            raise ValueError("no port")
+        port = parse_decimal(text, max_digits=5, what="port")
+        if port > 65535:
+            raise ValueError(f"port {port} above 65535")
+    except ValueError as exc:
+        raise ValueError(f"{listen!r}: want HOST:PORT ({exc})") from None
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    return host, int(port)
+    return host, port
 
 
 def url_of(listener: trio.SocketListener, tls: bool) -> str:
@@ -235,8 +273,13 @@ class _Server:
                     connection.scope.cancel()
 
     async def connection(self, tcp: trio.SocketStream, connections: trio.Semaphore) -> None:
-        """Serve one connection until it closes, times out or breaks."""
+        """Serve one connection until it closes, times out or breaks.
+
+        Raises nothing but cancellation (and KeyboardInterrupt): whatever
+        else goes wrong ends this connection only (see the module's docstring).
+        """
         stream: trio.abc.Stream = tcp
+        connection: _Connection | None = None
         try:
             if self.ssl_context is not None:
                 tls = trio.SSLStream(tcp, self.ssl_context, server_side=True)
@@ -253,9 +296,23 @@ class _Server:
                 self.connections.discard(connection)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away (or TLS broke): nothing to answer
+        except Exception as exc:
+            # A bug, reached by this connection's bytes: it must not take the
+            # server (every other connection, the process) down with it.
+            logger.warning("connection from %s failed, closed: %r", _peer(tcp), exc)
+            logger.debug("connection failure", exc_info=True)
+            if connection is not None:
+                await connection.internal_error()
         finally:
             connections.release()
             await trio.aclose_forcefully(stream)
+
+
+def _peer(tcp: trio.SocketStream) -> str:
+    try:
+        return str(tcp.socket.getpeername()[:2])
+    except OSError:
+        return "unknown peer"
 
 
 class _Connection:
@@ -273,6 +330,8 @@ class _Connection:
         self.deadline = math.inf
         #: Between a request's first byte and its last: a timeout then is a 408.
         self.reading = False
+        #: While an answer is being sent: no other answer can follow it.
+        self.sending = False
 
     async def receive(self) -> None:
         """More bytes into the buffer; `_Close` at the end of the stream."""
@@ -355,10 +414,15 @@ class _Connection:
             if expect:
                 await self.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
             return await self.chunked(limit, too_large)
-        declared = headers.get("content-length", "0")
-        if not declared.isdigit() or len(declared) > 12:
-            raise _refuse(ConnectError("invalid_argument", "malformed content-length"))
-        length = int(declared)
+        declared = headers.get("content-length")
+        try:
+            length = (
+                0
+                if declared is None
+                else parse_decimal(declared, max_digits=_LENGTH_DIGITS, what="content-length")
+            )
+        except ValueError as exc:
+            raise _refuse(ConnectError("invalid_argument", str(exc))) from None
         if length > limit:
             raise _refuse(too_large)
         if expect and len(self.buffer) < length:
@@ -375,7 +439,7 @@ class _Connection:
         chunks: list[bytes] = []
         size = 0
         while True:
-            size_text = (await self.line()).split(b";", 1)[0].strip()
+            size_text = (await self.line()).split(b";", 1)[0].strip(b" \t")
             if not size_text or len(size_text) > 8 or size_text.strip(_HEX):
                 raise _refuse(ConnectError("invalid_argument", "malformed chunk size"))
             length = int(size_text, 16)
@@ -403,6 +467,8 @@ class _Connection:
         if end > 1024:
             raise _refuse(ConnectError("invalid_argument", "malformed chunked body"))
         text = bytes(buffer[:end])
+        if not _clean(text):
+            raise _refuse(ConnectError("invalid_argument", "control character in chunked body"))
         del buffer[: end + 2]
         return text
 
@@ -416,11 +482,44 @@ class _Connection:
             len(body),
             b"" if keep_alive else b"Connection: close\r\n",
         )
+        self.sending = True
         await self.stream.send_all(head + body)
+        self.sending = False
+
+    async def internal_error(self) -> None:
+        """Answer ``internal`` (500) and close, unless an answer is half sent.
+
+        Within the send timeout; raises nothing but cancellation.
+        """
+        if self.sending:
+            return
+        with trio.move_on_after(self.timeouts.send):
+            try:
+                exc = ConnectError("internal", "internal error")
+                await self.answer(*error_answer(exc), keep_alive=False)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+
+def _clean(text: bytes) -> bool:
+    """No control character in ``text`` but HTAB and CRLF pairs (counted in C,
+    cheaper than a regular expression over the head)."""
+    crs = text.count(b"\r")
+    return (
+        len(text.translate(None, _CONTROL)) == len(text)
+        and crs == text.count(b"\n")
+        and crs == text.count(b"\r\n")
+    )
 
 
 def _parse_head(head: bytes) -> tuple[str, str, bytes, dict[str, str]]:
-    """(method, path, version, headers by lower-case name) of a request head."""
+    """(method, path, version, headers by lower-case name) of a request head.
+
+    `_Close` with a 400 if it is not well-formed (see the module's
+    docstring), a 505 for a version other than 1.0 and 1.1.
+    """
+    if not _clean(head):
+        raise _refuse(ConnectError("invalid_argument", "control character in request head"))
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ")
     if len(parts) != 3:
@@ -428,12 +527,27 @@ def _parse_head(head: bytes) -> tuple[str, str, bytes, dict[str, str]]:
     method, target, version = parts
     if version not in (b"HTTP/1.1", b"HTTP/1.0"):
         raise _refuse(ConnectError("unimplemented", "HTTP/1.1 only", 505))
+    if not method or method.translate(None, _TOKEN) or not target:
+        raise _refuse(ConnectError("invalid_argument", "malformed request line"))
     headers: dict[str, str] = {}
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
-        if not colon or not name or name[-1:] in b" \t" or name[:1] in b" \t":
+        # A name is a token: no space before the colon, no obsolete line folding.
+        if not colon or not name or name.translate(None, _TOKEN):
             raise _refuse(ConnectError("invalid_argument", "malformed header line"))
-        headers[name.decode("latin-1").lower()] = value.strip(b" \t").decode("latin-1")
+        key = name.decode("latin-1").lower()
+        text = value.strip(b" \t").decode("latin-1")
+        # RFC 9112 6.3: with a proxy in front that took the other one, the
+        # two would disagree on where the body ends, and a request could be
+        # smuggled in it. Repeated Content-Length must agree; a second
+        # Transfer-Encoding would be a second coding.
+        if (
+            key in headers
+            and key in _FRAMING
+            and (key == "transfer-encoding" or headers[key] != text)
+        ):
+            raise _refuse(ConnectError("invalid_argument", f"conflicting {key} headers"))
+        headers[key] = text
     path = target.split(b"?", 1)[0].decode("latin-1")
     return method.decode("latin-1"), path, version, headers
 

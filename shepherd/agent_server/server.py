@@ -20,6 +20,7 @@ import trio
 
 from bmdb import Connection, Session
 from bmdb.errors import BMDBError
+from monotrio.numbers import parse_decimal
 from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.agent_server.connect import ConnectUnary, Limits
 from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, split_listen, url_of
@@ -173,5 +174,5 @@ async def run_agent_server(
 
 
 def port_of(bind: str) -> int:
-    """The port of a URL the server reports (``http://127.0.0.1:41234``)."""
-    return int(bind.rsplit(":", 1)[1])
+    """The port of a URL the server reports (``http://127.0.0.1:41234``); ValueError if none."""
+    return parse_decimal(bind.rsplit(":", 1)[-1], max_digits=5, what="port")

@@ -90,6 +90,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import AgentHeartbeat, HeartbeatOutcome
+from monotrio.numbers import parse_decimal
 from monotrio.protobuf import parse_checked
 from shepherd.agent.protocol import (
     HEADER_KEY,
@@ -187,10 +188,10 @@ def authenticate(
         machine_id = uuid.UUID(text_id)
     except ValueError:
         raise ConnectError("invalid_argument", "machine_id invalid") from None
-    time_text = headers.get(_TIME, "")
-    if not time_text.isdigit() or len(time_text) > 19:
-        raise ConnectError("unauthenticated", f"{HEADER_TIME} missing or malformed")
-    time_ns = int(time_text)
+    try:
+        time_ns = parse_decimal(headers.get(_TIME, ""), max_digits=19, what=HEADER_TIME)
+    except ValueError:
+        raise ConnectError("unauthenticated", f"{HEADER_TIME} missing or malformed") from None
     if abs(time_ns - now_ns) > freshness * 1e9:
         raise ConnectError(
             "unauthenticated", f"stale request: time outside the {freshness:g}s freshness window"
