@@ -162,7 +162,9 @@ class Transactor:
     async def prepare_schema(self, *, migrate: bool) -> list[migrations.Migration]:
         """Bring the schema up to date (``migrate``) or check it; return the
         migrations applied. Raises `SchemaTooNew`, `SchemaNotMigrated`,
-        `DatabaseUnavailable`."""
+        `DatabaseUnavailable`, and (migrating) `SchemaConflict` and
+        `PermissionDenied`; any database error as a `BMDBError` (see
+        `bmdb.migrations`)."""
         async with self._pool.connection() as pg:
             if migrate:
                 return await migrations.migrate(pg)
