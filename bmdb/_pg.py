@@ -61,8 +61,9 @@ discarded, if cancelled).
 Errors: a lost or unreachable server, and any `psycopg.Error` at connect (a
 malformed URL too), become `DatabaseUnavailable` with a one-line message
 from which the password is removed; errors reported by the server stay
-psycopg's (`psycopg.Error` subclasses) for the transaction layer to classify
-with the helpers at the bottom.
+psycopg's (`psycopg.Error` subclasses) for the transaction layer and the
+migrations to classify with the helpers at the bottom (`as_bmdb_error`:
+one table, by SQLSTATE).
 """
 
 from __future__ import annotations
@@ -621,21 +622,25 @@ def as_bmdb_error(
         return e
     if is_retryable(e) or not is_database_error(e):
         return None
+    kind, text = _classify(e, role)
+    return kind(f"{doing}: {text}" if doing else text)
+
+
+def _classify(e: BaseException, role: str | None) -> tuple[type[BMDBError], str]:
+    """The BMDB error class for server error ``e``, and its message."""
     message = printable(error_message(e))
-    if doing:
-        message = f"{doing}: {message}"
     if is_bad_data(e):
-        return InvalidArgument(message)
+        return InvalidArgument, message
     if is_undefined_object(e):
-        return SchemaNotMigrated(f"{message}: run `python -m bmdb migrate`")
+        return SchemaNotMigrated, f"{message}: run `python -m bmdb migrate`"
     sqlstate = getattr(e, "sqlstate", None) or ""
     for prefix in (sqlstate, sqlstate[:3], sqlstate[:2]):
         if prefix and prefix in _BY_SQLSTATE:
             kind, template = _BY_SQLSTATE[prefix]
             who = f"role {printable(role)}" if role else "the role the BMDB connects as"
-            return kind(template.format(message=message, role=who))
+            return kind, template.format(message=message, role=who)
     suffix = f" (SQLSTATE {sqlstate})" if sqlstate else ""
-    return BMDBError(f"database error: {message}{suffix}")
+    return BMDBError, f"database error: {message}{suffix}"
 
 
 def error_message(e: BaseException) -> str:

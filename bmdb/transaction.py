@@ -17,8 +17,9 @@ growing delay between attempts so that colliding transactions spread out::
 Any other exception rolls back and propagates: `BMDBError`s as they are,
 database errors translated by one rule (`bmdb._pg.as_bmdb_error`:
 constraint violations and malformed values as `InvalidArgument`, unknown
-tables as `SchemaNotMigrated`, the rest as `BMDBError`). Cancellation rolls back (under a
-shield) and propagates. Because the body runs again on retry, it must not
+tables as `SchemaNotMigrated`, the rest by SQLSTATE, e.g. a missing
+privilege as `PermissionDenied`). Cancellation rolls back (under a shield)
+and propagates. Because the body runs again on retry, it must not
 have effects outside the transaction other than idempotent ones.
 """
 
