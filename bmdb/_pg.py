@@ -589,7 +589,6 @@ _BY_SQLSTATE: dict[str, tuple[type[BMDBError], str]] = {
         PermissionDenied,
         "{message}: grant {role} that privilege, or connect as a role that holds it",
     ),
-    "3F000": (SchemaConflict, "{message} (no schema of search_path exists): fix search_path"),
     "25006": (BMDBError, "{message}: the server is read-only (a standby?); use the primary"),
     "3D000": (DatabaseUnavailable, "{message}: create the database, or fix its name"),
     "28": (DatabaseUnavailable, "{message}: check the user name and password"),

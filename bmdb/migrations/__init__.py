@@ -16,11 +16,12 @@ waited reads what the one before it committed.
 A database with a migration newer than the newest file here was migrated by
 a newer release: `check_schema` and `migrate` refuse it with `SchemaTooNew`
 rather than guess what the newer schema means. Every database error becomes
-a one-line `BMDBError` (`bmdb._pg.as_bmdb_error`), with the migration's name:
-an object of ours that migrations did not create (another application's
-``machines`` table, or a ``schema_migrations`` of another tool) is a
-`SchemaConflict`, and a role that may not create in the schema a
-`PermissionDenied` saying what to grant, found before anything is tried.
+a one-line `BMDBError` (`bmdb._pg.as_bmdb_error`) that names the migration
+it came from: an object of ours that migrations did not create (another
+application's ``machines`` table, or a ``schema_migrations`` of another
+tool) is a `SchemaConflict`; a role that may not create in the schema is a
+`PermissionDenied` saying what to grant, found before the first migration
+is tried.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from typing import Protocol
 
 from bmdb import _pg
 from bmdb._pg import Params, Row
-from bmdb.errors import BMDBError, PermissionDenied, SchemaConflict, SchemaNotMigrated, SchemaTooNew
+from bmdb.errors import (
+    BMDBError,
+    PermissionDenied,
+    SchemaConflict,
+    SchemaError,
+    SchemaNotMigrated,
+    SchemaTooNew,
+)
 from monotrio.text import printable
 
 logger = logging.getLogger("bmdb.migrations")
@@ -208,12 +216,12 @@ async def _applied_versions(pg: Connection, *, create: bool = False) -> list[int
 
 
 async def _check_may_create(pg: Connection) -> None:
-    """Raise `PermissionDenied` (or `SchemaConflict` if search_path names no
+    """Raise `PermissionDenied` (or `SchemaError` if search_path names no
     schema that exists) unless the role may create objects where the
     migrations will: said plainly before anything fails halfway."""
     [(role, schema, may)] = await pg.execute(_MAY_CREATE)
     if schema is None:
-        raise SchemaConflict(
+        raise SchemaError(
             "no schema of search_path exists, so there is nowhere to create the BMDB's"
             " tables: create one, or fix search_path"
         )

@@ -110,6 +110,12 @@ async def test_role_without_create(
     assert (code, err) == (0, "") and "applied 0001_initial" in out
 
 
+async def test_search_path_without_schema(postgres_server: LocalPostgres, empty_db: str) -> None:
+    postgres_server.admin(f"ALTER DATABASE {empty_db} SET search_path = nowhere")
+    line = one_error_line(*await cli("--url", postgres_server.url(empty_db), "migrate"))
+    assert "no schema of search_path exists" in line and "fix search_path" in line
+
+
 async def test_role_without_select(
     postgres_server: LocalPostgres, empty_db: str, role: str
 ) -> None:
