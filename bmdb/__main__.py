@@ -10,8 +10,9 @@
 
 Without ``--url`` the standard libpq ``PG*`` environment variables (PGHOST,
 PGPORT, PGDATABASE, PGUSER, ...) say where the database is. Errors (database
-unreachable, schema newer than this program, bad machine id) are printed as
-one line on stderr, with exit status 1; a closed stdout (``| head``) ends the
+unreachable, schema newer than this program or not migrated, another
+application's tables in the way, a role without the privileges, bad machine
+id) are printed as one line on stderr, with exit status 1; a closed stdout (``| head``) ends the
 command quietly (see :mod:`monotrio.cli`).
 """
 

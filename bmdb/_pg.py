@@ -61,8 +61,9 @@ discarded, if cancelled).
 Errors: a lost or unreachable server, and any `psycopg.Error` at connect (a
 malformed URL too), become `DatabaseUnavailable` with a one-line message
 from which the password is removed; errors reported by the server stay
-psycopg's (`psycopg.Error` subclasses) for the transaction layer to classify
-with the helpers at the bottom.
+psycopg's (`psycopg.Error` subclasses) for the transaction layer and the
+migrations to classify with the helpers at the bottom (`as_bmdb_error`:
+one table, by SQLSTATE).
 """
 
 from __future__ import annotations
@@ -83,7 +84,15 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq.abc import PGresult
 from psycopg.waiting import Ready, Wait
 
-from bmdb.errors import BMDBError, DatabaseUnavailable, InvalidArgument, SchemaNotMigrated
+from bmdb.errors import (
+    BMDBError,
+    DatabaseUnavailable,
+    InvalidArgument,
+    PermissionDenied,
+    SchemaConflict,
+    SchemaNotMigrated,
+)
+from monotrio.text import printable
 
 logger = logging.getLogger("bmdb.pg")
 
@@ -397,6 +406,11 @@ class PgConnection:
             cancel_conn.finish()
 
     @property
+    def user(self) -> str:
+        """The role this connection logged in as (for error messages)."""
+        return self._conn.info.user
+
+    @property
     def in_transaction(self) -> bool:
         """True while a transaction is open (healthy or failed)."""
         status = self._conn.info.transaction_status
@@ -556,24 +570,76 @@ def is_database_error(e: BaseException) -> bool:
     return isinstance(e, psycopg.Error)
 
 
-def as_bmdb_error(e: BaseException) -> BaseException | None:
+#: What a server error means to an operator, by SQLSTATE: the full code, or
+#: a prefix of it (the first two characters are its class). The BMDB error
+#: to raise, and its message: ``{message}`` is the server's, ``{role}`` the
+#: role connected. Codes not listed become a plain `BMDBError`.
+_BY_SQLSTATE: dict[str, tuple[type[BMDBError], str]] = {
+    # duplicate_table, duplicate_object (types, triggers), duplicate_function:
+    # the BMDB creates objects only in its migrations.
+    **dict.fromkeys(
+        ("42P07", "42710", "42723"),
+        (
+            SchemaConflict,
+            "{message}, and bmdb migrations did not create it:"
+            " use an empty database or schema for the BMDB",
+        ),
+    ),
+    "42501": (
+        PermissionDenied,
+        "{message}: grant {role} that privilege, or connect as a role that holds it",
+    ),
+    "25006": (BMDBError, "{message}: the server is read-only (a standby?); use the primary"),
+    "3D000": (DatabaseUnavailable, "{message}: create the database, or fix its name"),
+    "28": (DatabaseUnavailable, "{message}: check the user name and password"),
+    "08": (DatabaseUnavailable, "lost the BMDB connection: {message}"),
+    "57P": (DatabaseUnavailable, "{message}: the server is shutting down or restarting"),
+    "53": (BMDBError, "{message}: the server is out of disk, memory or connections"),
+    "55P03": (BMDBError, "{message}: another transaction holds the lock; try again"),
+    "57014": (BMDBError, "{message} (statement_timeout or an operator's cancel)"),
+}
+
+
+def as_bmdb_error(
+    e: BaseException, *, role: str | None = None, doing: str | None = None
+) -> BaseException | None:
     """The one rule for what a psycopg error means to BMDB callers.
 
     `BMDBError`s are returned as they are; constraint violations and
     malformed values become `InvalidArgument`, unknown tables or types
-    `SchemaNotMigrated`, any other psycopg error a plain `BMDBError`.
-    Serialization failures and deadlocks (retried by the transaction layer)
-    and non-database exceptions give None.
+    `SchemaNotMigrated`; other server errors are read by SQLSTATE
+    (`_BY_SQLSTATE`: an object that exists already is a `SchemaConflict`, a
+    missing privilege `PermissionDenied` naming ``role``, a lost server
+    `DatabaseUnavailable`), the rest become a plain `BMDBError`. Each
+    message is one line: ``doing`` (what was being done, e.g. a
+    migration's name), the server's message, escaped
+    (`monotrio.text.printable`: it quotes names from the database), and what
+    to do. Serialization failures and deadlocks (retried by the transaction
+    layer) and non-database exceptions give None.
     """
     if isinstance(e, BMDBError):
         return e
     if is_retryable(e) or not is_database_error(e):
         return None
+    kind, text = _classify(e, role)
+    return kind(f"{doing}: {text}" if doing else text)
+
+
+def _classify(e: BaseException, role: str | None) -> tuple[type[BMDBError], str]:
+    """The BMDB error class for server error ``e``, and its message."""
+    message = printable(error_message(e))
     if is_bad_data(e):
-        return InvalidArgument(error_message(e))
+        return InvalidArgument, message
     if is_undefined_object(e):
-        return SchemaNotMigrated(f"{error_message(e)}: run `python -m bmdb migrate`")
-    return BMDBError(f"database error: {error_message(e)}")
+        return SchemaNotMigrated, f"{message}: run `python -m bmdb migrate`"
+    sqlstate = getattr(e, "sqlstate", None) or ""
+    for prefix in (sqlstate, sqlstate[:3], sqlstate[:2]):
+        if prefix and prefix in _BY_SQLSTATE:
+            kind, template = _BY_SQLSTATE[prefix]
+            who = f"role {printable(role)}" if role else "the role the BMDB connects as"
+            return kind, template.format(message=message, role=who)
+    suffix = f" (SQLSTATE {sqlstate})" if sqlstate else ""
+    return BMDBError, f"database error: {message}{suffix}"
 
 
 def error_message(e: BaseException) -> str:

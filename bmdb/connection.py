@@ -92,8 +92,9 @@ async def open_connection(
     schema is checked.
 
     Raises `DatabaseUnavailable` if the server cannot be reached,
-    `SchemaTooNew` if the database was migrated by a newer release, and
-    `SchemaNotMigrated` if it lacks migrations and ``migrate`` is false.
+    `SchemaTooNew` if the database was migrated by a newer release,
+    `SchemaNotMigrated` if it lacks migrations and ``migrate`` is false,
+    and with ``migrate`` what `migrate` raises.
     """
     tx = Transactor(Pool(url or "", max_connections), retry)
     try:
@@ -108,8 +109,13 @@ async def open_connection(
 async def migrate(url: str | None = None) -> list[Migration]:
     """Apply the migrations the BMDB at ``url`` lacks; return those applied.
 
-    Raises `DatabaseUnavailable` and `SchemaTooNew` like `open_connection`;
-    a failing migration is rolled back and its error raised.
+    Safe to run from several processes at once: they serialize on a lock
+    taken before anything is read or created, and each migration is applied
+    once (see `bmdb.migrations`). Raises `DatabaseUnavailable` and
+    `SchemaTooNew` like `open_connection`, `SchemaConflict` if the database
+    holds tables of ours that migrations did not create, `PermissionDenied`
+    if the role may not create them; a failing migration is rolled back and
+    its error raised as a `BMDBError` naming it.
     """
     tx = Transactor(Pool(url or "", 1), DEFAULT_RETRY)
     try:

@@ -5,9 +5,11 @@
     BMDBError
     ├── InvalidArgument          (also a ValueError) bad input, nothing was written
     ├── DatabaseUnavailable      cannot connect, or the connection was lost
+    ├── PermissionDenied         the database role lacks a privilege (which one, and for what)
     ├── SchemaError              the database schema does not match this code
     │   ├── SchemaTooNew         migrated by a newer release than this one
-    │   └── SchemaNotMigrated    migrations missing (run `python -m bmdb migrate`)
+    │   ├── SchemaNotMigrated    migrations missing (run `python -m bmdb migrate`)
+    │   └── SchemaConflict       holds an object of ours that bmdb migrations did not create
     ├── SessionExpired           the session is gone; start a new one
     ├── TransactionFailed        retries of serialization failures exhausted
     ├── NothingToDo              a work source found no machine
@@ -19,8 +21,10 @@
 is an expected outcome rather than a failure, and callers usually wait and
 try again.
 
-Database errors never escape as psycopg's own: the transaction layer
-translates them by one rule (`bmdb._pg.as_bmdb_error`). Other exceptions a
+Database errors never escape as psycopg's own: the transaction layer and
+the migrations translate them by one rule (`bmdb._pg.as_bmdb_error`, by
+SQLSTATE), into messages of one line that name the object and say what to
+do. Other exceptions a
 public function may raise are Python's own, for misuse (`ValueError` for a
 bad argument, `RuntimeError` for a closed pool), and Trio's
 `trio.Cancelled`. ``tests/test_error_trees.py`` checks the tree and what
@@ -42,6 +46,11 @@ class DatabaseUnavailable(BMDBError):
     """The database cannot be reached, or the connection to it was lost."""
 
 
+class PermissionDenied(BMDBError):
+    """The role the BMDB connects as may not do what was asked; the message
+    names the role and the privilege to grant."""
+
+
 class SchemaError(BMDBError):
     """The database schema is not the one this code was written for."""
 
@@ -52,6 +61,13 @@ class SchemaTooNew(SchemaError):
 
 class SchemaNotMigrated(SchemaError):
     """The database lacks migrations this code needs."""
+
+
+class SchemaConflict(SchemaError):
+    """The database holds an object of the BMDB's schema (a ``machines``
+    table, a ``provider`` type, ``schema_migrations`` itself) that bmdb
+    migrations did not create: another application's, most likely. Nothing
+    was changed; the BMDB needs an empty database or schema."""
 
 
 class SessionExpired(BMDBError):

@@ -17,8 +17,9 @@ growing delay between attempts so that colliding transactions spread out::
 Any other exception rolls back and propagates: `BMDBError`s as they are,
 database errors translated by one rule (`bmdb._pg.as_bmdb_error`:
 constraint violations and malformed values as `InvalidArgument`, unknown
-tables as `SchemaNotMigrated`, the rest as `BMDBError`). Cancellation rolls back (under a
-shield) and propagates. Because the body runs again on retry, it must not
+tables as `SchemaNotMigrated`, the rest by SQLSTATE, e.g. a missing
+privilege as `PermissionDenied`). Cancellation rolls back (under a shield)
+and propagates. Because the body runs again on retry, it must not
 have effects outside the transaction other than idempotent ones.
 """
 
@@ -162,7 +163,9 @@ class Transactor:
     async def prepare_schema(self, *, migrate: bool) -> list[migrations.Migration]:
         """Bring the schema up to date (``migrate``) or check it; return the
         migrations applied. Raises `SchemaTooNew`, `SchemaNotMigrated`,
-        `DatabaseUnavailable`."""
+        `DatabaseUnavailable`, and (migrating) `SchemaConflict` and
+        `PermissionDenied`; any database error as a `BMDBError` (see
+        `bmdb.migrations`)."""
         async with self._pool.connection() as pg:
             if migrate:
                 return await migrations.migrate(pg)

@@ -219,9 +219,13 @@ _LOCK_SUFFIX = " FOR UPDATE OF m SKIP LOCKED"
 
 
 class Executor(Protocol):
-    """What `Queries` runs its statements on: an open transaction."""
+    """What `Queries` runs its statements on: an open transaction, and the
+    role it runs as (named in errors about privileges)."""
 
     async def execute(self, query: str, params: Params | None = None) -> list[Row]: ...
+
+    @property
+    def user(self) -> str: ...
 
 
 class HeartbeatOutcome(enum.Enum):
@@ -269,7 +273,7 @@ class Queries:
         try:
             return await self._pg.execute(sql, params)
         except Exception as e:
-            translated = _pg.as_bmdb_error(e)
+            translated = _pg.as_bmdb_error(e, role=self._pg.user)
             if translated is None or translated is e:
                 raise
             raise translated from e
