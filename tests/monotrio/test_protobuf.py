@@ -167,6 +167,7 @@ def test_checked_skips_unknown_fields_and_takes_any_order() -> None:
     """What a newer peer or another runtime may write: an unknown field of
     each wire type, and the known fields out of number order."""
     params = _params()
+    assert params.cluster_register is not None
     register = bytes(params.cluster_register)
     unknown = (
         bytes([0xF8, 0x07, 0x01])  # field 127 varint

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 import bmdb
 from monotrio.net import free_loopback_port
-from shepherd.agent import takeover as agent
+from shepherd.agent import protocol as agent
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, Limits, run_agent_server
 from shepherd.agent_server.connect import Handler
 from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, split_listen
