@@ -34,6 +34,7 @@ import httpx
 import trio
 
 from bench.ratios import report
+from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus import Config, Service
 from metropolis.consensus.client import Client
@@ -41,7 +42,6 @@ from metropolis.consensus.localetcd import LOOPBACK_TUNING
 from metropolis.consensus.process import ProcessConfig, run_etcd
 from metropolis.localstorage import Root
 from metropolis.supervisor import open_supervisor
-from monotrio.net import free_loopback_port
 
 logger = logging.getLogger("bench.consensus_start")
 

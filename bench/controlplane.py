@@ -141,6 +141,7 @@ import trio
 
 from bench.consensus_start import bare_etcd_start
 from bench.ratios import report
+from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus import peerpki
 from metropolis.consensus.client import Client, EndpointStatus, EtcdAPIError
@@ -159,7 +160,6 @@ from metropolis.roleserve.values import ClusterMembership, RegisterIntent
 from metropolis.rpc import RPCError
 from metropolis.rpc import api as methods
 from metropolis.supervisor import open_supervisor
-from monotrio.net import free_loopback_port
 
 logger = logging.getLogger("bench.controlplane")
 

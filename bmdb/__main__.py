@@ -13,7 +13,7 @@ PGPORT, PGDATABASE, PGUSER, ...) say where the database is. Errors (database
 unreachable, schema newer than this program or not migrated, another
 application's tables in the way, a role without the privileges, bad machine
 id) are printed as one line on stderr, with exit status 1; a closed stdout (``| head``) ends the
-command quietly (see :mod:`monotrio.cli`).
+command quietly (see :mod:`common.cli`).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from bmdb import migrations, overview
 from bmdb.connection import migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
+from common.cli import run_main
+from common.listen import listen_address
+from common.text import printable
 from metropolis.errors import MetropolisError
-from monotrio.cli import run_main
-from monotrio.listen import listen_address
-from monotrio.text import printable
 
 #: Database connections of the web UI: pages are served concurrently.
 WEB_CONNECTIONS = 8
@@ -251,7 +251,7 @@ async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     from bmdb.metrics import ConnectionCollector, FleetGauges
     from bmdb.web.cluster import ClusterView
     from bmdb.web.server import serve
-    from monotrio.metrics import serve_metrics
+    from common.metrics import serve_metrics
 
     cluster = None
     if args.cluster_owner_root is not None:

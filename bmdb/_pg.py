@@ -92,7 +92,7 @@ from bmdb.errors import (
     SchemaConflict,
     SchemaNotMigrated,
 )
-from monotrio.text import printable
+from common.text import printable
 
 logger = logging.getLogger("bmdb.pg")
 
@@ -613,7 +613,7 @@ def as_bmdb_error(
     `DatabaseUnavailable`), the rest become a plain `BMDBError`. Each
     message is one line: ``doing`` (what was being done, e.g. a
     migration's name), the server's message, escaped
-    (`monotrio.text.printable`: it quotes names from the database), and what
+    (`common.text.printable`: it quotes names from the database), and what
     to do. Serialization failures and deadlocks (retried by the transaction
     layer) and non-database exceptions give None.
     """

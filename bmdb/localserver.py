@@ -39,7 +39,7 @@ import trio
 
 from bmdb.connection import migrate
 from bmdb.errors import BMDBError
-from monotrio.net import free_loopback_port
+from common.net import free_loopback_port
 
 __all__ = [
     "TEMPLATE_DB",

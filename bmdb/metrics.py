@@ -27,7 +27,7 @@ exports its last answer::
     bmdb_fleet_work_active{process}, bmdb_fleet_backoffs_active{process},
     bmdb_fleet_query_duration_seconds, bmdb_fleet_updated_timestamp_seconds
 
-Collectors must be collected in the Trio thread (see `monotrio.metrics`):
+Collectors must be collected in the Trio thread (see `common.metrics`):
 they read counters that Trio tasks update.
 """
 

@@ -43,8 +43,8 @@ from bmdb.errors import DatabaseUnavailable, InvalidArgument, SessionExpired
 from bmdb.model import Process, Queries
 from bmdb.transaction import Isolation, Transactor
 from bmdb.work import Lease, Work, claim
-from monotrio.backoff import ExponentialBackoff, Retrier
-from monotrio.cli import leaf_errors
+from common.backoff import ExponentialBackoff, Retrier
+from common.cli import leaf_errors
 
 logger = logging.getLogger("bmdb.session")
 

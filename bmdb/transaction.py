@@ -39,7 +39,7 @@ from bmdb import _pg, migrations
 from bmdb._pool import Pool
 from bmdb.errors import DatabaseUnavailable, TransactionFailed
 from bmdb.model import Queries
-from monotrio.backoff import FULL_JITTER, ExponentialBackoff
+from common.backoff import FULL_JITTER, ExponentialBackoff
 
 logger = logging.getLogger("bmdb.transaction")
 
@@ -59,7 +59,7 @@ class RetryPolicy:
     """How often and how patiently to retry serialization failures.
 
     The wait after failed attempt n is uniform in ``[0, min(max_delay,
-    base_delay * 2**n)]`` ("full jitter", `monotrio.backoff`), drawn from
+    base_delay * 2**n)]`` ("full jitter", `common.backoff`), drawn from
     ``rng`` (pass a seeded `random.Random` for reproducible runs).
     """
 
@@ -70,7 +70,7 @@ class RetryPolicy:
 
     @property
     def backoff(self) -> ExponentialBackoff:
-        """The waits between attempts, as a `monotrio.backoff` policy."""
+        """The waits between attempts, as a `common.backoff` policy."""
         return ExponentialBackoff(
             initial=min(self.base_delay * 2, self.max_delay),
             maximum=self.max_delay,

@@ -26,13 +26,13 @@ from typing import IO
 
 import trio
 
+from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus.client import Client
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root
 from metropolis.owner import NodeRow, Owner, format_table, open_owner
-from monotrio.net import free_loopback_port
 
 ADDRESSES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 STEP_TIMEOUT = 180.0

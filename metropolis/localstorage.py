@@ -74,10 +74,10 @@ from typing import TypeVar
 
 import betterproto2
 
+from common.numbers import parse_decimal
 from metropolis.errors import MetropolisError
 from metropolis.proto.common import ClusterDirectory
 from metropolis.proto.private import SealedConfiguration
-from monotrio.numbers import parse_decimal
 
 __all__ = [
     "CorruptFile",

@@ -58,8 +58,8 @@ from typing import NoReturn
 
 import trio
 
+from common.backoff import ExponentialBackoff
 from metropolis.errors import MetropolisError
-from monotrio.backoff import ExponentialBackoff
 
 __all__ = [
     "BackoffPolicy",
@@ -115,7 +115,7 @@ class BackoffPolicy:
 
     @property
     def backoff(self) -> ExponentialBackoff:
-        """The same waits as a `monotrio.backoff` policy."""
+        """The same waits as a `common.backoff` policy."""
         return ExponentialBackoff(
             initial=self.initial,
             maximum=self.maximum,

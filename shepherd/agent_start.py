@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import trio
 
-from monotrio.protobuf import parse_checked
-from monotrio.text import printable
+from common.protobuf import parse_checked
+from common.text import printable
 from shepherd.errors import ShepherdError
 from shepherd.proto.agent import TakeoverInit, TakeoverResponse
 from shepherd.providers import Machine
@@ -266,7 +266,7 @@ class _Reply:
 def _decode_reply(data: bytes) -> _Reply:
     """Decode a TakeoverResponse strictly; raise ``ValueError`` on anything odd.
 
-    Strictly (`monotrio.protobuf`) because betterproto2 alone is lenient
+    Strictly (`common.protobuf`) because betterproto2 alone is lenient
     where a hostile machine must not be: it turns truncated bytes into an
     empty message, accepts a field of the wrong wire type, and resolves a
     reply with both oneof members set by taking the last. Unknown fields are

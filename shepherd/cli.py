@@ -53,9 +53,9 @@ import bmdb
 from bmdb.errors import BMDBError
 from bmdb.metrics import DEFAULT_FLEET_PERIOD, ConnectionCollector, FleetGauges
 from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
-from monotrio.cli import run_main
-from monotrio.listen import listen_address
-from monotrio.metrics import serve_metrics
+from common.cli import run_main
+from common.listen import listen_address
+from common.metrics import serve_metrics
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_start import AgentConfig
 from shepherd.control_loop import LoopStats, start_control_loop

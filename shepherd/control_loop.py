@@ -40,7 +40,7 @@ import trio
 
 from bmdb import Backoff, Connection, Process, Queries, Session, Work
 from bmdb.errors import BMDBError, DatabaseUnavailable, NothingToDo, SessionExpired, WorkConflict
-from monotrio.text import printable
+from common.text import printable
 from shepherd.errors import ShepherdError
 from shepherd.rate_limit import RateLimiter
 

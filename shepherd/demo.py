@@ -43,7 +43,7 @@ import trio_asyncio
 import bmdb
 from bmdb.localserver import LocalPostgres, LocalPostgresError
 from bmdb.model import MachineSummary, Queries, WorkEvent
-from monotrio.cli import leaf_errors
+from common.cli import leaf_errors
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of

@@ -22,7 +22,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from monotrio.net import free_loopback_port
+from common.net import free_loopback_port
 from shepherd.errors import ShepherdError
 
 __all__ = ["LocalSshdError", "Sshd", "start_sshd", "stop_sshd"]

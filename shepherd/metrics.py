@@ -5,7 +5,7 @@
     shepherd_rate_limiter_waits_total{component}
     shepherd_rate_limiter_wait_seconds_total{component}
 
-Collected in the Trio thread (see `monotrio.metrics`).
+Collected in the Trio thread (see `common.metrics`).
 """
 
 from __future__ import annotations

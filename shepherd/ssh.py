@@ -42,7 +42,7 @@ import trio_asyncio
 # connects with a recorded host key, which fails loudly if it does.
 from asyncssh.public_key import decode_ssh_public_key
 
-from monotrio.cli import leaf_errors
+from common.cli import leaf_errors
 from shepherd.errors import ShepherdError
 from shepherd.ssh_key import SSHKey
 

@@ -40,7 +40,7 @@ import bmdb
 from bmdb import ProviderStatus, Queries
 from bmdb.errors import BMDBError
 from bmdb.model import MachineProvided
-from monotrio.backoff import ExponentialBackoff
+from common.backoff import ExponentialBackoff
 from shepherd.providers import Machine, MachineNotFound, PowerState, Provider, ProviderError
 from shepherd.rate_limit import Rate, RateLimiter
 

@@ -1,6 +1,6 @@
 """Each package has one error tree, and its public functions raise from it.
 
-For ``metropolis``, ``bmdb`` and ``shepherd`` (and the shared ``monotrio``,
+For ``metropolis``, ``bmdb`` and ``shepherd`` (and the shared ``common``,
 which defines no errors of its own): every exception class a module of the
 package defines derives from the package's root, and every ``raise`` of a
 named class in a public function or method is of such a class or of one of
@@ -30,7 +30,7 @@ ROOTS: dict[str, type[Exception] | None] = {
     "metropolis": MetropolisError,
     "bmdb": BMDBError,
     "shepherd": ShepherdError,
-    "monotrio": None,  # shared helpers: no errors of their own
+    "common": None,  # shared helpers: no errors of their own
 }
 
 #: Modules (and the packages below them) outside their package's tree, and why.

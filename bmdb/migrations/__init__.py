@@ -44,7 +44,7 @@ from bmdb.errors import (
     SchemaNotMigrated,
     SchemaTooNew,
 )
-from monotrio.text import printable
+from common.text import printable
 
 logger = logging.getLogger("bmdb.migrations")
 

@@ -22,7 +22,7 @@ from bmdb.web import cluster as cluster_pages
 from bmdb.web import pages
 from bmdb.web.cluster import ClusterView
 from bmdb.web.render import Html, esc, page
-from monotrio.asgi import answer_lifespan
+from common.asgi import answer_lifespan
 
 logger = logging.getLogger("bmdb.web")
 

@@ -47,6 +47,7 @@ from typing import Any, Literal, NoReturn
 
 import trio
 
+from common.backoff import ExponentialBackoff, Retrier
 from metropolis.consensus.unixhttp import (
     ResponseStream,
     TransportClosed,
@@ -54,7 +55,6 @@ from metropolis.consensus.unixhttp import (
     UnixHTTP,
 )
 from metropolis.errors import ConsensusError
-from monotrio.backoff import ExponentialBackoff, Retrier
 
 __all__ = [
     "KV",

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import trio
 
+from common.net import free_loopback_port
 from metropolis.consensus.client import EndpointStatus
 from metropolis.consensus.process import EtcdExited, ProcessConfig, Tuning, run_etcd
-from monotrio.net import free_loopback_port
 
 __all__ = ["LOOPBACK_TUNING", "EtcdServer", "etcd_pid", "kill_etcd"]
 

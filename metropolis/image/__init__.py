@@ -1,7 +1,7 @@
 """The node image: one file that runs a node on a machine with only ``python3``.
 
 ``python -m metropolis.image build --out DIR [--etcd PATH]`` packs the node
-program (`metropolis`, `monotrio`), the distributions it imports and an
+program (`metropolis`, `common`), the distributions it imports and an
 etcd binary into ``DIR/<sha256>.pyz``, a zipapp built by shiv: its name is
 its SHA-256, so a downloader verifies what it got against the name it
 asked for. ``python3 IMAGE node register ...`` then runs exactly what

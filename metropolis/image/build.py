@@ -17,7 +17,7 @@ The steps::
 
     check --etcd (a file that answers ``--version`` as etcd)
       -> temp file in --out (fails early if --out is not writable)
-      -> site-packages in a temp dir: metropolis, monotrio, the distributions
+      -> site-packages in a temp dir: metropolis, common, the distributions
          they import (contents.py), _bundle/etcd (0755) + manifest.json
       -> python -m shiv --site-packages ... --reproducible --compile-pyc
       -> SHA-256 of the file -> fsync -> rename to OUT/<sha256>.pyz -> fsync OUT

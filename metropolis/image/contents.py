@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 #: The packages of this repository that a node runs.
-OWN_PACKAGES = ("metropolis", "monotrio")
+OWN_PACKAGES = ("metropolis", "common")
 
 #: Non-Python files of the own packages a wheel ships (pyproject.toml's
 #: package-data).

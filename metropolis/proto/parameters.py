@@ -7,7 +7,7 @@ serialized ``GetClusterInfoResponse``: the cluster CA and directory), the
 register ticket and the owner's public key. The node half reads it to
 register.
 
-Reading is strict (see `monotrio.protobuf`): a file that is not the
+Reading is strict (see `common.protobuf`): a file that is not the
 exact encoding of a NodeParameters, or whose ClusterRegister lacks one of
 its fields or holds one that cannot be right (a directory node without a
 32-byte key or an address, a CA certificate that is not DER X.509, an owner
@@ -22,12 +22,12 @@ from pathlib import Path
 
 from cryptography import x509
 
+from common.protobuf import parse_strict
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import atomic_write
 from metropolis.proto.common import ClusterDirectory
 from metropolis.proto.configuration import NodeParameters, NodeParametersClusterRegister
 from metropolis.proto.management import GetClusterInfoResponse
-from monotrio.protobuf import parse_strict
 
 __all__ = [
     "MAX_FILE_SIZE",

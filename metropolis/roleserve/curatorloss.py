@@ -27,9 +27,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn
 
+from common.backoff import ExponentialBackoff, Retrier
 from metropolis.rpc import Client, Endpoint, RPCError, Status, open_client
 from metropolis.supervisor import Node
-from monotrio.backoff import ExponentialBackoff, Retrier
 
 __all__ = ["FIRST_DELAY", "MAX_DELAY", "CuratorOutage", "follow_curators"]
 

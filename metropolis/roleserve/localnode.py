@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus.localetcd import LOOPBACK_TUNING
 from metropolis.localstorage import Root
 from metropolis.roleserve import disk
 from metropolis.roleserve.values import BootstrapData
-from monotrio.net import free_loopback_port
 
 __all__ = ["loopback_settings", "prepare_loopback_bootstrap"]
 

@@ -24,7 +24,7 @@ What it speaks::
                    obsolete line folding, no space before the colon); the last
                    of repeated ones wins, but repeated Content-Length must
                    agree and Transfer-Encoding may come once
-    body           Content-Length (ASCII digits only, `monotrio.numbers`), or
+    body           Content-Length (ASCII digits only, `common.numbers`), or
                    Transfer-Encoding: chunked (trailers ignored), not both;
                    Expect: 100-continue answered before the body is read
     answer         status, Content-Type, Content-Length, body; Connection: close
@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 import trio
 
-from monotrio.numbers import parse_decimal
+from common.numbers import parse_decimal
 from shepherd.agent_server.connect import ConnectError, ConnectUnary, error_answer
 from shepherd.errors import ShepherdError
 

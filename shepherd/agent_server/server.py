@@ -20,7 +20,7 @@ import trio
 
 from bmdb import Connection, Session
 from bmdb.errors import BMDBError
-from monotrio.numbers import parse_decimal
+from common.numbers import parse_decimal
 from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.agent_server.connect import ConnectUnary, Limits
 from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, split_listen, url_of

@@ -90,8 +90,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import AgentHeartbeat, HeartbeatOutcome
-from monotrio.numbers import parse_decimal
-from monotrio.protobuf import parse_checked
+from common.numbers import parse_decimal
+from common.protobuf import parse_checked
 from shepherd.agent.protocol import (
     HEADER_KEY,
     HEADER_MAC,
@@ -145,7 +145,7 @@ class Heartbeat:
 def parse_request(body: bytes) -> tuple[str, bytes | None]:
     """(machine_id, encoded hardware report) of a HeartbeatRequest; invalid_argument if malformed.
 
-    Parsed strictly (`monotrio.protobuf`): betterproto2 alone would turn
+    Parsed strictly (`common.protobuf`): betterproto2 alone would turn
     garbage into an empty message instead of failing. The report is the
     parsed one encoded again (the same message, unknown fields kept; not
     always the same bytes: betterproto2 writes fields in its own order).

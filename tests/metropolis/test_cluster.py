@@ -21,6 +21,7 @@ import trio
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus.client import Client, Member
 from metropolis.consensus.localetcd import etcd_pid
@@ -30,7 +31,6 @@ from metropolis.localstorage import Root
 from metropolis.owner import NodeRow, Owner, open_owner
 from metropolis.roleserve import disk
 from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
-from monotrio.net import free_loopback_port
 from tests.metropolis.test_node_cli import LEADS, NodeProcess, node
 
 BOUND = 100

@@ -20,6 +20,7 @@ import trio
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.net import free_loopback_port
 from metropolis import identity, localstorage, pki
 from metropolis.consensus import (
     Config,
@@ -38,7 +39,6 @@ from metropolis.consensus.service import REMOVAL_PANIC
 from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRolesConsensusMember
 from metropolis.supervisor import State, Supervisor, open_supervisor
-from monotrio.net import free_loopback_port
 
 # Safety bound for waits; joins include etcd's fixed 5 s member health window.
 BOUND = 60

@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from common.net import free_loopback_port
 from metropolis import identity, pki
 from metropolis.consensus import Config, Service, Status
 from metropolis.consensus.client import KV, Compare, LeaseExpired, Put
@@ -30,7 +31,6 @@ from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRoles, NodeRolesKubernetesWorker, NodeState
 from metropolis.proto.curator import LeaderElectionValue, Node
 from metropolis.supervisor import Supervisor, open_supervisor
-from monotrio.net import free_loopback_port
 
 BOUND = 60
 

@@ -13,6 +13,7 @@ import trio
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.net import free_loopback_port
 from metropolis import identity, pki
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.consensus.client import KV, Lease
@@ -34,7 +35,6 @@ from metropolis.rpc import (
 )
 from metropolis.rpc import api as methods
 from metropolis.supervisor import open_supervisor
-from monotrio.net import free_loopback_port
 from tests.metropolis.test_curator import bootstrapped, consensus
 
 BOUND = 60

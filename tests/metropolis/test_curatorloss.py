@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from common.net import free_loopback_port
 from metropolis import identity
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.curator.election import Leader
@@ -33,7 +34,6 @@ from metropolis.roleserve.disk import NodeSettings, read_roles
 from metropolis.roleserve.rolefetch import RoleFetch
 from metropolis.roleserve.values import ClusterMembership
 from metropolis.supervisor import open_supervisor
-from monotrio.net import free_loopback_port
 from tests.metropolis.test_consensus import eventually
 from tests.metropolis.test_curator import bootstrapped, consensus
 

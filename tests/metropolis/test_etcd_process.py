@@ -17,11 +17,11 @@ import pytest
 import trio
 import trio.testing
 
+from common.net import free_loopback_port
 from metropolis.consensus import process
 from metropolis.consensus.client import Client, EtcdError
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.consensus.process import EtcdExited, ProcessConfig, run_etcd
-from monotrio.net import free_loopback_port
 
 BOUND = 20
 

@@ -87,7 +87,7 @@ def test_the_image_holds_the_node_and_not_the_fleet_half(image: Path) -> None:
             archive.read(f"site-packages/metropolis/image/_bundle/{MANIFEST_NAME}")
         )
         etcd_info = archive.getinfo(f"site-packages/metropolis/image/_bundle/{ETCD_NAME}")
-    assert {"metropolis", "monotrio", "trio", "cryptography", "h2"} <= tops
+    assert {"metropolis", "common", "trio", "cryptography", "h2"} <= tops
     assert not {"bmdb", "shepherd", "psycopg", "asyncssh", "httpx", "pytest", "playwright"} & tops
     assert manifest.etcd_sha256 == _sha256(ETCD)
     assert manifest.python == python_tag()

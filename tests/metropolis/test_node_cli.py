@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus.client import Client
 from metropolis.consensus.localetcd import etcd_pid
@@ -28,7 +29,6 @@ from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
 from metropolis.roleserve.controlplane import CRASH_ENV
 from metropolis.roleserve.values import RegisterIntent
-from monotrio.net import free_loopback_port
 
 BOUND = 120
 LEADS = "this curator leads"

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import trio
 
+from common.net import free_loopback_port
 from metropolis import identity, pki
 from metropolis.crashpoint import CRASH_ENV
 from metropolis.identity import NodeCredentials
 from metropolis.localstorage import Root
 from metropolis.owner import Owner, open_owner
 from metropolis.roleserve import disk
-from monotrio.net import free_loopback_port
 from tests.metropolis.test_node_cli import LEADS, node
 
 BOUND = 400

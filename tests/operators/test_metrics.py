@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import bmdb
 from bmdb import Isolation
 from bmdb.model import Queries
-from monotrio.net import free_loopback_port
+from common.net import free_loopback_port
 from shepherd.localfleet import open_fleet
 from shepherd.ssh_key import SSHKey
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monotrio.protobuf import parse_checked
+from common.protobuf import parse_checked
 from shepherd.proto.agent import TakeoverError, TakeoverResponse
 from shepherd.proto.agent_callback import AgentHardwareReport, HeartbeatRequest
 from shepherd.proto.hwreport import BlockDevice, Cpu, CpuX8664, NetworkInterface, Node

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 import bmdb
-from monotrio.net import free_loopback_port
+from common.net import free_loopback_port
 from shepherd.agent import protocol
 from shepherd.agent_server.__main__ import parse_config
 

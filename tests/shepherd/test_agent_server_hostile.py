@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bmdb
-from monotrio.net import free_loopback_port
+from common.net import free_loopback_port
 from shepherd.agent import protocol as agent
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, Limits, run_agent_server
 from shepherd.agent_server.connect import Handler

@@ -21,7 +21,7 @@ import trio
 
 import bmdb
 from bmdb import Queries
-from monotrio.net import free_loopback_port
+from common.net import free_loopback_port
 from shepherd.agent import protocol
 from shepherd.agent_server.server import COMPONENT
 from tests.shepherd.test_agent_server import heartbeater, started_machine

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.protobuf import parse_strict
 from metropolis import pki
 from metropolis.proto import common, configuration, parameters
 from metropolis.proto.management import GetClusterInfoResponse
-from monotrio.protobuf import parse_strict
 from shepherd.agent import wire as agent
 from shepherd.proto import agent_callback as bp
 from tests.protoc import google_modules

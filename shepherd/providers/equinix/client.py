@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import trio
 
-from monotrio.backoff import ExponentialBackoff
+from common.backoff import ExponentialBackoff
 from shepherd.providers.base import ProviderError, describe
 
 logger = logging.getLogger("shepherd.providers.equinix.client")

@@ -1,4 +1,4 @@
-"""monotrio.backoff: the one retry-wait policy, its bounds and its injected randomness."""
+"""common.backoff: the one retry-wait policy, its bounds and its injected randomness."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from monotrio.backoff import FULL_JITTER, NO_JITTER, ExponentialBackoff, Retrier
+from common.backoff import FULL_JITTER, NO_JITTER, ExponentialBackoff, Retrier
 
 
 def test_exact_waits_grow_and_cap() -> None:

@@ -1,11 +1,11 @@
-"""monotrio.cli: every CLI reports leaf errors as one line each, bugs with a traceback."""
+"""common.cli: every CLI reports leaf errors as one line each, bugs with a traceback."""
 
 from __future__ import annotations
 
 import pytest
 import trio
 
-from monotrio.cli import BROKEN_PIPE_STATUS, leaf_errors, run_main
+from common.cli import BROKEN_PIPE_STATUS, leaf_errors, run_main
 
 
 class KnownError(Exception):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from monotrio.numbers import parse_decimal
+from common.numbers import parse_decimal
 
 
 @pytest.mark.parametrize(

@@ -19,9 +19,9 @@ from hypercorn.trio import serve
 from hypercorn.typing import ASGIFramework
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from monotrio.asgi import answer_lifespan
+from common.asgi import answer_lifespan
 
-logger = logging.getLogger("monotrio.metrics")
+logger = logging.getLogger("common.metrics")
 
 Message = MutableMapping[str, Any]
 
@@ -56,6 +56,6 @@ async def serve_metrics(
     config = Config()
     config.bind = [listen]
     config.accesslog = None
-    config.errorlog = logging.getLogger("monotrio.metrics.hypercorn")
+    config.errorlog = logging.getLogger("common.metrics.hypercorn")
     app = cast(ASGIFramework, metrics_app(registry))
     await serve(app, config, mode="asgi", task_status=task_status)

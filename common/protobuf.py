@@ -28,7 +28,7 @@ build the message:
 
 Both raise ``ValueError`` saying what is wrong, and nothing else. They read
 betterproto2's per-class field metadata (``_betterproto``), which is not
-public API; ``tests/monotrio/test_protobuf.py`` and the wire tests of both
+public API; ``tests/common/test_protobuf.py`` and the wire tests of both
 halves pin the behaviour.
 """
 

@@ -1,11 +1,11 @@
-"""monotrio.text.printable: machine text made safe to store, log and print."""
+"""common.text.printable: machine text made safe to store, log and print."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from monotrio.text import printable
+from common.text import printable
 
 
 def test_escapes_controls_and_formatting() -> None:

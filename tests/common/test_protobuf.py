@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.protobuf import parse_checked, parse_strict
 from metropolis.proto import common, configuration, management
-from monotrio.protobuf import parse_checked, parse_strict
 from tests.protoc import google_modules
 
 PROTO_DIR = Path(__file__).resolve().parents[2] / "metropolis" / "proto"
