@@ -98,8 +98,8 @@ def _pgbench(server: LocalPostgres, statements: list[str], requests: int, root: 
     out = subprocess.run(
         [
             str(find_postgres_bin() / "pgbench"), "-n", "-M", "prepared", "-c", "1",
-            "-t", str(requests), "-f", str(script), "-h", "127.0.0.1", "-p", str(server.port),
-            "-U", "postgres", DB,
+            "-t", str(requests), "-f", str(script),
+            "-h", str(server.socket_dir), "-p", str(server.port), "-U", "postgres", DB,
         ],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
