@@ -47,6 +47,7 @@ from bench.controlplane import (
     revoke,
     two_nodes,
 )
+from bench.ratios import report
 
 #: (module, attribute path) of the steps whose start and end are traced.
 _STEPS = [
@@ -253,6 +254,7 @@ async def main(runs: int, show: int, quiet: bool) -> None:
         f"grant {row.seconds * 1000:.0f} ms, etcd's own join"
         f" {statistics.median(joins) * 1000:.0f} ms (medians); median ratio {row.ratio:.2f}"
     )
+    report("grant_trace", "grant / etcd's own join", row.ratio)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import trio
 import trio_asyncio
 
 import bmdb
+from bench.ratios import report
 from bmdb import Isolation, Provider, Queries
 from bmdb.localserver import TEMPLATE_DB, start_with_template
 from shepherd.providers.equinix.client import EquinixClient
@@ -146,6 +147,9 @@ def main() -> int:
     for name, values in times.items():
         mid = median(values)
         print(f"{name:<14} {mid:>9.3f} {min(values):>7.3f} {mid / baseline:>6.2f}")
+    report(
+        "provisioner", "reconcile / list devices", median(times["reconcile"]) / baseline, "<= 1.5"
+    )
     return 0
 
 

@@ -36,6 +36,7 @@ import grpclib.server
 import trio
 import trio_asyncio
 
+from bench.ratios import report
 from metropolis import identity, pki
 from metropolis.proto import common, management
 from metropolis.proto.gen.metropolis.proto.api import ManagementBase, ManagementStub
@@ -308,6 +309,9 @@ def main() -> None:
             f"{labels[name]:32} {unary:9.3f} {unary / base_unary:6.2f} "
             f"{args.calls / unary:11.0f} {streamed:9.3f} {streamed / base_stream:6.2f}"
         )
+    unary, streamed = medians["ours"]
+    report("rpc", "metropolis.rpc unary CPU / grpclib's", unary / base_unary)
+    report("rpc", "metropolis.rpc stream CPU / grpclib's", streamed / base_stream)
 
 
 if __name__ == "__main__":
