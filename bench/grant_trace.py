@@ -1,6 +1,6 @@
 """Where a grant of ConsensusMember spends its time: milestones per grant, against etcd's own.
 
-    python -m bench.grant_trace [--runs 6] [--show 0] [--quiet]
+    python -m bench.grant_trace [--runs 6] [--show 0] [--quiet] [--smoke]
 
 A diagnostic beside ``bench.controlplane --only membership`` (same
 cluster: n1 bootstrapped, n2 registered and running in this process; the
@@ -48,6 +48,7 @@ from bench.controlplane import (
     two_nodes,
 )
 from bench.ratios import report
+from bench.smoke import parse_args
 
 #: (module, attribute path) of the steps whose start and end are traced.
 _STEPS = [
@@ -262,5 +263,5 @@ if __name__ == "__main__":
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--show", type=int, default=0, help="whole timelines of the last grants")
     parser.add_argument("--quiet", action="store_true", help="no tracing, only the ratios")
-    args = parser.parse_args()
+    args = parse_args(parser, {"runs": 1, "show": 1})
     trio.run(main, args.runs, args.show, args.quiet)

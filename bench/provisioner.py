@@ -1,6 +1,6 @@
 """Provisioner reconciliation cost against just listing the devices, measured in one run.
 
-    python -m bench.provisioner [--devices 5000] [--rounds 9] [--per-page 1000]
+    python -m bench.provisioner [--devices 5000] [--rounds 9] [--per-page 1000] [--smoke]
 
 The local Equinix API server runs in its own process with ``--devices``
 active devices under the prefix; a BMDB (PostgreSQL) holds the same devices
@@ -33,6 +33,7 @@ import trio_asyncio
 
 import bmdb
 from bench.ratios import report
+from bench.smoke import parse_args
 from bmdb import Isolation, Provider, Queries
 from bmdb.localserver import TEMPLATE_DB, start_with_template
 from shepherd.providers.equinix.client import EquinixClient
@@ -124,7 +125,7 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--per-page", type=int, default=1000)
-    args = parser.parse_args()
+    args = parse_args(parser, {"devices": 10, "rounds": 1, "per_page": 4})
     root = Path(tempfile.mkdtemp(prefix="bench-provisioner-"))
     api, url, project, token = start_api(args.devices)
     try:

@@ -1,6 +1,6 @@
 """The curator RPC stack against grpclib, measured in one run.
 
-    python -m bench.rpc [--calls 2000] [--stream 5000] [--runs 3]
+    python -m bench.rpc [--calls 2000] [--stream 5000] [--runs 3] [--smoke]
 
 Each stack serves the management API's GetClusterInfo (a three-node
 directory and a CA certificate, ~0.5 KiB) and GetNodes (a stream of node
@@ -37,6 +37,7 @@ import trio
 import trio_asyncio
 
 from bench.ratios import report
+from bench.smoke import parse_args
 from metropolis import identity, pki
 from metropolis.proto import common, management
 from metropolis.proto.gen.metropolis.proto.api import ManagementBase, ManagementStub
@@ -279,7 +280,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--stream", type=int, default=5000)
     parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser, {"calls": 10, "stream": 10, "runs": 1})
 
     results: dict[str, list[tuple[float, float]]] = {"baseline": [], "bridged": [], "ours": []}
     # Interleaved, so that load from other processes spreads over all three.

@@ -1,6 +1,6 @@
 """Where a node's bootstrap to home spends its time: a per-phase trace.
 
-    python -m bench.startup_trace [--runs 15] [--show 1]
+    python -m bench.startup_trace [--runs 15] [--show 1] [--smoke]
 
 A diagnostic beside ``bench.controlplane --only startup`` (same steps: a
 bare etcd start, then a role server on a root holding only a bootstrap
@@ -37,6 +37,7 @@ import trio
 from bench.consensus_start import bare_etcd_start
 from bench.controlplane import _local
 from bench.ratios import report
+from bench.smoke import parse_args
 from metropolis.consensus import process
 from metropolis.localstorage import Root
 from metropolis.roleserve import disk
@@ -314,5 +315,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--show", type=int, default=1)
-    args = parser.parse_args()
+    args = parse_args(parser, {"runs": 1})
     trio.run(main, args.runs, args.show)
