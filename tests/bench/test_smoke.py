@@ -140,6 +140,7 @@ def background(
 
 @pytest.mark.parametrize("name", _benchmarks())
 def test_smoke(name: str, background: dict[str, SmokeRun], tmp_path: Path) -> None:
+    assert name in PRINTS, f"PRINTS lacks the line that {name}'s result table prints"
     run = background.get(name) or SmokeRun.start(name, tmp_path)
     status, output, rows = run.wait()
     assert status == 0, output
