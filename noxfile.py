@@ -81,10 +81,13 @@ def bench(session: nox.Session) -> None:
 
     Each benchmark prints its own detailed table as it goes and reports its
     ratios through ``bench.ratios.report`` into the file this session names.
+    Arguments that start with ``-`` go to every benchmark run: ``nox -s bench
+    -- --smoke`` runs them all in seconds (see ``bench.smoke``).
     """
     session.install("-e", ".[dev]")
     _compile_installed(session)
-    names = session.posargs or [
+    flags = [arg for arg in session.posargs if arg.startswith("-")]
+    names = [arg for arg in session.posargs if not arg.startswith("-")] or [
         path.stem
         for path in sorted(Path("bench").glob("*.py"))
         if 'if __name__ == "__main__"' in path.read_text()
@@ -94,7 +97,7 @@ def bench(session: nox.Session) -> None:
         ratios.touch()
         for name in names:
             session.log(f"benchmark {name}")
-            session.run("python", "-m", f"bench.{name}", env={"BENCH_RATIOS": str(ratios)})
+            session.run("python", "-m", f"bench.{name}", *flags, env={"BENCH_RATIOS": str(ratios)})
         rows = [json.loads(line) for line in ratios.read_text().splitlines()]
     reported = {row["bench"] for row in rows}
     width = max([len(f"{r['bench']}: {r['measure']}") for r in rows] + [20])

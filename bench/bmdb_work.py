@@ -1,6 +1,6 @@
 """BMDB work cycles (source + claim + finish) against pgbench, in one run.
 
-    python -m bench.bmdb_work [--machines 50000] [--share 0.1] [--workers 1,4,16]
+    python -m bench.bmdb_work [--machines 50000] [--share 0.1] [--workers 1,4,16] [--smoke]
 
 Every figure is measured here, against one PostgreSQL 15 started for the run:
 
@@ -46,6 +46,7 @@ import trio
 
 import bmdb
 from bench.ratios import report
+from bench.smoke import parse_args
 from bmdb import Process
 from bmdb.errors import NothingToDo, WorkConflict
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, find_postgres_bin, start_with_template
@@ -270,7 +271,7 @@ def main() -> None:
     parser.add_argument("--machines", type=int, default=50_000)
     parser.add_argument("--share", type=float, default=0.1, help="share processed per run")
     parser.add_argument("--workers", default="1,4,16")
-    args = parser.parse_args()
+    args = parse_args(parser, {"machines": 200, "workers": "2"})
     worker_counts = [int(w) for w in args.workers.split(",")]
     cycles = int(args.machines * args.share)
 

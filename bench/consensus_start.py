@@ -1,6 +1,6 @@
 """Consensus start-up and client cost against bare etcd, measured in one run.
 
-    python -m bench.consensus_start [--runs 5] [--puts 300]
+    python -m bench.consensus_start [--runs 5] [--puts 300] [--smoke]
 
 Start-up, each on a fresh directory, median of ``--runs``:
 
@@ -34,6 +34,7 @@ import httpx
 import trio
 
 from bench.ratios import report
+from bench.smoke import parse_args
 from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus import Config, Service
@@ -154,6 +155,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--puts", type=int, default=300)
-    args = parser.parse_args()
+    args = parse_args(parser, {"runs": 1, "puts": 5})
     logging.basicConfig(level=logging.ERROR)
     trio.run(main, args.runs, args.puts)

@@ -1,6 +1,7 @@
 """Control-plane start and membership changes against bare etcd, measured in one run.
 
     python -m bench.controlplane [--startup-runs 40] [--runs 5] [--only startup|membership]
+                                 [--smoke]
 
 Start-up. Each on a fresh directory, ``--startup-runs`` times, each node
 start right after its baseline (interleaved: the machine's load drifts).
@@ -141,6 +142,7 @@ import trio
 
 from bench.consensus_start import bare_etcd_start
 from bench.ratios import report
+from bench.smoke import parse_args
 from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus import peerpki
@@ -740,6 +742,6 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only", choices=("startup", "membership"), help="one half of the table (default: both)"
     )
-    args = parser.parse_args()
+    args = parse_args(parser, {"runs": 1, "startup_runs": 1})
     logging.basicConfig(level=logging.ERROR)
     trio.run(main, args.runs, args.startup_runs, args.only)

@@ -1,6 +1,6 @@
 """Where a grant of ConsensusMember spends its time: milestones per grant, against etcd's own.
 
-    python -m bench.grant_trace [--runs 6] [--show 0] [--quiet]
+    python -m bench.grant_trace [--runs 6] [--show 0] [--quiet] [--smoke]
 
 A diagnostic beside ``bench.controlplane --only membership`` (same
 cluster: n1 bootstrapped, n2 registered and running in this process; the
@@ -47,6 +47,8 @@ from bench.controlplane import (
     revoke,
     two_nodes,
 )
+from bench.ratios import report
+from bench.smoke import parse_args
 
 #: (module, attribute path) of the steps whose start and end are traced.
 _STEPS = [
@@ -253,6 +255,7 @@ async def main(runs: int, show: int, quiet: bool) -> None:
         f"grant {row.seconds * 1000:.0f} ms, etcd's own join"
         f" {statistics.median(joins) * 1000:.0f} ms (medians); median ratio {row.ratio:.2f}"
     )
+    report("grant_trace", "grant / etcd's own join", row.ratio)
 
 
 if __name__ == "__main__":
@@ -260,5 +263,5 @@ if __name__ == "__main__":
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--show", type=int, default=0, help="whole timelines of the last grants")
     parser.add_argument("--quiet", action="store_true", help="no tracing, only the ratios")
-    args = parser.parse_args()
+    args = parse_args(parser, {"runs": 1, "show": 1})
     trio.run(main, args.runs, args.show, args.quiet)

@@ -1,7 +1,7 @@
 """Agent callback server throughput: accepted heartbeats/s against a bare endpoint, one run.
 
     python -m bench.heartbeat [--agents 1000] [--seconds 10] [--rounds 1]
-                              [--workers N] [--clients 2]
+                              [--workers N] [--clients 2] [--smoke]
 
 The server runs as ``--workers`` processes on one port (SO_REUSEPORT, as
 ``python -m shepherd.agent_server --workers N`` runs them; default one per
@@ -73,6 +73,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
 from bench.ratios import report
+from bench.smoke import parse_args
 from bmdb import Provider, Queries
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from shepherd.agent import protocol
@@ -576,7 +577,7 @@ def main() -> None:
         "--workers", type=int, default=default_workers(), help="server processes (%(default)s)"
     )
     parser.add_argument("--clients", type=int, default=2, help="load processes (%(default)s)")
-    args = parser.parse_args()
+    args = parse_args(parser, {"agents": 4, "seconds": 0.2, "workers": 1, "clients": 1})
 
     root = Path(tempfile.mkdtemp(prefix="heartbeat-bench-"))
     server = start_with_template(root)

@@ -1,6 +1,6 @@
 """Initializer fleet throughput against OpenSSH's own client, measured in one run.
 
-    python -m bench.initializer [--machines 200] [--parallelism 16] [--agent-mib 4]
+    python -m bench.initializer [--machines 200] [--parallelism 16] [--agent-mib 4] [--smoke]
 
 Two kinds of target, each serving ``--machines`` machines:
 
@@ -44,6 +44,7 @@ import trio_asyncio
 
 import bmdb
 from bench.ratios import report
+from bench.smoke import parse_args
 from bmdb import Provider, Queries
 from bmdb.localserver import LocalPostgres
 from shepherd.agent_bundle import agent_zipapp
@@ -280,7 +281,7 @@ def main() -> int:
     parser.add_argument("--parallelism", type=int, default=16)
     parser.add_argument("--agent-mib", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1, help="baseline/shepherd pairs per target")
-    args = parser.parse_args()
+    args = parse_args(parser, {"machines": 2, "parallelism": 2, "agent_mib": 1})
     work = Path(tempfile.mkdtemp(prefix="bench-initializer-"))
     try:
         results = trio.run(main_async, args, work)

@@ -1,6 +1,6 @@
 """Provisioner reconciliation cost against just listing the devices, measured in one run.
 
-    python -m bench.provisioner [--devices 5000] [--rounds 9] [--per-page 1000]
+    python -m bench.provisioner [--devices 5000] [--rounds 9] [--per-page 1000] [--smoke]
 
 The local Equinix API server runs in its own process with ``--devices``
 active devices under the prefix; a BMDB (PostgreSQL) holds the same devices
@@ -32,6 +32,8 @@ import trio
 import trio_asyncio
 
 import bmdb
+from bench.ratios import report
+from bench.smoke import parse_args
 from bmdb import Isolation, Provider, Queries
 from bmdb.localserver import TEMPLATE_DB, start_with_template
 from shepherd.providers.equinix.client import EquinixClient
@@ -123,7 +125,7 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--per-page", type=int, default=1000)
-    args = parser.parse_args()
+    args = parse_args(parser, {"devices": 10, "rounds": 1, "per_page": 4})
     root = Path(tempfile.mkdtemp(prefix="bench-provisioner-"))
     api, url, project, token = start_api(args.devices)
     try:
@@ -146,6 +148,9 @@ def main() -> int:
     for name, values in times.items():
         mid = median(values)
         print(f"{name:<14} {mid:>9.3f} {min(values):>7.3f} {mid / baseline:>6.2f}")
+    report(
+        "provisioner", "reconcile / list devices", median(times["reconcile"]) / baseline, "<= 1.5"
+    )
     return 0
 
 

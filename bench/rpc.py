@@ -1,6 +1,6 @@
 """The curator RPC stack against grpclib, measured in one run.
 
-    python -m bench.rpc [--calls 2000] [--stream 5000] [--runs 3]
+    python -m bench.rpc [--calls 2000] [--stream 5000] [--runs 3] [--smoke]
 
 Each stack serves the management API's GetClusterInfo (a three-node
 directory and a CA certificate, ~0.5 KiB) and GetNodes (a stream of node
@@ -36,6 +36,8 @@ import grpclib.server
 import trio
 import trio_asyncio
 
+from bench.ratios import report
+from bench.smoke import parse_args
 from metropolis import identity, pki
 from metropolis.proto import common, management
 from metropolis.proto.gen.metropolis.proto.api import ManagementBase, ManagementStub
@@ -278,7 +280,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--stream", type=int, default=5000)
     parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser, {"calls": 10, "stream": 10, "runs": 1})
 
     results: dict[str, list[tuple[float, float]]] = {"baseline": [], "bridged": [], "ours": []}
     # Interleaved, so that load from other processes spreads over all three.
@@ -308,6 +310,9 @@ def main() -> None:
             f"{labels[name]:32} {unary:9.3f} {unary / base_unary:6.2f} "
             f"{args.calls / unary:11.0f} {streamed:9.3f} {streamed / base_stream:6.2f}"
         )
+    unary, streamed = medians["ours"]
+    report("rpc", "metropolis.rpc unary CPU / grpclib's", unary / base_unary)
+    report("rpc", "metropolis.rpc stream CPU / grpclib's", streamed / base_stream)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The web UI's pages and the metrics' fleet query with 50,000 machines.
 
-    python -m bench.web_pages [--machines 50000] [--requests 30]
+    python -m bench.web_pages [--machines 50000] [--requests 30] [--smoke]
 
 For each page, **server time** is the handler time the UI reports in its
 ``Server-Timing`` header (queries, their round trips, rendering), median
@@ -35,6 +35,7 @@ import trio
 
 import bmdb
 from bench.ratios import report
+from bench.smoke import parse_args
 from bmdb import overview
 from bmdb.localserver import LocalPostgres, find_postgres_bin
 from bmdb.metrics import FLEET_SQL
@@ -98,8 +99,8 @@ def _pgbench(server: LocalPostgres, statements: list[str], requests: int, root: 
     out = subprocess.run(
         [
             str(find_postgres_bin() / "pgbench"), "-n", "-M", "prepared", "-c", "1",
-            "-t", str(requests), "-f", str(script), "-h", "127.0.0.1", "-p", str(server.port),
-            "-U", "postgres", DB,
+            "-t", str(requests), "-f", str(script),
+            "-h", str(server.socket_dir), "-p", str(server.port), "-U", "postgres", DB,
         ],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
@@ -187,7 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--machines", type=int, default=50_000)
     parser.add_argument("--requests", type=int, default=30)
-    args = parser.parse_args()
+    args = parse_args(parser, {"machines": 100, "requests": 1})
     root = Path(tempfile.mkdtemp(prefix="bench-web-"))
     root.chmod(0o755)  # the server may run as the postgres user
     server = LocalPostgres(root / "pg")
