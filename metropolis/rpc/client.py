@@ -65,6 +65,7 @@ from metropolis.rpc.transport import (
     StreamGone,
     peer_refused_certificate,
 )
+from monotrio.numbers import parse_decimal
 
 __all__ = [
     "CURATOR_PORT",
@@ -108,9 +109,13 @@ class Endpoint:
 def _hinted_endpoint(leader: LeaderHint) -> Endpoint | None:
     """The endpoint a leader hint's ``host:port`` names; None if it names none."""
     host, _, port = leader.address.rpartition(":")
-    if not host or not port.isdigit():
+    try:
+        number = parse_decimal(port, max_digits=5, what="port")
+    except ValueError:
         return None
-    return Endpoint(host.removeprefix("[").removesuffix("]"), int(port))
+    if not host or not 0 < number < 65536:
+        return None
+    return Endpoint(host.removeprefix("[").removesuffix("]"), number)
 
 
 def endpoints_from_directory(
@@ -521,7 +526,7 @@ class StreamCall(Generic[Resp]):
         self._finished = True
         self._answered = True
         try:
-            code = Status(int(headers.get("grpc-status", "")))
+            code = Status(parse_decimal(headers.get("grpc-status", ""), max_digits=2))
         except ValueError:
             raise RPCError(Status.UNKNOWN, "malformed grpc-status") from None
         if code is Status.OK:
