@@ -512,22 +512,22 @@ class Connection:
                     self._acknowledge(sid, size)
             case h2.events.StreamEnded(stream_id=sid):
                 self._deliver(sid, End())
+                self._wake_writers()
             case h2.events.StreamReset(stream_id=sid, error_code=code):
                 self._deliver(sid, Reset(int(code or 0)))
                 # A writer waiting for window on this stream must wake to
                 # find it gone.
-                self._window_changed.set()
-                self._window_changed = trio.Event()
+                self._wake_writers()
             case h2.events.WindowUpdated() | h2.events.RemoteSettingsChanged():
                 if isinstance(event, h2.events.RemoteSettingsChanged):
                     self.settled.set()
-                self._window_changed.set()
-                self._window_changed = trio.Event()
+                self._wake_writers()
             case h2.events.PingAckReceived(ping_data=data) if data in self._pings:
                 self._pings.pop(data).set()
             case h2.events.ConnectionTerminated():
                 # GOAWAY: no new streams; streams already running may finish.
                 self.closed = True
+                self._wake_writers()
             case _:
                 pass
 
@@ -540,6 +540,11 @@ class Connection:
         if sid is not None:
             with contextlib.suppress(h2.exceptions.ProtocolError):
                 self._h2.reset_stream(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+
+    def _wake_writers(self) -> None:
+        """Wake writers waiting for window or a stream slot: something changed."""
+        self._window_changed.set()
+        self._window_changed = trio.Event()
 
     def _deliver(self, sid: int | None, event: StreamEvent) -> None:
         if sid is not None and sid in self._streams:
@@ -570,6 +575,14 @@ class Connection:
         does not raise here: read its answer with :meth:`receive`.
         """
         out = _Outgoing(None, memoryview(body or b""), None, end_after_data=body is not None)
+        while True:
+            # At the peer's MAX_CONCURRENT_STREAMS, wait for one of ours to
+            # end rather than have h2 refuse (or the server reset) the stream.
+            if self.closed:
+                raise StreamGone("connection closed")
+            if self._h2.open_outbound_streams < self._h2.remote_settings.max_concurrent_streams:
+                break
+            await self._window_changed.wait()
         async with self._locked:
             if self.closed:
                 raise StreamGone("connection closed")
@@ -710,7 +723,11 @@ class Connection:
 
         The last stream gone starts the idle timeout.
         """
-        if self._streams.pop(sid, None) is not None and not self._streams:
+        if self._streams.pop(sid, None) is None:
+            return
+        # A stream slot may be free now (see open_stream).
+        self._wake_writers()
+        if not self._streams:
             self._idle_since = trio.current_time()
             if self._read_scope is not None:
                 self._read_scope.deadline = self._read_deadline()

@@ -240,6 +240,24 @@ async def test_stream_beyond_the_concurrency_limit_is_refused_and_others_go_on(
         await peer.aclose()
 
 
+async def test_our_client_waits_for_a_stream_slot(cluster: ClusterPKI) -> None:
+    """Beyond the server's MAX_CONCURRENT_STREAMS, calls wait for a free stream."""
+    async with serving(cluster, Limits(max_concurrent_streams=2)) as served:
+        creds = cluster.node
+        context = client_context(cluster.ca, creds.certificate, creds.private_key)
+        endpoints = [Endpoint("127.0.0.1", served.port)]
+        async with (
+            open_client(endpoints, context) as client,
+            client.stream(WATCH, ClusterDirectory()) as watch,
+        ):
+            async for _ in watch:
+                break
+            async with trio.open_nursery() as nursery:
+                for _ in range(10):
+                    nursery.start_soon(client.unary, WHO, ClusterDirectory())
+        assert served.calls == [WATCH.path] + [WHO.path] * 10
+
+
 async def test_frame_announcing_more_than_the_frame_size_closes_at_once(
     cluster: ClusterPKI,
 ) -> None:
