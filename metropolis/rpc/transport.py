@@ -318,7 +318,7 @@ class Connection:
         self._partial_since: float | None = None
         #: When the last stream ended (None while a stream is open).
         self._idle_since: float | None = None
-        self._read_scope: trio.CancelScope | None = None
+        self._watch_scope: trio.CancelScope | None = None
         self._on_request = on_request
         self._lock = trio.Lock()
         self._locked = _FastLock(self._lock)
@@ -405,26 +405,19 @@ class Connection:
         if self._guard.partial:
             self._partial_since = now
         try:
-            while True:
-                with trio.CancelScope(deadline=self._read_deadline()) as scope:
-                    self._read_scope = scope
-                    data = await self.stream.receive_some(_READ_SIZE)
-                self._read_scope = None
-                if scope.cancelled_caught and self._read_scope_expired():
-                    break
-                if scope.cancelled_caught:
-                    continue  # the deadline moved (a stream opened or closed)
-                if not data:
-                    break
-                self._guard.feed(data)
-                if not self._guard.partial:
-                    self._partial_since = None
-                elif self._partial_since is None:
-                    self._partial_since = trio.current_time()
-                events = self._h2.receive_data(data)
-                for event in events:
-                    self._dispatch(event)
-                await self._send_control()
+            # The reader's exception is carried out of the nursery by hand: a
+            # nursery would wrap it in an ExceptionGroup.
+            error: Exception | None = None
+            async with trio.open_nursery() as nursery:
+                with trio.CancelScope() as reader:
+                    nursery.start_soon(self._watchdog, reader)
+                    try:
+                        await self._read()
+                    except Exception as e:
+                        error = e
+                nursery.cancel_scope.cancel()
+            if error is not None:
+                raise error
         except (trio.BrokenResourceError, trio.ClosedResourceError, StreamGone) as e:
             self.read_failure = e
             self._fail(e)
@@ -446,31 +439,53 @@ class Connection:
         else:
             self._fail(self.failure)
 
-    def _read_deadline(self) -> float:
-        deadline = float("inf")
-        if self._partial_since is not None:
-            deadline = self._partial_since + self._limits.frame_timeout
-        if self._idle_since is not None:
-            deadline = min(deadline, self._idle_since + self._idle_timeout)
-        return deadline
+    async def _read(self) -> None:
+        while True:
+            data = await self.stream.receive_some(_READ_SIZE)
+            if not data:
+                return
+            self._guard.feed(data)
+            if not self._guard.partial:
+                self._partial_since = None
+            elif self._partial_since is None:
+                self._partial_since = trio.current_time()
+                if self._watch_scope is not None:
+                    self._watch_scope.deadline = min(
+                        self._watch_scope.deadline, self._partial_since + self._limits.frame_timeout
+                    )
+            events = self._h2.receive_data(data)
+            for event in events:
+                self._dispatch(event)
+            await self._send_control()
 
-    def _read_scope_expired(self) -> bool:
-        """After a read ended by its deadline: note why (stall or idle); True if so."""
-        now = trio.current_time()
-        if (
-            self._partial_since is not None
-            and now >= self._partial_since + self._limits.frame_timeout
-        ):
-            _log.warning(
-                "peer left a frame unfinished for %s s; closing the connection",
-                self._limits.frame_timeout,
-            )
-            self.failure = TimeoutError(f"frame not finished within {self._limits.frame_timeout} s")
-            return True
-        if self._idle_since is not None and now >= self._idle_since + self._idle_timeout:
-            _log.debug("connection idle for %s s; closing it", self._idle_timeout)
-            return True  # a clean end: aclose() says GOAWAY
-        return False
+    async def _watchdog(self, reader: trio.CancelScope) -> None:
+        """Stop the reader (``reader``) when a frame stalls or the connection idles.
+
+        One scope for the connection's life rather than one per read (each
+        costs microseconds, and a unary call takes several reads): the
+        watchdog wakes at least once per idle timeout to look, so that a
+        stream ending need not move its deadline; a frame starting, which
+        has a shorter timeout, does (see :meth:`_read`).
+        """
+        frame_timeout = self._limits.frame_timeout
+        while True:
+            deadline = (self._idle_since or trio.current_time()) + self._idle_timeout
+            if self._partial_since is not None:
+                deadline = min(deadline, self._partial_since + frame_timeout)
+            with trio.CancelScope(deadline=deadline) as self._watch_scope:
+                await trio.sleep_forever()
+            now = trio.current_time()
+            if self._partial_since is not None and now >= self._partial_since + frame_timeout:
+                _log.warning(
+                    "peer left a frame unfinished for %s s; closing the connection", frame_timeout
+                )
+                self.failure = TimeoutError(f"frame not finished within {frame_timeout} s")
+                reader.cancel()
+                return
+            if self._idle_since is not None and now >= self._idle_since + self._idle_timeout:
+                _log.debug("connection idle for %s s; closing it", self._idle_timeout)
+                reader.cancel()  # a clean end: aclose() says GOAWAY
+                return
 
     async def _say_goodbye(self) -> None:
         """Send the GOAWAY h2 queued for a protocol error, briefly, best effort."""
@@ -729,8 +744,6 @@ class Connection:
         self._wake_writers()
         if not self._streams:
             self._idle_since = trio.current_time()
-            if self._read_scope is not None:
-                self._read_scope.deadline = self._read_deadline()
 
     async def aclose(self) -> None:
         """Say GOAWAY (best effort, briefly) and close the TLS stream. Shielded."""
