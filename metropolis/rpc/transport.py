@@ -584,8 +584,9 @@ class Connection:
         """Client side: start a request stream, send ``body`` and end it; return its ID.
 
         ``body`` None leaves the stream open for :meth:`send` (client
-        streaming). Headers and a body that fits the peer's window leave in
-        one write. Raises :class:`StreamGone` if the connection is closed or
+        streaming). Waits while the peer's MAX_CONCURRENT_STREAMS of our
+        streams are open. Headers and a body that fits the peer's window
+        leave in one write. Raises :class:`StreamGone` if the connection is closed or
         breaks; a server that resets the stream before taking the whole body
         does not raise here: read its answer with :meth:`receive`.
         """

@@ -41,7 +41,7 @@ from tests.fixtures.rpc import PREFACE, ClusterPKI, RawPeer, grpc_request_header
 WHO = Method("/test.Fuzz/Who", ClusterDirectory, ClusterDirectory, Access.NODE)
 OPEN = Method("/test.Fuzz/Open", ClusterDirectory, ClusterDirectory, Access.PROOF)
 
-_LIMITS = Limits(frame_timeout=0.1, request_timeout=0.1, idle_timeout=0.5)
+_LIMITS = Limits(frame_timeout=0.1, request_timeout=0.1, idle_timeout=2.0)
 _EXAMPLE = 10  # seconds: a generous bound on one example, never asserted on
 
 
@@ -139,7 +139,7 @@ def _example(served: ServerThread, body: Callable[[RawPeer], Awaitable[None]]) -
 
 
 def _is_answer(frame: Frame | None) -> bool:
-    """A refusal or status for stream 1, a GOAWAY, or (None) the connection closed."""
+    """A refusal or status for the stream, a GOAWAY, or (None) the connection closed."""
     if frame is None or isinstance(frame, GoAwayFrame | RstStreamFrame):
         return True
     return isinstance(frame, HeadersFrame) and grpc_status(frame) is not None
@@ -204,7 +204,8 @@ def test_arbitrary_request_headers(
             # Only that stream was refused: the connection still serves.
             await peer.headers(3, grpc_request_headers(OPEN.path), end_stream=True)
             second = await peer.answer(3)
-            assert second is None or grpc_status(second) is not None, second
+            # (A GOAWAY too, if a slow machine let the idle timeout pass.)
+            assert _is_answer(second), second
 
     _example(served, body)
 
