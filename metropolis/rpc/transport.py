@@ -333,6 +333,8 @@ class Connection:
         self.read_failure: BaseException | None = None
         #: Set when the peer's SETTINGS arrived, or the connection ended.
         self.settled = trio.Event()
+        #: The last stream ID the peer's GOAWAY says it saw (None: no GOAWAY).
+        self.goaway_last_stream: int | None = None
         self._pings: dict[bytes, trio.Event] = {}
         self._ping_counter = 0
 
@@ -539,9 +541,10 @@ class Connection:
                 self._wake_writers()
             case h2.events.PingAckReceived(ping_data=data) if data in self._pings:
                 self._pings.pop(data).set()
-            case h2.events.ConnectionTerminated():
+            case h2.events.ConnectionTerminated(last_stream_id=last):
                 # GOAWAY: no new streams; streams already running may finish.
                 self.closed = True
+                self.goaway_last_stream = last
                 self._wake_writers()
             case _:
                 pass

@@ -9,11 +9,15 @@ exited. Timeouts are made small; no test asserts on time.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import h2.config
+import h2.connection
 import h2.errors
+import h2.events
 import pytest
 import trio
 from hyperframe.frame import GoAwayFrame, HeadersFrame, RstStreamFrame
@@ -256,6 +260,57 @@ async def test_our_client_waits_for_a_stream_slot(cluster: ClusterPKI) -> None:
                 for _ in range(10):
                     nursery.start_soon(client.unary, WHO, ClusterDirectory())
         assert served.calls == [WATCH.path] + [WHO.path] * 10
+
+
+async def test_client_retries_a_call_the_server_closed_the_connection_before(
+    cluster: ClusterPKI,
+) -> None:
+    """A GOAWAY that did not see our stream (an idle close racing our call) is retried.
+
+    The fake server answers its first connection's first request with
+    GOAWAY(last_stream_id=0) and a close, as a server closing an idle
+    connection just as the request arrives does; the call must go to the
+    same (only) curator again, on a new connection, and succeed.
+    """
+    connections = 0
+
+    async def handle(tcp: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        first = connections == 1
+        stream = trio.SSLStream(tcp, server_context(cluster.server), server_side=True)
+        await stream.do_handshake()
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        conn.initiate_connection()
+        await stream.send_all(conn.data_to_send())
+        with contextlib.suppress(trio.BrokenResourceError):  # the client just hangs up
+            while data := await stream.receive_some():
+                for event in conn.receive_data(data):
+                    if not isinstance(event, h2.events.RequestReceived):
+                        continue
+                    sid = event.stream_id
+                    assert sid is not None
+                    if first:
+                        conn.close_connection(last_stream_id=0)
+                        await stream.send_all(conn.data_to_send())
+                        await trio.aclose_forcefully(stream)
+                        return
+                    conn.send_headers(
+                        sid, [(":status", "200"), ("content-type", wire.CONTENT_TYPE)]
+                    )
+                    conn.send_data(sid, wire.frame(bytes(ClusterDirectory())))
+                    conn.send_headers(sid, [("grpc-status", "0")], end_stream=True)
+                await stream.send_all(conn.data_to_send())
+
+    with trio.fail_after(_OVERALL):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(trio.serve_tcp, handle, 0)
+            port = listeners[0].socket.getsockname()[1]
+            context = client_context(cluster.ca)
+            async with open_client([Endpoint("127.0.0.1", port)], context) as client:
+                await client.unary(WHO, ClusterDirectory())
+            assert connections == 2
+            nursery.cancel_scope.cancel()
 
 
 async def test_frame_announcing_more_than_the_frame_size_closes_at_once(
