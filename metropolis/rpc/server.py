@@ -320,7 +320,7 @@ class Server:
 
 
 def _more_than_one() -> RPCError:
-    return RPCError(Status.INTERNAL, "more than one request message for a unary request")
+    return RPCError(Status.INTERNAL, "more than one request message; the method takes one")
 
 
 def _parse(message_type: type[Message], raw: bytes) -> Message:
@@ -438,8 +438,9 @@ class _Call:
                     raise StreamGone("caller left before sending its request")
                 case _:
                     pass
-        if decoder.pending or message is None:
-            raise RPCError(Status.INTERNAL, "expected one request message, got none")
+        if message is None:
+            why = "the request ends inside its message" if decoder.pending else "no request message"
+            raise RPCError(Status.INTERNAL, why)
         return message
 
     async def _watch_caller(self, handler_scope: trio.CancelScope) -> None:
