@@ -19,6 +19,9 @@ Pieces:
   another (or the named leader) when one stops or is not the leader.
 - :mod:`~metropolis.rpc.transport`: one HTTP/2 connection (``h2``) over a
   ``trio.SSLStream``.
+- :mod:`~metropolis.rpc.limits`: what one connection may make a server hold
+  (message and buffer sizes, streams, frame, request and idle timeouts);
+  anyone who reaches the port can try, before any authentication.
 
 Why our own small gRPC on ``h2`` and Trio, and not a library
 -------------------------------------------------------------
@@ -83,6 +86,7 @@ from metropolis.rpc.client import (
     endpoints_from_directory,
     open_client,
 )
+from metropolis.rpc.limits import Limits
 from metropolis.rpc.method import Access, Method
 from metropolis.rpc.server import CallContext, Server
 from metropolis.rpc.status import LeaderHint, RPCError, Status
@@ -96,6 +100,7 @@ __all__ = [
     "Endpoint",
     "LeaderHint",
     "Leadership",
+    "Limits",
     "Method",
     "Peer",
     "PeerKind",

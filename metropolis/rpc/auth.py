@@ -48,6 +48,7 @@ from metropolis import identity, pki
 from metropolis.rpc import wire
 from metropolis.rpc.method import Access
 from metropolis.rpc.status import LeaderHint, RPCError, Status
+from monotrio.numbers import parse_decimal
 
 __all__ = [
     "PROOF_WINDOW",
@@ -207,7 +208,8 @@ def verify_proof(path: str, metadata: Mapping[str, str], request: bytes, now: fl
         millis = metadata[TIME_HEADER]
         signature = wire.b64decode(metadata[SIGNATURE_HEADER])
         key = pki.decode_public_key(raw_key)
-        sent = int(millis) / 1000
+        # Milliseconds since 1970 have 13 digits until the year 2286.
+        sent = parse_decimal(millis, max_digits=16, what="proof time") / 1000
     except KeyError as e:
         raise RPCError(Status.UNAUTHENTICATED, f"proof of possession missing {e}") from None
     except (ValueError, pki.PKIError) as e:

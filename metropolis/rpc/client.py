@@ -18,6 +18,9 @@ TLS failure, wrong server key), the connection was already closing, or the
 curator answered UNAVAILABLE because it is not the leader, in which case the
 leader it names is tried next (by address or node ID). Each endpoint is
 tried at most once per call; when all fail the call raises UNAVAILABLE.
+One exception: a curator that closed the connection with a GOAWAY that
+had not seen the request (curators close idle connections, and a call may
+cross that close) is tried once more, on a new connection.
 When a connection breaks *during* a call, the call raises UNAVAILABLE (the
 request may have run: only the caller knows whether repeating it is safe),
 and the next call connects to the next curator in the list. A server-side
@@ -65,6 +68,7 @@ from metropolis.rpc.transport import (
     StreamGone,
     peer_refused_certificate,
 )
+from monotrio.numbers import parse_decimal
 
 __all__ = [
     "CURATOR_PORT",
@@ -108,9 +112,13 @@ class Endpoint:
 def _hinted_endpoint(leader: LeaderHint) -> Endpoint | None:
     """The endpoint a leader hint's ``host:port`` names; None if it names none."""
     host, _, port = leader.address.rpartition(":")
-    if not host or not port.isdigit():
+    try:
+        number = parse_decimal(port, max_digits=5, what="port")
+    except ValueError:
         return None
-    return Endpoint(host.removeprefix("[").removesuffix("]"), int(port))
+    if not host or not 0 < number < 65536:
+        return None
+    return Endpoint(host.removeprefix("[").removesuffix("]"), number)
 
 
 def endpoints_from_directory(
@@ -132,12 +140,20 @@ def endpoints_from_directory(
 
 
 class _Retry(MetropolisError):
-    """The call did not run on this curator; try another."""
+    """The call did not run on this curator; try another.
 
-    def __init__(self, error: RPCError, leader: LeaderHint | None = None) -> None:
+    ``again``: the curator closed the connection cleanly (GOAWAY) before
+    taking the call, as a server closing an idle connection does; a new
+    connection to it may take the call, so it is tried once more first.
+    """
+
+    def __init__(
+        self, error: RPCError, leader: LeaderHint | None = None, *, again: bool = False
+    ) -> None:
         super().__init__(str(error))
         self.error = error
         self.leader = leader
+        self.again = again
 
 
 @asynccontextmanager
@@ -296,6 +312,7 @@ class Client:
         if deadline != float("inf") and "grpc-timeout" not in extra:
             extra["grpc-timeout"] = wire.encode_timeout(deadline - trio.current_time())
         tried: set[int] = set()
+        again = False  # whether a curator's GOAWAY made us try it once more
         last: RPCError | None = None
         while len(tried) < len(self._endpoints):
             tried.add(self._current)
@@ -312,7 +329,12 @@ class Client:
                 return call
             except _Retry as retry:
                 last = retry.error
-                self._next(retry.leader, tried)
+                if retry.again and not again:
+                    again = True
+                    tried.discard(self._current)
+                    self._drop()
+                else:
+                    self._next(retry.leader, tried)
             except BaseException:
                 if call is not None:
                     await call.aclose()
@@ -440,6 +462,8 @@ class StreamCall(Generic[Resp]):
         self._refused = False
         #: The server sent a status (as opposed to the connection failing).
         self._answered = False
+        #: The server said GOAWAY before this stream, and closed: it never saw it.
+        self._unseen = False
         #: done_sending() was called (bidirectional calls).
         self._sent_all = False
 
@@ -463,7 +487,8 @@ class StreamCall(Generic[Resp]):
             # certificate shows only after the handshake, as a closed
             # connection: that is no reason to try elsewhere.
             _raise_if_refused(self._conn.read_failure)
-            raise _Retry(RPCError(Status.UNAVAILABLE, "connection closing")) from e
+            clean = self._conn.failure is None
+            raise _Retry(RPCError(Status.UNAVAILABLE, "connection closing"), again=clean) from e
 
     async def wait_headers(self) -> None:
         """Wait for the response headers; a not-leader or refused stream becomes a retry."""
@@ -476,11 +501,20 @@ class StreamCall(Generic[Resp]):
                 # leader, or no leader known yet). Another curator may.
                 if e.code is Status.UNAVAILABLE and (self._answered or self._refused):
                     raise _Retry(e, e.leader) from e
+                if e.code is Status.UNAVAILABLE and self._unseen:
+                    raise _Retry(e, again=True) from e
                 raise
 
     async def _fail_transport(self) -> None:
         self._finished = True
         failure = self._conn.read_failure
+        last = self._conn.goaway_last_stream
+        if last is not None and self._sid is not None and self._sid > last:
+            # The curator said GOAWAY before it saw this stream (RFC 9113
+            # 6.8: it did not run): this curator may take it on a new
+            # connection (see _Retry), so the client does not move on.
+            self._unseen = True
+            raise RPCError(Status.UNAVAILABLE, f"{self._endpoint.address} closed the connection")
         self._client.connection_broke(self._conn, self._endpoint)
         _raise_if_refused(failure)
         raise RPCError(Status.UNAVAILABLE, f"connection to {self._endpoint.address} lost")
@@ -521,7 +555,7 @@ class StreamCall(Generic[Resp]):
         self._finished = True
         self._answered = True
         try:
-            code = Status(int(headers.get("grpc-status", "")))
+            code = Status(parse_decimal(headers.get("grpc-status", ""), max_digits=2))
         except ValueError:
             raise RPCError(Status.UNKNOWN, "malformed grpc-status") from None
         if code is Status.OK:

@@ -19,6 +19,18 @@ admitted by the method's access (UNAUTHENTICATED/PERMISSION_DENIED, see
 by raising :class:`~metropolis.rpc.status.RPCError`; any other exception is
 logged and answered INTERNAL.
 
+Bounds (:class:`~metropolis.rpc.limits.Limits`, per connection, all before
+authentication because a caller needs no certificate to connect): a request
+message larger than ``max_message`` is RESOURCE_EXHAUSTED as soon as its
+length prefix arrives; a unary or server-streaming call's second message is
+INTERNAL as soon as its first byte arrives; request bytes being assembled
+share ``max_request_buffer`` per connection (a stream waits for its share,
+and flow control stops its sender); a request that has not arrived whole
+within ``request_timeout`` is DEADLINE_EXCEEDED. Frame, stream-count and
+idle bounds are the transport's (:mod:`metropolis.rpc.transport`). Nothing
+a peer sends fails the server: an unexpected error ends that stream or that
+connection, logged.
+
 Cancellation:
 - The caller cancels (RST_STREAM), disconnects, or its ``grpc-timeout``
   passes: the handler's task is cancelled (it sees ``trio.Cancelled`` at its
@@ -43,11 +55,12 @@ import trio
 from cryptography import x509
 
 from metropolis.rpc import auth, tls, wire
+from metropolis.rpc.limits import Limits
 from metropolis.rpc.method import Message, Method
 from metropolis.rpc.status import LeaderHint, RPCError, Status
 from metropolis.rpc.transport import Closed, Connection, Data, End, Reset, StreamGone
 
-__all__ = ["CallContext", "Server"]
+__all__ = ["CallContext", "Limits", "Server"]
 
 _log = logging.getLogger("metropolis.rpc.server")
 
@@ -91,11 +104,12 @@ class Server:
         ssl_context: Any,
         security: auth.ServerSecurity,
         *,
-        handshake_timeout: float = 10.0,
+        limits: Limits | None = None,
     ) -> None:
         self._ssl = ssl_context
         self._security = security
-        self._handshake_timeout = handshake_timeout
+        #: What one connection may make the server hold (see the module docstring).
+        self.limits = limits or Limits()
         self._routes: dict[str, _Route] = {}
         self._replay = auth.ReplayCache()
 
@@ -157,10 +171,23 @@ class Server:
         raise AssertionError("unreachable")
 
     async def handle_connection(self, tcp: trio.SocketStream) -> None:
-        """Serve one accepted TCP connection until it ends. Never raises."""
+        """Serve one accepted TCP connection until it ends. Never raises.
+
+        What ``trio.serve_listeners`` runs: an exception out of here would
+        end ``serve``, so anything unexpected (a bug reached by what this
+        peer sent) is logged and ends this connection only.
+        """
+        try:
+            await self._serve_connection(tcp)
+        except Exception as e:
+            _log.warning("connection from %s failed: %r", _peer_address(tcp), e)
+            _log.debug("connection failure", exc_info=True)
+            await trio.aclose_forcefully(tcp)
+
+    async def _serve_connection(self, tcp: trio.SocketStream) -> None:
         stream = trio.SSLStream(tcp, self._ssl, server_side=True, https_compatible=True)
         try:
-            with trio.fail_after(self._handshake_timeout):
+            with trio.fail_after(self.limits.handshake_timeout):
                 await stream.do_handshake()
         except (trio.BrokenResourceError, trio.TooSlowError) as e:
             _log.debug("TLS handshake failed: %r", e.__cause__ or e)
@@ -172,12 +199,13 @@ class Server:
             await trio.aclose_forcefully(stream)
             return
         certificate = tls.peer_certificate(stream)
+        budget = _ByteBudget(self.limits.max_request_buffer)
         async with trio.open_nursery() as nursery:
 
             def on_request(sid: int, headers: dict[str, str]) -> None:
-                nursery.start_soon(self._call, conn, sid, headers, certificate)
+                nursery.start_soon(self._call, conn, sid, headers, certificate, budget)
 
-            conn = Connection(stream, client_side=False, on_request=on_request)
+            conn = Connection(stream, client_side=False, on_request=on_request, limits=self.limits)
             try:
                 await conn.start()
                 await conn.run()
@@ -194,8 +222,9 @@ class Server:
         sid: int,
         headers: dict[str, str],
         certificate: x509.Certificate | None,
+        budget: _ByteBudget,
     ) -> None:
-        call = _Call(conn, sid)
+        call = _Call(conn, sid, self.limits, budget)
         try:
             await self._dispatch(call, headers, certificate)
             if not call.request_complete and not call.gone:
@@ -205,7 +234,14 @@ class Server:
                 await conn.reset(sid, h2.errors.ErrorCodes.NO_ERROR)
         except StreamGone:
             pass  # the caller left; there is no one to answer
+        except Exception as e:
+            # A bug reached by this stream: it ends this stream, not the
+            # connection's other calls.
+            _log.warning("stream %d failed: %r", sid, e)
+            _log.debug("stream failure", exc_info=True)
+            await conn.reset(sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
         finally:
+            call.release()
             conn.forget(sid)
 
     async def _dispatch(
@@ -229,11 +265,23 @@ class Server:
                 await call.fail(RPCError(Status.INTERNAL, str(e)))
                 return
 
-        deadline = trio.current_time() + timeout if timeout is not None else float("inf")
-        with trio.CancelScope(deadline=deadline) as deadline_scope:
+        now = trio.current_time()
+        deadline = now + timeout if timeout is not None else float("inf")
+        # One scope for both deadlines, the request's arrival and then the
+        # caller's: each scope costs microseconds, on every call.
+        arrival = deadline
+        if not route.method.client_streaming:
+            arrival = min(deadline, now + self.limits.request_timeout)
+        request_in = False
+        with trio.CancelScope(deadline=arrival) as deadline_scope:
             try:
                 # A client stream's proof covers an empty request (see auth).
-                raw = b"" if route.method.client_streaming else await call.read_request()
+                raw = b""
+                if not route.method.client_streaming:
+                    raw = await call.read_request()
+                    if arrival != deadline:
+                        deadline_scope.deadline = deadline
+                request_in = True
                 peer = auth.authenticate(
                     route.method.access,
                     path,
@@ -265,7 +313,14 @@ class Server:
                 _log.exception("handler of %s failed", path)
                 await call.fail(RPCError(Status.INTERNAL, "internal error"))
         if deadline_scope.cancelled_caught and not call.gone:
-            await call.fail(RPCError(Status.DEADLINE_EXCEEDED, "deadline exceeded"))
+            why = "deadline exceeded"
+            if not request_in and arrival < deadline:
+                why = f"request did not arrive within {self.limits.request_timeout} s"
+            await call.fail(RPCError(Status.DEADLINE_EXCEEDED, why))
+
+
+def _more_than_one() -> RPCError:
+    return RPCError(Status.INTERNAL, "more than one request message; the method takes one")
 
 
 def _parse(message_type: type[Message], raw: bytes) -> Message:
@@ -273,6 +328,36 @@ def _parse(message_type: type[Message], raw: bytes) -> Message:
         return message_type.parse(raw)
     except Exception as e:  # betterproto2 raises assorted types on garbage
         raise RPCError(Status.INTERNAL, f"cannot parse request: {e}") from None
+
+
+def _peer_address(tcp: trio.SocketStream) -> str:
+    try:
+        return str(tcp.socket.getpeername())
+    except OSError:
+        return "a peer that left"
+
+
+class _ByteBudget:
+    """Bytes of request messages a connection's streams may hold at once.
+
+    :meth:`take` waits while the budget is spent; a stream waiting there
+    reads no more DATA, so flow control stops its sender.
+    """
+
+    def __init__(self, total: int) -> None:
+        self._free = total
+        self._released = trio.Event()
+
+    async def take(self, size: int) -> None:
+        while size > self._free:
+            await self._released.wait()
+        self._free -= size
+
+    def give(self, size: int) -> None:
+        if size:
+            self._free += size
+            self._released.set()
+            self._released = trio.Event()
 
 
 async def _send_alert(stream: trio.SSLStream[trio.SocketStream]) -> None:
@@ -297,9 +382,10 @@ async def _send_alert(stream: trio.SSLStream[trio.SocketStream]) -> None:
 class _Call:
     """One server-side stream: reads the request, runs the handler, answers."""
 
-    def __init__(self, conn: Connection, sid: int) -> None:
+    def __init__(self, conn: Connection, sid: int, limits: Limits, budget: _ByteBudget) -> None:
         self.conn = conn
         self.sid = sid
+        self.limits = limits
         self.headers_sent = False
         self.done = False
         #: The caller reset the stream or the connection ended.
@@ -308,15 +394,42 @@ class _Call:
         self.request_complete = False
         #: A client-streamed message was malformed.
         self.pump_error: RPCError | None = None
+        self._budget = budget
+        #: Bytes of ``_budget`` this call holds.
+        self._held = 0
+
+    async def _hold(self, size: int) -> None:
+        """Hold ``size`` bytes of the connection's budget (waiting for them if need be)."""
+        if size > self._held:
+            await self._budget.take(size - self._held)
+            self._held = size
+
+    def release(self) -> None:
+        """Give back what this call holds of the connection's budget."""
+        self._budget.give(self._held)
+        self._held = 0
 
     async def read_request(self) -> bytes:
-        decoder = wire.MessageDecoder()
-        messages: list[bytes] = []
+        """The one request message of a unary or server-streaming call.
+
+        A second message is refused as soon as any byte of it arrives, and
+        the message being assembled holds its size of the connection's
+        budget before more is read.
+        """
+        decoder = wire.MessageDecoder(self.limits.max_message)
+        message: bytes | None = None
         while True:
             event = await self.conn.receive(self.sid)
             match event:
                 case Data(data=data):
-                    messages += decoder.feed(data)
+                    if message is not None and data:
+                        raise _more_than_one()
+                    messages = decoder.feed(data)
+                    if len(messages) > 1 or (messages and decoder.pending):
+                        raise _more_than_one()
+                    if messages:
+                        message = messages[0]
+                    await self._hold(len(message) if message is not None else decoder.expected)
                 case End():
                     self.request_complete = True
                     break
@@ -325,9 +438,10 @@ class _Call:
                     raise StreamGone("caller left before sending its request")
                 case _:
                     pass
-        if decoder.pending or len(messages) != 1:
-            raise RPCError(Status.INTERNAL, f"expected one request message, got {len(messages)}")
-        return messages[0]
+        if message is None:
+            why = "the request ends inside its message" if decoder.pending else "no request message"
+            raise RPCError(Status.INTERNAL, why)
+        return message
 
     async def _watch_caller(self, handler_scope: trio.CancelScope) -> None:
         # After the request, only a reset or the connection's end can come.
@@ -347,7 +461,7 @@ class _Call:
         # Client streaming: the caller's messages go to the handler one at a
         # time (an unbuffered channel), so a handler that reads slowly slows
         # the caller through flow control.
-        decoder = wire.MessageDecoder()
+        decoder = wire.MessageDecoder(self.limits.max_message)
         async with requests:
             while not self.request_complete:
                 event = await self.conn.receive(self.sid)
@@ -362,6 +476,10 @@ class _Call:
                         for message in messages:
                             with contextlib.suppress(trio.BrokenResourceError):
                                 await requests.send(message)
+                        # Parsed messages are the handler's; the budget
+                        # covers the one being assembled.
+                        self.release()
+                        await self._hold(decoder.expected)
                     case End():
                         self.request_complete = True
                     case Reset() | Closed():

@@ -18,6 +18,19 @@ and hands each HTTP/2 stream's events to whoever owns that stream:
   queue (:meth:`receive`), so a slow consumer slows the peer down instead of
   growing a buffer.
 
+Bounds (:class:`~metropolis.rpc.limits.Limits`): the reader follows frame
+boundaries itself (:class:`_FrameGuard`), ahead of h2, which would buffer a
+frame of any announced length until it is whole. A frame header announcing
+more than ``max_frame_size``, or a header block beyond ``max_header_block``,
+closes the connection at once; a frame, header block or (server side) the
+client preface that does not arrive whole within ``frame_timeout`` closes
+it too. On the server, a connection without an open stream for
+``idle_timeout`` is closed with GOAWAY, and a stream beyond
+``max_concurrent_streams`` is refused with RST_STREAM REFUSED_STREAM (h2
+alone would end the whole connection). Header blocks are checked and
+decoded here, per stream: one that is malformed (RFC 9113 8.2) or not
+UTF-8 resets that stream (PROTOCOL_ERROR) and nothing else.
+
 Cancellation: a writer cancelled while waiting for the lock or for window
 sends nothing. Once bytes go out, the send is shielded (for at most
 ``_SEND_TIMEOUT``), because Trio cannot un-send half a TLS record and a
@@ -32,8 +45,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -41,18 +55,27 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
+import h2.utilities
+import hyperframe.frame
 import trio
 
 from metropolis.errors import MetropolisError
+from metropolis.rpc.limits import Limits
 
 __all__ = ["Closed", "Connection", "Data", "End", "Headers", "Reset", "StreamEvent"]
 
 _log = logging.getLogger("metropolis.rpc.transport")
 
 _READ_SIZE = 65536
-# Larger than h2's 64 KiB default so one Watch update never waits for a
-# WINDOW_UPDATE round trip; still bounded, so a stuck reader stops a sender.
-_WINDOW = 1 << 20
+#: Receive window, per stream and (plus HTTP/2's initial 64 KiB) per
+#: connection. Larger than h2's 64 KiB default so one Watch update never
+#: waits for a WINDOW_UPDATE round trip; still bounded, so a stuck reader
+#: stops a sender, and DATA not yet taken by its owner never exceeds it.
+WINDOW = 1 << 20
+#: h2's bound on a decoded header list (it refuses more: a connection error).
+_MAX_HEADER_LIST = h2.connection.H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE
+_PREFACE = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
 _SEND_TIMEOUT = 10.0
 
 
@@ -139,10 +162,123 @@ class _Stream:
         self.send, self.receive = trio.open_memory_channel[tuple[StreamEvent, int]](float("inf"))
 
 
+class FrameViolation(MetropolisError):
+    """The peer broke a frame bound (:class:`_FrameGuard`); the connection must end."""
+
+    def __init__(self, message: str, code: h2.errors.ErrorCodes) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x1, 0x5, 0x9
+_END_HEADERS = 0x4
+
+
+class _FrameGuard:
+    """Follows frame boundaries in the received bytes, ahead of h2.
+
+    h2 buffers a frame until it is whole and only then checks its length
+    against SETTINGS_MAX_FRAME_SIZE, so a peer announcing a 16 MiB frame
+    could make it hold 16 MiB; and it accepts 64 CONTINUATIONs (1 MiB) of
+    one header block. This reads only the 9-byte frame headers: it refuses
+    an oversized frame as soon as its header is in, bounds a header block,
+    and says whether a frame (or header block, or the client preface) is
+    under way, for the frame timeout. h2 still parses and checks everything.
+    """
+
+    def __init__(self, *, preface: int, max_frame: int, max_block: int) -> None:
+        self._skip = preface  # bytes to pass before the first frame header
+        self._header = bytearray()
+        self._remaining = 0  # payload bytes of the current frame still to come
+        self._block: int | None = None  # bytes of an unfinished header block
+        self._max_frame = max_frame
+        self._max_block = max_block
+
+    @property
+    def partial(self) -> bool:
+        """Whether the peer owes the rest of something it started."""
+        return bool(self._skip or self._header or self._remaining or self._block is not None)
+
+    def feed(self, data: bytes | bytearray) -> None:
+        """Account for ``data``; :class:`FrameViolation` if it breaks a bound."""
+        view = memoryview(data)
+        while view:
+            if self._skip or self._remaining:
+                take = min(len(view), self._skip or self._remaining)
+                if self._skip:
+                    self._skip -= take
+                else:
+                    self._remaining -= take
+                view = view[take:]
+                continue
+            take = min(len(view), 9 - len(self._header))
+            self._header += view[:take]
+            view = view[take:]
+            if len(self._header) == 9:
+                self._frame_header(bytes(self._header))
+                self._header.clear()
+
+    def _frame_header(self, header: bytes) -> None:
+        length = int.from_bytes(header[:3], "big")
+        kind, flags = header[3], header[4]
+        if length > self._max_frame:
+            raise FrameViolation(
+                f"frame of {length} bytes exceeds {self._max_frame}",
+                h2.errors.ErrorCodes.FRAME_SIZE_ERROR,
+            )
+        self._remaining = length
+        if kind in (_HEADERS, _PUSH_PROMISE) or (kind == _CONTINUATION and self._block is not None):
+            self._block = (self._block or 0) + length
+            if self._block > self._max_block:
+                raise FrameViolation(
+                    f"header block exceeds {self._max_block} bytes",
+                    h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+                )
+            if flags & _END_HEADERS:
+                self._block = None
+
+
+class _H2Connection(h2.connection.H2Connection):
+    """h2, refusing a stream beyond our MAX_CONCURRENT_STREAMS as a stream error.
+
+    h2 raises :class:`h2.exceptions.TooManyStreamsError` for it, a
+    connection error that ends every stream of the connection. RFC 9113
+    5.1.2 allows a stream error instead, which is what Go's servers send:
+    RST_STREAM REFUSED_STREAM (the caller may retry it). h2 checks the limit
+    before it changes any state, so the frame can be handled here instead;
+    this uses three of h2's internals (its HPACK decoder, the highest stream
+    ID and the record of how closed streams closed), which
+    tests/metropolis/test_rpc_bounds.py pins.
+    """
+
+    def _receive_headers_frame(self, frame: Any) -> Any:
+        try:
+            return super()._receive_headers_frame(frame)
+        except h2.exceptions.TooManyStreamsError:
+            sid = frame.stream_id
+            if sid % 2 == 0 or sid <= self.highest_inbound_stream_id:
+                raise
+        # Every header block must pass through the HPACK decoder, refused or
+        # not, or its dynamic table falls out of step with the peer's.
+        try:
+            self.decoder.decode(frame.data, raw=True)
+        except Exception as e:  # hpack raises several types, as h2 knows
+            raise h2.exceptions.ProtocolError(f"Error decoding header block: {e}") from e
+        self.highest_inbound_stream_id = sid
+        # DATA still arriving for it is then answered like that of any stream
+        # we reset (its window credited, RST_STREAM STREAM_CLOSED).
+        self._closed_streams[sid] = h2.stream.StreamClosedBy.SEND_RST_STREAM
+        refusal = hyperframe.frame.RstStreamFrame(sid)
+        refusal.error_code = h2.errors.ErrorCodes.REFUSED_STREAM
+        return [refusal], []
+
+
 class Connection:
     """An HTTP/2 connection over ``stream`` (TLS already handshaken, ALPN h2).
 
     ``on_request`` is required on the server side (``client_side=False``).
+    ``limits`` bounds what the peer may make us hold (the module docstring
+    says how); the idle timeout applies on the server side only.
     """
 
     def __init__(
@@ -151,10 +287,38 @@ class Connection:
         *,
         client_side: bool,
         on_request: RequestCallback | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.stream = stream
-        config = h2.config.H2Configuration(client_side=client_side, header_encoding="utf-8")
-        self._h2 = h2.connection.H2Connection(config)
+        limits = limits or Limits()
+        # Headers stay bytes and unchecked in h2: it would decode and check
+        # them for the whole connection, raising out of receive_data on one
+        # bad byte, which ends every stream (or, for a decoding error, our
+        # reader). _header_dict does both per stream (see _refuse).
+        config = h2.config.H2Configuration(
+            client_side=client_side, header_encoding=None, validate_inbound_headers=False
+        )
+        self._h2 = _H2Connection(config)
+        self._h2.local_settings = h2.settings.Settings(
+            client=client_side,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: _MAX_HEADER_LIST,
+                h2.settings.SettingCodes.MAX_FRAME_SIZE: limits.max_frame_size,
+            },
+        )
+        self._guard = _FrameGuard(
+            preface=0 if client_side else _PREFACE,
+            max_frame=limits.max_frame_size,
+            max_block=limits.max_header_block,
+        )
+        self._limits = limits
+        self._idle_timeout = float("inf") if client_side else limits.idle_timeout
+        #: When the peer started what it still owes (see _FrameGuard.partial).
+        self._partial_since: float | None = None
+        #: When the last stream ended (None while a stream is open).
+        self._idle_since: float | None = None
+        self._watch_scope: trio.CancelScope | None = None
         self._on_request = on_request
         self._lock = trio.Lock()
         self._locked = _FastLock(self._lock)
@@ -169,6 +333,8 @@ class Connection:
         self.read_failure: BaseException | None = None
         #: Set when the peer's SETTINGS arrived, or the connection ended.
         self.settled = trio.Event()
+        #: The last stream ID the peer's GOAWAY says it saw (None: no GOAWAY).
+        self.goaway_last_stream: int | None = None
         self._pings: dict[bytes, trio.Event] = {}
         self._ping_counter = 0
 
@@ -176,8 +342,8 @@ class Connection:
         """Send our connection preface and SETTINGS."""
         async with self._locked:
             self._h2.initiate_connection()
-            self._h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW})
-            self._h2.increment_flow_control_window(_WINDOW)
+            self._h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW})
+            self._h2.increment_flow_control_window(WINDOW)
             await self._flush()
 
     async def _flush(self) -> None:
@@ -229,38 +395,132 @@ class Connection:
     # --- reading ---------------------------------------------------------------
 
     async def run(self) -> None:
-        """Read and dispatch until the connection ends (see the module docstring)."""
+        """Read and dispatch until the connection ends (see the module docstring).
+
+        Never raises for anything the peer sends: a protocol error, a broken
+        bound or a stalled frame end the connection (recorded in
+        :attr:`failure`), an idle timeout ends it cleanly. Cancellation
+        propagates.
+        """
+        now = trio.current_time()
+        self._idle_since = now
+        if self._guard.partial:
+            self._partial_since = now
         try:
-            while True:
-                data = await self.stream.receive_some(_READ_SIZE)
-                if not data:
-                    break
-                events = self._h2.receive_data(data)
-                for event in events:
-                    self._dispatch(event)
-                await self._send_control()
+            # The reader's exception is carried out of the nursery by hand: a
+            # nursery would wrap it in an ExceptionGroup.
+            error: Exception | None = None
+            async with trio.open_nursery() as nursery:
+                with trio.CancelScope() as reader:
+                    nursery.start_soon(self._watchdog, reader)
+                    try:
+                        await self._read()
+                    except Exception as e:
+                        error = e
+                nursery.cancel_scope.cancel()
+            if error is not None:
+                raise error
         except (trio.BrokenResourceError, trio.ClosedResourceError, StreamGone) as e:
             self.read_failure = e
             self._fail(e)
-        except h2.exceptions.ProtocolError as e:
+        except (h2.exceptions.ProtocolError, FrameViolation) as e:
             _log.warning("HTTP/2 protocol error from peer: %s", e)
+            if isinstance(e, FrameViolation):
+                with contextlib.suppress(h2.exceptions.ProtocolError):
+                    self._h2.close_connection(e.code)
+            self.read_failure = e
+            await self._say_goodbye()
+            self._fail(e)
+        except Exception as e:
+            # A bug of ours or h2's, triggered by what this peer sent: it
+            # ends this connection, not the server.
+            _log.warning("HTTP/2 connection failed: %r", e)
+            _log.debug("HTTP/2 connection failure", exc_info=True)
             self.read_failure = e
             self._fail(e)
         else:
-            self._fail(None)
+            self._fail(self.failure)
+
+    async def _read(self) -> None:
+        while True:
+            data = await self.stream.receive_some(_READ_SIZE)
+            if not data:
+                return
+            self._guard.feed(data)
+            if not self._guard.partial:
+                self._partial_since = None
+            elif self._partial_since is None:
+                self._partial_since = trio.current_time()
+                if self._watch_scope is not None:
+                    self._watch_scope.deadline = min(
+                        self._watch_scope.deadline, self._partial_since + self._limits.frame_timeout
+                    )
+            events = self._h2.receive_data(data)
+            for event in events:
+                self._dispatch(event)
+            await self._send_control()
+
+    async def _watchdog(self, reader: trio.CancelScope) -> None:
+        """Stop the reader (``reader``) when a frame stalls or the connection idles.
+
+        One scope for the connection's life rather than one per read (each
+        costs microseconds, and a unary call takes several reads): the
+        watchdog wakes at least once per idle timeout to look, so that a
+        stream ending need not move its deadline; a frame starting, which
+        has a shorter timeout, does (see :meth:`_read`).
+        """
+        frame_timeout = self._limits.frame_timeout
+        while True:
+            deadline = (self._idle_since or trio.current_time()) + self._idle_timeout
+            if self._partial_since is not None:
+                deadline = min(deadline, self._partial_since + frame_timeout)
+            with trio.CancelScope(deadline=deadline) as self._watch_scope:
+                await trio.sleep_forever()
+            now = trio.current_time()
+            if self._partial_since is not None and now >= self._partial_since + frame_timeout:
+                _log.warning(
+                    "peer left a frame unfinished for %s s; closing the connection", frame_timeout
+                )
+                self.failure = TimeoutError(f"frame not finished within {frame_timeout} s")
+                reader.cancel()
+                return
+            if self._idle_since is not None and now >= self._idle_since + self._idle_timeout:
+                _log.debug("connection idle for %s s; closing it", self._idle_timeout)
+                reader.cancel()  # a clean end: aclose() says GOAWAY
+                return
+
+    async def _say_goodbye(self) -> None:
+        """Send the GOAWAY h2 queued for a protocol error, briefly, best effort."""
+        data = self._h2.data_to_send()
+        if data:
+            with trio.move_on_after(1), contextlib.suppress(StreamGone):
+                async with self._locked:
+                    await self._send_raw(data)
 
     def _dispatch(self, event: h2.events.Event) -> None:
         match event:
-            case h2.events.RequestReceived(stream_id=sid, headers=headers):
+            case h2.events.RequestReceived(stream_id=sid, headers=raw):
                 assert self._on_request is not None, "a client received a request"
+                headers = _header_dict(raw, _REQUEST)
+                if sid is None or headers is None:
+                    self._refuse(sid, "malformed request headers")
+                    return
                 self._streams[sid] = _Stream()
-                self._on_request(sid, _header_dict(headers))
+                self._idle_since = None
+                self._on_request(sid, headers)
                 if event.stream_ended is not None:
                     self._deliver(sid, End())
-            case h2.events.ResponseReceived(stream_id=sid, headers=headers):
-                self._deliver(sid, Headers(_header_dict(headers)))
-            case h2.events.TrailersReceived(stream_id=sid, headers=headers):
-                self._deliver(sid, Headers(_header_dict(headers), trailers=True))
+            case (
+                h2.events.ResponseReceived(stream_id=sid, headers=raw)
+                | h2.events.TrailersReceived(stream_id=sid, headers=raw)
+            ):
+                trailers = isinstance(event, h2.events.TrailersReceived)
+                headers = _header_dict(raw, _flags(self._h2.config.client_side, trailers))
+                if headers is None:
+                    self._refuse(sid, "malformed response headers")
+                    self._deliver(sid, Reset(h2.errors.ErrorCodes.PROTOCOL_ERROR))
+                    return
+                self._deliver(sid, Headers(headers, trailers=trailers))
             case h2.events.DataReceived(stream_id=sid, data=data):
                 size = event.flow_controlled_length or 0
                 if sid in self._streams:
@@ -269,24 +529,40 @@ class Connection:
                     self._acknowledge(sid, size)
             case h2.events.StreamEnded(stream_id=sid):
                 self._deliver(sid, End())
+                self._wake_writers()
             case h2.events.StreamReset(stream_id=sid, error_code=code):
                 self._deliver(sid, Reset(int(code or 0)))
                 # A writer waiting for window on this stream must wake to
                 # find it gone.
-                self._window_changed.set()
-                self._window_changed = trio.Event()
+                self._wake_writers()
             case h2.events.WindowUpdated() | h2.events.RemoteSettingsChanged():
                 if isinstance(event, h2.events.RemoteSettingsChanged):
                     self.settled.set()
-                self._window_changed.set()
-                self._window_changed = trio.Event()
+                self._wake_writers()
             case h2.events.PingAckReceived(ping_data=data) if data in self._pings:
                 self._pings.pop(data).set()
-            case h2.events.ConnectionTerminated():
+            case h2.events.ConnectionTerminated(last_stream_id=last):
                 # GOAWAY: no new streams; streams already running may finish.
                 self.closed = True
+                self.goaway_last_stream = last
+                self._wake_writers()
             case _:
                 pass
+
+    def _refuse(self, sid: int | None, why: str) -> None:
+        """Reset one stream for malformed headers (RFC 9113 8.1.1: a stream error).
+
+        The RST_STREAM leaves with the next flush of control frames.
+        """
+        _log.info("resetting stream %s: %s", sid, why)
+        if sid is not None:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self._h2.reset_stream(sid, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+
+    def _wake_writers(self) -> None:
+        """Wake writers waiting for window or a stream slot: something changed."""
+        self._window_changed.set()
+        self._window_changed = trio.Event()
 
     def _deliver(self, sid: int | None, event: StreamEvent) -> None:
         if sid is not None and sid in self._streams:
@@ -311,12 +587,21 @@ class Connection:
         """Client side: start a request stream, send ``body`` and end it; return its ID.
 
         ``body`` None leaves the stream open for :meth:`send` (client
-        streaming). Headers and a body that fits the peer's window leave in
-        one write. Raises :class:`StreamGone` if the connection is closed or
+        streaming). Waits while the peer's MAX_CONCURRENT_STREAMS of our
+        streams are open. Headers and a body that fits the peer's window
+        leave in one write. Raises :class:`StreamGone` if the connection is closed or
         breaks; a server that resets the stream before taking the whole body
         does not raise here: read its answer with :meth:`receive`.
         """
         out = _Outgoing(None, memoryview(body or b""), None, end_after_data=body is not None)
+        while True:
+            # At the peer's MAX_CONCURRENT_STREAMS, wait for one of ours to
+            # end rather than have h2 refuse (or the server reset) the stream.
+            if self.closed:
+                raise StreamGone("connection closed")
+            if self._h2.open_outbound_streams < self._h2.remote_settings.max_concurrent_streams:
+                break
+            await self._window_changed.wait()
         async with self._locked:
             if self.closed:
                 raise StreamGone("connection closed")
@@ -453,8 +738,16 @@ class Connection:
                 return
 
     def forget(self, sid: int) -> None:
-        """Stop routing events to ``sid`` (its owner is done with it)."""
-        self._streams.pop(sid, None)
+        """Stop routing events to ``sid`` (its owner is done with it).
+
+        The last stream gone starts the idle timeout.
+        """
+        if self._streams.pop(sid, None) is None:
+            return
+        # A stream slot may be free now (see open_stream).
+        self._wake_writers()
+        if not self._streams:
+            self._idle_since = trio.current_time()
 
     async def aclose(self) -> None:
         """Say GOAWAY (best effort, briefly) and close the TLS stream. Shielded."""
@@ -471,12 +764,33 @@ class Connection:
             await trio.aclose_forcefully(self.stream)
 
 
-def _header_dict(headers: object) -> dict[str, str]:
-    # header_encoding="utf-8" makes h2 hand us str pairs. Repeated metadata
-    # keys keep their first value: nothing we read is multi-valued.
+def _flags(client_side: bool, trailers: bool) -> h2.utilities.HeaderValidationFlags:
+    return h2.utilities.HeaderValidationFlags(
+        is_client=client_side,
+        is_trailer=trailers,
+        is_response_header=client_side and not trailers,
+        is_push_promise=False,
+    )
+
+
+_REQUEST = _flags(False, False)
+
+
+def _header_dict(
+    headers: Iterable[tuple[bytes, bytes]], flags: h2.utilities.HeaderValidationFlags
+) -> dict[str, str] | None:
+    """One header block, checked as h2 would (RFC 9113 8.2) and decoded as UTF-8.
+
+    None if it is malformed: a stream error, not the connection's. gRPC
+    metadata is ASCII; UTF-8 is what h2 decoded for us before. Repeated
+    metadata keys keep their first value: nothing we read is multi-valued.
+    """
     out: dict[str, str] = {}
-    for name, value in headers:  # type: ignore[attr-defined]
-        out.setdefault(str(name), str(value))
+    try:
+        for name, value in h2.utilities.validate_headers(headers, flags):
+            out.setdefault(name.decode(), value.decode())
+    except (h2.exceptions.ProtocolError, UnicodeDecodeError):
+        return None
     return out
 
 

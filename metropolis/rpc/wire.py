@@ -23,6 +23,7 @@ import struct
 import urllib.parse
 
 from metropolis.rpc.status import RPCError, Status
+from monotrio.numbers import parse_decimal
 
 __all__ = [
     "CONTENT_TYPE",
@@ -83,6 +84,17 @@ class MessageDecoder:
         """Whether a partial message is buffered (an error at end of stream)."""
         return bool(self._buffer)
 
+    @property
+    def expected(self) -> int:
+        """Bytes the decoder will hold once the message it is assembling is whole.
+
+        The whole message (prefix included) once its prefix is in, else what
+        is buffered: lets a caller reserve memory before reading on.
+        """
+        if len(self._buffer) < _PREFIX.size:
+            return len(self._buffer)
+        return _PREFIX.size + int(_PREFIX.unpack_from(self._buffer)[1])
+
 
 _UNITS = (("n", 1e-9), ("u", 1e-6), ("m", 1e-3), ("S", 1.0), ("M", 60.0), ("H", 3600.0))
 
@@ -100,9 +112,10 @@ def encode_timeout(seconds: float) -> str:
 def decode_timeout(value: str) -> float:
     """Seconds in a ``grpc-timeout`` value; :class:`ValueError` if malformed."""
     scales = dict(_UNITS)
-    if len(value) < 2 or len(value) > 9 or value[-1] not in scales or not value[:-1].isdigit():
+    if not value or value[-1] not in scales:
         raise ValueError(f"bad grpc-timeout {value!r}")
-    return int(value[:-1]) * scales[value[-1]]
+    # The spec allows at most 8 digits.
+    return parse_decimal(value[:-1], max_digits=8, what="grpc-timeout") * scales[value[-1]]
 
 
 # gRPC percent-encodes grpc-message: bytes outside 0x20..0x7E, and '%'.
