@@ -44,11 +44,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
 
+from common.numbers import parse_decimal
 from metropolis import identity, pki
 from metropolis.rpc import wire
 from metropolis.rpc.method import Access
 from metropolis.rpc.status import LeaderHint, RPCError, Status
-from monotrio.numbers import parse_decimal
 
 __all__ = [
     "PROOF_WINDOW",

@@ -45,12 +45,15 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar, cast
 
+import betterproto2
 import h2.errors
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.numbers import parse_decimal
+from common.protobuf import parse_checked
 from metropolis import identity
 from metropolis.errors import MetropolisError
 from metropolis.proto.common import ClusterDirectory
@@ -68,7 +71,6 @@ from metropolis.rpc.transport import (
     StreamGone,
     peer_refused_certificate,
 )
-from monotrio.numbers import parse_decimal
 
 __all__ = [
     "CURATOR_PORT",
@@ -605,9 +607,11 @@ class StreamCall(Generic[Resp]):
             await self._step()
         raw = self._pending.pop(0)
         try:
-            return self._type.parse(raw)
-        except Exception as e:  # betterproto2 raises assorted types on garbage
+            # Every Message the method table names is a generated betterproto2 class.
+            checked = parse_checked(cast("type[betterproto2.Message]", self._type), raw)
+        except ValueError as e:
             raise RPCError(Status.INTERNAL, f"cannot parse response: {e}") from None
+        return cast(Resp, checked)
 
     async def aclose(self) -> None:
         """Cancel the call on the server if it has not finished; forget it. Shielded."""

@@ -22,8 +22,8 @@ import base64
 import struct
 import urllib.parse
 
+from common.numbers import parse_decimal
 from metropolis.rpc.status import RPCError, Status
-from monotrio.numbers import parse_decimal
 
 __all__ = [
     "CONTENT_TYPE",

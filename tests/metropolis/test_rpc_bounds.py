@@ -39,6 +39,8 @@ from metropolis.rpc import (
     wire,
 )
 from metropolis.rpc.limits import Limits
+from metropolis.rpc.server import _parse as server_parse
+from metropolis.rpc.status import RPCError
 from tests.fixtures.rpc import (
     ClusterPKI,
     RawPeer,
@@ -407,3 +409,24 @@ async def test_open_stream_keeps_a_connection_past_the_idle_timeout(cluster: Clu
             assert conn.closed
             await client.unary(WHO, ClusterDirectory())
             assert client._conn is not conn
+
+
+# --- a request that is no message of its method's type ------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # ClusterDirectory.nodes[0].public_key (bytes) sent as a varint of 2**40:
+        # betterproto2 alone keeps the int, and writing the message out again
+        # would allocate bytes(2**40).
+        bytes([0x0A, 0x07, 0x08]) + bytes([0x80] * 5) + bytes([0x20]),
+        bytes([0x0A, 0x05, 0x0A, 0x09]) + b"abc",  # a node cut short
+        bytes([0x0A, 0x03, 0x12, 0x01, 0x0B]),  # an address with a group start
+    ],
+)
+def test_a_request_that_is_not_its_message_is_refused_before_any_handler(raw: bytes) -> None:
+    with pytest.raises(RPCError) as refused:
+        server_parse(ClusterDirectory, raw)
+    assert refused.value.code is Status.INTERNAL
+    assert "cannot parse request" in refused.value.message
