@@ -13,7 +13,10 @@ by the running loop.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -108,11 +111,18 @@ def _error(generation: int, cause: str) -> bytes:
 
 
 async def _machine(
-    conn: bmdb.Connection, name: str, requested: int, reported: int | None, report: bytes
+    conn: bmdb.Connection,
+    name: str,
+    requested: int,
+    reported: int | None,
+    report: bytes,
+    *,
+    provided: bool = True,
 ) -> uuid.UUID:
     async def body(q: Queries) -> uuid.UUID:
         machine = await q.new_machine()
-        await q.add_provided(machine, Provider.STATIC, name, address=f"10.0.0.{len(name)}")
+        if provided:
+            await q.add_provided(machine, Provider.STATIC, name, address=f"10.0.0.{len(name)}")
         request = bytes(OsInstallationRequest(generation=requested))
         await q.set_os_installation_request(machine, requested, request)
         if reported is not None:
@@ -244,3 +254,40 @@ async def test_approver_flags_give_the_owner_access(tmp_path: Path, cluster: Clu
     ]
     without = validate_options(parser, parser.parse_args(_shepherd_args(tmp_path)))
     assert without.approver is None
+
+
+async def test_python_m_shepherd_approve_installed_runs_the_approver(
+    tmp_path: Path, cluster: Cluster, bmdb_conn: bmdb.Connection, bmdb_url: str
+) -> None:
+    with trio.fail_after(BOUND):
+        installed, unknown = await _register(cluster), await _register(cluster)
+        # Not one of the static provider's machines: the provisioner leaves it be.
+        await _machine(bmdb_conn, "x", 1, 1, _success(1, installed), provided=False)
+        argv = _shepherd_args(
+            tmp_path,
+            *("--approve-installed", "--cluster-owner-root", str(cluster.seed.path)),
+            *("--cluster-owner-key", str(cluster.owner_key), "--approve-interval", "100ms"),
+        )
+        argv[argv.index("--bmdb-url") + 1] = bmdb_url
+        log = tmp_path / "shepherd.log"
+        with log.open("wb") as out:
+            process = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "shepherd", *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            try:
+                # Polling: the approval happens in other processes.
+                while (await _states(cluster))[installed] == "NEW":  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+                process.send_signal(signal.SIGTERM)
+                assert await process.wait() == 0
+            finally:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+        assert (await _states(cluster))[unknown] == "NEW"
+        text = log.read_text()
+        assert f"approved {identity.node_id(installed)}, installed on machine" in text
+        assert f"not approving {identity.node_id(unknown)}" in text
