@@ -173,6 +173,11 @@ def _register_args(tmp_path: Path, *extra: str) -> list[str]:
         pytest.param(
             ["--ticket", "00", "--directory", "GARBAGE"], "not a cluster info file", id="bad-dir"
         ),
+        # Parses as an empty message, which a lenient reader took for a
+        # cluster and saved, to fail only when calling it.
+        pytest.param(
+            ["--ticket", "00", "--directory", "EMPTY"], "no cluster_directory", id="empty-dir"
+        ),
     ],
 )
 async def test_register_refuses_bad_flags_and_files_in_one_line(
@@ -182,6 +187,8 @@ async def test_register_refuses_bad_flags_and_files_in_one_line(
     garbage.write_bytes(b"\x0a\x05hello, not a message")
     names = {"GARBAGE": str(garbage), "MISSING": str(tmp_path / "nope"), "P": str(garbage)}
     names["C"] = str(garbage)
+    names["EMPTY"] = str(tmp_path / "empty.pb")
+    (tmp_path / "empty.pb").write_bytes(b"")
     args = _register_args(tmp_path, *(names.get(f, f) for f in flags))
     error = await _one_line_error(*args)
     assert expected in error
