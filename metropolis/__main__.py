@@ -6,9 +6,15 @@ keeps running; ``metropolis node run --root DIR`` restarts a node from its
 saved state (finishing a registration a crash interrupted); ``metropolis
 node register --root DIR --ticket HEX --cluster FILE --address HOST
 --insecure-seal`` joins an existing cluster (waiting for the owner's
-approval) and keeps running; run again on the same root after a crash, it
-resumes the saved registration. SIGINT or SIGTERM stops everything
-(etcd included) and exits 0.
+approval) and keeps running; ``--parameters FILE`` (a NodeParameters with
+cluster_register, as the Shepherd's install writes it) replaces
+``--ticket`` and ``--cluster``; ``--announce-key FILE`` writes the node's
+public key there as soon as its identity is saved. Run again on the same
+root after a crash, it resumes the saved registration. SIGINT or SIGTERM
+stops everything (etcd included) and exits 0.
+
+``metropolis image build --out DIR`` builds a node image
+(:mod:`metropolis.image.__main__`, which it hands its arguments to).
 
 ``metropolis owner --root NODE_ROOT --owner-key FILE`` then ``nodes``,
 ``approve NODE``, ``set-roles NODE [--consensus-member on|off]
@@ -41,6 +47,7 @@ from metropolis.consensus.process import Tuning
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
 from metropolis.owner import format_table, format_tree, load_owner_key, open_owner
+from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
 from metropolis.roleserve.node import RoleServer
@@ -94,14 +101,24 @@ def _parser() -> argparse.ArgumentParser:
     reg = actions.add_parser("register", help="join an existing cluster and run")
     reg.add_argument("--root", type=Path, required=True, help="the node's data directory")
     reg.add_argument("--address", required=True, help="IP or name other nodes reach it at")
-    reg.add_argument("--ticket", required=True, help="register ticket (hex, from 'owner ticket')")
+    reg.add_argument("--ticket", help="register ticket (hex, from 'owner ticket')")
     reg.add_argument(
         "--directory",
         "--cluster",
         dest="cluster",
         type=Path,
-        required=True,
         help="cluster CA and directory (from 'owner info --out FILE')",
+    )
+    reg.add_argument(
+        "--parameters",
+        type=Path,
+        help="NodeParameters file with cluster_register (instead of --ticket and --directory)",
+    )
+    reg.add_argument(
+        "--announce-key",
+        type=Path,
+        metavar="FILE",
+        help="write the node's Ed25519 public key (32 raw bytes) here once it is saved",
     )
     reg.add_argument("--insecure-seal", action="store_true", help="no TPM: plain-text seal")
     reg.add_argument("--peer-port", type=int, default=7834, help="consensus peer port")
@@ -111,6 +128,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     reg.add_argument("--raft-tuning", default="100,1000", metavar="HEARTBEAT_MS,ELECTION_MS")
     reg.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS")
+
+    # Listed for --help only: main() hands 'image ...' to metropolis.image
+    # before this parser sees it, so that the image tool keeps its own options.
+    commands.add_parser("image", help="build a node image ('image build --help')")
 
     owner = commands.add_parser("owner", help="manage the cluster as its owner")
     owner.add_argument("--root", type=Path, required=True, help="a node's data directory")
@@ -190,7 +211,10 @@ async def _owner(args: argparse.Namespace) -> None:
         if args.action == "nodes":
             sys.stdout.write(format_table(await owner.nodes()) + "\n")
         elif args.action == "approve":
-            await owner.approve(args.node)
+            row = await owner.approve(args.node)
+            # A NEW node has pushed no status yet, so usually no address.
+            address = row.address or "none reported yet"
+            sys.stdout.write(f"approved {row.node_id} (address {address})\n")
         elif args.action == "set-roles":
             await owner.set_roles(
                 args.node,
@@ -226,35 +250,93 @@ def _fresh(root: Root) -> bool:
     return True
 
 
+def _check_register_source(args: argparse.Namespace) -> None:
+    """Refuse, before anything is read or written, a command line that names
+    the cluster twice (``--parameters`` and ``--ticket``/``--directory``) or
+    not at all."""
+    legacy = args.ticket is not None or args.cluster is not None
+    if args.parameters is not None and legacy:
+        raise MetropolisError(
+            "--parameters replaces --ticket and --directory: give one or the other"
+        )
+    if args.parameters is None and (args.ticket is None or args.cluster is None):
+        raise MetropolisError("give --parameters FILE, or both --ticket HEX and --directory FILE")
+
+
+def _register_source(args: argparse.Namespace) -> tuple[bytes, GetClusterInfoResponse]:
+    """Ticket and cluster (CA, directory) from ``--parameters`` or ``--ticket``/``--directory``.
+
+    Both files are read strictly (:mod:`metropolis.proto.parameters`):
+    anything but the exact encoding, with a usable CA and directory, is
+    one :class:`~metropolis.proto.parameters.NodeParametersError` naming
+    the file.
+    """
+    if args.parameters is not None:
+        params = parameters.read(args.parameters)
+        register = params.cluster_register
+        assert register is not None  # read() accepts only cluster_register
+        # No call the cluster offers a node that is not a member yet (nor
+        # one that is, short of reading etcd as a consensus member) names
+        # the cluster's owner, so the key cannot be checked against the
+        # cluster here: it is logged, for the operator to compare.
+        log.info(
+            "parameters %s: owner public key %s (not checked: the cluster does "
+            "not tell a registering node its owner)",
+            args.parameters,
+            register.owner_public_key.hex(),
+        )
+        return register.register_ticket, parameters.cluster_info(params)
+    try:
+        ticket = bytes.fromhex(args.ticket)
+    except ValueError as e:
+        raise MetropolisError(f"--ticket: not hex ({e})") from e
+    if not ticket:
+        raise MetropolisError("--ticket: empty")
+    return ticket, parameters.read_cluster_info(args.cluster)
+
+
+def _announce(path: Path | None, public_key: bytes) -> None:
+    """Write the node's public key to ``path`` (``--announce-key``), if given.
+
+    Atomically (temp file, fsync, rename, directory fsync) and mode 0644: a
+    reader (the installing agent) sees no file or the whole key, never
+    part of it, and may be another user. The key is public.
+    """
+    if path is None:
+        return
+    try:
+        atomic_write(Path(os.path.abspath(path)), public_key, 0o644)
+    except OSError as e:
+        raise MetropolisError(f"--announce-key {path}: cannot write: {e.strerror or e}") from e
+    log.info("announced %s in %s", identity.node_id(public_key), path)
+
+
 def _prepare_register(args: argparse.Namespace) -> Root:
-    """Save settings and a register intent, or find the intent a crash left; the root."""
+    """Save settings and a register intent, or find the intent a crash left; the root.
+
+    Either way the node's public key is announced (``--announce-key``)
+    once it is on disk and before the cluster is called.
+    """
+    _check_register_source(args)
     if not args.insecure_seal:
         raise MetropolisError("no TPM support: pass --insecure-seal to store secrets in plain text")
     settings = _settings(args)
     root = _root(args.root)
     if disk.register_path(root).exists():
         log.info("resuming the registration saved in %s (with its keys and ticket)", root.path)
+        saved = disk.load(root)
+        if saved.register is not None:
+            _announce(args.announce_key, saved.register.node_public_key)
+        elif saved.credentials is not None:
+            # Committed; only the intent's removal was left to do.
+            _announce(args.announce_key, saved.credentials.public_key)
         return root
     if root.path.exists() and not _fresh(root):
         raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
-    try:
-        ticket = bytes.fromhex(args.ticket)
-    except ValueError as e:
-        raise MetropolisError(f"--ticket: not hex ({e})") from e
-    try:
-        raw = args.cluster.read_bytes()
-    except OSError as e:
-        raise MetropolisError(f"cannot read the cluster file {args.cluster}: {e}") from e
-    # A plain message, as 'owner info --out' writes it (and other tools
-    # may): the exchange format, not one of the node's own checked files.
-    try:
-        cluster = GetClusterInfoResponse.parse(raw)
-    # betterproto2 raises assorted errors on bad input, hence the broad catch.
-    except Exception as e:
-        raise MetropolisError(
-            f"{args.cluster} is not a cluster file from 'owner info --out' ({e})"
-        ) from e
-    disk.save_register_intent(root, settings, RegisterIntent.generate(ticket, cluster))
+    ticket, cluster = _register_source(args)
+    intent = RegisterIntent.generate(ticket, cluster)
+    disk.save_register_intent(root, settings, intent)
+    _announce(args.announce_key, intent.node_public_key)
     return root
 
 
@@ -287,6 +369,12 @@ async def _run_node(root: Root) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["image"]:
+        # Imported here: a node (run from an image) never needs the build tools.
+        from metropolis.image.__main__ import main as image_main
+
+        return image_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,

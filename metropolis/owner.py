@@ -122,18 +122,45 @@ class Owner:
         return sorted(rows, key=lambda r: r.node_id)
 
     async def row(self, node: str) -> NodeRow:
-        """The node ``node`` (its ID or a prefix of it); :class:`OwnerError` if none."""
-        for row in await self.nodes():
-            if row.node_id == node or row.node_id.startswith(node):
+        """The node ``node`` (its ID or a unique prefix of it).
+
+        :class:`OwnerError` if no node matches, or if the prefix matches
+        more than one: every ID starts with ``metropolis-``, and a call that
+        approves or changes roles must not pick one of several nodes.
+        """
+        rows = await self.nodes()
+        for row in rows:
+            if row.node_id == node:
                 return row
-        raise OwnerError(f"no node {node}")
+        matches = [row for row in rows if row.node_id.startswith(node)]
+        if not matches:
+            raise OwnerError(f"no node {node}")
+        if len(matches) > 1:
+            raise OwnerError(f"{node!r} names {len(matches)} nodes; give more of the ID")
+        return matches[0]
 
     async def _public_key(self, node: str) -> bytes:
         return (await self.row(node)).public_key
 
-    async def approve(self, node: str) -> None:
-        key = await self._public_key(node)
-        await self.client.unary(methods.APPROVE_NODE, m.ApproveNodeRequest(pubkey=key))
+    async def approve(self, node: str) -> NodeRow:
+        """Approve the NEW node ``node`` (ID or unique prefix); its row as it was.
+
+        :class:`OwnerError` if it is not NEW (see :meth:`approve_row`).
+        """
+        row = await self.row(node)
+        await self.approve_row(row)
+        return row
+
+    async def approve_row(self, row: NodeRow) -> None:
+        """Approve the node of ``row`` (NEW -> STANDBY); it then commits and joins.
+
+        :class:`OwnerError` if ``row`` is not NEW: the curator would take
+        a second approval of a STANDBY or UP node as a no-op, and a caller
+        that thinks it admitted a node must learn that it did not.
+        """
+        if row.state != "NEW":
+            raise OwnerError(f"{row.node_id} is {row.state}, not NEW: nothing to approve")
+        await self.client.unary(methods.APPROVE_NODE, m.ApproveNodeRequest(pubkey=row.public_key))
 
     async def set_roles(
         self,

@@ -26,6 +26,12 @@ project) ends the process with status 1 and the API's message.
 The agent callback server, which receives the heartbeats the recoverer
 watches, is its own process: ``python -m shepherd.agent_server``.
 
+``--approve-installed --cluster-owner-root DIR --cluster-owner-key FILE``
+also runs the approver (:mod:`shepherd.approver`): with the cluster owner's
+files (what ``python -m metropolis owner --root DIR --owner-key FILE``
+takes) it approves the cluster's NEW nodes whose key a machine's agent
+reported in a successful installation, every ``--approve-interval``.
+
 SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
 sessions are deleted, and the process exits with status 0.
 """
@@ -56,8 +62,13 @@ from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
 from common.cli import run_main
 from common.listen import listen_address
 from common.metrics import serve_metrics
+from metropolis.errors import MetropolisError
+from metropolis.localstorage import Root
+from metropolis.owner import OwnerAccess, load_owner, load_owner_key
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_start import AgentConfig
+from shepherd.approver import DEFAULT_INTERVAL as APPROVE_INTERVAL
+from shepherd.approver import run_approver
 from shepherd.control_loop import LoopStats, start_control_loop
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
@@ -107,6 +118,16 @@ class Options:
     #: Seconds between two fleet gauge queries.
     fleet_period: float = DEFAULT_FLEET_PERIOD
     recoverer: RecovererOptions = field(default_factory=lambda: RecovererOptions())
+    #: None: the approver does not run.
+    approver: ApproverOptions | None = None
+
+
+@dataclass(frozen=True)
+class ApproverOptions:
+    """How the approver reaches the cluster, and how often it looks."""
+
+    access: OwnerAccess
+    interval: float = APPROVE_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -468,8 +489,58 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="recover an agent whose last heartbeat is older than this (default: 10m)",
     )
+    _add_approver_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
+
+
+def _add_approver_arguments(parser: argparse.ArgumentParser) -> None:
+    approve = parser.add_argument_group("approver (--approve-installed)")
+    approve.add_argument(
+        "--approve-installed",
+        action="store_true",
+        help="approve the cluster's NEW nodes that a machine's agent reported installing",
+    )
+    approve.add_argument(
+        "--cluster-owner-root",
+        type=Path,
+        metavar="DIR",
+        help="a cluster node's root with the owner certificate ('metropolis owner --root')",
+    )
+    approve.add_argument(
+        "--cluster-owner-key",
+        type=Path,
+        metavar="FILE",
+        help="the cluster owner's private key ('metropolis owner --owner-key')",
+    )
+    approve.add_argument(
+        "--approve-interval",
+        type=_arg_type("duration", _positive_duration),
+        default=APPROVE_INTERVAL,
+        metavar="DURATION",
+        help=f"time between two approver rounds (default: {APPROVE_INTERVAL:g}s)",
+    )
+
+
+def _approver_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> ApproverOptions | None:
+    """The approver's options; exit with status 2 if they do not go together or
+    the owner's files are unusable (read now: a wrong path is a start-up error)."""
+    owner_files = (args.cluster_owner_root, args.cluster_owner_key)
+    if not args.approve_installed:
+        if any(f is not None for f in owner_files):
+            parser.error("--cluster-owner-root and --cluster-owner-key need --approve-installed")
+        return None
+    if any(f is None for f in owner_files):
+        parser.error("--approve-installed needs --cluster-owner-root and --cluster-owner-key")
+    try:
+        access = load_owner(
+            Root(args.cluster_owner_root.resolve()), load_owner_key(args.cluster_owner_key)
+        )
+    except MetropolisError as exc:
+        parser.error(f"--approve-installed: {exc}")
+    return ApproverOptions(access, args.approve_interval)
 
 
 def parse_options(argv: Sequence[str] | None = None) -> Options:
@@ -515,6 +586,7 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             )
         except StaticFileError as exc:
             parser.error(f"argument --static-machines-path: {exc}")
+    approver = _approver_options(parser, args)
     executable = args.agent_executable_path or agent_zipapp()
     try:
         agent = AgentConfig(
@@ -577,6 +649,7 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             first_heartbeat_timeout=args.recovery_first_heartbeat_timeout,
             heartbeat_timeout=args.recovery_heartbeat_timeout,
         ),
+        approver=approver,
     )
 
 
@@ -647,6 +720,10 @@ async def run(options: Options) -> None:
                     parallelism=options.recoverer.parallelism,
                     limiter=RateLimiter(options.recoverer.rate),
                 )
+                if options.approver is not None:
+                    nursery.start_soon(
+                        run_approver, options.approver.access, conn, options.approver.interval
+                    )
                 async for signum in signals:
                     logger.info("got %s, stopping", signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
