@@ -14,6 +14,7 @@ from bmdb.model.queries import (
 from bmdb.model.rows import (
     AgentStarted,
     HistoryEvent,
+    InstallationTarget,
     InstallState,
     MachineProvided,
     MachineSummary,
@@ -33,6 +34,7 @@ __all__ = [
     "HeartbeatOutcome",
     "HistoryEvent",
     "InstallState",
+    "InstallationTarget",
     "MachineProvided",
     "MachineSummary",
     "OSInstallation",

@@ -443,12 +443,39 @@ class Queries:
         """The machine's installation request and the report on it, or None
         if it has no request."""
         rows = await self.execute(
-            f"SELECT {_INSTALLATION_COLUMNS} FROM machine_os_installation_request oq "
+            f"SELECT {INSTALLATION_COLUMNS} FROM machine_os_installation_request oq "
             "LEFT JOIN machine_os_installation_report orp ON orp.machine_id = oq.machine_id "
             "WHERE oq.machine_id = %s",
             (as_uuid(machine_id),),
         )
         return installation_from_row(rows[0]) if rows else None
+
+    async def installation_target(
+        self, machine_id: uuid.UUID | str
+    ) -> records.InstallationTarget | None:
+        """What deciding an installation of the machine needs: its provider
+        address, stored hardware report and current installation; None if
+        there is no such machine."""
+        rows = await self.execute(
+            f"""SELECT m.machine_id, p.provider_address, hw.hardware_report_raw,
+                       oq.machine_id IS NOT NULL, {INSTALLATION_COLUMNS}
+                FROM machines m
+                LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
+                LEFT JOIN machine_hardware_report hw ON hw.machine_id = m.machine_id
+                LEFT JOIN machine_os_installation_request oq ON oq.machine_id = m.machine_id
+                LEFT JOIN machine_os_installation_report orp ON orp.machine_id = m.machine_id
+                WHERE m.machine_id = %s""",
+            (as_uuid(machine_id),),
+        )
+        if not rows:
+            return None
+        r = rows[0]
+        return records.InstallationTarget(
+            machine_id=r[0],
+            address=r[1],
+            hardware_report=None if r[2] is None else bytes(r[2]),
+            installation=installation_from_row(r[4:]) if r[3] else None,
+        )
 
     async def record_os_installation_report(
         self,
@@ -783,15 +810,25 @@ def _check_text(name: str, value: str) -> None:
         raise InvalidArgument(f"{name} is over {MAX_INSTALLATION_TEXT} characters")
 
 
+#: The installation state of a machine given its request oq and report orp
+#: (NULL without a request); as `bmdb.model.OSInstallation.state` says.
+INSTALL_STATE_SQL = """
+    CASE WHEN oq.machine_id IS NULL THEN NULL
+         WHEN orp.generation IS DISTINCT FROM oq.generation OR orp.success IS NULL
+              THEN 'installing'
+         WHEN orp.success THEN 'installed'
+         ELSE 'install-failed' END
+"""
+
 #: The columns `installation_from_row` reads, of request ``oq`` and report ``orp``.
-_INSTALLATION_COLUMNS = """
+INSTALLATION_COLUMNS = """
     oq.generation, oq.root_device, oq.image_digest, oq.node_address, oq.requested_at,
     orp.generation, orp.success, orp.cause, orp.node_public_key, orp.reported_at
 """
 
 
 def installation_from_row(r: Sequence[Any]) -> records.OSInstallation:
-    """An `OSInstallation` from the `_INSTALLATION_COLUMNS` of a row."""
+    """An `OSInstallation` from the `INSTALLATION_COLUMNS` of a row."""
     return records.OSInstallation(
         generation=r[0],
         root_device=r[1],

@@ -140,3 +140,15 @@ class OSInstallation:
         if self.state is InstallState.INSTALLED and self.node_public_key is not None:
             return node_id(self.node_public_key)
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class InstallationTarget:
+    """A machine as ``shepherd install`` weighs it (`Queries.installation_target`)."""
+
+    machine_id: uuid.UUID
+    #: The provider's address of the machine (machine_provided), if any.
+    address: str | None
+    #: The stored serialized AgentHardwareReport, if any.
+    hardware_report: bytes | None
+    installation: OSInstallation | None
