@@ -28,6 +28,9 @@ watches, is its own process: ``python -m shepherd.agent_server``.
 
 SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
 sessions are deleted, and the process exits with status 0.
+
+``python -m shepherd install ...`` is a separate command, which asks
+machines to install the node image (see `shepherd.install`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import logging
 import os
 import re
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shepherd",
         description="Start the takeover agent on every provided machine in the BMDB.",
+        epilog="'python -m shepherd install --help': ask machines to install the node image.",
     )
     db = parser.add_argument_group("BMDB")
     db.add_argument(
@@ -658,6 +663,9 @@ async def run(options: Options) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["install"]:
+        return _install(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     # Logging first: validation generates a missing SSH key, and says so.
@@ -684,3 +692,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         known=(BMDBError, ShepherdError),
         labels=[(ProviderError, options.provider.type)],
     )
+
+
+def _install(argv: Sequence[str]) -> int:
+    """``python -m shepherd install``: its own command line (`shepherd.install`),
+    imported only when asked for."""
+    from shepherd.install import main as install_main
+
+    return install_main(argv)
