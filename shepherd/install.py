@@ -313,13 +313,23 @@ async def check_image(image: ImageRef, context: ssl.SSLContext) -> None:
         async with httpx.AsyncClient(verify=context, timeout=IMAGE_CHECK_TIMEOUT) as client:
             response = await client.head(image.url)
     except httpx.HTTPError as e:
-        raise InstallError(
-            f"image server unreachable at {image.url}: {e or type(e).__name__}"
-        ) from e
+        raise InstallError(f"image server unreachable at {image.url}: {_why(e)}") from e
     if response.status_code == 404:
         raise InstallError(f"image server does not have {image.digest} (404 from {image.url})")
     if response.status_code != 200:
         raise InstallError(f"image server answered {response.status_code} for {image.url}, not 200")
+
+
+def _why(error: BaseException) -> str:
+    """The first non-empty message along ``error``'s causes (httpx's
+    connection errors often have none of their own: the TLS or socket
+    error beneath says what happened), else its type's name."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if str(seen):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return type(error).__name__
 
 
 async def install(
