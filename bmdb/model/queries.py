@@ -392,9 +392,9 @@ class Queries:
         generation: int,
         request: bytes,
         *,
-        root_device: str,
-        image_digest: str,
-        node_address: str | None,
+        root_device: str | None = None,
+        image_digest: str | None = None,
+        node_address: str | None = None,
     ) -> bool:
         """Ask the machine's agent to install an OS: store the serialized
         OSInstallationRequest ``request`` of ``generation``, with the fields
@@ -405,15 +405,19 @@ class Queries:
         agent that saw generation g never sees another request named g.
         Returns whether it was written. `InvalidArgument` for a generation
         below 1 or texts PostgreSQL cannot store (NUL) or over
-        `MAX_INSTALLATION_TEXT` characters. ``shepherd install`` calls this.
+        `MAX_INSTALLATION_TEXT` characters. ``shepherd install`` calls this,
+        with every field; a field left out shows as unknown in the views.
         """
         if not isinstance(generation, int) or not 0 < generation < 2**63:
             raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
-        texts = {"root_device": root_device, "image_digest": image_digest}
-        if node_address is not None:
-            texts["node_address"] = node_address
+        texts = {
+            "root_device": root_device,
+            "image_digest": image_digest,
+            "node_address": node_address,
+        }
         for name, value in texts.items():
-            _check_text(name, value)
+            if value is not None:
+                _check_text(name, value)
         rows = await self.execute(
             """INSERT INTO machine_os_installation_request AS r
                    (machine_id, generation, os_installation_request_raw,
@@ -475,6 +479,25 @@ class Queries:
             address=r[1],
             hardware_report=None if r[2] is None else bytes(r[2]),
             installation=installation_from_row(r[4:]) if r[3] else None,
+        )
+
+    async def set_os_installation_report(
+        self, machine_id: uuid.UUID | str, generation: int, report: bytes
+    ) -> None:
+        """Store raw report bytes as the report on ``generation``, whatever is
+        requested, and without the outcome: the views show such a report as
+        not (yet) telling anything (installing). For tests and tools that
+        need a report as it is; the agent callback server stores reports
+        with `record_os_installation_report`."""
+        await self.execute(
+            """INSERT INTO machine_os_installation_report
+                   (machine_id, generation, os_installation_report_raw) VALUES (%s, %s, %s)
+               ON CONFLICT (machine_id) DO UPDATE
+               SET generation = EXCLUDED.generation,
+                   os_installation_report_raw = EXCLUDED.os_installation_report_raw,
+                   success = NULL, cause = NULL, node_public_key = NULL,
+                   reported_at = now()""",
+            (as_uuid(machine_id), int(generation), bytes(report)),
         )
 
     async def record_os_installation_report(

@@ -130,3 +130,20 @@ async def test_bad_requests_are_refused(bmdb_conn: bmdb.Connection) -> None:
         with pytest.raises(InvalidArgument):
             await bmdb_conn.transact(fn)
     assert await _installation(bmdb_conn, mid) is None
+
+
+async def test_raw_only_rows_show_as_installing(bmdb_conn: bmdb.Connection) -> None:
+    """A request without its fields and a report without its outcome (raw
+    bytes only, as tools and rows from before migration 0003 have them) say
+    nothing the views could show: installing, fields unknown."""
+    [mid] = await add_provided_machines(bmdb_conn, 1)
+
+    async def fn(q: Queries) -> None:
+        await q.set_os_installation_request(mid, 1, b"req")
+        await q.set_os_installation_report(mid, 1, b"raw report")
+
+    await bmdb_conn.transact(fn)
+    got = await _installation(bmdb_conn, mid)
+    assert got is not None
+    assert (got.generation, got.root_device, got.report_generation) == (1, None, 1)
+    assert got.state is InstallState.INSTALLING and not got.reported

@@ -161,10 +161,8 @@ async def test_machine_summary(bmdb_conn: bmdb.Connection) -> None:
     async def fn(q: Queries) -> list[bmdb.model.MachineSummary]:
         await _set_agent(q, machine_id, started_ago=2, heartbeat_ago=1)
         await q.set_hardware_report(machine_id, b"\x0a\x00")
-        await q.set_os_installation_request(
-            machine_id, 1, b"req", root_device="sda", image_digest="sha256:00", node_address=None
-        )
-        await q.record_os_installation_report(machine_id, 1, b"ok", True, None, None)
+        await q.set_os_installation_request(machine_id, 1, b"req")
+        await q.set_os_installation_report(machine_id, 1, b"ok")
         return await q.machines()
 
     [summary] = await bmdb_conn.transact(fn)
