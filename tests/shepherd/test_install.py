@@ -27,12 +27,14 @@ from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, generate_pri
 from cryptography.x509.oid import NameOID
 
 import bmdb
+from bmdb import Provider
 from bmdb.metrics import fleet_snapshot
 from bmdb.model import InstallState, OSInstallation, Queries
 from common.protobuf import parse_strict
 from metropolis import identity, pki
 from metropolis.proto import common, configuration, parameters
 from metropolis.proto.management import GetClusterInfoResponse
+from shepherd.install import ImageRef, Plan, install
 from shepherd.proto.agent_callback import (
     AgentHardwareReport,
     OsInstallationReport,
@@ -272,17 +274,25 @@ async def test_every_refusal_has_its_line_and_writes_nothing(
     [good, listed_not, installing, no_report] = await _machines(bmdb_conn, 4, without_report=1)
     missing = uuid.uuid4()
 
-    async def prepare(q: Queries) -> None:
+    async def prepare(q: Queries) -> tuple[uuid.UUID, uuid.UUID]:
+        unprovided = await q.new_machine()
+        await q.set_hardware_report(unprovided, _report("disk0"))
+        garbled = await q.new_machine()
+        await q.add_provided(garbled, Provider.STATIC, "garbled", "10.0.1.1")
+        await q.set_hardware_report(garbled, b"\x0a\xff\xff")
         await q.set_hardware_report(listed_not, _report("nvme0n1"))
         await q.set_os_installation_request(
             installing, 4, b"r", root_device="disk0", image_digest="sha256:00", node_address="x"
         )
+        return unprovided, garbled
 
-    await bmdb_conn.transact(prepare)
-    machines = (good, listed_not, installing, no_report, missing)
+    unprovided, garbled = await bmdb_conn.transact(prepare)
+    machines = (good, listed_not, installing, no_report, missing, unprovided, garbled)
     code, out, err = await shepherd_install(*_args(bmdb_url, cluster, image_server, *machines))
     assert code == 1 and err == ""
-    assert out.splitlines() == [
+    lines = out.splitlines()
+    lines[-2] = lines[-2][: lines[-2].index("AgentHardwareReport") + len("AgentHardwareReport")]
+    assert lines == [
         f"requested {good} generation 1 root device disk0 node address 10.0.0.0",
         f"refused {listed_not}: root device 'disk0' is not in its hardware report "
         "(it lists: nvme0n1)",
@@ -290,10 +300,13 @@ async def test_every_refusal_has_its_line_and_writes_nothing(
         "(--reinstall replaces it)",
         f"refused {no_report}: no hardware report yet (its agent has not sent one)",
         f"refused {missing}: no such machine",
-        "5 machine(s): 1 requested, 4 refused",
+        f"refused {unprovided}: no provider address, which the node would be started with",
+        # The parser's own words follow (common.protobuf says what is wrong).
+        f"refused {garbled}: its stored hardware report does not decode: AgentHardwareReport",
+        "7 machine(s): 1 requested, 6 refused",
     ]
-    assert await _installation(bmdb_conn, listed_not) is None
-    assert await _installation(bmdb_conn, no_report) is None
+    for refused in (listed_not, no_report, unprovided, garbled):
+        assert await _installation(bmdb_conn, refused) is None
     kept = await _installation(bmdb_conn, installing)
     assert kept is not None and kept.generation == 4
 
@@ -521,3 +534,46 @@ async def test_views_show_installing_installed_and_failed(
 
     snapshot = await fleet_snapshot(bmdb_conn)
     assert snapshot.installation == {"installed": 1, "install-failed": 1, "installing": 1}
+
+
+async def test_concurrent_runs_never_request_one_generation_twice(
+    bmdb_conn: bmdb.Connection, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs at once on one machine, both reading before either writes:
+    one gets generation 1, the other (retried after the serialization
+    failure) generation 2; neither is refused."""
+    [mid] = await _machines(bmdb_conn, 1)
+    both_read = trio.Event()
+    reads = 0
+    original = Queries.installation_target
+
+    async def read_then_wait(self: Queries, machine_id: uuid.UUID | str) -> object:
+        nonlocal reads
+        target = await original(self, machine_id)
+        reads += 1
+        if reads == 2:
+            both_read.set()
+        if reads <= 2:  # the first attempts only: a retry goes straight on
+            with trio.fail_after(10):
+                await both_read.wait()
+        return target
+
+    monkeypatch.setattr(Queries, "installation_target", read_then_wait)
+    info = parameters.read_cluster_info(cluster.info)
+    params = parameters.register_parameters(info, b"t", cluster.owner_public)
+    generations: list[int | None] = []
+
+    async def run(device: str) -> None:
+        plan = Plan(
+            parameters.encode(params), ImageRef("https", "h:1", SHA), device, reinstall=True
+        )
+        [decision] = await install(bmdb_conn, plan, machines=[mid])
+        generations.append(decision.generation)
+
+    async with trio.open_nursery() as nursery:
+        for device in ("disk0", "disk1"):
+            nursery.start_soon(run, device)
+    assert sorted(g for g in generations if g is not None) == [1, 2]
+    stored = await _installation(bmdb_conn, mid)
+    assert stored is not None and stored.generation == 2
+    assert (await _raw_request(bmdb_conn, mid)).generation == 2
