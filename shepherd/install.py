@@ -43,8 +43,9 @@ What is checked, and where:
 The image's digest names it (``sha256:`` and 64 lowercase hex digits, the
 file's SHA-256), and the URL is ``{scheme}://{host}/images/sha256/{hex}``,
 what the agent downloads and verifies before writing anything. Plain
-``http`` is accepted only with ``--insecure-plain-http`` (the digest still
-guards the image; TLS guards nothing else here).
+``http`` is accepted only with ``--insecure-plain-http``: the agent's
+digest check still refuses any other bytes, but anyone on the path sees
+the image and can stall its download.
 
 Root devices are named as the hardware report names them: by a block
 device's ``serial_number`` (the reference's report has no other name; a
@@ -387,19 +388,22 @@ def summary(decisions: Sequence[Decision], *, dry_run: bool) -> str:
 
 EXAMPLES = """\
 examples:
+  # the cluster's side, as its owner
+  python -m metropolis owner --root NODE_ROOT --owner-key owner.pem info --out cluster.pb
+  TICKET=$(python -m metropolis owner --root NODE_ROOT --owner-key owner.pem ticket)
+
   # what would be asked of two machines, without writing anything
   python -m shepherd install --bmdb-url postgresql:///bmdb \\
       --machine 6f1c2a3e-0000-4000-8000-000000000001 \\
       --machine 6f1c2a3e-0000-4000-8000-000000000002 \\
-      --cluster-info cluster.pb --ticket "$(python -m metropolis owner ticket)" \\
-      --owner-public-key owner.pem \\
+      --cluster-info cluster.pb --ticket "$TICKET" --owner-public-key owner.pem \\
       --image-url https://127.0.0.1:7443/images/sha256/<64 hex> \\
       --image-server-ca ca.pem --root-device disk0 --dry-run
 
   # three heartbeating machines, the image given by server and digest
   python -m shepherd install --bmdb-url postgresql:///bmdb \\
       --state heartbeating --count 3 \\
-      --cluster-info cluster.pb --ticket 0a1b... --owner-public-key owner.pem \\
+      --cluster-info cluster.pb --ticket "$TICKET" --owner-public-key owner.pem \\
       --image-server https://bmaas.example:7443 --image-digest sha256:<64 hex> \\
       --root-device disk0
 

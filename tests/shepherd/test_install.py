@@ -10,6 +10,7 @@ import hashlib
 import http.server
 import ipaddress
 import json
+import re
 import socket
 import ssl
 import sys
@@ -577,3 +578,21 @@ async def test_concurrent_runs_never_request_one_generation_twice(
     stored = await _installation(bmdb_conn, mid)
     assert stored is not None and stored.generation == 2
     assert (await _raw_request(bmdb_conn, mid)).generation == 2
+
+
+async def test_help_explains_every_option_with_examples() -> None:
+    code, out, _ = await shepherd_install("--help")
+    assert code == 0
+    from shepherd.install import build_parser
+
+    options = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    for option in options - {"--help"}:
+        assert option in out, option
+    examples = out[out.index("examples:") :]
+    for option in ("--machine", "--state", "--image-url", "--image-server", "--dry-run"):
+        assert re.search(rf"{option}\b", examples), option
+    # The main command's help points to it.
+    result = await trio.run_process(
+        [sys.executable, "-m", "shepherd", "--help"], capture_stdout=True, check=False
+    )
+    assert "python -m shepherd install --help" in result.stdout.decode()
