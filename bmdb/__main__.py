@@ -2,6 +2,8 @@
 
     python -m bmdb [--url URL] migrate            apply pending schema migrations
     python -m bmdb [--url URL] machines [--state S] [--provider P] [--limit N] [--json]
+        S: failed, unprovided, needs-agent-start, started, heartbeating, silent,
+           or an installation state: installing, installed, install-failed
     python -m bmdb [--url URL] machine MACHINE_ID [--json]
     python -m bmdb [--url URL] history MACHINE_ID
     python -m bmdb [--url URL] sessions
@@ -95,6 +97,8 @@ async def _machines(conn: bmdb.Connection, args: argparse.Namespace) -> str:
         (
             str(m.machine_id),
             m.state,
+            _install(m.install_state, m.install_generation),
+            m.node_id or "-",
             f"{m.provider}:{_oneline(m.provider_id)}" if m.provider else "-",
             _oneline(m.address),
             _when(m.agent_heartbeat_at),
@@ -104,8 +108,16 @@ async def _machines(conn: bmdb.Connection, args: argparse.Namespace) -> str:
         )
         for m in machines
     ]
-    header = ("MACHINE", "STATE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK", "BACKOFF", "CAUSE")
+    header = (
+        "MACHINE", "STATE", "INSTALL", "NODE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK",
+        "BACKOFF", "CAUSE",
+    )  # fmt: skip
     return _table(header, rows)
+
+
+def _install(state: object | None, generation: int | None) -> str:
+    """``installed@2``: the installation state and its generation, or ``-``."""
+    return "-" if state is None else f"{state}@{generation}"
 
 
 async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
@@ -127,8 +139,7 @@ async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
         ("agent key", detail.agent_public_key.hex() if detail.agent_public_key else "-"),
         ("heartbeat", _when(m.agent_heartbeat_at)),
         ("hardware report", _size(detail.hardware_report_bytes)),
-        ("os install request", _generation(detail.os_installation_request_generation)),
-        ("os install report", _generation(detail.os_installation_report_generation)),
+        *_installation_fields(detail.installation),
         ("ssh host key first seen", _when(detail.ssh_host_key_first_seen)),
         ("last failure", _when(m.failed_at)),
         ("last failure cause", _oneline(m.failed_cause)),
@@ -174,6 +185,54 @@ async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
+def _installation_fields(i: bmdb.model.OSInstallation | None) -> list[tuple[str, str]]:
+    """The request of the current generation, and the report on it."""
+    if i is None:
+        return [("install", "-")]
+    fields = [
+        ("install", f"{i.state} (generation {i.generation})"),
+        ("install requested", _when(i.requested_at)),
+        ("install root device", _oneline(i.root_device)),
+        ("install image", _oneline(i.image_digest)),
+        ("install node address", _oneline(i.node_address)),
+    ]
+    if i.reported:
+        fields += [
+            ("install reported", _when(i.reported_at)),
+            ("install outcome", "success" if i.success else "error"),
+        ]
+        if i.success:
+            fields.append(("install node", i.node_id or "- (no key reported)"))
+        else:
+            fields.append(("install cause", _oneline(i.cause)))
+    elif i.report_generation is not None:
+        fields.append(("install last report", _generation(i.report_generation)))
+    return fields
+
+
+def _installation_json(i: bmdb.model.OSInstallation | None) -> dict[str, object] | None:
+    if i is None:
+        return None
+    return {
+        "state": str(i.state),
+        "generation": i.generation,
+        "requested_at": i.requested_at.isoformat(),
+        "root_device": i.root_device,
+        "image_digest": i.image_digest,
+        "node_address": i.node_address,
+        "report_generation": i.report_generation,
+        "reported_at": _iso(i.reported_at),
+        "success": i.success,
+        "cause": i.cause,
+        "node_public_key": i.node_public_key.hex() if i.node_public_key else None,
+        "node_id": i.node_id,
+    }
+
+
+def _iso(at: datetime.datetime | None) -> str | None:
+    return at.isoformat() if at else None
+
+
 def _size(n: int | None) -> str:
     return "-" if n is None else f"{n} bytes"
 
@@ -190,6 +249,7 @@ def _detail_json(d: overview.MachineDetail) -> dict[str, object]:
         "os_installation_request_generation": d.os_installation_request_generation,
         "os_installation_report_generation": d.os_installation_report_generation,
         "ssh_host_key": d.ssh_host_key.hex() if d.ssh_host_key else None,
+        "installation": _installation_json(d.installation),
         "work": [
             {"process": w.process, "session_id": str(w.session_id), "component": w.component,
              "live": w.live}
@@ -316,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     machines.add_argument("--limit", type=int, default=1000, help="at most this many (oldest)")
     machines.add_argument(
         "--state",
-        choices=[str(s) for s in overview.State],
-        help="only machines in this state (failed: in backoff)",
+        choices=overview.STATE_FILTERS,
+        help="only machines in this state (failed: in backoff) or installation state",
     )
     machines.add_argument("--provider", choices=[str(p) for p in bmdb.Provider])
     machines.add_argument("--after", metavar="MACHINE_ID", help="start after this machine")

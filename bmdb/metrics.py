@@ -25,6 +25,7 @@ exports its last answer::
     bmdb_fleet_machines, bmdb_fleet_machines_provided,
     bmdb_fleet_machines_agent_started, bmdb_fleet_machines_heartbeating,
     bmdb_fleet_work_active{process}, bmdb_fleet_backoffs_active{process},
+    bmdb_fleet_machines_installation{state}   installing, installed, install-failed
     bmdb_fleet_query_duration_seconds, bmdb_fleet_updated_timestamp_seconds
 
 Collectors must be collected in the Trio thread (see `common.metrics`):
@@ -45,7 +46,8 @@ from prometheus_client.registry import Collector
 from bmdb._pg import Row
 from bmdb.connection import Connection
 from bmdb.errors import BMDBError
-from bmdb.model import Process, Queries
+from bmdb.model import InstallState, Process, Queries
+from bmdb.model.queries import INSTALL_STATE_SQL
 from bmdb.transaction import Isolation
 
 logger = logging.getLogger("bmdb.metrics")
@@ -58,7 +60,7 @@ DEFAULT_FLEET_PERIOD = 15.0
 
 #: The fleet gauges in one statement. Heartbeating: within 10 minutes (what
 #: recovery considers alive). Work counts only locks of live sessions.
-FLEET_SQL = """
+FLEET_SQL = f"""
 SELECT (SELECT count(*) FROM machines),
        (SELECT count(*) FROM machine_provided),
        (SELECT count(*) FROM machine_agent_started),
@@ -68,7 +70,11 @@ SELECT (SELECT count(*) FROM machines),
              JOIN sessions s ON s.session_id = w.session_id
              WHERE s.session_deadline > now() GROUP BY w.process),
        ARRAY(SELECT b.process::text || '=' || count(*) FROM work_backoff b
-             WHERE b.until > now() GROUP BY b.process)
+             WHERE b.until > now() GROUP BY b.process),
+       ARRAY(SELECT i.state || '=' || count(*) FROM (
+                 SELECT {INSTALL_STATE_SQL} AS state FROM machine_os_installation_request oq
+                 LEFT JOIN machine_os_installation_report orp ON orp.machine_id = oq.machine_id
+             ) i GROUP BY i.state)
 """
 
 
@@ -139,6 +145,8 @@ class FleetSnapshot:
     heartbeating: int
     work: dict[str, int] = field(default_factory=dict)
     backoffs: dict[str, int] = field(default_factory=dict)
+    #: Machines by installation state (those with a request).
+    installation: dict[str, int] = field(default_factory=dict)
 
 
 async def fleet_snapshot(conn: Connection) -> FleetSnapshot:
@@ -152,7 +160,7 @@ async def fleet_snapshot(conn: Connection) -> FleetSnapshot:
     def pairs(items: list[str]) -> dict[str, int]:
         return {k: int(v) for k, _, v in (i.rpartition("=") for i in items)}
 
-    return FleetSnapshot(r[0], r[1], r[2], r[3], pairs(r[4]), pairs(r[5]))
+    return FleetSnapshot(r[0], r[1], r[2], r[3], pairs(r[4]), pairs(r[5]), pairs(r[6]))
 
 
 class FleetGauges(Collector):
@@ -216,6 +224,14 @@ class FleetGauges(Collector):
             for process in Process:
                 family.add_metric([process], values.get(process, 0))
             yield family
+        installation = GaugeMetricFamily(
+            "bmdb_fleet_machines_installation",
+            "Machines asked to install an OS, by installation state.",
+            labels=["state"],
+        )
+        for state in InstallState:
+            installation.add_metric([state], s.installation.get(state, 0))
+        yield installation
         yield GaugeMetricFamily(
             "bmdb_fleet_query_duration_seconds",
             "How long the last fleet query took.",

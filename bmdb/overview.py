@@ -15,6 +15,18 @@ CLI listings, the web UI and the metrics all say the same thing::
 which is what an operator needs to see first. The 10 and 30 minutes are the
 recovery sourcing's thresholds (`bmdb.model.queries`).
 
+Beside that state, a machine asked to install an OS has an *installation
+state* (`InstallState`, none without a request), from its request of
+generation g and the report stored on it::
+
+    installing       no report on g yet (none, or one on an older generation)
+    installed        the agent reported success on g (the node's id shown)
+    install-failed   the agent reported an error on g (its cause shown)
+
+The two are separate columns because they answer separate questions (is the
+agent alive; is the OS on the machine); a ``state`` filter takes the names
+of both (`parse_state_filter`).
+
 Every function here reads in one REPEATABLE READ transaction (one or two
 statements, one snapshot) through `Connection.transact`, and raises what it
 raises (`DatabaseUnavailable`, ...), or `InvalidArgument` for a bad machine
@@ -36,13 +48,17 @@ from bmdb.connection import Connection
 from bmdb.errors import InvalidArgument
 from bmdb.model import (
     HistoryEvent,
+    InstallState,
+    OSInstallation,
     Process,
     Provider,
     Queries,
     SessionInfo,
     WorkEvent,
     as_uuid,
+    node_id,
 )
+from bmdb.model.queries import INSTALL_STATE_SQL, INSTALLATION_COLUMNS, installation_from_row
 from bmdb.transaction import Isolation
 
 
@@ -64,6 +80,21 @@ class State(enum.StrEnum):
             known = ", ".join(m.value for m in cls)
             raise InvalidArgument(f"unknown state {value!r} (known: {known})") from None
 
+
+def parse_state_filter(value: str) -> State | InstallState:
+    """A ``state`` filter: a `State` or an `InstallState` by name;
+    `InvalidArgument` naming both kinds otherwise."""
+    for kind in (State, InstallState):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    known = ", ".join([*State, *InstallState])
+    raise InvalidArgument(f"unknown state {value!r} (known: {known})")
+
+
+#: Every name a ``state`` filter takes (for command-line choices).
+STATE_FILTERS = (*(str(s) for s in State), *(str(s) for s in InstallState))
 
 #: The state of machine ``m`` given its joined tags p, a, h and backoff b.
 STATE_SQL = """
@@ -111,9 +142,16 @@ SELECT * FROM (
            ARRAY(SELECT w.process::text FROM work w JOIN sessions s ON s.session_id = w.session_id
                  WHERE w.machine_id = m.machine_id AND s.session_deadline > now()
                  ORDER BY 1) AS work,
-           {STATE_SQL} AS state
+           {STATE_SQL} AS state,
+           oq.generation AS install_generation,
+           {INSTALL_STATE_SQL} AS install_state,
+           CASE WHEN orp.generation = oq.generation THEN orp.cause END AS install_cause,
+           CASE WHEN orp.generation = oq.generation AND orp.success
+                THEN orp.node_public_key END AS node_public_key
     FROM machines m
     {_TAGS}
+    LEFT JOIN machine_os_installation_request oq ON oq.machine_id = m.machine_id
+    LEFT JOIN machine_os_installation_report orp ON orp.machine_id = m.machine_id
     {_BACKOFF_PROBED}
     LEFT JOIN LATERAL (
         SELECT x.at, x.process, x.cause FROM work_history x
@@ -124,6 +162,7 @@ SELECT * FROM (
       AND (%(provider)s::provider IS NULL OR p.provider = %(provider)s::provider)
 ) v
 WHERE (%(state)s::text IS NULL OR v.state = %(state)s::text)
+  AND (%(install_state)s::text IS NULL OR v.install_state = %(install_state)s::text)
 ORDER BY v.machine_created_at, v.machine_id
 LIMIT %(limit)s
 """
@@ -164,11 +203,20 @@ class MachineState:
     failed_cause: str | None
     #: Processes with live work on the machine now.
     work: tuple[Process, ...]
+    #: The installation state, None if no installation was ever requested.
+    install_state: InstallState | None
+    #: The requested generation.
+    install_generation: int | None
+    #: The agent's cause, when the requested generation failed.
+    install_cause: str | None
+    #: The installed node's id (``metropolis-`` + hex), when installed.
+    node_id: str | None
 
     @property
     def cause(self) -> str | None:
-        """Why the machine is in trouble: the backoff's cause, else the last failure's."""
-        return self.backoff_cause or self.failed_cause
+        """Why the machine is in trouble: an active backoff's cause, else a
+        failed installation's, else the last work failure's."""
+        return self.backoff_cause or self.install_cause or self.failed_cause
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types (ids and times as strings); `from_json` reverses it."""
@@ -189,6 +237,10 @@ class MachineState:
             "failed_process": self.failed_process and str(self.failed_process),
             "failed_cause": self.failed_cause,
             "work": [str(w) for w in self.work],
+            "install_state": self.install_state and str(self.install_state),
+            "install_generation": self.install_generation,
+            "install_cause": self.install_cause,
+            "node_id": self.node_id,
         }
 
     @classmethod
@@ -213,6 +265,10 @@ class MachineState:
             failed_process=opt(Process, "failed_process"),
             failed_cause=d["failed_cause"],
             work=tuple(Process(w) for w in d["work"]),
+            install_state=opt(InstallState, "install_state"),
+            install_generation=d["install_generation"],
+            install_cause=d["install_cause"],
+            node_id=d["node_id"],
         )
 
 
@@ -238,32 +294,52 @@ def _machine_state(r: Row) -> MachineState:
         failed_cause=r[13],
         work=tuple(Process(w) for w in r[14]),
         state=State(r[15]),
+        install_generation=r[16],
+        install_state=InstallState(r[17]) if r[17] else None,
+        install_cause=r[18],
+        node_id=None if r[19] is None else node_id(bytes(r[19])),
     )
+
+
+#: How many columns of a row `_machine_state` reads.
+_SUMMARY_COLUMNS = 20
 
 
 def machines_params(
     *,
     limit: int,
-    state: State | str | None = None,
+    state: State | InstallState | str | None = None,
     provider: Provider | str | None = None,
     after: uuid.UUID | str | None = None,
 ) -> dict[str, Any]:
-    """Validated parameters of `MACHINES_SQL` (also used by the benchmark)."""
+    """Validated parameters of `MACHINES_SQL` (also used by the benchmark).
+    ``state`` is a `State` or an `InstallState` (`parse_state_filter`)."""
     if not isinstance(limit, int) or limit < 1:
         raise InvalidArgument(f"limit must be a positive integer, got {limit!r}")
+    chosen = None if state is None else parse_state_filter(str(state))
     return {
         "limit": limit,
-        "state": None if state is None else str(State.parse(str(state))),
+        "state": str(chosen) if isinstance(chosen, State) else None,
+        "install_state": str(chosen) if isinstance(chosen, InstallState) else None,
         "provider": None if provider is None else Provider.parse(str(provider)),
         "after": None if after is None else as_uuid(after),
     }
+
+
+async def machine_ids(
+    q: Queries, *, limit: int, state: State | InstallState | str | None = None
+) -> list[uuid.UUID]:
+    """Up to ``limit`` machine ids in ``state``, oldest first, read in the
+    caller's transaction (``shepherd install --state`` chooses with this)."""
+    rows = await q.execute(MACHINES_SQL, machines_params(limit=limit, state=state))
+    return [r[0] for r in rows]
 
 
 async def machines(
     conn: Connection,
     *,
     limit: int = 1000,
-    state: State | str | None = None,
+    state: State | InstallState | str | None = None,
     provider: Provider | str | None = None,
     after: uuid.UUID | str | None = None,
 ) -> list[MachineState]:
@@ -283,7 +359,7 @@ async def machines_page(
     conn: Connection,
     *,
     limit: int,
-    state: State | str | None = None,
+    state: State | InstallState | str | None = None,
     provider: Provider | str | None = None,
     after: uuid.UUID | str | None = None,
 ) -> tuple[list[MachineState], dict[State, int]]:
@@ -332,6 +408,8 @@ class MachineDetail:
     os_installation_report_generation: int | None
     ssh_host_key: bytes | None
     ssh_host_key_first_seen: datetime.datetime | None
+    #: The installation request and the report on it, None without a request.
+    installation: OSInstallation | None
     work: tuple[WorkRow, ...]
     backoffs: tuple[BackoffRow, ...]
     history: tuple[HistoryEvent, ...]
@@ -344,6 +422,7 @@ class MachineDetail:
 DETAIL_SQL = f"""
 SELECT v.*, p.provider_location, a.agent_public_key, octet_length(r.hardware_report_raw),
        oq.generation, orp.generation, k.public_key, k.first_seen,
+       oq.machine_id IS NOT NULL, {INSTALLATION_COLUMNS},
        (SELECT coalesce(json_agg(json_build_array(w.process, w.session_id,
                                                   s.session_component_name,
                                                   s.session_deadline > now())
@@ -385,9 +464,11 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
     if not rows:
         return None
     r = rows[0]
-    extra = r[16:]
+    extra = r[_SUMMARY_COLUMNS:]
+    installation = installation_from_row(extra[8:18]) if extra[7] else None
+    extra = extra[:7] + extra[18:]
     return MachineDetail(
-        summary=_machine_state(r[:16]),
+        summary=_machine_state(r[:_SUMMARY_COLUMNS]),
         location=extra[0],
         agent_public_key=None if extra[1] is None else bytes(extra[1]),
         hardware_report_bytes=extra[2],
@@ -395,6 +476,7 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
         os_installation_report_generation=extra[4],
         ssh_host_key=None if extra[5] is None else bytes(extra[5]),
         ssh_host_key_first_seen=extra[6],
+        installation=installation,
         work=tuple(WorkRow(Process(w[0]), uuid.UUID(w[1]), w[2], w[3]) for w in _json(extra[7])),
         backoffs=tuple(
             BackoffRow(Process(b[0]), datetime.datetime.fromisoformat(b[1]), b[2], b[3], b[4])

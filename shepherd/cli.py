@@ -34,6 +34,9 @@ reported in a successful installation, every ``--approve-interval``.
 
 SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
 sessions are deleted, and the process exits with status 0.
+
+``python -m shepherd install ...`` is a separate command, which asks
+machines to install the node image (see `shepherd.install`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import logging
 import os
 import re
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shepherd",
         description="Start the takeover agent on every provided machine in the BMDB.",
+        epilog="'python -m shepherd install --help': ask machines to install the node image.",
     )
     db = parser.add_argument_group("BMDB")
     db.add_argument(
@@ -735,6 +740,9 @@ async def run(options: Options) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["install"]:
+        return _install(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     # Logging first: validation generates a missing SSH key, and says so.
@@ -761,3 +769,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         known=(BMDBError, ShepherdError),
         labels=[(ProviderError, options.provider.type)],
     )
+
+
+def _install(argv: Sequence[str]) -> int:
+    """``python -m shepherd install``: its own command line (`shepherd.install`),
+    imported only when asked for."""
+    from shepherd.install import main as install_main
+
+    return install_main(argv)

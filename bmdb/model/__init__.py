@@ -4,6 +4,7 @@ from bmdb.model.enums import Process, Provider, ProviderStatus, WorkEvent
 from bmdb.model.queries import (
     AGENT_FIRST_HEARTBEAT_TIMEOUT,
     AGENT_HEARTBEAT_TIMEOUT,
+    MAX_INSTALLATION_TEXT,
     SOURCING_WINDOW,
     AgentHeartbeat,
     HeartbeatOutcome,
@@ -13,22 +14,30 @@ from bmdb.model.queries import (
 from bmdb.model.rows import (
     AgentStarted,
     HistoryEvent,
+    InstallationTarget,
+    InstallState,
     MachineProvided,
     MachineSummary,
+    OSInstallation,
     SessionInfo,
     WorkInfo,
+    node_id,
 )
 
 __all__ = [
     "AGENT_FIRST_HEARTBEAT_TIMEOUT",
     "AGENT_HEARTBEAT_TIMEOUT",
+    "MAX_INSTALLATION_TEXT",
     "SOURCING_WINDOW",
     "AgentHeartbeat",
     "AgentStarted",
     "HeartbeatOutcome",
     "HistoryEvent",
+    "InstallState",
+    "InstallationTarget",
     "MachineProvided",
     "MachineSummary",
+    "OSInstallation",
     "Process",
     "Provider",
     "ProviderStatus",
@@ -37,4 +46,5 @@ __all__ = [
     "WorkEvent",
     "WorkInfo",
     "as_uuid",
+    "node_id",
 ]

@@ -387,35 +387,189 @@ class Queries:
         )
 
     async def set_os_installation_request(
-        self, machine_id: uuid.UUID | str, generation: int, request: bytes
-    ) -> None:
-        """Ask the agent to install an OS (``generation`` orders requests).
+        self,
+        machine_id: uuid.UUID | str,
+        generation: int,
+        request: bytes,
+        *,
+        root_device: str | None = None,
+        image_digest: str | None = None,
+        node_address: str | None = None,
+    ) -> bool:
+        """Ask the machine's agent to install an OS: store the serialized
+        OSInstallationRequest ``request`` of ``generation``, with the fields
+        the views show beside it (the BMDB does not decode the bytes).
 
-        Nothing calls this yet: the OS installation flow is not built (see
-        ARCHITECTURE.md); the query mirrors the Go BMDB's and is tested."""
-        await self.execute(
-            """INSERT INTO machine_os_installation_request
-                   (machine_id, generation, os_installation_request_raw) VALUES (%s, %s, %s)
+        Written only if ``generation`` is newer than the stored request's
+        (or none is stored): a request's generation never goes back, so an
+        agent that saw generation g never sees another request named g.
+        Returns whether it was written. `InvalidArgument` for a generation
+        below 1 or texts PostgreSQL cannot store (NUL) or over
+        `MAX_INSTALLATION_TEXT` characters. ``shepherd install`` calls this,
+        with every field; a field left out shows as unknown in the views.
+        """
+        if not isinstance(generation, int) or not 0 < generation < 2**63:
+            raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
+        texts = {
+            "root_device": root_device,
+            "image_digest": image_digest,
+            "node_address": node_address,
+        }
+        for name, value in texts.items():
+            if value is not None:
+                _check_text(name, value)
+        rows = await self.execute(
+            """INSERT INTO machine_os_installation_request AS r
+                   (machine_id, generation, os_installation_request_raw,
+                    root_device, image_digest, node_address, requested_at)
+               VALUES (%s, %s, %s, %s, %s, %s, now())
                ON CONFLICT (machine_id) DO UPDATE
                SET generation = EXCLUDED.generation,
-                   os_installation_request_raw = EXCLUDED.os_installation_request_raw""",
-            (as_uuid(machine_id), int(generation), bytes(request)),
+                   os_installation_request_raw = EXCLUDED.os_installation_request_raw,
+                   root_device = EXCLUDED.root_device,
+                   image_digest = EXCLUDED.image_digest,
+                   node_address = EXCLUDED.node_address,
+                   requested_at = EXCLUDED.requested_at
+               WHERE r.generation < EXCLUDED.generation
+               RETURNING 1""",
+            (
+                as_uuid(machine_id),
+                generation,
+                bytes(request),
+                root_device,
+                image_digest,
+                node_address,
+            ),
+        )
+        return bool(rows)
+
+    async def os_installation(self, machine_id: uuid.UUID | str) -> records.OSInstallation | None:
+        """The machine's installation request and the report on it, or None
+        if it has no request."""
+        rows = await self.execute(
+            f"SELECT {INSTALLATION_COLUMNS} FROM machine_os_installation_request oq "
+            "LEFT JOIN machine_os_installation_report orp ON orp.machine_id = oq.machine_id "
+            "WHERE oq.machine_id = %s",
+            (as_uuid(machine_id),),
+        )
+        return installation_from_row(rows[0]) if rows else None
+
+    async def installation_target(
+        self, machine_id: uuid.UUID | str
+    ) -> records.InstallationTarget | None:
+        """What deciding an installation of the machine needs: its provider
+        address, stored hardware report and current installation; None if
+        there is no such machine."""
+        rows = await self.execute(
+            f"""SELECT m.machine_id, p.provider_address, hw.hardware_report_raw,
+                       oq.machine_id IS NOT NULL, {INSTALLATION_COLUMNS}
+                FROM machines m
+                LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
+                LEFT JOIN machine_hardware_report hw ON hw.machine_id = m.machine_id
+                LEFT JOIN machine_os_installation_request oq ON oq.machine_id = m.machine_id
+                LEFT JOIN machine_os_installation_report orp ON orp.machine_id = m.machine_id
+                WHERE m.machine_id = %s""",
+            (as_uuid(machine_id),),
+        )
+        if not rows:
+            return None
+        r = rows[0]
+        return records.InstallationTarget(
+            machine_id=r[0],
+            address=r[1],
+            hardware_report=None if r[2] is None else bytes(r[2]),
+            installation=installation_from_row(r[4:]) if r[3] else None,
         )
 
     async def set_os_installation_report(
         self, machine_id: uuid.UUID | str, generation: int, report: bytes
     ) -> None:
-        """Store the agent's report on the OS installation of ``generation``.
-
-        Nothing calls this yet (see `set_os_installation_request`)."""
+        """Store raw report bytes as the report on ``generation``, whatever is
+        requested, and without the outcome: the views show such a report as
+        not (yet) telling anything (installing). For tests and tools that
+        need a report as it is; the agent callback server stores reports
+        with `record_os_installation_report`."""
         await self.execute(
             """INSERT INTO machine_os_installation_report
                    (machine_id, generation, os_installation_report_raw) VALUES (%s, %s, %s)
                ON CONFLICT (machine_id) DO UPDATE
                SET generation = EXCLUDED.generation,
-                   os_installation_report_raw = EXCLUDED.os_installation_report_raw""",
+                   os_installation_report_raw = EXCLUDED.os_installation_report_raw,
+                   success = NULL, cause = NULL, node_public_key = NULL,
+                   reported_at = now()""",
             (as_uuid(machine_id), int(generation), bytes(report)),
         )
+
+    async def record_os_installation_report(
+        self,
+        machine_id: uuid.UUID | str,
+        generation: int,
+        raw: bytes,
+        success: bool,
+        cause: str | None,
+        node_public_key: bytes | None,
+    ) -> bool:
+        """Store an agent's report on its OS installation; what the agent
+        callback server calls when a heartbeat carries an OSInstallationReport.
+
+        Stored only if ``generation`` is the one currently requested of the
+        machine (a report on an older request, or on one never made, is
+        dropped): returns whether it was stored. The request row is read
+        with FOR SHARE, so a new request written at the same time either
+        waits for this statement or makes it store nothing. A second report
+        on the same generation replaces the first (an agent that restarted
+        reports its recorded outcome again).
+
+        ``raw`` is the serialized OSInstallationReport; ``success``,
+        ``cause`` (required on failure, absent on success) and
+        ``node_public_key`` (32 raw Ed25519 bytes, on success; may be None)
+        are its fields, decoded by the caller, for the views.
+        `InvalidArgument` (nothing written) for a combination that is not a
+        report, a key that is not 32 bytes, or a cause PostgreSQL cannot
+        store (NUL) or over `MAX_INSTALLATION_TEXT` characters: the caller
+        cuts an agent's cause to that length first.
+        """
+        if not isinstance(generation, int) or not 0 < generation < 2**63:
+            raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
+        if success:
+            if cause is not None:
+                raise InvalidArgument("a successful installation report has no cause")
+            if node_public_key is not None and len(node_public_key) != 32:
+                raise InvalidArgument(
+                    f"node public key is {len(node_public_key)} bytes, want 32 (raw Ed25519)"
+                )
+        else:
+            if cause is None:
+                raise InvalidArgument("a failed installation report needs a cause")
+            if node_public_key is not None:
+                raise InvalidArgument("a failed installation report has no node public key")
+            _check_text("cause", cause)
+        rows = await self.execute(
+            """INSERT INTO machine_os_installation_report AS o
+                   (machine_id, generation, os_installation_report_raw,
+                    success, cause, node_public_key, reported_at)
+               SELECT r.machine_id, r.generation, %s, %s, %s, %s, now()
+               FROM machine_os_installation_request r
+               WHERE r.machine_id = %s AND r.generation = %s
+               FOR SHARE OF r
+               ON CONFLICT (machine_id) DO UPDATE
+               SET generation = EXCLUDED.generation,
+                   os_installation_report_raw = EXCLUDED.os_installation_report_raw,
+                   success = EXCLUDED.success,
+                   cause = EXCLUDED.cause,
+                   node_public_key = EXCLUDED.node_public_key,
+                   reported_at = EXCLUDED.reported_at
+               RETURNING 1""",
+            (
+                bytes(raw),
+                bool(success),
+                cause,
+                None if node_public_key is None else bytes(node_public_key),
+                as_uuid(machine_id),
+                generation,
+            ),
+        )
+        return bool(rows)
 
     async def authenticate_agent(self, machine_id: uuid.UUID | str, public_key: bytes) -> bool:
         """True if the machine's started agent has exactly ``public_key``."""
@@ -664,6 +818,52 @@ def as_uuid(value: uuid.UUID | str) -> uuid.UUID:
         except ValueError:
             pass
     raise InvalidArgument(f"not a machine id (UUID): {value!r}")
+
+
+#: Longest text stored with an installation request or report (characters).
+MAX_INSTALLATION_TEXT = 4096
+
+
+def _check_text(name: str, value: str) -> None:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be text, got {type(value).__name__}")
+    if "\x00" in value:
+        raise InvalidArgument(f"{name} holds a NUL character, which PostgreSQL cannot store")
+    if len(value) > MAX_INSTALLATION_TEXT:
+        raise InvalidArgument(f"{name} is over {MAX_INSTALLATION_TEXT} characters")
+
+
+#: The installation state of a machine given its request oq and report orp
+#: (NULL without a request); as `bmdb.model.OSInstallation.state` says.
+INSTALL_STATE_SQL = """
+    CASE WHEN oq.machine_id IS NULL THEN NULL
+         WHEN orp.generation IS DISTINCT FROM oq.generation OR orp.success IS NULL
+              THEN 'installing'
+         WHEN orp.success THEN 'installed'
+         ELSE 'install-failed' END
+"""
+
+#: The columns `installation_from_row` reads, of request ``oq`` and report ``orp``.
+INSTALLATION_COLUMNS = """
+    oq.generation, oq.root_device, oq.image_digest, oq.node_address, oq.requested_at,
+    orp.generation, orp.success, orp.cause, orp.node_public_key, orp.reported_at
+"""
+
+
+def installation_from_row(r: Sequence[Any]) -> records.OSInstallation:
+    """An `OSInstallation` from the `INSTALLATION_COLUMNS` of a row."""
+    return records.OSInstallation(
+        generation=r[0],
+        root_device=r[1],
+        image_digest=r[2],
+        node_address=r[3],
+        requested_at=r[4],
+        report_generation=r[5],
+        success=r[6],
+        cause=r[7],
+        node_public_key=None if r[8] is None else bytes(r[8]),
+        reported_at=r[9],
+    )
 
 
 def _limit(limit: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import enum
 import uuid
 from dataclasses import dataclass
 
@@ -76,3 +77,78 @@ class MachineSummary:
     agent_heartbeat_at: datetime.datetime | None
     has_hardware_report: bool
     work: tuple[Process, ...]
+
+
+class InstallState(enum.StrEnum):
+    """Where a machine's OS installation is, from its request and report."""
+
+    #: Generation g requested, no report on g yet.
+    INSTALLING = "installing"
+    #: The agent reported success on the requested generation.
+    INSTALLED = "installed"
+    #: The agent reported an error on the requested generation.
+    INSTALL_FAILED = "install-failed"
+
+
+#: The prefix of a Metropolis node id (metropolis.identity.NODE_ID_PREFIX;
+#: the BMDB imports nothing of the node half).
+NODE_ID_PREFIX = "metropolis-"
+
+
+def node_id(public_key: bytes) -> str:
+    """The Metropolis node id of a raw Ed25519 public key: ``metropolis-``
+    and the hex of its first 16 bytes (as metropolis.identity.node_id)."""
+    return NODE_ID_PREFIX + public_key[:16].hex()
+
+
+@dataclass(frozen=True, slots=True)
+class OSInstallation:
+    """A machine's OS installation request and the report on it, as far as
+    the views need them (the raw protobuf bytes stay in the database)."""
+
+    #: The requested generation.
+    generation: int
+    #: None in rows written before migration 0003 (raw bytes only).
+    root_device: str | None
+    image_digest: str | None
+    node_address: str | None
+    requested_at: datetime.datetime
+    #: The generation of the stored report, if any (it may be older).
+    report_generation: int | None
+    #: The report's outcome; None without a report (or without its outcome).
+    success: bool | None
+    cause: str | None
+    node_public_key: bytes | None
+    reported_at: datetime.datetime | None
+
+    @property
+    def state(self) -> InstallState:
+        """Installed or failed once the report is on the requested
+        generation, installing until then."""
+        if self.report_generation != self.generation or self.success is None:
+            return InstallState.INSTALLING
+        return InstallState.INSTALLED if self.success else InstallState.INSTALL_FAILED
+
+    @property
+    def reported(self) -> bool:
+        """Whether the stored report is on the requested generation."""
+        return self.state is not InstallState.INSTALLING
+
+    @property
+    def node_id(self) -> str | None:
+        """The installed node's id, once installed with a key reported."""
+        if self.state is InstallState.INSTALLED and self.node_public_key is not None:
+            return node_id(self.node_public_key)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class InstallationTarget:
+    """A machine as ``shepherd install`` weighs it (`Queries.installation_target`)."""
+
+    machine_id: uuid.UUID
+    #: The provider's address of the machine (machine_provided), if any.
+    address: str | None
+    #: The stored serialized AgentHardwareReport, if any.
+    hardware_report: bytes | None
+    installation: OSInstallation | None

@@ -68,9 +68,19 @@ async def test_listings(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
         code, out, _ = await cli("--url", bmdb_url, "machines")
         assert code == 0
         lines = out.splitlines()
-        assert lines[0].split()[:4] == ["MACHINE", "STATE", "PROVIDED", "ADDRESS"]
+        assert lines[0].split()[:6] == [
+            "MACHINE", "STATE", "INSTALL", "NODE", "PROVIDED", "ADDRESS"
+        ]  # fmt: skip
         assert len(lines) == 3
-        assert f"{machine_id}  needs-agent-start  Static:static-0  10.0.0.0" in lines[1]
+        cells = lines[1].split()
+        assert cells[:6] == [
+            str(machine_id),
+            "needs-agent-start",
+            "-",
+            "-",
+            "Static:static-0",
+            "10.0.0.0",
+        ]
         assert "ShepherdAgentStart" in lines[1]  # held work
         assert lines[1].endswith("no route to host")  # the last failure's cause
 

@@ -64,7 +64,8 @@ async def test_filters(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == [
-        "MACHINE", "STATE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK", "BACKOFF", "CAUSE"
+        "MACHINE", "STATE", "INSTALL", "NODE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK",
+        "BACKOFF", "CAUSE",
     ]  # fmt: skip
     assert len(lines) == 2 and lines[1].startswith(f"{fleet.ids[State.SILENT]}  silent")
     # Paging: after the first machine, the rest.

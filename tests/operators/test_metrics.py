@@ -144,9 +144,11 @@ async def test_metrics_after_an_initializer_run_match_the_history(
     assert value(samples, "bmdb_fleet_machines_agent_started") == GOOD
     assert value(samples, "bmdb_fleet_backoffs_active", process="ShepherdAgentStart") == DEAD
     assert value(samples, "bmdb_fleet_work_active", process="ShepherdAgentStart") == 0
-    # Bounded labels: nothing is labelled by machine.
+    for state in ("installing", "installed", "install-failed"):
+        assert value(samples, "bmdb_fleet_machines_installation", state=state) == 0
+    # Bounded labels: nothing is labelled by machine (state: installation states).
     labels = {k for (_, ls) in samples for k, _ in ls}
-    assert labels <= {"component", "connection", "process", "result", "outcome"}
+    assert labels <= {"component", "connection", "process", "result", "outcome", "state"}
 
 
 async def _scrape_when_settled(conn: bmdb.Connection, port: int) -> Samples:

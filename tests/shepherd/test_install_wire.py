@@ -33,7 +33,8 @@ METROPOLIS_PROTO = Path(__file__).resolve().parents[2] / "metropolis" / "proto"
 # Monogon's cloud/bmaas/server/api/agent.proto, the messages of an
 # installation, in its declaration order (os_image before node_parameters).
 # Another package, so that it does not collide with agent_callback.proto in
-# Google's descriptor pool; Success.node_public_key is ours.
+# Google's descriptor pool; Success.node_public_key and
+# MetropolisInstallationRequest.node_address (100) are ours.
 REFERENCE = """
 syntax = "proto3";
 package monotrio.test.reference.bmaas;
@@ -52,6 +53,14 @@ message HeartbeatRequest {
   OSInstallationReport installation_report = 3;
 }
 message MetropolisInstallationRequest {
+  reserved 1;
+  metropolis.proto.api.OSImageRef os_image = 4;
+  metropolis.proto.api.NodeParameters node_parameters = 2;
+  string root_device = 3;
+  string node_address = 100;
+}
+// The reference's own MetropolisInstallationRequest, without our field.
+message PlainMetropolisInstallationRequest {
   reserved 1;
   metropolis.proto.api.OSImageRef os_image = 4;
   metropolis.proto.api.NodeParameters node_parameters = 2;
@@ -136,6 +145,7 @@ def _image(spec: tuple[str, str, str, str, str]) -> configuration.OsImageRef:
     params=st.none() | register,
     os_image=st.none() | image,
     root_device=text,
+    node_address=text,
 )
 def test_installation_request(
     ref: ModuleType,
@@ -144,6 +154,7 @@ def test_installation_request(
     params: tuple[list[tuple[bytes, list[str]]], bytes, bytes, bytes] | None,
     os_image: tuple[str, str, str, str, str] | None,
     root_device: str,
+    node_address: str,
 ) -> None:
     node_parameters = None if params is None else _node_parameters(params)
     image_ref = None if os_image is None else _image(os_image)
@@ -155,6 +166,7 @@ def test_installation_request(
                     node_parameters=None if node_parameters is None else bytes(node_parameters),
                     root_device=root_device,
                     os_image=None if image_ref is None else bytes(image_ref),
+                    node_address=node_address,
                 )
                 if metropolis
                 else None
@@ -169,6 +181,7 @@ def test_installation_request(
         install = request.metropolis
         install.SetInParent()
         install.root_device = root_device
+        install.node_address = node_address
         if node_parameters is not None:
             # Google's message, filled from the node's own class's encoding.
             install.node_parameters.MergeFromString(bytes(node_parameters))
@@ -185,6 +198,7 @@ def test_installation_request(
         assert got is None
         return
     assert got is not None
+    assert got.node_address == node_address
     if node_parameters is None:
         assert got.node_parameters is None
     else:
@@ -296,3 +310,29 @@ def test_node_parameters_file_through_the_bytes_field(ref: ModuleType, tmp_path:
     path = tmp_path / "node.params"
     path.write_bytes(got.metropolis.node_parameters)  # what the agent does with them
     assert parameters.read(path) == params
+
+
+@settings(max_examples=50, deadline=None)
+@given(node_address=text, root_device=text)
+def test_node_address_is_an_extension_the_reference_skips(
+    ref: ModuleType, node_address: str, root_device: str
+) -> None:
+    """node_address (100) is ours: the reference's own message reads a
+    request that carries it, keeps every field it knows, and writes the
+    unknown field back unchanged, so ours reads the address again."""
+    params = _node_parameters(([(b"k" * 32, ["10.0.0.1"])], b"ticket", b"ca", b"o" * 32))
+    ours = bp.MetropolisInstallationRequest(
+        node_parameters=bytes(params),
+        root_device=root_device,
+        node_address=node_address,
+    )
+    plain = ref.PlainMetropolisInstallationRequest.FromString(bytes(ours))
+    assert plain.root_device == root_device
+    assert plain.node_parameters.cluster_register.register_ticket == b"ticket"
+    back = bp.MetropolisInstallationRequest.parse(plain.SerializeToString())
+    assert back == ours
+    # Without the address, ours is the reference's message byte for byte.
+    ours.node_address = ""
+    reference = ref.PlainMetropolisInstallationRequest(root_device=root_device)
+    reference.node_parameters.MergeFromString(bytes(params))
+    assert bytes(ours) == reference.SerializeToString()

@@ -161,6 +161,15 @@ class MetropolisInstallationRequest(betterproto2.Message):
     Serialized metropolis.proto.api.OSImageRef: the image to install.
     """
 
+    node_address: "str" = betterproto2.field(100, betterproto2.TYPE_STRING)
+    """
+    Beyond the reference: the machine's own address, which the agent gives
+    the node as its `--address` (nodes use fixed ports, so each machine
+    needs its own). Filled by `shepherd install` from the provider's
+    address of the machine (machine_provided.provider_address). A number
+    outside the reference's, so that none it adds collides.
+    """
+
 
 default_message_pool.register_message(
     "cloud.bmaas.server.api", "MetropolisInstallationRequest", MetropolisInstallationRequest
