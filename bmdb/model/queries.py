@@ -171,7 +171,12 @@ def _agent_recovery(
 # The arrays go in binary (%b): psycopg's text array dumper quotes every
 # element through regular expressions, which was most of a heartbeat's
 # database CPU in the callback server (bench/heartbeat.py). Only refused
-# heartbeats come back as rows (the common case: none to load).
+# heartbeats come back as rows (the common case: none to load), and
+# accepted ones whose machine has an OS installation request with no report
+# of its generation or a later one: the request travels back in the
+# heartbeat's answer, read in the same statement so that the answers cost
+# no query of their own (the main query sees the tables as they were before
+# the statement, which its CTEs do not change).
 _RECORD_HEARTBEATS = """
     WITH req AS (
         SELECT * FROM unnest(
@@ -201,9 +206,17 @@ _RECORD_HEARTBEATS = """
         RETURNING 1
     )
     SELECT r.ord,
-           EXISTS (SELECT 1 FROM auth a WHERE a.machine_id = r.machine_id)
+           EXISTS (SELECT 1 FROM auth a WHERE a.machine_id = r.machine_id),
+           NULL::bigint, NULL::bytea
     FROM req r
     WHERE NOT EXISTS (SELECT 1 FROM beat b WHERE b.machine_id = r.machine_id)
+    UNION ALL
+    SELECT r.ord, true, q.generation, q.os_installation_request_raw
+    FROM req r
+    JOIN beat b ON b.machine_id = r.machine_id
+    JOIN machine_os_installation_request q ON q.machine_id = r.machine_id
+    WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
+                      WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
 """
 
 
@@ -248,6 +261,21 @@ class AgentHeartbeat:
     request_time_ns: int
     #: The raw AgentHardwareReport, if the request carried one.
     hardware_report: bytes | None = None
+
+
+@dataclass(frozen=True)
+class HeartbeatResult:
+    """What `Queries.record_agent_heartbeats_pending` did with one heartbeat."""
+
+    outcome: HeartbeatOutcome
+    #: Accepted heartbeats only: the machine's stored OS installation request
+    #: (raw OSInstallationRequest) and its generation, if no report of that
+    #: generation (or a later one) is stored.
+    installation_request: bytes | None = None
+    installation_generation: int | None = None
+
+
+_ACCEPTED = HeartbeatResult(HeartbeatOutcome.ACCEPTED)
 
 
 class Queries:
@@ -417,6 +445,36 @@ class Queries:
             (as_uuid(machine_id), int(generation), bytes(report)),
         )
 
+    # install-server's minimal version; install-cli's version with columns supersedes it.
+    async def record_os_installation_report(
+        self,
+        machine_id: uuid.UUID | str,
+        generation: int,
+        raw: bytes,
+        success: bool,
+        cause: str | None,
+        node_public_key: bytes | None,
+    ) -> None:
+        """Store the agent's report (raw OSInstallationReport) on ``generation``,
+        only if that is the generation the machine's stored request has; else
+        nothing is written. ``success``, ``cause`` and ``node_public_key`` are
+        what ``raw`` says (the caller made ``cause`` printable); this minimal
+        version keeps them only inside ``raw``."""
+        if not isinstance(generation, int) or not 0 < generation < 2**63:
+            raise InvalidArgument(f"generation out of range: {generation!r}")
+        await self.execute(
+            """INSERT INTO machine_os_installation_report
+                   (machine_id, generation, os_installation_report_raw)
+               SELECT q.machine_id, q.generation, %s FROM machine_os_installation_request q
+               WHERE q.machine_id = %s AND q.generation = %s
+               ON CONFLICT (machine_id) DO UPDATE
+               SET generation = EXCLUDED.generation,
+                   os_installation_report_raw = EXCLUDED.os_installation_report_raw""",
+            (bytes(raw), as_uuid(machine_id), generation),
+        )
+
+    # End of install-server's minimal version.
+
     async def authenticate_agent(self, machine_id: uuid.UUID | str, public_key: bytes) -> bool:
         """True if the machine's started agent has exactly ``public_key``."""
         rows = await self.execute(
@@ -456,6 +514,14 @@ class Queries:
         statement cannot order two updates of one row) or a time is out of
         range.
         """
+        return [r.outcome for r in await self.record_agent_heartbeats_pending(beats)]
+
+    async def record_agent_heartbeats_pending(
+        self, beats: Sequence[AgentHeartbeat]
+    ) -> list[HeartbeatResult]:
+        """`record_agent_heartbeats`, and for each accepted beat the machine's
+        pending OS installation request (one whose generation has no report
+        stored yet), in the same statement. Raises as `record_agent_heartbeats`."""
         ids = [as_uuid(b.machine_id) for b in beats]
         if len(set(ids)) != len(ids):
             raise InvalidArgument("a machine appears twice in one heartbeat batch")
@@ -476,13 +542,19 @@ class Queries:
                 ],
             },
         )
-        # Only the refused come back (the common case is none).
-        outcomes = [HeartbeatOutcome.ACCEPTED] * len(beats)
-        for ordinal, authenticated in rows:
-            outcomes[ordinal - 1] = (
-                HeartbeatOutcome.REPLAYED if authenticated else HeartbeatOutcome.UNKNOWN_AGENT
-            )
-        return outcomes
+        # Only the refused and those with a pending request come back (the
+        # common case is none).
+        results = [_ACCEPTED] * len(beats)
+        for ordinal, authenticated, generation, request in rows:
+            if generation is not None:
+                results[ordinal - 1] = HeartbeatResult(
+                    HeartbeatOutcome.ACCEPTED, bytes(request), int(generation)
+                )
+            else:
+                results[ordinal - 1] = HeartbeatResult(
+                    HeartbeatOutcome.REPLAYED if authenticated else HeartbeatOutcome.UNKNOWN_AGENT
+                )
+        return results
 
     async def agent_heartbeat(self, machine_id: uuid.UUID | str) -> datetime.datetime | None:
         """When the machine's agent last heartbeated, or None."""
