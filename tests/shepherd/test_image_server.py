@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import socket
 import ssl
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,8 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.net import free_loopback_port
+from shepherd.agent_server.__main__ import parse_options
 from shepherd.agent_server.images import (
     ImageServerConfig,
     RangeNotSatisfiable,
@@ -352,3 +357,67 @@ def test_arbitrary_request_heads_are_answered_or_closed(
             while sock.recv(65536):
                 pass
     assert_serves_image(image_server)
+
+
+# --- python -m shepherd.agent_server --image-listen --------------------------
+
+
+def test_image_options(tmp_path: Path) -> None:
+    base = ["--bmdb-url", "postgresql://x/y", "--insecure-plain-http", "--workers", "2"]
+    for bad in (
+        ["--image-listen", "127.0.0.1:0"],  # no --image-dir
+        ["--image-dir", str(tmp_path)],  # no --image-listen
+        ["--image-listen", "127.0.0.1:0", "--image-dir", str(tmp_path / "absent")],
+        ["--image-listen", "nowhere", "--image-dir", str(tmp_path)],
+    ):
+        with pytest.raises(SystemExit):
+            parse_options(base + bad)
+    options = parse_options([*base, "--image-listen", "127.0.0.1:0", "--image-dir", str(tmp_path)])
+    assert options.images is not None and options.images.image_dir == tmp_path
+    assert options.worker_argv[-3:-1] == ["--image-dir", str(tmp_path)]
+    assert "--image-listen" not in options.worker_argv  # the supervisor adds the reserved port
+    assert parse_options(base).images is None
+
+
+async def test_workers_serve_images(bmdb_url: str, tmp_path: Path) -> None:
+    data, digest, _ = make_images(tmp_path / "images")
+    port, image_port = free_loopback_port(), free_loopback_port()
+    process = await trio.lowlevel.open_process(
+        [
+            sys.executable,
+            "-m",
+            "shepherd.agent_server",
+            "--bmdb-url",
+            bmdb_url,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--insecure-plain-http",
+            "--workers",
+            "2",
+            "--image-listen",
+            f"127.0.0.1:{image_port}",
+            "--image-dir",
+            str(tmp_path / "images"),
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient() as client:
+            with trio.fail_after(120):
+                while True:
+                    try:
+                        got = await client.get(
+                            f"http://127.0.0.1:{image_port}{path(digest)}",
+                            headers={"Range": "bytes=3-"},
+                        )
+                        break
+                    except httpx.TransportError:
+                        await trio.sleep(0.2)
+        assert (got.status_code, got.content) == (206, data[3:])
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
