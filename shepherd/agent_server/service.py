@@ -487,17 +487,23 @@ class HeartbeatService:
             for b in (p.beat for p in group)
         ]
 
+        # Members with an installation report (rare: one per install).
+        reporting = [
+            (index, p.beat.machine_id, p.beat.installation_report)
+            for index, p in enumerate(group)
+            if p.beat.installation_report is not None
+        ]
         notes: list[str] = []
 
         async def record(q: Queries) -> list[HeartbeatResult]:
             notes.clear()  # a retried transaction starts over
             results = await q.record_agent_heartbeats_pending(beats)
-            for index, (pending, result) in enumerate(zip(group, results, strict=True)):
-                report = pending.beat.installation_report
+            for index, machine_id, report in reporting:
+                result = results[index]
                 if (
                     report is not None
                     and result.outcome is HeartbeatOutcome.ACCEPTED
-                    and await _record_report(q, pending.beat.machine_id, report, result, notes)
+                    and await _record_report(q, machine_id, report, result, notes)
                 ):
                     results[index] = _ACCEPTED  # reported: no longer pending
             return results
