@@ -269,6 +269,40 @@ async def test_serves_over_tls(tmp_path: Path, nursery: trio.Nursery) -> None:
     nursery.cancel_scope.cancel()
 
 
+async def test_connections_are_bounded_and_idle_ones_closed(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    data, digest, _ = make_images(tmp_path / "images")
+    bounded = ImageServerConfig(
+        listen="127.0.0.1:0", image_dir=tmp_path / "images", max_connections=1, idle_timeout=0.3
+    )
+    url = await nursery.start(serve_images, bounded)
+    port = int(url.rsplit(":", 1)[1])
+    first = await trio.open_tcp_stream("127.0.0.1", port)
+    answers: list[bytes] = []
+    answered = trio.Event()
+
+    async def second() -> None:
+        answers.append(await raw(port, f"HEAD {path(digest)} HTTP/1.0\r\n\r\n".encode()))
+        answered.set()
+
+    async with first:
+        # The second connection waits in the accept queue while the first is open ...
+        nursery.start_soon(second)
+        await first.send_all(f"HEAD {path(digest)} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await first.receive_some(65536)
+        assert head.startswith(b"HTTP/1.1 200 ") and not answers
+        # ... until the first, kept alive but idle, is closed by the server.
+        with trio.fail_after(30):
+            assert await first.receive_some(65536) == b""
+            await answered.wait()
+    assert answers[0].startswith(b"HTTP/1.1 200 ")
+    assert f"content-length: {len(data)}".encode() in answers[0].lower()
+    nursery.cancel_scope.cancel()
+
+
 def test_byte_range_forms() -> None:
     assert byte_range(b"bytes=0-9", 100) == (0, 9)
     assert byte_range(b"bytes=90-", 100) == (90, 99)
