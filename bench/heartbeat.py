@@ -1,7 +1,7 @@
 """Agent callback server throughput: accepted heartbeats/s against a bare endpoint, one run.
 
     python -m bench.heartbeat [--agents 1000] [--seconds 10] [--rounds 1]
-                              [--workers N] [--clients 2] [--smoke]
+                              [--workers N] [--clients 2] [--pending] [--smoke]
 
 The server runs as ``--workers`` processes on one port (SO_REUSEPORT, as
 ``python -m shepherd.agent_server --workers N`` runs them; default one per
@@ -36,6 +36,10 @@ window thus holds what an agent sends for all but its first heartbeat of
 an hour. The agents are split over ``--clients`` load processes, each a
 bare epoll loop so that the load costs far less CPU than the server; their
 CPU is printed.
+
+With ``--pending`` every machine has an OS installation request stored and
+no report of it, so that each full-mode answer carries the request (read
+by the group's statement): the heartbeat path while a fleet installs.
 
 Prints answers/s of each mode, the ratio full/bare (goal >= 0.5), the
 headroom over what ``--agents`` agents at a 10 s interval need (goal >=
@@ -83,7 +87,13 @@ from shepherd.agent_server.server import serve_app
 from shepherd.agent_server.service import DEFAULT_FRESHNESS, authenticate, session_response
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret
 from shepherd.agent_server.workers import default_workers, reserve_port
-from shepherd.proto.agent_callback import AgentSession, HeartbeatRequest, HeartbeatResponse
+from shepherd.proto.agent_callback import (
+    AgentSession,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    MetropolisInstallationRequest,
+    OsInstallationRequest,
+)
 
 #: The interval the goal is stated for.
 TARGET_INTERVAL = 10.0
@@ -386,8 +396,17 @@ def _commits(url: str) -> int:
         return int(row[0])
 
 
-async def _setup(url: str, count: int) -> list[tuple[str, bytes, bytes]]:
-    """``count`` machines with started agents: (machine id, private seed, public key)."""
+async def _setup(url: str, count: int, pending: bool = False) -> list[tuple[str, bytes, bytes]]:
+    """``count`` machines with started agents: (machine id, private seed, public key);
+    with ``pending``, each with an OS installation request of ~450 bytes."""
+    request = bytes(
+        OsInstallationRequest(
+            generation=1,
+            metropolis=MetropolisInstallationRequest(
+                node_parameters=b"p" * 300, root_device="disk0", os_image=b"i" * 120
+            ),
+        )
+    )
     keys = [Ed25519PrivateKey.generate() for _ in range(count)]
     seeds = [k.private_bytes_raw() for k in keys]
     publics = [k.public_key().public_bytes_raw() for k in keys]
@@ -399,6 +418,8 @@ async def _setup(url: str, count: int) -> list[tuple[str, bytes, bytes]]:
             mid = await q.new_machine()
             await q.add_provided(mid, Provider.STATIC, f"bench-{i}")
             await q.set_agent_started(mid, now, public)
+            if pending:
+                await q.set_os_installation_request(mid, 1, request)
             ids.append(str(mid))
         return ids
 
@@ -577,13 +598,18 @@ def main() -> None:
         "--workers", type=int, default=default_workers(), help="server processes (%(default)s)"
     )
     parser.add_argument("--clients", type=int, default=2, help="load processes (%(default)s)")
+    parser.add_argument(
+        "--pending",
+        action="store_true",
+        help="every machine has a pending OS installation request (answers carry it)",
+    )
     args = parse_args(parser, {"agents": 4, "seconds": 0.2, "workers": 1, "clients": 1})
 
     root = Path(tempfile.mkdtemp(prefix="heartbeat-bench-"))
     server = start_with_template(root)
     try:
         url = server.create_database("bench", template=TEMPLATE_DB)
-        agents = trio.run(_setup, url, args.agents)
+        agents = trio.run(_setup, url, args.agents, args.pending)
         agents_files = []
         for index in range(args.clients):
             part = [

@@ -171,7 +171,12 @@ def _agent_recovery(
 # The arrays go in binary (%b): psycopg's text array dumper quotes every
 # element through regular expressions, which was most of a heartbeat's
 # database CPU in the callback server (bench/heartbeat.py). Only refused
-# heartbeats come back as rows (the common case: none to load).
+# heartbeats come back as rows (the common case: none to load), and
+# accepted ones whose machine has an OS installation request with no report
+# of its generation or a later one: the request travels back in the
+# heartbeat's answer, read in the same statement so that the answers cost
+# no query of their own (the main query sees the tables as they were before
+# the statement, which its CTEs do not change).
 _RECORD_HEARTBEATS = """
     WITH req AS (
         SELECT * FROM unnest(
@@ -201,9 +206,17 @@ _RECORD_HEARTBEATS = """
         RETURNING 1
     )
     SELECT r.ord,
-           EXISTS (SELECT 1 FROM auth a WHERE a.machine_id = r.machine_id)
+           EXISTS (SELECT 1 FROM auth a WHERE a.machine_id = r.machine_id),
+           NULL::bigint, NULL::bytea
     FROM req r
     WHERE NOT EXISTS (SELECT 1 FROM beat b WHERE b.machine_id = r.machine_id)
+    UNION ALL
+    SELECT r.ord, true, q.generation, q.os_installation_request_raw
+    FROM req r
+    JOIN beat b ON b.machine_id = r.machine_id
+    JOIN machine_os_installation_request q ON q.machine_id = r.machine_id
+    WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
+                      WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
 """
 
 
@@ -248,6 +261,21 @@ class AgentHeartbeat:
     request_time_ns: int
     #: The raw AgentHardwareReport, if the request carried one.
     hardware_report: bytes | None = None
+
+
+@dataclass(frozen=True)
+class HeartbeatResult:
+    """What `Queries.record_agent_heartbeats_pending` did with one heartbeat."""
+
+    outcome: HeartbeatOutcome
+    #: Accepted heartbeats only: the machine's stored OS installation request
+    #: (raw OSInstallationRequest) and its generation, if no report of that
+    #: generation (or a later one) is stored.
+    installation_request: bytes | None = None
+    installation_generation: int | None = None
+
+
+_ACCEPTED = HeartbeatResult(HeartbeatOutcome.ACCEPTED)
 
 
 class Queries:
@@ -610,6 +638,14 @@ class Queries:
         statement cannot order two updates of one row) or a time is out of
         range.
         """
+        return [r.outcome for r in await self.record_agent_heartbeats_pending(beats)]
+
+    async def record_agent_heartbeats_pending(
+        self, beats: Sequence[AgentHeartbeat]
+    ) -> list[HeartbeatResult]:
+        """`record_agent_heartbeats`, and for each accepted beat the machine's
+        pending OS installation request (one whose generation has no report
+        stored yet), in the same statement. Raises as `record_agent_heartbeats`."""
         ids = [as_uuid(b.machine_id) for b in beats]
         if len(set(ids)) != len(ids):
             raise InvalidArgument("a machine appears twice in one heartbeat batch")
@@ -630,13 +666,19 @@ class Queries:
                 ],
             },
         )
-        # Only the refused come back (the common case is none).
-        outcomes = [HeartbeatOutcome.ACCEPTED] * len(beats)
-        for ordinal, authenticated in rows:
-            outcomes[ordinal - 1] = (
-                HeartbeatOutcome.REPLAYED if authenticated else HeartbeatOutcome.UNKNOWN_AGENT
-            )
-        return outcomes
+        # Only the refused and those with a pending request come back (the
+        # common case is none).
+        results = [_ACCEPTED] * len(beats)
+        for ordinal, authenticated, generation, request in rows:
+            if generation is not None:
+                results[ordinal - 1] = HeartbeatResult(
+                    HeartbeatOutcome.ACCEPTED, bytes(request), int(generation)
+                )
+            else:
+                results[ordinal - 1] = HeartbeatResult(
+                    HeartbeatOutcome.REPLAYED if authenticated else HeartbeatOutcome.UNKNOWN_AGENT
+                )
+        return results
 
     async def agent_heartbeat(self, machine_id: uuid.UUID | str) -> datetime.datetime | None:
         """When the machine's agent last heartbeated, or None."""

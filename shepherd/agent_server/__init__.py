@@ -13,8 +13,12 @@
 Modules: `http1` (the HTTP/1.1 transport, its limits), `connect` (Connect's
 unary protocol), `service` (authentication, group commit into the BMDB),
 `server` (one process: listener, BMDB session, ``run_agent_server``),
-`workers` (N such processes on one port), ``__main__`` (``python -m
-shepherd.agent_server``).
+`workers` (N such processes on one port), `images` (the node images the
+agents install, by digest, on a listener of their own), ``__main__``
+(``python -m shepherd.agent_server``).
+
+Heartbeat answers also carry a machine's pending OS installation request,
+and heartbeats its agent's report on it (see `service`).
 """
 
 from shepherd.agent_server.connect import ConnectError, ConnectUnary, Limits

@@ -14,6 +14,12 @@ starts a worker: the second makes it read the agent session secret
 (`shepherd.agent_server.session`), hex, from the first line of its stdin,
 so that every worker accepts the sessions any of them issued, and the
 secret shows in no command line or environment.
+
+``--image-listen HOST:PORT`` with ``--image-dir DIR`` also serves the node
+images of DIR (`shepherd.agent_server.images`) on a listener of its own,
+over the same TLS certificate and key (or plain HTTP); with several
+workers, every worker serves images too, on the one image port
+(SO_REUSEPORT, reserved by the supervisor like the heartbeat port).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ import bmdb
 from bmdb import Queries
 from bmdb.errors import BMDBError
 from shepherd.agent_server.connect import Limits
+from shepherd.agent_server.http1 import split_listen
+from shepherd.agent_server.images import ImageServerConfig, serve_images
 from shepherd.agent_server.server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.session import new_secret
 from shepherd.agent_server.workers import default_workers, supervise, watch_parent
@@ -85,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="server processes sharing the port (default: one per CPU, %(default)s)",
     )
+    parser.add_argument(
+        "--image-listen",
+        metavar="HOST:PORT",
+        help="also serve node images (GET /images/sha256/<hex>) here (default: off)",
+    )
+    parser.add_argument(
+        "--image-dir",
+        type=Path,
+        metavar="DIR",
+        help="the images served with --image-listen: files <sha256 hex>.pyz",
+    )
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--agent-session-secret-stdin", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -103,6 +122,8 @@ class Options:
     worker_argv: list[str]
     #: Read the agent session secret from stdin (how a worker gets its supervisor's).
     secret_from_stdin: bool = False
+    #: The image server, if one is to run.
+    images: ImageServerConfig | None = None
 
 
 def parse_options(argv: Sequence[str] | None) -> Options:
@@ -122,6 +143,19 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         parser.error(
             "--max-body must be at least 1024, --freshness positive,"
             " --agent-session-lifetime at least 1"
+        )
+    images = None
+    if (args.image_listen is None) != (args.image_dir is None):
+        parser.error("--image-listen and --image-dir go together")
+    if args.image_listen is not None:
+        try:
+            split_listen(args.image_listen)
+        except ValueError as exc:
+            parser.error(f"--image-listen: {exc}")
+        if not args.image_dir.is_dir():
+            parser.error(f"{args.image_dir}: no such directory")
+        images = ImageServerConfig(
+            listen=args.image_listen, image_dir=args.image_dir, reuse_port=args.reuse_port
         )
     config = AgentServerConfig(
         listen=args.listen,
@@ -144,6 +178,8 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         worker_argv.append("--insecure-plain-http")
     worker_argv += ["--max-body", str(args.max_body), "--freshness", str(args.freshness)]
     worker_argv += ["--agent-session-lifetime", str(args.agent_session_lifetime)]
+    if images is not None:
+        worker_argv += ["--image-dir", str(images.image_dir)]
     worker_argv.append("--agent-session-secret-stdin")
     if args.verbose:
         worker_argv.append("--verbose")
@@ -154,6 +190,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         args.workers,
         worker_argv,
         secret_from_stdin=args.agent_session_secret_stdin,
+        images=images,
     )
 
 
@@ -181,7 +218,11 @@ async def run(options: Options) -> None:
                 config.ssl_context()
                 await conn.transact(_nothing)
                 await nursery.start(
-                    functools.partial(supervise, secret=new_secret()),
+                    functools.partial(
+                        supervise,
+                        secret=new_secret(),
+                        image_listen=options.images.listen if options.images else None,
+                    ),
                     options.worker_argv,
                     config.listen,
                     options.workers,
@@ -194,6 +235,8 @@ async def run(options: Options) -> None:
                         conn, config, runtime_info=default_runtime_info(), task_status=task_status
                     )
                 )
+                if options.images is not None:
+                    await nursery.start(serve_images, options.images, config.ssl_context())
             async for signum in signals:
                 logger.info("got %s, stopping", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()

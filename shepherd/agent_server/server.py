@@ -2,7 +2,9 @@
 
 The session is the server's presence in the BMDB (``agent-callback`` in the
 sessions list, and its share of collecting expired sessions). If it is lost
-(database gone, stall), a new one is opened once a second. Heartbeats do
+(database gone, stall), a new one is opened after a wait that grows while
+opening keeps failing (`SESSION_BACKOFF`, jittered) and starts over once a
+session was open. Heartbeats do
 not wait for it (see `shepherd.agent_server.service` for why); while the
 database is away they are answered ``unavailable`` and agents back off and
 retry, so nothing is lost but time.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +23,7 @@ import trio
 
 from bmdb import Connection, Session
 from bmdb.errors import BMDBError
+from common.backoff import ExponentialBackoff, Retrier
 from common.numbers import parse_decimal
 from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.agent_server.connect import ConnectUnary, Limits
@@ -31,6 +35,9 @@ logger = logging.getLogger("shepherd.agent_server")
 
 #: Component name of the server's BMDB session.
 COMPONENT = "agent-callback"
+
+#: Waits before reopening a lost BMDB session, seconds.
+SESSION_BACKOFF = ExponentialBackoff(0.5, 10.0, jitter=(0.5, 1.0))
 
 
 @dataclass(frozen=True)
@@ -110,10 +117,13 @@ async def serve_app(
 class _SessionHolder:
     """Keeps one live BMDB session open, replacing it when lost."""
 
-    def __init__(self, conn: Connection, runtime_info: str, interval: float) -> None:
+    def __init__(
+        self, conn: Connection, runtime_info: str, interval: float, rng: random.Random
+    ) -> None:
         self._conn = conn
         self._info = runtime_info
         self._interval = interval
+        self._retrier = Retrier(SESSION_BACKOFF, rng)
         self.current: Session | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -124,6 +134,7 @@ class _SessionHolder:
                     COMPONENT, self._info, interval=self._interval
                 ) as session:
                     self.current = session
+                    self._retrier.reset()
                     logger.info("BMDB session %s open", session.id)
                     if not started:
                         started = True
@@ -136,7 +147,7 @@ class _SessionHolder:
             if not started:
                 started = True
                 task_status.started()
-            await trio.sleep(1.0)
+            await self._retrier.sleep()
 
 
 async def run_agent_server(
@@ -144,15 +155,22 @@ async def run_agent_server(
     config: AgentServerConfig,
     *,
     runtime_info: str = "",
+    rng: random.Random | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve heartbeats until cancelled; ``task_status`` gets the bound URLs.
 
     Runs without trio-asyncio (the BMDB is native Trio). Raises OSError if
     the address cannot be bound. Lost BMDB sessions are replaced; requests
-    meanwhile get ``unavailable``.
+    meanwhile get ``unavailable``. ``rng`` jitters the waits between
+    attempts to reopen the session.
     """
-    holder = _SessionHolder(conn, runtime_info, config.session_interval)
+    holder = _SessionHolder(
+        conn,
+        runtime_info,
+        config.session_interval,
+        rng if rng is not None else random.Random(),
+    )
     secret = (
         config.agent_session_secret if config.agent_session_secret is not None else new_secret()
     )

@@ -21,6 +21,27 @@ Checks, in order, each refusing with nothing written::
       key == the AgentStarted tag's    else unauthenticated ("unknown")
       time > last accepted time        else unauthenticated ("replayed")
       write heartbeat (+ report)
+      read the pending OS installation request
+    with an installation report of the
+    pending request's generation:      write it (others: ignored, logged)
+    answer: the pending request (if any), the new session (if signed)
+
+The OS installation flow (issue 25) rides on heartbeats: while a machine
+has a stored installation request of generation g and no stored report of
+a generation >= g, every answer to its agent carries that request
+(``HeartbeatResponse.installation_request``, the stored bytes embedded as
+they are, being a serialized OSInstallationRequest already). The agent
+installs and reports the outcome (``HeartbeatRequest.installation_report``)
+in a later heartbeat; a report is stored only if it is of the generation
+currently requested (an older or newer one is logged at INFO and ignored,
+the heartbeat itself accepted), and from then on the answers no longer
+carry the request. The request is read by the statement that writes the
+heartbeats, so a group costs no more statements than before; a report
+costs one more, in the group's transaction. A report's error cause is a
+machine's text: made `common.text.printable` before it is stored or
+logged. A report that is malformed (no result, generation not positive, a
+node public key that is neither empty nor 32 bytes) refuses the heartbeat
+with invalid_argument, writing nothing.
 
 A signed heartbeat, once written, is answered with a new session
 (`shepherd.agent_server.session`), with which the agent then MACs its
@@ -90,8 +111,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import AgentHeartbeat, HeartbeatOutcome
+from bmdb.model.queries import HeartbeatResult
 from common.numbers import parse_decimal
 from common.protobuf import parse_checked
+from common.text import printable
 from shepherd.agent.protocol import (
     HEADER_KEY,
     HEADER_MAC,
@@ -103,7 +126,13 @@ from shepherd.agent.protocol import (
 )
 from shepherd.agent_server.connect import ConnectError
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret, session_mac
-from shepherd.proto.agent_callback import AgentSession, HeartbeatRequest, HeartbeatResponse
+from shepherd.proto.agent_callback import (
+    AgentSession,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    OsInstallationReport,
+    OsInstallationReportError,
+)
 
 logger = logging.getLogger("shepherd.agent_server.service")
 
@@ -129,6 +158,20 @@ def _public_key(raw: bytes) -> Ed25519PublicKey:
 
 
 @dataclass(frozen=True)
+class InstallationReport:
+    """An agent's OSInstallationReport, checked and made safe to store."""
+
+    generation: int
+    #: The report encoded again by betterproto2, with the cause as in `cause`.
+    raw: bytes
+    success: bool
+    #: Why it failed (`common.text.printable`); None for a success.
+    cause: str | None
+    #: The new node's Ed25519 public key (32 bytes), if a success sent one.
+    node_public_key: bytes | None
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """An authenticated-looking request, before the BMDB had its say."""
 
@@ -140,6 +183,14 @@ class Heartbeat:
     #: Authenticated by a signature (answered with a new session once
     #: written), not by a session's MAC.
     signed: bool = True
+    installation_report: InstallationReport | None = None
+
+
+def _parse(body: bytes) -> HeartbeatRequest:
+    try:
+        return parse_checked(HeartbeatRequest, body)
+    except ValueError as exc:
+        raise ConnectError("invalid_argument", f"malformed HeartbeatRequest: {exc}") from exc
 
 
 def parse_request(body: bytes) -> tuple[str, bytes | None]:
@@ -150,12 +201,41 @@ def parse_request(body: bytes) -> tuple[str, bytes | None]:
     parsed one encoded again (the same message, unknown fields kept; not
     always the same bytes: betterproto2 writes fields in its own order).
     """
-    try:
-        request = parse_checked(HeartbeatRequest, body)
-    except ValueError as exc:
-        raise ConnectError("invalid_argument", f"malformed HeartbeatRequest: {exc}") from exc
+    request = _parse(body)
     report = request.hardware_report
     return request.machine_id, bytes(report) if report is not None else None
+
+
+def installation_report(report: OsInstallationReport) -> InstallationReport:
+    """The checked form of a parsed report; `ConnectError` invalid_argument if malformed."""
+    generation = report.generation
+    if not 0 < generation < 2**63:
+        raise ConnectError("invalid_argument", "installation report: generation not positive")
+    if report.success is not None:
+        key = report.success.node_public_key
+        if len(key) not in (0, 32):
+            raise ConnectError(
+                "invalid_argument", "installation report: node public key not 32 bytes"
+            )
+        return InstallationReport(generation, bytes(report), True, None, key or None)
+    if report.error is not None:
+        cause = printable(report.error.error)
+        safe = OsInstallationReport(
+            generation=generation, error=OsInstallationReportError(error=cause)
+        )
+        return InstallationReport(generation, bytes(safe), False, cause, None)
+    raise ConnectError("invalid_argument", "installation report without a result")
+
+
+def _len_field_1(payload: bytes) -> bytes:
+    """Field 1, length-delimited, holding ``payload`` (protobuf's encoding)."""
+    head = bytearray(b"\x0a")
+    length = len(payload)
+    while length > 0x7F:
+        head.append(length & 0x7F | 0x80)
+        length >>= 7
+    head.append(length)
+    return bytes(head) + payload
 
 
 def _header_bytes(headers: Mapping[str, str], name: str, length: int) -> bytes:
@@ -183,7 +263,15 @@ def authenticate(
     A request with a session token (`HEADER_SESSION`) is authenticated by
     its MAC under ``sessions``, any other by its signature.
     """
-    text_id, report = parse_request(body)
+    request = _parse(body)
+    text_id = request.machine_id
+    hardware = request.hardware_report
+    report = bytes(hardware) if hardware is not None else None
+    install = (
+        installation_report(request.installation_report)
+        if request.installation_report is not None
+        else None
+    )
     try:
         machine_id = uuid.UUID(text_id)
     except ValueError:
@@ -205,14 +293,16 @@ def authenticate(
             raise ConnectError("unauthenticated", "session token is for another machine")
         if not hmac.compare_digest(session_mac(session.mac, message), mac):
             raise ConnectError("unauthenticated", "bad session MAC")
-        return Heartbeat(machine_id, session.public_key, time_ns, report, signed=False)
+        return Heartbeat(
+            machine_id, session.public_key, time_ns, report, False, installation_report=install
+        )
     key = _header_bytes(headers, HEADER_KEY, 32)
     signature = _header_bytes(headers, HEADER_SIGNATURE, 64)
     try:
         _public_key(key).verify(signature, message)
     except (InvalidSignature, ValueError):
         raise ConnectError("unauthenticated", "bad signature") from None
-    return Heartbeat(machine_id, key, time_ns, report)
+    return Heartbeat(machine_id, key, time_ns, report, installation_report=install)
 
 
 _TIME = HEADER_TIME.lower()
@@ -224,6 +314,17 @@ def session_response(sessions: SessionKeys, beat: Heartbeat, now_ns: int) -> byt
     token, key = sessions.issue(beat.machine_id, beat.key, now_ns)
     session = AgentSession(token=token, key=key, lifetime_seconds=int(sessions.lifetime))
     return bytes(HeartbeatResponse(session=session))
+
+
+def with_installation_request(response: bytes, request: bytes | None) -> bytes:
+    """A HeartbeatResponse's bytes with ``installation_request`` (field 1) set to
+    the serialized OSInstallationRequest ``request``, if given.
+
+    The stored bytes are embedded as they are (an embedded message is a
+    length-delimited field holding the message's bytes), before the rest:
+    ``response`` holds only higher fields, so field order stays canonical.
+    """
+    return response if request is None else _len_field_1(request) + response
 
 
 @dataclass(eq=False, slots=True)
@@ -240,9 +341,9 @@ class _Pending:
     #: When it was queued (Trio time).
     queued_at: float
     task: trio.lowlevel.Task
-    outcome: HeartbeatOutcome | ConnectError | None = None
+    outcome: HeartbeatResult | ConnectError | None = None
 
-    def wake(self, outcome: HeartbeatOutcome | ConnectError) -> None:
+    def wake(self, outcome: HeartbeatResult | ConnectError) -> None:
         self.outcome = outcome
         trio.lowlevel.reschedule(self.task)
 
@@ -304,9 +405,11 @@ class HeartbeatService:
 
         # Woken by its group's writer, or by `_expire` (queued too long).
         await trio.lowlevel.wait_task_rescheduled(abort)
-        outcome = pending.outcome
-        if isinstance(outcome, ConnectError):  # shared by the group: raise a copy
-            raise ConnectError(outcome.code, outcome.message)
+        result = pending.outcome
+        if isinstance(result, ConnectError):  # shared by the group: raise a copy
+            raise ConnectError(result.code, result.message)
+        assert result is not None  # woken with an outcome, always
+        outcome = result.outcome
         if outcome is HeartbeatOutcome.UNKNOWN_AGENT:
             logger.info("refused heartbeat: unknown machine %s or key", beat.machine_id)
             raise ConnectError("unauthenticated", "machine id or public key unknown")
@@ -318,9 +421,10 @@ class HeartbeatService:
             beat.machine_id,
             " with hardware report" if beat.hardware_report is not None else "",
         )
-        if beat.signed:
-            return session_response(self.sessions, beat, self._clock())
-        return _EMPTY_RESPONSE
+        response = (
+            session_response(self.sessions, beat, self._clock()) if beat.signed else _EMPTY_RESPONSE
+        )
+        return with_installation_request(response, result.installation_request)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer: form groups from the queue and write them, until cancelled.
@@ -383,14 +487,34 @@ class HeartbeatService:
             for b in (p.beat for p in group)
         ]
 
-        async def record(q: Queries) -> list[HeartbeatOutcome]:
-            return await q.record_agent_heartbeats(beats)
+        # Members with an installation report (rare: one per install).
+        reporting = [
+            (index, p.beat.machine_id, p.beat.installation_report)
+            for index, p in enumerate(group)
+            if p.beat.installation_report is not None
+        ]
+        notes: list[str] = []
+
+        async def record(q: Queries) -> list[HeartbeatResult]:
+            notes.clear()  # a retried transaction starts over
+            results = await q.record_agent_heartbeats_pending(beats)
+            for index, machine_id, report in reporting:
+                result = results[index]
+                if (
+                    report is not None
+                    and result.outcome is HeartbeatOutcome.ACCEPTED
+                    and await _record_report(q, machine_id, report, result, notes)
+                ):
+                    results[index] = _ACCEPTED  # reported: no longer pending
+            return results
 
         # What members learn if the write is cancelled (server stopping).
-        outcomes: list[HeartbeatOutcome | ConnectError]
+        outcomes: list[HeartbeatResult | ConnectError]
         outcomes = [ConnectError("unavailable", "server stopping")] * len(group)
         try:
             outcomes = list(await self._conn.transact(record, isolation=Isolation.READ_COMMITTED))
+            for note in notes:
+                logger.info("%s", note)
         except InvalidArgument as exc:
             logger.warning("heartbeat group of %d refused: %s", len(group), exc)
             outcomes = [ConnectError("invalid_argument", str(exc))] * len(group)
@@ -404,3 +528,43 @@ class HeartbeatService:
             self._slots.release()
             for pending, outcome in zip(group, outcomes, strict=True):
                 pending.wake(outcome)
+
+
+_ACCEPTED = HeartbeatResult(HeartbeatOutcome.ACCEPTED)
+
+
+async def _record_report(
+    q: Queries,
+    machine_id: uuid.UUID,
+    report: InstallationReport,
+    result: HeartbeatResult,
+    notes: list[str],
+) -> bool:
+    """Store ``report`` if it is of the pending request's generation (True);
+    else add why it is ignored to ``notes`` (False)."""
+    if report.generation != result.installation_generation:
+        pending = (
+            f"generation {result.installation_generation} is requested"
+            if result.installation_generation is not None
+            else "no installation request is pending"
+        )
+        notes.append(
+            f"machine {machine_id}: ignored installation report of generation"
+            f" {report.generation}: {pending}"
+        )
+        return False
+    await q.record_os_installation_report(
+        machine_id,
+        report.generation,
+        report.raw,
+        report.success,
+        report.cause,
+        report.node_public_key,
+    )
+    if report.success:
+        notes.append(f"machine {machine_id}: installation {report.generation} succeeded")
+    else:
+        notes.append(
+            f"machine {machine_id}: installation {report.generation} failed: {report.cause}"
+        )
+    return True

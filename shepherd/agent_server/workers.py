@@ -18,7 +18,10 @@ without listening on it: a port 0 thus becomes one concrete port every
 worker then binds, and the port stays reserved while a worker restarts
 (a socket that does not listen gets no connections).
 
-A worker that exits (crashed, killed) is started again after a second.
+A worker that exits (crashed, killed) is started again after a wait that
+grows while it keeps exiting soon after its start (`RESTART_BACKOFF`,
+jittered, so that workers that failed together do not restart together)
+and starts over once it ran `STABLE_RUN` seconds.
 Heartbeats it acknowledged are in the BMDB already (answers follow the
 commit, see `shepherd.agent_server.service`); those it had not answered
 are retried by their agents, like after a server restart. Connections
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,14 +47,17 @@ from collections.abc import Sequence
 
 import trio
 
+from common.backoff import ExponentialBackoff, Retrier
 from shepherd.agent_server.http1 import split_listen
 
 logger = logging.getLogger("shepherd.agent_server.workers")
 
 #: Seconds a worker gets to stop after SIGTERM before it is killed.
 STOP_TIMEOUT = 10.0
-#: Seconds between a worker's exit and its restart.
-RESTART_DELAY = 1.0
+#: Waits between a worker's exit and its restart, seconds.
+RESTART_BACKOFF = ExponentialBackoff(1.0, 30.0, jitter=(0.75, 1.25))
+#: Seconds a worker must have run for its next restart to wait the shortest.
+STABLE_RUN = 60.0
 
 
 def default_workers() -> int:
@@ -86,6 +93,8 @@ async def supervise(
     count: int,
     *,
     secret: bytes | None = None,
+    image_listen: str | None = None,
+    rng: random.Random | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run ``count`` workers on ``listen`` until cancelled; ``task_status`` gets HOST:PORT.
@@ -94,10 +103,14 @@ async def supervise(
     and ``--listen HOST:PORT --reuse-port``; ``secret``, if given, is
     written (hex, one line) to its stdin: the agent session secret all of
     them share, also a restarted one. Cancelled, it stops them all (under a
-    shield, bounded by `STOP_TIMEOUT`). Raises OSError if the address cannot
-    be bound.
+    shield, bounded by `STOP_TIMEOUT`). ``image_listen``, if given, is
+    reserved the same way and every worker serves images there too
+    (``--image-listen``). Raises OSError if an address cannot be bound.
+    ``rng`` jitters the restart waits.
     """
+    rng = rng if rng is not None else random.Random()
     reserved, bound = reserve_port(listen)
+    image: tuple[socket.socket, str] | None = None
     try:
         argv = [
             sys.executable,
@@ -108,17 +121,28 @@ async def supervise(
             bound,
             "--reuse-port",
         ]
+        if image_listen is not None:
+            image = reserve_port(image_listen)
+            argv += ["--image-listen", image[1]]
         async with trio.open_nursery() as nursery:
             for index in range(count):
-                nursery.start_soon(_keep_running, index, argv, secret)
-            logger.info("%d workers on %s", count, bound)
+                retrier = Retrier(RESTART_BACKOFF, random.Random(rng.getrandbits(64)))
+                nursery.start_soon(_keep_running, index, argv, secret, retrier)
+            logger.info(
+                "%d workers on %s%s", count, bound, f", images on {image[1]}" if image else ""
+            )
             task_status.started(bound)
     finally:
         reserved.close()
+        if image is not None:
+            image[0].close()
 
 
-async def _keep_running(index: int, argv: list[str], secret: bytes | None) -> None:
+async def _keep_running(
+    index: int, argv: list[str], secret: bytes | None, retrier: Retrier
+) -> None:
     while True:
+        started_at = trio.current_time()
         process = await trio.lowlevel.open_process(
             argv, start_new_session=True, stdin=subprocess.PIPE if secret is not None else None
         )
@@ -140,10 +164,17 @@ async def _keep_running(index: int, argv: list[str], secret: bytes | None) -> No
                         logger.warning("worker %d did not stop, killing it", index)
                         process.kill()
                         await process.wait()
+        if trio.current_time() - started_at >= STABLE_RUN:
+            retrier.reset()
+        delay = retrier.next_delay()
         logger.warning(
-            "worker %d (pid %d) exited with status %s, restarting", index, process.pid, status
+            "worker %d (pid %d) exited with status %s, restarting in %.1fs",
+            index,
+            process.pid,
+            status,
+            delay,
         )
-        await trio.sleep(RESTART_DELAY)
+        await trio.sleep(delay)
 
 
 async def watch_parent(cancel_scope: trio.CancelScope, interval: float = 1.0) -> None:
