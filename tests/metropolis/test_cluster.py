@@ -26,7 +26,8 @@ from metropolis import pki
 from metropolis.consensus.client import Client, Member
 from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.process import SOCKET_NAME
-from metropolis.curator.probe import PROBE_ENV, PROBE_KEY, parse_probe
+from metropolis.curator.probe import PROBE_ENV, parse_probe
+from metropolis.curator.state import PROBE_KEY
 from metropolis.localstorage import Root
 from metropolis.owner import NodeRow, Owner, open_owner
 from metropolis.roleserve import disk
