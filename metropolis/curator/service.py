@@ -196,7 +196,7 @@ class Curator:
                     # is accepted once the serving task runs. Not waiting for
                     # that task to say so spares the nested task starts,
                     # each a turn of every other task the new control plane
-                    # has just started (measured: 10 ms on a joining node).
+                    # has just started.
                     nursery.start_soon(api.serve, server, self.election, listeners)
                     bound = listeners[0].socket.getsockname()[1]
                     node.logger.info("serving the curator API on %s:%d", self._listen[0], bound)
