@@ -3,7 +3,7 @@
 ``GetRegisterTicket``, ``GetClusterInfo``, ``GetNodes`` (with each node's
 health), ``ApproveNode`` (NEW -> STANDBY) and ``UpdateNodeRoles``, whose
 ConsensusMember changes go through :mod:`.membership`. Every method needs
-the owner's certificate (:mod:`metropolis.rpc.api`).
+the owner's certificate (:mod:`metropolis.rpc.methods`).
 
 Health: ``GetNodes`` reports HEALTHY within ``heartbeat_timeout`` of a
 node's last heartbeat (the leader's time of its last status, stored by
@@ -39,8 +39,7 @@ from metropolis.proto.common import (
     NodeState,
 )
 from metropolis.proto.curator import Node, RegisterTicket
-from metropolis.rpc import CallContext, RPCError, Server
-from metropolis.rpc import api as methods
+from metropolis.rpc import CallContext, RPCError, Server, methods
 from metropolis.rpc.status import Status
 
 __all__ = ["HEARTBEAT_TIMEOUT", "ManagementAPI"]

@@ -3,7 +3,7 @@
 ``Watch`` of the caller's own record or of every node, ``UpdateNodeStatus``
 (each one a heartbeat), ``RegisterNode`` (a register ticket, with a proof
 of possession of the node key) and ``CommitNode``. Who may call what is
-declared in :mod:`metropolis.rpc.api` and checked before a handler runs.
+declared in :mod:`metropolis.rpc.methods` and checked before a handler runs.
 The node's side of the lifecycle follows Monogon's::
 
     RegisterNode (ticket)  -> NEW       record with the node key and join key
@@ -56,8 +56,7 @@ from metropolis.proto.common import (
     NodeState,
 )
 from metropolis.proto.curator import Node, RegisterTicket
-from metropolis.rpc import CallContext, RPCError, Server
-from metropolis.rpc import api as methods
+from metropolis.rpc import CallContext, RPCError, Server, methods
 from metropolis.rpc.status import Status
 
 __all__ = ["NodeAPI"]

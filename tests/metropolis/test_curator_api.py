@@ -30,10 +30,10 @@ from metropolis.rpc import (
     RPCError,
     Status,
     client_context,
+    methods,
     open_client,
     sign_proof,
 )
-from metropolis.rpc import api as methods
 from metropolis.supervisor import open_supervisor
 from tests.metropolis.test_curator import bootstrapped, consensus
 
