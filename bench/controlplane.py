@@ -159,8 +159,7 @@ from metropolis.roleserve.localnode import loopback_settings, prepare_loopback_b
 from metropolis.roleserve.node import RoleServer
 from metropolis.roleserve.register import register
 from metropolis.roleserve.values import ClusterMembership, RegisterIntent
-from metropolis.rpc import RPCError
-from metropolis.rpc import api as methods
+from metropolis.rpc import RPCError, methods
 from metropolis.supervisor import open_supervisor
 
 logger = logging.getLogger("bench.controlplane")

@@ -52,8 +52,8 @@ from bench.smoke import parse_args
 
 #: (module, attribute path) of the steps whose start and end are traced.
 _STEPS = [
-    ("metropolis.curator.api", "CuratorAPI.update_node_roles"),
-    ("metropolis.curator.api", "CuratorAPI._grant_consensus"),
+    ("metropolis.curator.managementapi", "ManagementAPI.update_node_roles"),
+    ("metropolis.curator.membership", "Membership.grant"),
     ("metropolis.consensus.service", "_add_learner"),
     ("metropolis.roleserve.disk", "save_roles"),
     ("metropolis.roleserve.controlplane", "ControlPlaneWorker._start"),
@@ -62,13 +62,13 @@ _STEPS = [
     ("metropolis.consensus.process", "_report_ready"),
     ("metropolis.consensus.service", "_wait_voter"),
     ("metropolis.consensus.service", "_promote"),
-    ("metropolis.curator.api", "CuratorAPI.load"),
+    ("metropolis.curator.server", "CuratorServer.load"),
 ]
 
 #: A grant's milestones: (label, substring of an event).
 _GRANT = [
     ("added", "< _add_learner"),
-    ("stored", "< CuratorAPI._grant_consensus"),
+    ("stored", "< Membership.grant"),
     ("roles", "roles from the curator"),
     ("spawned", "< _Child.spawn"),
     ("serving", "etcd@ now serving"),
@@ -76,7 +76,7 @@ _GRANT = [
     ("answers", "< _report_ready"),
     ("promoted", "promoted "),
     ("voter", "< _wait_voter"),
-    ("loading", "> CuratorAPI.load"),
+    ("loading", "> CuratorServer.load"),
     ("serves", "serving the curator API"),
     ("end", "GRANTED"),
 ]

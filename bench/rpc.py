@@ -47,8 +47,8 @@ from metropolis.rpc import (
     Leadership,
     Server,
     ServerSecurity,
-    api,
     client_context,
+    methods,
     open_client,
     server_context,
 )
@@ -251,21 +251,21 @@ async def _ours_figures(calls: int, stream: int) -> tuple[float, float]:
         for _ in range(int(req.filter)):
             await send(NODE)
 
-    server.unary(api.GET_CLUSTER_INFO, info)
-    server.stream(api.GET_NODES, nodes)
+    server.unary(methods.GET_CLUSTER_INFO, info)
+    server.stream(methods.GET_NODES, nodes)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve, "127.0.0.1", 0)
         async with open_client([Endpoint("127.0.0.1", port)], client_ctx) as client:
-            await client.unary(api.GET_CLUSTER_INFO, management.GetClusterInfoRequest())
+            await client.unary(methods.GET_CLUSTER_INFO, management.GetClusterInfoRequest())
 
             async def unary() -> None:
                 for _ in range(calls):
-                    await client.unary(api.GET_CLUSTER_INFO, management.GetClusterInfoRequest())
+                    await client.unary(methods.GET_CLUSTER_INFO, management.GetClusterInfoRequest())
 
             async def streamed() -> None:
                 n = 0
                 request = management.GetNodesRequest(filter=str(stream))
-                async with client.stream(api.GET_NODES, request) as s:
+                async with client.stream(methods.GET_NODES, request) as s:
                     async for _ in s:
                         n += 1
                 assert n == stream

@@ -42,9 +42,9 @@ from metropolis.rpc import (
     Endpoint,
     client_context,
     endpoints_from_directory,
+    methods,
     open_client,
 )
-from metropolis.rpc import api as methods
 
 __all__ = [
     "NodeRow",

@@ -6,10 +6,15 @@
   idempotent step that makes a new cluster out of a first node.
 * :mod:`.election`: leader election on a lease; writes guarded by leadership.
 * :mod:`.service`: :class:`~.service.Curator`, the supervised runnable.
+* :mod:`.server`: :class:`~.server.CuratorServer`, the RPC server it runs:
+  :mod:`.nodeapi` (what nodes call), :mod:`.managementapi` (what the owner
+  calls), :mod:`.membership` (ConsensusMember grants and revokes),
+  :mod:`.removal` (revoking it from the leader's own node, across two
+  terms), all over :mod:`.records` (leader-guarded reads and writes).
+* :mod:`.probe`: a test hook that writes while the curator leads.
 
-The RPC API (nodes watching their roles, the owner managing nodes) is added
-on top of :class:`~.service.Curator` later; everything here works on the
-etcd view that consensus gives the curator (``namespaced/curator/``).
+Everything here works on the etcd view that consensus gives the curator
+(``namespaced/curator/``); every key it uses is defined in :mod:`.state`.
 """
 
 from metropolis.curator.state import CuratorError

@@ -17,7 +17,7 @@ deleted at once: no other curator can hold our node ID.
 **Stepping down.** A node whose ConsensusMember role is revoked while its
 curator leads cannot remove its own etcd member (its etcd would vanish under
 the write that records it). The leader instead writes a removal mark for
-itself (``/consensus-removals/<id>``, see :mod:`.api`) and the election
+itself (``/consensus-removals/<id>``, see :mod:`.removal`) and the election
 hands leadership on::
 
     leader ── sees its own removal mark (watch) ─┐
@@ -36,11 +36,13 @@ until the new leader has removed its member and the mark.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import trio
 
+from common.backoff import ExponentialBackoff, Retrier
 from metropolis.consensus.client import (
     KV,
     Compare,
@@ -58,10 +60,21 @@ from metropolis.curator.state import LEADER_KEY, CuratorError, consensus_removal
 from metropolis.event import Value
 from metropolis.proto.curator import LeaderElectionValue
 
-__all__ = ["DEFAULT_TTL", "ElectionState", "Follower", "Leader", "NotLeader", "run_election"]
+__all__ = [
+    "DEFAULT_TTL",
+    "WATCH_RETRY",
+    "ElectionState",
+    "Follower",
+    "Leader",
+    "NotLeader",
+    "run_election",
+]
 
 #: Seconds a dead leader can block the election (Monogon's default).
 DEFAULT_TTL = 10
+#: Waits between attempts to open a watch while etcd is unavailable (it
+#: restarts; the curator is restarted on the new consensus status).
+WATCH_RETRY = ExponentialBackoff(initial=0.5, maximum=4.0, jitter=(0.75, 1.25))
 
 
 class NotLeader(CuratorError):
@@ -116,12 +129,14 @@ async def run_election(
     ttl: int = DEFAULT_TTL,
     logger: logging.Logger | None = None,
     lease: Lease | None = None,
+    rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Campaign until cancelled, publishing the state to ``state``.
 
     ``lease``: one granted already (with ``ttl``) for this campaign, used
     instead of granting one here; it is revoked on the way out like our own.
+    ``rng`` draws the jitter of the watches' retries (:data:`WATCH_RETRY`).
     Signals ``task_status.started()`` once the lease is held. Raises the
     etcd client's errors (``LeaseExpired`` when the lease is lost, which
     ends a term; ``EtcdClosed`` when the client goes away). On the way out
@@ -131,6 +146,7 @@ async def run_election(
     log = logger or logging.getLogger("metropolis.curator.election")
     value = bytes(LeaderElectionValue(node_id=node_id, ttl=ttl))
     removal = consensus_removal_key(node_id)
+    rng = rng if rng is not None else random.Random()
     if lease is None:
         lease = await kv.grant(ttl)
     try:
@@ -150,7 +166,7 @@ async def run_election(
                     state.set(Leader(node_id, lease.id, result.revision))
                     # Until keep_alive loses the lease (it raises), or this
                     # node's ConsensusMember role is revoked.
-                    await _until(kv, result.revision + 1, (removal, "PUT"))
+                    await _until(kv, rng, result.revision + 1, (removal, "PUT"))
                     log.info("resigning: this node leaves consensus (term %d)", result.revision)
                     # Not leader first, then end the term: never two leaders.
                     state.set(Follower(None))
@@ -168,7 +184,9 @@ async def run_election(
                     # leave the election to the others; look again when one
                     # leads or the mark goes (its removal is done).
                     state.set(Follower(None))
-                    await _until(kv, result.revision + 1, (LEADER_KEY, "PUT"), (removal, "DELETE"))
+                    await _until(
+                        kv, rng, result.revision + 1, (LEADER_KEY, "PUT"), (removal, "DELETE")
+                    )
                     continue
                 current = held.kvs[0]
                 try:
@@ -196,11 +214,14 @@ async def run_election(
                 log.info("lease not revoked on exit: %s", e)
 
 
-async def _until(kv: KV, start_revision: int, *events: tuple[bytes, str]) -> None:
+async def _until(
+    kv: KV, rng: random.Random, start_revision: int, *events: tuple[bytes, str]
+) -> None:
     """Return once any of ``events`` (key, "PUT" or "DELETE") happens from ``start_revision``."""
     async with trio.open_nursery() as nursery:
 
         async def one(key: bytes, kind: str) -> None:
+            retrier = Retrier(WATCH_RETRY, rng)
             while True:
                 try:
                     # Once open, the watch reconnects by itself; opening it
@@ -211,7 +232,7 @@ async def _until(kv: KV, start_revision: int, *events: tuple[bytes, str]) -> Non
                             if any(e.type == kind for e in response.events):
                                 nursery.cancel_scope.cancel()
                 except EtcdUnavailable:
-                    await trio.sleep(0.5)
+                    await retrier.sleep()
 
         for key, kind in events:
             nursery.start_soon(one, key, kind)

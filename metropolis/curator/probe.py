@@ -25,16 +25,16 @@ import logging
 
 import trio
 
+from common.backoff import ExponentialBackoff, Retrier
 from metropolis.consensus.client import KV, EtcdError, Put
 from metropolis.curator.election import ElectionState, Leader, NotLeader
+from metropolis.curator.state import PROBE_KEY
 from metropolis.event import ReadOnlyValue
 
-__all__ = ["PROBE_ENV", "PROBE_KEY", "parse_probe", "run_probe"]
+__all__ = ["PROBE_ENV", "parse_probe", "run_probe"]
 
 #: Set to 1 to run the probe (tests only).
 PROBE_ENV = "METROPOLIS_TEST_LEADER_PROBE"
-#: The counter, relative to the curator's namespace.
-PROBE_KEY = b"/test/leader-probe"
 
 
 def parse_probe(value: bytes) -> tuple[str, int, int]:
@@ -57,6 +57,8 @@ async def run_probe(
 ) -> None:
     """Count up :data:`PROBE_KEY` while leading (see the module docstring); until cancelled."""
     log = logger or logging.getLogger("metropolis.curator.probe")
+    # Exact waits (no jitter): one probe per node, nothing to spread.
+    retrier = Retrier(ExponentialBackoff(initial=pause, maximum=max(pause, 2.0)))
     with election.watch() as watcher:
         while True:
             leader = await watcher.get(_is_leader)
@@ -68,9 +70,10 @@ async def run_probe(
                     await trio.sleep(pause)
                     value = f"{node_id} {leader.revision} {count + 1}".encode()
                     await leader.txn(kv, [], [Put(PROBE_KEY, value)])
+                    retrier.reset()
                 except NotLeader:
                     log.info("probe write refused: term %d is over", leader.revision)
                     break
                 except EtcdError as e:
                     log.info("probe: %s; retrying", e)
-                    await trio.sleep(pause)
+                    await retrier.sleep()

@@ -12,7 +12,7 @@
 The curator never retries on a client that is gone: a newer consensus
 status, or ``EtcdClosed`` from the election, restarts it (``node.restart``,
 no backoff), and the restart waits for consensus to run again. The RPC API
-is served from here (:mod:`.api`) when the curator has credentials and an
+is served from here (:mod:`.server`) when the curator has credentials and an
 address; it reads :attr:`Curator.election` to know whether to answer or
 name the leader.
 """
@@ -26,7 +26,6 @@ import trio
 
 from metropolis.consensus.client import EtcdClosed, Lease
 from metropolis.consensus.service import Status
-from metropolis.curator.api import HEARTBEAT_TIMEOUT, LEARNER_TIMEOUT, CuratorAPI
 from metropolis.curator.election import (
     DEFAULT_TTL,
     ElectionState,
@@ -34,7 +33,10 @@ from metropolis.curator.election import (
     Leader,
     run_election,
 )
+from metropolis.curator.managementapi import HEARTBEAT_TIMEOUT
+from metropolis.curator.membership import LEARNER_TIMEOUT
 from metropolis.curator.probe import PROBE_ENV, run_probe
+from metropolis.curator.server import CuratorServer
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
 from metropolis.rpc import Server, server_context
@@ -139,11 +141,11 @@ class Curator:
 
                 nursery.start_soon(follow_consensus)
                 serve = self._credentials is not None and self._listen is not None
-                loaded: list[CuratorAPI] = []
+                loaded: list[CuratorServer] = []
 
                 async def load_api() -> None:
                     loaded.append(
-                        await CuratorAPI.load(
+                        await CuratorServer.load(
                             status,
                             peer_port=self._peer_port,
                             learner_timeout=self._learner_timeout,
@@ -194,7 +196,7 @@ class Curator:
                     # is accepted once the serving task runs. Not waiting for
                     # that task to say so spares the nested task starts,
                     # each a turn of every other task the new control plane
-                    # has just started (measured: 10 ms on a joining node).
+                    # has just started.
                     nursery.start_soon(api.serve, server, self.election, listeners)
                     bound = listeners[0].socket.getsockname()[1]
                     node.logger.info("serving the curator API on %s:%d", self._listen[0], bound)

@@ -7,13 +7,17 @@ Monogon's curator::
     /heartbeats/<node id>         text: leader's Unix time (ns) of the node's last status
     /join_keys/<hex join key>     node id (text)       who owns a join key
     /global/initial_owner         curator.InitialOwner
+    /global/register_ticket       curator.RegisterTicket, made on the owner's first request
     /leader                       curator.LeaderElectionValue, on the leader's lease
     /cluster-pki/ca/certificate   DER    the cluster CA (signs node certificates)
     /cluster-pki/ca/key           DER    PKCS#8
+    /cluster-pki/ca/crl           DER    the cluster CA's CRL; absent while nothing is revoked
     /cluster-pki/issued/node-<id> DER    node certificates issued so far
     /consensus-removals/<node id> raw public key: the node's etcd member is
                                   to be removed by the *next* leader (it was
                                   revoked on the node whose curator led)
+    /test/leader-probe            text: "<node id> <term> <count>", tests only
+                                  (:mod:`.probe`)
 """
 
 from __future__ import annotations
@@ -30,14 +34,20 @@ __all__ = [
     "CA_CERTIFICATE_KEY",
     "CA_KEY_KEY",
     "CONSENSUS_REMOVALS",
+    "CRL_KEY",
+    "HEARTBEATS",
     "INITIAL_OWNER_KEY",
     "LEADER_KEY",
+    "NODES",
+    "PROBE_KEY",
+    "REGISTER_TICKET_KEY",
     "CuratorError",
     "consensus_removal_key",
     "heartbeat_key",
     "issued_certificate_key",
     "join_key_key",
     "node_key",
+    "parse_node",
     "read_node",
     "watch_node",
 ]
@@ -45,11 +55,19 @@ __all__ = [
 logger = logging.getLogger("metropolis.curator.state")
 
 INITIAL_OWNER_KEY = b"/global/initial_owner"
+REGISTER_TICKET_KEY = b"/global/register_ticket"
 LEADER_KEY = b"/leader"
 CA_CERTIFICATE_KEY = b"/cluster-pki/ca/certificate"
 CA_KEY_KEY = b"/cluster-pki/ca/key"
-#: Prefix of the pending removals of consensus members (see :mod:`.api`).
+CRL_KEY = b"/cluster-pki/ca/crl"
+#: Prefix of the node records; the rest of a key is the node ID.
+NODES = b"/nodes/"
+#: Prefix of the heartbeat times; the rest of a key is the node ID.
+HEARTBEATS = b"/heartbeats/"
+#: Prefix of the pending removals of consensus members (see :mod:`.removal`).
 CONSENSUS_REMOVALS = b"/consensus-removals/"
+#: The leader probe's counter (a test hook, :mod:`.probe`).
+PROBE_KEY = b"/test/leader-probe"
 
 
 class CuratorError(MetropolisError):
@@ -63,11 +81,11 @@ def _id_part(identifier: str) -> bytes:
 
 
 def node_key(node_id: str) -> bytes:
-    return b"/nodes/" + _id_part(node_id)
+    return NODES + _id_part(node_id)
 
 
 def heartbeat_key(node_id: str) -> bytes:
-    return b"/heartbeats/" + _id_part(node_id)
+    return HEARTBEATS + _id_part(node_id)
 
 
 def join_key_key(join_public_key: bytes) -> bytes:

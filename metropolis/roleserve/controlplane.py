@@ -56,7 +56,6 @@ from metropolis.curator.bootstrap import (
     create_cluster,
     node_certificate,
 )
-from metropolis.curator.election import DEFAULT_TTL
 from metropolis.curator.service import Curator
 from metropolis.curator.state import CuratorError
 from metropolis.errors import ConsensusError
@@ -222,7 +221,7 @@ class ControlPlaneWorker:
         if isinstance(startup, BootstrapControlPlane):
             key = startup.data.node_private_key
             join = None
-            creation = _ClusterCreation(startup.data, node)
+            creation = _ClusterCreation(startup.data, node, settings.curator_lease_ttl)
         else:
             key = startup.credentials.private_key
             join = startup.join
@@ -301,7 +300,8 @@ class ControlPlaneWorker:
             credentials=credentials,
             listen=(settings.address, settings.curator_port),
             peer_port=settings.peer_port,
-            heartbeat_timeout=2 * settings.status_interval,
+            ttl=settings.curator_lease_ttl,
+            heartbeat_timeout=settings.curator_heartbeat_timeout,
             lease=lease,
         )
         inner.run("curator", curator.run)
@@ -450,8 +450,9 @@ def _with_node(directory: ClusterDirectory, public_key: bytes, host: str) -> Clu
 class _ClusterCreation:
     """One bootstrap attempt: its cluster CA and, once created in etcd early, the result."""
 
-    def __init__(self, data: BootstrapData, node: Node) -> None:
+    def __init__(self, data: BootstrapData, node: Node, lease_ttl: int) -> None:
         self.data = data
+        self._lease_ttl = lease_ttl
         self._logger = node.logger
         self.result: BootstrapResult | None = None
         #: A lease for the curator's first campaign, granted in the same round trip.
@@ -496,7 +497,7 @@ class _ClusterCreation:
 
     async def _grant(self, kv: KV) -> None:
         try:
-            self.lease = await kv.grant(DEFAULT_TTL)
+            self.lease = await kv.grant(self._lease_ttl)
         except ConsensusError as e:
             self._logger.info("bootstrapping: no early lease (%s)", e)
 

@@ -35,8 +35,7 @@ from metropolis.event import ReadOnlyValue
 from metropolis.proto import management as m
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.values import ClusterMembership
-from metropolis.rpc import CallContext, Leadership, Server, ServerSecurity, server_context
-from metropolis.rpc import api as methods
+from metropolis.rpc import CallContext, Leadership, Server, ServerSecurity, methods, server_context
 from metropolis.supervisor import Node, RunnableInfo
 
 __all__ = ["DebugService", "supervision_tree"]

@@ -49,8 +49,7 @@ from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.rolefetch import latest_endpoints, restart_on_change, wait_home
 from metropolis.roleserve.startup import ControlPlaneStartup
 from metropolis.roleserve.values import ClusterMembership
-from metropolis.rpc import Client, client_context
-from metropolis.rpc import api as methods
+from metropolis.rpc import Client, client_context, methods
 from metropolis.supervisor import Node
 
 __all__ = ["DirectoryUpdate", "directory_of"]

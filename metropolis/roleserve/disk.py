@@ -57,6 +57,7 @@ from typing import Any
 from metropolis import pki
 from metropolis.consensus.process import Tuning
 from metropolis.crashpoint import crash_point
+from metropolis.curator.election import DEFAULT_TTL
 from metropolis.errors import MetropolisError
 from metropolis.identity import CredentialsError, NodeCredentials
 from metropolis.localstorage import (
@@ -118,9 +119,28 @@ class NodeSettings:
     debug_port: int = 7837
     #: No TPM: the sealed configuration is stored in plain text (logged).
     insecure_seal: bool = False
-    #: Seconds between status pushes (the node's heartbeat, as Monogon's 5 s);
-    #: this node's curator, when it leads, times nodes out after twice that.
+    #: Seconds between status pushes (the node's heartbeat, as Monogon's 5 s).
     status_interval: float = 5.0
+    #: TTL (whole seconds) of this node's curator lease: how long the
+    #: election waits for a leader that died (Monogon's 10 s).
+    curator_lease_ttl: int = DEFAULT_TTL
+    #: Seconds without a status push after which this node's curator, when
+    #: it leads, reports a node HEARTBEAT_TIMEOUT; None: twice
+    #: ``status_interval`` (see :attr:`curator_heartbeat_timeout`).
+    heartbeat_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.curator_lease_ttl < 1:
+            raise ValueError(f"curator lease TTL must be >= 1 s, got {self.curator_lease_ttl}")
+        if self.heartbeat_timeout is not None and not self.heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat timeout must be > 0, got {self.heartbeat_timeout}")
+
+    @property
+    def curator_heartbeat_timeout(self) -> float:
+        """The heartbeat timeout this node's curator applies (seconds)."""
+        if self.heartbeat_timeout is not None:
+            return self.heartbeat_timeout
+        return 2 * self.status_interval
 
     @property
     def peer_address(self) -> str:
@@ -211,6 +231,8 @@ def _settings_json(settings: NodeSettings) -> bytes:
             "election_ms": settings.tuning.election_ms,
             "insecure_seal": settings.insecure_seal,
             "status_interval_s": settings.status_interval,
+            "curator_lease_ttl_s": settings.curator_lease_ttl,
+            "heartbeat_timeout_s": settings.heartbeat_timeout,
         }
     ).encode()
 
@@ -325,6 +347,7 @@ def load(root: Root) -> SavedNode:
     advice = "restore it from a backup (it holds the node's address, ports and raft timing)"
     raw = _read_json(path, _SETTINGS, advice)
     try:
+        timeout = raw.get("heartbeat_timeout_s")
         settings = NodeSettings(
             address=str(raw["address"]),
             peer_port=int(raw["peer_port"]),
@@ -335,6 +358,9 @@ def load(root: Root) -> SavedNode:
             insecure_seal=bool(raw["insecure_seal"]),
             # Older roots have no status interval: the default.
             status_interval=float(raw.get("status_interval_s", 5.0)),
+            # Older roots have neither: the defaults.
+            curator_lease_ttl=int(raw.get("curator_lease_ttl_s", DEFAULT_TTL)),
+            heartbeat_timeout=None if timeout is None else float(timeout),
         )
     except (ValueError, KeyError, TypeError) as e:
         reason = f"its settings do not parse ({type(e).__name__}: {e})"

@@ -37,8 +37,14 @@ from metropolis.proto.common import NodeRoles
 from metropolis.proto.private import SealedConfiguration
 from metropolis.roleserve import disk
 from metropolis.roleserve.values import RegisterIntent, join_key_bytes
-from metropolis.rpc import RPCError, Status, client_context, endpoints_from_directory, open_client
-from metropolis.rpc import api as methods
+from metropolis.rpc import (
+    RPCError,
+    Status,
+    client_context,
+    endpoints_from_directory,
+    methods,
+    open_client,
+)
 
 __all__ = ["register"]
 

@@ -45,8 +45,7 @@ from metropolis.roleserve.curatorloss import follow_curators
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.startup import ControlPlaneStartup, has_control_plane
 from metropolis.roleserve.values import ClusterMembership, role_names
-from metropolis.rpc import Client, Endpoint, client_context
-from metropolis.rpc import api as methods
+from metropolis.rpc import Client, Endpoint, client_context, methods
 from metropolis.supervisor import Node
 
 __all__ = ["RoleFetch", "curator_endpoints", "latest_endpoints"]

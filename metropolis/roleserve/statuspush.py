@@ -34,8 +34,7 @@ from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.rolefetch import curator_endpoints, restart_on_change, wait_home
 from metropolis.roleserve.startup import ControlPlaneStartup
 from metropolis.roleserve.values import ClusterMembership
-from metropolis.rpc import RPCError, client_context, open_client
-from metropolis.rpc import api as methods
+from metropolis.rpc import RPCError, client_context, methods, open_client
 from metropolis.supervisor import Node
 
 __all__ = ["StatusPush"]

@@ -26,7 +26,8 @@ from metropolis import pki
 from metropolis.consensus.client import Client, Member
 from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.process import SOCKET_NAME
-from metropolis.curator.probe import PROBE_ENV, PROBE_KEY, parse_probe
+from metropolis.curator.probe import PROBE_ENV, parse_probe
+from metropolis.curator.state import PROBE_KEY
 from metropolis.localstorage import Root
 from metropolis.owner import NodeRow, Owner, open_owner
 from metropolis.roleserve import disk
@@ -258,7 +259,10 @@ async def _owner_of_all(roots: list[Root], key_path: Path) -> AsyncIterator[Owne
     assert saved.credentials is not None
     endpoints = [Endpoint(a, saved.settings.curator_port) for a in ADDRESSES]
     context = client_context(saved.credentials.ca_certificate, certificate, key)
-    async with open_client(endpoints, context) as client:
+    # A stopped curator holds connections open without answering: pings
+    # every second tell so within two (the default: twenty), and a new
+    # connection to it gives up after two seconds (the default: five).
+    async with open_client(endpoints, context, connect_timeout=2.0, keepalive=(1.0, 1.0)) as client:
         yield Owner(client, context)
 
 

@@ -17,10 +17,10 @@ from common.net import free_loopback_port
 from metropolis import identity, pki
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.consensus.client import KV, Lease
-from metropolis.curator.api import CRL_KEY, CuratorAPI
 from metropolis.curator.election import Leader
+from metropolis.curator.server import CuratorServer
 from metropolis.curator.service import Curator
-from metropolis.curator.state import CA_KEY_KEY, CuratorError, node_key, read_node
+from metropolis.curator.state import CA_KEY_KEY, CRL_KEY, CuratorError, node_key, read_node
 from metropolis.proto import curator_api as c
 from metropolis.proto import management as m
 from metropolis.proto.common import NodeState, NodeStatus, NodeStatusRunningCurator
@@ -30,10 +30,10 @@ from metropolis.rpc import (
     RPCError,
     Status,
     client_context,
+    methods,
     open_client,
     sign_proof,
 )
-from metropolis.rpc import api as methods
 from metropolis.supervisor import open_supervisor
 from tests.metropolis.test_curator import bootstrapped, consensus
 
@@ -511,12 +511,12 @@ async def test_an_api_that_fails_to_load_releases_its_port(
                 if len(opened) >= 3:
                     three.set()
 
-        async def failing_load(*args: object, **kwargs: object) -> CuratorAPI:
+        async def failing_load(*args: object, **kwargs: object) -> CuratorServer:
             await bound_receive.receive()  # this run's port is bound
             raise CuratorError("damaged state (injected)")
 
         monkeypatch.setattr(trio, "open_tcp_listeners", open_then_signal)
-        monkeypatch.setattr(CuratorAPI, "load", failing_load)
+        monkeypatch.setattr(CuratorServer, "load", failing_load)
         curator = Curator(
             service.status, credentials.node_id, credentials=credentials, listen=("127.0.0.1", port)
         )

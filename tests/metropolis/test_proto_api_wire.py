@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from metropolis import pki
 from metropolis.proto import common, curator_api, management
-from metropolis.rpc import CallContext, Leadership, Server, ServerSecurity, api
+from metropolis.rpc import CallContext, Leadership, Server, ServerSecurity, methods
 from metropolis.rpc.tls import server_context_for
 from tests.fixtures.rpc import ClusterPKI, ecdsa_leaf
 from tests.protoc import google_modules
@@ -344,8 +344,8 @@ async def test_grpcio_calls_the_apis_at_monogons_paths(pb: dict[str, ModuleType]
         node = curator_api.Node(id=req.node_in_cluster.node_id, roles=_roles((True, True, False)))
         await send(curator_api.WatchEvent(nodes=[node]))
 
-    server.unary(api.GET_CLUSTER_INFO, cluster_info)
-    server.stream(api.WATCH, watch)
+    server.unary(methods.GET_CLUSTER_INFO, cluster_info)
+    server.stream(methods.WATCH, watch)
 
     def call(port: int) -> tuple[Any, list[Any]]:
         def channel(cert: Any, key: Any) -> grpc.Channel:
@@ -387,6 +387,6 @@ async def test_grpcio_calls_the_apis_at_monogons_paths(pb: dict[str, ModuleType]
     assert events[0].nodes[0].roles.HasField("consensus_member")
     assert not events[0].nodes[0].roles.HasField("kubernetes_controller")
     assert seen == [
-        (api.GET_CLUSTER_INFO.path, pki.public_key_bytes(cluster.owner_key)),
-        (api.WATCH.path, cluster.node.public_key),
+        (methods.GET_CLUSTER_INFO.path, pki.public_key_bytes(cluster.owner_key)),
+        (methods.WATCH.path, cluster.node.public_key),
     ]

@@ -24,8 +24,7 @@ from metropolis.owner import Owner
 from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeRoles
 from metropolis.roleserve import disk
-from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
-from metropolis.rpc import api as methods
+from metropolis.rpc import Endpoint, RPCError, Status, client_context, methods, open_client
 from tests.metropolis.test_cluster import (
     ADDRESSES,
     BOUND,

@@ -22,8 +22,7 @@ from metropolis.localstorage import Root
 from metropolis.owner import load_owner, load_owner_key
 from metropolis.proto import management as m
 from metropolis.roleserve import disk
-from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
-from metropolis.rpc import api as methods
+from metropolis.rpc import Endpoint, RPCError, Status, client_context, methods, open_client
 from tests.metropolis.test_node_cli import LEADS, NodeProcess, bootstrap_args, node
 from tests.operators.browser import in_browser
 

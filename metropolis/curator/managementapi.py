@@ -1,0 +1,223 @@
+"""The curator's API for the owner (the ``Management`` service).
+
+``GetRegisterTicket``, ``GetClusterInfo``, ``GetNodes`` (with each node's
+health), ``ApproveNode`` (NEW -> STANDBY) and ``UpdateNodeRoles``, whose
+ConsensusMember changes go through :mod:`.membership`. Every method needs
+the owner's certificate (:mod:`metropolis.rpc.methods`).
+
+Health: ``GetNodes`` reports HEALTHY within ``heartbeat_timeout`` of a
+node's last heartbeat (the leader's time of its last status, stored by
+:mod:`.nodeapi`), HEARTBEAT_TIMEOUT after, UNKNOWN if the node never
+reported or is not UP. Kept in etcd, the times survive a change of leader
+(on another machine its clock may differ a little: ages are clamped at
+zero).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+
+from cryptography import x509
+
+from metropolis import identity, pki
+from metropolis.consensus.client import Compare, Op, Put
+from metropolis.curator.membership import Membership
+from metropolis.curator.records import Records
+from metropolis.curator.state import HEARTBEATS, REGISTER_TICKET_KEY
+from metropolis.proto import management as m
+from metropolis.proto.common import (
+    ClusterDirectory,
+    ClusterDirectoryNode,
+    ClusterDirectoryNodeAddress,
+    NodeRoles,
+    NodeRolesKubernetesController,
+    NodeRolesKubernetesWorker,
+    NodeState,
+)
+from metropolis.proto.curator import Node, RegisterTicket
+from metropolis.rpc import CallContext, RPCError, Server, methods
+from metropolis.rpc.status import Status
+
+__all__ = ["HEARTBEAT_TIMEOUT", "ManagementAPI"]
+
+_log = logging.getLogger("metropolis.curator.managementapi")
+
+#: Seconds without a status update after which a node is HEARTBEAT_TIMEOUT
+#: (Monogon's: twice its 5 s heartbeat interval).
+HEARTBEAT_TIMEOUT = 10.0
+
+
+class ManagementAPI:
+    """Handlers of the ``Management`` service; :meth:`register` them with a server."""
+
+    def __init__(
+        self,
+        records: Records,
+        membership: Membership,
+        *,
+        ca: x509.Certificate,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+    ) -> None:
+        self._records = records
+        self._kv = records.kv
+        self._membership = membership
+        self._ca = ca
+        self._heartbeat_timeout = heartbeat_timeout
+
+    def register(self, server: Server) -> None:
+        """Register every handler with ``server``."""
+        server.unary(methods.GET_REGISTER_TICKET, self.get_register_ticket)
+        server.unary(methods.GET_CLUSTER_INFO, self.get_cluster_info)
+        server.stream(methods.GET_NODES, self.get_nodes)
+        server.unary(methods.APPROVE_NODE, self.approve_node)
+        server.unary(methods.UPDATE_NODE_ROLES, self.update_node_roles)
+
+    async def get_register_ticket(
+        self, request: m.GetRegisterTicketRequest, ctx: CallContext
+    ) -> m.GetRegisterTicketResponse:
+        """The cluster's register ticket, made (at random) on the first request."""
+        stored = await self._kv.get(REGISTER_TICKET_KEY)
+        if stored is None:
+            await self._records.txn(
+                [Compare.absent(REGISTER_TICKET_KEY)],
+                [Put(REGISTER_TICKET_KEY, bytes(RegisterTicket(opaque=secrets.token_bytes(32))))],
+            )
+            # Ours, or one a racing request wrote first.
+            stored = await self._kv.get(REGISTER_TICKET_KEY)
+            assert stored is not None
+        return m.GetRegisterTicketResponse(ticket=RegisterTicket.parse(stored.value).opaque)
+
+    async def get_cluster_info(
+        self, request: m.GetClusterInfoRequest, ctx: CallContext
+    ) -> m.GetClusterInfoResponse:
+        """The directory: every node with a running curator and a reported address."""
+        nodes = [
+            ClusterDirectoryNode(
+                public_key=r.public_key,
+                addresses=[ClusterDirectoryNodeAddress(host=r.status.external_address)],
+            )
+            for r in await self._records.all()
+            if r.status is not None and r.status.external_address and r.status.running_curator
+        ]
+        return m.GetClusterInfoResponse(
+            cluster_directory=ClusterDirectory(nodes=nodes),
+            ca_certificate=pki.encode_certificate(self._ca, pki.Encoding.DER),
+        )
+
+    async def get_nodes(
+        self,
+        request: m.GetNodesRequest,
+        ctx: CallContext,
+        send: Callable[[m.Node], Awaitable[None]],
+    ) -> None:
+        if request.filter:
+            raise RPCError(Status.UNIMPLEMENTED, "filters are not supported")
+        beats = await self._kv.range(HEARTBEATS, prefix=True)
+        heard = {kv.key.removeprefix(HEARTBEATS).decode(): kv.value for kv in beats.kvs}
+        now = time.time_ns()
+        for record in await self._records.all():
+            health, since = self._health(record, heard, now)
+            await send(
+                m.Node(
+                    pubkey=record.public_key,
+                    state=record.fsm_state,
+                    status=record.status,
+                    roles=record.roles or NodeRoles(),
+                    health=health,
+                    time_since_heartbeat=since,
+                )
+            )
+
+    def _health(
+        self, record: Node, heard: dict[str, bytes], now: int
+    ) -> tuple[m.NodeHealth, datetime.timedelta | None]:
+        """Health and time since the last heartbeat (None: never, or not UP)."""
+        raw = heard.get(identity.node_id(record.public_key))
+        if record.fsm_state != NodeState.UP or raw is None:
+            return m.NodeHealth.UNKNOWN, None
+        try:
+            age = max(0, now - int(raw)) / 1e9
+        except ValueError:
+            _log.error("damaged heartbeat of %s", identity.node_id(record.public_key))
+            return m.NodeHealth.UNKNOWN, None
+        since = datetime.timedelta(seconds=age)
+        if age > self._heartbeat_timeout:
+            return m.NodeHealth.HEARTBEAT_TIMEOUT, since
+        return m.NodeHealth.HEALTHY, since
+
+    async def approve_node(
+        self, request: m.ApproveNodeRequest, ctx: CallContext
+    ) -> m.ApproveNodeResponse:
+        """NEW -> STANDBY; approving a STANDBY or UP node again is a no-op."""
+        node_id = _node_id(request.pubkey)
+
+        def change(record: Node) -> Node | None:
+            if record.fsm_state in (NodeState.STANDBY, NodeState.UP):
+                return None
+            if record.fsm_state != NodeState.NEW:
+                raise RPCError(Status.FAILED_PRECONDITION, f"node is {record.fsm_state.name}")
+            record.fsm_state = NodeState.STANDBY
+            return record
+
+        await self._records.update(node_id, change)
+        _log.info("approved %s", node_id)
+        return m.ApproveNodeResponse()
+
+    async def update_node_roles(
+        self, request: m.UpdateNodeRolesRequest, ctx: CallContext
+    ) -> m.UpdateNodeRolesResponse:
+        """Set roles of an UP node; ConsensusMember changes the etcd membership.
+
+        Granting ConsensusMember adds the node as a learner at its reported
+        address (FAILED_PRECONDITION if it reported none) and stores its join
+        data; its role fetch then starts etcd. Revoking it is refused for the
+        last consensus member; otherwise the etcd member is removed, its peer
+        certificate revoked on the etcd peer CRL, and the role dropped, which
+        stops the node's control plane. For the node this curator runs on,
+        the removal is left to the next leader (:mod:`.removal`): a removal
+        mark is written, this curator resigns once it has answered, and the
+        next leader removes the member, then the role.
+        """
+        node_id = request.id if request.id else _node_id(request.pubkey or b"")
+        worker, controller = request.kubernetes_worker, request.kubernetes_controller
+        consensus = request.consensus_member
+        async with self._membership.lock:
+            deferred: list[Op] = []
+            if consensus is True:
+                # Completes pending removals first, as revoke does; refuses a
+                # node that is not UP; writes the record itself.
+                await self._membership.grant(node_id)
+                if worker is None and controller is None:
+                    return m.UpdateNodeRolesResponse()  # nothing more to write
+            elif consensus is False:
+                deferred = await self._membership.revoke(node_id)
+
+            def change(record: Node) -> Node | None:
+                if record.fsm_state != NodeState.UP:
+                    raise RPCError(Status.FAILED_PRECONDITION, "node is not UP")
+                if worker is None and controller is None and not deferred:
+                    return None  # nothing more to write (a revoke wrote its own)
+                roles = record.roles or NodeRoles()
+                if worker is not None:
+                    roles.kubernetes_worker = NodeRolesKubernetesWorker() if worker else None
+                if controller is not None:
+                    roles.kubernetes_controller = (
+                        NodeRolesKubernetesController() if controller else None
+                    )
+                record.roles = roles
+                return record
+
+            await self._records.update(node_id, change, deferred)
+        if deferred:
+            _log.info("ConsensusMember of %s (this node) to be removed; resigning", node_id)
+        return m.UpdateNodeRolesResponse()
+
+
+def _node_id(public_key: bytes) -> str:
+    if len(public_key) != 32:
+        raise RPCError(Status.INVALID_ARGUMENT, "node public key must be 32 raw bytes")
+    return identity.node_id(public_key)
