@@ -69,7 +69,9 @@ def agent_zipapp() -> bytes:
     """The bundled agent as uploaded, built once per process."""
     start = time.perf_counter()
     data = build_zipapp(agent_sources())
-    logger.info(
+    # DEBUG: a command that fails before it does anything (a bad BMDB URL)
+    # must say one line; what is uploaded is logged once the work starts.
+    logger.debug(
         "agent zipapp: %d bytes, sha256 %s, built in %.1f ms",
         len(data),
         hashlib.sha256(data).hexdigest(),

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import hashlib
 import logging
 import os
 import re
@@ -701,6 +702,11 @@ async def run(options: Options) -> None:
                     "SSH key %s, public key: %s",
                     options.ssh_key_path,
                     options.ssh_key.authorized_key,
+                )
+                logger.info(
+                    "agent to upload: %d bytes, sha256 %s",
+                    len(options.agent.executable),
+                    hashlib.sha256(options.agent.executable).hexdigest(),
                 )
                 stats = LoopStats()
                 if options.metrics_listen:
