@@ -94,6 +94,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="heartbeat: seconds between status pushes (timeout: twice that)",
     )
+    boot.add_argument(
+        "--curator-lease-ttl",
+        type=int,
+        default=10,
+        metavar="SECONDS",
+        help="how long a dead curator leader blocks the next election (default 10)",
+    )
 
     run = actions.add_parser("run", help="restart a node from its saved state")
     run.add_argument("--root", type=Path, required=True, help="the node's data directory")
@@ -128,6 +135,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     reg.add_argument("--raft-tuning", default="100,1000", metavar="HEARTBEAT_MS,ELECTION_MS")
     reg.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS")
+    reg.add_argument(
+        "--curator-lease-ttl",
+        type=int,
+        default=10,
+        metavar="SECONDS",
+        help="how long a dead curator leader blocks the next election (default 10)",
+    )
 
     # Listed for --help only: main() hands 'image ...' to metropolis.image
     # before this parser sees it, so that the image tool keeps its own options.
@@ -174,14 +188,22 @@ def _settings(args: argparse.Namespace) -> disk.NodeSettings:
         raise MetropolisError(
             f"--raft-tuning {args.raft_tuning!r}: want HEARTBEAT_MS,ELECTION_MS"
         ) from None
+    try:
+        return _node_settings(args, Tuning(heartbeat, election))
+    except ValueError as e:  # NodeSettings refuses values out of range
+        raise MetropolisError(str(e)) from None
+
+
+def _node_settings(args: argparse.Namespace, tuning: Tuning) -> disk.NodeSettings:
     return disk.NodeSettings(
         address=args.address,
         peer_port=args.peer_port,
         curator_port=args.curator_port,
         debug_port=args.debug_port,
-        tuning=Tuning(heartbeat, election),
+        tuning=tuning,
         insecure_seal=True,
         status_interval=args.status_interval,
+        curator_lease_ttl=args.curator_lease_ttl,
     )
 
 

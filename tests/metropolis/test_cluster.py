@@ -138,7 +138,17 @@ async def three_nodes(
     roots = [Root(tmp_path / f"n{i}") for i in (1, 2, 3)]
     owner_key = tmp_path / "owner.pem"
     ports = _ports()
-    common = [*ports, "--raft-tuning", "20,200", "--insecure-seal", "--status-interval", "1"]
+    # A 3 s curator lease: the leader-kill test waits one out per kill.
+    common = [
+        *ports,
+        "--raft-tuning",
+        "20,200",
+        "--insecure-seal",
+        "--status-interval",
+        "1",
+        "--curator-lease-ttl",
+        "3",
+    ]
     env = {PROBE_ENV: "1"} if probe else None
     async with AsyncExitStack() as stack:
         n1 = await stack.enter_async_context(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +100,21 @@ async def test_the_curator_campaigns_and_times_out_as_the_node_is_set(tmp_path: 
                         continue
                     seen.add(row.health)
                     await trio.sleep(0.1)
+
+
+def test_the_lease_ttl_flag_is_checked_in_one_line(tmp_path: Path) -> None:
+    """``--curator-lease-ttl`` reaches NodeSettings, whose refusal is one line."""
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "metropolis", "node", "bootstrap",
+            "--root", str(tmp_path / "node"), "--address", "127.0.0.9", "--insecure-seal",
+            "--owner-key-out", str(tmp_path / "owner.pem"), "--curator-lease-ttl", "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "curator lease TTL must be >= 1 s" in lines[0], result.stderr
+    assert not (tmp_path / "node").exists()
