@@ -66,7 +66,7 @@ node's credentials) and a :class:`ServerSecurity` whose three hooks answer
 from state the curator keeps current (the initial owner key, the cluster
 CA's CRL, and the election: a leader says ``is_leader``, a follower names
 the leader's node ID and, from its node status, its curator address);
-handlers registered for the methods in :mod:`metropolis.rpc.api`; served
+handlers registered for the methods in :mod:`metropolis.rpc.methods`; served
 on :data:`CURATOR_PORT`. A node calls through :func:`open_client` with
 :func:`endpoints_from_directory` and :func:`client_context` (its node
 certificate), or with a proof key and no certificate to register.

@@ -19,7 +19,7 @@ from hyperframe.frame import RstStreamFrame
 from metropolis.identity import NodeCredentials
 from metropolis.localstorage import Root
 from metropolis.owner import load_owner_key, open_owner
-from metropolis.rpc import Status, api, wire
+from metropolis.rpc import Status, methods, wire
 from tests.fixtures.rpc import RawPeer, grpc_request_headers, grpc_status
 from tests.metropolis.test_node_cli import BOUND, LEADS, bootstrap_args, node
 
@@ -52,8 +52,8 @@ async def test_node_servers_survive_a_header_that_is_not_utf8(tmp_path: Path) ->
         async with node(*args) as proc:
             await proc.wait_for(LEADS)
             await proc.wait_for("status pushed")
-            await _bad_header_then_good_stream(curator_port, root, api.GET_NODES.path)
-            await _bad_header_then_good_stream(debug_port, root, api.GET_SUPERVISION_TREE.path)
+            await _bad_header_then_good_stream(curator_port, root, methods.GET_NODES.path)
+            await _bad_header_then_good_stream(debug_port, root, methods.GET_SUPERVISION_TREE.path)
             async with open_owner(root, load_owner_key(tmp_path / "owner.pem")) as owner:
                 rows = await owner.nodes()
                 assert len(rows) == 1

@@ -33,8 +33,7 @@ from metropolis.localstorage import Root
 from metropolis.owner import OwnerAccess, load_owner
 from metropolis.proto import curator_api as c
 from metropolis.proto.management import GetClusterInfoResponse
-from metropolis.rpc import api as methods
-from metropolis.rpc import client_context, endpoints_from_directory, open_client
+from metropolis.rpc import client_context, endpoints_from_directory, methods, open_client
 from shepherd.approver import Approver, run_approver
 from shepherd.cli import build_parser, validate_options
 from shepherd.proto.agent_callback import (
