@@ -32,8 +32,8 @@ from metropolis.proto.common import (
 )
 from metropolis.proto.private import SealedConfiguration
 from metropolis.roleserve import disk
-from metropolis.roleserve.localnode import prepare_loopback_bootstrap
-from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.loopback import prepare_loopback_bootstrap
+from metropolis.roleserve.server import RoleServer
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
 from metropolis.supervisor import Supervisor, open_supervisor
 
