@@ -12,13 +12,18 @@ from pathlib import Path
 
 import trio
 
+from common.backoff import ExponentialBackoff, Retrier
 from metropolis import pki
 from metropolis.consensus import peerpki
-from metropolis.consensus.client import Client
+from metropolis.consensus.client import KV, Client, EtcdUnavailable
 from metropolis.localstorage import atomic_write
 from metropolis.supervisor import Node
 
 __all__ = ["has_content", "sync_crl"]
+
+
+#: Between tries while etcd cannot be reached.
+_RETRY_BACKOFF = ExponentialBackoff(initial=0.05, maximum=2.0)
 
 
 async def sync_crl(node: Node, client: Client, path: Path) -> None:
@@ -27,13 +32,34 @@ async def sync_crl(node: Node, client: Client, path: Path) -> None:
     etcd re-reads the CRL file for every new peer connection but never
     checks its signature, so only CRLs signed by the peer CA are written;
     anything else in etcd is logged and the last good list stays in force.
+
+    While etcd cannot be reached (for the first read, or to open the watch:
+    once open, the watch reconnects by itself), that is logged and tried
+    again through :data:`_RETRY_BACKOFF`: etcd may be going away, its
+    member removed, and the consensus service then stops this runnable.
+    Other errors are raised, for the supervisor to restart it.
     """
     kv = client.namespaced(peerpki.NAMESPACE)
+    retrier = Retrier(_RETRY_BACKOFF)
+    while True:
+        try:
+            await _follow(node, kv, path, retrier)
+        except EtcdUnavailable as e:
+            node.logger.info("cannot follow the CRL now: %s", e)
+            await retrier.sleep()
+
+
+async def _follow(node: Node, kv: KV, path: Path, retrier: Retrier) -> None:
+    """Write the CRL in etcd to ``path``, then every new one, until cancelled.
+
+    ``retrier`` is reset once the CRL is read: a later failure starts over.
+    """
     ca = await peerpki.load_ca(kv)
     current = await kv.get(peerpki.KEY_CRL)
     if current is None:
         raise peerpki.PeerPKIError("no CRL in etcd")
     await _apply_crl(current.value, ca, path, node.logger)
+    retrier.reset()
     node.signal_healthy()
     async with kv.watch(peerpki.KEY_CRL, start_revision=current.mod_revision + 1) as watch:
         async for response in watch:
