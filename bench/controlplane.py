@@ -155,9 +155,9 @@ from metropolis.localstorage import Root, atomic_write
 from metropolis.owner import Owner, OwnerAccess, OwnerError, load_owner
 from metropolis.proto import management as m
 from metropolis.roleserve import disk
-from metropolis.roleserve.localnode import loopback_settings, prepare_loopback_bootstrap
-from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.loopback import loopback_settings, prepare_loopback_bootstrap
 from metropolis.roleserve.register import register
+from metropolis.roleserve.server import RoleServer
 from metropolis.roleserve.values import ClusterMembership, RegisterIntent
 from metropolis.rpc import RPCError, methods
 from metropolis.supervisor import open_supervisor

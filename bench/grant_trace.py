@@ -54,14 +54,14 @@ from bench.smoke import parse_args
 _STEPS = [
     ("metropolis.curator.managementapi", "ManagementAPI.update_node_roles"),
     ("metropolis.curator.membership", "Membership.grant"),
-    ("metropolis.consensus.service", "_add_learner"),
+    ("metropolis.consensus.membership", "_add_learner"),
     ("metropolis.roleserve.disk", "save_roles"),
     ("metropolis.roleserve.controlplane", "ControlPlaneWorker._start"),
     ("metropolis.consensus.service", "Service._write_join_pki"),
     ("metropolis.consensus.process", "_Child.spawn"),
     ("metropolis.consensus.process", "_report_ready"),
-    ("metropolis.consensus.service", "_wait_voter"),
-    ("metropolis.consensus.service", "_promote"),
+    ("metropolis.consensus.service", "wait_voter"),
+    ("metropolis.consensus.promoter", "_promote"),
     ("metropolis.curator.server", "CuratorServer.load"),
 ]
 

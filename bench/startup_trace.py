@@ -41,14 +41,14 @@ from bench.smoke import parse_args
 from metropolis.consensus import process
 from metropolis.localstorage import Root
 from metropolis.roleserve import disk
-from metropolis.roleserve.localnode import prepare_loopback_bootstrap
-from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.loopback import prepare_loopback_bootstrap
+from metropolis.roleserve.server import RoleServer
 from metropolis.supervisor import open_supervisor
 
 #: (module, attribute path) of the steps whose start and end are traced.
 _STEPS = [
     ("metropolis.roleserve.disk", "load"),
-    ("metropolis.roleserve.node", "RoleServer.__init__"),
+    ("metropolis.roleserve.server", "RoleServer.__init__"),
     ("metropolis.roleserve.controlplane", "ControlPlaneWorker._start"),
     ("metropolis.roleserve.controlplane", "_ClusterCreation.__init__"),
     ("metropolis.consensus.service", "Service._run"),

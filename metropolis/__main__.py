@@ -50,8 +50,8 @@ from metropolis.owner import format_table, format_tree, load_owner_key, open_own
 from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
-from metropolis.roleserve.node import RoleServer
 from metropolis.roleserve.register import register
+from metropolis.roleserve.server import RoleServer
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
 from metropolis.supervisor import Node, supervise
 

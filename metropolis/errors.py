@@ -5,7 +5,7 @@
 
     MetropolisError
     ├── ConsensusError             metropolis.consensus: the etcd member or its data
-    │   ├── NotRunning             .service: the local member is not running (yet)
+    │   ├── NotRunning             .membership: the local member is not running (yet)
     │   ├── EtcdExited             .process: the etcd process ended
     │   ├── PeerPKIError           .peerpki: the peer CA, certificates or CRL in etcd
     │   ├── TransportError         .unixhttp: no whole HTTP answer (the etcd client

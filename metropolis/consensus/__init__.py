@@ -1,19 +1,24 @@
 """Consensus: this node's etcd member, its peer PKI, and a trio-native etcd client.
 
-* :mod:`.service`: :class:`Service`, the supervised runnable, with its
-  :class:`Config`, :class:`Status` and the :class:`JoinCluster` join data.
+* :mod:`.service`: :class:`Service`, the supervised runnable (the member's lifecycle).
+* :mod:`.config`: its :class:`Config`, and where the curator's keys live.
+* :mod:`.join`: :class:`JoinCluster`, the join data a new member starts from.
+* :mod:`.membership`: :class:`Status`, which adds and removes members.
+* :mod:`.promoter`: the raft leader's promotion of learners to voters.
+* :mod:`.removal`: etcd's own exit once its member is removed, told from a crash.
+* :mod:`.crlsync`: etcd's peer CRL, kept on disk for etcd to read.
 * :mod:`.client`: the etcd client (:class:`~.client.Client`, namespaced
   :class:`~.client.KV` views).
 * :mod:`.peerpki`: the peer CA, certificates and CRL, stored in etcd.
 * :mod:`.process`: the etcd child process.
 """
 
-# Re-exported (``X as X``) rather than listed again in an __all__: the list
-# lives once, in metropolis.consensus.service.
-from metropolis.consensus.service import Config as Config
-from metropolis.consensus.service import ConsensusError as ConsensusError
-from metropolis.consensus.service import ExistingNode as ExistingNode
-from metropolis.consensus.service import JoinCluster as JoinCluster
-from metropolis.consensus.service import NotRunning as NotRunning
+# The package's public face: what the node's other packages use of it.
+# Re-exported (``X as X``) so that each name is defined once, in its module.
+from metropolis.consensus.config import Config as Config
+from metropolis.consensus.join import ExistingNode as ExistingNode
+from metropolis.consensus.join import JoinCluster as JoinCluster
+from metropolis.consensus.membership import NotRunning as NotRunning
+from metropolis.consensus.membership import Status as Status
 from metropolis.consensus.service import Service as Service
-from metropolis.consensus.service import Status as Status
+from metropolis.errors import ConsensusError as ConsensusError

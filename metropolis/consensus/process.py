@@ -116,10 +116,19 @@ class PeerTLS:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Raft timing. Defaults are etcd's; loopback tests can go 5x faster."""
+    """Raft timing and etcd's membership health wait. Defaults are etcd's;
+    loopback tests can go 5x faster."""
 
     heartbeat_ms: int = 100
     election_ms: int = 1000
+    #: etcd's member health wait (``--strict-reconfig-check``): while True,
+    #: etcd refuses a membership change until every voter has been connected
+    #: for its health window (5 s, fixed in etcd) and a removal that would
+    #: leave too few connected voters, so that a change cannot cost the
+    #: quorum. False lets changes through at once: for tests on one
+    #: machine, whose members connect over loopback, never for a real
+    #: cluster.
+    member_health_wait: bool = True
 
 
 @dataclass(frozen=True)
@@ -191,6 +200,7 @@ class ProcessConfig:
             f"--initial-cluster-token={self.cluster_token}",
             f"--heartbeat-interval={self.tuning.heartbeat_ms}",
             f"--election-timeout={self.tuning.election_ms}",
+            f"--strict-reconfig-check={str(self.tuning.member_health_wait).lower()}",
             "--logger=zap",
             "--log-outputs=stderr",
         ]

@@ -27,7 +27,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
 from metropolis.consensus.client import KV, Compare, Get, Put, RangeResult
-from metropolis.consensus.service import JoinCluster, Status
+from metropolis.consensus.join import JoinCluster
+from metropolis.consensus.membership import Status
 from metropolis.curator.state import (
     CA_CERTIFICATE_KEY,
     CA_KEY_KEY,

@@ -25,7 +25,7 @@ import os
 import trio
 
 from metropolis.consensus.client import EtcdClosed, Lease
-from metropolis.consensus.service import Status
+from metropolis.consensus.membership import Status
 from metropolis.curator.election import (
     DEFAULT_TTL,
     ElectionState,

@@ -5,5 +5,9 @@
   :class:`~.startup.ControlPlaneStartup`, and ``changed()``.
 * :mod:`.controlplane`: the control-plane worker (mappers, reducer, launcher).
 * :mod:`.disk`: what a node keeps on disk to bootstrap and restart.
-* :mod:`.node`: the whole node, as run by ``python -m metropolis node``.
+* :mod:`.server`: :class:`~.server.RoleServer`, the role server of a whole
+  node (the worker and the node's other runnables), as run by
+  ``python -m metropolis node``.
+* :mod:`.loopback`: a node root ready to bootstrap on loopback (tests,
+  benchmarks, demos).
 """

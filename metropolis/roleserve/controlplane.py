@@ -3,13 +3,26 @@
 Monogon's seed (``worker_controlplane.go``), reshaped for Trio::
 
     bootstrap data ─ map-bootstrap-data ─┐
-    membership (home) ─ map-membership ──┼─▶ one memory channel ─▶ reduce ─▶ startup value
+    membership (home, credentials) ─ map ┼─▶ one memory channel ─▶ reduce ─▶ startup value
     node roles ─ map-roles ──────────────┘       (a group: they restart together)
                                                                   │
     launcher: watches the startup value; runs consensus + curator ◀┘
               inside a scope, which it leaves and re-enters (restart on
               request) only when changed() says the control plane
-              appears or disappears.
+              appears or disappears; publishes the local services in
+              the membership (and after a bootstrap the node's first
+              credentials, directory and roles).
+
+Values in, decisions out: the launcher acts on the startup decision alone,
+which holds what it needs (bootstrap data, or join data and credentials).
+What it publishes in the membership is merged into the newest value
+(:meth:`ControlPlaneWorker._publish`) and never comes back as a decision:
+the membership mapper forwards only a change of home or credentials. The
+one output that does is the bootstrap's roles, by design: they turn the
+decision from "bootstrap" into "join", which changed() does not act on.
+Consensus calls nothing of this module: on a bootstrap it publishes the
+curator's view of etcd (``Service.bootstrap_kv``), and the launcher creates
+the cluster through it.
 
 Bootstrap (as the seed, made restartable and pipelined around etcd's
 start)::
@@ -20,8 +33,9 @@ start)::
       roles (this node's join data), directory, sealed          │
       configuration, owner certificate written, and the         │
       credentials staged, all fsynced; TLS contexts built       │
-    etcd answers: peer PKI, the cluster (curator state) and the  ◀┘
-      curator's first lease, concurrently (one round trip); running
+    etcd answers (bootstrap_kv): peer PKI, the cluster (curator  ◀┘
+      state) and the curator's first lease, concurrently (one round
+      trip); running
     credentials committed (a directory rename, fsynced); intent dropped
     curator started (it campaigns at once, on that lease)
     membership (home) and roles published
@@ -39,6 +53,8 @@ from __future__ import annotations
 
 import functools
 import shutil
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import trio
@@ -47,7 +63,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import consensus, identity, pki
 from metropolis.consensus.client import KV, Lease
-from metropolis.consensus.service import JoinCluster
+from metropolis.consensus.join import JoinCluster
 from metropolis.crashpoint import CRASH_ENV, crash_point
 from metropolis.curator.bootstrap import (
     BootstrapResult,
@@ -93,9 +109,11 @@ __all__ = ["CRASH_ENV", "ControlPlaneWorker"]
 class ControlPlaneWorker:
     """The worker; ``run`` is a supervisor runnable. See the module docstring.
 
-    Reads ``bootstrap`` and ``roles``; reads and writes ``membership`` and
-    (after a bootstrap) ``roles``. ``startup`` is its internal decision,
-    exposed read-only for observers.
+    Inputs: ``bootstrap``, ``roles`` and (home, credentials) of
+    ``membership``. Outputs: its fields of ``membership`` (local services;
+    after a bootstrap the first credentials and directory) and, after a
+    bootstrap, ``roles``. ``startup`` is its internal decision, exposed
+    read-only for observers.
     """
 
     def __init__(
@@ -126,10 +144,17 @@ class ControlPlaneWorker:
                     await send.send(BootstrapMessage(await w.get()))
 
         async def map_membership(n: Node) -> None:
+            # Only what reduce() reads of the membership: that it is home,
+            # with which credentials. The launcher's own outputs there (its
+            # local services) and the directory's churn send nothing, so
+            # what the launcher publishes never comes back to it.
             n.signal_healthy()
+            sent: NodeCredentials | None = None
             with self._membership.watch() as w:
                 while True:
-                    await send.send(MembershipMessage(await w.get(lambda m: m.home)))
+                    m = await w.get(functools.partial(_home_with_new_credentials, sent))
+                    sent = m.credentials
+                    await send.send(MembershipMessage(m))
 
         async def map_roles(n: Node) -> None:
             n.signal_healthy()
@@ -187,14 +212,31 @@ class ControlPlaneWorker:
 
     async def _publish_without_control_plane(self) -> None:
         """Drop the local services from the membership, if it names them."""
+
+        def without(m: ClusterMembership) -> ClusterMembership:
+            if m.local_consensus or m.local_curator:
+                return replace(m, local_consensus=None, local_curator=None)
+            return m
+
+        await self._publish(without)
+
+    async def _publish(self, fields: Callable[[ClusterMembership], ClusterMembership]) -> None:
+        """Publish the launcher's outputs in the membership: ``fields`` of the newest one.
+
+        The membership has two writers: this launcher (the local services,
+        and after a bootstrap the node's first credentials and directory)
+        and the directory update (the directory). Each sets its own fields
+        on the newest value, read and set with no checkpoint in between, so
+        neither loses what the other set. Nothing is decided from what is
+        read here: the launcher's decisions come from ``reduce()`` alone.
+        """
         # The node sets a membership before the worker starts, so this
         # returns at once.
         with self._membership.watch() as w:
             current = await w.get()
-        if current.local_consensus or current.local_curator:
-            self._membership.set(
-                ClusterMembership(current.public_key, current.credentials, current.remote_curators)
-            )
+        new = fields(current)
+        if new is not current:
+            self._membership.set(new)
 
     async def _wipe_consensus_data(self, node: Node) -> None:
         """Delete etcd's data: this node is no member (any more).
@@ -232,13 +274,11 @@ class ControlPlaneWorker:
             peer_address=settings.peer_address,
             join_cluster=join,
             tuning=settings.tuning,
-            on_bootstrap=creation.in_etcd if creation is not None else None,
         )
         service = consensus.Service(config)
         node.logger.info("starting consensus and curator")
         outer.run("consensus", service.run)
 
-        roles: NodeRoles | None = None
         if creation is not None:
             credentials, directory, roles = await self._create_cluster(node, service, creation)
             # Last: the credentials mean "done" (disk.load), so they become
@@ -247,43 +287,52 @@ class ControlPlaneWorker:
             # too.
             if credentials is creation.credentials:
                 # Staged and fsynced while etcd started: one rename and one
-                # directory fsync (~5 ms), done here, blocking the event
-                # loop. In a worker thread it took twice as long (measured):
-                # the CRL watcher and promoter, which start as consensus
-                # runs, keep this thread busy, and the worker waits for the
-                # GIL (5 ms switch interval) before and after its fsync.
-                # Nothing of this node waits on the loop meanwhile but them.
+                # directory fsync, done here, blocking the event loop. A
+                # worker thread would wait for the GIL before and after its
+                # fsync, while the CRL watcher and promoter (which start as
+                # consensus runs) keep this thread busy; nothing of this
+                # node waits on the loop meanwhile but them.
                 disk.save_credentials(self._root, credentials)
             else:  # another attempt's cluster won: staged and fsynced now
                 await trio.to_thread.run_sync(disk.save_credentials, self._root, credentials)
                 _warm_tls_contexts(credentials)
             node.logger.info("bootstrap complete: %s", credentials.node_id)
             # Only now: its campaign is an etcd write, and etcd's WAL fsync
-            # beside the credentials' fsync made both wait on the same
-            # filesystem journal (measured: the credentials took 4x longer).
+            # beside the credentials' fsync makes both wait on the same
+            # filesystem journal.
             curator = self._run_curator(inner, service, credentials, creation.lease)
+            await self._publish(
+                lambda _: ClusterMembership(
+                    public_key=credentials.public_key,
+                    credentials=credentials,
+                    remote_curators=directory,
+                    local_consensus=service,
+                    local_curator=curator,
+                )
+            )
+            # The roles this bootstrap gave the node, as the role fetch
+            # would publish them: reduce() then says "join" instead of
+            # "bootstrap", which changed() does not act on.
+            self._roles.set(roles)
         else:
             assert isinstance(startup, JoinControlPlane)
-            credentials = startup.credentials
-            # The newest directory, not the one of the startup decision: the
-            # directory updater may have published a newer one since.
-            with self._membership.watch() as watcher:
-                latest = await watcher.get()
-            directory = latest.remote_curators or ClusterDirectory()
-            directory = _with_node(directory, credentials.public_key, settings.address)
-            curator = self._run_curator(inner, service, credentials)
-
-        self._membership.set(
-            ClusterMembership(
-                public_key=credentials.public_key,
-                credentials=credentials,
-                remote_curators=directory,
-                local_consensus=service,
-                local_curator=curator,
+            joined = startup.credentials
+            running = self._run_curator(inner, service, joined)
+            # This node's own entry added to the newest directory (the
+            # directory update may have published one since the decision).
+            await self._publish(
+                lambda m: replace(
+                    m,
+                    credentials=joined,
+                    remote_curators=_with_node(
+                        m.remote_curators or ClusterDirectory(),
+                        joined.public_key,
+                        settings.address,
+                    ),
+                    local_consensus=service,
+                    local_curator=running,
+                )
             )
-        )
-        if roles is not None:
-            self._roles.set(roles)
 
     def _run_curator(
         self,
@@ -319,10 +368,13 @@ class ControlPlaneWorker:
         configuration and the owner's certificate are written and fsynced,
         and the attempt's credentials staged (:func:`~.disk.save_credentials`
         makes them the node's) and their TLS contexts built.
-        Once etcd answers, the consensus service creates the cluster
-        (:meth:`_ClusterCreation.in_etcd`) beside storing its peer PKI: one
-        round trip. Returns once etcd runs and both are done, with the
-        credentials to save.
+        Once etcd answers, consensus hands the curator's keys out
+        (``Service.bootstrap_kv``) while it stores its peer PKI, and
+        :func:`_create_early` creates the cluster beside that store
+        (:meth:`_ClusterCreation.in_etcd`): one round trip. Consensus calls
+        nothing of this module; it publishes values that this worker acts
+        on. Returns once etcd runs and both are done, with the credentials
+        to save.
 
         Without local join data (a resumed bootstrap whose PKI etcd holds)
         or when that early creation did not happen or failed, it is done
@@ -348,7 +400,7 @@ class ControlPlaneWorker:
                     self._save_cluster_files, data, ca, ca_key, planned_roles, directory, staged
                 )
             node.logger.info("bootstrapping: waiting for consensus")
-            status = await service.wait_running()
+            status = await _create_early(service, creation, join)
             result = creation.result
             if result is None:
                 node.logger.info("bootstrapping: creating the cluster")
@@ -385,8 +437,8 @@ class ControlPlaneWorker:
         """Write and fsync the cluster files (in a worker thread), ``staged`` credentials too.
 
         Staged credentials get their TLS contexts built afterwards, on this
-        thread (~5 ms of CPU): on a fresh bootstrap this runs while etcd
-        waits for its first election, so that costs nothing, and the
+        thread: on a fresh bootstrap this runs while etcd waits for its
+        first election, so that costs no time on the critical path, and the
         node's services find them ready as it comes home.
         """
         sealed = SealedConfiguration(
@@ -426,11 +478,45 @@ def _warm_tls_contexts(credentials: NodeCredentials) -> None:
 
     Its curator, debug service, role fetch, directory and status push all
     start as it comes home, each asking for one of these two contexts
-    (~2 ms of CPU each, on the Trio thread, while the new curator
-    campaigns); built before, they cost nothing then.
+    (built on the Trio thread, while the new curator campaigns); built
+    before, they cost nothing then.
     """
     server_context(credentials)
     client_context(credentials.ca_certificate, credentials.certificate, credentials.private_key)
+
+
+async def _create_early(
+    service: consensus.Service, creation: _ClusterCreation, join: JoinCluster | None
+) -> consensus.Status:
+    """Wait for consensus to run; with ``join``, create the cluster as soon as etcd answers.
+
+    ``join`` is this run's own join data (``Service.bootstrap_join``), given
+    only on a run that stores the bootstrap PKI, which hands the curator's
+    keys out (``Service.bootstrap_kv``) before it says running. If that is
+    missed (consensus restarted in between), nothing is created early and
+    the caller creates the cluster once consensus runs. An early creation
+    that began is waited for; it never raises (see
+    :meth:`_ClusterCreation.in_etcd`).
+    """
+    waiting = trio.CancelScope()
+
+    async def early(join: JoinCluster) -> None:
+        kv: KV | None = None
+        with waiting, service.bootstrap_kv.watch() as watcher:
+            kv = await watcher.get(lambda kv: kv is not None)
+        if kv is not None:
+            await creation.in_etcd(kv, join)
+
+    async with trio.open_nursery() as nursery:
+        if join is not None:
+            nursery.start_soon(early, join)
+        status = await service.wait_running()
+        waiting.cancel()
+    return status
+
+
+def _home_with_new_credentials(sent: NodeCredentials | None, m: ClusterMembership) -> bool:
+    return m.home and m.credentials != sent
 
 
 def _remove_tree(path: Path) -> None:
@@ -460,7 +546,7 @@ class _ClusterCreation:
 
     @functools.cached_property
     def _made(self) -> tuple[Ed25519PrivateKey, x509.Certificate, NodeCredentials]:
-        # Made at first use (~1.5 ms of CPU), not before etcd is spawned:
+        # Made at first use, not before etcd is spawned (it costs CPU):
         # the files written while etcd waits for its election and the hook
         # below are the first to need them.
         ca_key, ca = cluster_ca()
@@ -483,7 +569,7 @@ class _ClusterCreation:
         return self._made[2]
 
     async def in_etcd(self, kv: KV, join: JoinCluster) -> None:
-        """The consensus service's ``on_bootstrap`` hook: create the cluster beside its PKI.
+        """Create the cluster through ``kv`` (``Service.bootstrap_kv``) beside the PKI store.
 
         Also grants the curator's first lease (etcd commits the three writes
         together): it campaigns one round trip sooner. Never raises etcd's or

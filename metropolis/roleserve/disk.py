@@ -229,6 +229,7 @@ def _settings_json(settings: NodeSettings) -> bytes:
             "debug_port": settings.debug_port,
             "heartbeat_ms": settings.tuning.heartbeat_ms,
             "election_ms": settings.tuning.election_ms,
+            "member_health_wait": settings.tuning.member_health_wait,
             "insecure_seal": settings.insecure_seal,
             "status_interval_s": settings.status_interval,
             "curator_lease_ttl_s": settings.curator_lease_ttl,
@@ -354,7 +355,12 @@ def load(root: Root) -> SavedNode:
             # Older roots have no curator port: the default.
             curator_port=int(raw.get("curator_port", 7835)),
             debug_port=int(raw.get("debug_port", 7837)),
-            tuning=Tuning(int(raw["heartbeat_ms"]), int(raw["election_ms"])),
+            tuning=Tuning(
+                int(raw["heartbeat_ms"]),
+                int(raw["election_ms"]),
+                # Older roots have none: etcd's default, the wait.
+                member_health_wait=bool(raw.get("member_health_wait", True)),
+            ),
             insecure_seal=bool(raw["insecure_seal"]),
             # Older roots have no status interval: the default.
             status_interval=float(raw.get("status_interval_s", 5.0)),

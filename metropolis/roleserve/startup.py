@@ -5,7 +5,7 @@ membership, or roles) into a :class:`ReduceState` and derives a
 :class:`ControlPlaneStartup`, a tagged union::
 
     roles known, membership home ─┬─ no ConsensusMember ─> NoControlPlane
-                                  ├─ join data fits ─────> JoinControlPlane(join, membership)
+                                  ├─ join data fits ─────> JoinControlPlane(join, credentials)
                                   └─ join data bad ──────> (no decision; logged, skipped)
     else bootstrap data known ───────────────────────────> BootstrapControlPlane(data)
     else ────────────────────────────────────────────────> (no decision yet)
@@ -15,13 +15,19 @@ Monogon's seed): the bootstrap node whose ConsensusMember role is taken
 away stops its control plane. A startup is bootstrap *or* join, never a
 mix, and a join always carries the credentials it needs, so the seed's
 "neither bootstrapping nor having credentials" panics cannot happen.
+
+A decision holds the values the launcher acts on and nothing else: a new
+directory, or the local services the launcher itself publishes in the
+membership, make no new decision (membership counts only for whether the
+node is home and with which credentials).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from metropolis.consensus.service import ConsensusError, JoinCluster
+from metropolis.consensus.join import JoinCluster
+from metropolis.errors import ConsensusError
 from metropolis.identity import NodeCredentials
 from metropolis.proto.common import NodeRoles
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
@@ -78,12 +84,8 @@ class JoinControlPlane:
     """Run (or rejoin) consensus with the ConsensusMember role's join data."""
 
     join: JoinCluster
-    membership: ClusterMembership
-
-    @property
-    def credentials(self) -> NodeCredentials:
-        assert self.membership.credentials is not None  # reduce() only builds it so
-        return self.membership.credentials
+    #: The node's cluster credentials (of its home membership).
+    credentials: NodeCredentials
 
 
 ControlPlaneStartup = NoControlPlane | BootstrapControlPlane | JoinControlPlane
@@ -131,7 +133,7 @@ def reduce(state: ReduceState, message: Message) -> Decision:
             join.check(membership.credentials.private_key)
         except ConsensusError as e:
             return Decision(state, None, f"ConsensusMember role skipped: {e}")
-        return Decision(state, JoinControlPlane(join, membership))
+        return Decision(state, JoinControlPlane(join, membership.credentials))
     if state.bootstrap is not None:
         return Decision(state, BootstrapControlPlane(state.bootstrap))
     return Decision(state, None)

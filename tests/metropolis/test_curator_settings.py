@@ -27,8 +27,8 @@ from metropolis.localstorage import Root, read_checked, write_checked
 from metropolis.owner import open_owner
 from metropolis.proto.curator import LeaderElectionValue
 from metropolis.roleserve import disk
-from metropolis.roleserve.localnode import loopback_settings, prepare_loopback_bootstrap
-from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.loopback import loopback_settings, prepare_loopback_bootstrap
+from metropolis.roleserve.server import RoleServer
 from metropolis.roleserve.values import ClusterMembership
 from metropolis.rpc import RPCError
 from metropolis.supervisor import open_supervisor

@@ -215,3 +215,15 @@ async def test_marked_lines_call_their_hooks_at_any_log_level(level: int) -> Non
         process._PEER_ACTIVE,
         process._PROMOTED,
     ]
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_the_member_health_wait_is_passed_to_etcd(tmp_path: Path, wait: bool) -> None:
+    tuning = dataclasses.replace(LOOPBACK_TUNING, member_health_wait=wait)
+    argv = ProcessConfig.standalone("solo", tmp_path, 1234, tuning).argv()
+    assert f"--strict-reconfig-check={'true' if wait else 'false'}" in argv
+    # etcd's own default unless told otherwise.
+    assert (
+        "--strict-reconfig-check=true"
+        in ProcessConfig.standalone("solo", tmp_path, 1234, process.Tuning()).argv()
+    )

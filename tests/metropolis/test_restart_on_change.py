@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from metropolis.consensus.service import Status
+from metropolis.consensus.membership import Status
 from metropolis.curator.service import Curator
 from metropolis.event import Value
 from metropolis.proto.common import ClusterDirectory

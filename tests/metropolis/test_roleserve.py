@@ -6,6 +6,7 @@ the tests watch etcd's pid to tell a restarted control plane from a kept one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import stat
 from collections.abc import AsyncIterator, Callable
@@ -32,8 +33,8 @@ from metropolis.proto.common import (
 )
 from metropolis.proto.private import SealedConfiguration
 from metropolis.roleserve import disk
-from metropolis.roleserve.localnode import prepare_loopback_bootstrap
-from metropolis.roleserve.node import RoleServer
+from metropolis.roleserve.loopback import loopback_settings, prepare_loopback_bootstrap
+from metropolis.roleserve.server import RoleServer
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
 from metropolis.supervisor import Supervisor, open_supervisor
 
@@ -333,3 +334,15 @@ def test_saving_the_roles_a_node_has_already_writes_nothing(tmp_path: Path) -> N
     disk.save_roles(root, NodeRoles())
     assert disk.roles_path(root).stat().st_ino != written
     assert disk.read_roles(root) == NodeRoles()
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_the_member_health_wait_is_a_saved_setting(tmp_path: Path, wait: bool) -> None:
+    root = Root(tmp_path / "n")
+    root.create()
+    settings = loopback_settings()
+    settings = dataclasses.replace(
+        settings, tuning=dataclasses.replace(settings.tuning, member_health_wait=wait)
+    )
+    prepare_loopback_bootstrap(root, settings=settings)
+    assert disk.load(root).settings == settings

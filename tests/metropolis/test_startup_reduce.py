@@ -7,11 +7,13 @@ from hypothesis import strategies as st
 
 from metropolis import pki
 from metropolis.consensus import peerpki
-from metropolis.consensus.service import ExistingNode, JoinCluster
+from metropolis.consensus.join import ExistingNode, JoinCluster
 from metropolis.curator.bootstrap import node_certificate
 from metropolis.identity import NodeCredentials
 from metropolis.proto.common import (
     ClusterDirectory,
+    ClusterDirectoryNode,
+    ClusterDirectoryNodeAddress,
     NodeRoles,
     NodeRolesConsensusMember,
     NodeRolesKubernetesController,
@@ -152,10 +154,25 @@ def test_reduce_depends_only_on_the_newest_of_each_kind(
 
 def test_changed_only_when_the_control_plane_appears_or_disappears() -> None:
     bootstrap = BootstrapControlPlane(BOOTSTRAPS[0])
-    join_a = JoinControlPlane(GOOD_JOINS[0], HOME[0])
-    join_b = JoinControlPlane(GOOD_JOINS[2], HOME[1])
+    join_a = JoinControlPlane(GOOD_JOINS[0], CREDENTIALS)
+    join_b = JoinControlPlane(GOOD_JOINS[2], CREDENTIALS)
     none = NoControlPlane()
     assert not changed(bootstrap, join_a)
     assert not changed(join_a, join_b)
     assert not changed(none, NoControlPlane())
     assert changed(join_a, none) and changed(none, bootstrap)
+
+
+def test_a_new_directory_makes_no_new_decision() -> None:
+    """The decision holds what the launcher acts on: join data and credentials, not the
+    directory, which the launcher and the directory update publish in the membership."""
+    state = reduce(ReduceState(), RolesMessage(_roles(1, False))).state
+    first = reduce(state, MembershipMessage(HOME[0]))
+    other = ClusterDirectory(
+        nodes=[ClusterDirectoryNode(PUBLIC, [ClusterDirectoryNodeAddress(host="10.0.0.9")])]
+    )
+    moved = ClusterMembership(PUBLIC, CREDENTIALS, other)
+    second = reduce(first.state, MembershipMessage(moved))
+    assert isinstance(first.startup, JoinControlPlane)
+    assert second.startup == first.startup
+    assert second.state.membership == moved  # the state still follows the newest input

@@ -4,7 +4,7 @@ What ``python -m metropolis node bootstrap`` saves before it starts
 anything, with free loopback peer and curator ports (never the fixed
 defaults: another node on this machine, a test running beside this one,
 may hold them) and etcd's loopback tuning, so a test or benchmark can
-start a :class:`~metropolis.roleserve.node.RoleServer` on it in-process.
+start a :class:`~metropolis.roleserve.server.RoleServer` on it in-process.
 """
 
 from __future__ import annotations

@@ -1,0 +1,107 @@
+"""The node half's packages import one way: the role server runs consensus and
+the curator, the curator uses consensus, consensus knows neither (see
+ARCHITECTURE.md). Read as source, as tests/bmdb/test_layers.py does for the BMDB."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+#: Each unit's layer; a unit may import only from lower layers, so two units
+#: of one layer import neither each other. A unit is a module or a
+#: subpackage with all its modules.
+LAYERS = {
+    "metropolis.errors": 0,
+    "metropolis.pki": 1,
+    "metropolis.event": 1,
+    "metropolis.gather": 1,
+    "metropolis.crashpoint": 1,
+    "metropolis.supervisor": 1,
+    # The wire messages and the node's disk: parameters files are written
+    # atomically, and the disk keeps messages, so the two share a layer.
+    "metropolis.proto": 2,
+    "metropolis.localstorage": 2,
+    "metropolis.identity": 3,
+    # The etcd member and the RPC stack: neither knows the other.
+    "metropolis.consensus": 4,
+    "metropolis.rpc": 4,
+    "metropolis.curator": 5,
+    "metropolis.roleserve": 6,
+    "metropolis.owner": 7,
+    "metropolis.demo": 8,
+    "metropolis.__main__": 8,
+    "metropolis": 8,
+    # The node image's entry point runs the CLI.
+    "metropolis.image": 9,
+}
+
+#: Two units of one layer that may import each other (a known pair).
+TOGETHER = {frozenset({"metropolis.proto", "metropolis.localstorage"})}
+
+ROOT = Path(__file__).resolve().parents[2] / "metropolis"
+
+
+def _unit(module: str) -> str:
+    """The entry of `LAYERS` that ``module`` belongs to."""
+    while module not in LAYERS:
+        module = module.rsplit(".", 1)[0]
+    return module
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        if "gen" in path.relative_to(ROOT).parts:
+            continue  # generated protobuf code
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The metropolis modules that ``path`` imports, anywhere in it (also under
+    TYPE_CHECKING or inside functions)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "metropolis")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] != "metropolis":
+                continue
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if candidate in modules else node.module)
+    return found
+
+
+def _upward(layers: dict[str, int]) -> list[str]:
+    modules = _modules()
+    upward = []
+    for name, path in sorted(modules.items()):
+        unit = _unit(name)
+        for imported in _imports(path, set(modules)):
+            target = _unit(imported)
+            if target == unit or frozenset({unit, target}) in TOGETHER:
+                continue
+            if layers[target] >= layers[unit]:
+                upward.append(f"{name} imports {imported}")
+    return upward
+
+
+def test_every_module_has_a_layer() -> None:
+    assert all(_unit(name) in LAYERS for name in _modules())
+
+
+def test_imports_only_go_down() -> None:
+    assert not _upward(LAYERS), _upward(LAYERS)
+
+
+def test_the_check_sees_the_role_server_use_consensus() -> None:
+    # Were consensus above the role server, the role server's imports of it
+    # would go up: the check reads the imports it is meant to judge.
+    upside_down = LAYERS | {"metropolis.consensus": 7}
+    assert any(
+        line.startswith("metropolis.roleserve.") and "metropolis.consensus" in line
+        for line in _upward(upside_down)
+    )
