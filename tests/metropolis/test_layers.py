@@ -28,11 +28,13 @@ LAYERS = {
     "metropolis.curator": 5,
     "metropolis.roleserve": 6,
     "metropolis.owner": 7,
+    # The node image's builder, which the CLI's 'image' command runs...
+    "metropolis.image": 7,
     "metropolis.demo": 8,
     "metropolis.__main__": 8,
     "metropolis": 8,
-    # The node image's entry point runs the CLI.
-    "metropolis.image": 9,
+    # ... and the image's entry point, which runs the CLI.
+    "metropolis.image.entry": 9,
 }
 
 #: Two units of one layer that may import each other (a known pair).
