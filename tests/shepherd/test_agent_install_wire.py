@@ -111,7 +111,8 @@ def test_agent_reads_the_request_google_writes(
             m.node_parameters = params
         if image is not None:
             m.os_image.SetInParent()
-            for name, value in zip(("scheme", "host", "repository", "tag", "digest"), image):
+            names = ("scheme", "host", "repository", "tag", "digest")
+            for name, value in zip(names, image, strict=True):
                 setattr(m.os_image, name, value)
         expected_metropolis = wire.MetropolisInstallation(
             params, root_device, None if image is None else wire.OSImageRef(*image), address
