@@ -403,6 +403,11 @@ def _clear_disk(disk: str, *, keep: str) -> None:
             _remove(root)
         else:
             shutil.rmtree(root)
+    _remove_parts(disk, keep=keep)
+
+
+def _remove_parts(disk: str, *, keep: str = "") -> None:
+    """Remove the temporary files of downloads into ``disk`` (but ``keep``)."""
     for name in os.listdir(disk):
         path = os.path.join(disk, name)
         if name.startswith(_PART_PREFIX) and name.endswith(_PART_SUFFIX) and path != keep:
@@ -736,6 +741,8 @@ class Installer:
         g = int(self._state["generation"])
         disk = self._state.get("disk")
         if self._state["status"] != "node-started" or not isinstance(disk, str):
+            for folder in loopback_disks(self.agent_dir).values():
+                _remove_parts(folder)  # the interrupted download's, if any
             self._finish(
                 g,
                 None,

@@ -12,6 +12,7 @@ import re
 import signal
 import ssl
 import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,6 +69,8 @@ class ImageServer:
     ranges: list[str | None] = field(default_factory=list)
     port: int = 0
     scheme: str = "http"
+    #: Pause after each 64 KiB of a body (a slow server), seconds.
+    pause: float = 0.0
 
     def add(self, image: bytes, name: str | None = None) -> str:
         digest = hashlib.sha256(image).hexdigest()
@@ -113,16 +116,27 @@ def _handler(server: ImageServer) -> type[http.server.BaseHTTPRequestHandler]:
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return
-            self.wfile.write(body)
+            for at in range(0, len(body), 64 * 1024):
+                self.wfile.write(body[at : at + 64 * 1024])
+                time.sleep(server.pause)
 
     return Handler
+
+
+class QuietServer(http.server.ThreadingHTTPServer):
+    """A test server that does not print the connections its clients cut."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass
 
 
 @contextmanager
 def serve_images(tls: tuple[Path, Path] | None = None) -> Iterator[ImageServer]:
     """An image server on 127.0.0.1 (HTTPS with ``tls`` = (certfile, keyfile))."""
     state = ImageServer(scheme="https" if tls else "http")
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    httpd = QuietServer(("127.0.0.1", 0), _handler(state))
     httpd.daemon_threads = True
     if tls is not None:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
