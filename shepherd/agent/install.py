@@ -263,6 +263,7 @@ def _attempt(
         conn = http.client.HTTPConnection(plan.host, plan.port, timeout=timeout)
     try:
         headers = {"Accept-Encoding": "identity"}
+        progress.total = None  # what this response says, not an earlier one
         if progress.have:
             headers["Range"] = f"bytes={progress.have}-"
         conn.request("GET", plan.path, headers=headers)
@@ -657,6 +658,9 @@ class Installer:
             if request is None or self._broken is not None:
                 return
             g = request.generation
+            if g <= 0:
+                self._tell(g, f"ignoring request of generation {g}: generations start at 1")
+                return
             if g <= self.generation:
                 if g < self.generation:
                     self._tell(g, f"ignoring request of generation {g}: {self.generation} is newer")
@@ -665,7 +669,13 @@ class Installer:
                 self._tell(g, f"request of generation {g} waits for the install running now")
                 return
             # Recorded before any side effect: whatever happens next, g is begun.
-            self._save({"generation": g, "status": "started"})
+            try:
+                self._save({"generation": g, "status": "started"})
+            except OSError as exc:
+                # Unrecorded, a generation could run twice: none runs.
+                self._broken = f"cannot record install state in {self.state_file}: {exc}"
+                log(f"{self._broken}; not installing")
+                return
             log(f"generation {g}: installing")
             self._worker = threading.Thread(
                 target=self._run, args=(request,), name="install", daemon=True
@@ -710,7 +720,11 @@ class Installer:
             except OSError as exc:
                 log(f"generation {generation}: cannot write {disk}/{DISK_STATE}: {exc}")
         with self._lock:
-            self._save(outcome)
+            try:
+                self._save(outcome)
+            except OSError as exc:  # reported all the same; a restart reports "interrupted"
+                log(f"generation {generation}: cannot record the outcome: {exc}")
+                self._state = outcome
         self.wake()
 
     def _run(self, request: InstallationRequest) -> None:

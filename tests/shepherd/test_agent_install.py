@@ -324,3 +324,13 @@ def test_an_image_over_the_size_bound_is_refused(machine: Machine) -> None:
     assert report is not None and report.error is not None
     assert f"image of {len(image)} bytes, over the bound of 100000" in report.error
     assert os.listdir(machine.disk) == []
+
+
+def test_a_generation_below_one_is_not_run(machine: Machine) -> None:
+    digest = machine.server.add(stand_in_image())
+    installer = machine.installer()
+    for generation in (0, -3):
+        req = request(generation, host=machine.host, digest=f"sha256:{digest}")
+        assert run(installer, req) is None
+    assert machine.server.ranges == [] and os.listdir(machine.disk) == []
+    assert not Path(f"{machine.agent}.install.json").exists()
