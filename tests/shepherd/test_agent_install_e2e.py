@@ -205,6 +205,10 @@ async def test_an_agent_killed_mid_download_is_not_run_again_and_says_so(
                 endpoint = f"https://127.0.0.1:{hb.port}"
                 start_agent_process(target, "m-1", endpoint, interval=0.3, cap=1.0, ca=tls.ca_der)
                 await _until(lambda: any(n.endswith(".part") for n in os.listdir(disk)))
+                # Heartbeats go on beside the download.
+                sent = len(hb.heartbeats)
+                await _until(lambda: len(hb.heartbeats) >= sent + 2)
+                assert any(n.endswith(".part") for n in os.listdir(disk))  # still downloading
                 kill_agent(target)  # SIGKILL, mid-download
                 await _until(lambda: agent_pid(target) is None)
                 assert hb.report is None
