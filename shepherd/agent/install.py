@@ -25,14 +25,12 @@ One install, in order (`install`)::
     check the request     root_device one of the loopback disks (`disks`); a
                           real block device is refused ("not implemented"),
                           so are bounds and shapes a request must keep
-    download              {scheme}://{host}/images/sha256/{hex} into a
-                          temporary file in the disk folder: TLS verified
-                          against the CA from TakeoverInit, bounded size,
-                          per-read timeout and total deadline, resumed with
-                          Range after a broken connection, retried with
-                          capped jittered backoff until the deadline
-    verify SHA-256        before anything reaches its final place: a wrong
-                          digest removes the temporary file, nothing is left
+    download, verify      {scheme}://{host}/images/sha256/{hex} into a
+                          temporary file in the disk folder (`download`: TLS
+                          verified against the CA from TakeoverInit, bounded,
+                          resumed, retried), its SHA-256 checked before
+                          anything reaches its final place: a wrong digest
+                          removes the temporary file, nothing is left
     write                 image.pyz, node-parameters.pb (the raw bytes),
                           metropolis/ (0700), after removing what an earlier
                           install on this disk left
@@ -53,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import ipaddress
 import json
 import os
@@ -67,13 +64,12 @@ from typing import TYPE_CHECKING, Any
 
 from .daemon import log
 from .disks import loopback_disks, valid_name
+from .download import PART_PREFIX, PART_SUFFIX, DownloadFailed, Limits, Source, download
 from .errors import AgentError
 from .wire import InstallationReport, InstallationRequest
 
 if TYPE_CHECKING:
-    import http.client
     import ssl
-    from typing import BinaryIO
 
 #: Bound on the raw NodeParameters a request may carry.
 MAX_NODE_PARAMETERS = 1024 * 1024
@@ -87,7 +83,6 @@ BLOCK_DEVICE_REFUSAL = (
 # What an install writes on the disk folder, and what it removes there first.
 IMAGE, PARAMETERS, ROOT = "image.pyz", "node-parameters.pb", "metropolis"
 PID, LOG, KEY, DISK_STATE = "node.pid", "node.log", "node.key.pub", "install.json"
-_PART_PREFIX, _PART_SUFFIX = ".image-", ".part"
 
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 _HOST = re.compile(r"(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9.-]+))(?::([0-9]{1,5}))?")
@@ -109,13 +104,18 @@ class Settings:
     announce_timeout: float = 60.0
     python: str = sys.executable or "python3"
 
+    def download_limits(self) -> Limits:
+        return Limits(
+            max_bytes=self.max_image_bytes,
+            read_timeout=self.read_timeout,
+            deadline=self.download_deadline,
+            backoff_start=self.backoff_start,
+            backoff_cap=self.backoff_cap,
+        )
+
 
 class InstallFailed(AgentError):
     """An install failed; the message is the cause the report carries."""
-
-
-class _Transient(Exception):
-    """A download attempt failed in a way a retry may fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +133,8 @@ class Plan:
     node_address: str
 
     @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}{self.path}"
+    def source(self) -> Source:
+        return Source(self.scheme, self.host, self.port, self.path)
 
 
 def _valid_host_name(name: str) -> bool:
@@ -218,152 +217,6 @@ def check_request(
     )
 
 
-# --- download
-
-
-@dataclasses.dataclass
-class _Progress:
-    file: BinaryIO
-    hasher: Any = dataclasses.field(default_factory=hashlib.sha256)
-    have: int = 0
-    total: int | None = None
-
-    def restart(self) -> None:
-        self.file.seek(0)
-        self.file.truncate()
-        self.hasher = hashlib.sha256()
-        self.have = 0
-
-
-def _content_range_start(value: str | None) -> tuple[int, int]:
-    """``bytes START-END/TOTAL`` -> (START, TOTAL)."""
-    match = re.fullmatch(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19})", value or "")
-    if match is None:
-        raise _Transient(f"bad Content-Range {value!r}")
-    return int(match.group(1)), int(match.group(3))
-
-
-def _attempt(
-    plan: Plan,
-    context: ssl.SSLContext | None,
-    progress: _Progress,
-    settings: Settings,
-    deadline: float,
-) -> None:
-    """One GET (ranged when resuming), appending to ``progress``; returns when
-    the image is complete, raises _Transient, OSError or HTTPException for a
-    retry, InstallFailed when retrying cannot help."""
-    import http.client
-
-    timeout = max(0.001, min(settings.read_timeout, deadline - time.monotonic()))
-    conn: http.client.HTTPConnection
-    if plan.scheme == "https":
-        conn = http.client.HTTPSConnection(plan.host, plan.port, timeout=timeout, context=context)
-    else:
-        conn = http.client.HTTPConnection(plan.host, plan.port, timeout=timeout)
-    try:
-        headers = {"Accept-Encoding": "identity"}
-        progress.total = None  # what this response says, not an earlier one
-        if progress.have:
-            headers["Range"] = f"bytes={progress.have}-"
-        conn.request("GET", plan.path, headers=headers)
-        response = conn.getresponse()
-        if response.status == 200:
-            if progress.have:
-                progress.restart()  # the server sends it all again
-            length = response.getheader("Content-Length")
-            if length is not None and re.fullmatch(r"[0-9]{1,19}", length):
-                progress.total = int(length)
-        elif response.status == 206 and progress.have:
-            start, total = _content_range_start(response.getheader("Content-Range"))
-            if start != progress.have:
-                raise _Transient(f"asked for bytes from {progress.have}, got from {start}")
-            progress.total = total
-        elif response.status == 416 and progress.have:
-            progress.restart()
-            raise _Transient("the server refused the range; starting over")
-        elif response.status in (408, 429) or response.status >= 500:
-            raise _Transient(f"HTTP {response.status}")
-        else:
-            text = response.read(300).decode("utf-8", errors="replace")
-            raise InstallFailed(f"image server answered HTTP {response.status}: {text!r}")
-        if progress.total is not None and progress.total > settings.max_image_bytes:
-            raise InstallFailed(
-                f"image of {progress.total} bytes, over the bound of {settings.max_image_bytes}"
-            )
-        while True:
-            if time.monotonic() > deadline:
-                raise _Transient("download deadline passed")
-            chunk = response.read1(256 * 1024)
-            if not chunk:
-                break
-            progress.have += len(chunk)
-            if progress.have > settings.max_image_bytes:
-                raise InstallFailed(f"image over the bound of {settings.max_image_bytes} bytes")
-            progress.hasher.update(chunk)
-            progress.file.write(chunk)
-        if progress.total is not None and progress.have != progress.total:
-            raise _Transient(f"connection ended at byte {progress.have} of {progress.total}")
-    finally:
-        conn.close()
-
-
-def download(
-    plan: Plan, context: ssl.SSLContext | None, settings: Settings, *, attempts: list[str]
-) -> str:
-    """Download and verify the image into a temporary file of the disk folder;
-    return its path. Nothing is left behind on failure (InstallFailed).
-
-    ``attempts`` collects one line per failed attempt (the log's and the
-    tests' view of the retries).
-    """
-    import http.client
-    import random
-    import tempfile
-
-    start = time.monotonic()
-    deadline = start + settings.download_deadline
-    fd, tmp = tempfile.mkstemp(dir=plan.disk, prefix=_PART_PREFIX, suffix=_PART_SUFFIX)
-    verified = False
-    try:
-        with os.fdopen(fd, "w+b") as f:
-            progress = _Progress(f)
-            delay = 0.0
-            while True:
-                before = progress.have
-                try:
-                    _attempt(plan, context, progress, settings, deadline)
-                    break
-                except (_Transient, OSError, http.client.HTTPException) as exc:
-                    cause = str(exc) or type(exc).__name__
-                    attempts.append(cause)
-                    log(f"generation {plan.generation}: download from {plan.url}: {cause}")
-                    if progress.have > before:
-                        delay = 0.0  # it got somewhere: retry soon
-                    delay = delay * 2 if delay else settings.backoff_start
-                    delay = min(settings.backoff_cap, delay)
-                    pause = delay * random.uniform(0.5, 1.0)
-                    if time.monotonic() + pause >= deadline:
-                        raise InstallFailed(
-                            f"download of {plan.url} gave up after {len(attempts)} attempts in "
-                            f"{time.monotonic() - start:.0f}s: {cause}"
-                        ) from exc
-                    time.sleep(pause)
-            got = progress.hasher.hexdigest()
-            if got != plan.digest:
-                raise InstallFailed(
-                    f"image digest mismatch: the server sent sha256:{got}, "
-                    f"the request wants sha256:{plan.digest}"
-                )
-            f.flush()
-            os.fsync(f.fileno())
-        verified = True
-        return tmp
-    finally:
-        if not verified:
-            _remove(tmp)
-
-
 # --- files
 
 
@@ -411,7 +264,7 @@ def _remove_parts(disk: str, *, keep: str = "") -> None:
     """Remove the temporary files of downloads into ``disk`` (but ``keep``)."""
     for name in os.listdir(disk):
         path = os.path.join(disk, name)
-        if name.startswith(_PART_PREFIX) and name.endswith(_PART_SUFFIX) and path != keep:
+        if name.startswith(PART_PREFIX) and name.endswith(PART_SUFFIX) and path != keep:
             _remove(path)
 
 
@@ -544,7 +397,17 @@ def install(
         steps.append(f"{what} {now - clock:.2f}s")
         clock = now
 
-    tmp = download(plan, context, settings, attempts=[])
+    try:
+        tmp = download(
+            plan.source,
+            plan.digest,
+            plan.disk,
+            context=context,
+            limits=settings.download_limits(),
+            label=f"generation {plan.generation}",
+        )
+    except DownloadFailed as exc:
+        raise InstallFailed(str(exc)) from exc
     step(f"download+verify of {os.path.getsize(tmp)} bytes")
     try:
         progress("writing")
