@@ -12,7 +12,8 @@ exponential backoff (doubling from ``backoff_start`` up to ``backoff_cap``,
 jittered to 50-100%, reset when an attempt made progress), resuming with
 ``Range: bytes=N-`` from what the file holds (206 must start at N; a 200
 starts over, a 416 too). When the next pause would pass the deadline it
-gives up, with the last cause. Any other status is final.
+gives up, with the last cause. Any other status is final, and so is a
+certificate the CA did not sign.
 
 The SHA-256 is computed over the bytes as written and compared before the
 caller gets the file: a file that does not match never leaves this module,
@@ -180,6 +181,7 @@ def download(
     """
     import http.client
     import random
+    import ssl
     import tempfile
 
     start = time.monotonic()
@@ -196,6 +198,11 @@ def download(
                 try:
                     _attempt(source, context, progress, limits, deadline)
                     break
+                except ssl.SSLCertVerificationError as exc:
+                    # The same certificate would be refused again.
+                    raise DownloadFailed(
+                        f"the image server {source.url} is not trusted: {exc}"
+                    ) from exc
                 except (_Transient, OSError, http.client.HTTPException) as exc:
                     cause = str(exc) or type(exc).__name__
                     attempts += 1
