@@ -220,7 +220,8 @@ def start_fleet(directory: Path, count: int, key: SSHKey) -> tuple[subprocess.Po
     for line in process.stdout:
         if line.strip() == "ready":
             break
-        addresses.append(("127.0.0.1", int(json.loads(line)["port"])))
+        machine = json.loads(line)
+        addresses.append((str(machine["host"]), int(machine["port"])))
     if len(addresses) != count:
         process.kill()
         raise RuntimeError("the fleet process did not start")

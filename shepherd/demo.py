@@ -6,7 +6,7 @@ real, and the initializer uploads the real agent and runs it::
 
     private PostgreSQL 15 ─── BMDB (migrated on open)
     machines.toml (static provider) ──sync_provided──▶ machine_provided tags
-    N machines: asyncssh servers on 127.0.0.1, M of them refusing our key
+    N machines: asyncssh servers on 127.0.0.2, .3, ..., M of them refusing our key
     agent callback server on 127.0.0.1 (plain HTTP), its own BMDB session
     initializer control loop (P workers)
         source machine ─▶ SSH ─▶ SFTP agent ─▶ run with TakeoverInit ─▶ key
@@ -51,7 +51,7 @@ from shepherd.agent_start import AgentConfig
 from shepherd.control_loop import start_control_loop
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
-from shepherd.localfleet import FleetMachine, open_fleet, stop_agent
+from shepherd.localfleet import FleetMachine, loopback_addresses, open_fleet, stop_agent
 from shepherd.providers.static import StaticProvider
 from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
@@ -134,7 +134,7 @@ def write_machines_file(path: Path, machines: Sequence[FleetMachine]) -> list[st
     """List ``machines`` in the static provider's format; return their ids."""
     ids = [f"demo-{i:03d}" for i in range(len(machines))]
     entries = "".join(
-        f'\n[[machine]]\nid = "{machine_id}"\naddress = "127.0.0.1"\n'
+        f'\n[[machine]]\nid = "{machine_id}"\naddress = "{machine.host}"\n'
         f'port = {machine.port}\nlocation = "loopback"\n'
         for machine_id, machine in zip(ids, machines, strict=True)
     )
@@ -207,7 +207,10 @@ async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
             options.workdir / "fleet", count=good_count, authorized_key=key.authorized_key
         ) as good,
         open_fleet(
-            options.workdir / "broken", count=options.broken, authorized_key=stranger.authorized_key
+            options.workdir / "broken",
+            count=options.broken,
+            authorized_key=stranger.authorized_key,
+            hosts=loopback_addresses(options.broken, first=2 + good_count),  # after the good ones
         ) as broken,
         bmdb.open_connection(postgres.url("bmdb"), migrate=True) as conn,
         trio.open_nursery() as nursery,

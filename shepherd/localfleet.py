@@ -2,14 +2,23 @@
 
 Used by the demo (``python -m shepherd.demo``), and where a test or
 benchmark needs more machines than one OpenSSH sshd can stand in for. Each
-machine is an asyncssh server on its own 127.0.0.1 port, with its own Ed25519
-host key, accepting one client key for ``root``, serving SFTP and running
-commands for real as subprocesses.
+machine is an asyncssh server with its own Ed25519 host key, accepting one
+client key for ``root``, serving SFTP and running commands for real as
+subprocesses.
+
+Each machine has its own loopback address, 127.0.0.N with N from 2 up
+(`loopback_addresses`; Linux routes all of 127.0.0.0/8 to ``lo``), and its
+SSH server listens there: the Metropolis node an install starts on a
+machine listens on the node's fixed ports (7834, 7835, 7837) at the
+machine's address, so machines sharing one address could run one node
+only. 127.0.0.1 stays the host's own (the Shepherd, its servers).
 
 A machine's filesystem is a directory (its ``root``): SFTP is chrooted there,
 and an absolute program path in a command is resolved inside it the same way,
 so ``/agent`` uploaded by SFTP is what ``/agent`` runs. The program's working
-directory is the root too. Nothing else is translated.
+directory is the root too. Nothing else is translated. Each root holds one
+loopback disk, ``root/disks/disk0/`` (the folder an agent uploaded to
+``/root/agent`` reports as its disk ``disk0`` and installs the node onto).
 
 From Trio (inside ``trio_asyncio.open_loop()``)::
 
@@ -18,13 +27,14 @@ From Trio (inside ``trio_asyncio.open_loop()``)::
 
 As a separate process (the benchmark), ``python -m shepherd.localfleet DIR
 COUNT AUTHORIZED_KEY`` serves until killed and prints one JSON line per
-machine (port, root) and then ``ready``.
+machine (host, port, root) and then ``ready``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import shlex
@@ -44,6 +54,8 @@ import trio_asyncio
 class FleetMachine:
     """One simulated machine and what happened to it."""
 
+    #: Its own loopback address, where its SSH server (and later its node) listens.
+    host: str
     port: int
     root: Path
     #: Public host key, SSH wire format.
@@ -118,7 +130,7 @@ async def _start_machine(
     root: Path, authorized_key: str, host: str = "127.0.0.1", port: int = 0
 ) -> FleetMachine:
     host_key = asyncssh.generate_private_key("ssh-ed25519")
-    machine = FleetMachine(port=0, root=root, host_key=host_key.public_data)
+    machine = FleetMachine(host=host, port=0, root=root, host_key=host_key.public_data)
 
     def process_factory(process: asyncssh.SSHServerProcess[bytes]) -> object:
         return _run_command(machine, process)
@@ -139,10 +151,23 @@ async def _start_machine(
     return machine
 
 
+#: The loopback disk each machine has (`shepherd.agent.disks`), under its root.
+DISK = Path("root") / "disks" / "disk0"
+
+
+def loopback_addresses(count: int, first: int = 2) -> list[str]:
+    """``count`` loopback addresses from 127.0.0.``first`` on (past .255 they
+    go on in 127.0.1.x: all of 127.0.0.0/8 is loopback)."""
+    base = int(ipaddress.IPv4Address("127.0.0.0")) + first
+    if first < 1 or base + count > int(ipaddress.IPv4Address("127.255.255.255")):
+        raise ValueError(f"no {count} loopback addresses from 127.0.0.{first}")
+    return [str(ipaddress.IPv4Address(base + i)) for i in range(count)]
+
+
 def _make_roots(directory: Path, count: int) -> list[Path]:
     roots = [directory / f"machine-{i:04d}" for i in range(count)]
     for root in roots:
-        root.mkdir(parents=True, exist_ok=True)
+        (root / DISK).mkdir(parents=True, exist_ok=True)
     return roots
 
 
@@ -154,7 +179,7 @@ async def _start(
     port: int = 0,
 ) -> Fleet:
     roots = _make_roots(directory, count)
-    hosts = hosts or ["127.0.0.1"] * count
+    hosts = hosts or loopback_addresses(count)
     return Fleet(
         [
             await _start_machine(root, authorized_key, host, port)
@@ -193,6 +218,25 @@ def stop_agent(target: Path) -> None:
             os.kill(pid, signal.SIGTERM)
 
 
+def node_pid(disk: Path) -> int | None:
+    """The pid of the node an install started from ``disk`` (its ``node.pid``),
+    if that process runs the disk's ``image.pyz``."""
+    try:
+        pid = int((disk / "node.pid").read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    return pid if str(disk / "image.pyz").encode() in cmdline else None
+
+
+def stop_node(disk: Path) -> None:
+    """SIGTERM the node started from ``disk``, if any."""
+    pid = node_pid(disk)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+
+
 async def _stop(fleet: Fleet) -> None:
     for machine in fleet.machines:
         if machine._acceptor is not None:
@@ -200,10 +244,14 @@ async def _stop(fleet: Fleet) -> None:
             await machine._acceptor.wait_closed()
         # An agent detaches from the SSH session that started it (on a real
         # machine it outlives the Shepherd's connection), so closing the
-        # server does not end it; a machine that goes away takes its agents
+        # server does not end it, nor the node an agent started (which
+        # outlives its agent too); a machine that goes away takes both
         # along, found by their pid files anywhere under its root.
         for pid_file in machine.root.rglob("*.pid"):
-            stop_agent(pid_file.with_name(pid_file.name.removesuffix(".pid")))
+            if pid_file.name == "node.pid":
+                stop_node(pid_file.parent)
+            else:
+                stop_agent(pid_file.with_name(pid_file.name.removesuffix(".pid")))
 
 
 @asynccontextmanager
@@ -218,13 +266,14 @@ async def open_fleet(
     """Serve ``count`` machines under ``directory`` for the duration of the block.
 
     Leaving the block closes the servers and stops (SIGTERM) the agents
-    running from the machines' roots.
+    and nodes running from the machines' roots.
 
-    By default each machine listens on its own port of 127.0.0.1. With
-    ``hosts`` (one loopback address per machine) and ``port``, they all
-    listen on the same port of different addresses, as real machines do on
-    port 22 (a provider that only knows addresses, like Equinix, can then
-    reach them).
+    By default machine i listens on a port of its own of 127.0.0.(2+i)
+    (`loopback_addresses`); two fleets open at once need ``hosts`` for one
+    of them. With ``hosts`` (one loopback address per machine) and
+    ``port``, they all listen on the same port of their addresses, as real
+    machines do on port 22 (a provider that only knows addresses, like
+    Equinix, can then reach them).
     """
     fleet = await trio_asyncio.aio_as_trio(_start)(directory, count, authorized_key, hosts, port)
     try:
@@ -236,7 +285,7 @@ async def open_fleet(
 async def _serve_forever(directory: Path, count: int, authorized_key: str) -> None:
     fleet = await _start(directory, count, authorized_key)
     for machine in fleet.machines:
-        line = json.dumps({"port": machine.port, "root": str(machine.root)})
+        line = json.dumps({"host": machine.host, "port": machine.port, "root": str(machine.root)})
         sys.stdout.write(line + "\n")
     sys.stdout.write("ready\n")
     sys.stdout.flush()

@@ -12,6 +12,9 @@ as one zipapp built from these files (`shepherd.agent_bundle`), whose
 - `keyfile`: the private seed beside the agent;
 - `hwreport`: the hardware report from /proc and /sys;
 - `heartbeat`: the heartbeat client;
+- `install`: installing the node as a heartbeat's answer asks;
+- `download`: the image download, bounded, resumed and verified;
+- `disks`: the loopback folders that stand for disks;
 - `daemon`: detaching, the pid file, log lines;
 - `files`, `errors`: small reads, the agent's error.
 """

@@ -23,8 +23,13 @@ detaches (`daemon`: double fork, new session, stdio to ``<agent>.log``), so
 the SSH session ends, and heartbeats to ``bmaas_endpoint`` until killed
 (`heartbeat`). Without it the agent only answers.
 
+The heartbeating agent also installs the node when a heartbeat's answer
+asks for it (`install`), onto a loopback disk beside it (`disks`).
+
 Files beside the uploaded agent (``sys.argv[0]``): ``<agent>.key`` (its
-private seed, `keyfile`), ``<agent>.pid`` and ``<agent>.log``.
+private seed, `keyfile`), ``<agent>.pid``, ``<agent>.log`` and
+``<agent>.install.json`` (the last installation generation begun, and its
+outcome).
 """
 
 from __future__ import annotations
@@ -110,7 +115,16 @@ def main() -> int:
     try:
         replace_running_agent(_beside(".pid"))
         log(f"heartbeating to {heartbeater.init.bmaas_endpoint} every {interval:g}s")
-        heartbeater.report = collect_hardware_report()
+        agent = os.path.abspath(sys.argv[0])
+        heartbeater.report = collect_hardware_report(os.path.dirname(agent))
+        from .install import Installer  # after the takeover's answer: not on its path
+
+        heartbeater.installer = Installer(
+            agent,
+            endpoint_scheme=heartbeater.scheme,
+            ca_certificate=heartbeater.init.ca_certificate,
+            wake=heartbeater.wake.set,
+        )
         heartbeater.run()
     except BaseException as exc:  # the daemon's last word goes to its log
         log(f"stopped: {exc!r}")

@@ -26,7 +26,9 @@ def replace_running_agent(pid_file: str) -> None:
 
     A takeover without a reboot (a provider that cannot reboot) finds the old
     agent possibly alive; two would heartbeat for one machine. Only a process
-    whose command line names this very agent file is signalled.
+    whose command line names this very agent file is signalled. A node that an
+    install started (`install`) is never signalled: it runs in a session of
+    its own and outlives every agent.
     """
     old = read_int(pid_file)
     if old and old != os.getpid():

@@ -19,12 +19,15 @@ from .wire import (
     HwNode,
     TakeoverInit,
     decode_heartbeat_session,
+    decode_installation_request,
     encode_heartbeat_request,
 )
 
 if TYPE_CHECKING:
     import http.client
     import ssl
+
+    from .install import Installer
 
 # The heartbeat's modules (http.client, ssl, urllib.parse, base64, random)
 # are imported where they are used, not here: constructing a Heartbeater is
@@ -33,6 +36,10 @@ if TYPE_CHECKING:
 
 #: Bound on one heartbeat exchange (connect, TLS, request, response), seconds.
 REQUEST_TIMEOUT = 15.0
+#: Bound on an answer's size: room for an installation request with the
+#: largest node parameters the installer takes (`install.MAX_NODE_PARAMETERS`),
+#: so that one too large is refused with that cause rather than cut.
+MAX_ANSWER = 2 * 1024 * 1024
 
 
 class Heartbeater:
@@ -53,6 +60,13 @@ class Heartbeater:
         self.interval = interval
         self.backoff_cap = max(backoff_cap, interval)
         self.report = report  # sent until one heartbeat carrying it is accepted
+        #: Told each answer's installation request; gives the report to send.
+        self.installer: Installer | None = None
+        import threading
+
+        #: Set to send the next heartbeat now (an install's outcome is ready).
+        self.wake = threading.Event()
+        self._malformed = ""
         self._last_time_ns = 0
         #: The session requests are MACed with, if any, and when (time.monotonic())
         #: to stop using it and sign again, ahead of its end at the server.
@@ -81,7 +95,8 @@ class Heartbeater:
         import base64
 
         report, warnings = self.report if self.report is not None else (None, None)
-        body = encode_heartbeat_request(self.init.machine_id, report, warnings)
+        installation = self.installer.pending_report() if self.installer is not None else None
+        body = encode_heartbeat_request(self.init.machine_id, report, warnings, installation)
         # Strictly increasing, also when the clock steps back: the server
         # refuses a time not newer than the last it accepted.
         now = max(time.time_ns(), self._last_time_ns + 1)
@@ -125,6 +140,25 @@ class Heartbeater:
             self.session = session
             self.session_until = time.monotonic() + 0.9 * session.lifetime_seconds
 
+    def take_installation(self, answer: bytes) -> None:
+        """Tell the installer the installation request of an accepted answer.
+
+        A malformed request is ignored (the installer is not told, so the
+        last well-formed one stands) and said once in the log; heartbeats
+        go on.
+        """
+        if self.installer is None:
+            return
+        try:
+            request = decode_installation_request(answer)
+        except DecodeError as exc:
+            if str(exc) != self._malformed:
+                log(f"ignoring a malformed installation request: {exc}")
+                self._malformed = str(exc)
+            return
+        self._malformed = ""
+        self.installer.on_answer(request)
+
     def _connect(self) -> http.client.HTTPConnection:
         import http.client
 
@@ -156,7 +190,7 @@ class Heartbeater:
             try:
                 conn.request("POST", protocol.HEARTBEAT_PATH, body=body, headers=headers)
                 response = conn.getresponse()
-                answer = response.read(64 * 1024)
+                answer = response.read(MAX_ANSWER + 1)
             except (OSError, http.client.HTTPException):
                 conn.close()
                 self._conn = None
@@ -164,7 +198,7 @@ class Heartbeater:
                     reconnected = True
                     continue
                 raise
-            if response.will_close:
+            if response.will_close or len(answer) > MAX_ANSWER:
                 conn.close()
                 self._conn = None
             if response.status == 401 and protocol.HEADER_SESSION in headers and not resigned:
@@ -177,7 +211,11 @@ class Heartbeater:
         if response.status != 200:
             text = answer[:300].decode("utf-8", errors="replace")
             raise AgentError(f"heartbeat refused: HTTP {response.status}: {text}")
-        self.accepted(answer)
+        if len(answer) > MAX_ANSWER:
+            log(f"ignoring an answer of over {MAX_ANSWER} bytes")
+        else:
+            self.accepted(answer)
+            self.take_installation(answer)
         if self.report is not None:
             log("hardware report accepted")
             self.report = None
@@ -191,6 +229,7 @@ class Heartbeater:
         delay = 0.0
         failing = False
         while True:
+            self.wake.clear()  # before the request is made: a later outcome wakes the next
             try:
                 self.beat()
             except (OSError, http.client.HTTPException, AgentError) as exc:
@@ -204,4 +243,4 @@ class Heartbeater:
                 log("heartbeats accepted again")
             failing = False
             delay = 0.0
-            time.sleep(self.interval)
+            self.wake.wait(self.interval)  # or sooner, when an install's outcome is ready

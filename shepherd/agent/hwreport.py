@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from .disks import LOOPBACK_MODEL, LOOPBACK_VENDOR, loopback_disks
 from .files import read_int, read_text
 from .wire import (
     EFI_SUPPORT_ENABLED,
@@ -116,6 +117,28 @@ def _block_devices() -> list[HwBlockDevice]:
     return devices
 
 
+def _loopback_devices(agent_dir: str) -> list[HwBlockDevice]:
+    """The loopback disks (`disks`), their capacity the space free beneath them."""
+    devices = []
+    for name, path in loopback_disks(agent_dir).items():
+        try:
+            fs = os.statvfs(path)
+            capacity, block = fs.f_bavail * fs.f_frsize, fs.f_bsize
+        except OSError:
+            capacity = block = 0
+        devices.append(
+            HwBlockDevice(
+                vendor=LOOPBACK_VENDOR,
+                device_model=LOOPBACK_MODEL,
+                serial_number=name,
+                capacity_bytes=capacity,
+                logical_block_size_bytes=block,
+                physical_block_size_bytes=block,
+            )
+        )
+    return devices
+
+
 def _network_interfaces() -> list[HwNetworkInterface]:
     """Interfaces with a backing device (physical NICs), with their MACs."""
     nics = []
@@ -147,8 +170,11 @@ def _network_interfaces() -> list[HwNetworkInterface]:
     return nics
 
 
-def collect_hardware_report() -> tuple[HwNode, list[str]]:
-    """Describe this machine; return the report and the warnings met."""
+def collect_hardware_report(agent_dir: str | None = None) -> tuple[HwNode, list[str]]:
+    """Describe this machine; return the report and the warnings met.
+
+    With ``agent_dir``, the loopback disks beside the agent follow the real
+    block devices."""
     warnings: list[str] = []
     dmi = "/sys/class/dmi/id"
     node = HwNode(
@@ -164,5 +190,7 @@ def collect_hardware_report() -> tuple[HwNode, list[str]]:
     node.cpu = _cpus(warnings)
     _memory(node, warnings)
     node.block_device = _block_devices()
+    if agent_dir is not None:
+        node.block_device += _loopback_devices(agent_dir)
     node.network_interface = _network_interfaces()
     return node, warnings

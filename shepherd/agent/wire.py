@@ -296,17 +296,138 @@ class HwNode:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class InstallationReport:
+    """cloud.bmaas.server.api.OSInstallationReport: ``node_public_key`` on
+    success, else ``error`` (exactly one of the two is not None)."""
+
+    generation: int
+    node_public_key: bytes | None = None
+    error: str | None = None
+
+    def encode(self) -> bytes:
+        out = _varint_field(1, self.generation) if self.generation else b""
+        if self.node_public_key is not None:
+            success = _len_field(1, self.node_public_key) if self.node_public_key else b""
+            out += _len_field(2, success)
+        elif self.error is not None:
+            error = _len_field(1, self.error.encode("utf-8")) if self.error else b""
+            out += _len_field(3, error)
+        return out
+
+
 def encode_heartbeat_request(
-    machine_id: str, report: HwNode | None = None, warnings: list[str] | None = None
+    machine_id: str,
+    report: HwNode | None = None,
+    warnings: list[str] | None = None,
+    installation_report: InstallationReport | None = None,
 ) -> bytes:
-    """cloud.bmaas.server.api.HeartbeatRequest{machine_id, hardware_report?}."""
+    """cloud.bmaas.server.api.HeartbeatRequest{machine_id, hardware_report?,
+    installation_report?}, in field-number order."""
     out = _len_field(1, machine_id.encode("utf-8")) if machine_id else b""
     if report is not None:
         hw = _len_field(1, report.encode())
         for warning in warnings or []:
             hw += _len_field(2, warning.encode("utf-8"))
         out += _len_field(2, hw)
+    if installation_report is not None:
+        out += _len_field(3, installation_report.encode())
     return out
+
+
+# The installation request of a HeartbeatResponse. Decoded strictly: a field
+# of the wrong wire type, a string that is not UTF-8 or a truncated message
+# is a DecodeError (the agent then ignores the whole request), while unknown
+# fields are skipped, as protobuf's rules say. An embedded message that
+# occurs twice (which protobuf would merge) is refused too: no encoder
+# writes one twice, and merging two halves of a request is not a request
+# anybody sent.
+
+
+@dataclasses.dataclass(frozen=True)
+class OSImageRef:
+    """metropolis.proto.api.OSImageRef."""
+
+    scheme: str = ""
+    host: str = ""
+    repository: str = ""
+    tag: str = ""
+    digest: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MetropolisInstallation:
+    """cloud.bmaas.server.api.MetropolisInstallationRequest; ``node_parameters``
+    raw (the node parses them), None when absent, like ``os_image``."""
+
+    node_parameters: bytes | None = None
+    root_device: str = ""
+    os_image: OSImageRef | None = None
+    node_address: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class InstallationRequest:
+    """cloud.bmaas.server.api.OSInstallationRequest; ``metropolis`` None when
+    the oneof holds no Metropolis installation."""
+
+    generation: int
+    metropolis: MetropolisInstallation | None = None
+
+
+def _as_int64(number: int, wire_type: int, value: bytes | int) -> int:
+    if wire_type != WIRE_VARINT or not isinstance(value, int):
+        raise DecodeError(f"field {number}: wire type {wire_type}, want varint")
+    value &= 2**64 - 1  # a varint longer than 64 bits keeps its low 64, as protobuf's do
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _decode_image(data: bytes) -> OSImageRef:
+    texts = ["", "", "", "", ""]
+    for number, wire_type, value in iter_fields(data):
+        if 1 <= number <= 5:
+            texts[number - 1] = _as_str(number, wire_type, value)
+    return OSImageRef(*texts)
+
+
+def _decode_metropolis(data: bytes) -> MetropolisInstallation:
+    params: bytes | None = None
+    root_device, address = "", ""
+    image: OSImageRef | None = None
+    for number, wire_type, value in iter_fields(data):
+        if number == 2:
+            params = _as_len(number, wire_type, value)
+        elif number == 3:
+            root_device = _as_str(number, wire_type, value)
+        elif number == 4:
+            if image is not None:
+                raise DecodeError("os_image twice")
+            image = _decode_image(_as_len(number, wire_type, value))
+        elif number == 100:
+            address = _as_str(number, wire_type, value)
+    return MetropolisInstallation(params, root_device, image, address)
+
+
+def decode_installation_request(data: bytes) -> InstallationRequest | None:
+    """The installation request of a HeartbeatResponse (field 1), if any;
+    DecodeError if the response or the request is malformed."""
+    request = None
+    for number, wire_type, value in iter_fields(data):
+        if number != 1:
+            continue
+        if request is not None:
+            raise DecodeError("installation_request twice")
+        generation = 0
+        metropolis: MetropolisInstallation | None = None
+        for inner, inner_type, inner_value in iter_fields(_as_len(number, wire_type, value)):
+            if inner == 1:
+                generation = _as_int64(inner, inner_type, inner_value)
+            elif inner == 2:
+                if metropolis is not None:
+                    raise DecodeError("metropolis twice")
+                metropolis = _decode_metropolis(_as_len(inner, inner_type, inner_value))
+        request = InstallationRequest(generation, metropolis)
+    return request
 
 
 @dataclasses.dataclass(frozen=True)

@@ -326,7 +326,7 @@ async def test_hundred_machines_started_exactly_once(
     ) as f:
         ids = await provide(bmdb_conn, [f"m-{i}" for i in range(count)])
         provider = StaticProvider(
-            [Machine(f"m-{i}", "127.0.0.1", m.port) for i, m in enumerate(f.machines)]
+            [Machine(f"m-{i}", m.host, m.port) for i, m in enumerate(f.machines)]
         )
         ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=10.0)
         config = agent_config("/agent", agent_zipapp(), exec_timeout=60)

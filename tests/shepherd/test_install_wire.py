@@ -259,8 +259,8 @@ def test_installation_report(
 
 
 def test_the_agent_still_reads_its_session_beside_an_installation() -> None:
-    """The agent's own codec skips the installation request (field 1) it
-    does not read yet, and still finds the session (field 100)."""
+    """The agent's own codec reads the installation request (field 1) that
+    betterproto2 writes, and still finds the session (field 100) beside it."""
     params = _node_parameters(([(b"k" * 32, ["10.0.0.1"])], b"ticket", b"ca", b"o" * 32))
     response = bp.HeartbeatResponse(
         installation_request=bp.OsInstallationRequest(
@@ -275,6 +275,14 @@ def test_the_agent_still_reads_its_session_beside_an_installation() -> None:
     )
     assert agent.decode_heartbeat_session(bytes(response)) == agent.AgentSession(
         b"t", b"k" * 32, 60
+    )
+    request = agent.decode_installation_request(bytes(response))
+    assert request is not None and request.metropolis is not None
+    assert request.generation == 7
+    assert request.metropolis.node_parameters == bytes(params)
+    assert request.metropolis.root_device == "nvme0n1"
+    assert request.metropolis.os_image == agent.OSImageRef(
+        "https", "r.example", "os", "", "sha256:00"
     )
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 import trio_asyncio
 
-from shepherd.localfleet import agent_pid, open_fleet
+from shepherd.localfleet import agent_pid, loopback_addresses, open_fleet
 from shepherd.ssh_key import SSHKey
 from tests.shepherd.agents import kill_agent, start_agent_process
 
@@ -34,3 +35,26 @@ async def test_closing_the_fleet_stops_the_agents_its_machines_run(
     finally:
         for target in targets:
             kill_agent(target)
+
+
+async def test_each_machine_has_its_own_loopback_address_and_a_disk(
+    tmp_path: Path,
+    aio_loop: trio_asyncio.TrioEventLoop,
+    shepherd_ssh_key: SSHKey,
+) -> None:
+    async with open_fleet(
+        tmp_path / "fleet", count=3, authorized_key=shepherd_ssh_key.authorized_key
+    ) as fleet:
+        assert [m.host for m in fleet.machines] == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+        for machine in fleet.machines:
+            assert (machine.root / "root" / "disks" / "disk0").is_dir()
+            # Its SSH server listens on its own address.
+            stream = await trio.open_tcp_stream(machine.host, machine.port)
+            assert (await stream.receive_some(4)).startswith(b"SSH-")
+            await stream.aclose()
+
+
+def test_loopback_addresses_go_on_past_255() -> None:
+    assert loopback_addresses(3, first=254) == ["127.0.0.254", "127.0.0.255", "127.0.1.0"]
+    with pytest.raises(ValueError, match="no 2 loopback addresses"):
+        loopback_addresses(2, first=0)

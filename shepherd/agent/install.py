@@ -1,0 +1,641 @@
+"""Installing the node, as a heartbeat answer's installation request asks.
+
+`Installer` is told each accepted heartbeat's installation request
+(`Installer.on_answer`) and says what report the next heartbeat carries
+(`Installer.pending_report`). A request of a generation greater than the
+last one this agent has begun starts one install in a worker thread, beside
+the heartbeat loop (heartbeats go on during a long download); requests of a
+generation already begun are never run again, only answered with the
+recorded outcome, sent for as long as the server's answer carries that
+generation.
+
+Never twice, across restarts and kills too: the agent-wide state file
+``<agent>.install.json`` (beside the agent's key, written atomically) says
+"generation g started" before the install has any side effect, "node
+started" before the node is spawned, and the outcome at the end. An agent
+that starts and finds g begun but not finished does not run it again: if
+the node had been started, it waits (bounded) for the node's key as the
+first agent would have, and reports success or why not; if not, it reports
+the error "interrupted" (the generation is done; the operator asks for a
+new one). Resuming a half-done download would save little and is one more
+path that must never write an unverified image.
+
+One install, in order (`install`)::
+
+    check the request     root_device one of the loopback disks (`disks`); a
+                          real block device is refused ("not implemented"),
+                          so are bounds and shapes a request must keep
+    download, verify      {scheme}://{host}/images/sha256/{hex} into a
+                          temporary file in the disk folder (`download`: TLS
+                          verified against the CA from TakeoverInit, bounded,
+                          resumed, retried), its SHA-256 checked before
+                          anything reaches its final place: a wrong digest
+                          removes the temporary file, nothing is left
+    write                 image.pyz, node-parameters.pb (the raw bytes),
+                          metropolis/ (0700), after removing what an earlier
+                          install on this disk left
+    start the node        detached (own session, stdin /dev/null, output to
+                          node.log, pid in node.pid): it outlives the agent,
+                          which never signals it
+    wait for its key      node.key.pub (32 bytes), bounded; the report is
+                          its key, or the node's last log lines
+
+A disk whose node (from an earlier generation) still runs is refused: a
+loopback install cannot stop a node without killing what it serves, and a
+second node would fight the first for the fixed ports. On a real machine
+the install would also partition the disk, write the image, add a boot
+entry and reboot; this agent refuses real block devices instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .daemon import log
+from .disks import loopback_disks, valid_name
+from .download import PART_PREFIX, PART_SUFFIX, DownloadFailed, Limits, Source, download
+from .errors import AgentError
+from .wire import InstallationReport, InstallationRequest
+
+if TYPE_CHECKING:
+    import ssl
+
+#: Bound on the raw NodeParameters a request may carry.
+MAX_NODE_PARAMETERS = 1024 * 1024
+#: Bound on an error cause the agent reports.
+MAX_ERROR = 4000
+BLOCK_DEVICE_REFUSAL = (
+    "installing onto a block device is not implemented: a real install would partition, "
+    "write the image, add a boot entry and reboot"
+)
+
+# What an install writes on the disk folder, and what it removes there first.
+IMAGE, PARAMETERS, ROOT = "image.pyz", "node-parameters.pb", "metropolis"
+PID, LOG, KEY, DISK_STATE = "node.pid", "node.log", "node.key.pub", "install.json"
+
+_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
+_HOST = re.compile(r"(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9.-]+))(?::([0-9]{1,5}))?")
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Bounds of one install (seconds, bytes) and the python that runs the node."""
+
+    max_image_bytes: int = 512 * 1024 * 1024
+    #: Bound on connecting and on each read from the image server.
+    read_timeout: float = 30.0
+    #: Bound on the whole download, retries included: then it gives up.
+    download_deadline: float = 900.0
+    backoff_start: float = 1.0
+    backoff_cap: float = 30.0
+    #: Bound on waiting for the started node's key.
+    announce_timeout: float = 60.0
+    python: str = sys.executable or "python3"
+
+    def download_limits(self) -> Limits:
+        return Limits(
+            max_bytes=self.max_image_bytes,
+            read_timeout=self.read_timeout,
+            deadline=self.download_deadline,
+            backoff_start=self.backoff_start,
+            backoff_cap=self.backoff_cap,
+        )
+
+
+class InstallFailed(AgentError):
+    """An install failed; the message is the cause the report carries."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A checked request: what to download from where, and where to put it."""
+
+    generation: int
+    disk: str
+    scheme: str
+    host: str
+    port: int
+    path: str
+    digest: str  # 64 lowercase hex
+    node_parameters: bytes
+    node_address: str
+
+    @property
+    def source(self) -> Source:
+        return Source(self.scheme, self.host, self.port, self.path)
+
+
+def _valid_host_name(name: str) -> bool:
+    labels = name.rstrip(".").split(".") if len(name) <= 253 else []
+    return (
+        bool(labels)
+        and all(_LABEL.fullmatch(label) for label in labels)
+        and not (
+            labels[-1].isdigit()  # 1.2.3.999 is a bad address, not a name
+        )
+    )
+
+
+def _valid_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return _valid_host_name(text)
+    return True
+
+
+def check_request(
+    request: InstallationRequest, disks: dict[str, str], endpoint_scheme: str
+) -> Plan:
+    """The plan of a request, or InstallFailed with the cause it is refused for."""
+    m = request.metropolis
+    if m is None:
+        raise InstallFailed("the request holds no Metropolis installation")
+    if m.node_parameters is None:
+        raise InstallFailed("the request holds no node_parameters")
+    if len(m.node_parameters) > MAX_NODE_PARAMETERS:
+        raise InstallFailed(
+            f"node_parameters of {len(m.node_parameters)} bytes, over the bound of "
+            f"{MAX_NODE_PARAMETERS}"
+        )
+    name = m.root_device
+    if name not in disks:
+        if valid_name(name) and os.path.exists(f"/sys/block/{name}"):
+            raise InstallFailed(f"root device {name}: {BLOCK_DEVICE_REFUSAL}")
+        listed = ", ".join(disks) or "none"
+        raise InstallFailed(
+            f"root device {name!r} is not one of this machine's loopback disks ({listed})"
+        )
+    if not _valid_address(m.node_address):
+        raise InstallFailed(f"node_address {m.node_address!r} is not an IP address or host name")
+    image = m.os_image
+    if image is None:
+        raise InstallFailed("the request holds no os_image")
+    digest = _DIGEST.fullmatch(image.digest)
+    if digest is None:
+        raise InstallFailed(f"image digest {image.digest!r} is not sha256:<64 lowercase hex>")
+    if image.scheme not in ("http", "https"):
+        raise InstallFailed(f"image scheme {image.scheme!r} is neither https nor http")
+    if image.scheme == "http" and endpoint_scheme != "http":
+        raise InstallFailed("a plain http image is refused: the agent's endpoint uses https")
+    host = _HOST.fullmatch(image.host)
+    if host is None:
+        raise InstallFailed(f"image host {image.host!r} is not HOST[:PORT]")
+    v6, name_or_v4, port_text = host.groups()
+    port = int(port_text) if port_text else (443 if image.scheme == "https" else 80)
+    if v6 is not None:
+        try:
+            ipaddress.IPv6Address(v6)
+        except ValueError:
+            raise InstallFailed(f"image host {image.host!r} is not HOST[:PORT]") from None
+    elif not _valid_address(name_or_v4):
+        raise InstallFailed(f"image host {image.host!r} is not HOST[:PORT]")
+    if not 0 < port < 65536:
+        raise InstallFailed(f"image host {image.host!r}: port out of range")
+    return Plan(
+        generation=request.generation,
+        disk=disks[m.root_device],
+        scheme=image.scheme,
+        host=v6 if v6 is not None else name_or_v4,
+        port=port,
+        path=f"/images/sha256/{digest.group(1)}",
+        digest=digest.group(1),
+        node_parameters=m.node_parameters,
+        node_address=m.node_address,
+    )
+
+
+# --- files
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def write_atomically(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Write ``path`` so that a reader sees the old or the new content, never half."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _clear_disk(disk: str, *, keep: str) -> None:
+    """Remove what an earlier install (or an interrupted download) left, but ``keep``."""
+    import shutil
+
+    for name in (IMAGE, PARAMETERS, PID, LOG, KEY, DISK_STATE):
+        _remove(os.path.join(disk, name))
+    root = os.path.join(disk, ROOT)
+    if os.path.lexists(root):
+        if os.path.islink(root) or not os.path.isdir(root):
+            _remove(root)
+        else:
+            shutil.rmtree(root)
+    _remove_parts(disk, keep=keep)
+
+
+def _remove_parts(disk: str, *, keep: str = "") -> None:
+    """Remove the temporary files of downloads into ``disk`` (but ``keep``)."""
+    for name in os.listdir(disk):
+        path = os.path.join(disk, name)
+        if name.startswith(PART_PREFIX) and name.endswith(PART_SUFFIX) and path != keep:
+            _remove(path)
+
+
+def node_running(disk: str) -> int | None:
+    """The pid of the node started from ``disk``'s image that still runs, if any."""
+    try:
+        with open(os.path.join(disk, PID)) as f:
+            pid = int(f.read().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().split(b"\0")
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    image = os.path.join(disk, IMAGE).encode()
+    return pid if image in cmdline and state != b"Z" else None
+
+
+def log_tail(path: str, *, lines: int = 10, width: int = 300) -> str:
+    """The last lines of a log, escaped (control characters as Python escapes)
+    and bounded, on one line: for an error report."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc.strerror})"
+    tail = [repr(line)[1:-1][:width] for line in text.splitlines()[-lines:] if line.strip()]
+    return " | ".join(tail) if tail else "(the log is empty)"
+
+
+def _read_key(path: str) -> bytes | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise InstallFailed(f"{path} is not a regular file")
+    with open(path, "rb") as f:
+        key = f.read(33)
+    if len(key) != 32:
+        raise InstallFailed(f"the node's announce-key file holds {len(key)} bytes, want 32")
+    return key
+
+
+def await_key(disk: str, alive: Callable[[], bool], timeout: float) -> bytes:
+    """Wait for the node's key file, while the node runs, at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    path = os.path.join(disk, KEY)
+    while True:
+        running = alive()  # before the read: a node that wrote its key and exited counts
+        key = _read_key(path)
+        if key is not None:
+            return key
+        if not running:
+            raise InstallFailed(
+                f"the node exited before announcing its key: {log_tail(os.path.join(disk, LOG))}"
+            )
+        if time.monotonic() > deadline:
+            raise InstallFailed(
+                f"the node did not announce its key within {timeout:g}s (it keeps running): "
+                f"{log_tail(os.path.join(disk, LOG))}"
+            )
+        time.sleep(0.05)
+
+
+def start_node(plan: Plan, python: str) -> Callable[[], bool]:
+    """Start the node detached from the agent; return "is it still running"."""
+    import subprocess
+
+    disk = plan.disk
+    argv = [
+        python,
+        os.path.join(disk, IMAGE),
+        "node",
+        "register",
+        "--parameters",
+        os.path.join(disk, PARAMETERS),
+        "--root",
+        os.path.join(disk, ROOT),
+        "--address",
+        plan.node_address,
+        "--insecure-seal",
+        "--announce-key",
+        os.path.join(disk, KEY),
+    ]
+    out = os.open(
+        os.path.join(disk, LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+    )
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=disk,
+            start_new_session=True,  # its own session: no signal of the agent's reaches it
+            close_fds=True,
+        )
+    finally:
+        os.close(out)
+    write_atomically(os.path.join(disk, PID), f"{process.pid}\n".encode())
+    # Reaped when it exits, so that no zombie stays behind while the agent runs.
+    threading.Thread(target=process.wait, name="node-reaper", daemon=True).start()
+    return lambda: process.returncode is None and node_running(disk) is not None
+
+
+def install(
+    plan: Plan,
+    context: ssl.SSLContext | None,
+    settings: Settings,
+    progress: Callable[[str], None],
+) -> bytes:
+    """Run the install of ``plan``; return the node's public key, or raise
+    InstallFailed with the cause. ``progress`` is told "writing" before the
+    disk folder is changed and "node-started" before the node is spawned
+    (and must have recorded that durably when it returns)."""
+    running = node_running(plan.disk)
+    if running is not None:
+        raise InstallFailed(
+            f"a node (pid {running}) still runs from {plan.disk}; a loopback install does not "
+            "stop it: stop it first"
+        )
+    steps: list[str] = []
+    clock = time.monotonic()
+
+    def step(what: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        steps.append(f"{what} {now - clock:.2f}s")
+        clock = now
+
+    try:
+        tmp = download(
+            plan.source,
+            plan.digest,
+            plan.disk,
+            context=context,
+            limits=settings.download_limits(),
+            label=f"generation {plan.generation}",
+        )
+    except DownloadFailed as exc:
+        raise InstallFailed(str(exc)) from exc
+    step(f"download+verify of {os.path.getsize(tmp)} bytes")
+    try:
+        progress("writing")
+        _clear_disk(plan.disk, keep=tmp)
+        os.replace(tmp, os.path.join(plan.disk, IMAGE))
+    except BaseException:
+        _remove(tmp)
+        raise
+    write_atomically(os.path.join(plan.disk, PARAMETERS), plan.node_parameters)
+    os.mkdir(os.path.join(plan.disk, ROOT), 0o700)
+    os.chmod(os.path.join(plan.disk, ROOT), 0o700)  # whatever the umask
+    write_disk_state(plan.disk, {"generation": plan.generation, "status": "node-started"})
+    step("write")
+    progress("node-started")
+    alive = start_node(plan, settings.python)
+    step("start")
+    try:
+        return await_key(plan.disk, alive, settings.announce_timeout)
+    finally:
+        step("announce")
+        log(f"generation {plan.generation}: " + ", ".join(steps))
+
+
+def write_disk_state(disk: str, state: dict[str, object]) -> None:
+    """The disk's own ``install.json``: which generation installed what on it."""
+    write_atomically(os.path.join(disk, DISK_STATE), json.dumps(state).encode() + b"\n")
+
+
+# --- the agent's side: which generation, which report
+
+
+def _report(state: dict[str, Any]) -> InstallationReport:
+    generation = int(state["generation"])
+    if state.get("node_public_key") is not None:
+        key = bytes.fromhex(state["node_public_key"])
+        return InstallationReport(generation, node_public_key=key)
+    return InstallationReport(generation, error=str(state.get("error") or "unknown outcome"))
+
+
+class Installer:
+    """Which installation requests this agent runs, and what it reports.
+
+    Called from the heartbeat thread; runs at most one install at a time in
+    a worker thread, and calls ``wake`` when an outcome is recorded, so that
+    the heartbeat loop reports it without waiting out its interval.
+    """
+
+    def __init__(
+        self,
+        agent_path: str,
+        *,
+        endpoint_scheme: str,
+        ca_certificate: bytes,
+        settings: Settings | None = None,
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.agent_dir = os.path.dirname(os.path.abspath(agent_path))
+        self.state_file = os.path.abspath(agent_path) + ".install.json"
+        self.endpoint_scheme = endpoint_scheme
+        self.ca_certificate = ca_certificate
+        self.settings = settings or Settings()
+        self.wake = wake
+        self._lock = threading.Lock()
+        self._state: dict[str, Any] | None = None
+        #: Why the state file cannot be trusted; every request is then refused.
+        self._broken: str | None = None
+        #: The generation the server's last answer carried.
+        self._carried: int | None = None
+        self._worker: threading.Thread | None = None
+        self._told: set[tuple[int, str]] = set()
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            with open(self.state_file, "rb") as f:
+                state = json.loads(f.read(64 * 1024))
+            if not isinstance(state, dict) or not isinstance(state.get("generation"), int):
+                raise ValueError("no generation in it")
+            if state.get("status") not in ("started", "node-started", "done"):
+                raise ValueError(f"unknown status {state.get('status')!r}")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            self._broken = f"install state {self.state_file} is unreadable ({exc}); not installing"
+            log(self._broken)
+            return
+        self._state = state
+        if state["status"] != "done":
+            self._worker = threading.Thread(target=self._resume, name="install", daemon=True)
+            self._worker.start()
+
+    def _save(self, state: dict[str, Any]) -> None:
+        write_atomically(self.state_file, json.dumps(state).encode() + b"\n")
+        self._state = state
+
+    def _tell(self, generation: int, message: str) -> None:
+        """Log ``message`` once per generation (heartbeats repeat requests)."""
+        if (generation, message) not in self._told:
+            self._told.add((generation, message))
+            log(message)
+
+    @property
+    def generation(self) -> int:
+        """The last generation this agent has begun (0: none)."""
+        return int(self._state["generation"]) if self._state is not None else 0
+
+    def on_answer(self, request: InstallationRequest | None) -> None:
+        """Take the installation request an accepted heartbeat's answer carried."""
+        with self._lock:
+            self._carried = None if request is None else request.generation
+            if request is None or self._broken is not None:
+                return
+            g = request.generation
+            if g <= 0:
+                self._tell(g, f"ignoring request of generation {g}: generations start at 1")
+                return
+            if g <= self.generation:
+                if g < self.generation:
+                    self._tell(g, f"ignoring request of generation {g}: {self.generation} is newer")
+                return
+            if self._worker is not None and self._worker.is_alive():
+                self._tell(g, f"request of generation {g} waits for the install running now")
+                return
+            # Recorded before any side effect: whatever happens next, g is begun.
+            try:
+                self._save({"generation": g, "status": "started"})
+            except OSError as exc:
+                # Unrecorded, a generation could run twice: none runs.
+                self._broken = f"cannot record install state in {self.state_file}: {exc}"
+                log(f"{self._broken}; not installing")
+                return
+            log(f"generation {g}: installing")
+            self._worker = threading.Thread(
+                target=self._run, args=(request,), name="install", daemon=True
+            )
+            self._worker.start()
+
+    def pending_report(self) -> InstallationReport | None:
+        """The report the next heartbeat carries: the outcome of the generation
+        the server still asks for, once there is one."""
+        with self._lock:
+            if self._carried is None:
+                return None
+            if self._broken is not None:
+                return InstallationReport(self._carried, error=self._broken)
+            state = self._state
+            if state is None or state["status"] != "done" or state["generation"] != self._carried:
+                return None
+            return _report(state)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the running install, if any (tests)."""
+        worker = self._worker
+        if worker is not None:
+            worker.join(timeout)
+
+    def _context(self) -> ssl.SSLContext:
+        import ssl
+
+        return ssl.create_default_context(cadata=self.ca_certificate or None)
+
+    def _finish(self, generation: int, disk: str | None, *, key: bytes | None, error: str) -> None:
+        outcome: dict[str, Any] = {"generation": generation, "status": "done"}
+        if key is not None:
+            outcome["node_public_key"] = key.hex()
+            log(f"generation {generation}: installed, node key {key.hex()}")
+        else:
+            outcome["error"] = error[:MAX_ERROR]
+            log(f"generation {generation}: install failed: {outcome['error']}")
+        if disk is not None:
+            try:
+                write_disk_state(disk, outcome)
+            except OSError as exc:
+                log(f"generation {generation}: cannot write {disk}/{DISK_STATE}: {exc}")
+        with self._lock:
+            try:
+                self._save(outcome)
+            except OSError as exc:  # reported all the same; a restart reports "interrupted"
+                log(f"generation {generation}: cannot record the outcome: {exc}")
+                self._state = outcome
+        self.wake()
+
+    def _run(self, request: InstallationRequest) -> None:
+        g = request.generation
+        disk: str | None = None
+        try:
+            plan = check_request(request, loopback_disks(self.agent_dir), self.endpoint_scheme)
+            context = self._context() if plan.scheme == "https" else None
+
+            def progress(status: str) -> None:
+                nonlocal disk
+                disk = plan.disk
+                if status == "node-started":
+                    with self._lock:
+                        self._save({"generation": g, "status": status, "disk": plan.disk})
+
+            key = install(plan, context, self.settings, progress)
+        except InstallFailed as exc:
+            self._finish(g, disk, key=None, error=str(exc))
+        except Exception as exc:  # an agent bug or a local failure: reported, not fatal
+            self._finish(g, disk, key=None, error=f"install failed: {exc!r}")
+        else:
+            self._finish(g, disk, key=key, error="")
+
+    def _resume(self) -> None:
+        """Finish a generation an earlier run of the agent began, without rerunning it."""
+        assert self._state is not None
+        g = int(self._state["generation"])
+        disk = self._state.get("disk")
+        if self._state["status"] != "node-started" or not isinstance(disk, str):
+            for folder in loopback_disks(self.agent_dir).values():
+                _remove_parts(folder)  # the interrupted download's, if any
+            self._finish(
+                g,
+                None,
+                key=None,
+                error="interrupted: the agent stopped during the install, before the node was "
+                "started; this generation is not run again",
+            )
+            return
+        log(f"generation {g}: the node was started before the agent restarted; awaiting its key")
+        try:
+            key = await_key(
+                disk, lambda: node_running(disk) is not None, self.settings.announce_timeout
+            )
+        except InstallFailed as exc:
+            self._finish(g, disk, key=None, error=f"after an agent restart: {exc}")
+        except Exception as exc:
+            self._finish(g, disk, key=None, error=f"after an agent restart: {exc!r}")
+        else:
+            self._finish(g, disk, key=key, error="")
