@@ -15,8 +15,8 @@ import trio
 from playwright.async_api import Browser, Page
 
 import bmdb
-from bmdb.web.cluster import ClusterView
-from bmdb.web.server import serve
+from console.cluster import ClusterView
+from console.server import serve
 from metropolis import identity, pki
 from metropolis.localstorage import Root
 from metropolis.owner import load_owner, load_owner_key

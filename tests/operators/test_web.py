@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import bmdb
 from bmdb import overview
 from bmdb.overview import State
-from bmdb.web.server import serve
+from console.server import serve
 from tests.operators.browser import in_browser
 from tests.operators.populate import HTML_CAUSE, HTML_PROVIDER_ID, Fleet, populate
 
@@ -144,9 +144,9 @@ async def test_paging_and_errors(bmdb_conn: bmdb.Connection, fleet: Fleet, web: 
         assert (await client.post("/machines")).status_code == 405
 
 
-async def test_bmdb_web_command_serves_until_sigterm(fleet: Fleet, bmdb_url: str) -> None:
+async def test_console_web_command_serves_until_sigterm(fleet: Fleet, bmdb_url: str) -> None:
     argv = [
-        sys.executable, "-m", "bmdb", "--url", bmdb_url, "web", "--listen", "127.0.0.1:0",
+        sys.executable, "-m", "console", "--url", bmdb_url, "web", "--listen", "127.0.0.1:0",
         "--metrics-listen", "127.0.0.1:0",
     ]  # fmt: skip
     proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE)
@@ -185,3 +185,24 @@ async def test_bmdb_web_command_serves_until_sigterm(fleet: Fleet, bmdb_url: str
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_bmdb_web_says_where_the_web_ui_went(bmdb_url: str) -> None:
+    """The old command, with the flags it took, prints one line and exits 2."""
+    for args in (["web"], ["web", "--listen", "127.0.0.1:0", "--cluster-owner-root", "d"]):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bmdb", "--url", bmdb_url, *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert (result.returncode, result.stdout) == (2, b"")
+        [line] = result.stderr.decode().splitlines()
+        assert "python -m console web" in line
+
+
+async def test_console_web_wants_both_owner_files(bmdb_url: str) -> None:
+    argv = [sys.executable, "-m", "console", "--url", bmdb_url, "web", "--cluster-owner-root", "d"]
+    result = await trio.run_process(argv, capture_stderr=True, check=False)
+    assert result.returncode == 2
+    assert "--cluster-owner-root and --cluster-owner-key go together" in result.stderr.decode()
