@@ -93,6 +93,8 @@ def imports(module: str, path: Path, source: str) -> Iterator[Import]:
     ours = set(ALLOWED)
     is_package = path.name == "__init__.py"
     for node in ast.walk(ast.parse(source, str(path))):
+        if not isinstance(node, ast.stmt | ast.expr):
+            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
