@@ -39,7 +39,7 @@ from bench.smoke import parse_args
 from bmdb import overview
 from bmdb.localserver import LocalPostgres, find_postgres_bin
 from bmdb.metrics import FLEET_SQL
-from bmdb.web.server import serve
+from console.server import serve
 
 DB = "bench_web"
 

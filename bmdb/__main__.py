@@ -7,42 +7,34 @@
     python -m bmdb [--url URL] machine MACHINE_ID [--json]
     python -m bmdb [--url URL] history MACHINE_ID
     python -m bmdb [--url URL] sessions
-    python -m bmdb [--url URL] web [--listen HOST:PORT]   read-only web UI
-        [--cluster-owner-root DIR --cluster-owner-key FILE]  with the cluster's pages
 
 Without ``--url`` the standard libpq ``PG*`` environment variables (PGHOST,
 PGPORT, PGDATABASE, PGUSER, ...) say where the database is. Errors (database
 unreachable, schema newer than this program or not migrated, another
 application's tables in the way, a role without the privileges, bad machine
 id) are printed as one line on stderr, with exit status 1; a closed stdout (``| head``) ends the
-command quietly (see :mod:`common.cli`).
+command quietly (see :mod:`common.cli`). The web UI is the console's:
+``python -m console web`` (``bmdb web`` says so and exits 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import logging
-import signal
 from collections.abc import Sequence
-from pathlib import Path
 
 import trio
 
 import bmdb
 from bmdb import migrations, overview
+from bmdb.cli import add_url_option
 from bmdb.connection import migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
 from common.cli import run_main
-from common.listen import listen_address
 from common.text import printable
-from metropolis.errors import MetropolisError
-
-#: Database connections of the web UI: pages are served concurrently.
-WEB_CONNECTIONS = 8
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -303,54 +295,11 @@ async def _sessions(conn: bmdb.Connection) -> str:
     return _table(header, rows)
 
 
-async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
-    """Serve the web UI (and metrics, if asked) until SIGINT or SIGTERM."""
-    # Imported here: hypercorn and prometheus_client only when serving.
-    from prometheus_client import CollectorRegistry
-
-    from bmdb.metrics import ConnectionCollector, FleetGauges
-    from bmdb.web.cluster import ClusterView
-    from bmdb.web.server import serve
-    from common.metrics import serve_metrics
-
-    cluster = None
-    if args.cluster_owner_root is not None:
-        from metropolis.localstorage import Root
-        from metropolis.owner import load_owner, load_owner_key
-
-        # Read once, before serving: a wrong path is a start-up error, not
-        # a page. Reaching the curators is left to each page.
-        access = load_owner(
-            Root(args.cluster_owner_root.resolve()), load_owner_key(args.cluster_owner_key)
-        )
-        cluster = ClusterView(access)
-
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            if args.metrics_listen:
-                registry = CollectorRegistry()
-                fleet = FleetGauges(conn, args.metrics_fleet_period)
-                registry.register(ConnectionCollector(conn, "bmdb-web"))
-                registry.register(fleet)
-                metrics = await nursery.start(serve_metrics, registry, args.metrics_listen)
-                print(f"metrics on {metrics[0]}/metrics", flush=True)
-                await nursery.start(fleet.run)
-            urls = await nursery.start(functools.partial(serve, conn, args.listen, cluster=cluster))
-            print(f"serving on {' '.join(urls)}", flush=True)
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
-    return "stopped"
-
-
 async def _command(args: argparse.Namespace) -> str:
     if args.command == "migrate":
         return await _migrate(args.url)
-    # The web UI answers several browsers at once; the listings need one.
-    pool = WEB_CONNECTIONS if args.command == "web" else 1
-    async with bmdb.open_connection(args.url, max_connections=pool) as conn:
-        if args.command == "web":
-            return await _web(conn, args)
+    # One command, one query at a time: one connection.
+    async with bmdb.open_connection(args.url, max_connections=1) as conn:
         if args.command == "machines":
             return await _machines(conn, args)
         if args.command == "machine":
@@ -361,12 +310,8 @@ async def _command(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="bmdb",
-        description="Inspect and migrate the BMDB.",
-        epilog="Without --url, the PG* environment variables locate the database.",
-    )
-    parser.add_argument("--url", help="libpq connection URL, e.g. postgresql://user@host/db")
+    parser = argparse.ArgumentParser(prog="bmdb", description="Inspect and migrate the BMDB.")
+    add_url_option(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("migrate", help="apply pending schema migrations")
@@ -388,44 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     history = commands.add_parser("history", help="show the work history of a machine")
     history.add_argument("machine", metavar="MACHINE_ID")
     commands.add_parser("sessions", help="list sessions")
-    web = commands.add_parser("web", help="serve the read-only web UI until SIGINT/SIGTERM")
-    web.add_argument(
-        "--listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="(default: %(default)s)"
-    )
-    web.add_argument(
-        "--metrics-listen",
-        type=listen_address,
-        metavar="HOST:PORT",
-        help="also serve Prometheus metrics at http://HOST:PORT/metrics",
-    )
-    # "owner root": the node root whose owner certificate the owner's tools
-    # read (`python -m metropolis owner --root`); "cluster-" groups both
-    # flags apart from the BMDB's --url.
-    web.add_argument(
-        "--cluster-owner-root",
-        type=Path,
-        metavar="DIR",
-        help="also show the cluster: a node root with the owner certificate, "
-        "as 'python -m metropolis owner --root' takes",
-    )
-    web.add_argument(
-        "--cluster-owner-key",
-        type=Path,
-        metavar="FILE",
-        help="the cluster owner's private key (with --cluster-owner-root)",
-    )
-    web.add_argument(
-        "--metrics-fleet-period",
-        type=float,
-        default=15.0,
-        metavar="SECONDS",
-        help="how often the fleet gauges are queried (default: %(default)s)",
-    )
-    args = parser.parse_args(argv)
-    if args.command == "web" and (args.cluster_owner_root is None) != (
-        args.cluster_owner_key is None
-    ):
-        parser.error("--cluster-owner-root and --cluster-owner-key go together")
+    # The web UI moved to the console, above the BMDB (it also shows the
+    # cluster); the old command stays only to say where, for muscle memory.
+    commands.add_parser("web", help="moved: python -m console web", add_help=False)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "web":
+        parser.exit(2, "bmdb: error: the web UI moved: use 'python -m console web'\n")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -435,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         print(trio.run(_command, args))
         return 0
 
-    # MetropolisError: the cluster owner's files (web --cluster-owner-*).
-    return run_main("bmdb", body, known=(BMDBError, MetropolisError))
+    return run_main("bmdb", body, known=(BMDBError,))
 
 
 if __name__ == "__main__":

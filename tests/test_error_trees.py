@@ -1,6 +1,6 @@
 """Each package has one error tree, and its public functions raise from it.
 
-For ``metropolis``, ``bmdb`` and ``shepherd`` (and the shared ``common``,
+For ``metropolis``, ``bmdb``, ``shepherd`` and ``console`` (and the shared ``common``,
 which defines no errors of its own): every exception class a module of the
 package defines derives from the package's root, and every ``raise`` of a
 named class in a public function or method is of such a class or of one of
@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from bmdb.errors import BMDBError
+from console.errors import ConsoleError
 from metropolis.errors import MetropolisError
 from shepherd.errors import ShepherdError
 
@@ -30,6 +31,7 @@ ROOTS: dict[str, type[Exception] | None] = {
     "metropolis": MetropolisError,
     "bmdb": BMDBError,
     "shepherd": ShepherdError,
+    "console": ConsoleError,
     "common": None,  # shared helpers: no errors of their own
 }
 

@@ -20,10 +20,11 @@ LAYERS = {
     "bmdb.session": 5,
     "bmdb.connection": 6,
     "bmdb.localserver": 7,
-    # Operator views, and what shows them (metrics, the web UI).
+    # Operator views, and what shows them (metrics; the web UI is the
+    # console's, above this package).
     "bmdb.overview": 7,
     "bmdb.metrics": 7,
-    "bmdb.web": 8,
+    "bmdb.cli": 8,
     "bmdb": 8,
     "bmdb.__main__": 9,
 }

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from playwright.async_api import Browser, Page
+from playwright.async_api import BrowserContext, Page
 
 import bmdb
-from bmdb.web.cluster import ClusterView
-from bmdb.web.server import serve
+from console.cluster import ClusterView
+from console.server import serve
 from metropolis import identity, pki
 from metropolis.localstorage import Root
 from metropolis.owner import load_owner, load_owner_key
@@ -24,9 +24,9 @@ from metropolis.proto import management as m
 from metropolis.roleserve import disk
 from metropolis.rpc import Endpoint, RPCError, Status, client_context, methods, open_client
 from tests.metropolis.test_node_cli import LEADS, NodeProcess, bootstrap_args, node
-from tests.operators.browser import in_browser
+from tests.operators.browser import Chromium
 
-#: Generous: a node's bootstrap and a browser's start share two cores with
+#: Generous: a node's bootstrap and the browser share two cores with
 #: other tests (one run under a load of 10 took over 120 s).
 BOUND = 240
 CONSENSUS = "root.role.controlplane.launcher.consensus"
@@ -48,7 +48,7 @@ async def _cells(page: Page) -> list[list[str]]:
 
 
 async def test_nodes_leader_and_supervision_tree_in_a_browser_then_curator_gone(
-    tmp_path: Path, bmdb_conn: bmdb.Connection
+    tmp_path: Path, bmdb_conn: bmdb.Connection, chromium: Chromium
 ) -> None:
     root = Root(tmp_path / "n")
     with trio.fail_after(BOUND):
@@ -61,8 +61,8 @@ async def test_nodes_leader_and_supervision_tree_in_a_browser_then_curator_gone(
             )
             web: str = urls[0]
 
-            async def scenario(browser: Browser) -> list[list[str]]:
-                page = await browser.new_page()
+            async def scenario(context: BrowserContext) -> list[list[str]]:
+                page = await context.new_page()
                 await page.goto(f"{web}/machines")
                 await page.get_by_role("link", name="Cluster", exact=True).click()
                 await page.wait_for_url("**/cluster")
@@ -77,7 +77,7 @@ async def test_nodes_leader_and_supervision_tree_in_a_browser_then_curator_gone(
                 await page.get_by_role("link", name="supervision tree").click()
                 await page.wait_for_url(f"**/cluster/node/{node_id}/tree")
                 # The tree is live: wait (reloading) until both are healthy.
-                # Bounded here: Trio's deadline cannot stop this thread.
+                # Bounded here too, so that the page says why it gave up.
                 for _ in range(BOUND * 2):
                     tree = {r[0]: r for r in await _cells(page)}
                     if all(tree.get(n, ["", ""])[1] == "HEALTHY" for n in (CONSENSUS, CURATOR)):
@@ -90,7 +90,7 @@ async def test_nodes_leader_and_supervision_tree_in_a_browser_then_curator_gone(
                 assert "<" not in await page.inner_text("body")
                 return list(tree.values())
 
-            tree = await in_browser(scenario)
+            tree = await chromium.run(scenario)
             assert all(len(r) == 5 for r in tree)
 
             # The curator goes: the page explains, as a page with the navigation.

@@ -12,14 +12,14 @@ import uuid
 import httpx
 import pytest
 import trio
-from playwright.async_api import Browser, Page
+from playwright.async_api import Browser, BrowserContext, Page
 from prometheus_client.parser import text_string_to_metric_families
 
 import bmdb
 from bmdb import overview
 from bmdb.overview import State
-from bmdb.web.server import serve
-from tests.operators.browser import in_browser
+from console.server import serve
+from tests.operators.browser import Chromium
 from tests.operators.populate import HTML_CAUSE, HTML_PROVIDER_ID, Fleet, populate
 
 
@@ -43,11 +43,13 @@ async def _rows(page: Page) -> list[list[str]]:
     return cells
 
 
-async def test_filter_to_failed_and_follow_a_machine(fleet: Fleet, web: str) -> None:
+async def test_filter_to_failed_and_follow_a_machine(
+    fleet: Fleet, web: str, chromium: Chromium
+) -> None:
     failed = fleet.ids[State.FAILED]
 
-    async def scenario(browser: Browser) -> None:
-        page = await browser.new_page()
+    async def scenario(context: BrowserContext) -> None:
+        page = await context.new_page()
         await page.goto(f"{web}/machines")
         assert len(await _rows(page)) == 7
         # Our own markup is markup: none of its tags shows up as text (the
@@ -72,12 +74,14 @@ async def test_filter_to_failed_and_follow_a_machine(fleet: Fleet, web: str) -> 
         assert [line.split("\t")[2] for line in lines] == ["Started", "Failed"]
         assert lines[1].endswith("no route to host")
 
-    await in_browser(scenario)
+    await chromium.run(scenario)
 
 
-async def test_html_in_the_database_is_shown_as_text(fleet: Fleet, web: str) -> None:
-    async def scenario(browser: Browser) -> None:
-        page = await browser.new_page()
+async def test_html_in_the_database_is_shown_as_text(
+    fleet: Fleet, web: str, chromium: Chromium
+) -> None:
+    async def scenario(context: BrowserContext) -> None:
+        page = await context.new_page()
         dialogs: list[str] = []
         page.on("dialog", lambda d: dialogs.append(d.message))
         await page.goto(f"{web}/machines?state=failed")
@@ -98,11 +102,14 @@ async def test_html_in_the_database_is_shown_as_text(fleet: Fleet, web: str) -> 
         assert "<b>hi</b>" in await page.inner_text("main")
         assert await page.locator("main b").count() == 0
 
-    await in_browser(scenario)
+    await chromium.run(scenario)
 
 
-async def test_pages_answer_ten_browsers_at_once(fleet: Fleet, web: str) -> None:
+async def test_pages_answer_ten_browsers_at_once(
+    fleet: Fleet, web: str, chromium: Chromium
+) -> None:
     async def one(browser: Browser, n: int) -> int:
+        # A context each: ten users, each with its own cookies and connections.
         context = await browser.new_context()
         page = await context.new_page()
         loads = 0
@@ -119,10 +126,12 @@ async def test_pages_answer_ten_browsers_at_once(fleet: Fleet, web: str) -> None
         await context.close()
         return loads
 
-    async def scenario(browser: Browser) -> list[int]:
+    async def scenario(context: BrowserContext) -> list[int]:
+        browser = context.browser
+        assert browser is not None
         return list(await asyncio.gather(*(one(browser, n) for n in range(10))))
 
-    assert await in_browser(scenario) == [9] * 10
+    assert await chromium.run(scenario) == [9] * 10
 
 
 async def test_paging_and_errors(bmdb_conn: bmdb.Connection, fleet: Fleet, web: str) -> None:
@@ -144,9 +153,9 @@ async def test_paging_and_errors(bmdb_conn: bmdb.Connection, fleet: Fleet, web: 
         assert (await client.post("/machines")).status_code == 405
 
 
-async def test_bmdb_web_command_serves_until_sigterm(fleet: Fleet, bmdb_url: str) -> None:
+async def test_console_web_command_serves_until_sigterm(fleet: Fleet, bmdb_url: str) -> None:
     argv = [
-        sys.executable, "-m", "bmdb", "--url", bmdb_url, "web", "--listen", "127.0.0.1:0",
+        sys.executable, "-m", "console", "--url", bmdb_url, "web", "--listen", "127.0.0.1:0",
         "--metrics-listen", "127.0.0.1:0",
     ]  # fmt: skip
     proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE)
@@ -185,3 +194,24 @@ async def test_bmdb_web_command_serves_until_sigterm(fleet: Fleet, bmdb_url: str
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_bmdb_web_says_where_the_web_ui_went(bmdb_url: str) -> None:
+    """The old command, with the flags it took, prints one line and exits 2."""
+    for args in (["web"], ["web", "--listen", "127.0.0.1:0", "--cluster-owner-root", "d"]):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bmdb", "--url", bmdb_url, *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert (result.returncode, result.stdout) == (2, b"")
+        [line] = result.stderr.decode().splitlines()
+        assert "python -m console web" in line
+
+
+async def test_console_web_wants_both_owner_files(bmdb_url: str) -> None:
+    argv = [sys.executable, "-m", "console", "--url", bmdb_url, "web", "--cluster-owner-root", "d"]
+    result = await trio.run_process(argv, capture_stderr=True, check=False)
+    assert result.returncode == 2
+    assert "--cluster-owner-root and --cluster-owner-key go together" in result.stderr.decode()

@@ -12,10 +12,10 @@ import uuid
 
 from bmdb import overview
 from bmdb.connection import Connection
-from bmdb.errors import BMDBError
 from bmdb.model import Provider, WorkEvent
 from bmdb.overview import MachineState, State
-from bmdb.web.render import (
+from console.errors import NotFound
+from console.render import (
     Html,
     ago,
     columns,
@@ -32,10 +32,6 @@ from bmdb.web.render import (
 #: Machines per page unless asked otherwise, and the most one may ask for.
 PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
-
-
-class NotFound(BMDBError):
-    """The page's subject does not exist (answered with 404)."""
 
 
 def _now() -> datetime.datetime:

@@ -11,10 +11,10 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.typing import ASGIFramework
 
 from bmdb.connection import Connection
-from bmdb.web.asgi import App
-from bmdb.web.cluster import ClusterView
+from console.asgi import App
+from console.cluster import ClusterView
 
-logger = logging.getLogger("bmdb.web")
+logger = logging.getLogger("console")
 
 
 def _config(listen: str) -> Config:
@@ -22,7 +22,7 @@ def _config(listen: str) -> Config:
     config.bind = [listen]
     # hypercorn's access log would go to stderr per request; ours is quiet.
     config.accesslog = None
-    config.errorlog = logging.getLogger("bmdb.web.hypercorn")
+    config.errorlog = logging.getLogger("console.hypercorn")
     return config
 
 

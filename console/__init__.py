@@ -1,4 +1,9 @@
-"""The BMDB's read-only web UI: ``python -m bmdb web``.
+"""The operator console: a read-only web UI of the fleet and of the cluster it
+runs, ``python -m console web``.
+
+It sits above the packages it shows: it reads the BMDB through `bmdb` and
+asks the cluster through `metropolis.owner`, and neither imports it
+(`tests/test_package_layers.py` checks the direction).
 
 Server-rendered HTML, no JavaScript, served by hypercorn's Trio worker in
 the same Trio run as the BMDB connection::
@@ -21,5 +26,6 @@ and one navigation for the fleet and the cluster it runs.
 
 Modules: `render` (HTML building blocks, escaping, the SVG charts), `pages`
 (one function per BMDB page), `cluster` (the cluster pages), `asgi`
-(routing, errors, headers), `server` (hypercorn under Trio).
+(routing, errors, headers), `server` (hypercorn under Trio), `errors` (the
+console's error tree), `__main__` (the command).
 """

@@ -18,13 +18,14 @@ from urllib.parse import parse_qs
 
 from bmdb.connection import Connection
 from bmdb.errors import DatabaseUnavailable, InvalidArgument
-from bmdb.web import cluster as cluster_pages
-from bmdb.web import pages
-from bmdb.web.cluster import ClusterView
-from bmdb.web.render import Html, esc, page
 from common.asgi import answer_lifespan
+from console import cluster as cluster_pages
+from console import pages
+from console.cluster import ClusterView
+from console.errors import NotFound
+from console.render import Html, esc, page
 
-logger = logging.getLogger("bmdb.web")
+logger = logging.getLogger("console")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -88,7 +89,7 @@ class App:
             if path == "/cluster" or path.startswith("/cluster/"):
                 return await self._cluster(path)
             return 404, _error("Not found", f"No page at {path}.")
-        except (pages.NotFound, cluster_pages.NotFound) as e:
+        except NotFound as e:
             return 404, _error("Not found", str(e))
         except InvalidArgument as e:
             return 400, _error("Bad request", str(e))

@@ -1,7 +1,7 @@
 """The web UI's cluster pages: nodes, one node, a node's supervision tree.
 
 They show the cluster as its owner sees it, through
-:mod:`metropolis.owner` with the owner's files (``python -m bmdb web
+:mod:`metropolis.owner` with the owner's files (``python -m console web
 --cluster-owner-root DIR --cluster-owner-key FILE``, the ``--root`` and
 ``--owner-key`` of ``python -m metropolis owner``), read once at start::
 
@@ -16,7 +16,7 @@ tried and what the error was, as a normal page (HTTP 200 with the
 navigation): the cluster being down is what the operator came to see, not
 a fault of the UI. Nothing secret is shown: no keys, no join data, no
 certificates; node IDs, addresses, states, role names and one-line errors.
-Every text is escaped by :mod:`bmdb.web.render`.
+Every text is escaped by :mod:`console.render`.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from typing import TypeVar
 
 import trio
 
-from bmdb.errors import BMDBError
-from bmdb.web.render import Html, ago, duration, esc, fields, link, page, table
+from console.errors import ConsoleError, NotFound
+from console.render import Html, ago, duration, esc, fields, link, page, table
 from metropolis.errors import MetropolisError
 from metropolis.owner import NodeRow, Owner, OwnerAccess
 from metropolis.proto import management as m
 
-__all__ = ["CALL_TIMEOUT", "ClusterView", "NotFound", "disabled"]
+__all__ = ["CALL_TIMEOUT", "ClusterView", "disabled"]
 
 #: Seconds a page waits for the cluster's answers before it explains the silence.
 CALL_TIMEOUT = 10.0
@@ -41,11 +41,7 @@ CALL_TIMEOUT = 10.0
 T = TypeVar("T")
 
 
-class NotFound(BMDBError):
-    """No node with that ID in the cluster (answered with 404)."""
-
-
-class _Unreachable(BMDBError):
+class _Unreachable(ConsoleError):
     """The curators or the node did not answer; the page explains."""
 
     def __init__(self, what: str, addresses: list[str], error: str) -> None:
@@ -62,7 +58,7 @@ def disabled() -> Html:
         Html(
             "<p>The cluster views are off: this UI was started without the "
             "cluster owner's credentials. Start it with "
-            "<code>python -m bmdb web --cluster-owner-root DIR "
+            "<code>python -m console web --cluster-owner-root DIR "
             "--cluster-owner-key FILE</code>, where DIR and FILE are what "
             "<code>python -m metropolis owner --root DIR --owner-key FILE</code> "
             "takes: a cluster node's root (with the owner certificate) and the "

@@ -1,0 +1,142 @@
+"""The operator console's command.
+
+    python -m console [--url URL] web [--listen HOST:PORT]   read-only web UI
+        [--cluster-owner-root DIR --cluster-owner-key FILE]  with the cluster's pages
+        [--metrics-listen HOST:PORT [--metrics-fleet-period SECONDS]]
+
+``--url`` is the BMDB's, as ``python -m bmdb`` takes it (without it, the
+libpq ``PG*`` environment variables locate the database). The server runs
+until SIGINT or SIGTERM, then prints ``stopped`` and exits 0. Errors (the
+BMDB unreachable or not migrated, unreadable owner files) are printed as one
+line on stderr, with exit status 1 (see :mod:`common.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import signal
+from pathlib import Path
+
+import trio
+
+import bmdb
+from bmdb.cli import add_url_option
+from bmdb.errors import BMDBError
+from common.cli import run_main
+from common.listen import listen_address
+from console.errors import ConsoleError
+from metropolis.errors import MetropolisError
+
+#: Database connections of the web UI: pages are served concurrently.
+WEB_CONNECTIONS = 8
+
+
+async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
+    """Serve the web UI (and metrics, if asked) until SIGINT or SIGTERM."""
+    # Imported here: hypercorn and prometheus_client only when serving.
+    from prometheus_client import CollectorRegistry
+
+    from bmdb.metrics import ConnectionCollector, FleetGauges
+    from common.metrics import serve_metrics
+    from console.cluster import ClusterView
+    from console.server import serve
+
+    cluster = None
+    if args.cluster_owner_root is not None:
+        from metropolis.localstorage import Root
+        from metropolis.owner import load_owner, load_owner_key
+
+        # Read once, before serving: a wrong path is a start-up error, not
+        # a page. Reaching the curators is left to each page.
+        access = load_owner(
+            Root(args.cluster_owner_root.resolve()), load_owner_key(args.cluster_owner_key)
+        )
+        cluster = ClusterView(access)
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            if args.metrics_listen:
+                registry = CollectorRegistry()
+                fleet = FleetGauges(conn, args.metrics_fleet_period)
+                # The label dashboards know this connection by, kept from
+                # when the UI was `bmdb web`.
+                registry.register(ConnectionCollector(conn, "bmdb-web"))
+                registry.register(fleet)
+                metrics = await nursery.start(serve_metrics, registry, args.metrics_listen)
+                print(f"metrics on {metrics[0]}/metrics", flush=True)
+                await nursery.start(fleet.run)
+            urls = await nursery.start(functools.partial(serve, conn, args.listen, cluster=cluster))
+            print(f"serving on {' '.join(urls)}", flush=True)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+    return "stopped"
+
+
+async def _command(args: argparse.Namespace) -> str:
+    # The web UI answers several browsers at once.
+    async with bmdb.open_connection(args.url, max_connections=WEB_CONNECTIONS) as conn:
+        return await _web(conn, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="console",
+        description="The operator console: the fleet (BMDB) and the cluster it runs.",
+    )
+    add_url_option(parser)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    web = commands.add_parser("web", help="serve the read-only web UI until SIGINT/SIGTERM")
+    web.add_argument(
+        "--listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="(default: %(default)s)"
+    )
+    web.add_argument(
+        "--metrics-listen",
+        type=listen_address,
+        metavar="HOST:PORT",
+        help="also serve Prometheus metrics at http://HOST:PORT/metrics",
+    )
+    # "owner root": the node root whose owner certificate the owner's tools
+    # read (`python -m metropolis owner --root`); "cluster-" groups both
+    # flags apart from the BMDB's --url.
+    web.add_argument(
+        "--cluster-owner-root",
+        type=Path,
+        metavar="DIR",
+        help="also show the cluster: a node root with the owner certificate, "
+        "as 'python -m metropolis owner --root' takes",
+    )
+    web.add_argument(
+        "--cluster-owner-key",
+        type=Path,
+        metavar="FILE",
+        help="the cluster owner's private key (with --cluster-owner-root)",
+    )
+    web.add_argument(
+        "--metrics-fleet-period",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="how often the fleet gauges are queried (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    if (args.cluster_owner_root is None) != (args.cluster_owner_key is None):
+        parser.error("--cluster-owner-root and --cluster-owner-key go together")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+    def body() -> int:
+        print(trio.run(_command, args))
+        return 0
+
+    # MetropolisError: the cluster owner's files (--cluster-owner-*).
+    return run_main("console", body, known=(BMDBError, MetropolisError, ConsoleError))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
