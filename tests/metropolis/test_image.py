@@ -6,12 +6,10 @@ project's packages, with a PATH that has no etcd.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -20,7 +18,6 @@ import trio
 
 from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.process import ETCD_BINARY_ENV, ProcessConfig, Tuning
-from metropolis.image import contents
 from metropolis.image.build import IMAGE_SUFFIX, build_image
 from metropolis.image.bundle import ETCD_NAME, MANIFEST_NAME, Manifest, bundled_etcd, python_tag
 from metropolis.image.errors import ImageError
@@ -31,30 +28,10 @@ SYSTEM_PYTHON = Path("/usr/bin/python3")
 ETCD = Path("/usr/bin/etcd")
 
 
-def _inputs_key() -> str:
-    """A digest of everything a build reads: sources, distributions, etcd, tools."""
-    digest = hashlib.sha256()
-    for name in contents.OWN_PACKAGES:
-        root = contents.package_dir(name)
-        for path in sorted(root.rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts:
-                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    for dist in sorted(importlib.metadata.distributions(), key=lambda d: str(d.metadata["Name"])):
-        digest.update(f"{dist.metadata['Name']}=={dist.version}\n".encode())
-    digest.update(ETCD.read_bytes())
-    digest.update(sys.version.encode())
-    return digest.hexdigest()[:32]
-
-
-@pytest.fixture(scope="session")
-def image() -> Path:
-    """A built image; rebuilt only when its inputs changed since the last session."""
-    cache = Path(tempfile.gettempdir(), "metropolis-image-test", _inputs_key())
-    cache.mkdir(parents=True, exist_ok=True)
-    built = sorted(cache.glob(f"*{IMAGE_SUFFIX}"))
-    if built:
-        return built[0]
-    return build_image(cache, ETCD).path
+@pytest.fixture
+def image(node_image: Path) -> Path:
+    """The session's node image (tests/fixtures/image.py)."""
+    return node_image
 
 
 @pytest.fixture
