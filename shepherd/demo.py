@@ -29,10 +29,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +194,53 @@ def render(results: Sequence[Outcome], ports: dict[str, int]) -> str:
         rows.append((o.provider_id, f"{o.address}:{ports.get(o.provider_id, 22)}", what))
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c}" for a, b, c in rows)
+
+
+#: Seconds a Ctrl-C gives the demo to stop everything before it gives up.
+SHUTDOWN_BOUND = 30.0
+
+
+async def run_interruptible(options: Options, postgres: LocalPostgres) -> bool | None:
+    """`run_demo`, ended in order by a Ctrl-C: None if it was interrupted.
+
+    SIGINT is taken as an event here, not as Trio's KeyboardInterrupt: a
+    KeyboardInterrupt is raised wherever the main thread happens to be,
+    and that can be inside asyncssh's asyncio callbacks (under
+    trio-asyncio), beyond Trio's protection, where it left the demo
+    waiting forever now and then. Instead the work is cancelled, so every
+    cleanup (sessions closed, agents stopped) runs while PostgreSQL is
+    still up. Should a cleanup still hang, a watchdog thread stops
+    PostgreSQL and ends the process after `SHUTDOWN_BOUND` seconds.
+    """
+    result: bool | None = None
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def on_interrupt() -> None:
+                async for _ in signals:
+                    _start_watchdog(postgres)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(on_interrupt)
+            result = await run_demo(options, postgres)
+            nursery.cancel_scope.cancel()
+    # Set only if run_demo finished: an interrupted run leaves it None.
+    return result
+
+
+def _start_watchdog(postgres: LocalPostgres) -> None:
+    def give_up() -> None:
+        sys.stderr.write(
+            f"shepherd.demo: interrupted, but stopping took over {SHUTDOWN_BOUND:g} s;"
+            " stopping PostgreSQL and exiting\n"
+        )
+        postgres.stop()
+        os._exit(130)
+
+    timer = threading.Timer(SHUTDOWN_BOUND, give_up)
+    timer.daemon = True
+    timer.start()
 
 
 async def run_demo(options: Options, postgres: LocalPostgres) -> bool:
@@ -385,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         postgres.start()
         postgres.create_database("bmdb")
         logger.info("BMDB at %s", postgres.url("bmdb"))
-        ok = trio.run(run_demo, options, postgres)
+        ok = trio.run(run_interruptible, options, postgres)
     except LocalPostgresError as exc:
         sys.stderr.write(f"shepherd.demo: {exc}\n")
         return 1
