@@ -73,7 +73,7 @@ async def test_metrics_after_an_initializer_run_match_the_history(
     async with open_fleet(
         tmp_path / "fleet", count=GOOD, authorized_key=shepherd_ssh_key.authorized_key
     ) as fleet:
-        entries = [("127.0.0.1", m.port) for m in fleet.machines] + [
+        entries = [(m.host, m.port) for m in fleet.machines] + [
             ("127.0.0.1", p) for p in dead_ports
         ]
         machines = tmp_path / "machines.toml"

@@ -189,7 +189,7 @@ async def test_trio_cancellation_crosses_the_bridge_and_closes(
                 nursery.start_soon(cancel_once_running)
                 with scope:
                     async with client.connect(
-                        "127.0.0.1", machine.port, known_host_key=None
+                        machine.host, machine.port, known_host_key=None
                     ) as conn:
                         await conn.run("sleep 60")
         assert scope.cancelled_caught
@@ -199,7 +199,7 @@ async def test_trio_cancellation_crosses_the_bridge_and_closes(
             await wait_until(lambda: machine.open_connections == 0 and machine.killed == 1)
         assert (machine.execs, machine.killed, machine.closed_connections) == (1, 1, 1)
         # The bridge is still usable afterwards.
-        async with client.connect("127.0.0.1", machine.port, known_host_key=None) as conn:
+        async with client.connect(machine.host, machine.port, known_host_key=None) as conn:
             assert (await conn.run("echo again")).stdout == b"again\n"
 
 
