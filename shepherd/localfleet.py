@@ -68,6 +68,12 @@ class FleetMachine:
     #: Commands whose session closed before they exited (they were killed).
     killed: int = 0
     _acceptor: asyncssh.SSHAcceptor | None = field(default=None, repr=False)
+    #: Commands running now. The fleet waits for each before it closes: the
+    #: wait for a child's exit runs in a thread that reports to the Trio run
+    #: (trio_asyncio), and must not outlive it.
+    _children: set[asyncio.subprocess.Process] = field(default_factory=set, repr=False)
+    #: Set once the fleet stops: no command starts after that.
+    _stopping: bool = field(default=False, repr=False)
 
 
 @dataclass
@@ -95,8 +101,12 @@ async def _run_command(machine: FleetMachine, process: asyncssh.SSHServerProcess
         return
     if argv[0].startswith("/"):
         argv[0] = str(machine.root) + argv[0]
-    machine.execs += 1
     stdin = await process.stdin.read()
+    if machine._stopping:
+        process.stderr.write(b"the machine is shutting down\n")
+        process.exit(255)
+        return
+    machine.execs += 1
     try:
         child = await asyncio.create_subprocess_exec(
             *argv,
@@ -109,6 +119,9 @@ async def _run_command(machine: FleetMachine, process: asyncssh.SSHServerProcess
         process.stderr.write(f"{argv[0]}: {exc.strerror}\n".encode())
         process.exit(127)
         return
+    machine._children.add(child)
+    child_exited = asyncio.ensure_future(child.wait())
+    child_exited.add_done_callback(lambda _: machine._children.discard(child))
     communicate = asyncio.ensure_future(child.communicate(stdin))
     closed = asyncio.ensure_future(process.wait_closed())
     await asyncio.wait({communicate, closed}, return_when=asyncio.FIRST_COMPLETED)
@@ -239,9 +252,16 @@ def stop_node(disk: Path) -> None:
 
 async def _stop(fleet: Fleet) -> None:
     for machine in fleet.machines:
+        machine._stopping = True
         if machine._acceptor is not None:
             machine._acceptor.close()
             await machine._acceptor.wait_closed()
+        # A command still running (one a Ctrl-C to the process group did
+        # not end yet) is killed and reaped here, inside the loop.
+        for child in list(machine._children):
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+            await child.wait()
         # An agent detaches from the SSH session that started it (on a real
         # machine it outlives the Shepherd's connection), so closing the
         # server does not end it, nor the node an agent started (which
