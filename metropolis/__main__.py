@@ -16,11 +16,13 @@ stops everything (etcd included) and exits 0.
 ``metropolis image build --out DIR`` builds a node image
 (:mod:`metropolis.image.__main__`, which it hands its arguments to).
 
-``metropolis owner --root NODE_ROOT --owner-key FILE`` then ``nodes``,
-``approve NODE``, ``set-roles NODE [--consensus-member on|off]
-[--kubernetes-controller on|off]``, ``tree NODE``, ``ticket`` or ``info
-[--out FILE]``:
-the owner's calls (:mod:`metropolis.owner`).
+``metropolis owner (--cluster FILE | --root NODE_ROOT) --owner-key FILE``
+then ``nodes``, ``approve NODE``, ``set-roles NODE [--consensus-member
+on|off] [--kubernetes-controller on|off]``, ``delete NODE [--force]``,
+``tree NODE``, ``ticket`` or ``info [--out FILE]``: the owner's calls
+(:mod:`metropolis.owner`). ``--cluster`` takes what ``info --out`` wrote
+and needs no node's disk. Calls that change something print what
+changed; one still waiting after a second says what it waits for.
 
 Every command checks its ``--root`` before it reads or writes anything
 there (:meth:`~metropolis.localstorage.Root.check`): a root that is a
@@ -38,6 +40,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
@@ -46,7 +50,17 @@ from metropolis import identity, pki
 from metropolis.consensus.process import Tuning
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
-from metropolis.owner import format_table, format_tree, load_owner_key, open_owner
+from metropolis.owner import (
+    Change,
+    Owner,
+    OwnerAccess,
+    describe_change,
+    format_table,
+    format_tree,
+    load_owner,
+    load_owner_from_cluster,
+    load_owner_key,
+)
 from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
@@ -148,8 +162,18 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("image", help="build a node image ('image build --help')")
 
     owner = commands.add_parser("owner", help="manage the cluster as its owner")
-    owner.add_argument("--root", type=Path, required=True, help="a node's data directory")
+    where = owner.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--cluster", type=Path, help="cluster CA and directory (from 'owner info --out')"
+    )
+    where.add_argument("--root", type=Path, help="a node's data directory")
     owner.add_argument("--owner-key", type=Path, required=True, help="the owner's private key")
+    owner.add_argument(
+        "--curator-port",
+        type=int,
+        default=7835,
+        help="the cluster's curator port (with --cluster; default 7835)",
+    )
     calls = owner.add_subparsers(dest="action", required=True)
     calls.add_parser("nodes", help="the node table")
     approve = calls.add_parser("approve", help="approve a registered node")
@@ -158,6 +182,13 @@ def _parser() -> argparse.ArgumentParser:
     roles.add_argument("node", help="node ID (or a unique prefix)")
     roles.add_argument("--consensus-member", choices=["on", "off"])
     roles.add_argument("--kubernetes-controller", choices=["on", "off"])
+    delete = calls.add_parser("delete", help="delete a node from the cluster")
+    delete.add_argument("node", help="node ID (or a unique prefix)")
+    delete.add_argument(
+        "--force",
+        action="store_true",
+        help="even if it holds roles (accepted only once its heartbeat has timed out)",
+    )
     tree = calls.add_parser("tree", help="a node's supervision tree, from the node")
     tree.add_argument("node", help="node ID (or a unique prefix)")
     calls.add_parser("ticket", help="print the register ticket (hex)")
@@ -227,35 +258,93 @@ def _onoff(value: str | None) -> bool | None:
     return None if value is None else value == "on"
 
 
+#: What a call that takes a while is waiting for, said after :data:`_PATIENCE` seconds.
+_WAITS = {
+    "consensus-on": (
+        "waiting for the curator to add the node to etcd (etcd admits a new member "
+        "only once its leader is connected to every peer; this can take a while)"
+    ),
+    "consensus-off": "waiting for the curator to remove the node's etcd member",
+    "delete": "waiting for the curator to remove the node's etcd member and revoke it",
+    "any": "still waiting for the curators (a leader may be being elected)",
+}
+_PATIENCE = 1.0
+
+
+@asynccontextmanager
+async def _saying_waits(what: str) -> AsyncIterator[None]:
+    """Run the block; if it takes over :data:`_PATIENCE` s, say on stderr what it waits for."""
+    async with trio.open_nursery() as nursery:
+
+        async def tell() -> None:
+            await trio.sleep(_PATIENCE)
+            sys.stderr.write(_WAITS[what] + "...\n")
+            sys.stderr.flush()
+
+        nursery.start_soon(tell)
+        try:
+            yield
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def _owner_access(args: argparse.Namespace) -> OwnerAccess:
+    key = load_owner_key(args.owner_key)
+    if args.cluster is not None:
+        return load_owner_from_cluster(args.cluster, key, args.curator_port)
+    return load_owner(_root(args.root), key)
+
+
 async def _owner(args: argparse.Namespace) -> None:
-    root = _root(args.root)
-    async with open_owner(root, load_owner_key(args.owner_key)) as owner:
-        if args.action == "nodes":
-            sys.stdout.write(format_table(await owner.nodes()) + "\n")
-        elif args.action == "approve":
+    access = _owner_access(args)
+    async with _saying_waits("any"):
+        await access.tls_context()  # the escrow, unless the root keeps a certificate
+    async with access.open() as owner:
+        await _owner_call(args, owner)
+
+
+async def _owner_call(args: argparse.Namespace, owner: Owner) -> None:
+    out = sys.stdout.write
+    if args.action == "nodes":
+        async with _saying_waits("any"):
+            rows = await owner.nodes()
+        out(format_table(rows) + "\n")
+    elif args.action == "approve":
+        async with _saying_waits("any"):
             row = await owner.approve(args.node)
-            # A NEW node has pushed no status yet, so usually no address.
-            address = row.address or "none reported yet"
-            sys.stdout.write(f"approved {row.node_id} (address {address})\n")
-        elif args.action == "set-roles":
-            await owner.set_roles(
+            after = await owner.current(row)
+        # A NEW node has pushed no status yet, so usually no address.
+        address = row.address or "none reported yet"
+        out(f"approved {row.node_id} (address {address})\n")
+        if after is not None:
+            out(describe_change(Change(row, after)) + "\n")
+    elif args.action == "set-roles":
+        consensus = _onoff(args.consensus_member)
+        what = "any" if consensus is None else ("consensus-on" if consensus else "consensus-off")
+        async with _saying_waits(what):
+            change = await owner.set_roles(
                 args.node,
-                consensus_member=_onoff(args.consensus_member),
+                consensus_member=consensus,
                 kubernetes_controller=_onoff(args.kubernetes_controller),
             )
-        elif args.action == "tree":
-            tree = await owner.supervision_tree(await owner.row(args.node))
-            sys.stdout.write(format_tree(tree) + "\n")
-        elif args.action == "ticket":
-            sys.stdout.write((await owner.ticket()).hex() + "\n")
-        else:
-            info = await owner.info()
-            if args.out is not None:
-                atomic_write(args.out.resolve(), bytes(info))
-            directory = info.cluster_directory
-            for node in directory.nodes if directory else []:
-                hosts = ",".join(a.host for a in node.addresses)
-                sys.stdout.write(f"{identity.node_id(node.public_key)} {hosts}\n")
+        out(describe_change(change) + "\n")
+    elif args.action == "delete":
+        async with _saying_waits("delete"):
+            change = await owner.delete(args.node, force=args.force)
+        out(describe_change(change) + "\n")
+    elif args.action == "tree":
+        tree = await owner.supervision_tree(await owner.row(args.node))
+        out(format_tree(tree) + "\n")
+    elif args.action == "ticket":
+        out((await owner.ticket()).hex() + "\n")
+    else:
+        info = await owner.info()
+        if args.out is not None:
+            atomic_write(args.out.resolve(), bytes(info))
+        directory = info.cluster_directory
+        for node in directory.nodes if directory else []:
+            hosts = ",".join(a.host for a in node.addresses)
+            out(f"{identity.node_id(node.public_key)} {hosts}\n")
 
 
 def _fresh(root: Root) -> bool:

@@ -1,20 +1,27 @@
-"""The owner's side of the cluster: register tickets, approvals, roles, the node table,
-a node's supervision tree.
+"""The owner's side of the cluster: register tickets, approvals, roles, deletion, the
+node table, a node's supervision tree.
 
-Used by ``python -m metropolis owner --root DIR --owner-key FILE ...``
-(:mod:`metropolis.__main__`). ``DIR`` is the root of a node of the cluster:
-the owner reads the cluster CA and directory from it, and the owner
-certificate the bootstrap node left there
-(:func:`~metropolis.roleserve.disk.owner_certificate_path`). Every call
-goes to the leading curator through :mod:`metropolis.rpc`, which moves to
-the leader a follower names.
+Used by ``python -m metropolis owner (--cluster FILE | --root DIR) --owner-key
+FILE ...`` (:mod:`metropolis.__main__`). ``FILE`` is what ``owner info
+--out`` writes (the cluster CA and directory): with it and the owner key
+the owner works from any machine, without any node's disk
+(:func:`load_owner_from_cluster`). ``DIR`` is the root of any node of the
+cluster: the CA and directory are read there instead (:func:`load_owner`).
+Either way the owner's certificate is escrowed from a curator
+(``AAA.Escrow``, :func:`escrow_certificate`: a proof of possession of the
+owner key buys it), unless the root is the bootstrap node's, which keeps
+one (:func:`~metropolis.roleserve.disk.owner_certificate_path`). Every
+call goes to the leading curator through :mod:`metropolis.rpc`, which
+moves to the leader a follower names; the node table alone is read from a
+follower while no curator leads (:meth:`Owner.nodes`, rows marked stale).
 
 The root is checked as every entry point checks it
 (:meth:`~metropolis.localstorage.Root.check`, through
 :func:`~metropolis.roleserve.disk.load`), and refused, not merely warned
 about, if another user could have changed it: the CA certificate read
 there decides whom the owner's key authenticates to, so a swapped one
-would hand the owner's calls (approvals, tickets) to someone else.
+would hand the owner's calls (approvals, tickets) to someone else. The
+same holds for the cluster file: keep it where only the owner can write.
 
 Errors: :class:`~metropolis.rpc.RPCError` from the curators,
 :class:`OwnerError` for local problems (missing files, unknown node).
@@ -25,36 +32,46 @@ from __future__ import annotations
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import LocalStorageError, Root
+from metropolis.proto import aaa, parameters
 from metropolis.proto import management as m
 from metropolis.proto.common import NodeState
 from metropolis.roleserve import disk
 from metropolis.roleserve.values import role_names
 from metropolis.rpc import (
+    CURATOR_PORT,
     Client,
     Endpoint,
+    RPCError,
+    Status,
     client_context,
     endpoints_from_directory,
     methods,
     open_client,
 )
+from metropolis.rpc.method import STALE_OK_HEADER
 
 __all__ = [
+    "Change",
     "NodeRow",
     "Owner",
     "OwnerAccess",
     "OwnerError",
+    "describe_change",
+    "escrow_certificate",
     "format_age",
     "format_table",
     "format_tree",
     "load_owner",
+    "load_owner_from_cluster",
     "open_owner",
     "role_names",
 ]
@@ -82,6 +99,68 @@ class NodeRow:
     health: str = "UNKNOWN"
     #: Seconds since the node's last heartbeat, if the curator knows.
     since_heartbeat: float | None = None
+    #: Its etcd member: ``voter``, ``learner``, ``none``, or ``?`` (unknown).
+    etcd: str = "?"
+    #: Served by a curator that did not lead (no curator led then): the
+    #: records are its etcd's, but heartbeats may have gone unrecorded.
+    stale: bool = False
+
+    @property
+    def curator_state(self) -> str:
+        """``LEADER``, ``yes``, ``down`` (its heartbeat timed out) or ``-``."""
+        if self.leader:
+            return "LEADER"
+        if not self.curator:
+            return "-"
+        return "down" if self.health == "HEARTBEAT_TIMEOUT" else "yes"
+
+
+_ETCD = {
+    m.NodeEtcdMembership.VOTER: "voter",
+    m.NodeEtcdMembership.LEARNER: "learner",
+    m.NodeEtcdMembership.NONE: "none",
+}
+
+
+def _sort_key(row: NodeRow) -> tuple[bool, tuple[int, ...], str, str]:
+    """By address (numerically for IPv4: 127.0.0.10 after 127.0.0.9), no address last."""
+    parts = row.address.split(".")
+    numeric = tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else ()
+    return (not row.address, numeric, row.address, row.node_id)
+
+
+@dataclass(frozen=True)
+class Change:
+    """A node before and after an owner's call (``after`` None: it is gone)."""
+
+    before: NodeRow
+    after: NodeRow | None
+
+
+def describe_change(change: Change) -> str:
+    """One line of what changed: state, roles, etcd membership, or that nothing did."""
+    before, after = change.before, change.after
+    name = before.node_id
+    if after is None:
+        parts = [f"deleted {name} (address {before.address or 'none'})"]
+        if before.roles:
+            parts.append(f"roles {','.join(before.roles)} gone with it")
+        if before.etcd in ("voter", "learner"):
+            parts.append(f"its etcd member ({before.etcd}) removed")
+        if before.state == "UP":
+            parts.append("its certificate revoked: curators refuse it from now on")
+        return "; ".join(parts)
+    changes = []
+    if after.state != before.state:
+        changes.append(f"state {before.state} -> {after.state}")
+    granted = [r for r in after.roles if r not in before.roles]
+    revoked = [r for r in before.roles if r not in after.roles]
+    changes += [f"{r} granted" for r in granted] + [f"{r} revoked" for r in revoked]
+    if after.etcd != before.etcd:
+        changes.append(f"etcd {before.etcd} -> {after.etcd}")
+    if not changes:
+        return f"{name}: nothing changed (roles {','.join(after.roles) or 'none'})"
+    return f"{name}: " + "; ".join(changes) + f" (roles now {','.join(after.roles) or 'none'})"
 
 
 class Owner:
@@ -96,7 +175,24 @@ class Owner:
         self._context = context
 
     async def nodes(self) -> list[NodeRow]:
-        async with self.client.stream(methods.GET_NODES, m.GetNodesRequest()) as call:
+        """Every node, sorted by address (:func:`_sort_key`).
+
+        From the leading curator; if no curator can take the call as leader
+        (UNAVAILABLE: a failover, until the dead leader's lease runs out),
+        from any curator that answers, each row marked ``stale``.
+        """
+        try:
+            return await self._nodes(stale_ok=False)
+        except RPCError as e:
+            if e.code is not Status.UNAVAILABLE:
+                raise
+        return await self._nodes(stale_ok=True)
+
+    async def _nodes(self, *, stale_ok: bool) -> list[NodeRow]:
+        metadata = {STALE_OK_HEADER: "1"} if stale_ok else None
+        async with self.client.stream(
+            methods.GET_NODES, m.GetNodesRequest(), metadata=metadata
+        ) as call:
             rows = []
             async for node in call:
                 status = node.status
@@ -109,7 +205,9 @@ class Owner:
                         state=NodeState(node.state).name,
                         roles=role_names(node.roles),
                         curator=bool(status and status.running_curator),
-                        leader=bool(address) and address == self.client.endpoint.host,
+                        leader=(
+                            not stale_ok and bool(address) and address == self.client.endpoint.host
+                        ),
                         debug_port=status.debug_port if status else 0,
                         health=m.NodeHealth(node.health).name,
                         since_heartbeat=(
@@ -117,9 +215,18 @@ class Owner:
                             if node.time_since_heartbeat is not None
                             else None
                         ),
+                        etcd=_ETCD.get(node.etcd_membership, "?"),
+                        stale=stale_ok,
                     )
                 )
-        return sorted(rows, key=lambda r: r.node_id)
+        return sorted(rows, key=_sort_key)
+
+    async def current(self, before: NodeRow) -> NodeRow | None:
+        """The node of ``before`` now (None: gone), read from the leader."""
+        for row in await self._nodes(stale_ok=False):
+            if row.node_id == before.node_id:
+                return row
+        return None
 
     async def row(self, node: str) -> NodeRow:
         """The node ``node`` (its ID or a unique prefix of it).
@@ -168,16 +275,45 @@ class Owner:
         *,
         consensus_member: bool | None = None,
         kubernetes_controller: bool | None = None,
-    ) -> None:
-        key = await self._public_key(node)
+    ) -> Change:
+        """Grant or revoke roles of ``node``; the node before and after.
+
+        Granting ConsensusMember waits while etcd refuses the new member
+        (it admits one only once its leader is connected to every peer).
+        """
+        before = await self.row(node)
         await self.client.unary(
             methods.UPDATE_NODE_ROLES,
             m.UpdateNodeRolesRequest(
-                pubkey=key,
+                pubkey=before.public_key,
                 consensus_member=consensus_member,
                 kubernetes_controller=kubernetes_controller,
             ),
         )
+        return Change(before, await self.current(before))
+
+    async def delete(self, node: str, *, force: bool = False) -> Change:
+        """Delete ``node`` from the cluster; the node before (``after`` None).
+
+        The curator refuses (FAILED_PRECONDITION) a node that holds roles,
+        unless ``force`` and its heartbeat has timed out; its etcd member
+        goes and its certificate is revoked. :class:`OwnerError` if the
+        curator still lists it after answering.
+        """
+        before = await self.row(node)
+        await self.client.unary(
+            methods.DELETE_NODE,
+            m.DeleteNodeRequest(
+                pubkey=before.public_key,
+                safety_bypass_has_roles=(
+                    m.DeleteNodeRequestSafetyBypassHasRoles() if force else None
+                ),
+            ),
+        )
+        after = await self.current(before)
+        if after is not None:
+            raise OwnerError(f"{before.node_id} is still listed after its deletion")
+        return Change(before, None)
 
     async def ticket(self) -> bytes:
         response = await self.client.unary(
@@ -203,36 +339,140 @@ class Owner:
             return await client.unary(methods.GET_SUPERVISION_TREE, m.GetSupervisionTreeRequest())
 
 
+async def escrow_certificate(
+    endpoints: list[Endpoint], ca_certificate: x509.Certificate, owner_key: Ed25519PrivateKey
+) -> x509.Certificate:
+    """An owner certificate from any curator of ``endpoints`` (``AAA.Escrow``).
+
+    Proves possession of ``owner_key``; no certificate needed. Curators
+    that refuse the connection or the call as unavailable are skipped
+    (any curator answers, the leader or not). :class:`RPCError` from the
+    last curator if none issues one (PERMISSION_DENIED: not the owner's
+    key); :class:`OwnerError` if what came back is not a certificate of
+    the cluster CA for this key.
+    """
+    context = client_context(ca_certificate)
+    last: RPCError | None = None
+    for endpoint in endpoints:
+        try:
+            async with (
+                open_client([endpoint], context, proof_key=owner_key) as client,
+                client.bidi(methods.ESCROW) as call,
+            ):
+                await call.send(
+                    aaa.EscrowFromClient(
+                        parameters=aaa.EscrowFromClientParameters(
+                            requested_identity_name="owner",
+                            public_key=pki.public_key_bytes(owner_key),
+                        )
+                    )
+                )
+                await call.done_sending()
+                emitted = b""
+                async for answer in call:
+                    emitted = answer.emitted_certificate or emitted
+        except RPCError as e:
+            if e.code is not Status.UNAVAILABLE:
+                raise
+            last = e
+            continue
+        try:
+            certificate = pki.decode_certificate(emitted)
+            pki.verify_signed_by(certificate, ca_certificate)
+            key = pki.public_key_bytes(pki.certificate_public_key(certificate))
+        except pki.PKIError as e:
+            raise OwnerError(
+                f"the curator at {endpoint.address} escrowed no usable certificate: {e}"
+            ) from e
+        if key != pki.public_key_bytes(owner_key):
+            raise OwnerError(
+                f"the curator at {endpoint.address} escrowed a certificate for another key"
+            )
+        return certificate
+    assert last is not None
+    raise last
+
+
 @dataclass(frozen=True)
 class OwnerAccess:
-    """What the owner needs to call a cluster: its curators and the owner's TLS identity.
+    """What the owner needs to call a cluster: its curators, the CA and the owner key.
 
-    Read once (:func:`load_owner`); each :meth:`open` connects anew, so a
-    long-running program (the web UI) follows curators that come and go.
+    Read once (:func:`load_owner`, :func:`load_owner_from_cluster`); each
+    :meth:`open` connects anew, so a long-running program (the web UI)
+    follows curators that come and go. ``certificate``: the owner's, if
+    one was found on disk; otherwise the first :meth:`open` escrows one
+    and keeps it.
     """
 
     endpoints: list[Endpoint]
-    context: ssl.SSLContext
+    ca_certificate: x509.Certificate
+    owner_key: Ed25519PrivateKey
+    certificate: x509.Certificate | None = None
+    _escrowed: list[x509.Certificate] = field(default_factory=list, compare=False, repr=False)
+
+    async def tls_context(self) -> ssl.SSLContext:
+        """The owner's TLS identity; escrows the certificate on first use."""
+        if self.certificate is None and not self._escrowed:
+            self._escrowed.append(
+                await escrow_certificate(self.endpoints, self.ca_certificate, self.owner_key)
+            )
+        return self.context
+
+    @property
+    def context(self) -> ssl.SSLContext:
+        """The owner's TLS identity once known: on disk, or escrowed by an earlier call.
+
+        :class:`OwnerError` before that (use :meth:`tls_context`).
+        """
+        certificate = self.certificate or (self._escrowed[0] if self._escrowed else None)
+        if certificate is None:
+            raise OwnerError("no owner certificate yet: it is escrowed at the first call")
+        return client_context(self.ca_certificate, certificate, self.owner_key)
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[Owner]:
-        """An :class:`Owner` on a new client; nothing is connected until its first call."""
-        async with open_client(self.endpoints, self.context) as client:
-            yield Owner(client, self.context)
+        """An :class:`Owner` on a new client (after the escrow, if one is due)."""
+        context = await self.tls_context()
+        async with open_client(self.endpoints, context) as client:
+            yield Owner(client, context)
 
 
 def load_owner(root: Root, owner_key: Ed25519PrivateKey) -> OwnerAccess:
-    """The owner's access through the node root ``root``; :class:`OwnerError` if unusable."""
+    """The owner's access through the node root ``root``; :class:`OwnerError` if unusable.
+
+    Any finished node's root: the bootstrap node's keeps the owner's
+    certificate, any other's leads to an escrow at the first call.
+    """
     try:
         saved = disk.load(root)
-        certificate = pki.decode_certificate(disk.owner_certificate_path(root).read_bytes())
+        certificate_path = disk.owner_certificate_path(root)
+        certificate = (
+            pki.decode_certificate(certificate_path.read_bytes())
+            if certificate_path.exists()
+            else None
+        )
     except (OSError, LocalStorageError, pki.PKIError) as e:
         raise OwnerError(f"cannot read the owner's files in {root.path}: {e}") from e
     if saved.credentials is None or saved.directory is None:
         raise OwnerError(f"{root.path} is not a finished node")
     endpoints = endpoints_from_directory(saved.directory, saved.settings.curator_port)
-    context = client_context(saved.credentials.ca_certificate, certificate, owner_key)
-    return OwnerAccess(endpoints, context)
+    return OwnerAccess(endpoints, saved.credentials.ca_certificate, owner_key, certificate)
+
+
+def load_owner_from_cluster(
+    path: Path, owner_key: Ed25519PrivateKey, curator_port: int = CURATOR_PORT
+) -> OwnerAccess:
+    """The owner's access from a cluster file (``owner info --out``): CA and directory.
+
+    Needs no node's disk: the owner certificate is escrowed at the first
+    call. :class:`~metropolis.proto.parameters.NodeParametersError` (an
+    :class:`~metropolis.errors.MetropolisError`) names the file if it is
+    not one.
+    """
+    info = parameters.read_cluster_info(path)
+    assert info.cluster_directory is not None  # read_cluster_info refuses a file without
+    endpoints = endpoints_from_directory(info.cluster_directory, curator_port)
+    return OwnerAccess(endpoints, pki.decode_certificate(info.ca_certificate), owner_key)
 
 
 @asynccontextmanager
@@ -269,15 +509,24 @@ def format_age(seconds: float | None) -> str:
 
 
 def format_table(rows: list[NodeRow]) -> str:
-    """The node table: id, address, state, health, last heartbeat, curator (or LEADER), roles."""
+    """The node table: id, address, state, health, last heartbeat, curator, etcd, roles.
+
+    Curator: LEADER, yes, down (its heartbeat timed out) or -. Rows a
+    follower served (no curator led) end with a line saying so.
+    """
     lines = [
         f"{'NODE':<44} {'ADDRESS':<16} {'STATE':<17} {'HEALTH':<17} {'LAST HEARTBEAT':<14} "
-        f"{'CURATOR':<8} ROLES"
+        f"{'CURATOR':<8} {'ETCD':<8} ROLES"
     ]
     for r in rows:
-        curator = "LEADER" if r.leader else ("yes" if r.curator else "-")
         lines.append(
             f"{r.node_id:<44} {r.address or '-':<16} {r.state:<17} {r.health:<17} "
-            f"{format_age(r.since_heartbeat):<14} {curator:<8} {','.join(r.roles) or '-'}"
+            f"{format_age(r.since_heartbeat):<14} {r.curator_state:<8} {r.etcd:<8} "
+            f"{','.join(r.roles) or '-'}"
+        )
+    if any(r.stale for r in rows):
+        lines.append(
+            "(no curator leads now: read from a follower's etcd; heartbeats and health "
+            "may be stale until a new leader is elected)"
         )
     return "\n".join(lines)

@@ -1,9 +1,13 @@
 """The curator's API for the owner (the ``Management`` service).
 
 ``GetRegisterTicket``, ``GetClusterInfo``, ``GetNodes`` (with each node's
-health), ``ApproveNode`` (NEW -> STANDBY) and ``UpdateNodeRoles``, whose
-ConsensusMember changes go through :mod:`.membership`. Every method needs
-the owner's certificate (:mod:`metropolis.rpc.methods`).
+health and etcd membership), ``ApproveNode`` (NEW -> STANDBY),
+``UpdateNodeRoles``, whose ConsensusMember changes go through
+:mod:`.membership`, and ``DeleteNode`` (:mod:`.deletion`). Every method
+needs the owner's certificate (:mod:`metropolis.rpc.methods`). GetNodes
+only reads etcd, so a follower may serve it (``stale_ok``): its answer is
+as current as its etcd member, but while no curator leads nobody records
+heartbeats, so health may show timeouts that are the failover's.
 
 Health: ``GetNodes`` reports HEALTHY within ``heartbeat_timeout`` of a
 node's last heartbeat (the leader's time of its last status, stored by
@@ -24,8 +28,10 @@ from collections.abc import Awaitable, Callable
 from cryptography import x509
 
 from metropolis import identity, pki
-from metropolis.consensus.client import Compare, Op, Put
-from metropolis.curator.membership import Membership
+from metropolis.consensus import Status as ConsensusStatus
+from metropolis.consensus.client import Compare, Member, Op, Put
+from metropolis.curator.deletion import Deletion
+from metropolis.curator.membership import Membership, members, peer_url
 from metropolis.curator.records import Records
 from metropolis.curator.state import HEARTBEATS, REGISTER_TICKET_KEY
 from metropolis.proto import management as m
@@ -58,14 +64,20 @@ class ManagementAPI:
         self,
         records: Records,
         membership: Membership,
+        deletion: Deletion,
+        consensus: ConsensusStatus,
         *,
         ca: x509.Certificate,
+        peer_port: int,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
     ) -> None:
         self._records = records
         self._kv = records.kv
         self._membership = membership
+        self._deletion = deletion
+        self._consensus = consensus
         self._ca = ca
+        self._peer_port = peer_port
         self._heartbeat_timeout = heartbeat_timeout
 
     def register(self, server: Server) -> None:
@@ -75,6 +87,7 @@ class ManagementAPI:
         server.stream(methods.GET_NODES, self.get_nodes)
         server.unary(methods.APPROVE_NODE, self.approve_node)
         server.unary(methods.UPDATE_NODE_ROLES, self.update_node_roles)
+        server.unary(methods.DELETE_NODE, self.delete_node)
 
     async def get_register_ticket(
         self, request: m.GetRegisterTicketRequest, ctx: CallContext
@@ -116,9 +129,13 @@ class ManagementAPI:
     ) -> None:
         if request.filter:
             raise RPCError(Status.UNIMPLEMENTED, "filters are not supported")
-        beats = await self._kv.range(HEARTBEATS, prefix=True)
-        heard = {kv.key.removeprefix(HEARTBEATS).decode(): kv.value for kv in beats.kvs}
+        heard = await self._heartbeats()
         now = time.time_ns()
+        try:
+            current: list[Member] | None = await members(self._consensus)
+        except RPCError as e:
+            _log.info("etcd membership unknown: %s", e)
+            current = None
         for record in await self._records.all():
             health, since = self._health(record, heard, now)
             await send(
@@ -129,8 +146,26 @@ class ManagementAPI:
                     roles=record.roles or NodeRoles(),
                     health=health,
                     time_since_heartbeat=since,
+                    etcd_membership=self._etcd_membership(record, current),
                 )
             )
+
+    async def _heartbeats(self) -> dict[str, bytes]:
+        beats = await self._kv.range(HEARTBEATS, prefix=True)
+        return {kv.key.removeprefix(HEARTBEATS).decode(): kv.value for kv in beats.kvs}
+
+    def _etcd_membership(self, record: Node, current: list[Member] | None) -> m.NodeEtcdMembership:
+        """The node's member in ``current`` (by name, or peer URL while unstarted)."""
+        if current is None:
+            return m.NodeEtcdMembership.UNKNOWN
+        node_id = identity.node_id(record.public_key)
+        url = peer_url(record, self._peer_port)
+        for member in current:
+            if member.name == node_id or (url is not None and url in member.peer_urls):
+                if member.is_learner:
+                    return m.NodeEtcdMembership.LEARNER
+                return m.NodeEtcdMembership.VOTER
+        return m.NodeEtcdMembership.NONE
 
     def _health(
         self, record: Node, heard: dict[str, bytes], now: int
@@ -215,6 +250,24 @@ class ManagementAPI:
         if deferred:
             _log.info("ConsensusMember of %s (this node) to be removed; resigning", node_id)
         return m.UpdateNodeRolesResponse()
+
+    async def delete_node(
+        self, request: m.DeleteNodeRequest, ctx: CallContext
+    ) -> m.DeleteNodeResponse:
+        """Delete a node (:mod:`.deletion`); the role bypass only for a timed-out node."""
+        node_id = request.id if request.id else _node_id(request.pubkey or b"")
+        heard = await self._heartbeats()
+
+        def timed_out(record: Node) -> bool:
+            health, _ = self._health(record, heard, time.time_ns())
+            return health == m.NodeHealth.HEARTBEAT_TIMEOUT
+
+        await self._deletion.delete(
+            node_id,
+            bypass_roles=request.safety_bypass_has_roles is not None,
+            timed_out=timed_out,
+        )
+        return m.DeleteNodeResponse()
 
 
 def _node_id(public_key: bytes) -> str:

@@ -82,6 +82,10 @@ class Membership:
         #: Learners this curator added: node ID -> (peer URL, when added).
         self._learners: dict[str, tuple[str, float]] = {}
 
+    async def complete_pending_removals(self) -> None:
+        """Finish the removals earlier leaders left (:mod:`.removal`). Call with the lock held."""
+        await self._removals.complete_pending()
+
     async def grant(self, node_id: str) -> None:
         """Complete pending removals, add the node as a learner, store its join data.
 

@@ -5,7 +5,9 @@
     CuratorServer.load ── reads owner key, CA and CRL once
       ├── NodeAPI        (:mod:`.nodeapi`)        what nodes call
       ├── ManagementAPI  (:mod:`.managementapi`)  what the owner calls
-      │     └── Membership (:mod:`.membership`)   ConsensusMember grants, revokes
+      │     ├── Membership (:mod:`.membership`)   ConsensusMember grants, revokes
+      │     └── Deletion   (:mod:`.deletion`)     DeleteNode: member, record, CRL
+      ├── Escrow         (:mod:`.aaa`)            the owner's certificate, for its key
       ├── Removals       (:mod:`.removal`)        the next leader's half of a removal
       └── Records        (:mod:`.records`)        leader-guarded reads and writes
     serve: the RPC server, and beside it the election's follower, the CRL's
@@ -15,8 +17,8 @@ The security hooks (:meth:`CuratorServer.security`) answer from memory: the
 owner key and CA are fixed at bootstrap and read once, the CRL is re-read
 after every revocation and on start (:meth:`CuratorServer.follow_crl`), and
 leadership is the last value of the election. The cluster CRL
-(``CRL_KEY``) is followed for the security hook; nothing here writes it
-yet (decommissioning a node is not built).
+(``CRL_KEY``) is followed for the security hook; a deletion
+(:mod:`.deletion`) writes it, and sets this curator's copy at once.
 
 A follower's UNAVAILABLE names the leader's node ID and, from the leader's
 reported status, its curator's ``host:port``: a client whose directory
@@ -34,6 +36,8 @@ from cryptography import x509
 from metropolis import pki
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.consensus.client import EtcdError, Get, RangeResult
+from metropolis.curator.aaa import Escrow
+from metropolis.curator.deletion import Deletion
 from metropolis.curator.election import ElectionState, Follower, Leader
 from metropolis.curator.managementapi import HEARTBEAT_TIMEOUT, ManagementAPI
 from metropolis.curator.membership import LEARNER_TIMEOUT, Membership
@@ -83,10 +87,26 @@ class CuratorServer:
             learner_timeout=learner_timeout,
         )
         self.nodes = NodeAPI(self._records, consensus, ca=ca, peer_port=peer_port)
-        self.management = ManagementAPI(
-            self._records, membership, ca=ca, heartbeat_timeout=heartbeat_timeout
+        deletion = Deletion(
+            self._records,
+            consensus,
+            membership,
+            ca=ca,
+            peer_port=peer_port,
+            crl_changed=self._set_crl,
         )
+        self.management = ManagementAPI(
+            self._records,
+            membership,
+            deletion,
+            consensus,
+            ca=ca,
+            peer_port=peer_port,
+            heartbeat_timeout=heartbeat_timeout,
+        )
+        self.escrow = Escrow(self._records.kv, ca=ca, owner_key=owner_key)
         self._owner_key = owner_key
+        self._ca = ca
         self._crl = crl
         #: The leading curator's host:port when following (for the hint).
         self._leader_address = ""
@@ -140,6 +160,11 @@ class CuratorServer:
             leadership=self._leadership,
         )
 
+    def _set_crl(self, crl: x509.CertificateRevocationList) -> None:
+        """Cache ``crl`` unless the cached one is newer (a deletion sets it before the watch)."""
+        if self._crl is None or pki.crl_number(crl) >= pki.crl_number(self._crl):
+            self._crl = crl
+
     def _leadership(self) -> Leadership:
         state = self._records.election
         if isinstance(state, Leader):
@@ -179,14 +204,23 @@ class CuratorServer:
         """Keep the cached CRL at etcd's (other curators revoke too); runs until cancelled."""
         kv = self._records.kv
         first = await kv.range(CRL_KEY)
+        if first.kvs:
+            self._take_crl(first.kvs[0].value)
         async with kv.watch(CRL_KEY, start_revision=first.revision + 1) as watch:
             async for response in watch:
                 for event in response.events:
                     if event.type == "PUT":
-                        try:
-                            self._crl = pki.decode_crl(event.kv.value)
-                        except pki.PKIError as e:
-                            _log.error("ignoring a damaged CRL: %s", e)
+                        self._take_crl(event.kv.value)
+
+    def _take_crl(self, raw: bytes) -> None:
+        """Cache the CRL ``raw``, unless damaged, not the CA's, or older than the cached one."""
+        try:
+            crl = pki.decode_crl(raw)
+            pki.verify_crl(crl, self._ca)
+        except pki.PKIError as e:
+            _log.error("ignoring a bad CRL: %s", e)
+            return
+        self._set_crl(crl)
 
     # --- wiring ----------------------------------------------------------
 
@@ -194,6 +228,7 @@ class CuratorServer:
         """Register every handler of both APIs with ``server``."""
         self.nodes.register(server)
         self.management.register(server)
+        self.escrow.register(server)
 
     async def serve(
         self,

@@ -12,7 +12,11 @@ import enum
 from dataclasses import dataclass
 from typing import Generic, Protocol, Self, TypeVar
 
-__all__ = ["Access", "Message", "Method"]
+__all__ = ["STALE_OK_HEADER", "Access", "Message", "Method"]
+
+#: Request metadata by which a caller of a ``stale_ok`` method accepts a
+#: follower's answer (value ``1``), for when no curator leads.
+STALE_OK_HEADER = "metropolis-stale-ok"
 
 
 class Message(Protocol):
@@ -61,6 +65,7 @@ class Method(Generic[Req, Resp]):
     streaming: bool = False
     leader_only: bool = True
     client_streaming: bool = False
+    stale_ok: bool = False
 
     def __post_init__(self) -> None:
         if self.client_streaming and not self.streaming:

@@ -9,7 +9,12 @@ replaces Monogon's per-method authorization option:
   RegisterNode, CommitNode and JoinNode are for nodes without one yet and
   need a proof of possession (:mod:`metropolis.rpc.auth`) of the node key
   (register, commit) or of the join key (join).
-- ``Management``: every method needs the owner's certificate.
+- ``Management``: every method needs the owner's certificate. GetNodes
+  is ``stale_ok``: with that metadata a follower answers, for an owner
+  who would otherwise wait out a failover.
+- ``AAA``: Escrow, for the owner without a certificate: a proof of
+  possession of the owner key buys one. Any curator answers (it reads the
+  CA from its own etcd), so it works during a failover.
 - ``NodeDebug`` (monotrio's): served by each node for itself, to the owner.
 
 Every curator method is leader-only: a follower answers UNAVAILABLE naming the
@@ -20,6 +25,7 @@ leader itself). Heartbeat is bidirectional (node certificate). Not here:
 
 from __future__ import annotations
 
+from metropolis.proto import aaa
 from metropolis.proto import curator_api as c
 from metropolis.proto import management as m
 from metropolis.rpc.method import Access, Method
@@ -27,6 +33,8 @@ from metropolis.rpc.method import Access, Method
 __all__ = [
     "APPROVE_NODE",
     "COMMIT_NODE",
+    "DELETE_NODE",
+    "ESCROW",
     "GET_CLUSTER_INFO",
     "GET_NODES",
     "GET_REGISTER_TICKET",
@@ -42,6 +50,7 @@ __all__ = [
 _CURATOR = "/metropolis.node.core.curator.proto.api.Curator/"
 _MANAGEMENT = "/metropolis.proto.api.Management/"
 _NODE_DEBUG = "/metropolis.proto.api.NodeDebug/"
+_AAA = "/metropolis.proto.api.AAA/"
 
 WATCH = Method(_CURATOR + "Watch", c.WatchRequest, c.WatchEvent, Access.NODE, streaming=True)
 HEARTBEAT = Method(
@@ -76,7 +85,12 @@ GET_CLUSTER_INFO = Method(
     _MANAGEMENT + "GetClusterInfo", m.GetClusterInfoRequest, m.GetClusterInfoResponse, Access.OWNER
 )
 GET_NODES = Method(
-    _MANAGEMENT + "GetNodes", m.GetNodesRequest, m.Node, Access.OWNER, streaming=True
+    _MANAGEMENT + "GetNodes",
+    m.GetNodesRequest,
+    m.Node,
+    Access.OWNER,
+    streaming=True,
+    stale_ok=True,
 )
 APPROVE_NODE = Method(
     _MANAGEMENT + "ApproveNode", m.ApproveNodeRequest, m.ApproveNodeResponse, Access.OWNER
@@ -86,6 +100,19 @@ UPDATE_NODE_ROLES = Method(
     m.UpdateNodeRolesRequest,
     m.UpdateNodeRolesResponse,
     Access.OWNER,
+)
+
+DELETE_NODE = Method(
+    _MANAGEMENT + "DeleteNode", m.DeleteNodeRequest, m.DeleteNodeResponse, Access.OWNER
+)
+ESCROW = Method(
+    _AAA + "Escrow",
+    aaa.EscrowFromClient,
+    aaa.EscrowFromServer,
+    Access.PROOF,
+    streaming=True,
+    client_streaming=True,
+    leader_only=False,
 )
 
 #: Served by every node on its debug port (not by the curators): the node's

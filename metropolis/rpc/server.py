@@ -15,7 +15,8 @@ Order of checks for each call, all before the handler runs: known method
 admitted by the method's access (UNAUTHENTICATED/PERMISSION_DENIED, see
 :mod:`metropolis.rpc.auth`), then for ``leader_only`` methods, leadership
 (UNAVAILABLE with trailers ``metropolis-leader-node-id`` and
-``metropolis-leader-address`` naming the leader). Handlers answer an error
+``metropolis-leader-address`` naming the leader; a ``stale_ok`` method
+called with ``metropolis-stale-ok: 1`` is served by a follower too). Handlers answer an error
 by raising :class:`~metropolis.rpc.status.RPCError`; any other exception is
 logged and answered INTERNAL.
 
@@ -58,7 +59,7 @@ from cryptography import x509
 from common.protobuf import parse_checked
 from metropolis.rpc import auth, tls, wire
 from metropolis.rpc.limits import Limits
-from metropolis.rpc.method import Message, Method
+from metropolis.rpc.method import STALE_OK_HEADER, Message, Method
 from metropolis.rpc.status import LeaderHint, RPCError, Status
 from metropolis.rpc.transport import Closed, Connection, Data, End, Reset, StreamGone
 
@@ -293,7 +294,9 @@ class Server:
                     self._security,
                     self._replay,
                 )
-                if route.method.leader_only:
+                if route.method.leader_only and not (
+                    route.method.stale_ok and headers.get(STALE_OK_HEADER) == "1"
+                ):
                     leadership = self._security.leadership()
                     if not leadership.is_leader:
                         raise RPCError(
