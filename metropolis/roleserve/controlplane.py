@@ -461,10 +461,9 @@ class ControlPlaneWorker:
                 roles=roles,
                 directory=directory,
                 sealed=sealed,
-                # For the owner CLI in this root. Monogon's owner fetches it
-                # from the AAA service with a self-signed certificate; that
-                # service is not built here, so the bootstrap node, which has
-                # the CA key at hand, issues it. It is public data.
+                # For the owner CLI in this root, saving it an escrow
+                # (AAA.Escrow, metropolis.curator.aaa), which every other
+                # root and the cluster file need. It is public data.
                 owner_certificate=pki.encode_certificate(owner),
                 staged_credentials=staged,
             )
