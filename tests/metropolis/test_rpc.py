@@ -46,6 +46,7 @@ from metropolis.rpc import (
     server_context,
     wire,
 )
+from metropolis.rpc.method import STALE_OK_HEADER
 from metropolis.rpc.tls import server_context_for
 from tests.fixtures.rpc import ClusterPKI as Cluster
 from tests.fixtures.rpc import ecdsa_leaf, issue_node
@@ -57,6 +58,9 @@ WHO_OWNER = Method("/test.Test/WhoOwner", ClusterDirectory, ClusterDirectory, Ac
 REGISTER = Method("/test.Test/Register", ClusterDirectory, ClusterDirectory, Access.PROOF)
 ANY_LEADER = Method(
     "/test.Test/Anywhere", ClusterDirectory, ClusterDirectory, Access.NODE, leader_only=False
+)
+STALE_OK = Method(
+    "/test.Test/StaleOk", ClusterDirectory, ClusterDirectory, Access.NODE, stale_ok=True
 )
 WATCH = Method("/test.Test/Watch", ClusterDirectory, ClusterDirectory, Access.NODE, streaming=True)
 FAIL = Method("/test.Test/Fail", ClusterDirectory, ClusterDirectory, Access.NODE)
@@ -166,7 +170,7 @@ async def running_server(
 
     server.bidi(ECHO, echo)
     server.bidi(ECHO_PROOF, echo)
-    for method in (WHO_NODE, WHO_OWNER, REGISTER, ANY_LEADER):
+    for method in (WHO_NODE, WHO_OWNER, REGISTER, ANY_LEADER, STALE_OK):
         server.unary(method, who)
     server.unary(FAIL, fail)
     server.stream(WATCH, watch)
@@ -480,6 +484,25 @@ async def test_follower_names_the_leader_and_the_client_goes_there(cluster: Clus
             assert client.endpoint == leader
         assert follower_state.calls == [ANY_LEADER.path]
         assert leader_state.calls == [WHO_NODE.path] * 3
+
+
+async def test_a_follower_serves_a_stale_ok_method_only_when_asked(cluster: Cluster) -> None:
+    state = State(owner=b"")
+    state.leadership = Leadership(is_leader=False)
+    async with (
+        running_server(cluster, state) as port,
+        open_client([Endpoint("127.0.0.1", port)], _node_context(cluster)) as client,
+    ):
+        for method in (STALE_OK, WHO_NODE):
+            with pytest.raises(RPCError) as refused:
+                await client.unary(method, ClusterDirectory())
+            assert refused.value.code is Status.UNAVAILABLE
+        # The header means nothing to a method that is not stale_ok.
+        with pytest.raises(RPCError) as refused:
+            await client.unary(WHO_NODE, ClusterDirectory(), metadata={STALE_OK_HEADER: "1"})
+        assert refused.value.code is Status.UNAVAILABLE
+        await client.unary(STALE_OK, ClusterDirectory(), metadata={STALE_OK_HEADER: "1"})
+        assert state.calls == [STALE_OK.path]
 
 
 async def test_follower_refusal_carries_the_leader(cluster: Cluster) -> None:
