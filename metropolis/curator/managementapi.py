@@ -217,7 +217,7 @@ class ManagementAPI:
         mark is written, this curator resigns once it has answered, and the
         next leader removes the member, then the role.
         """
-        node_id = request.id if request.id else _node_id(request.pubkey or b"")
+        node_id = _requested_id(request.id, request.pubkey)
         worker, controller = request.kubernetes_worker, request.kubernetes_controller
         consensus = request.consensus_member
         async with self._membership.lock:
@@ -255,7 +255,7 @@ class ManagementAPI:
         self, request: m.DeleteNodeRequest, ctx: CallContext
     ) -> m.DeleteNodeResponse:
         """Delete a node (:mod:`.deletion`); the role bypass only for a timed-out node."""
-        node_id = request.id if request.id else _node_id(request.pubkey or b"")
+        node_id = _requested_id(request.id, request.pubkey)
         heard = await self._heartbeats()
 
         def timed_out(record: Node) -> bool:
@@ -268,6 +268,15 @@ class ManagementAPI:
             timed_out=timed_out,
         )
         return m.DeleteNodeResponse()
+
+
+def _requested_id(node_id: str | None, public_key: bytes | None) -> str:
+    """The node a request names by ID or key; INVALID_ARGUMENT if neither is usable."""
+    if not node_id:
+        return _node_id(public_key or b"")
+    if "/" in node_id or not node_id.isprintable():
+        raise RPCError(Status.INVALID_ARGUMENT, "not a node ID")
+    return node_id
 
 
 def _node_id(public_key: bytes) -> str:

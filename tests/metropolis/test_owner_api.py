@@ -109,6 +109,7 @@ async def test_delete_refuses_live_nodes_with_roles_and_revokes_the_deleted(
             (busy.node_id, True, Status.FAILED_PRECONDITION, "has not timed out"),
             (cl.node.node_id, True, Status.FAILED_PRECONDITION, "holds roles"),
             ("metropolis-0000", False, Status.NOT_FOUND, "no node"),
+            ("metropolis-0/../x", False, Status.INVALID_ARGUMENT, "not a node ID"),
         ]:
             with pytest.raises(RPCError) as refused:
                 await _delete(owner, node_id, force=force)
