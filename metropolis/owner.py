@@ -131,10 +131,16 @@ def _sort_key(row: NodeRow) -> tuple[bool, tuple[int, ...], str, str]:
 
 @dataclass(frozen=True)
 class Change:
-    """A node before and after an owner's call (``after`` None: it is gone)."""
+    """A node before and after an owner's call (``after`` None: it is gone).
+
+    ``pending``: what was asked for and accepted but is not in effect yet
+    (revoking ConsensusMember from the leading curator's own node is
+    completed by the next leader), e.g. ``("ConsensusMember revoke",)``.
+    """
 
     before: NodeRow
     after: NodeRow | None
+    pending: tuple[str, ...] = ()
 
 
 def describe_change(change: Change) -> str:
@@ -158,9 +164,13 @@ def describe_change(change: Change) -> str:
     changes += [f"{r} granted" for r in granted] + [f"{r} revoked" for r in revoked]
     if after.etcd != before.etcd:
         changes.append(f"etcd {before.etcd} -> {after.etcd}")
-    if not changes:
+    roles = f"(roles now {','.join(after.roles) or 'none'})"
+    waiting = [
+        f"{p} accepted, not in effect yet (the curators complete it)" for p in change.pending
+    ]
+    if not changes and not waiting:
         return f"{name}: nothing changed (roles {','.join(after.roles) or 'none'})"
-    return f"{name}: " + "; ".join(changes) + f" (roles now {','.join(after.roles) or 'none'})"
+    return f"{name}: " + "; ".join(changes + waiting) + f" {roles}"
 
 
 class Owner:
@@ -222,8 +232,13 @@ class Owner:
         return sorted(rows, key=_sort_key)
 
     async def current(self, before: NodeRow) -> NodeRow | None:
-        """The node of ``before`` now (None: gone), read from the leader."""
-        for row in await self._nodes(stale_ok=False):
+        """The node of ``before`` now (None: gone), as :meth:`nodes` reads it.
+
+        A call that made the leader resign (revoking its own node's
+        ConsensusMember) is followed by a failover: the row then comes
+        from a follower.
+        """
+        for row in await self.nodes():
             if row.node_id == before.node_id:
                 return row
         return None
@@ -290,7 +305,16 @@ class Owner:
                 kubernetes_controller=kubernetes_controller,
             ),
         )
-        return Change(before, await self.current(before))
+        after = await self.current(before)
+        pending: list[str] = []
+        wanted = (
+            ("ConsensusMember", consensus_member),
+            ("KubernetesController", kubernetes_controller),
+        )
+        for role, on in wanted:
+            if on is not None and after is not None and (role in after.roles) != on:
+                pending.append(f"{role} {'grant' if on else 'revoke'}")
+        return Change(before, after, tuple(pending))
 
     async def delete(self, node: str, *, force: bool = False) -> Change:
         """Delete ``node`` from the cluster; the node before (``after`` None).

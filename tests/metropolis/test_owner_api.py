@@ -197,6 +197,10 @@ def test_describe_change_says_what_changed_or_that_nothing_did() -> None:
     assert describe_change(Change(same, revoked)) == (
         "metropolis-abc: ConsensusMember revoked; etcd voter -> none (roles now none)"
     )
+    assert describe_change(Change(same, same, ("ConsensusMember revoke",))) == (
+        "metropolis-abc: ConsensusMember revoke accepted, not in effect yet (the curators "
+        "complete it) (roles now ConsensusMember)"
+    )
     new = _row(state="NEW", roles=(), etcd="none")
     assert describe_change(Change(new, _row(state="STANDBY", roles=(), etcd="none"))) == (
         "metropolis-abc: state NEW -> STANDBY (roles now none)"
