@@ -121,6 +121,7 @@ async def test_owner_with_only_the_key_deletes_the_dead_bootstrap_node(tmp_path:
             saved = disk.load(roots[0])
             assert saved.credentials is not None
             credentials = saved.credentials
+            peer = pki.decode_certificate(roots[0].data.etcd.peer_pki.certificate.read_bytes())
             procs[0].process.send_signal(signal.SIGKILL)
             await procs[0].process.wait()
             shutil.rmtree(roots[0].path)
@@ -157,6 +158,13 @@ async def test_owner_with_only_the_key_deletes_the_dead_bootstrap_node(tmp_path:
             assert code == 0 and list(_table(out)) == [n2.node_id, n3.node_id], (out, err)
             assert all(m.name != n1.node_id for m in await _members(roots[1]))
             assert len(await _members(roots[1])) == 2
+
+            # Its etcd peer certificate is revoked too (etcd's peer CRL on disk).
+            async def peer_revoked() -> bool:
+                crl = pki.decode_crl(roots[1].data.etcd.peer_crl.read_bytes())
+                return pki.is_revoked(crl, peer)
+
+            await _until(peer_revoked)
 
             # n1's certificate: refused by each curator left, leader or not.
             context = client_context(
