@@ -10,7 +10,9 @@
 
 ``endpoints`` is the cluster directory as addresses (and, when known, each
 curator's public key, which the client then insists on). The client keeps
-one HTTP/2 connection, to one curator, and multiplexes every call on it.
+one HTTP/2 connection, to one curator, and multiplexes every call on it;
+its calls are :mod:`~metropolis.rpc.channel`'s (``StreamCall``), with TLS,
+server keys and failover added here.
 
 **Failover.** A call goes to another curator, transparently, when the
 request provably did not run: the connection could not be made (refused,
