@@ -1,7 +1,7 @@
 """Control-plane start and membership changes against bare etcd, measured in one run.
 
     python -m bench.controlplane [--startup-runs 40] [--runs 5] [--only startup|membership]
-                                 [--smoke]
+                                 [--etcd-client gateway|grpc] [--smoke]
 
 Start-up. Each on a fresh directory, ``--startup-runs`` times, each node
 start right after its baseline (interleaved: the machine's load drifts).
@@ -131,7 +131,6 @@ import argparse
 import logging
 import ssl
 import statistics
-import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
@@ -140,6 +139,7 @@ from pathlib import Path
 
 import trio
 
+from bench import etcdswitch
 from bench.consensus_start import bare_etcd_start
 from bench.ratios import report
 from bench.smoke import parse_args
@@ -433,6 +433,10 @@ async def _process_ready(pair: Pair, process: trio.Process, log: Path) -> None:
             await trio.sleep(0.05)
 
 
+#: The nodes' etcd client (``--etcd-client``).
+_ETCD_CLIENT = "gateway"
+
+
 @asynccontextmanager
 async def own_process(pair: Pair, log: Path) -> AsyncIterator[trio.Process]:
     """n2 as a node runs: ``python -m metropolis node run --root`` in its own OS process.
@@ -442,7 +446,8 @@ async def own_process(pair: Pair, log: Path) -> AsyncIterator[trio.Process]:
     runs in a session of its own, and exits) and is killed if it has not
     exited within :data:`_STOP_BOUND`.
     """
-    argv = [sys.executable, "-m", "metropolis", "node", "run", "--root", str(pair.n2_root.path)]
+    # The etcd client this run uses (--etcd-client), in n2's process too.
+    argv = [*etcdswitch.node_command(_ETCD_CLIENT), "node", "run", "--root", str(pair.n2_root.path)]
     with log.open("ab") as out:
         process = await trio.lowlevel.open_process(argv, stdout=out, stderr=out)
     try:
@@ -741,6 +746,13 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only", choices=("startup", "membership"), help="one half of the table (default: both)"
     )
+    parser.add_argument(
+        "--etcd-client",
+        choices=etcdswitch.CHOICES,
+        default="gateway",
+        help="the nodes' etcd client (bench.etcdswitch; default gateway)",
+    )
     args = parse_args(parser, {"runs": 1, "startup_runs": 1})
     logging.basicConfig(level=logging.ERROR)
+    _ETCD_CLIENT = etcdswitch.install(args.etcd_client)
     trio.run(main, args.runs, args.startup_runs, args.only)

@@ -1,14 +1,12 @@
 """A lean HTTP/1.1 client for POST requests with JSON bodies to one UNIX socket.
 
 The etcd client (:mod:`.client`) makes all its calls through here, not
-through httpx: measured against etcd's gateway on this machine, one
-``status`` call cost 1.2-1.6 ms of CPU through httpx and 0.17 ms here, and
-opening and closing a watch 3-4 ms (the first in a process 0.3 s: httpx
-imports httpcore then) against 0.4 ms here. Every node process does all
-its work in one Trio thread, and the control plane's critical paths
-(granting ConsensusMember: some 40 etcd calls on two nodes, and a new
-voter opening half a dozen watches and keep-alives at once, while a new
-etcd starts on the same cores) were bound by that thread's CPU.
+through httpx, which costs several times the CPU per call and per opened
+watch (``python -m bench.consensus_start`` compares them). Every node
+process does all its work in one Trio thread, and the control plane's
+critical paths (granting ConsensusMember: some 40 etcd calls on two nodes,
+and a new voter opening half a dozen watches and keep-alives at once,
+while a new etcd starts on the same cores) were bound by that thread's CPU.
 
 Unary calls (:meth:`UnixHTTP.post`) read the whole answer; streams
 (:meth:`UnixHTTP.open_stream`: watches, lease keep-alives) are read line

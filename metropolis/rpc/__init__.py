@@ -15,10 +15,13 @@ Pieces:
   a proof-of-possession signature for callers without a cluster certificate.
 - :mod:`~metropolis.rpc.server`: handlers behind those checks; followers
   answer leader-only methods with UNAVAILABLE naming the leader.
+- :mod:`~metropolis.rpc.channel`: one call on an HTTP/2 connection
+  (:class:`StreamCall`), and :class:`Channel`, calls to one server over any
+  byte stream (the node's etcd on its UNIX socket).
 - :mod:`~metropolis.rpc.client`: calls one curator of a list, moving to
   another (or the named leader) when one stops or is not the leader.
 - :mod:`~metropolis.rpc.transport`: one HTTP/2 connection (``h2``) over a
-  ``trio.SSLStream``.
+  Trio byte stream (``trio.SSLStream`` for the curator).
 - :mod:`~metropolis.rpc.limits`: what one connection may make a server hold
   (message and buffer sizes, streams, frame, request and idle timeouts);
   anyone who reaches the port can try, before any authentication.
@@ -78,11 +81,11 @@ Cancellation semantics are stated in :mod:`~metropolis.rpc.server` and
 """
 
 from metropolis.rpc.auth import Leadership, Peer, PeerKind, ServerSecurity, sign_proof
+from metropolis.rpc.channel import Channel, ChannelClosed, StreamCall
 from metropolis.rpc.client import (
     CURATOR_PORT,
     Client,
     Endpoint,
-    StreamCall,
     endpoints_from_directory,
     open_client,
 )
@@ -96,6 +99,8 @@ __all__ = [
     "CURATOR_PORT",
     "Access",
     "CallContext",
+    "Channel",
+    "ChannelClosed",
     "Client",
     "Endpoint",
     "LeaderHint",

@@ -10,7 +10,9 @@
 
 ``endpoints`` is the cluster directory as addresses (and, when known, each
 curator's public key, which the client then insists on). The client keeps
-one HTTP/2 connection, to one curator, and multiplexes every call on it.
+one HTTP/2 connection, to one curator, and multiplexes every call on it;
+its calls are :mod:`~metropolis.rpc.channel`'s (``StreamCall``), with TLS,
+server keys and failover added here.
 
 **Failover.** A call goes to another curator, transparently, when the
 request provably did not run: the connection could not be made (refused,
@@ -45,32 +47,27 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, Self, TypeVar, cast
+from functools import partial
+from typing import Any, TypeVar
 
-import betterproto2
-import h2.errors
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.numbers import parse_decimal
-from common.protobuf import parse_checked
 from metropolis import identity
-from metropolis.errors import MetropolisError
 from metropolis.proto.common import ClusterDirectory
-from metropolis.rpc import auth, tls, wire
-from metropolis.rpc.method import Access, Message, Method
-from metropolis.rpc.server import LEADER_ADDRESS_HEADER, LEADER_NODE_HEADER
-from metropolis.rpc.status import LeaderHint, RPCError, Status
-from metropolis.rpc.transport import (
-    Closed,
-    Connection,
-    Data,
-    End,
-    Headers,
-    Reset,
-    StreamGone,
-    peer_refused_certificate,
+from metropolis.rpc import auth, tls
+from metropolis.rpc.channel import (
+    NotTaken,
+    StreamCall,
+    call_metadata,
+    request_payload,
+    single_response,
+    start_connection,
 )
+from metropolis.rpc.method import Access, Message, Method
+from metropolis.rpc.status import LeaderHint, RPCError, Status
+from metropolis.rpc.transport import Connection, StreamGone
 
 __all__ = [
     "CURATOR_PORT",
@@ -139,23 +136,6 @@ def endpoints_from_directory(
         for node in directory.nodes
         for address in node.addresses
     ]
-
-
-class _Retry(MetropolisError):
-    """The call did not run on this curator; try another.
-
-    ``again``: the curator closed the connection cleanly (GOAWAY) before
-    taking the call, as a server closing an idle connection does; a new
-    connection to it may take the call, so it is tried once more first.
-    """
-
-    def __init__(
-        self, error: RPCError, leader: LeaderHint | None = None, *, again: bool = False
-    ) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.leader = leader
-        self.again = again
 
 
 @asynccontextmanager
@@ -237,18 +217,7 @@ class Client:
         """
         if method.streaming:
             raise ValueError(f"{method.path} is streaming; use stream()")
-        call = await self._start(method, request, metadata)
-        try:
-            response = await call.__anext__()
-            try:
-                await call.__anext__()
-            except StopAsyncIteration:
-                return response
-            raise RPCError(Status.INTERNAL, "unary method sent more than one response")
-        except StopAsyncIteration:
-            raise RPCError(Status.INTERNAL, "unary method sent no response") from None
-        finally:
-            await call.aclose()
+        return await single_response(await self._start(method, request, metadata))
 
     @asynccontextmanager
     async def stream(
@@ -303,16 +272,8 @@ class Client:
         metadata: Mapping[str, str] | None,
     ) -> StreamCall[Resp]:
         # A client stream opens with no message; its proof covers b"".
-        payload = None if request is None else bytes(request)
-        if payload is not None and len(payload) > wire.MAX_MESSAGE:
-            raise RPCError(
-                Status.RESOURCE_EXHAUSTED,
-                f"request of {len(payload)} bytes exceeds {wire.MAX_MESSAGE}",
-            )
-        extra = dict(metadata or {})
-        deadline = trio.current_effective_deadline()
-        if deadline != float("inf") and "grpc-timeout" not in extra:
-            extra["grpc-timeout"] = wire.encode_timeout(deadline - trio.current_time())
+        payload = request_payload(request)
+        extra = call_metadata(metadata)
         tried: set[int] = set()
         again = False  # whether a curator's GOAWAY made us try it once more
         last: RPCError | None = None
@@ -324,12 +285,17 @@ class Client:
             call: StreamCall[Resp] | None = None
             try:
                 conn, endpoint = await self._connection()
-                call = StreamCall(self, conn, method.response_type, endpoint)
+                call = StreamCall(
+                    conn,
+                    method.response_type,
+                    endpoint.address,
+                    on_broken=partial(self.connection_broke, endpoint=endpoint),
+                )
                 await call.open(method.path, payload, extra)
                 if payload is not None:
                     await call.wait_headers()
                 return call
-            except _Retry as retry:
+            except NotTaken as retry:
                 last = retry.error
                 if retry.again and not again:
                     again = True
@@ -400,11 +366,11 @@ class Client:
                     conn = await self._connect(endpoint)
             except (OSError, trio.BrokenResourceError, trio.TooSlowError, StreamGone) as e:
                 _log.info("cannot reach curator %s: %r", endpoint.address, e)
-                raise _Retry(RPCError(Status.UNAVAILABLE, f"{endpoint.address}: {e!r}")) from e
+                raise NotTaken(RPCError(Status.UNAVAILABLE, f"{endpoint.address}: {e!r}")) from e
             except RPCError as e:
                 _log.warning("curator %s: %s", endpoint.address, e)
                 if e.code is Status.UNAVAILABLE:
-                    raise _Retry(e) from e
+                    raise NotTaken(e) from e
                 raise
             self._conn, self._conn_endpoint = conn, self._current
             return conn, endpoint
@@ -420,211 +386,9 @@ class Client:
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
-        conn = Connection(stream, client_side=True)
-        self._nursery.start_soon(conn.run)
-        try:
-            # In TLS 1.3 the server judges our certificate only after our
-            # handshake is done: its refusal is an alert on the first read.
-            # Wait for its SETTINGS (or that alert) before using the
-            # connection, so a refusal is reported as one, not as a write
-            # that happened to find the socket closed.
-            await conn.start()
-            await conn.settled.wait()
-        except BaseException:
-            await conn.aclose()
-            raise
-        if conn.closed:
-            _raise_if_refused(conn.read_failure)
-            raise StreamGone(f"connection closed during setup: {conn.failure!r}")
-        self._nursery.start_soon(conn.keepalive, *self._keepalive)
-        return conn
+        return await start_connection(self._nursery, stream, self._keepalive)
 
     async def aclose(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.aclose()
-
-
-class StreamCall(Generic[Resp]):
-    """One call in flight: iterate it for responses (see :meth:`Client.stream`)."""
-
-    def __init__(
-        self, client: Client, conn: Connection, response_type: type[Resp], endpoint: Endpoint
-    ) -> None:
-        self._client = client
-        self._conn = conn
-        self._type = response_type
-        self._endpoint = endpoint
-        self._sid: int | None = None
-        self._decoder = wire.MessageDecoder()
-        self._pending: list[bytes] = []
-        self._finished = False
-        self._headers_seen = False
-        #: The server refused the stream unprocessed (RST_STREAM REFUSED_STREAM).
-        self._refused = False
-        #: The server sent a status (as opposed to the connection failing).
-        self._answered = False
-        #: The server said GOAWAY before this stream, and closed: it never saw it.
-        self._unseen = False
-        #: done_sending() was called (bidirectional calls).
-        self._sent_all = False
-
-    async def open(self, path: str, payload: bytes | None, metadata: Mapping[str, str]) -> None:
-        headers = [
-            (":method", "POST"),
-            (":scheme", "https"),
-            (":path", path),
-            (":authority", self._endpoint.address),
-            ("content-type", wire.CONTENT_TYPE),
-            ("te", "trailers"),
-            ("user-agent", "metropolis-rpc/1"),
-            *metadata.items(),
-        ]
-        try:
-            body = None if payload is None else wire.frame(payload)
-            self._sid = await self._conn.open_stream(headers, body)
-        except StreamGone as e:
-            # The request did not leave whole (a write failed), so no curator
-            # ran it: safe to try another. But in TLS 1.3 a refused client
-            # certificate shows only after the handshake, as a closed
-            # connection: that is no reason to try elsewhere.
-            _raise_if_refused(self._conn.read_failure)
-            clean = self._conn.failure is None
-            raise _Retry(RPCError(Status.UNAVAILABLE, "connection closing"), again=clean) from e
-
-    async def wait_headers(self) -> None:
-        """Wait for the response headers; a not-leader or refused stream becomes a retry."""
-        while not self._headers_seen and not self._finished:
-            try:
-                await self._step()
-            except RPCError as e:
-                # UNAVAILABLE from the curator itself (not a lost connection)
-                # before any response: it did not take the call (not the
-                # leader, or no leader known yet). Another curator may.
-                if e.code is Status.UNAVAILABLE and (self._answered or self._refused):
-                    raise _Retry(e, e.leader) from e
-                if e.code is Status.UNAVAILABLE and self._unseen:
-                    raise _Retry(e, again=True) from e
-                raise
-
-    async def _fail_transport(self) -> None:
-        self._finished = True
-        failure = self._conn.read_failure
-        last = self._conn.goaway_last_stream
-        if last is not None and self._sid is not None and self._sid > last:
-            # The curator said GOAWAY before it saw this stream (RFC 9113
-            # 6.8: it did not run): this curator may take it on a new
-            # connection (see _Retry), so the client does not move on.
-            self._unseen = True
-            raise RPCError(Status.UNAVAILABLE, f"{self._endpoint.address} closed the connection")
-        self._client.connection_broke(self._conn, self._endpoint)
-        _raise_if_refused(failure)
-        raise RPCError(Status.UNAVAILABLE, f"connection to {self._endpoint.address} lost")
-
-    async def _step(self) -> None:
-        assert self._sid is not None
-        event = await self._conn.receive(self._sid)
-        match event:
-            case Headers(headers=headers, trailers=False) if not self._headers_seen:
-                self._headers_seen = True
-                http = headers.get(":status", "")
-                if http != "200":
-                    self._finished = True
-                    code = Status.UNAVAILABLE if http in ("502", "503", "504") else Status.UNKNOWN
-                    raise RPCError(code, f"HTTP status {http}")
-                if "grpc-status" in headers:  # trailers-only
-                    self._status(headers)
-            case Headers(headers=headers):
-                self._status(headers)
-            case Data(data=data):
-                self._pending += self._decoder.feed(data)
-            case End():
-                if not self._finished:
-                    self._finished = True
-                    raise RPCError(Status.INTERNAL, "stream ended without a status")
-            case Reset(code=error_code):
-                self._finished = True
-                if error_code == h2.errors.ErrorCodes.REFUSED_STREAM:
-                    self._refused = True
-                    raise RPCError(Status.UNAVAILABLE, "curator refused the stream")
-                if error_code == h2.errors.ErrorCodes.CANCEL:
-                    raise RPCError(Status.CANCELLED, "curator cancelled the call")
-                raise RPCError(Status.INTERNAL, f"stream reset with HTTP/2 error {error_code}")
-            case Closed():
-                await self._fail_transport()
-
-    def _status(self, headers: dict[str, str]) -> None:
-        self._finished = True
-        self._answered = True
-        try:
-            code = Status(parse_decimal(headers.get("grpc-status", ""), max_digits=2))
-        except ValueError:
-            raise RPCError(Status.UNKNOWN, "malformed grpc-status") from None
-        if code is Status.OK:
-            return
-        message = wire.decode_grpc_message(headers.get("grpc-message", ""))
-        leader = None
-        if LEADER_NODE_HEADER in headers:
-            leader = LeaderHint(headers[LEADER_NODE_HEADER], headers.get(LEADER_ADDRESS_HEADER, ""))
-        raise RPCError(code, message, leader=leader)
-
-    async def send(self, message: Message) -> None:
-        """Send one request (bidirectional calls).
-
-        Raises the server's status if it ended the call with an error; if
-        it ended it with OK, the message is dropped (responses stay readable).
-        """
-        if self._sent_all:
-            raise RuntimeError("send() after done_sending()")
-        await self._send(data=wire.frame(bytes(message)))
-
-    async def done_sending(self) -> None:
-        """Half-close: the server's request stream ends. Idempotent."""
-        if not self._sent_all:
-            self._sent_all = True
-            await self._send(end_stream=True)
-
-    async def _send(self, *, data: bytes = b"", end_stream: bool = False) -> None:
-        assert self._sid is not None
-        if self._finished:
-            return
-        try:
-            await self._conn.send(self._sid, data=data, end_stream=end_stream)
-        except StreamGone:
-            if self._conn.closed:
-                await self._fail_transport()
-            # The server ended the stream: its answer says how.
-            while not self._finished:
-                await self._step()
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> Resp:
-        while not self._pending:
-            if self._finished:
-                raise StopAsyncIteration
-            await self._step()
-        raw = self._pending.pop(0)
-        try:
-            # Every Message the method table names is a generated betterproto2 class.
-            checked = parse_checked(cast("type[betterproto2.Message]", self._type), raw)
-        except ValueError as e:
-            raise RPCError(Status.INTERNAL, f"cannot parse response: {e}") from None
-        return cast(Resp, checked)
-
-    async def aclose(self) -> None:
-        """Cancel the call on the server if it has not finished; forget it. Shielded."""
-        if self._sid is None:
-            return
-        with trio.CancelScope(shield=True):
-            if not self._finished:
-                self._finished = True
-                await self._conn.reset(self._sid)
-            self._conn.forget(self._sid)
-
-
-def _raise_if_refused(failure: BaseException | None) -> None:
-    reason = peer_refused_certificate(failure)
-    if reason is not None:
-        raise RPCError(Status.UNAUTHENTICATED, f"curator refused our certificate: {reason}")

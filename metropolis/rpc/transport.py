@@ -1,4 +1,4 @@
-"""One HTTP/2 connection over a Trio TLS stream, shared by server and client.
+"""One HTTP/2 connection over a Trio byte stream (TLS or not), shared by server and client.
 
 The sans-IO ``h2`` library keeps the protocol state; this class moves bytes
 and hands each HTTP/2 stream's events to whoever owns that stream:
@@ -283,7 +283,7 @@ class Connection:
 
     def __init__(
         self,
-        stream: trio.SSLStream[trio.SocketStream],
+        stream: trio.abc.Stream,
         *,
         client_side: bool,
         on_request: RequestCallback | None = None,

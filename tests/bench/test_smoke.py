@@ -40,6 +40,7 @@ PRINTS = {
     "bmdb_work": "a: ours/pgb",
     "consensus_start": "put via Client (time ratio)",
     "controlplane": "grant, n2 in its own process",
+    "etcdclient": "watch event",
     "grant_trace": "median ratio",
     "heartbeat": "ratio full/bare:",
     "initializer": "machines/min",

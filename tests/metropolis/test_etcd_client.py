@@ -1,4 +1,8 @@
-"""The trio-native etcd client against a real etcd on a UNIX socket."""
+"""The trio-native etcd clients against a real etcd on a UNIX socket.
+
+Every test runs with both clients: ``client`` (etcd's JSON gateway) and
+``bench.etcdgrpc`` (etcd's native gRPC), which promise the same behaviour.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from bench import etcdgrpc as grpcclient
 from metropolis.consensus.client import (
     GRPC_FAILED_PRECONDITION,
     GRPC_OUT_OF_RANGE,
@@ -35,13 +40,23 @@ from metropolis.consensus.localetcd import EtcdServer
 BOUND = 20
 
 
+#: Either client: they share records and errors, and promise the same behaviour.
+AnyClient = Client | grpcclient.Client
+ClientClass = type[Client] | type[grpcclient.Client]
+
+
+@pytest.fixture(params=["gateway", "grpc"])
+def client_class(request: pytest.FixtureRequest) -> ClientClass:
+    return Client if request.param == "gateway" else grpcclient.Client
+
+
 @pytest.fixture
-async def client(etcd: EtcdServer) -> AsyncIterator[Client]:
-    async with Client(etcd.socket_path, timeout=10) as client:
+async def client(etcd: EtcdServer, client_class: ClientClass) -> AsyncIterator[AnyClient]:
+    async with client_class(etcd.socket_path, timeout=10) as client:
         yield client
 
 
-async def test_put_get_range_delete(client: Client) -> None:
+async def test_put_get_range_delete(client: AnyClient) -> None:
     assert await client.get("missing") is None
     first = await client.put("dir/a", b"\x00\xff binary")
     await client.put("dir/b", "text")
@@ -72,7 +87,7 @@ async def test_put_get_range_delete(client: Client) -> None:
     assert (await client.range("", prefix=True)).count == 1
 
 
-async def test_txn_create_if_absent_and_cas(client: Client) -> None:
+async def test_txn_create_if_absent_and_cas(client: AnyClient) -> None:
     created = await client.txn([Compare.absent("k")], [Put("k", "one")], [Get("k")])
     assert created.succeeded
     assert isinstance(created.responses[0], PutResult)
@@ -101,7 +116,7 @@ async def test_txn_create_if_absent_and_cas(client: Client) -> None:
         Compare.value("k", "=", "x")  # type: ignore[arg-type]
 
 
-async def test_namespaced_view_is_confined(client: Client) -> None:
+async def test_namespaced_view_is_confined(client: AnyClient) -> None:
     await client.put("outside", "x")
     await client.put("ns/", "the bare prefix key")
     ns = client.namespaced("ns/")
@@ -126,7 +141,7 @@ async def test_namespaced_view_is_confined(client: Client) -> None:
         ns.namespaced("")
 
 
-async def test_lease_lifecycle(client: Client) -> None:
+async def test_lease_lifecycle(client: AnyClient) -> None:
     lease = await client.grant(30)
     assert lease.ttl == 30
     await client.put("leased", "v", lease=lease.id)
@@ -143,7 +158,7 @@ async def test_lease_lifecycle(client: Client) -> None:
         await client.grant(0)
 
 
-async def test_keep_alive_outlives_ttl_and_reports_revocation(client: Client) -> None:
+async def test_keep_alive_outlives_ttl_and_reports_revocation(client: AnyClient) -> None:
     lease = await client.grant(1)
     await client.put("alive", "v", lease=lease.id)
     with trio.fail_after(BOUND):
@@ -160,7 +175,7 @@ async def test_keep_alive_outlives_ttl_and_reports_revocation(client: Client) ->
                 await client.revoke(lease.id)
 
 
-async def test_watch_history_prefix_and_deletes(client: Client) -> None:
+async def test_watch_history_prefix_and_deletes(client: AnyClient) -> None:
     start = (await client.put("w/a", "1")).revision
     await client.put("w/b", "2")
     await client.put("other", "x")
@@ -181,7 +196,7 @@ async def test_watch_history_prefix_and_deletes(client: Client) -> None:
     ]
 
 
-async def _next_values(watch: Watch, count: int) -> list[bytes]:
+async def _next_values(watch: Watch | grpcclient.Watch, count: int) -> list[bytes]:
     values: list[bytes] = []
     while len(values) < count:
         response: WatchResponse = await anext(watch)
@@ -191,7 +206,7 @@ async def _next_values(watch: Watch, count: int) -> list[bytes]:
 
 @pytest.mark.parametrize("crash", [False, True], ids=["restart", "sigkill"])
 async def test_watch_resumes_after_etcd_restart(
-    etcd: EtcdServer, client: Client, crash: bool
+    etcd: EtcdServer, client: AnyClient, crash: bool
 ) -> None:
     with trio.fail_after(BOUND):
         async with client.watch("key") as watch:
@@ -211,7 +226,7 @@ async def test_watch_resumes_after_etcd_restart(
 
 
 async def test_unary_calls_survive_an_etcd_restart_between_them(
-    etcd: EtcdServer, client: Client
+    etcd: EtcdServer, client: AnyClient
 ) -> None:
     # The keep-alive connection of the first call is closed by the old etcd;
     # the next call must notice (before sending) and dial the new one.
@@ -224,7 +239,7 @@ async def test_unary_calls_survive_an_etcd_restart_between_them(
     assert got is not None and got.value == b"after"
 
 
-async def test_large_and_concurrent_unary_answers(client: Client) -> None:
+async def test_large_and_concurrent_unary_answers(client: AnyClient) -> None:
     # etcd's gateway sends bodies over 2 KiB chunked; concurrent calls each
     # get a connection of their own from the pool.
     big = bytes(range(256)) * 400  # 100 KiB, base64 in JSON on the wire
@@ -243,7 +258,7 @@ async def test_large_and_concurrent_unary_answers(client: Client) -> None:
     assert results == [big] * 5
 
 
-async def test_watch_from_compacted_revision(client: Client) -> None:
+async def test_watch_from_compacted_revision(client: AnyClient) -> None:
     first = (await client.put("c", "1")).revision
     latest = (await client.put("c", "2")).revision
     await client.compact(latest)
@@ -253,62 +268,84 @@ async def test_watch_from_compacted_revision(client: Client) -> None:
     assert info.value.compact_revision == latest
 
 
-async def test_watch_is_cancellable(client: Client) -> None:
+async def test_watch_outlives_the_call_timeout_and_its_opening_scope(
+    etcd: EtcdServer, client_class: ClientClass
+) -> None:
+    """A watch has no deadline: neither the client's per-call timeout nor a
+    deadline around its opening ends it on etcd's side."""
+    async with client_class(etcd.socket_path, timeout=0.5) as client:
+        with trio.fail_after(0.5):
+            watch = await client.watch("late").__aenter__()
+        try:
+            await trio.sleep(1.5)
+            await client.put("late", "v")
+            with trio.fail_after(BOUND):
+                response = await anext(watch)
+            assert [e.kv.value for e in response.events] == [b"v"]
+        finally:
+            await watch.__aexit__(None, None, None)
+
+
+async def test_watch_is_cancellable(client: AnyClient) -> None:
     with trio.move_on_after(0.3) as scope:
         async with client.watch("never") as watch:
             await anext(watch)
     assert scope.cancelled_caught
 
 
-async def test_errors_are_typed(client: Client, tmp_path: Path) -> None:
+async def test_errors_are_typed(
+    client: AnyClient, client_class: ClientClass, tmp_path: Path
+) -> None:
     with pytest.raises(EtcdAPIError) as info:
         await client.range("x", revision=10_000)
     assert info.value.code == GRPC_OUT_OF_RANGE
     assert "future revision" in info.value.message
 
-    async with Client(tmp_path / "no-such.sock:0") as down:
+    async with client_class(tmp_path / "no-such.sock:0") as down:
         with pytest.raises(EtcdUnavailable, match=r"no-such\.sock"):
             await down.get("x")
-    closed = Client(client._gw.socket_path)
+    closed = client_class(client._gw.socket_path)
     await closed.aclose()
     with pytest.raises(EtcdClosed):
         await closed.namespaced("p/").get("x")
 
     with pytest.raises(SocketPathTooLong, match="109 bytes"):
-        Client(Path("/" + "x" * 108))
+        client_class(Path("/" + "x" * 108))
 
 
-async def test_closing_the_client_ends_watches_and_keep_alives(client: Client) -> None:
+async def test_closing_the_client_ends_watches_and_keep_alives(
+    client: AnyClient, client_class: ClientClass
+) -> None:
     """A watch or keep-alive on a client that goes away raises, instead of retrying forever."""
-    other = Client(client._gw.socket_path)
-    lease = await other.grant(10)
     watch_error: list[BaseException] = []
     keep_alive_error: list[BaseException] = []
+    async with client_class(client._gw.socket_path) as other:
+        lease = await other.grant(10)
 
-    async def watch() -> None:
-        try:
-            async with other.watch("w") as w:
-                async for _ in w:
-                    pass
-        except EtcdClosed as e:
-            watch_error.append(e)
+        async def watch() -> None:
+            try:
+                async with other.watch("w") as w:
+                    async for _ in w:
+                        pass
+            except EtcdClosed as e:
+                watch_error.append(e)
 
-    async def keep_alive() -> None:
-        try:
-            await other.keep_alive(lease)
-        except EtcdClosed as e:
-            keep_alive_error.append(e)
+        async def keep_alive() -> None:
+            try:
+                await other.keep_alive(lease)
+            except EtcdClosed as e:
+                keep_alive_error.append(e)
 
-    with trio.fail_after(BOUND):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
-            nursery.start_soon(keep_alive)
-            await trio.sleep(0.3)  # both are connected (or fail the same way if not)
-            await other.aclose()
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch)
+                nursery.start_soon(keep_alive)
+                await trio.sleep(0.3)  # both are connected (or fail the same way if not)
+                await other.aclose()
     assert watch_error and keep_alive_error
 
 
-async def test_members_and_status(client: Client) -> None:
+async def test_members_and_status(client: AnyClient) -> None:
     status = await client.status()
     members = await client.member_list()
     assert [m.id for m in members] == [status.member_id]
@@ -328,13 +365,15 @@ async def test_members_and_status(client: Client) -> None:
     assert [m.id for m in await client.member_list()] == [status.member_id]
 
 
-async def test_membership_changes_at_once_are_all_answered(etcd: EtcdServer) -> None:
+async def test_membership_changes_at_once_are_all_answered(
+    etcd: EtcdServer, client_class: ClientClass
+) -> None:
     """raft keeps one membership change pending at a time and silently drops
     any other proposed meanwhile; etcd then never answers the dropped one
     unless the request has a deadline. Every change here must get an answer
     (done, or refused transiently) well before the client's own timeout."""
     outcomes: list[str] = []
-    async with Client(etcd.socket_path, timeout=BOUND, membership_deadline=1.0) as client:
+    async with client_class(etcd.socket_path, timeout=BOUND, membership_deadline=1.0) as client:
 
         async def change(call: Callable[[], Awaitable[object]]) -> None:
             try:
@@ -363,7 +402,7 @@ async def test_membership_changes_at_once_are_all_answered(etcd: EtcdServer) -> 
     assert "timed out" in outcomes, outcomes
 
 
-async def test_prefix_ranges_handle_0xff_bytes(client: Client) -> None:
+async def test_prefix_ranges_handle_0xff_bytes(client: AnyClient) -> None:
     # The end of the "a\xff" prefix is "b", not "a\x00" (a naive increment).
     for key in (b"a\xff1", b"a\xff\xff", b"b", b"a\xfe"):
         await client.put(key, "v")
@@ -388,25 +427,29 @@ async def _silent_server(path: Path, *, task_status: trio.TaskStatus[None]) -> N
             accepted.append(connection)  # keep it open, say nothing
 
 
-async def test_hung_etcd_cancellation_and_timeout(tmp_path: Path) -> None:
+async def test_hung_etcd_cancellation_and_timeout(
+    tmp_path: Path, client_class: ClientClass
+) -> None:
     socket = tmp_path / "hung.sock"
     async with trio.open_nursery() as nursery:
         await nursery.start(_silent_server, socket)
 
         # Trio cancellation reaches into httpx/anyio: the call gives up at once.
-        async with Client(socket) as client:
+        async with client_class(socket) as client:
             with trio.move_on_after(0.2) as scope:
                 await client.get("x")
             assert scope.cancelled_caught
 
         # Without a cancel scope, the client's own timeout ends the wait.
-        async with Client(socket, timeout=0.2) as client:
+        async with client_class(socket, timeout=0.2) as client:
             with trio.fail_after(BOUND), pytest.raises(EtcdUnavailable, match="Timeout"):
                 await client.get("x")
         nursery.cancel_scope.cancel()
 
 
-async def test_keep_alive_gives_up_when_etcd_stays_down(etcd: EtcdServer, client: Client) -> None:
+async def test_keep_alive_gives_up_when_etcd_stays_down(
+    etcd: EtcdServer, client: AnyClient
+) -> None:
     lease = await client.grant(2)
     with trio.fail_after(BOUND), pytest.RaisesGroup(LeaseExpired):
         async with trio.open_nursery() as nursery:
@@ -415,9 +458,10 @@ async def test_keep_alive_gives_up_when_etcd_stays_down(etcd: EtcdServer, client
             # keep_alive now retries until a full TTL has passed, then gives up.
 
 
-async def test_no_transport_error_escapes(tmp_path: Path) -> None:
-    """An answer the transport cannot decode (a gzip body, never asked for)
-    raises `EtcdUnavailable`, not a transport's own error."""
+async def test_no_transport_error_escapes(tmp_path: Path, client_class: ClientClass) -> None:
+    """An answer the transport cannot decode (a gzip body, never asked for;
+    for the gRPC client, HTTP/1.1 at all) raises `EtcdUnavailable`, not a
+    transport's own error."""
     path = tmp_path / "garbled.sock"
     listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     await listener.bind(str(path))
@@ -436,8 +480,9 @@ async def test_no_transport_error_escapes(tmp_path: Path) -> None:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serve)
-        async with Client(path, timeout=10) as client:
-            with pytest.raises(EtcdUnavailable, match="Content-Encoding"):
+        async with client_class(path, timeout=10) as client:
+            why = "Content-Encoding" if client_class is Client else r"garbled\.sock"
+            with pytest.raises(EtcdUnavailable, match=why):
                 await client.get("k")
         nursery.cancel_scope.cancel()
     listener.close()
