@@ -11,7 +11,9 @@ cluster_register, as the Shepherd's install writes it) replaces
 ``--ticket`` and ``--cluster``; ``--announce-key FILE`` writes the node's
 public key there as soon as its identity is saved. Run again on the same
 root after a crash, it resumes the saved registration. SIGINT or SIGTERM
-stops everything (etcd included) and exits 0.
+stops everything (etcd included) and exits 0. Each of the three takes
+``--metrics-listen HOST:PORT`` to serve the node's Prometheus metrics at
+``/metrics`` (:mod:`metropolis.roleserve.metrics`); it is not saved.
 
 ``metropolis image build --out DIR`` builds a node image
 (:mod:`metropolis.image.__main__`, which it hands its arguments to).
@@ -42,6 +44,7 @@ from pathlib import Path
 
 import trio
 
+from common.listen import listen_address
 from metropolis import identity, pki
 from metropolis.consensus.process import Tuning
 from metropolis.errors import MetropolisError
@@ -50,6 +53,7 @@ from metropolis.owner import format_table, format_tree, load_owner_key, open_own
 from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
+from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.roleserve.register import register
 from metropolis.roleserve.server import RoleServer
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
@@ -142,6 +146,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a dead curator leader blocks the next election (default 10)",
     )
+
+    for command in (boot, run, reg):
+        command.add_argument(
+            "--metrics-listen",
+            type=listen_address,
+            metavar="HOST:PORT",
+            help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; not saved)",
+        )
 
     # Listed for --help only: main() hands 'image ...' to metropolis.image
     # before this parser sees it, so that the image tool keeps its own options.
@@ -362,8 +374,11 @@ def _prepare_register(args: argparse.Namespace) -> Root:
     return root
 
 
-async def _run_node(root: Root) -> None:
-    """Finish a saved registration if there is one, then run the node; until a signal."""
+async def _run_node(root: Root, metrics_listen: str | None = None) -> None:
+    """Finish a saved registration if there is one, then run the node; until a signal.
+
+    ``metrics_listen``: serve the node's metrics there.
+    """
     saved = disk.load(root)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -380,7 +395,8 @@ async def _run_node(root: Root) -> None:
                 saved = disk.load(root)
             # An intent a crash left beside the credentials is done with.
             await trio.to_thread.run_sync(disk.drop_finished_intents, root)
-            server = RoleServer(root, saved)
+            metrics = NodeMetrics(metrics_listen) if metrics_listen else None
+            server = RoleServer(root, saved, metrics=metrics)
 
             async def main(node: Node) -> None:
                 node.run("role", server.run)
@@ -414,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 root = _root(args.root)
             disk.load(root)  # fail before starting anything
-            trio.run(_run_node, root)
+            trio.run(_run_node, root, args.metrics_listen)
     except MetropolisError as e:
         log.error("%s", e)
         return 2

@@ -9,7 +9,8 @@
                    ├── rolefetch: Watch(own node) at the curators ──> roles
                    ├── directory: Watch(all nodes) ──> cluster directory (disk, membership)
                    ├── statuspush: address, curator running ──> UpdateNodeStatus
-                   └── debug: NodeDebug for the owner (the supervision tree)
+                   ├── debug: NodeDebug for the owner (the supervision tree)
+                   └── metrics: Prometheus /metrics, if asked (:mod:`.metrics`)
 
 :class:`RoleServer` publishes what :func:`~.disk.load` found (a finished
 node: credentials, directory, roles; or a bootstrap intent) and runs the
@@ -30,6 +31,7 @@ from metropolis.roleserve import disk
 from metropolis.roleserve.controlplane import ControlPlaneWorker
 from metropolis.roleserve.debugservice import DebugService
 from metropolis.roleserve.directory import DirectoryUpdate
+from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.roleserve.rolefetch import RoleFetch
 from metropolis.roleserve.statuspush import StatusPush
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
@@ -45,9 +47,20 @@ class RoleServer:
     curator's role fetch) for feeding roles in.
     """
 
-    def __init__(self, root: Root, saved: disk.SavedNode, *, fetch_roles: bool = True) -> None:
-        """``fetch_roles``: watch roles at the curators (off: the caller sets them)."""
+    def __init__(
+        self,
+        root: Root,
+        saved: disk.SavedNode,
+        *,
+        fetch_roles: bool = True,
+        metrics: NodeMetrics | None = None,
+    ) -> None:
+        """``fetch_roles``: watch roles at the curators (off: the caller sets them).
+
+        ``metrics``: count and serve the node's metrics there.
+        """
         self.root = root
+        self.metrics = metrics
         self._fetch_roles = fetch_roles
         self.settings = saved.settings
         self.bootstrap: Value[BootstrapData] = Value()
@@ -70,7 +83,11 @@ class RoleServer:
             bootstrap=self.bootstrap.readonly(),
             membership=self.membership,
             roles=self.roles,
+            rpc_metrics=metrics.rpc if metrics is not None else None,
         )
+        self.push = StatusPush(self.settings, self.membership.readonly(), self.worker.startup)
+        if metrics is not None:
+            metrics.attach(self.worker, self.push, self.membership.readonly())
 
     async def run(self, node: Node) -> None:
         node.run("controlplane", self.worker.run)
@@ -88,9 +105,11 @@ class RoleServer:
                 self.root, self.settings, self.membership, self.worker.startup
             )
             node.run("directory", directory.run)
-        push = StatusPush(self.settings, self.membership.readonly(), self.worker.startup)
-        node.run("statuspush", push.run)
-        node.run("debug", DebugService(self.settings, self.membership.readonly()).run)
+        node.run("statuspush", self.push.run)
+        rpc = self.metrics.rpc if self.metrics is not None else None
+        node.run("debug", DebugService(self.settings, self.membership.readonly(), rpc).run)
+        if self.metrics is not None:
+            node.run("metrics", self.metrics.run)
         node.signal_healthy()
         await trio.sleep_forever()
 
