@@ -13,15 +13,19 @@ public key there as soon as its identity is saved. Run again on the same
 root after a crash, it resumes the saved registration. SIGINT or SIGTERM
 stops everything (etcd included) and exits 0. Each of the three takes
 ``--metrics-listen HOST:PORT`` to serve the node's Prometheus metrics at
-``/metrics`` (:mod:`metropolis.roleserve.metrics`); it is not saved.
+``/metrics`` (:mod:`metropolis.roleserve.metrics`), and ``--snapshot-interval
+SECONDS [--snapshot-keep N] [--snapshot-dir DIR]`` to snapshot the local
+etcd member on that schedule (:mod:`metropolis.roleserve.snapshots`);
+neither is saved.
 
 ``metropolis image build --out DIR`` builds a node image
 (:mod:`metropolis.image.__main__`, which it hands its arguments to).
 
 ``metropolis owner --root NODE_ROOT --owner-key FILE`` then ``nodes``,
 ``approve NODE``, ``set-roles NODE [--consensus-member on|off]
-[--kubernetes-controller on|off]``, ``tree NODE``, ``ticket`` or ``info
-[--out FILE]``:
+[--kubernetes-controller on|off]``, ``tree NODE``, ``ticket``, ``info
+[--out FILE]`` or ``snapshot --out FILE`` (of the etcd member running on the
+node of ``--root``, with its manifest: :mod:`metropolis.consensus.snapshot`):
 the owner's calls (:mod:`metropolis.owner`).
 
 Every command checks its ``--root`` before it reads or writes anything
@@ -36,6 +40,7 @@ Errors of the package are logged as one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import signal
@@ -46,7 +51,8 @@ import trio
 
 from common.listen import listen_address
 from metropolis import identity, pki
-from metropolis.consensus.process import Tuning
+from metropolis.consensus.process import SOCKET_NAME, Tuning
+from metropolis.consensus.snapshot import manifest_path, take_snapshot
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
 from metropolis.owner import format_table, format_tree, load_owner_key, open_owner
@@ -154,6 +160,22 @@ def _parser() -> argparse.ArgumentParser:
             metavar="HOST:PORT",
             help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; not saved)",
         )
+        command.add_argument(
+            "--snapshot-interval",
+            type=float,
+            default=0.0,
+            metavar="SECONDS",
+            help="snapshot the local etcd member this often (default 0: never; not saved)",
+        )
+        command.add_argument(
+            "--snapshot-keep", type=int, default=3, metavar="N", help="keep the newest N (3)"
+        )
+        command.add_argument(
+            "--snapshot-dir",
+            type=Path,
+            metavar="DIR",
+            help="where snapshots go (default: ROOT/data/snapshots)",
+        )
 
     # Listed for --help only: main() hands 'image ...' to metropolis.image
     # before this parser sees it, so that the image tool keeps its own options.
@@ -175,6 +197,10 @@ def _parser() -> argparse.ArgumentParser:
     calls.add_parser("ticket", help="print the register ticket (hex)")
     info = calls.add_parser("info", help="cluster directory and CA")
     info.add_argument("--out", type=Path, help="write them for 'node register --cluster'")
+    snap = calls.add_parser(
+        "snapshot", help="snapshot etcd (the member on this --root's node), with a manifest"
+    )
+    snap.add_argument("--out", type=Path, required=True, help="the snapshot file")
     return parser
 
 
@@ -260,6 +286,10 @@ async def _owner(args: argparse.Namespace) -> None:
             sys.stdout.write(format_tree(tree) + "\n")
         elif args.action == "ticket":
             sys.stdout.write((await owner.ticket()).hex() + "\n")
+        elif args.action == "snapshot":
+            # The owner key must be the cluster's: the curators answer it.
+            await owner.info()
+            sys.stdout.write(await _snapshot(root, args.out) + "\n")
         else:
             info = await owner.info()
             if args.out is not None:
@@ -268,6 +298,29 @@ async def _owner(args: argparse.Namespace) -> None:
             for node in directory.nodes if directory else []:
                 hosts = ",".join(a.host for a in node.addresses)
                 sys.stdout.write(f"{identity.node_id(node.public_key)} {hosts}\n")
+
+
+async def _snapshot(root: Root, out: Path) -> str:
+    """Snapshot the etcd member of the node at ``root`` into ``out``; one line on it."""
+    socket = root.ephemeral.consensus / SOCKET_NAME
+    if not socket.exists():
+        raise MetropolisError(
+            f"no etcd member runs on the node of {root.path}: give the root of a node"
+            " with ConsensusMember"
+        )
+    saved = await trio.to_thread.run_sync(disk.load, root)
+    assert saved.credentials is not None  # the owner call above needs them
+    der = saved.credentials.ca_certificate.public_bytes(pki.Encoding.DER)
+    made = await take_snapshot(
+        socket,
+        out,
+        cluster_ca_sha256=hashlib.sha256(der).hexdigest(),
+        node_id=saved.credentials.node_id,
+    )
+    return (
+        f"snapshot {out}: revision {made.revision}, {made.size} bytes, sha256 {made.sha256}"
+        f" (manifest {manifest_path(out)})"
+    )
 
 
 def _fresh(root: Root) -> bool:
@@ -374,10 +427,15 @@ def _prepare_register(args: argparse.Namespace) -> Root:
     return root
 
 
-async def _run_node(root: Root, metrics_listen: str | None = None) -> None:
+async def _run_node(
+    root: Root,
+    metrics_listen: str | None = None,
+    snapshots: tuple[Path, float, int] | None = None,
+) -> None:
     """Finish a saved registration if there is one, then run the node; until a signal.
 
-    ``metrics_listen``: serve the node's metrics there.
+    ``metrics_listen``: serve the node's metrics there; ``snapshots``:
+    (folder, interval, keep) of scheduled etcd snapshots.
     """
     saved = disk.load(root)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -396,7 +454,7 @@ async def _run_node(root: Root, metrics_listen: str | None = None) -> None:
             # An intent a crash left beside the credentials is done with.
             await trio.to_thread.run_sync(disk.drop_finished_intents, root)
             metrics = NodeMetrics(metrics_listen) if metrics_listen else None
-            server = RoleServer(root, saved, metrics=metrics)
+            server = RoleServer(root, saved, metrics=metrics, snapshots=snapshots)
 
             async def main(node: Node) -> None:
                 node.run("role", server.run)
@@ -404,6 +462,16 @@ async def _run_node(root: Root, metrics_listen: str | None = None) -> None:
                 await trio.sleep_forever()
 
             nursery.start_soon(supervise, main)
+
+
+def _snapshots(args: argparse.Namespace, root: Root) -> tuple[Path, float, int] | None:
+    """The scheduled snapshots' (folder, interval, keep), or None when off."""
+    if args.snapshot_interval == 0:
+        return None
+    if args.snapshot_interval < 0 or args.snapshot_keep < 1:
+        raise MetropolisError("--snapshot-interval must be positive, --snapshot-keep at least 1")
+    folder = args.snapshot_dir or root.data.path / "snapshots"
+    return Path(os.path.abspath(folder)), args.snapshot_interval, args.snapshot_keep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 root = _root(args.root)
             disk.load(root)  # fail before starting anything
-            trio.run(_run_node, root, args.metrics_listen)
+            trio.run(_run_node, root, args.metrics_listen, _snapshots(args, root))
     except MetropolisError as e:
         log.error("%s", e)
         return 2

@@ -10,7 +10,8 @@
                    ├── directory: Watch(all nodes) ──> cluster directory (disk, membership)
                    ├── statuspush: address, curator running ──> UpdateNodeStatus
                    ├── debug: NodeDebug for the owner (the supervision tree)
-                   └── metrics: Prometheus /metrics, if asked (:mod:`.metrics`)
+                   ├── metrics: Prometheus /metrics, if asked (:mod:`.metrics`)
+                   └── snapshots: etcd snapshots on a schedule, if asked (:mod:`.snapshots`)
 
 :class:`RoleServer` publishes what :func:`~.disk.load` found (a finished
 node: credentials, directory, roles; or a bootstrap intent) and runs the
@@ -21,6 +22,7 @@ single-node cluster restarts from its disk alone.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import trio
 
@@ -33,6 +35,7 @@ from metropolis.roleserve.debugservice import DebugService
 from metropolis.roleserve.directory import DirectoryUpdate
 from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.roleserve.rolefetch import RoleFetch
+from metropolis.roleserve.snapshots import SnapshotSchedule
 from metropolis.roleserve.statuspush import StatusPush
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
 from metropolis.supervisor import Node
@@ -54,10 +57,13 @@ class RoleServer:
         *,
         fetch_roles: bool = True,
         metrics: NodeMetrics | None = None,
+        snapshots: tuple[Path, float, int] | None = None,
     ) -> None:
         """``fetch_roles``: watch roles at the curators (off: the caller sets them).
 
         ``metrics``: count and serve the node's metrics there.
+        ``snapshots``: (folder, interval in seconds, how many to keep) of
+        the scheduled etcd snapshots (:mod:`.snapshots`), or None for none.
         """
         self.root = root
         self.metrics = metrics
@@ -88,6 +94,12 @@ class RoleServer:
         self.push = StatusPush(self.settings, self.membership.readonly(), self.worker.startup)
         if metrics is not None:
             metrics.attach(self.worker, self.push, self.membership.readonly())
+        self.snapshots: SnapshotSchedule | None = None
+        if snapshots is not None:
+            folder, interval, keep = snapshots
+            self.snapshots = SnapshotSchedule(
+                self.membership.readonly(), folder, interval=interval, keep=keep
+            )
 
     async def run(self, node: Node) -> None:
         node.run("controlplane", self.worker.run)
@@ -110,6 +122,8 @@ class RoleServer:
         node.run("debug", DebugService(self.settings, self.membership.readonly(), rpc).run)
         if self.metrics is not None:
             node.run("metrics", self.metrics.run)
+        if self.snapshots is not None:
+            node.run("snapshots", self.snapshots.run)
         node.signal_healthy()
         await trio.sleep_forever()
 

@@ -1,0 +1,117 @@
+"""etcd snapshots: a node process with ``--snapshot-interval`` keeps the newest
+N, each whole and of its cluster; ``owner snapshot --out FILE`` writes one on
+demand. A snapshot cut short or changed in one byte is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from metropolis import pki
+from metropolis.consensus.snapshot import (
+    FORMAT,
+    SnapshotError,
+    manifest_path,
+    verify_snapshot,
+)
+from metropolis.identity import NodeCredentials
+from metropolis.localstorage import Root
+from metropolis.roleserve.snapshots import PREFIX, prune
+from tests.metropolis.test_node_cli import LEADS, bootstrap_args, node
+
+
+def _snapshots(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob(f"{PREFIX}*.db"))
+
+
+async def test_scheduled_and_owner_snapshots_are_whole_and_of_their_cluster(
+    tmp_path: Path,
+) -> None:
+    root = Root(tmp_path / "n")
+    folder = root.data.path / "snapshots"
+    args = [*bootstrap_args(tmp_path), "--snapshot-interval", "0.5", "--snapshot-keep", "2"]
+    with trio.fail_after(90):
+        async with node(*args) as proc:
+            await proc.wait_for(LEADS)
+            # Pruned at least once: more were taken than are kept.
+            await proc.wait_for("removed (keeping 2)")
+            out = tmp_path / "owner.snap"
+            done = await trio.run_process(
+                [
+                    *(sys.executable, "-m", "metropolis", "owner", "--root", str(root.path)),
+                    *("--owner-key", str(tmp_path / "owner.pem"), "snapshot", "--out", str(out)),
+                ],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+            assert done.returncode == 0, done.stderr.decode()
+            assert b"sha256" in done.stdout
+            proc.process.send_signal(signal.SIGTERM)
+    assert proc.process.returncode == 0
+    _check_snapshots(root, folder, out)
+
+
+def _check_snapshots(root: Root, folder: Path, out: Path) -> None:
+    tmp_path = out.parent
+    kept = _snapshots(folder)
+    assert len(kept) == 2
+    credentials = NodeCredentials.load(root.data.node_credentials)
+    ca = hashlib.sha256(credentials.ca_certificate.public_bytes(pki.Encoding.DER)).hexdigest()
+    for path in [*kept, out]:
+        manifest = verify_snapshot(path)
+        assert manifest.format == FORMAT
+        assert manifest.cluster_ca_sha256 == ca
+        assert manifest.node_id == credentials.node_id
+        assert manifest.revision > 1 and manifest.size == path.stat().st_size
+    assert not list(folder.glob("*.tmp")) and not list(tmp_path.glob("*.tmp"))
+    assert folder.stat().st_mode & 0o077 == 0 and out.stat().st_mode & 0o077 == 0
+
+    # Damaged copies are refused: cut, one byte changed (manifest fixed up to
+    # match: etcd's own hash still catches it), or the manifest gone.
+    data = out.read_bytes()
+    meta = json.loads(manifest_path(out).read_bytes())
+    cut = tmp_path / "cut.snap"
+    cut.write_bytes(data[: len(data) - 100])
+    manifest_path(cut).write_bytes(manifest_path(out).read_bytes())
+    with pytest.raises(SnapshotError, match="cut or grown"):
+        verify_snapshot(cut)
+    flipped = tmp_path / "flipped.snap"
+    changed = bytearray(data)
+    changed[len(changed) // 2] ^= 1
+    flipped.write_bytes(changed)
+    manifest_path(flipped).write_text(
+        json.dumps(meta | {"sha256": hashlib.sha256(changed).hexdigest()})
+    )
+    with pytest.raises(SnapshotError, match="etcd's hash"):
+        verify_snapshot(flipped)
+    manifest_path(flipped).write_text(json.dumps(meta))
+    with pytest.raises(SnapshotError, match="SHA-256 differs"):
+        verify_snapshot(flipped)
+    bare = tmp_path / "bare.snap"
+    bare.write_bytes(data)
+    with pytest.raises(SnapshotError, match="manifest"):
+        verify_snapshot(bare)
+
+
+def test_prune_keeps_the_newest(tmp_path: Path) -> None:
+    for stamp in ("20260101T000000.000000Z", "20260102T000000.000000Z", "20260103T000000.000000Z"):
+        (tmp_path / f"{PREFIX}{stamp}.db").write_bytes(b"x")
+        manifest_path(tmp_path / f"{PREFIX}{stamp}.db").write_bytes(b"{}")
+    (tmp_path / "other.db").write_bytes(b"not ours")
+    gone = prune(tmp_path, 1)
+    assert [p.name for p in gone] == [
+        f"{PREFIX}20260101T000000.000000Z.db",
+        f"{PREFIX}20260102T000000.000000Z.db",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "other.db",
+        f"{PREFIX}20260103T000000.000000Z.db",
+        f"{PREFIX}20260103T000000.000000Z.db.manifest",
+    ]
