@@ -29,6 +29,8 @@ runnable names and method paths.
     metropolis_supervisor_restarts_total{runnable, reason}   reason: failure, request
     metropolis_status_push_age_seconds         since the last status push a curator took
     metropolis_status_pushes_total{outcome}    ok, or the refusal's status code
+    metropolis_etcd_snapshots_total{outcome}   scheduled snapshots (--snapshot-interval): ok, failed
+    metropolis_etcd_snapshot_age_seconds       since the last scheduled snapshot was written
     metropolis_rpc_calls_total{server, method, code}, metropolis_rpc_call_duration_seconds
                                                (see metropolis.rpc.metrics)
 
@@ -60,6 +62,7 @@ from metropolis.curator.service import Curator
 from metropolis.errors import ConsensusError
 from metropolis.event import ReadOnlyValue
 from metropolis.roleserve.controlplane import ControlPlaneWorker
+from metropolis.roleserve.snapshots import SnapshotSchedule
 from metropolis.roleserve.statuspush import StatusPush
 from metropolis.roleserve.values import ClusterMembership
 from metropolis.rpc import RPCMetrics
@@ -114,6 +117,7 @@ class NodeMetrics(Collector):
         self.registry.register(self)
         self._worker: ControlPlaneWorker | None = None
         self._push: StatusPush | None = None
+        self._snapshots: SnapshotSchedule | None = None
         self._membership: ReadOnlyValue[ClusterMembership] | None = None
         self._node: Node | None = None
         self._now: ClusterMembership | None = None
@@ -127,8 +131,10 @@ class NodeMetrics(Collector):
         worker: ControlPlaneWorker,
         push: StatusPush,
         membership: ReadOnlyValue[ClusterMembership],
+        snapshots: SnapshotSchedule | None = None,
     ) -> None:
         self._worker, self._push, self._membership = worker, push, membership
+        self._snapshots = snapshots
 
     async def run(self, node: Node) -> None:
         assert self._membership is not None, "attach() first"
@@ -288,6 +294,21 @@ class NodeMetrics(Collector):
             for outcome, n in sorted(self._push.pushes.items()):
                 pushes.add_metric([outcome], n)
             yield pushes
+        if self._snapshots is not None:
+            snapshots = CounterMetricFamily(
+                "metropolis_etcd_snapshots",
+                "Scheduled etcd snapshots by outcome (ok, failed).",
+                labels=["outcome"],
+            )
+            for outcome, n in sorted(self._snapshots.outcomes.items()):
+                snapshots.add_metric([outcome], n)
+            yield snapshots
+            if self._snapshots.last_taken is not None:
+                yield _gauge(
+                    "metropolis_etcd_snapshot_age_seconds",
+                    "Seconds since the last scheduled etcd snapshot was written.",
+                    trio.current_time() - self._snapshots.last_taken,
+                )
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -92,14 +92,14 @@ class RoleServer:
             rpc_metrics=metrics.rpc if metrics is not None else None,
         )
         self.push = StatusPush(self.settings, self.membership.readonly(), self.worker.startup)
-        if metrics is not None:
-            metrics.attach(self.worker, self.push, self.membership.readonly())
         self.snapshots: SnapshotSchedule | None = None
         if snapshots is not None:
             folder, interval, keep = snapshots
             self.snapshots = SnapshotSchedule(
                 self.membership.readonly(), folder, interval=interval, keep=keep
             )
+        if metrics is not None:
+            metrics.attach(self.worker, self.push, self.membership.readonly(), self.snapshots)
 
     async def run(self, node: Node) -> None:
         node.run("controlplane", self.worker.run)

@@ -72,8 +72,10 @@ class SnapshotSchedule:
         self.folder = folder
         self._interval = interval
         self._keep = keep
-        #: Snapshots written by this node since it started (for observers).
-        self.taken = 0
+        #: Snapshots by outcome (``ok``, ``failed``) since the node started.
+        self.outcomes: dict[str, int] = {"ok": 0, "failed": 0}
+        #: ``trio.current_time()`` of the last snapshot written.
+        self.last_taken: float | None = None
         self._now: ClusterMembership | None = None
         self._changed = trio.Event()
 
@@ -123,8 +125,10 @@ class SnapshotSchedule:
             )
         except (SnapshotError, OSError) as e:
             node.logger.warning("snapshot not taken: %s", e)
+            self.outcomes["failed"] += 1
             return
-        self.taken += 1
+        self.outcomes["ok"] += 1
+        self.last_taken = trio.current_time()
         node.logger.info(
             "snapshot %s: revision %d, %d bytes", out.name, manifest.revision, manifest.size
         )

@@ -10,9 +10,12 @@ import signal
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
+from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus.snapshot import (
     FORMAT,
@@ -35,12 +38,28 @@ async def test_scheduled_and_owner_snapshots_are_whole_and_of_their_cluster(
 ) -> None:
     root = Root(tmp_path / "n")
     folder = root.data.path / "snapshots"
-    args = [*bootstrap_args(tmp_path), "--snapshot-interval", "0.5", "--snapshot-keep", "2"]
+    port = free_loopback_port()
+    args = [
+        *bootstrap_args(tmp_path),
+        *("--snapshot-interval", "0.5", "--snapshot-keep", "2"),
+        *("--metrics-listen", f"127.0.0.1:{port}"),
+    ]
     with trio.fail_after(90):
         async with node(*args) as proc:
             await proc.wait_for(LEADS)
             # Pruned at least once: more were taken than are kept.
             await proc.wait_for("removed (keeping 2)")
+            async with httpx.AsyncClient() as http:
+                text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            samples = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+            }
+            ok = ("metropolis_etcd_snapshots_total", (("outcome", "ok"),))
+            assert samples[ok] >= 3
+            assert samples[("metropolis_etcd_snapshots_total", (("outcome", "failed"),))] == 0
+            assert 0 <= samples[("metropolis_etcd_snapshot_age_seconds", ())] < 10
             out = tmp_path / "owner.snap"
             done = await trio.run_process(
                 [
