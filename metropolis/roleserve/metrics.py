@@ -18,6 +18,7 @@ runnable names and method paths.
     metropolis_etcd_raft_index, metropolis_etcd_raft_applied_index
     metropolis_etcd_apply_lag_entries          committed but not applied yet
     metropolis_etcd_proposals_pending
+    metropolis_etcd_reads_total                reads of the member for these metrics
     metropolis_curator_running                 1 while this node runs a curator
     metropolis_curator_is_leader
     metropolis_curator_term                    the election key's create revision, while leading
@@ -34,9 +35,11 @@ runnable names and method paths.
     metropolis_rpc_calls_total{server, method, code}, metropolis_rpc_call_duration_seconds
                                                (see metropolis.rpc.metrics)
 
-etcd is read on each scrape (:func:`~metropolis.consensus.metrics.read_member`,
+etcd is read when scraped (:func:`~metropolis.consensus.metrics.read_member`,
 bounded by ``etcd_timeout``); a member that does not answer in time shows
-``metropolis_etcd_up 0`` and no other etcd sample. Everything else is read
+``metropolis_etcd_up 0`` and no other etcd sample. Scrapes at once share one
+read, and a read serves the scrapes of the next ``etcd_max_age`` seconds
+too: however often anyone scrapes, etcd is asked at most once in that time. Everything else is read
 from counters the node's tasks keep, in the Trio thread.
 
 Cancellation: cancelling :meth:`NodeMetrics.run` closes the listener.
@@ -108,10 +111,17 @@ class NodeMetrics(Collector):
     :meth:`run` as a supervised runnable.
     """
 
-    def __init__(self, listen: str, *, etcd_timeout: float = 2.0) -> None:
+    def __init__(
+        self, listen: str, *, etcd_timeout: float = 2.0, etcd_max_age: float = 1.0
+    ) -> None:
         self.listen = listen
         self.rpc = RPCMetrics()
         self._etcd_timeout = etcd_timeout
+        self._etcd_max_age = etcd_max_age
+        self._etcd_lock = trio.Lock()
+        self._etcd_read_at = -float("inf")
+        #: etcd reads made (for tests and diagnostics).
+        self.etcd_reads = 0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.rpc)
         self.registry.register(self)
@@ -174,18 +184,23 @@ class NodeMetrics(Collector):
                 self._curator.see(await states.get())
 
     async def _refresh(self) -> None:
-        """Read the local etcd member, if there is one (bounded by ``etcd_timeout``)."""
-        self._etcd = None
-        consensus = self._now.local_consensus if self._now is not None else None
-        if consensus is None:
-            return
-        with trio.move_on_after(self._etcd_timeout):
-            try:
-                self._etcd = await read_member(
-                    consensus.config.client_socket, call_timeout=self._etcd_timeout
-                )
-            except ConsensusError as e:
-                _log.debug("etcd not read: %s", e)
+        """Read the local etcd member, if there is one and the last read is too old."""
+        async with self._etcd_lock:
+            if trio.current_time() - self._etcd_read_at < self._etcd_max_age:
+                return
+            self._etcd = None
+            consensus = self._now.local_consensus if self._now is not None else None
+            if consensus is None:
+                return
+            self.etcd_reads += 1
+            with trio.move_on_after(self._etcd_timeout):
+                try:
+                    self._etcd = await read_member(
+                        consensus.config.client_socket, call_timeout=self._etcd_timeout
+                    )
+                except ConsensusError as e:
+                    _log.debug("etcd not read: %s", e)
+            self._etcd_read_at = trio.current_time()
 
     def collect(self) -> Iterator[Metric]:
         yield from self._collect_etcd()
@@ -197,6 +212,11 @@ class NodeMetrics(Collector):
         consensus = self._now is not None and self._now.local_consensus is not None
         if consensus:
             yield _gauge("metropolis_etcd_up", "The local etcd member answered.", etcd is not None)
+        yield CounterMetricFamily(
+            "metropolis_etcd_reads",
+            "Reads of the local etcd member for these metrics.",
+            value=self.etcd_reads,
+        )
         if etcd is None:
             return
         yield _gauge("metropolis_etcd_has_leader", "The member knows a leader.", etcd.has_leader)

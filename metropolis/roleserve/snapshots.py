@@ -6,7 +6,8 @@ runs a consensus member, its member is snapshotted every interval
 (:func:`~metropolis.consensus.snapshot.take_snapshot`) into DIR (default
 ``ROOT/data/snapshots``, outside ``data/etcd``, which a node that leaves
 consensus wipes) as ``snapshot-<UTC time>.db`` with its manifest; the
-newest N are kept. Every member holds the whole keyspace, so each
+newest N are kept (pruned after each snapshot, and when the runnable
+starts: a stop in between leaves N + 1 until then). Every member holds the whole keyspace, so each
 control-plane node keeps its own recent copies and one survivor is enough.
 
 Cancellation: cancelled with the role server; a snapshot being written is
@@ -81,6 +82,7 @@ class SnapshotSchedule:
 
     async def run(self, node: Node) -> None:
         await trio.to_thread.run_sync(_make_folder, self.folder)
+        await trio.to_thread.run_sync(prune, self.folder, self._keep)
         node.signal_healthy()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._follow)
