@@ -9,7 +9,9 @@
         refused, nothing changed: a missing or wrong FILE.sha256, a file
         pg_restore cannot read, a database that holds any table, other
         connections to it (a Shepherd still running)
-        pg_restore --no-owner --no-acl | psql --single-transaction, then in
+        pg_restore --no-owner --no-acl (the tables become the restoring
+        role's: restore as the role the Shepherd uses)
+        | psql --single-transaction, then in
         that same transaction: every restored session deleted, its work
         recorded 'Canceled' in the history
 
