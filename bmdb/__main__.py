@@ -7,6 +7,8 @@
     python -m bmdb [--url URL] machine MACHINE_ID [--json]
     python -m bmdb [--url URL] history MACHINE_ID
     python -m bmdb [--url URL] sessions
+    python -m bmdb [--url URL] backup --out FILE       pg_dump, checksummed (bmdb.backup)
+    python -m bmdb [--url URL] restore --from FILE     into an empty database
 
 Without ``--url`` the standard libpq ``PG*`` environment variables (PGHOST,
 PGPORT, PGDATABASE, PGUSER, ...) say where the database is. Errors (database
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 import trio
 
 import bmdb
-from bmdb import migrations, overview
+from bmdb import backup, migrations, overview
 from bmdb.cli import add_url_option
 from bmdb.connection import migrate
 from bmdb.errors import BMDBError
@@ -298,6 +300,8 @@ async def _sessions(conn: bmdb.Connection) -> str:
 async def _command(args: argparse.Namespace) -> str:
     if args.command == "migrate":
         return await _migrate(args.url)
+    if args.command in backup.COMMANDS:
+        return await backup.run_command(args)
     # One command, one query at a time: one connection.
     async with bmdb.open_connection(args.url, max_connections=1) as conn:
         if args.command == "machines":
@@ -333,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     history = commands.add_parser("history", help="show the work history of a machine")
     history.add_argument("machine", metavar="MACHINE_ID")
     commands.add_parser("sessions", help="list sessions")
+    backup.add_commands(commands)
     # The web UI moved to the console, above the BMDB (it also shows the
     # cluster); the old command stays only to say where, for muscle memory.
     commands.add_parser("web", help="moved: python -m console web", add_help=False)

@@ -4,7 +4,9 @@
 ``HOST:PORT`` with hypercorn's Trio worker. Collection then runs in the Trio
 thread, between other tasks' steps, so collectors may read plain counters
 that Trio tasks update without any locking (prometheus_client's own HTTP
-server would collect in a thread of its own).
+server would collect in a thread of its own). A ``refresh`` coroutine, if given, runs before each
+scrape's collection: values that take I/O to read (another process's
+state) are read then, and only when someone scrapes.
 """
 
 from __future__ import annotations
@@ -26,8 +28,13 @@ logger = logging.getLogger("common.metrics")
 Message = MutableMapping[str, Any]
 
 
-def metrics_app(registry: CollectorRegistry) -> Callable[..., Awaitable[None]]:
-    """An ASGI app: the registry at ``/metrics``, 404 elsewhere."""
+def metrics_app(
+    registry: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None
+) -> Callable[..., Awaitable[None]]:
+    """An ASGI app: the registry at ``/metrics``, 404 elsewhere.
+
+    ``refresh`` is awaited before each collection (it must bound its own time).
+    """
     exposition = make_asgi_app(registry)
 
     async def app(scope: Message, receive: Callable[[], Awaitable[Message]], send: Any) -> None:
@@ -37,6 +44,8 @@ def metrics_app(registry: CollectorRegistry) -> Callable[..., Awaitable[None]]:
         if scope["type"] != "http":
             return
         if scope["path"] == "/metrics":
+            if refresh is not None:
+                await refresh()
             await exposition(scope, receive, send)
             return
         await send({"type": "http.response.start", "status": 404, "headers": []})
@@ -49,13 +58,16 @@ async def serve_metrics(
     registry: CollectorRegistry,
     listen: str,
     *,
+    refresh: Callable[[], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``registry`` on ``listen`` until cancelled; ``task_status.started``
-    gets the bound base URLs. Raises OSError if the address cannot be bound."""
+    gets the bound base URLs. Raises OSError if the address cannot be bound.
+
+    ``refresh``: see :func:`metrics_app`."""
     config = Config()
     config.bind = [listen]
     config.accesslog = None
     config.errorlog = logging.getLogger("common.metrics.hypercorn")
-    app = cast(ASGIFramework, metrics_app(registry))
+    app = cast(ASGIFramework, metrics_app(registry, refresh))
     await serve(app, config, mode="asgi", task_status=task_status)

@@ -11,7 +11,12 @@ cluster_register, as the Shepherd's install writes it) replaces
 ``--ticket`` and ``--cluster``; ``--announce-key FILE`` writes the node's
 public key there as soon as its identity is saved. Run again on the same
 root after a crash, it resumes the saved registration. SIGINT or SIGTERM
-stops everything (etcd included) and exits 0.
+stops everything (etcd included) and exits 0. Each of the three takes
+``--metrics-listen HOST:PORT`` to serve the node's Prometheus metrics at
+``/metrics`` (:mod:`metropolis.roleserve.metrics`), and ``--snapshot-interval
+SECONDS [--snapshot-keep N] [--snapshot-dir DIR]`` to snapshot the local
+etcd member on that schedule (:mod:`metropolis.roleserve.snapshots`);
+neither is saved.
 
 ``metropolis image build --out DIR`` builds a node image
 (:mod:`metropolis.image.__main__`, which it hands its arguments to).
@@ -19,7 +24,9 @@ stops everything (etcd included) and exits 0.
 ``metropolis owner (--cluster FILE | --root NODE_ROOT) --owner-key FILE``
 then ``nodes``, ``approve NODE``, ``set-roles NODE [--consensus-member
 on|off] [--kubernetes-controller on|off]``, ``delete NODE [--force]``,
-``tree NODE``, ``ticket`` or ``info [--out FILE]``: the owner's calls
+``tree NODE``, ``ticket``, ``info [--out FILE]`` or ``snapshot --out FILE``
+(of the etcd member running on the node of ``--root``, with its manifest:
+:mod:`metropolis.consensus.snapshot`): the owner's calls
 (:mod:`metropolis.owner`). ``--cluster`` takes what ``info --out`` wrote
 and needs no node's disk. Calls that change something print what
 changed; one still waiting after a second says what it waits for.
@@ -36,6 +43,7 @@ Errors of the package are logged as one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import signal
@@ -46,8 +54,10 @@ from pathlib import Path
 
 import trio
 
+from common.listen import listen_address
 from metropolis import identity, pki
-from metropolis.consensus.process import Tuning
+from metropolis.consensus.process import SOCKET_NAME, Tuning
+from metropolis.consensus.snapshot import manifest_path, take_snapshot
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
 from metropolis.owner import (
@@ -64,6 +74,7 @@ from metropolis.owner import (
 from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
+from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.roleserve.register import register
 from metropolis.roleserve.server import RoleServer
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
@@ -157,6 +168,30 @@ def _parser() -> argparse.ArgumentParser:
         help="how long a dead curator leader blocks the next election (default 10)",
     )
 
+    for command in (boot, run, reg):
+        command.add_argument(
+            "--metrics-listen",
+            type=listen_address,
+            metavar="HOST:PORT",
+            help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; not saved)",
+        )
+        command.add_argument(
+            "--snapshot-interval",
+            type=float,
+            default=0.0,
+            metavar="SECONDS",
+            help="snapshot the local etcd member this often (default 0: never; not saved)",
+        )
+        command.add_argument(
+            "--snapshot-keep", type=int, default=3, metavar="N", help="keep the newest N (3)"
+        )
+        command.add_argument(
+            "--snapshot-dir",
+            type=Path,
+            metavar="DIR",
+            help="where snapshots go (default: ROOT/data/snapshots)",
+        )
+
     # Listed for --help only: main() hands 'image ...' to metropolis.image
     # before this parser sees it, so that the image tool keeps its own options.
     commands.add_parser("image", help="build a node image ('image build --help')")
@@ -194,6 +229,10 @@ def _parser() -> argparse.ArgumentParser:
     calls.add_parser("ticket", help="print the register ticket (hex)")
     info = calls.add_parser("info", help="cluster directory and CA")
     info.add_argument("--out", type=Path, help="write them for 'node register --cluster'")
+    snap = calls.add_parser(
+        "snapshot", help="snapshot etcd (the member on this --root's node), with a manifest"
+    )
+    snap.add_argument("--out", type=Path, required=True, help="the snapshot file")
     return parser
 
 
@@ -337,6 +376,12 @@ async def _owner_call(args: argparse.Namespace, owner: Owner) -> None:
         out(format_tree(tree) + "\n")
     elif args.action == "ticket":
         out((await owner.ticket()).hex() + "\n")
+    elif args.action == "snapshot":
+        if args.root is None:
+            raise MetropolisError("snapshot needs --root: the node whose etcd member it reads")
+        # The owner key must be the cluster's: the curators answer it.
+        await owner.info()
+        out(await _snapshot(_root(args.root), args.out) + "\n")
     else:
         info = await owner.info()
         if args.out is not None:
@@ -345,6 +390,29 @@ async def _owner_call(args: argparse.Namespace, owner: Owner) -> None:
         for node in directory.nodes if directory else []:
             hosts = ",".join(a.host for a in node.addresses)
             out(f"{identity.node_id(node.public_key)} {hosts}\n")
+
+
+async def _snapshot(root: Root, out: Path) -> str:
+    """Snapshot the etcd member of the node at ``root`` into ``out``; one line on it."""
+    socket = root.ephemeral.consensus / SOCKET_NAME
+    if not socket.exists():
+        raise MetropolisError(
+            f"no etcd member runs on the node of {root.path}: give the root of a node"
+            " with ConsensusMember"
+        )
+    saved = await trio.to_thread.run_sync(disk.load, root)
+    assert saved.credentials is not None  # the owner call above needs them
+    der = saved.credentials.ca_certificate.public_bytes(pki.Encoding.DER)
+    made = await take_snapshot(
+        socket,
+        out,
+        cluster_ca_sha256=hashlib.sha256(der).hexdigest(),
+        node_id=saved.credentials.node_id,
+    )
+    return (
+        f"snapshot {out}: revision {made.revision}, {made.size} bytes, sha256 {made.sha256}"
+        f" (manifest {manifest_path(out)})"
+    )
 
 
 def _fresh(root: Root) -> bool:
@@ -451,8 +519,16 @@ def _prepare_register(args: argparse.Namespace) -> Root:
     return root
 
 
-async def _run_node(root: Root) -> None:
-    """Finish a saved registration if there is one, then run the node; until a signal."""
+async def _run_node(
+    root: Root,
+    metrics_listen: str | None = None,
+    snapshots: tuple[Path, float, int] | None = None,
+) -> None:
+    """Finish a saved registration if there is one, then run the node; until a signal.
+
+    ``metrics_listen``: serve the node's metrics there; ``snapshots``:
+    (folder, interval, keep) of scheduled etcd snapshots.
+    """
     saved = disk.load(root)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -469,7 +545,8 @@ async def _run_node(root: Root) -> None:
                 saved = disk.load(root)
             # An intent a crash left beside the credentials is done with.
             await trio.to_thread.run_sync(disk.drop_finished_intents, root)
-            server = RoleServer(root, saved)
+            metrics = NodeMetrics(metrics_listen) if metrics_listen else None
+            server = RoleServer(root, saved, metrics=metrics, snapshots=snapshots)
 
             async def main(node: Node) -> None:
                 node.run("role", server.run)
@@ -477,6 +554,16 @@ async def _run_node(root: Root) -> None:
                 await trio.sleep_forever()
 
             nursery.start_soon(supervise, main)
+
+
+def _snapshots(args: argparse.Namespace, root: Root) -> tuple[Path, float, int] | None:
+    """The scheduled snapshots' (folder, interval, keep), or None when off."""
+    if args.snapshot_interval == 0:
+        return None
+    if args.snapshot_interval < 0 or args.snapshot_keep < 1:
+        raise MetropolisError("--snapshot-interval must be positive, --snapshot-keep at least 1")
+    folder = args.snapshot_dir or root.data.path / "snapshots"
+    return Path(os.path.abspath(folder)), args.snapshot_interval, args.snapshot_keep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -503,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 root = _root(args.root)
             disk.load(root)  # fail before starting anything
-            trio.run(_run_node, root)
+            trio.run(_run_node, root, args.metrics_listen, _snapshots(args, root))
     except MetropolisError as e:
         log.error("%s", e)
         return 2

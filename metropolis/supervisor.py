@@ -220,6 +220,10 @@ class Node:
         """
         return self._supervisor.snapshot()
 
+    def tree_restart_totals(self) -> dict[tuple[str, str], int]:
+        """:meth:`Supervisor.restart_totals` of the whole tree this runnable is in."""
+        return self._supervisor.restart_totals()
+
     def signal_healthy(self) -> None:
         """Report that the runnable works; resets the restart backoff."""
         if self._alive and not self._done:
@@ -353,6 +357,8 @@ class Supervisor:
         self._rng = rng
         self._slots: dict[str, _Slot] = {}
         self._changed = trio.Event()
+        #: Restarts by (dotted name, "failure" or "request"), never forgotten.
+        self._restart_totals: dict[tuple[str, str], int] = {}
 
     # -- observing ---------------------------------------------------------
 
@@ -369,6 +375,16 @@ class Supervisor:
         """How many times ``name`` was restarted (after failures or on request)."""
         slot = self._slots.get(name)
         return slot.restarts if slot else 0
+
+    def restart_totals(self) -> dict[tuple[str, str], int]:
+        """Every restart since the tree started, by (dotted name, why).
+
+        Why is ``"failure"`` or ``"request"`` (:meth:`Node.restart`).
+        Unlike :meth:`restarts` and :meth:`snapshot`, these counts outlive
+        the slots: a child that stopped (its parent restarted) keeps its
+        count, and one that runs again adds to it, as a counter must.
+        """
+        return dict(self._restart_totals)
 
     def snapshot(self) -> list[RunnableInfo]:
         """Every runnable that has an entry now, sorted by dotted name.
@@ -436,8 +452,11 @@ class Supervisor:
                     # runnable that asks again and again cannot starve the
                     # other tasks, and cancellation is noticed.
                     await trio.lowlevel.checkpoint()
+                why = "failure" if outcome is _Outcome.FAILED else "request"
                 for slot in slots.values():
                     slot.restarts += 1
+                    key = (slot.name, why)
+                    self._restart_totals[key] = self._restart_totals.get(key, 0) + 1
                     self._set_state(slot, State.STARTING)
         finally:
             for slot in slots.values():

@@ -39,7 +39,7 @@ from metropolis.curator.probe import PROBE_ENV, run_probe
 from metropolis.curator.server import CuratorServer
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
-from metropolis.rpc import Server, server_context
+from metropolis.rpc import RPCMetrics, Server, server_context
 from metropolis.supervisor import Node
 
 __all__ = ["Curator"]
@@ -60,6 +60,7 @@ class Curator:
         learner_timeout: float = LEARNER_TIMEOUT,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
         lease: Lease | None = None,
+        rpc_metrics: RPCMetrics | None = None,
     ):
         """``credentials`` and ``listen`` (host, port): serve the RPC API there.
 
@@ -74,6 +75,7 @@ class Curator:
         Without them the curator only campaigns (tests of the election).
         ``heartbeat_timeout``: seconds after a node's last status update at
         which this curator, leading, reports it HEARTBEAT_TIMEOUT.
+        ``rpc_metrics``: where the API's calls are counted (as ``curator``).
         """
         self._consensus = consensus
         self.node_id = node_id
@@ -84,6 +86,7 @@ class Curator:
         self._learner_timeout = learner_timeout
         self._heartbeat_timeout = heartbeat_timeout
         self._lease = lease
+        self._rpc_metrics = rpc_metrics
         self._port: Value[int] = Value()
         #: The port the RPC API is bound to, once it is.
         self.port: ReadOnlyValue[int] = self._port.readonly()
@@ -190,7 +193,12 @@ class Curator:
                 if serve:
                     assert self._credentials is not None and self._listen is not None
                     [api] = loaded
-                    server = Server(server_context(self._credentials), api.security())
+                    server = Server(
+                        server_context(self._credentials),
+                        api.security(),
+                        metrics=self._rpc_metrics,
+                        name="curator",
+                    )
                     api.register(server)
                     # The listeners are bound: a connection made from now on
                     # is accepted once the serving task runs. Not waiting for

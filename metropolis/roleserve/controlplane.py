@@ -100,7 +100,7 @@ from metropolis.roleserve.startup import (
     reduce,
 )
 from metropolis.roleserve.values import BootstrapData, ClusterMembership, join_key_bytes
-from metropolis.rpc import client_context, server_context
+from metropolis.rpc import RPCMetrics, client_context, server_context
 from metropolis.supervisor import Node, Scope
 
 __all__ = ["CRASH_ENV", "ControlPlaneWorker"]
@@ -124,8 +124,16 @@ class ControlPlaneWorker:
         bootstrap: ReadOnlyValue[BootstrapData],
         membership: Value[ClusterMembership],
         roles: Value[NodeRoles],
+        rpc_metrics: RPCMetrics | None = None,
     ) -> None:
+        """``rpc_metrics``: where the curator's API counts its calls."""
         self._root = root
+        self._rpc_metrics = rpc_metrics
+        #: The launcher's decisions so far: ``start`` (a control plane where
+        #: there was none, or the first one), ``stop`` and ``restart`` (one
+        #: control plane for another), for the node's metrics.
+        self.decisions: dict[str, int] = {"start": 0, "stop": 0, "restart": 0}
+        self._launched = False
         self._settings = settings
         self._bootstrap = bootstrap
         self._membership = membership
@@ -194,6 +202,10 @@ class ControlPlaneWorker:
         node.logger.info("waiting for start data")
         with self._startup.watch() as watcher:
             current = await watcher.get()
+            if not self._launched:
+                self._launched = True
+                if not isinstance(current, NoControlPlane):
+                    self.decisions["start"] += 1
             # Two scopes, so that the curator (inner) stops before the
             # consensus whose etcd client it uses (outer).
             async with node.scope() as outer, node.scope() as inner:
@@ -207,6 +219,7 @@ class ControlPlaneWorker:
                 while True:
                     new = await watcher.get()
                     if changed(current, new):
+                        self.decisions[_decision(current, new)] += 1
                         node.restart(f"control plane changes: {type(new).__name__}")
                     current = new
 
@@ -352,6 +365,7 @@ class ControlPlaneWorker:
             ttl=settings.curator_lease_ttl,
             heartbeat_timeout=settings.curator_heartbeat_timeout,
             lease=lease,
+            rpc_metrics=self._rpc_metrics,
         )
         inner.run("curator", curator.run)
         return curator
@@ -512,6 +526,13 @@ async def _create_early(
         status = await service.wait_running()
         waiting.cancel()
     return status
+
+
+def _decision(current: ControlPlaneStartup, new: ControlPlaneStartup) -> str:
+    """What the launcher does when ``changed(current, new)``: start, stop or restart."""
+    if isinstance(current, NoControlPlane):
+        return "start"
+    return "stop" if isinstance(new, NoControlPlane) else "restart"
 
 
 def _home_with_new_credentials(sent: NodeCredentials | None, m: ClusterMembership) -> bool:

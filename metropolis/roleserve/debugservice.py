@@ -35,7 +35,15 @@ from metropolis.event import ReadOnlyValue
 from metropolis.proto import management as m
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.values import ClusterMembership
-from metropolis.rpc import CallContext, Leadership, Server, ServerSecurity, methods, server_context
+from metropolis.rpc import (
+    CallContext,
+    Leadership,
+    RPCMetrics,
+    Server,
+    ServerSecurity,
+    methods,
+    server_context,
+)
 from metropolis.supervisor import Node, RunnableInfo
 
 __all__ = ["DebugService", "supervision_tree"]
@@ -66,8 +74,13 @@ class DebugService:
     """The debug-service runnable of one node; see the module docstring."""
 
     def __init__(
-        self, settings: NodeSettings, membership: ReadOnlyValue[ClusterMembership]
+        self,
+        settings: NodeSettings,
+        membership: ReadOnlyValue[ClusterMembership],
+        rpc_metrics: RPCMetrics | None = None,
     ) -> None:
+        """``rpc_metrics``: where calls are counted (as ``debug``)."""
+        self._rpc_metrics = rpc_metrics
         self._settings = settings
         self._membership = membership
 
@@ -89,7 +102,9 @@ class DebugService:
             leadership=lambda: Leadership(True),
             owner_by_name=True,
         )
-        server = Server(server_context(credentials), security)
+        server = Server(
+            server_context(credentials), security, metrics=self._rpc_metrics, name="debug"
+        )
         server.unary(methods.GET_SUPERVISION_TREE, get_supervision_tree)
         async with trio.open_nursery() as nursery:
             port = await nursery.start(

@@ -9,7 +9,9 @@
                    ├── rolefetch: Watch(own node) at the curators ──> roles
                    ├── directory: Watch(all nodes) ──> cluster directory (disk, membership)
                    ├── statuspush: address, curator running ──> UpdateNodeStatus
-                   └── debug: NodeDebug for the owner (the supervision tree)
+                   ├── debug: NodeDebug for the owner (the supervision tree)
+                   ├── metrics: Prometheus /metrics, if asked (:mod:`.metrics`)
+                   └── snapshots: etcd snapshots on a schedule, if asked (:mod:`.snapshots`)
 
 :class:`RoleServer` publishes what :func:`~.disk.load` found (a finished
 node: credentials, directory, roles; or a bootstrap intent) and runs the
@@ -20,6 +22,7 @@ single-node cluster restarts from its disk alone.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import trio
 
@@ -30,7 +33,9 @@ from metropolis.roleserve import disk
 from metropolis.roleserve.controlplane import ControlPlaneWorker
 from metropolis.roleserve.debugservice import DebugService
 from metropolis.roleserve.directory import DirectoryUpdate
+from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.roleserve.rolefetch import RoleFetch
+from metropolis.roleserve.snapshots import SnapshotSchedule
 from metropolis.roleserve.statuspush import StatusPush
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
 from metropolis.supervisor import Node
@@ -45,9 +50,23 @@ class RoleServer:
     curator's role fetch) for feeding roles in.
     """
 
-    def __init__(self, root: Root, saved: disk.SavedNode, *, fetch_roles: bool = True) -> None:
-        """``fetch_roles``: watch roles at the curators (off: the caller sets them)."""
+    def __init__(
+        self,
+        root: Root,
+        saved: disk.SavedNode,
+        *,
+        fetch_roles: bool = True,
+        metrics: NodeMetrics | None = None,
+        snapshots: tuple[Path, float, int] | None = None,
+    ) -> None:
+        """``fetch_roles``: watch roles at the curators (off: the caller sets them).
+
+        ``metrics``: count and serve the node's metrics there.
+        ``snapshots``: (folder, interval in seconds, how many to keep) of
+        the scheduled etcd snapshots (:mod:`.snapshots`), or None for none.
+        """
         self.root = root
+        self.metrics = metrics
         self._fetch_roles = fetch_roles
         self.settings = saved.settings
         self.bootstrap: Value[BootstrapData] = Value()
@@ -70,7 +89,17 @@ class RoleServer:
             bootstrap=self.bootstrap.readonly(),
             membership=self.membership,
             roles=self.roles,
+            rpc_metrics=metrics.rpc if metrics is not None else None,
         )
+        self.push = StatusPush(self.settings, self.membership.readonly(), self.worker.startup)
+        self.snapshots: SnapshotSchedule | None = None
+        if snapshots is not None:
+            folder, interval, keep = snapshots
+            self.snapshots = SnapshotSchedule(
+                self.membership.readonly(), folder, interval=interval, keep=keep
+            )
+        if metrics is not None:
+            metrics.attach(self.worker, self.push, self.membership.readonly(), self.snapshots)
 
     async def run(self, node: Node) -> None:
         node.run("controlplane", self.worker.run)
@@ -88,9 +117,13 @@ class RoleServer:
                 self.root, self.settings, self.membership, self.worker.startup
             )
             node.run("directory", directory.run)
-        push = StatusPush(self.settings, self.membership.readonly(), self.worker.startup)
-        node.run("statuspush", push.run)
-        node.run("debug", DebugService(self.settings, self.membership.readonly()).run)
+        node.run("statuspush", self.push.run)
+        rpc = self.metrics.rpc if self.metrics is not None else None
+        node.run("debug", DebugService(self.settings, self.membership.readonly(), rpc).run)
+        if self.metrics is not None:
+            node.run("metrics", self.metrics.run)
+        if self.snapshots is not None:
+            node.run("snapshots", self.snapshots.run)
         node.signal_healthy()
         await trio.sleep_forever()
 

@@ -53,6 +53,10 @@ class StatusPush:
         self._settings = settings
         self._membership = membership
         self._startup = startup
+        #: ``trio.current_time()`` of the last push a curator accepted.
+        self.last_pushed: float | None = None
+        #: Pushes by outcome (``ok``, or the status code of the refusal).
+        self.pushes: dict[str, int] = {}
 
     async def run(self, node: Node) -> None:
         current, credentials = await wait_home(self._membership, self._startup)
@@ -80,8 +84,11 @@ class StatusPush:
                     try:
                         await client.unary(methods.UPDATE_NODE_STATUS, request)
                     except RPCError as e:
+                        self.pushes[e.code.name] = self.pushes.get(e.code.name, 0) + 1
                         outage.lost(e, curator)
                     else:
+                        self.last_pushed = trio.current_time()
+                        self.pushes["ok"] = self.pushes.get("ok", 0) + 1
                         outage.recovered(client.endpoint.address)
                         if not pushed:
                             node.logger.info(

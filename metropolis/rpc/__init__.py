@@ -91,6 +91,7 @@ from metropolis.rpc.client import (
 )
 from metropolis.rpc.limits import Limits
 from metropolis.rpc.method import Access, Method
+from metropolis.rpc.metrics import RPCMetrics
 from metropolis.rpc.server import CallContext, Server
 from metropolis.rpc.status import LeaderHint, RPCError, Status
 from metropolis.rpc.tls import client_context, server_context
@@ -110,6 +111,7 @@ __all__ = [
     "Peer",
     "PeerKind",
     "RPCError",
+    "RPCMetrics",
     "Server",
     "ServerSecurity",
     "Status",

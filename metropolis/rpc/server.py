@@ -60,6 +60,7 @@ from common.protobuf import parse_checked
 from metropolis.rpc import auth, tls, wire
 from metropolis.rpc.limits import Limits
 from metropolis.rpc.method import STALE_OK_HEADER, Message, Method
+from metropolis.rpc.metrics import UNKNOWN_METHOD, RPCMetrics
 from metropolis.rpc.status import LeaderHint, RPCError, Status
 from metropolis.rpc.transport import Closed, Connection, Data, End, Reset, StreamGone
 
@@ -108,8 +109,14 @@ class Server:
         security: auth.ServerSecurity,
         *,
         limits: Limits | None = None,
+        metrics: RPCMetrics | None = None,
+        name: str = "rpc",
     ) -> None:
+        """``metrics``: where every finished call is counted, as ``name``
+        (:mod:`metropolis.rpc.metrics`)."""
         self._ssl = ssl_context
+        self._metrics = metrics
+        self._name = name
         self._security = security
         #: What one connection may make the server hold (see the module docstring).
         self.limits = limits or Limits()
@@ -228,6 +235,7 @@ class Server:
         budget: _ByteBudget,
     ) -> None:
         call = _Call(conn, sid, self.limits, budget)
+        started = trio.current_time()
         try:
             await self._dispatch(call, headers, certificate)
             if not call.request_complete and not call.gone:
@@ -243,9 +251,15 @@ class Server:
             _log.warning("stream %d failed: %r", sid, e)
             _log.debug("stream failure", exc_info=True)
             await conn.reset(sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
+            call.code = call.code or Status.INTERNAL
         finally:
             call.release()
             conn.forget(sid)
+            if self._metrics is not None:
+                path = headers.get(":path", "")
+                method = path if path in self._routes else UNKNOWN_METHOD
+                code = call.code if call.code is not None and not call.gone else Status.CANCELLED
+                self._metrics.observe(self._name, method, code.name, trio.current_time() - started)
 
     async def _dispatch(
         self, call: _Call, headers: dict[str, str], certificate: x509.Certificate | None
@@ -407,6 +421,8 @@ class _Call:
         self._budget = budget
         #: Bytes of ``_budget`` this call holds.
         self._held = 0
+        #: The status the call was answered with, once it was.
+        self.code: Status | None = None
 
     async def _hold(self, size: int) -> None:
         """Hold ``size`` bytes of the connection's budget (waiting for them if need be)."""
@@ -540,6 +556,7 @@ class _Call:
         if response is not None:
             # Unary: headers, the message and the OK trailers in one write.
             self.headers_sent = self.done = True
+            self.code = Status.OK
             await self.conn.send(
                 self.sid,
                 headers=_RESPONSE_HEADERS,
@@ -566,6 +583,7 @@ class _Call:
         if self.done or self.gone:
             return
         self.done = True
+        self.code = code
         trailers = [("grpc-status", str(int(code)))]
         if message:
             trailers.append(("grpc-message", wire.encode_grpc_message(message)))

@@ -129,9 +129,11 @@ async def _form(owner: Owner, seed: Root) -> tuple[NodeRow, NodeRow, NodeRow]:
 
 @asynccontextmanager
 async def three_nodes(
-    tmp_path: Path, *, probe: bool = False
+    tmp_path: Path, *, probe: bool = False, metrics_port: int | None = None
 ) -> AsyncIterator[tuple[list[NodeProcess], list[Root], Path]]:
     """n1 bootstraps, n2 and n3 register; ``probe``: every curator runs the leader probe.
+
+    ``metrics_port``: every node serves its metrics on its address and this port.
 
     Nodes push their status (heartbeat) every second: timeouts after 2 s.
     """
@@ -150,6 +152,10 @@ async def three_nodes(
         "3",
     ]
     env = {PROBE_ENV: "1"} if probe else None
+
+    def metrics(address: str) -> list[str]:
+        return [] if metrics_port is None else ["--metrics-listen", f"{address}:{metrics_port}"]
+
     async with AsyncExitStack() as stack:
         n1 = await stack.enter_async_context(
             node(
@@ -161,6 +167,7 @@ async def three_nodes(
                 "--owner-key-out",
                 str(owner_key),
                 *common,
+                *metrics(ADDRESSES[0]),
                 env=env,
             )
         )
@@ -191,6 +198,7 @@ async def three_nodes(
                         "--directory",
                         str(cluster),
                         *common,
+                        *metrics(address),
                         env=env,
                     )
                 )
