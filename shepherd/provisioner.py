@@ -18,7 +18,8 @@ One reconciliation (:meth:`Provisioner.reconcile`)::
 Nothing is silently fixed: a machine missing on one side is logged and
 listed in the :class:`Reconciliation`, never deleted; and a creating
 provider whose machines disagree with the BMDB creates nothing until an
-operator resolves it (the seed's rule: counting machines against the limit
+operator resolves it (``python -m bmdb forget-machine`` for a machine the
+provider no longer lists; the seed's rule: counting machines against the limit
 means little when the two sides disagree). A crash between a device's
 creation and its BMDB write leaves a device the BMDB lacks: the next
 reconciliation reports it and, the slot no longer being free, does not

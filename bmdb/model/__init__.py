@@ -13,7 +13,9 @@ from bmdb.model.queries import (
 )
 from bmdb.model.rows import (
     AgentStarted,
+    AuditRecord,
     HistoryEvent,
+    Hold,
     InstallationTarget,
     InstallState,
     MachineProvided,
@@ -31,8 +33,10 @@ __all__ = [
     "SOURCING_WINDOW",
     "AgentHeartbeat",
     "AgentStarted",
+    "AuditRecord",
     "HeartbeatOutcome",
     "HistoryEvent",
+    "Hold",
     "InstallState",
     "InstallationTarget",
     "MachineProvided",

@@ -45,6 +45,10 @@ _LIVE_WORK = """
               AND s.session_deadline > now())
 """
 
+#: The machine is not held by an operator (see bmdb/actions.py): no
+#: process is offered a held machine.
+NOT_HELD = "NOT EXISTS (SELECT 1 FROM machine_hold hd WHERE hd.machine_id = m.machine_id)"
+
 _ACTIVE_BACKOFF = """
     EXISTS (SELECT 1 FROM work_backoff b
             WHERE b.machine_id = m.machine_id AND b.process = %(process)s::process
@@ -62,6 +66,7 @@ _AGENT_START_CANDIDATES = f"""
     WHERE NOT m.agent_started
       AND NOT {_LIVE_WORK}
       AND NOT {_ACTIVE_BACKOFF}
+      AND {NOT_HELD}
     ORDER BY m.machine_created_at, m.machine_id
 """
 
@@ -133,9 +138,12 @@ def _agent_recovery(
         {provider_join}
         WHERE m.agent_started
           AND ((h.machine_id IS NULL AND a.agent_started_at < now() - interval '{first:.6f} s')
-               OR h.agent_heartbeat_at < now() - interval '{last:.6f} s')
+               OR h.agent_heartbeat_at < now() - interval '{last:.6f} s'
+               OR EXISTS (SELECT 1 FROM machine_recovery_request rr
+                          WHERE rr.machine_id = m.machine_id))
           AND NOT {_LIVE_WORK}
           AND NOT {_ACTIVE_BACKOFF}
+          AND {NOT_HELD}
         ORDER BY m.machine_created_at, m.machine_id
     """.replace("%(busy)s", busy).replace("%(process)s", f"'{Process.SHEPHERD_RECOVERY}'")
     window = max(SOURCING_WINDOW, limit) if locking else limit
@@ -224,6 +232,7 @@ _FOR_PROCESS = f"""
     SELECT m.machine_id FROM machines m
     WHERE NOT {_LIVE_WORK}
       AND NOT {_ACTIVE_BACKOFF}
+      AND {NOT_HELD}
     ORDER BY m.machine_created_at, m.machine_id
     LIMIT %(limit)s
 """
@@ -708,6 +717,13 @@ class Queries:
             "DELETE FROM machine_agent_heartbeat WHERE machine_id = %s", (as_uuid(machine_id),)
         )
 
+    async def delete_recovery_request(self, machine_id: uuid.UUID | str) -> None:
+        """Forget an operator's request to recover the machine (the recoverer
+        does so when it finishes the recovery)."""
+        await self.execute(
+            "DELETE FROM machine_recovery_request WHERE machine_id = %s", (as_uuid(machine_id),)
+        )
+
     async def get_ssh_host_key(self, machine_id: uuid.UUID | str) -> bytes | None:
         """The SSH host key first seen on the machine, if any."""
         rows = await self.execute(
@@ -731,7 +747,8 @@ class Queries:
 
     async def machines_for_agent_start(self, limit: int) -> list[records.MachineProvided]:
         """Provided machines whose agent has not started, without live
-        agent-start/recovery work or agent-start backoff, oldest first
+        agent-start/recovery work, agent-start backoff or an operator's hold,
+        oldest first
         (approximately, among the oldest `SOURCING_WINDOW`, when locking)."""
         if self.locking:
             # Empty parameters, not None: sent as a prepared statement.
@@ -755,8 +772,9 @@ class Queries:
     ) -> list[records.AgentStarted]:
         """Machines (of ``provider``, if given) whose agent started but went
         silent: no heartbeat ``first_heartbeat_timeout`` seconds after the
-        start, or the last heartbeat older than ``heartbeat_timeout``; without
-        live agent work or recovery backoff; oldest first (approximately,
+        start, or the last heartbeat older than ``heartbeat_timeout``, or an
+        operator asked for its recovery (``bmdb recover-now``); without
+        live agent work, recovery backoff or an operator's hold; oldest first (approximately,
         among the oldest `SOURCING_WINDOW`, when locking)."""
         for name, value in (
             ("first_heartbeat_timeout", first_heartbeat_timeout),
@@ -777,7 +795,7 @@ class Queries:
 
     async def machines_for_process(self, process: Process | str, limit: int) -> list[uuid.UUID]:
         """Any machines without live work or active backoff for ``process``,
-        oldest first. A generic source for tests and simple processes."""
+        and not held, oldest first. A generic source for tests and simple processes."""
         p = Process.parse(process)
         params = {"limit": _limit(limit), "busy": [p], "process": p}
         sql = _FOR_PROCESS + (_LOCK_SUFFIX if self.locking else "")
