@@ -495,11 +495,13 @@ class Queries:
         self, machine_id: uuid.UUID | str
     ) -> records.InstallationTarget | None:
         """What deciding an installation of the machine needs: its provider
-        address, stored hardware report and current installation; None if
-        there is no such machine."""
+        address, stored hardware report, current installation and an
+        operator's hold; None if there is no such machine."""
         rows = await self.execute(
             f"""SELECT m.machine_id, p.provider_address, hw.hardware_report_raw,
-                       oq.machine_id IS NOT NULL, {INSTALLATION_COLUMNS}
+                       oq.machine_id IS NOT NULL, {INSTALLATION_COLUMNS},
+                       (SELECT hd.held_by || ': ' || hd.reason FROM machine_hold hd
+                        WHERE hd.machine_id = m.machine_id)
                 FROM machines m
                 LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
                 LEFT JOIN machine_hardware_report hw ON hw.machine_id = m.machine_id
@@ -515,7 +517,8 @@ class Queries:
             machine_id=r[0],
             address=r[1],
             hardware_report=None if r[2] is None else bytes(r[2]),
-            installation=installation_from_row(r[4:]) if r[3] else None,
+            installation=installation_from_row(r[4:14]) if r[3] else None,
+            held=r[14],
         )
 
     async def set_os_installation_report(

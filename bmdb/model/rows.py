@@ -152,6 +152,8 @@ class InstallationTarget:
     #: The stored serialized AgentHardwareReport, if any.
     hardware_report: bytes | None
     installation: OSInstallation | None
+    #: Who holds the machine and why (``bmdb hold``), if anyone does.
+    held: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,11 @@ import trio
 
 import bmdb
 from bmdb import Process, Queries, WorkEvent
+from metropolis.proto import parameters
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.control_loop import LoopStats, run_control_loop, start_control_loop
 from shepherd.initializer import Initializer
+from shepherd.install import ImageRef, Plan, install
 from shepherd.localsshd import Sshd
 from shepherd.providers import Machine
 from shepherd.providers.static import StaticProvider
@@ -28,6 +30,7 @@ from shepherd.ssh_key import SSHKey
 from tests.bmdb.test_cli import cli
 from tests.shepherd.helpers import agent_keys, backoffs, events, host_key_of, provide
 from tests.shepherd.test_initializer import agent_config
+from tests.shepherd.test_install import SHA, Cluster, _machines, cluster  # noqa: F401 (a fixture)
 from tests.shepherd.test_recoverer import KEY, RebootingProvider
 
 
@@ -197,3 +200,21 @@ async def test_recover_now_has_the_recoverer_reboot_a_heartbeating_machine(
         return int((await q.execute("SELECT count(*) FROM machine_recovery_request"))[0][0])
 
     assert await bmdb_conn.transact(requests) == 0
+
+
+async def test_shepherd_install_refuses_a_held_machine(
+    bmdb_conn: bmdb.Connection,
+    bmdb_url: str,
+    cluster: Cluster,  # noqa: F811 (the fixture imported above)
+) -> None:
+    held, free = await _machines(bmdb_conn, 2)
+    code, _, err = await cli("--url", bmdb_url, "hold", str(held), "--reason", "burn-in")
+    assert (code, err) == (0, ""), err
+    info = parameters.read_cluster_info(cluster.info)
+    params = parameters.register_parameters(info, b"t", cluster.owner_public)
+    plan = Plan(parameters.encode(params), ImageRef("https", "h:1", SHA), "disk0")
+    decisions = await install(bmdb_conn, plan, machines=[held, free])
+    assert [(d.machine_id, d.refused) for d in decisions] == [
+        (held, f"held by {getpass.getuser()}: burn-in (python -m bmdb release ends the hold)"),
+        (free, None),
+    ]
