@@ -20,6 +20,7 @@ unless ``--operator NAME``; a machine under work is refused unless
     python -m bmdb [--url URL] forget-host-key MACHINE_ID --reason WHY
     python -m bmdb [--url URL] recover-now MACHINE_ID --reason WHY
     python -m bmdb [--url URL] forget-machine MACHINE_ID --reason WHY
+    python -m bmdb [--url URL] decommission MACHINE_ID --reason WHY
 
 Without ``--url`` the standard libpq ``PG*`` environment variables (PGHOST,
 PGPORT, PGDATABASE, PGUSER, ...) say where the database is. Errors (database
@@ -158,6 +159,7 @@ async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
         ("last failure", _when(m.failed_at)),
         ("last failure cause", _oneline(m.failed_cause)),
         ("held", _held(m.hold)),
+        ("decommission", _oneline(detail.decommission)),
         (
             "recovery requested",
             f"by {_oneline(detail.recovery_requested_by)} at {_when(detail.recovery_requested_at)}"
@@ -415,6 +417,7 @@ _ACTION_HELP = {
     actions.Action.FORGET_HOST_KEY: "forget the pinned SSH host key (after a real reinstall)",
     actions.Action.RECOVER_NOW: "have the recoverer take the machine now",
     actions.Action.FORGET_MACHINE: "delete a machine its provider no longer lists",
+    actions.Action.DECOMMISSION: "wipe the machine, release it to its provider, keep a tombstone",
 }
 
 

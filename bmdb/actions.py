@@ -12,6 +12,9 @@
                      and the initializer takes it over anew)
     forget-machine   delete a machine its provider no longer lists (the
                      updater recorded it as Missing), history and all
+    decommission     ask the Shepherd's decommissioner to wipe the machine,
+                     have its provider release it, and keep it as a
+                     tombstone; from now on no other process takes it
 
 Every action runs as one SERIALIZABLE transaction that
 
@@ -76,6 +79,7 @@ class Action(enum.StrEnum):
     FORGET_HOST_KEY = "forget-host-key"
     RECOVER_NOW = "recover-now"
     FORGET_MACHINE = "forget-machine"
+    DECOMMISSION = "decommission"
 
 
 class ActionRefused(BMDBError):
@@ -265,6 +269,30 @@ async def _forget_machine(q: Queries, r: _Request) -> str:
     return f"deleted the machine ({was}) with its tags and {events[0]} history entries"
 
 
+async def _decommission(q: Queries, r: _Request) -> str:
+    rows = await q.execute(
+        """SELECT requested_by, requested_at, decommissioned_at FROM machine_decommission
+           WHERE machine_id = %s""",
+        (r.machine_id,),
+    )
+    if rows:
+        by, at, done = rows[0]
+        state = f"decommissioned at {done.isoformat(timespec='seconds')}" if done else "requested"
+        raise ActionRefused(
+            f"machine {r.machine_id}: decommission {state} (asked by {by} at "
+            f"{at.isoformat(timespec='seconds')})"
+        )
+    await q.execute(
+        """INSERT INTO machine_decommission (machine_id, requested_by, reason)
+           VALUES (%s, %s, %s)""",
+        (r.machine_id, r.operator, r.reason),
+    )
+    return (
+        "decommission requested: no other process takes the machine from now on; the "
+        "decommissioner has its agent wipe it, the provider release it, and keeps it as a tombstone"
+    )
+
+
 _HANDLERS: dict[Action, Callable[[Queries, _Request], Awaitable[str]]] = {
     Action.RETRY_NOW: _retry_now,
     Action.HOLD: _hold,
@@ -272,6 +300,7 @@ _HANDLERS: dict[Action, Callable[[Queries, _Request], Awaitable[str]]] = {
     Action.FORGET_HOST_KEY: _forget_host_key,
     Action.RECOVER_NOW: _recover_now,
     Action.FORGET_MACHINE: _forget_machine,
+    Action.DECOMMISSION: _decommission,
 }
 
 

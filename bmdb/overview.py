@@ -439,6 +439,8 @@ class MachineDetail:
     #: Who asked for a recovery not done yet (``recover-now``), and when.
     recovery_requested_by: str | None = None
     recovery_requested_at: datetime.datetime | None = None
+    #: How far a requested decommission got, in one line; None if none was.
+    decommission: str | None = None
 
 
 # One machine: its `MACHINES_SQL` line and every other tag, its work and
@@ -457,7 +459,15 @@ SELECT v.*, p.provider_location, a.agent_public_key, octet_length(r.hardware_rep
                                                   b.last_interval_seconds, b.until > now())
                                  ORDER BY b.process), '[]')
         FROM work_backoff b WHERE b.machine_id = v.machine_id),
-       now(), rr.requested_by, rr.requested_at
+       now(), rr.requested_by, rr.requested_at,
+       CASE WHEN dc.machine_id IS NULL THEN NULL
+            WHEN dc.decommissioned_at IS NOT NULL
+                 THEN 'decommissioned (a tombstone) at ' || dc.decommissioned_at
+                      || '; wiped: ' || dc.wipe_report || '; ' || dc.release_detail
+            WHEN dc.released_at IS NOT NULL THEN 'released: ' || dc.release_detail
+            WHEN dc.wiped_at IS NOT NULL THEN 'wiped at ' || dc.wiped_at || ': ' || dc.wipe_report
+            ELSE 'requested by ' || dc.requested_by || ' at ' || dc.requested_at
+                 || ' (' || dc.reason || '), not wiped yet' END
 FROM ({MACHINES_SQL.replace("LIMIT %(limit)s", "")}) v
 LEFT JOIN machine_provided p ON p.machine_id = v.machine_id
 LEFT JOIN machine_agent_started a ON a.machine_id = v.machine_id
@@ -466,6 +476,7 @@ LEFT JOIN machine_os_installation_request oq ON oq.machine_id = v.machine_id
 LEFT JOIN machine_os_installation_report orp ON orp.machine_id = v.machine_id
 LEFT JOIN machine_ssh_host_key k ON k.machine_id = v.machine_id
 LEFT JOIN machine_recovery_request rr ON rr.machine_id = v.machine_id
+LEFT JOIN machine_decommission dc ON dc.machine_id = v.machine_id
 WHERE v.machine_id = %(machine)s
 """
 
@@ -537,6 +548,7 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
         audit=tuple(AuditRecord(*a) for a in reversed(audit_rows)),
         recovery_requested_by=extra[10],
         recovery_requested_at=extra[11],
+        decommission=extra[12],
     )
 
 

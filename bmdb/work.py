@@ -17,7 +17,8 @@ Our claim runs in one REPEATABLE READ transaction::
        │           snapshot S taken here
        ▼
     claim()        INSERT work (or take over a dead session's row),
-                     unless an operator holds the machine
+                     unless an operator holds the machine or it is being
+                     decommissioned (then only the decommissioner claims it)
                    UPDATE machines SET work_generation += 1
                    INSERT history 'Started'
                    ... all only if our session is alive
@@ -98,7 +99,11 @@ _LIVE_SESSION = """
 #: benchmark can replay exactly this SQL through pgbench.
 CLAIM_SQL = f"""
     WITH live AS ({_LIVE_SESSION}),
-    held AS (SELECT 1 FROM machine_hold WHERE machine_id = %(machine)s),
+    held AS (SELECT 1 FROM machine_hold WHERE machine_id = %(machine)s
+             UNION ALL
+             SELECT 1 FROM machine_decommission WHERE machine_id = %(machine)s
+               AND (%(process)s::process <> 'ShepherdDecommission'
+                    OR decommissioned_at IS NOT NULL)),
     claimed AS (
         INSERT INTO work (machine_id, session_id, process)
         SELECT %(machine)s, %(session)s, %(process)s::process
@@ -236,7 +241,9 @@ async def claim(
             raise lease.expire("deadline passed")
         if held:
             stats.conflicts += 1
-            raise WorkConflict(f"machine {machine_id} is held by an operator")
+            raise WorkConflict(
+                f"machine {machine_id} is held by an operator or decommissioned (or being so)"
+            )
         if not claimed:
             stats.conflicts += 1
             raise WorkConflict(f"machine {machine_id} already has live {parsed} work")

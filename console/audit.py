@@ -92,6 +92,8 @@ def machine_section(d: MachineDetail) -> Html:
             held + f"<p>Recovery requested by {esc(d.recovery_requested_by)} "
             f"{ago(d.recovery_requested_at, d.now)}.</p>"
         )
+    if d.decommission:
+        held = Html(held + f"<p>Decommission: {esc(d.decommission)}.</p>")
     header = tuple(c for c in _COLUMNS if c != "machine")
     rows = table(header, _rows(d.audit, d.now, with_machine=False), empty="no operator actions")
     more = link(url("/audit", {"machine": d.summary.machine_id}), "in the audit log")

@@ -14,6 +14,7 @@ from bmdb.model.queries import (
 from bmdb.model.rows import (
     AgentStarted,
     AuditRecord,
+    DecommissionTarget,
     HistoryEvent,
     Hold,
     InstallationTarget,
@@ -34,6 +35,7 @@ __all__ = [
     "AgentHeartbeat",
     "AgentStarted",
     "AuditRecord",
+    "DecommissionTarget",
     "HeartbeatOutcome",
     "HistoryEvent",
     "Hold",

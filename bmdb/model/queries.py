@@ -45,9 +45,13 @@ _LIVE_WORK = """
               AND s.session_deadline > now())
 """
 
-#: The machine is not held by an operator (see bmdb/actions.py): no
-#: process is offered a held machine.
-NOT_HELD = "NOT EXISTS (SELECT 1 FROM machine_hold hd WHERE hd.machine_id = m.machine_id)"
+#: The machine is not held by an operator (see bmdb/actions.py), and not
+#: asked to be (or already) decommissioned: no process is offered such a
+#: machine (the decommissioner has its own source).
+NOT_HELD = """
+    NOT EXISTS (SELECT 1 FROM machine_hold hd WHERE hd.machine_id = m.machine_id)
+    AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = m.machine_id)
+"""
 
 _ACTIVE_BACKOFF = """
     EXISTS (SELECT 1 FROM work_backoff b
@@ -501,7 +505,9 @@ class Queries:
             f"""SELECT m.machine_id, p.provider_address, hw.hardware_report_raw,
                        oq.machine_id IS NOT NULL, {INSTALLATION_COLUMNS},
                        (SELECT hd.held_by || ': ' || hd.reason FROM machine_hold hd
-                        WHERE hd.machine_id = m.machine_id)
+                        WHERE hd.machine_id = m.machine_id),
+                       EXISTS (SELECT 1 FROM machine_decommission dc
+                               WHERE dc.machine_id = m.machine_id)
                 FROM machines m
                 LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
                 LEFT JOIN machine_hardware_report hw ON hw.machine_id = m.machine_id
@@ -519,6 +525,7 @@ class Queries:
             hardware_report=None if r[2] is None else bytes(r[2]),
             installation=installation_from_row(r[4:14]) if r[3] else None,
             held=r[14],
+            decommissioned=r[15],
         )
 
     async def set_os_installation_report(
@@ -719,6 +726,83 @@ class Queries:
         await self.execute(
             "DELETE FROM machine_agent_heartbeat WHERE machine_id = %s", (as_uuid(machine_id),)
         )
+
+    async def machines_for_decommission(self, limit: int) -> list[records.DecommissionTarget]:
+        """Machines an operator asked to decommission, not done yet, without
+        live work of the agent processes or the decommissioner, backoff of
+        the decommissioner or a hold; oldest request first (locking what it
+        returns inside a work source)."""
+        busy = [*_AGENT_PROCESSES, Process.SHEPHERD_DECOMMISSION]
+        rows = await self.execute(
+            f"""SELECT {_PROVIDED_COLUMNS}, k.public_key, dc.wiped_at IS NOT NULL,
+                       dc.released_at IS NOT NULL
+                FROM machines m
+                JOIN machine_decommission dc ON dc.machine_id = m.machine_id
+                LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
+                LEFT JOIN machine_ssh_host_key k ON k.machine_id = m.machine_id
+                WHERE dc.decommissioned_at IS NULL
+                  AND NOT {_LIVE_WORK}
+                  AND NOT {_ACTIVE_BACKOFF}
+                  AND NOT EXISTS (SELECT 1 FROM machine_hold hd WHERE hd.machine_id = m.machine_id)
+                ORDER BY dc.requested_at, m.machine_id
+                LIMIT %(limit)s {"FOR UPDATE OF m SKIP LOCKED" if self.locking else ""}""",
+            {"limit": _limit(limit), "busy": busy, "process": Process.SHEPHERD_DECOMMISSION},
+        )
+        return [
+            records.DecommissionTarget(
+                machine_id=r[0],
+                provided=_provided(r[:6]) if r[1] is not None else None,
+                host_key=None if r[6] is None else bytes(r[6]),
+                wiped=r[7],
+                released=r[8],
+            )
+            for r in rows
+        ]
+
+    async def record_wipe(self, machine_id: uuid.UUID | str, report: str) -> None:
+        """Store the agent's wipe report on a machine being decommissioned."""
+        _check_text("wipe report", report)
+        await self.execute(
+            """UPDATE machine_decommission SET wiped_at = now(), wipe_report = %s
+               WHERE machine_id = %s AND decommissioned_at IS NULL""",
+            (report, as_uuid(machine_id)),
+        )
+
+    async def record_release(self, machine_id: uuid.UUID | str, detail: str) -> None:
+        """Store the provider's line on releasing a wiped machine."""
+        _check_text("release detail", detail)
+        await self.execute(
+            """UPDATE machine_decommission SET released_at = now(), release_detail = %s
+               WHERE machine_id = %s AND decommissioned_at IS NULL""",
+            (detail, as_uuid(machine_id)),
+        )
+
+    async def tombstone(self, machine_id: uuid.UUID | str) -> None:
+        """Mark a wiped and released machine decommissioned: a tombstone, kept
+        with its history, offered to no process. Its agent tags go (the
+        agent's key was wiped). `InvalidArgument` unless wiped and released."""
+        mid = as_uuid(machine_id)
+        rows = await self.execute(
+            """UPDATE machine_decommission SET decommissioned_at = now()
+               WHERE machine_id = %s AND released_at IS NOT NULL AND decommissioned_at IS NULL
+               RETURNING 1""",
+            (mid,),
+        )
+        if not rows:
+            raise InvalidArgument(f"machine {mid} is not wiped and released, or done already")
+        await self.delete_agent_started(mid)
+        await self.delete_agent_heartbeat(mid)
+
+    async def decommissioned_provider_ids(self, provider: Provider | str) -> set[str]:
+        """Provider ids of ``provider``'s machines being or done decommissioned
+        (the provisioner neither counts nor adds them again)."""
+        rows = await self.execute(
+            """SELECT p.provider_id FROM machine_provided p
+               JOIN machine_decommission dc ON dc.machine_id = p.machine_id
+               WHERE p.provider = %s""",
+            (Provider.parse(provider),),
+        )
+        return {r[0] for r in rows}
 
     async def delete_recovery_request(self, machine_id: uuid.UUID | str) -> None:
         """Forget an operator's request to recover the machine (the recoverer

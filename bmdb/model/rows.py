@@ -154,6 +154,8 @@ class InstallationTarget:
     installation: OSInstallation | None
     #: Who holds the machine and why (``bmdb hold``), if anyone does.
     held: str | None = None
+    #: An operator asked to decommission it (or it was).
+    decommissioned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +174,20 @@ class AuditRecord:
     reason: str
     #: What changed, in one line.
     detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecommissionTarget:
+    """A machine sourced for decommissioning, and how far it got."""
+
+    machine_id: uuid.UUID
+    provided: MachineProvided | None
+    #: The pinned SSH host key (a wipe dials only a machine that proves it).
+    host_key: bytes | None
+    #: The agent's wipe report is stored (a retry does not wipe again).
+    wiped: bool
+    #: The provider released it (a retry does not release again).
+    released: bool
 
 
 @dataclass(frozen=True, slots=True)
