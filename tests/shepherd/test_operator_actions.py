@@ -10,6 +10,7 @@ import functools
 import getpass
 import json
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -17,7 +18,7 @@ import bmdb
 from bmdb import Process, Queries, WorkEvent
 from metropolis.proto import parameters
 from shepherd.agent_bundle import agent_zipapp
-from shepherd.control_loop import LoopStats, run_control_loop, start_control_loop
+from shepherd.control_loop import LoopStats, Processor, run_control_loop, start_control_loop
 from shepherd.initializer import Initializer
 from shepherd.install import ImageRef, Plan, install
 from shepherd.localsshd import Sshd
@@ -35,9 +36,11 @@ from tests.shepherd.test_recoverer import KEY, RebootingProvider
 
 
 async def run_until(
-    conn: bmdb.Connection, initializer: Initializer, done: Callable[[LoopStats], Awaitable[bool]]
+    conn: bmdb.Connection,
+    initializer: Processor[Any],
+    done: Callable[[LoopStats], Awaitable[bool]],
 ) -> None:
-    """Run the initializer's control loop until ``done(stats)``, then cancel it."""
+    """Run a processor's control loop until ``done(stats)``, then cancel it."""
     stats = LoopStats()
     async with trio.open_nursery() as nursery:
         start_control_loop(
