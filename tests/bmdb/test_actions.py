@@ -12,10 +12,12 @@ import uuid
 
 import pytest
 import trio
+import trio.lowlevel
 
 import bmdb
-from bmdb import Backoff, Isolation, Process, ProviderStatus, Queries
+from bmdb import Backoff, Isolation, Process, ProviderStatus, Queries, actions
 from bmdb.errors import NothingToDo, WorkConflict
+from bmdb.model import AuditRecord
 from tests.bmdb.helpers import add_provided_machines, agent_start_source, source_for
 from tests.bmdb.test_cli import cli
 
@@ -316,3 +318,54 @@ async def test_bad_input_is_one_line_and_writes_nothing(
         assert message in err and len(err.splitlines()) == 1, (args, err)
     assert await audit(bmdb_url) == []
     assert await count(bmdb_conn, "SELECT count(*) FROM machine_hold") == 0
+
+
+async def test_a_hold_never_lands_under_concurrent_claims(bmdb_conn: bmdb.Connection) -> None:
+    """Workers claim and release one machine as fast as they can while an
+    operator holds it (waiting for the work): when the hold commits no work
+    is live, and no claim succeeds after it."""
+    [mid] = await add_provided_machines(bmdb_conn, 1)
+    held = trio.Event()
+    claims_after_hold = 0
+    claims = 0
+
+    async def worker(n: int) -> None:
+        nonlocal claims, claims_after_hold
+        async with bmdb_conn.session(f"worker-{n}") as sess:
+            while True:
+                try:
+                    work = await sess.work(Process.UNIT_TEST_1, source_for(Process.UNIT_TEST_1))
+                except (NothingToDo, WorkConflict):
+                    if held.is_set():
+                        return
+                    await trio.sleep(0.005)
+                    continue
+                claims += 1
+                if held.is_set():
+                    claims_after_hold += 1
+                await trio.sleep(0.01)
+                await work.cancel()
+                await trio.sleep(0.005)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(4):
+            nursery.start_soon(worker, n)
+        with trio.fail_after(30):
+            while claims < 10:  # noqa: ASYNC110 (counted by the workers)
+                await trio.sleep(0.01)
+        record = await act_in_process(bmdb_conn, mid)
+        held.set()
+        live = await count(
+            bmdb_conn,
+            """SELECT count(*) FROM work w JOIN sessions s USING (session_id)
+               WHERE w.machine_id = %s AND s.session_deadline > now()""",
+            mid,
+        )
+    assert record.action == "hold"
+    assert live == 0
+    assert claims_after_hold == 0
+    assert claims >= 10
+
+
+async def act_in_process(conn: bmdb.Connection, mid: uuid.UUID) -> AuditRecord:
+    return await actions.act(conn, "hold", mid, operator="op", reason="stress", wait=30)
