@@ -112,7 +112,11 @@ async def _machines(conn: bmdb.Connection, args: argparse.Namespace) -> str:
             _when(m.agent_heartbeat_at),
             ",".join(m.work) or "-",
             _left(m.backoff_until, now),
-            _oneline(m.hold.held_by) if m.hold else "-",
+            _oneline(m.hold.held_by)
+            if m.hold
+            else f"decommission:{m.decommission}"
+            if m.decommission
+            else "-",
             _oneline(m.cause),
         )
         for m in machines

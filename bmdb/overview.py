@@ -153,10 +153,16 @@ SELECT * FROM (
            CASE WHEN orp.generation = oq.generation THEN orp.cause END AS install_cause,
            CASE WHEN orp.generation = oq.generation AND orp.success
                 THEN orp.node_public_key END AS node_public_key,
-           hd.held_by, hd.held_at, hd.reason AS held_reason
+           hd.held_by, hd.held_at, hd.reason AS held_reason,
+           CASE WHEN dcm.machine_id IS NULL THEN NULL
+                WHEN dcm.decommissioned_at IS NOT NULL THEN 'decommissioned'
+                WHEN dcm.released_at IS NOT NULL THEN 'released'
+                WHEN dcm.wiped_at IS NOT NULL THEN 'wiped'
+                ELSE 'requested' END AS decommission
     FROM machines m
     {_TAGS}
     LEFT JOIN machine_hold hd ON hd.machine_id = m.machine_id
+    LEFT JOIN machine_decommission dcm ON dcm.machine_id = m.machine_id
     LEFT JOIN machine_os_installation_request oq ON oq.machine_id = m.machine_id
     LEFT JOIN machine_os_installation_report orp ON orp.machine_id = m.machine_id
     {_BACKOFF_PROBED}
@@ -221,6 +227,9 @@ class MachineState:
     #: An operator's hold (who, since when, why): no process takes the
     #: machine meanwhile. None if not held.
     hold: Hold | None = None
+    #: How far a decommission got: requested, wiped, released, or
+    #: decommissioned (a tombstone); None if none was asked for.
+    decommission: str | None = None
 
     @property
     def cause(self) -> str | None:
@@ -254,6 +263,7 @@ class MachineState:
             "held_by": self.hold and self.hold.held_by,
             "held_at": self.hold and _iso(self.hold.held_at),
             "held_reason": self.hold and self.hold.reason,
+            "decommission": self.decommission,
         }
 
     @classmethod
@@ -287,6 +297,7 @@ class MachineState:
             else Hold(
                 d["held_by"], datetime.datetime.fromisoformat(d["held_at"]), d["held_reason"]
             ),
+            decommission=d.get("decommission"),
         )
 
 
@@ -317,11 +328,12 @@ def _machine_state(r: Row) -> MachineState:
         install_cause=r[18],
         node_id=None if r[19] is None else node_id(bytes(r[19])),
         hold=None if r[20] is None else Hold(r[20], r[21], r[22]),
+        decommission=r[23],
     )
 
 
 #: How many columns of a row `_machine_state` reads.
-_SUMMARY_COLUMNS = 23
+_SUMMARY_COLUMNS = 24
 
 
 def machines_params(

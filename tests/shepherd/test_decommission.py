@@ -146,6 +146,9 @@ async def test_decommission_end_to_end(
     assert await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION) == [
         (WorkEvent.STARTED, ""), (WorkEvent.FINISHED, "")
     ]  # fmt: skip
+    code, out, _ = await cli("--url", bmdb_url, "machines")
+    header, row = out.splitlines()
+    assert row.split()[header.split().index("HELD")] == "decommission:decommissioned"
     code, out, _ = await cli("--url", bmdb_url, "machine", str(mid))
     line = next(x for x in out.splitlines() if x.startswith("decommission:"))
     assert "decommissioned (a tombstone)" in line and "stopped 1 process(es)" in line
