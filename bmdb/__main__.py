@@ -261,11 +261,17 @@ async def _act(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     def waiting(busy: actions.MachineBusy) -> None:
         print(f"bmdb: {busy}; waiting up to {args.wait:g}s", file=sys.stderr, flush=True)
 
+    operator = args.operator
+    if operator is None:
+        try:
+            operator = getpass.getuser()
+        except (OSError, KeyError) as e:
+            raise BMDBError(f"cannot tell the OS user's name ({e}): give --operator NAME") from e
     record = await actions.act(
         conn,
         args.command,
         args.machine,
-        operator=args.operator if args.operator is not None else getpass.getuser(),
+        operator=operator,
         reason=args.reason,
         process=getattr(args, "process", None),
         wait=args.wait,

@@ -369,3 +369,26 @@ async def test_a_hold_never_lands_under_concurrent_claims(bmdb_conn: bmdb.Connec
 
 async def act_in_process(conn: bmdb.Connection, mid: uuid.UUID) -> AuditRecord:
     return await actions.act(conn, "hold", mid, operator="op", reason="stress", wait=30)
+
+
+def test_without_an_os_user_name_the_cli_asks_for_operator(
+    bmdb_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def one_machine() -> uuid.UUID:
+        async with bmdb.open_connection(bmdb_url) as conn:
+            [mid] = await add_provided_machines(conn, 1)
+            return mid
+
+    mid = trio.run(one_machine)
+
+    def nobody() -> str:
+        raise OSError("No username set in the environment")
+
+    monkeypatch.setattr(getpass, "getuser", nobody)
+    from bmdb.__main__ import main
+
+    assert main(["--url", bmdb_url, "hold", str(mid), "--reason", "r"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "give --operator NAME" in err and len(err.splitlines()) == 1
+    assert main(["--url", bmdb_url, "hold", str(mid), "--reason", "r", "--operator", "eve"]) == 0
+    assert "by eve: r" in capsys.readouterr().out
