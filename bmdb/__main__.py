@@ -9,6 +9,20 @@
     python -m bmdb [--url URL] sessions
     python -m bmdb [--url URL] backup --out FILE       pg_dump, checksummed (bmdb.backup)
     python -m bmdb [--url URL] restore --from FILE     into an empty database
+    python -m bmdb [--url URL] audit [--machine MACHINE_ID] [--limit N] [--before ID] [--json]
+
+Operator actions, each one transaction with its audit record (see
+`bmdb.actions`); ``--reason`` is required, the operator is the OS user
+unless ``--operator NAME``; a machine under work is refused unless
+``--wait SECONDS`` (then waited for that long)::
+
+    python -m bmdb [--url URL] retry-now MACHINE_ID --reason WHY [--process P]
+    python -m bmdb [--url URL] hold MACHINE_ID --reason WHY
+    python -m bmdb [--url URL] release MACHINE_ID --reason WHY
+    python -m bmdb [--url URL] forget-host-key MACHINE_ID --reason WHY
+    python -m bmdb [--url URL] recover-now MACHINE_ID --reason WHY
+    python -m bmdb [--url URL] forget-machine MACHINE_ID --reason WHY
+    python -m bmdb [--url URL] decommission MACHINE_ID --reason WHY
 
 Without ``--url`` the standard libpq ``PG*`` environment variables (PGHOST,
 PGPORT, PGDATABASE, PGUSER, ...) say where the database is. Errors (database
@@ -23,14 +37,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import getpass
 import json
 import logging
+import sys
 from collections.abc import Sequence
 
 import trio
 
 import bmdb
-from bmdb import backup, migrations, overview
+from bmdb import actions, backup, migrations, overview
 from bmdb.cli import add_url_option
 from bmdb.connection import migrate
 from bmdb.errors import BMDBError
@@ -98,13 +114,18 @@ async def _machines(conn: bmdb.Connection, args: argparse.Namespace) -> str:
             _when(m.agent_heartbeat_at),
             ",".join(m.work) or "-",
             _left(m.backoff_until, now),
+            _oneline(m.hold.held_by)
+            if m.hold
+            else f"decommission:{m.decommission}"
+            if m.decommission
+            else "-",
             _oneline(m.cause),
         )
         for m in machines
     ]
     header = (
         "MACHINE", "STATE", "INSTALL", "NODE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK",
-        "BACKOFF", "CAUSE",
+        "BACKOFF", "HELD", "CAUSE",
     )  # fmt: skip
     return _table(header, rows)
 
@@ -117,6 +138,12 @@ def _install(state: object | None, generation: int | None) -> str:
 async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     detail = await overview.machine(conn, args.machine)
     if detail is None:
+        forgotten = await overview.audit(conn, machine=args.machine, limit=1)
+        if forgotten:
+            raise BMDBError(
+                f"no machine {args.machine} (last operator action: {forgotten[0].action}, "
+                f"audit #{forgotten[0].id}; see 'bmdb audit --machine {args.machine}')"
+            )
         raise BMDBError(f"no machine {args.machine}")
     m = detail.summary
     if args.json:
@@ -137,6 +164,14 @@ async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
         ("ssh host key first seen", _when(detail.ssh_host_key_first_seen)),
         ("last failure", _when(m.failed_at)),
         ("last failure cause", _oneline(m.failed_cause)),
+        ("held", _held(m.hold)),
+        ("decommission", _oneline(detail.decommission)),
+        (
+            "recovery requested",
+            f"by {_oneline(detail.recovery_requested_by)} at {_when(detail.recovery_requested_at)}"
+            if detail.recovery_requested_by
+            else "-",
+        ),
     ]
     width = max(len(k) for k, _ in fields)
     out = [f"{k + ':':<{width + 1}} {v}" for k, v in fields]
@@ -176,7 +211,79 @@ async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
             ],
         )
     )
+    out += ["", "OPERATOR ACTIONS"]
+    out.append(_audit_table(detail.audit, with_machine=False))
     return "\n".join(out)
+
+
+def _held(hold: bmdb.model.Hold | None) -> str:
+    if hold is None:
+        return "-"
+    return f"by {_oneline(hold.held_by)} since {_when(hold.held_at)}: {_oneline(hold.reason)}"
+
+
+def _audit_table(records: Sequence[bmdb.model.AuditRecord], *, with_machine: bool) -> str:
+    header = ("ID", "AT", "OPERATOR", "ACTION", *(["MACHINE"] if with_machine else []),
+              "REASON", "DETAIL")  # fmt: skip
+    rows = [
+        (
+            str(a.id),
+            _when(a.at),
+            _oneline(a.operator),
+            a.action,
+            *([str(a.machine_id or "-")] if with_machine else []),
+            _oneline(a.reason),
+            _oneline(a.detail),
+        )
+        for a in records
+    ]
+    return _table(header, rows)
+
+
+def _audit_json(a: bmdb.model.AuditRecord) -> dict[str, object]:
+    return {
+        "id": a.id,
+        "at": a.at.isoformat(),
+        "operator": a.operator,
+        "action": a.action,
+        "machine_id": a.machine_id and str(a.machine_id),
+        "reason": a.reason,
+        "detail": a.detail,
+    }
+
+
+async def _audit(conn: bmdb.Connection, args: argparse.Namespace) -> str:
+    records = await overview.audit(conn, machine=args.machine, limit=args.limit, before=args.before)
+    if args.json:
+        return json.dumps([_audit_json(a) for a in records], indent=1)
+    return _audit_table(records, with_machine=True)
+
+
+async def _act(conn: bmdb.Connection, args: argparse.Namespace) -> str:
+    def waiting(busy: actions.MachineBusy) -> None:
+        print(f"bmdb: {busy}; waiting up to {args.wait:g}s", file=sys.stderr, flush=True)
+
+    operator = args.operator
+    if operator is None:
+        try:
+            operator = getpass.getuser()
+        except (OSError, KeyError) as e:
+            raise BMDBError(f"cannot tell the OS user's name ({e}): give --operator NAME") from e
+    record = await actions.act(
+        conn,
+        args.command,
+        args.machine,
+        operator=operator,
+        reason=args.reason,
+        process=getattr(args, "process", None),
+        wait=args.wait,
+        on_wait=waiting,
+    )
+    return (
+        f"{record.action} machine {record.machine_id}: {_oneline(record.detail)}\n"
+        f"audit #{record.id} at {_when(record.at)} by {_oneline(record.operator)}: "
+        f"{_oneline(record.reason)}"
+    )
 
 
 def _installation_fields(i: bmdb.model.OSInstallation | None) -> list[tuple[str, str]]:
@@ -310,7 +417,22 @@ async def _command(args: argparse.Namespace) -> str:
             return await _machine(conn, args)
         if args.command == "history":
             return await _history(conn, args.machine)
+        if args.command == "audit":
+            return await _audit(conn, args)
+        if args.command in set(actions.Action):
+            return await _act(conn, args)
         return await _sessions(conn)
+
+
+_ACTION_HELP = {
+    actions.Action.RETRY_NOW: "end the machine's backoff: its processes take it again now",
+    actions.Action.HOLD: "hold the machine: no process takes it until released",
+    actions.Action.RELEASE: "release an operator's hold",
+    actions.Action.FORGET_HOST_KEY: "forget the pinned SSH host key (after a real reinstall)",
+    actions.Action.RECOVER_NOW: "have the recoverer take the machine now",
+    actions.Action.FORGET_MACHINE: "delete a machine its provider no longer lists",
+    actions.Action.DECOMMISSION: "wipe the machine, release it to its provider, keep a tombstone",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,6 +460,31 @@ def main(argv: list[str] | None = None) -> int:
     history.add_argument("machine", metavar="MACHINE_ID")
     commands.add_parser("sessions", help="list sessions")
     backup.add_commands(commands)
+    audit = commands.add_parser("audit", help="operators' actions, newest first")
+    audit.add_argument("--machine", metavar="MACHINE_ID", help="only those on this machine")
+    audit.add_argument("--limit", type=int, default=100, help="at most this many")
+    audit.add_argument("--before", type=int, metavar="ID", help="only records older than this id")
+    audit.add_argument("--json", action="store_true", help="JSON for scripts")
+    for action, help_text in _ACTION_HELP.items():
+        sub = commands.add_parser(action, help=help_text)
+        sub.add_argument("machine", metavar="MACHINE_ID")
+        sub.add_argument("--reason", required=True, help="why (kept in the audit log)")
+        sub.add_argument(
+            "--operator", help="who acts, for the audit log (default: the OS user name)"
+        )
+        sub.add_argument(
+            "--wait",
+            type=float,
+            default=0.0,
+            metavar="SECONDS",
+            help="wait this long for work on the machine to end (default: refuse at once)",
+        )
+        if action == actions.Action.RETRY_NOW:
+            sub.add_argument(
+                "--process",
+                choices=[str(p) for p in bmdb.Process],
+                help="end only this process's backoff (default: all)",
+            )
     # The web UI moved to the console, above the BMDB (it also shows the
     # cluster); the old command stays only to say where, for muscle memory.
     commands.add_parser("web", help="moved: python -m console web", add_help=False)

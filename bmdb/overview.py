@@ -27,6 +27,9 @@ The two are separate columns because they answer separate questions (is the
 agent alive; is the OS on the machine); a ``state`` filter takes the names
 of both (`parse_state_filter`).
 
+A machine an operator holds (`bmdb.actions`) shows who holds it, since
+when and why beside its state; `audit` lists the operators' actions.
+
 Every function here reads in one REPEATABLE READ transaction (one or two
 statements, one snapshot) through `Connection.transact`, and raises what it
 raises (`DatabaseUnavailable`, ...), or `InvalidArgument` for a bad machine
@@ -47,7 +50,9 @@ from bmdb._pg import Row
 from bmdb.connection import Connection
 from bmdb.errors import InvalidArgument
 from bmdb.model import (
+    AuditRecord,
     HistoryEvent,
+    Hold,
     InstallState,
     OSInstallation,
     Process,
@@ -147,9 +152,17 @@ SELECT * FROM (
            {INSTALL_STATE_SQL} AS install_state,
            CASE WHEN orp.generation = oq.generation THEN orp.cause END AS install_cause,
            CASE WHEN orp.generation = oq.generation AND orp.success
-                THEN orp.node_public_key END AS node_public_key
+                THEN orp.node_public_key END AS node_public_key,
+           hd.held_by, hd.held_at, hd.reason AS held_reason,
+           CASE WHEN dcm.machine_id IS NULL THEN NULL
+                WHEN dcm.decommissioned_at IS NOT NULL THEN 'decommissioned'
+                WHEN dcm.released_at IS NOT NULL THEN 'released'
+                WHEN dcm.wiped_at IS NOT NULL THEN 'wiped'
+                ELSE 'requested' END AS decommission
     FROM machines m
     {_TAGS}
+    LEFT JOIN machine_hold hd ON hd.machine_id = m.machine_id
+    LEFT JOIN machine_decommission dcm ON dcm.machine_id = m.machine_id
     LEFT JOIN machine_os_installation_request oq ON oq.machine_id = m.machine_id
     LEFT JOIN machine_os_installation_report orp ON orp.machine_id = m.machine_id
     {_BACKOFF_PROBED}
@@ -211,6 +224,12 @@ class MachineState:
     install_cause: str | None
     #: The installed node's id (``metropolis-`` + hex), when installed.
     node_id: str | None
+    #: An operator's hold (who, since when, why): no process takes the
+    #: machine meanwhile. None if not held.
+    hold: Hold | None = None
+    #: How far a decommission got: requested, wiped, released, or
+    #: decommissioned (a tombstone); None if none was asked for.
+    decommission: str | None = None
 
     @property
     def cause(self) -> str | None:
@@ -241,6 +260,10 @@ class MachineState:
             "install_generation": self.install_generation,
             "install_cause": self.install_cause,
             "node_id": self.node_id,
+            "held_by": self.hold and self.hold.held_by,
+            "held_at": self.hold and _iso(self.hold.held_at),
+            "held_reason": self.hold and self.hold.reason,
+            "decommission": self.decommission,
         }
 
     @classmethod
@@ -269,6 +292,12 @@ class MachineState:
             install_generation=d["install_generation"],
             install_cause=d["install_cause"],
             node_id=d["node_id"],
+            hold=None
+            if d.get("held_by") is None
+            else Hold(
+                d["held_by"], datetime.datetime.fromisoformat(d["held_at"]), d["held_reason"]
+            ),
+            decommission=d.get("decommission"),
         )
 
 
@@ -298,11 +327,13 @@ def _machine_state(r: Row) -> MachineState:
         install_state=InstallState(r[17]) if r[17] else None,
         install_cause=r[18],
         node_id=None if r[19] is None else node_id(bytes(r[19])),
+        hold=None if r[20] is None else Hold(r[20], r[21], r[22]),
+        decommission=r[23],
     )
 
 
 #: How many columns of a row `_machine_state` reads.
-_SUMMARY_COLUMNS = 20
+_SUMMARY_COLUMNS = 24
 
 
 def machines_params(
@@ -415,6 +446,13 @@ class MachineDetail:
     history: tuple[HistoryEvent, ...]
     #: The database's clock when this was read (for "time left").
     now: datetime.datetime
+    #: Operators' actions on the machine, oldest first (`bmdb.actions`).
+    audit: tuple[AuditRecord, ...] = ()
+    #: Who asked for a recovery not done yet (``recover-now``), and when.
+    recovery_requested_by: str | None = None
+    recovery_requested_at: datetime.datetime | None = None
+    #: How far a requested decommission got, in one line; None if none was.
+    decommission: str | None = None
 
 
 # One machine: its `MACHINES_SQL` line and every other tag, its work and
@@ -433,7 +471,15 @@ SELECT v.*, p.provider_location, a.agent_public_key, octet_length(r.hardware_rep
                                                   b.last_interval_seconds, b.until > now())
                                  ORDER BY b.process), '[]')
         FROM work_backoff b WHERE b.machine_id = v.machine_id),
-       now()
+       now(), rr.requested_by, rr.requested_at,
+       CASE WHEN dc.machine_id IS NULL THEN NULL
+            WHEN dc.decommissioned_at IS NOT NULL
+                 THEN 'decommissioned (a tombstone) at ' || dc.decommissioned_at
+                      || '; wiped: ' || dc.wipe_report || '; ' || dc.release_detail
+            WHEN dc.released_at IS NOT NULL THEN 'released: ' || dc.release_detail
+            WHEN dc.wiped_at IS NOT NULL THEN 'wiped at ' || dc.wiped_at || ': ' || dc.wipe_report
+            ELSE 'requested by ' || dc.requested_by || ' at ' || dc.requested_at
+                 || ' (' || dc.reason || '), not wiped yet' END
 FROM ({MACHINES_SQL.replace("LIMIT %(limit)s", "")}) v
 LEFT JOIN machine_provided p ON p.machine_id = v.machine_id
 LEFT JOIN machine_agent_started a ON a.machine_id = v.machine_id
@@ -441,7 +487,18 @@ LEFT JOIN machine_hardware_report r ON r.machine_id = v.machine_id
 LEFT JOIN machine_os_installation_request oq ON oq.machine_id = v.machine_id
 LEFT JOIN machine_os_installation_report orp ON orp.machine_id = v.machine_id
 LEFT JOIN machine_ssh_host_key k ON k.machine_id = v.machine_id
+LEFT JOIN machine_recovery_request rr ON rr.machine_id = v.machine_id
+LEFT JOIN machine_decommission dc ON dc.machine_id = v.machine_id
 WHERE v.machine_id = %(machine)s
+"""
+
+#: Operators' actions, newest first, optionally of one machine, before an id.
+AUDIT_SQL = """
+SELECT id, at, operator, action, machine_id, reason, detail FROM audit_log
+WHERE (%(machine)s::uuid IS NULL OR machine_id = %(machine)s::uuid)
+  AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
+ORDER BY id DESC
+LIMIT %(limit)s
 """
 
 #: The machine's whole history, oldest first.
@@ -457,10 +514,16 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
     mid = as_uuid(machine_id)
     params = machines_params(limit=1) | {"machine": mid}
 
-    async def body(q: Queries) -> tuple[list[Row], list[Row]]:
-        return await q.execute(DETAIL_SQL, params), await q.execute(HISTORY_SQL, (mid,))
+    audit_params = {"machine": mid, "before": None, "limit": MAX_AUDIT}
 
-    rows, history = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
+    async def body(q: Queries) -> tuple[list[Row], list[Row], list[Row]]:
+        return (
+            await q.execute(DETAIL_SQL, params),
+            await q.execute(HISTORY_SQL, (mid,)),
+            await q.execute(AUDIT_SQL, audit_params),
+        )
+
+    rows, history, audit_rows = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
     if not rows:
         return None
     r = rows[0]
@@ -494,7 +557,42 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
             for h in history
         ),
         now=extra[9],
+        audit=tuple(AuditRecord(*a) for a in reversed(audit_rows)),
+        recovery_requested_by=extra[10],
+        recovery_requested_at=extra[11],
+        decommission=extra[12],
     )
+
+
+#: The most audit records one call returns (a machine's page shows its newest).
+MAX_AUDIT = 1000
+
+
+async def audit(
+    conn: Connection,
+    *,
+    machine: uuid.UUID | str | None = None,
+    limit: int = 100,
+    before: int | None = None,
+) -> list[AuditRecord]:
+    """Operators' actions, newest first: up to ``limit`` (at most
+    `MAX_AUDIT`) records with an id below ``before``, of one machine or all
+    (a forgotten machine's records included)."""
+    if not isinstance(limit, int) or not 1 <= limit <= MAX_AUDIT:
+        raise InvalidArgument(f"limit must be 1 to {MAX_AUDIT}, got {limit!r}")
+    if before is not None and (not isinstance(before, int) or before < 1):
+        raise InvalidArgument(f"before must be a positive record id, got {before!r}")
+    params = {
+        "machine": None if machine is None else as_uuid(machine),
+        "before": before,
+        "limit": limit,
+    }
+
+    async def body(q: Queries) -> list[Row]:
+        return await q.execute(AUDIT_SQL, params)
+
+    rows = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
+    return [AuditRecord(*r) for r in rows]
 
 
 def _json(value: Any) -> Sequence[Any]:

@@ -16,7 +16,9 @@ Our claim runs in one REPEATABLE READ transaction::
                    (locking sources pick among the oldest few at random)
        │           snapshot S taken here
        ▼
-    claim()        INSERT work (or take over a dead session's row)
+    claim()        INSERT work (or take over a dead session's row),
+                     unless an operator holds the machine or it is being
+                     decommissioned (then only the decommissioner claims it)
                    UPDATE machines SET work_generation += 1
                    INSERT history 'Started'
                    ... all only if our session is alive
@@ -32,6 +34,10 @@ its tags and backoff) in S, and the source query skips it. Machines being
 claimed right now are locked and skipped without waiting. Picking at random
 among the oldest `SOURCING_WINDOW` candidates makes it rare that two workers
 go for the same machine in the first place; the benchmark counts how rare.
+
+Operator actions (`bmdb.actions`) lock and update the machine row the same
+way, so a claim sourced before a hold committed fails to lock the machine
+and retries, then sees the hold (which the claim statement checks too).
 
 Isolation
 ---------
@@ -93,9 +99,15 @@ _LIVE_SESSION = """
 #: benchmark can replay exactly this SQL through pgbench.
 CLAIM_SQL = f"""
     WITH live AS ({_LIVE_SESSION}),
+    held AS (SELECT 1 FROM machine_hold WHERE machine_id = %(machine)s
+             UNION ALL
+             SELECT 1 FROM machine_decommission WHERE machine_id = %(machine)s
+               AND (%(process)s::process <> 'ShepherdDecommission'
+                    OR decommissioned_at IS NOT NULL)),
     claimed AS (
         INSERT INTO work (machine_id, session_id, process)
-        SELECT %(machine)s, %(session)s, %(process)s::process WHERE EXISTS (SELECT 1 FROM live)
+        SELECT %(machine)s, %(session)s, %(process)s::process
+        WHERE EXISTS (SELECT 1 FROM live) AND NOT EXISTS (SELECT 1 FROM held)
         ON CONFLICT (machine_id, process) DO UPDATE SET session_id = EXCLUDED.session_id
             WHERE NOT EXISTS (SELECT 1 FROM sessions s WHERE s.session_id = work.session_id
                               AND s.session_deadline > now())
@@ -109,7 +121,7 @@ CLAIM_SQL = f"""
         INSERT INTO work_history (machine_id, process, event, session_id)
         SELECT machine_id, %(process)s::process, 'Started', %(session)s FROM claimed
     )
-    SELECT EXISTS (SELECT 1 FROM live), EXISTS (SELECT 1 FROM claimed)
+    SELECT EXISTS (SELECT 1 FROM live), EXISTS (SELECT 1 FROM claimed), EXISTS (SELECT 1 FROM held)
 """
 
 #: Release the work row; record the outcome. The event is 'Finished',
@@ -224,9 +236,14 @@ async def claim(
         rows = await q.execute(
             CLAIM_SQL, {"machine": machine_id, "session": lease.id, "process": parsed}
         )
-        live, claimed = rows[0]
+        live, claimed, held = rows[0]
         if not live:
             raise lease.expire("deadline passed")
+        if held:
+            stats.conflicts += 1
+            raise WorkConflict(
+                f"machine {machine_id} is held by an operator or decommissioned (or being so)"
+            )
         if not claimed:
             stats.conflicts += 1
             raise WorkConflict(f"machine {machine_id} already has live {parsed} work")

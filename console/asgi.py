@@ -19,6 +19,7 @@ from urllib.parse import parse_qs
 from bmdb.connection import Connection
 from bmdb.errors import DatabaseUnavailable, InvalidArgument
 from common.asgi import answer_lifespan
+from console import audit as audit_pages
 from console import cluster as cluster_pages
 from console import pages
 from console.cluster import ClusterView
@@ -86,6 +87,12 @@ class App:
                 return 200, await pages.machine(self.conn, path.removeprefix("/machine/"))
             if path == "/sessions":
                 return 200, await pages.sessions(self.conn)
+            if path == "/audit":
+                return 200, await audit_pages.audit(
+                    self.conn,
+                    machine=query.get("machine") or None,
+                    before=query.get("before") or None,
+                )
             if path == "/cluster" or path.startswith("/cluster/"):
                 return await self._cluster(path)
             return 404, _error("Not found", f"No page at {path}.")

@@ -14,6 +14,7 @@ from bmdb import overview
 from bmdb.connection import Connection
 from bmdb.model import Provider, WorkEvent
 from bmdb.overview import MachineState, State
+from console.audit import machine_section
 from console.errors import NotFound
 from console.render import (
     Html,
@@ -181,7 +182,7 @@ async def machine(conn: Connection, machine_id: str) -> Html:
     )
     body = Html(
         f"{tags}<h2>Work</h2>{work}<h2>Backoff</h2>{backoffs}"
-        f"<h2>History ({len(d.history)})</h2>{history}"
+        f"<h2>History ({len(d.history)})</h2>{history}{machine_section(d)}"
     )
     return page(f"Machine {m.machine_id}", body)
 

@@ -90,7 +90,12 @@ code,.mono{font-family:ui-monospace,monospace}.state-healthy{color:#2a7}
 .state-backoff{color:#b00;font-weight:bold}.leader{color:#26a}
 """
 
-NAV = (("/machines", "Machines"), ("/sessions", "Sessions"), ("/cluster", "Cluster"))
+NAV = (
+    ("/machines", "Machines"),
+    ("/sessions", "Sessions"),
+    ("/audit", "Audit"),
+    ("/cluster", "Cluster"),
+)
 
 
 def page(title: str, body: Html, *, footer: str = "") -> Html:

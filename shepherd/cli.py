@@ -9,7 +9,8 @@ bad or missing option exits with status 2 and a message naming it. Then::
                                            ├─ provisioner.run    (reconcile, create)
                                            ├─ updater.run        (unless --no-updater-enable)
                                            ├─ run_control_loop(initializer, N workers)
-                                           └─ run_control_loop(recoverer, M workers)
+                                           ├─ run_control_loop(recoverer, M workers)
+                                           └─ run_control_loop(decommissioner, 1 worker)
 
 The BMDB needs no asyncio loop, so it is opened first, outside it: an
 unreachable or malformed ``--bmdb-url`` then fails as one plain
@@ -75,6 +76,7 @@ from shepherd.agent_start import AgentConfig
 from shepherd.approver import DEFAULT_INTERVAL as APPROVE_INTERVAL
 from shepherd.approver import run_approver
 from shepherd.control_loop import LoopStats, start_control_loop
+from shepherd.decommissioner import Decommissioner
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
 from shepherd.metrics import LoopCollector
@@ -689,6 +691,7 @@ async def run(options: Options) -> None:
         first_heartbeat_timeout=options.recoverer.first_heartbeat_timeout,
         heartbeat_timeout=options.recoverer.heartbeat_timeout,
     )
+    decommissioner = Decommissioner(provider, ssh, agent_target_path=options.agent.target_path)
     provisioner = Provisioner(provider, options.provisioner)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -729,6 +732,15 @@ async def run(options: Options) -> None:
                     conn,
                     recoverer,
                     parallelism=options.recoverer.parallelism,
+                    limiter=RateLimiter(options.recoverer.rate),
+                )
+                # Decommissions are rare and operator-driven: one worker,
+                # at the recoverer's query rate.
+                start_control_loop(
+                    nursery,
+                    conn,
+                    decommissioner,
+                    parallelism=1,
                     limiter=RateLimiter(options.recoverer.rate),
                 )
                 if options.approver is not None:

@@ -18,7 +18,8 @@ upload or agent failed), in a transaction of its own before the failure, so
 that a later impostor is refused even if the first attempt failed. A recorded
 key is never replaced here, not even by the success path of a worker that
 sourced the machine before the key was recorded; an operator who re-installed
-a machine deletes the record.
+a machine forgets it (``python -m bmdb forget-host-key MACHINE --reason ...``),
+and the next takeover pins the key it then sees.
 """
 
 from __future__ import annotations

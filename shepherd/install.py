@@ -28,8 +28,9 @@ What is checked, and where:
 - Then, in ONE transaction for the whole run, each machine (choosing them
   by ``--state`` in the same snapshot) is refused, with one line naming
   the machine and the cause, and nothing written for it, if: it does not
-  exist; it has no hardware report yet; its report does not list the root
-  device; it has no provider address (the node's ``--address``); its
+  exist; an operator holds it (``python -m bmdb hold``) or asked to
+  decommission it; it has no hardware report yet; its report does not
+  list the root device; it has no provider address (the node's ``--address``); its
   current generation is installed (a success report on the latest
   request) or still installing (no report on it yet), unless
   ``--reinstall``. A machine whose latest generation failed is installed
@@ -263,6 +264,10 @@ def decide(machine_id: uuid.UUID, target: InstallationTarget | None, plan: Plan)
 
     if target is None:
         return refuse("no such machine")
+    if target.held is not None:
+        return refuse(f"held by {target.held} (python -m bmdb release ends the hold)")
+    if target.decommissioned:
+        return refuse("it is being decommissioned, or was")
     if target.hardware_report is None:
         return refuse("no hardware report yet (its agent has not sent one)")
     try:

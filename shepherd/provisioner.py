@@ -9,6 +9,8 @@ One reconciliation (:meth:`Provisioner.reconcile`)::
                                       added to the BMDB; otherwise reported
     in the BMDB only              → reported (a machine removed from the static
                                       file, a device deleted at Equinix)
+    decommissioned (or being so)  → ignored on both sides: not managed, not
+                                      missing, never added again
     provider can CREATE, nothing unexplained, below --provisioner-max-machines:
       up to --provisioner-reservation-chunk-size creation slots, each
         wait for the creation rate limiter
@@ -18,7 +20,8 @@ One reconciliation (:meth:`Provisioner.reconcile`)::
 Nothing is silently fixed: a machine missing on one side is logged and
 listed in the :class:`Reconciliation`, never deleted; and a creating
 provider whose machines disagree with the BMDB creates nothing until an
-operator resolves it (the seed's rule: counting machines against the limit
+operator resolves it (``python -m bmdb forget-machine`` for a machine the
+provider no longer lists; the seed's rule: counting machines against the limit
 means little when the two sides disagree). A crash between a device's
 creation and its BMDB write leaves a device the BMDB lacks: the next
 reconciliation reports it and, the slot no longer being free, does not
@@ -122,6 +125,7 @@ class Provisioner:
         provider = self.provider
         listed: list[Machine] = []
         known: list[MachineProvided] = []
+        retired: set[str] = set()
 
         failures: list[ProviderError | BMDBError] = []
 
@@ -134,12 +138,15 @@ class Provisioner:
                 nursery.cancel_scope.cancel()  # the other listing is of no use now
 
         async def list_bmdb() -> None:
-            async def read(q: Queries) -> list[MachineProvided]:
-                return await q.provided_by_provider(provider.type)
+            async def read(q: Queries) -> tuple[list[MachineProvided], set[str]]:
+                return (
+                    await q.provided_by_provider(provider.type),
+                    await q.decommissioned_provider_ids(provider.type),
+                )
 
-            nonlocal known
+            nonlocal known, retired
             try:
-                known = await conn.transact(read)
+                known, retired = await conn.transact(read)
             except BMDBError as exc:
                 failures.append(exc)
                 nursery.cancel_scope.cancel()
@@ -151,8 +158,10 @@ class Provisioner:
             raise failures[0]
 
         result = Reconciliation()
-        in_provider = {m.id: m for m in listed}
-        in_bmdb = {p.provider_id: p for p in known}
+        # Machines being or done decommissioned are neither managed nor
+        # missing, and never added again (a static file may still list them).
+        in_provider = {m.id: m for m in listed if m.id not in retired}
+        in_bmdb = {p.provider_id: p for p in known if p.provider_id not in retired}
         creating = Capability.CREATE in provider.capabilities
         assimilate = self.config.assimilate or not creating
         only_provider = sorted(set(in_provider) - set(in_bmdb))

@@ -6,11 +6,12 @@ process ``ShepherdRecovery``::
     source (in the claiming transaction)
       machines_for_agent_recovery(1, provider, timeouts)  ──none──▶ nothing to do
         agent started, but no heartbeat within first_heartbeat_timeout,
-        or the last heartbeat older than heartbeat_timeout
+        or the last heartbeat older than heartbeat_timeout,
+        or an operator asked for it (python -m bmdb recover-now)
     handle
       provider can reboot?  provider.reboot(provider_id)  ──ProviderError──▶ fail (backoff)
                             (ProviderUnsupported for this machine: as without REBOOT)
-      finish: delete AgentStarted and AgentHeartbeat
+      finish: delete AgentStarted, AgentHeartbeat (and the operator's request)
                 └─▶ the machine is an agent-start candidate again: the
                     initializer takes it over anew
 
@@ -96,6 +97,7 @@ class Recoverer:
         async def clear(q: Queries) -> None:
             await q.delete_agent_started(mid)
             await q.delete_agent_heartbeat(mid)
+            await q.delete_recovery_request(mid)
 
         await work.finish(clear)
         logger.info("machine %s: AgentStarted and heartbeat cleared", mid)

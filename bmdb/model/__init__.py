@@ -13,7 +13,10 @@ from bmdb.model.queries import (
 )
 from bmdb.model.rows import (
     AgentStarted,
+    AuditRecord,
+    DecommissionTarget,
     HistoryEvent,
+    Hold,
     InstallationTarget,
     InstallState,
     MachineProvided,
@@ -31,8 +34,11 @@ __all__ = [
     "SOURCING_WINDOW",
     "AgentHeartbeat",
     "AgentStarted",
+    "AuditRecord",
+    "DecommissionTarget",
     "HeartbeatOutcome",
     "HistoryEvent",
+    "Hold",
     "InstallState",
     "InstallationTarget",
     "MachineProvided",

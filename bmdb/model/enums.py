@@ -28,6 +28,7 @@ class Process(_SQLEnum):
     SHEPHERD_AGENT_START = "ShepherdAgentStart"
     SHEPHERD_RECOVERY = "ShepherdRecovery"
     SHEPHERD_PROVISION = "ShepherdProvision"
+    SHEPHERD_DECOMMISSION = "ShepherdDecommission"
     UNIT_TEST_1 = "UnitTest1"
     UNIT_TEST_2 = "UnitTest2"
 

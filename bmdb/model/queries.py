@@ -45,6 +45,14 @@ _LIVE_WORK = """
               AND s.session_deadline > now())
 """
 
+#: The machine is not held by an operator (see bmdb/actions.py), and not
+#: asked to be (or already) decommissioned: no process is offered such a
+#: machine (the decommissioner has its own source).
+NOT_HELD = """
+    NOT EXISTS (SELECT 1 FROM machine_hold hd WHERE hd.machine_id = m.machine_id)
+    AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = m.machine_id)
+"""
+
 _ACTIVE_BACKOFF = """
     EXISTS (SELECT 1 FROM work_backoff b
             WHERE b.machine_id = m.machine_id AND b.process = %(process)s::process
@@ -62,6 +70,7 @@ _AGENT_START_CANDIDATES = f"""
     WHERE NOT m.agent_started
       AND NOT {_LIVE_WORK}
       AND NOT {_ACTIVE_BACKOFF}
+      AND {NOT_HELD}
     ORDER BY m.machine_created_at, m.machine_id
 """
 
@@ -133,9 +142,12 @@ def _agent_recovery(
         {provider_join}
         WHERE m.agent_started
           AND ((h.machine_id IS NULL AND a.agent_started_at < now() - interval '{first:.6f} s')
-               OR h.agent_heartbeat_at < now() - interval '{last:.6f} s')
+               OR h.agent_heartbeat_at < now() - interval '{last:.6f} s'
+               OR EXISTS (SELECT 1 FROM machine_recovery_request rr
+                          WHERE rr.machine_id = m.machine_id))
           AND NOT {_LIVE_WORK}
           AND NOT {_ACTIVE_BACKOFF}
+          AND {NOT_HELD}
         ORDER BY m.machine_created_at, m.machine_id
     """.replace("%(busy)s", busy).replace("%(process)s", f"'{Process.SHEPHERD_RECOVERY}'")
     window = max(SOURCING_WINDOW, limit) if locking else limit
@@ -224,6 +236,7 @@ _FOR_PROCESS = f"""
     SELECT m.machine_id FROM machines m
     WHERE NOT {_LIVE_WORK}
       AND NOT {_ACTIVE_BACKOFF}
+      AND {NOT_HELD}
     ORDER BY m.machine_created_at, m.machine_id
     LIMIT %(limit)s
 """
@@ -486,11 +499,15 @@ class Queries:
         self, machine_id: uuid.UUID | str
     ) -> records.InstallationTarget | None:
         """What deciding an installation of the machine needs: its provider
-        address, stored hardware report and current installation; None if
-        there is no such machine."""
+        address, stored hardware report, current installation and an
+        operator's hold; None if there is no such machine."""
         rows = await self.execute(
             f"""SELECT m.machine_id, p.provider_address, hw.hardware_report_raw,
-                       oq.machine_id IS NOT NULL, {INSTALLATION_COLUMNS}
+                       oq.machine_id IS NOT NULL, {INSTALLATION_COLUMNS},
+                       (SELECT hd.held_by || ': ' || hd.reason FROM machine_hold hd
+                        WHERE hd.machine_id = m.machine_id),
+                       EXISTS (SELECT 1 FROM machine_decommission dc
+                               WHERE dc.machine_id = m.machine_id)
                 FROM machines m
                 LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
                 LEFT JOIN machine_hardware_report hw ON hw.machine_id = m.machine_id
@@ -506,7 +523,9 @@ class Queries:
             machine_id=r[0],
             address=r[1],
             hardware_report=None if r[2] is None else bytes(r[2]),
-            installation=installation_from_row(r[4:]) if r[3] else None,
+            installation=installation_from_row(r[4:14]) if r[3] else None,
+            held=r[14],
+            decommissioned=r[15],
         )
 
     async def set_os_installation_report(
@@ -708,6 +727,90 @@ class Queries:
             "DELETE FROM machine_agent_heartbeat WHERE machine_id = %s", (as_uuid(machine_id),)
         )
 
+    async def machines_for_decommission(self, limit: int) -> list[records.DecommissionTarget]:
+        """Machines an operator asked to decommission, not done yet, without
+        live work of the agent processes or the decommissioner, backoff of
+        the decommissioner or a hold; oldest request first (locking what it
+        returns inside a work source)."""
+        busy = [*_AGENT_PROCESSES, Process.SHEPHERD_DECOMMISSION]
+        rows = await self.execute(
+            f"""SELECT {_PROVIDED_COLUMNS}, k.public_key, dc.wiped_at IS NOT NULL,
+                       dc.released_at IS NOT NULL
+                FROM machines m
+                JOIN machine_decommission dc ON dc.machine_id = m.machine_id
+                LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
+                LEFT JOIN machine_ssh_host_key k ON k.machine_id = m.machine_id
+                WHERE dc.decommissioned_at IS NULL
+                  AND NOT {_LIVE_WORK}
+                  AND NOT {_ACTIVE_BACKOFF}
+                  AND NOT EXISTS (SELECT 1 FROM machine_hold hd WHERE hd.machine_id = m.machine_id)
+                ORDER BY dc.requested_at, m.machine_id
+                LIMIT %(limit)s {"FOR UPDATE OF m SKIP LOCKED" if self.locking else ""}""",
+            {"limit": _limit(limit), "busy": busy, "process": Process.SHEPHERD_DECOMMISSION},
+        )
+        return [
+            records.DecommissionTarget(
+                machine_id=r[0],
+                provided=_provided(r[:6]) if r[1] is not None else None,
+                host_key=None if r[6] is None else bytes(r[6]),
+                wiped=r[7],
+                released=r[8],
+            )
+            for r in rows
+        ]
+
+    async def record_wipe(self, machine_id: uuid.UUID | str, report: str) -> None:
+        """Store the agent's wipe report on a machine being decommissioned."""
+        _check_text("wipe report", report)
+        await self.execute(
+            """UPDATE machine_decommission SET wiped_at = now(), wipe_report = %s
+               WHERE machine_id = %s AND decommissioned_at IS NULL""",
+            (report, as_uuid(machine_id)),
+        )
+
+    async def record_release(self, machine_id: uuid.UUID | str, detail: str) -> None:
+        """Store the provider's line on releasing a wiped machine."""
+        _check_text("release detail", detail)
+        await self.execute(
+            """UPDATE machine_decommission SET released_at = now(), release_detail = %s
+               WHERE machine_id = %s AND decommissioned_at IS NULL""",
+            (detail, as_uuid(machine_id)),
+        )
+
+    async def tombstone(self, machine_id: uuid.UUID | str) -> None:
+        """Mark a wiped and released machine decommissioned: a tombstone, kept
+        with its history, offered to no process. Its agent tags go (the
+        agent's key was wiped). `InvalidArgument` unless wiped and released."""
+        mid = as_uuid(machine_id)
+        rows = await self.execute(
+            """UPDATE machine_decommission SET decommissioned_at = now()
+               WHERE machine_id = %s AND released_at IS NOT NULL AND decommissioned_at IS NULL
+               RETURNING 1""",
+            (mid,),
+        )
+        if not rows:
+            raise InvalidArgument(f"machine {mid} is not wiped and released, or done already")
+        await self.delete_agent_started(mid)
+        await self.delete_agent_heartbeat(mid)
+
+    async def decommissioned_provider_ids(self, provider: Provider | str) -> set[str]:
+        """Provider ids of ``provider``'s machines being or done decommissioned
+        (the provisioner neither counts nor adds them again)."""
+        rows = await self.execute(
+            """SELECT p.provider_id FROM machine_provided p
+               JOIN machine_decommission dc ON dc.machine_id = p.machine_id
+               WHERE p.provider = %s""",
+            (Provider.parse(provider),),
+        )
+        return {r[0] for r in rows}
+
+    async def delete_recovery_request(self, machine_id: uuid.UUID | str) -> None:
+        """Forget an operator's request to recover the machine (the recoverer
+        does so when it finishes the recovery)."""
+        await self.execute(
+            "DELETE FROM machine_recovery_request WHERE machine_id = %s", (as_uuid(machine_id),)
+        )
+
     async def get_ssh_host_key(self, machine_id: uuid.UUID | str) -> bytes | None:
         """The SSH host key first seen on the machine, if any."""
         rows = await self.execute(
@@ -731,7 +834,8 @@ class Queries:
 
     async def machines_for_agent_start(self, limit: int) -> list[records.MachineProvided]:
         """Provided machines whose agent has not started, without live
-        agent-start/recovery work or agent-start backoff, oldest first
+        agent-start/recovery work, agent-start backoff or an operator's hold,
+        oldest first
         (approximately, among the oldest `SOURCING_WINDOW`, when locking)."""
         if self.locking:
             # Empty parameters, not None: sent as a prepared statement.
@@ -755,8 +859,9 @@ class Queries:
     ) -> list[records.AgentStarted]:
         """Machines (of ``provider``, if given) whose agent started but went
         silent: no heartbeat ``first_heartbeat_timeout`` seconds after the
-        start, or the last heartbeat older than ``heartbeat_timeout``; without
-        live agent work or recovery backoff; oldest first (approximately,
+        start, or the last heartbeat older than ``heartbeat_timeout``, or an
+        operator asked for its recovery (``bmdb recover-now``); without
+        live agent work, recovery backoff or an operator's hold; oldest first (approximately,
         among the oldest `SOURCING_WINDOW`, when locking)."""
         for name, value in (
             ("first_heartbeat_timeout", first_heartbeat_timeout),
@@ -777,7 +882,7 @@ class Queries:
 
     async def machines_for_process(self, process: Process | str, limit: int) -> list[uuid.UUID]:
         """Any machines without live work or active backoff for ``process``,
-        oldest first. A generic source for tests and simple processes."""
+        and not held, oldest first. A generic source for tests and simple processes."""
         p = Process.parse(process)
         params = {"limit": _limit(limit), "busy": [p], "process": p}
         sql = _FOR_PROCESS + (_LOCK_SUFFIX if self.locking else "")

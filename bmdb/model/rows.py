@@ -152,3 +152,48 @@ class InstallationTarget:
     #: The stored serialized AgentHardwareReport, if any.
     hardware_report: bytes | None
     installation: OSInstallation | None
+    #: Who holds the machine and why (``bmdb hold``), if anyone does.
+    held: str | None = None
+    #: An operator asked to decommission it (or it was).
+    decommissioned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    """One operator action, as the audit log keeps it (see `bmdb.actions`)."""
+
+    id: int
+    at: datetime.datetime
+    #: Who: the operator's name (the OS user, or what ``--operator`` said).
+    operator: str
+    #: What: the action's name, e.g. ``hold`` (`bmdb.actions.Action`).
+    action: str
+    #: The machine acted on; it may no longer exist (``forget-machine``).
+    machine_id: uuid.UUID | None
+    #: Why, in the operator's words.
+    reason: str
+    #: What changed, in one line.
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecommissionTarget:
+    """A machine sourced for decommissioning, and how far it got."""
+
+    machine_id: uuid.UUID
+    provided: MachineProvided | None
+    #: The pinned SSH host key (a wipe dials only a machine that proves it).
+    host_key: bytes | None
+    #: The agent's wipe report is stored (a retry does not wipe again).
+    wiped: bool
+    #: The provider released it (a retry does not release again).
+    released: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """An operator's hold on a machine: no process is offered it meanwhile."""
+
+    held_by: str
+    held_at: datetime.datetime
+    reason: str

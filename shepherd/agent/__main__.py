@@ -26,6 +26,10 @@ the SSH session ends, and heartbeats to ``bmaas_endpoint`` until killed
 The heartbeating agent also installs the node when a heartbeat's answer
 asks for it (`install`), onto a loopback disk beside it (`disks`).
 
+``--wipe`` (the decommissioner's, nothing on stdin) stops the agent and
+the installed nodes, empties the loopback disks, removes the agent's key
+and prints what it did as one JSON line (`wipe`).
+
 Files beside the uploaded agent (``sys.argv[0]``): ``<agent>.key`` (its
 private seed, `keyfile`), ``<agent>.pid``, ``<agent>.log`` and
 ``<agent>.install.json`` (the last installation generation begun, and its
@@ -89,6 +93,10 @@ def _parse_args(argv: list[str]) -> tuple[float | None, float]:
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--wipe"]:
+        from .wipe import main as wipe  # decommission only: not on a takeover's path
+
+        return wipe(sys.argv[0])
     try:
         interval, cap = _parse_args(sys.argv[1:])
     except (AgentError, ValueError) as exc:

@@ -133,6 +133,12 @@ class Provider(Protocol):
         (or for a machine the provider cannot reboot, e.g. one without a BMC)."""
         ...
 
+    async def release(self, machine_id: str) -> str:
+        """Give a decommissioned (wiped) machine back; returns one line saying
+        how. Idempotent: a machine released already is released. Raises
+        :class:`ProviderError` if the provider refuses or cannot be reached."""
+        ...
+
 
 def describe(exc: BaseException) -> str:
     """The first non-empty message along ``exc``'s cause chain.

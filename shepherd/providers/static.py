@@ -155,6 +155,14 @@ class StaticProvider:
         async with self._redfish() as redfish:
             await redfish.power_cycle(machine.bmc, self._credentials.for_machine(machine.id))
 
+    async def release(self, machine_id: str) -> str:
+        """Nothing to give back to a list: the BMDB marks the machine removed
+        (a tombstone the provisioner never adds again)."""
+        return (
+            f"static machine {machine_id!r} marked removed in the BMDB "
+            "(take it out of the machines file to stop listing it)"
+        )
+
 
 def load_machines(path: Path) -> list[Machine]:
     """Parse and validate a static machine list file.

@@ -24,6 +24,8 @@ LAYERS = {
     # console's, above this package).
     "bmdb.overview": 7,
     "bmdb.metrics": 7,
+    # Operator actions (each with its audit record).
+    "bmdb.actions": 7,
     "bmdb.cli": 8,
     "bmdb": 8,
     "bmdb.__main__": 9,

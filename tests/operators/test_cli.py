@@ -65,7 +65,7 @@ async def test_filters(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
     lines = out.splitlines()
     assert lines[0].split() == [
         "MACHINE", "STATE", "INSTALL", "NODE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK",
-        "BACKOFF", "CAUSE",
+        "BACKOFF", "HELD", "CAUSE",
     ]  # fmt: skip
     assert len(lines) == 2 and lines[1].startswith(f"{fleet.ids[State.SILENT]}  silent")
     # Paging: after the first machine, the rest.
@@ -96,7 +96,7 @@ async def test_machine_shows_everything(bmdb_conn: bmdb.Connection, bmdb_url: st
     assert "machine:" in out and str(mid) in out
     assert "state:" in out and "failed" in out
     assert "last failure cause:      no route to host" in out
-    history = out.split("HISTORY\n", 1)[1].splitlines()
+    history = out.split("HISTORY\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [line.split()[2] for line in history[1:]] == ["Started", "Failed"]
     backoff = out.split("BACKOFF\n", 1)[1].splitlines()[1]
     assert "ShepherdAgentStart" in backoff and "3600s" in backoff and "active" in backoff

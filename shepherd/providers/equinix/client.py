@@ -215,6 +215,9 @@ class EquinixClient:
         device: JSON = await self._call("GET", f"/devices/{device_id}")
         return device
 
+    async def delete_device(self, device_id: str) -> None:
+        await self._call("DELETE", f"/devices/{device_id}")
+
     async def reboot_device(self, device_id: str) -> None:
         await self._call("POST", f"/devices/{device_id}/actions", body={"type": "reboot"})
 

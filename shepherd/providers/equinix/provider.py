@@ -232,6 +232,23 @@ class EquinixProvider:
         await self.get_machine(machine_id)  # never reboot a device that is not ours
         await self._client.reboot_device(machine_id)
 
+    async def release(self, machine_id: str) -> str:
+        """Delete the device (its hardware reservation is free again); a device
+        already gone counts as released."""
+        try:
+            device = await self._client.get_device(machine_id)
+        except EquinixAPIError as exc:
+            if exc.status == 404:
+                return f"Equinix device {machine_id} already deleted"
+            raise
+        if not str(device.get("hostname", "")).startswith(self._prefix):
+            # Never delete a device that is not ours.
+            raise MachineNotFound(
+                f"Equinix device {machine_id!r} is not ours (hostname lacks {self._prefix!r})"
+            )
+        await self._client.delete_device(machine_id)
+        return f"Equinix device {machine_id} deleted"
+
     def _machine(self, device: dict[str, Any]) -> Machine:
         device_id = device.get("id")
         if not isinstance(device_id, str) or not device_id:

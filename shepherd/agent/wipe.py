@@ -1,0 +1,113 @@
+"""Wiping a machine being decommissioned: ``agent --wipe``.
+
+The Shepherd's decommissioner runs the uploaded agent once more, over SSH,
+with ``--wipe`` (nothing on stdin). In order:
+
+    stop the heartbeating agent    its pid file names it; only a process
+                                   whose command line names this agent file
+                                   is signalled (as `daemon.replace_running_agent`)
+    stop each installed node       a loopback disk's node.pid, if that process
+                                   runs the disk's image (`install.node_running`):
+                                   SIGTERM, then SIGKILL after a bound
+    empty each loopback disk       everything an install wrote in the folder
+                                   that stands for the disk (the folder stays:
+                                   it is the disk)
+    remove the agent's own files   its key, pid file and install state
+
+and prints one JSON object on stdout: ``{"wiped": [paths], "stopped":
+[pids], "errors": [lines]}``. The exit status is 0 when nothing failed, 1
+otherwise (the report still says what was done). The agent's log and the
+agent file itself stay: the log tells what happened, and the file is what
+ran. Running it again on a wiped machine wipes nothing and succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+from .disks import loopback_disks
+from .files import read_int, read_text
+from .install import node_running
+
+#: Seconds a node or agent is given to stop after SIGTERM before SIGKILL.
+STOP_TIMEOUT = 10.0
+
+#: Files beside the agent (``<agent><suffix>``) that a wipe removes.
+OWN_FILES = (".key", ".pid", ".install.json")
+
+
+def _stop(pid: int, stopped: list[int], errors: list[str]) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    except OSError as exc:
+        errors.append(f"cannot stop pid {pid}: {exc}")
+        return
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            stopped.append(pid)
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    stopped.append(pid)
+
+
+def _alive(pid: int) -> bool:
+    stat = read_text(f"/proc/{pid}/stat")
+    if stat is None:
+        return False
+    fields = stat.rpartition(")")[2].split()
+    return bool(fields) and fields[0] != "Z"
+
+
+def _remove(path: str, wiped: list[str], errors: list[str]) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        errors.append(f"cannot remove {path}: {exc}")
+        return
+    wiped.append(path)
+
+
+def wipe(agent: str) -> dict[str, list[object]]:
+    """Wipe what the agent at path ``agent`` and its installs wrote; the report."""
+    agent = os.path.abspath(agent)
+    wiped: list[str] = []
+    stopped: list[int] = []
+    errors: list[str] = []
+    running = read_int(agent + ".pid")
+    if running and running != os.getpid():
+        cmdline = (read_text(f"/proc/{running}/cmdline") or "").split("\0")
+        if any(os.path.abspath(arg) == agent for arg in cmdline if arg):
+            _stop(running, stopped, errors)
+    for disk in sorted(loopback_disks(os.path.dirname(agent)).values()):
+        node = node_running(disk)
+        if node is not None:
+            _stop(node, stopped, errors)
+        for name in sorted(os.listdir(disk)):
+            _remove(os.path.join(disk, name), wiped, errors)
+    for suffix in OWN_FILES:
+        _remove(agent + suffix, wiped, errors)
+    return {"wiped": list(wiped), "stopped": list(stopped), "errors": list(errors)}
+
+
+def main(agent: str) -> int:
+    """``agent --wipe``: wipe, print the report, 0 if nothing failed."""
+    report = wipe(agent)
+    sys.stdout.write(json.dumps(report) + "\n")
+    sys.stdout.flush()
+    return 1 if report["errors"] else 0
