@@ -169,7 +169,7 @@ async def test_an_agent_killed_mid_download_is_recovered_and_reports_without_a_r
                 bmdb_url=bmdb_url,
                 ssh_key=shepherd_ssh_key,
                 image_dir=node_image.parent,
-                recover_after=3.0,
+                recover_after=4.0,
             ) as rig:
                 images_port = int(rig.images.rsplit(":", 1)[1])
                 link = HeldLink(images_port, hold_after=4 * 1024 * 1024)
@@ -217,7 +217,7 @@ async def test_an_agent_killed_before_its_report_is_recovered_and_the_report_arr
                     bmdb_url=bmdb_url,
                     ssh_key=shepherd_ssh_key,
                     image_dir=node_image.parent,
-                    recover_after=3.0,
+                    recover_after=4.0,
                 ) as rig,
             ):
                 images_port = int(rig.images.rsplit(":", 1)[1])
@@ -339,7 +339,7 @@ async def test_a_node_outlives_its_agent_and_a_restart_of_the_shepherd(
                     bmdb_url=bmdb_url,
                     ssh_key=shepherd_ssh_key,
                     image_dir=node_image.parent,
-                    recover_after=3.0,
+                    recover_after=4.0,
                 ) as rig,
             ):
                 disk, agent, machine = rig.disk(0), rig.agent(0), rig.machines[0]
