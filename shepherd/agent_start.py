@@ -77,6 +77,12 @@ class AgentConfig:
     heartbeat_interval: float | None = None
     #: Cap of the agent's backoff while its heartbeats fail, seconds.
     heartbeat_backoff_cap: float = 60.0
+    #: Bounds of the agent's image downloads, seconds (None: the agent's
+    #: defaults, `shepherd.agent.install.Settings`): the whole download,
+    #: retries included, and the first and longest pause between attempts.
+    install_download_deadline: float | None = None
+    install_backoff_start: float | None = None
+    install_backoff_cap: float | None = None
 
     def __post_init__(self) -> None:
         # The seed's New() checks, so a misconfigured initializer fails at start.
@@ -98,6 +104,17 @@ class AgentConfig:
             raise ValueError("agent heartbeat interval must be positive")
         if not self.heartbeat_backoff_cap > 0:
             raise ValueError("agent heartbeat backoff cap must be positive")
+        for flag, value in self._install_flags():
+            if not 0 < value < float("inf"):
+                raise ValueError(f"agent {flag} must be positive, got {value!r}")
+
+    def _install_flags(self) -> list[tuple[str, float]]:
+        flags = [
+            ("--install-download-deadline", self.install_download_deadline),
+            ("--install-backoff-start", self.install_backoff_start),
+            ("--install-backoff-cap", self.install_backoff_cap),
+        ]
+        return [(flag, value) for flag, value in flags if value is not None]
 
     def command(self) -> str:
         """The shell command that runs the uploaded agent."""
@@ -107,6 +124,7 @@ class AgentConfig:
                 f" --heartbeat-interval {self.heartbeat_interval:g}"
                 f" --heartbeat-backoff-cap {self.heartbeat_backoff_cap:g}"
             )
+            command += "".join(f" {flag} {value!r}" for flag, value in self._install_flags())
         return command
 
 

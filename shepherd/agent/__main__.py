@@ -21,7 +21,10 @@ With ``--heartbeat-interval SECONDS`` (the initializer always passes it) a
 successful takeover does not end the agent: after writing the response it
 detaches (`daemon`: double fork, new session, stdio to ``<agent>.log``), so
 the SSH session ends, and heartbeats to ``bmaas_endpoint`` until killed
-(`heartbeat`). Without it the agent only answers.
+(`heartbeat`). Without it the agent only answers. ``--install-download-deadline``,
+``--install-backoff-start`` and ``--install-backoff-cap`` (seconds) bound
+the image downloads of its installs (`install.Settings`; the defaults
+otherwise).
 
 The heartbeating agent also installs the node when a heartbeat's answer
 asks for it (`install`), onto a loopback disk beside it (`disks`).
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from .daemon import detach, log, replace_running_agent
 from .ed25519 import ed25519_public_key
@@ -48,6 +52,9 @@ from .heartbeat import Heartbeater
 from .hwreport import collect_hardware_report
 from .keyfile import load_or_create_seed
 from .wire import DecodeError, TakeoverInit, encode_error, encode_success, iter_fields
+
+if TYPE_CHECKING:
+    from .install import Settings
 
 
 def _beside(suffix: str) -> str:
@@ -71,25 +78,52 @@ def take_over(init_bytes: bytes, key_file: str) -> bytes:
     return encode_success(init_bytes, ed25519_public_key(seed), warnings)
 
 
-def _parse_args(argv: list[str]) -> tuple[float | None, float]:
-    """``[--heartbeat-interval SECONDS] [--heartbeat-backoff-cap SECONDS]``."""
+#: ``--install-*`` flag -> the `install.Settings` field it sets (seconds).
+INSTALL_FLAGS = {
+    "--install-download-deadline": "download_deadline",
+    "--install-backoff-start": "backoff_start",
+    "--install-backoff-cap": "backoff_cap",
+}
+
+
+def _parse_args(argv: list[str]) -> tuple[float | None, float, dict[str, float]]:
+    """``[--heartbeat-interval S] [--heartbeat-backoff-cap S] [--install-* S ...]``:
+    the interval, the cap, and the install settings given (`INSTALL_FLAGS`)."""
     interval: float | None = None
     cap = 60.0
+    install: dict[str, float] = {}
     args = list(argv)
     while args:
         flag = args.pop(0)
-        if flag not in ("--heartbeat-interval", "--heartbeat-backoff-cap") or not args:
+        known = flag in ("--heartbeat-interval", "--heartbeat-backoff-cap") or flag in INSTALL_FLAGS
+        if not known or not args:
             raise AgentError(
-                f"usage: agent [--heartbeat-interval S] [--heartbeat-backoff-cap S], got {flag!r}"
+                "usage: agent [--heartbeat-interval S] [--heartbeat-backoff-cap S] "
+                "[--install-download-deadline S] [--install-backoff-start S] "
+                f"[--install-backoff-cap S], got {flag!r}"
             )
         value = float(args.pop(0))
-        if not value > 0:
+        if not 0 < value < float("inf"):
             raise AgentError(f"{flag} must be positive")
         if flag == "--heartbeat-interval":
             interval = value
-        else:
+        elif flag == "--heartbeat-backoff-cap":
             cap = value
-    return interval, cap
+        else:
+            install[INSTALL_FLAGS[flag]] = value
+    return interval, cap, install
+
+
+def _install_settings(defaults: Settings, given: dict[str, float]) -> Settings:
+    """``defaults`` with the bounds the command line gave."""
+    import dataclasses  # not on the takeover's path
+
+    return dataclasses.replace(
+        defaults,
+        download_deadline=given.get("download_deadline", defaults.download_deadline),
+        backoff_start=given.get("backoff_start", defaults.backoff_start),
+        backoff_cap=given.get("backoff_cap", defaults.backoff_cap),
+    )
 
 
 def main() -> int:
@@ -98,7 +132,7 @@ def main() -> int:
 
         return wipe(sys.argv[0])
     try:
-        interval, cap = _parse_args(sys.argv[1:])
+        interval, cap, install_settings = _parse_args(sys.argv[1:])
     except (AgentError, ValueError) as exc:
         sys.stderr.write(f"agent: {exc}\n")
         return 2
@@ -125,12 +159,14 @@ def main() -> int:
         log(f"heartbeating to {heartbeater.init.bmaas_endpoint} every {interval:g}s")
         agent = os.path.abspath(sys.argv[0])
         heartbeater.report = collect_hardware_report(os.path.dirname(agent))
-        from .install import Installer  # after the takeover's answer: not on its path
+        # After the takeover's answer: not on its path.
+        from .install import Installer, Settings
 
         heartbeater.installer = Installer(
             agent,
             endpoint_scheme=heartbeater.scheme,
             ca_certificate=heartbeater.init.ca_certificate,
+            settings=_install_settings(Settings(), install_settings),
             wake=heartbeater.wake.set,
         )
         heartbeater.run()

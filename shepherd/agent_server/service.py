@@ -37,9 +37,14 @@ currently requested (an older or newer one is logged at INFO and ignored,
 the heartbeat itself accepted), and from then on the answers no longer
 carry the request. The request is read by the statement that writes the
 heartbeats, so a group costs no more statements than before; a report
-costs one more, in the group's transaction. A report's error cause is a
-machine's text: made `common.text.printable` before it is stored or
-logged. A report that is malformed (no result, generation not positive, a
+costs one more, in the group's transaction. A stored request the agent
+could not read or would run under another generation (`request_refusal`:
+too large for its answer bound, not decoding, its generation not the
+row's) is never carried: the server stores an error report on the row's
+generation in its place, with the cause, so the views show the install
+failed and why, and a new generation can be asked for. A report's error
+cause is a machine's text: made `common.text.printable` before it is
+stored or logged. A report that is malformed (no result, generation not positive, a
 node public key that is neither empty nor 32 bytes) refuses the heartbeat
 with invalid_argument, writing nothing.
 
@@ -115,6 +120,8 @@ from bmdb.model.queries import HeartbeatResult
 from common.numbers import parse_decimal
 from common.protobuf import parse_checked
 from common.text import printable
+from metropolis.proto.configuration import OsImageRef
+from shepherd.agent.heartbeat import MAX_ANSWER
 from shepherd.agent.protocol import (
     HEADER_KEY,
     HEADER_MAC,
@@ -132,6 +139,7 @@ from shepherd.proto.agent_callback import (
     HeartbeatResponse,
     OsInstallationReport,
     OsInstallationReportError,
+    OsInstallationRequest,
 )
 
 logger = logging.getLogger("shepherd.agent_server.service")
@@ -140,6 +148,11 @@ logger = logging.getLogger("shepherd.agent_server.service")
 DEFAULT_FRESHNESS = 300.0
 
 _EMPTY_RESPONSE = bytes(HeartbeatResponse())
+
+#: Bound on a stored installation request the server carries: the agent
+#: reads answers of at most `MAX_ANSWER` bytes (and ignores the rest), and
+#: an answer holds the session beside the request.
+MAX_CARRIED_REQUEST = MAX_ANSWER - 4096
 
 #: Decoded public keys kept (a fleet's worth; beyond, the cache starts over).
 KEY_CACHE_SIZE = 65536
@@ -506,6 +519,14 @@ class HeartbeatService:
                     and await _record_report(q, machine_id, report, result, notes)
                 ):
                     results[index] = _ACCEPTED  # reported: no longer pending
+            for index, result in enumerate(results):
+                raw, generation = result.installation_request, result.installation_generation
+                if raw is None or generation is None:
+                    continue
+                why = request_refusal(raw, generation)
+                if why is not None:
+                    await _refuse_request(q, group[index].beat.machine_id, generation, why, notes)
+                    results[index] = _ACCEPTED  # refused: not carried, no longer pending
             return results
 
         # What members learn if the write is cancelled (server stopping).
@@ -531,6 +552,48 @@ class HeartbeatService:
 
 
 _ACCEPTED = HeartbeatResult(HeartbeatOutcome.ACCEPTED)
+
+
+def request_refusal(raw: bytes, generation: int) -> str | None:
+    """Why the stored installation request ``raw`` of ``generation`` (the
+    row's) must not be carried to the agent, or None.
+
+    Refused: a request over `MAX_CARRIED_REQUEST` bytes (the agent would
+    ignore the answer), one that does not decode as an OSInstallationRequest
+    (wrong wire types, cut short; checked as from a peer,
+    `common.protobuf.parse_checked`) or whose ``os_image`` does not decode
+    as an OSImageRef (the agent would ignore it as malformed), and one
+    whose own generation is not the row's (the agent would install and
+    report another generation than the one asked for, and then take every
+    later request up to it as already run). The agent checks the rest
+    itself and reports its refusals: the root device, the digest, the
+    image's address, the size of the node parameters.
+    """
+    if len(raw) > MAX_CARRIED_REQUEST:
+        return f"request of {len(raw)} bytes, over the bound of {MAX_CARRIED_REQUEST}"
+    try:
+        request = parse_checked(OsInstallationRequest, raw)
+        image = request.metropolis.os_image if request.metropolis is not None else None
+        if image is not None:
+            parse_checked(OsImageRef, image)
+    except ValueError as exc:
+        return f"request does not decode: {exc}"
+    if request.generation != generation:
+        return f"request names generation {request.generation}, the BMDB requests {generation}"
+    return None
+
+
+async def _refuse_request(
+    q: Queries, machine_id: uuid.UUID, generation: int, why: str, notes: list[str]
+) -> None:
+    """Store the error report on ``generation`` that the server makes for a
+    request it does not carry, so that the views show it failed and why."""
+    cause = printable(f"refused by the agent callback server, not sent to the agent: {why}")
+    report = OsInstallationReport(
+        generation=generation, error=OsInstallationReportError(error=cause)
+    )
+    await q.record_os_installation_report(machine_id, generation, bytes(report), False, cause, None)
+    notes.append(f"machine {machine_id}: installation {generation} failed: {cause}")
 
 
 async def _record_report(

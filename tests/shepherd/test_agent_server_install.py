@@ -271,3 +271,40 @@ async def test_each_agent_of_a_group_gets_its_own_request(
         for agent in agents:
             nursery.start_soon(beat, agent)
     assert {mid: carried(answer) for mid, answer in answers.items()} == raws
+
+
+async def test_a_request_the_agent_could_not_read_is_refused_not_carried(
+    bmdb_conn: bmdb.Connection, url: str
+) -> None:
+    """A stored request the agent would ignore (too large, not decoding, of
+    another generation than the row's) is not carried: the server stores an
+    error report on the row's generation, which the views show."""
+    from shepherd.agent_server.service import MAX_CARRIED_REQUEST, request_refusal
+
+    agent = await new_agent(bmdb_conn, url)
+    await agent.beat()
+    mismatched = request_bytes(7, root="disk0")
+
+    async def put(q: Queries) -> None:
+        await q.set_os_installation_request(agent.machine_id, 1, mismatched)
+
+    await bmdb_conn.transact(put)
+    assert carried(await agent.beat()) is None
+    stored = await stored_report(bmdb_conn, agent.machine_id)
+    assert stored is not None and stored[0] == 1
+    report = parse_checked(OsInstallationReport, stored[1])
+    assert report.error is not None
+    assert report.error.error == (
+        "refused by the agent callback server, not sent to the agent: "
+        "request names generation 7, the BMDB requests 1"
+    )
+    # A new, well-formed generation is carried again.
+    raw = await store_request(bmdb_conn, agent.machine_id, 2)
+    assert carried(await agent.beat()) == raw
+
+    assert request_refusal(request_bytes(3, root="disk0"), 3) is None
+    assert request_refusal(b"x" * (MAX_CARRIED_REQUEST + 1), 1) == (
+        f"request of {MAX_CARRIED_REQUEST + 1} bytes, over the bound of {MAX_CARRIED_REQUEST}"
+    )
+    cut = request_refusal(request_bytes(1, root="disk0")[:-1], 1)
+    assert cut is not None and cut.startswith("request does not decode: ")

@@ -122,6 +122,64 @@ def test_agent_config_refuses_missing_pieces() -> None:
             AgentConfig(**{**good, field: bad})  # type: ignore[arg-type]
 
 
+def test_install_bounds_reach_the_agents_settings() -> None:
+    """The download bounds of AgentConfig are flags of the agent's command
+    line, which the agent turns into its install settings."""
+    import shlex
+
+    from shepherd.agent.__main__ import _install_settings, _parse_args
+    from shepherd.agent.install import Settings
+
+    config = AgentConfig(
+        executable=b"x",
+        target_path="/root/agent",
+        endpoint="e:443",
+        endpoint_ca_certificate=b"",
+        ssh_connect_timeout=2.0,
+        ssh_exec_timeout=60.0,
+        heartbeat_interval=0.5,
+        install_download_deadline=3.0,
+        install_backoff_start=0.25,
+        install_backoff_cap=0.8,
+    )
+    argv = shlex.split(config.command())
+    assert argv[0] == "/root/agent"
+    interval, cap, given = _parse_args(argv[1:])
+    assert (interval, cap) == (0.5, 60.0)
+    settings = _install_settings(Settings(), given)
+    assert (settings.download_deadline, settings.backoff_start, settings.backoff_cap) == (
+        3.0,
+        0.25,
+        0.8,
+    )
+    assert settings.max_image_bytes == Settings().max_image_bytes  # the rest: defaults
+    # Unset, the agent is not told: its own defaults hold.
+    plain = AgentConfig(**{**config.__dict__, "install_download_deadline": None})
+    assert "--install-download-deadline" not in plain.command()
+    assert _install_settings(Settings(), {}) == Settings()
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_install_bounds_must_be_positive(value: float) -> None:
+    from shepherd.agent.__main__ import _parse_args
+    from shepherd.agent.errors import AgentError
+
+    good = {
+        "executable": b"x",
+        "target_path": "/root/agent",
+        "endpoint": "e:443",
+        "endpoint_ca_certificate": b"",
+        "ssh_connect_timeout": 2.0,
+        "ssh_exec_timeout": 60.0,
+    }
+    with pytest.raises(ValueError, match="install-backoff-cap must be positive"):
+        AgentConfig(**good, install_backoff_cap=value)  # type: ignore[arg-type]
+    with pytest.raises(AgentError, match="must be positive"):
+        _parse_args(["--install-backoff-start", repr(value)])
+    with pytest.raises(AgentError, match="usage"):
+        _parse_args(["--install-nonsense", "1"])
+
+
 async def test_upload_failure_is_its_own_cause(
     aio_loop: object, sshd: Sshd, shepherd_ssh_key: SSHKey
 ) -> None:
