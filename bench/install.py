@@ -159,8 +159,11 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def bootstrap(folder: Path) -> AsyncIterator[Cluster]:
-    """A new cluster whose first node runs on `FIRST` (as the e2e test starts it)
-    in ``folder`` (new)."""
+    """A new cluster whose first node runs on `FIRST` in ``folder`` (new).
+    At the node's default status interval: the curator takes a node as
+    healthy while its last status push is at most twice that old, and the
+    registered nodes (started as the agent starts them) push at their
+    default interval, the same."""
     os.makedirs(folder)
     root = Root(folder / "n1")
     owner_key = folder / "owner.pem"
@@ -168,7 +171,6 @@ async def bootstrap(folder: Path) -> AsyncIterator[Cluster]:
     argv = [
         sys.executable, "-m", "metropolis", "node", "bootstrap", "--root", str(root.path),
         "--address", FIRST, "--owner-key-out", str(owner_key), "--insecure-seal",
-        "--status-interval", "1",
     ]  # fmt: skip
     with log.open("wb") as out:
         process = await trio.lowlevel.open_process(argv, stdout=out, stderr=subprocess.STDOUT)
@@ -665,7 +667,12 @@ def main() -> int:
         default=APPROVE_INTERVAL,
         help="the approver's, seconds (default: the Shepherd's, %(default)s)",
     )
-    smoke = {"machines": 2, "timeout": 240.0, "heartbeat_interval": 1.0, "approve_interval": 0.5}
+    smoke = {
+        "machines": 2,
+        "timeout": 240.0,
+        "heartbeat_interval": 1.0,
+        "approve_interval": 0.5,
+    }
     args = parse_args(parser, smoke)
     if args.machines < 1:
         parser.error("--machines must be at least 1")
