@@ -27,7 +27,10 @@ and ports are fixed.
   image and the parameters), ``sha256sum`` (the digest checked, as the
   agent does), ``node register`` started detached, its announced key read
   back, ``python -m metropolis owner approve`` (retried until the node has
-  registered); then ``ssh -O exit``; until every node is UP and HEALTHY.
+  registered; a node that exited before registering, as ``node register``
+  does when the curator does not answer in time, is started again on a
+  cleared root, as an operator would); then ``ssh -O exit``; until every
+  node is UP and HEALTHY.
 
 Both nodes' shiv caches (``SHIV_ROOT``) are one fresh folder per path, so
 each path pays one extraction of the image's site-packages (a real
@@ -105,6 +108,8 @@ TAKEOVER_PARALLELISM = 4
 LEADS = "this curator leads"
 #: What the agent logs of an install's steps.
 _AGENT_DOWNLOAD = re.compile(r"download\+verify of (\d+) bytes ([0-9.]+)s")
+#: How often the by-hand path starts a machine's node before it gives up.
+MAX_REGISTERS = 5
 #: How often the paths look at the cluster and the BMDB.
 POLL = 0.25
 
@@ -130,6 +135,8 @@ class Progress:
     total: float | None = None
     #: The last error of a look at the cluster ("" when the last look worked).
     error: str = ""
+    #: Nodes started again by hand: they exited before they were registered.
+    restarts: int = 0
     #: Why machines cannot finish (the path then stops early).
     failures: list[str] = field(default_factory=list)
 
@@ -480,34 +487,48 @@ async def by_hand_one(index: int, host: str, hand: ByHand, progress: Progress) -
             ]
         )  # fmt: skip
         command = (
+            f"rm -rf {folder}/metropolis {folder}/node.key.pub && "
             f"mkdir -m 700 {folder}/metropolis && cd {folder} && "
             f"(SHIV_ROOT={hand.shiv} setsid {register} >node.log 2>&1 </dev/null & "
             "echo $! >node.pid)"
         )
-        await _run([*ssh, login, command], "node register")
-        polls = Retrier(ExponentialBackoff(0.1, 2.0, jitter=FULL_JITTER), hand.rng)
-        while True:
-            key = await _run([*ssh, login, f"cat {folder}/node.key.pub 2>/dev/null; true"], "cat")
-            if len(key) == 32:
-                break
-            if trio.current_time() > hand.deadline:
-                raise RuntimeError(f"machine {index}: no node key announced")
-            await polls.sleep()
-        progress.counts["started"] = progress.counts.get("started", 0) + 1
-        node = identity.node_id(key)
-        owner = [
-            sys.executable, "-m", "metropolis", "owner", "--root", str(hand.cluster.root.path),
-            "--owner-key", str(hand.cluster.owner_key), "approve", node,
-        ]  # fmt: skip
-        retries = Retrier(ExponentialBackoff(0.5, 5.0, jitter=FULL_JITTER), hand.rng)
-        while True:
-            try:
-                await _run(owner, "owner approve")
-                break
-            except RuntimeError:  # not registered yet (or curators busy): again
+        alive = f"kill -0 $(cat {folder}/node.pid) 2>/dev/null && echo yes; true"
+        for attempt in range(MAX_REGISTERS):
+            await _run([*ssh, login, command], "node register")
+            polls = Retrier(ExponentialBackoff(0.1, 2.0, jitter=FULL_JITTER), hand.rng)
+            while True:
+                key = await _run(
+                    [*ssh, login, f"cat {folder}/node.key.pub 2>/dev/null; true"], "cat"
+                )
+                if len(key) == 32:
+                    break
                 if trio.current_time() > hand.deadline:
-                    raise
-                await retries.sleep()
+                    raise RuntimeError("no node key announced")
+                await polls.sleep()
+            if attempt == 0:
+                progress.counts["started"] = progress.counts.get("started", 0) + 1
+            node = identity.node_id(key)
+            owner = [
+                sys.executable, "-m", "metropolis", "owner", "--root", str(hand.cluster.root.path),
+                "--owner-key", str(hand.cluster.owner_key), "approve", node,
+            ]  # fmt: skip
+            retries = Retrier(ExponentialBackoff(0.5, 5.0, jitter=FULL_JITTER), hand.rng)
+            approved = False
+            while not approved:
+                try:
+                    await _run(owner, "owner approve")
+                    approved = True
+                except RuntimeError:  # not registered yet (or curators busy): again
+                    if trio.current_time() > hand.deadline:
+                        raise
+                    if b"yes" not in await _run([*ssh, login, alive], "kill -0"):
+                        break  # the node gave up before it registered: start it again
+                    await retries.sleep()
+            if approved:
+                break
+            progress.restarts += 1
+        else:
+            raise RuntimeError(f"node register failed {MAX_REGISTERS} times, see {folder}/node.log")
         progress.counts["approve ran"] = progress.counts.get("approve ran", 0) + 1
     finally:
         with trio.CancelScope(shield=True):
@@ -594,6 +615,8 @@ def _phases(name: str, p: Progress) -> list[str]:
             f"  image copy per machine: median {median(p.downloads):.2f} s, "
             f"max {max(p.downloads):.2f} s ({len(p.downloads)} machines)"
         )
+    if p.restarts:
+        lines.append(f"  nodes started again (they exited before registering): {p.restarts}")
     for failure in p.failures[:5]:
         lines.append(f"  failed: {failure}")
     if p.total is None and p.error:
