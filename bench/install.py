@@ -87,7 +87,7 @@ from shepherd.control_loop import start_control_loop
 from shepherd.demo import write_machines_file
 from shepherd.initializer import Initializer
 from shepherd.install import Plan, image_from_server, install, owner_public_key
-from shepherd.localfleet import DISK, loopback_addresses, open_fleet, stop_node
+from shepherd.localfleet import DISK, loopback_addresses, node_pid, open_fleet, stop_node
 from shepherd.localsshd import start_sshd, stop_sshd
 from shepherd.providers.static import StaticProvider
 from shepherd.provisioner import sync_provided
@@ -449,6 +449,8 @@ class ByHand:
     shiv: Path
     deadline: float
     rng: random.Random = field(default_factory=random.Random)
+    #: Machines whose node the owner approved.
+    approved: set[int] = field(default_factory=set)
 
 
 async def by_hand_one(index: int, host: str, hand: ByHand, progress: Progress) -> None:
@@ -530,6 +532,7 @@ async def by_hand_one(index: int, host: str, hand: ByHand, progress: Progress) -
         else:
             raise RuntimeError(f"node register failed {MAX_REGISTERS} times, see {folder}/node.log")
         progress.counts["approve ran"] = progress.counts.get("approve ran", 0) + 1
+        hand.approved.add(index)
     finally:
         with trio.CancelScope(shield=True):
             await trio.run_process(
@@ -578,6 +581,13 @@ async def by_hand_path(args: argparse.Namespace, work: Path, image: Path) -> Pro
             async def steps(elapsed: float) -> None:
                 for phase in ("started", "approve ran"):
                     progress.passed(phase, progress.counts.get(phase, 0), elapsed)
+                for index in sorted(hand.approved):
+                    if node_pid(folders / f"m{index:02d}") is None:
+                        hand.approved.discard(index)
+                        progress.failures.append(
+                            f"machine {index}: its node exited after its approval "
+                            f"(see m{index:02d}/node.log)"
+                        )
 
             with trio.move_on_after(args.timeout):
                 async with trio.open_nursery() as nursery:
