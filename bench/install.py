@@ -22,9 +22,9 @@ and ports are fixed.
   every node is UP and HEALTHY in the curators' view.
 - by hand: one real OpenSSH sshd (`shepherd.localsshd`) stands for every
   machine, each machine a folder of its own. Per machine, with
-  ``--by-hand-parallelism`` machines at once (default: all, as the agents
-  install at once): ``ssh -M`` (ControlMaster) and over it ``sftp`` (the
-  image and the parameters), ``sha256sum`` (the digest checked, as the
+  ``--by-hand-parallelism`` machines at once: ``ssh -M`` (ControlMaster)
+  and over it ``sftp`` (the image and the parameters), ``sha256sum`` (the
+  digest checked, as the
   agent does), ``node register`` started detached, its announced key read
   back, ``python -m metropolis owner approve`` (retried until the node has
   registered; a node that exited before registering, as ``node register``
@@ -685,7 +685,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--machines", type=int, default=20)
     parser.add_argument(
-        "--by-hand-parallelism", type=int, default=None, help="(default: --machines)"
+        "--by-hand-parallelism",
+        type=int,
+        default=4,
+        help="machines done by hand at once (default: %(default)s)",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="per path, seconds")
     parser.add_argument(
@@ -702,6 +705,7 @@ def main() -> int:
     )
     smoke = {
         "machines": 2,
+        "by_hand_parallelism": 2,
         "timeout": 240.0,
         "heartbeat_interval": 1.0,
         "approve_interval": 0.5,
@@ -709,8 +713,8 @@ def main() -> int:
     args = parse_args(parser, smoke)
     if args.machines < 1:
         parser.error("--machines must be at least 1")
-    if args.by_hand_parallelism is None:
-        args.by_hand_parallelism = args.machines
+    if args.by_hand_parallelism < 1:
+        parser.error("--by-hand-parallelism must be at least 1")
     # Short: a node's etcd socket lies deep inside it (107 bytes at most).
     work = Path(tempfile.mkdtemp(prefix="bi-", dir="/tmp"))
     try:
