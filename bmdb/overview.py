@@ -181,13 +181,17 @@ LIMIT %(limit)s
 """
 
 # How many machines are in each state (of one provider, or all), as one row
-# of filtered counts in `State` order: a plain aggregate, where GROUP BY on
-# the CASE made the planner expect 50,000 groups and sort them.
+# of filtered counts in `State` order, then in `InstallState` order: a plain
+# aggregate, where GROUP BY on the CASE made the planner expect 50,000
+# groups and sort them.
 STATE_COUNTS_SQL = f"""
-SELECT {", ".join(f"count(*) FILTER (WHERE state = '{s}')" for s in State)}
-FROM (SELECT {STATE_SQL} AS state
+SELECT {", ".join(f"count(*) FILTER (WHERE state = '{s}')" for s in State)},
+       {", ".join(f"count(*) FILTER (WHERE install_state = '{s}')" for s in InstallState)}
+FROM (SELECT {STATE_SQL} AS state, {INSTALL_STATE_SQL} AS install_state
       FROM machines m
       {_TAGS}
+      LEFT JOIN machine_os_installation_request oq ON oq.machine_id = m.machine_id
+      LEFT JOIN machine_os_installation_report orp ON orp.machine_id = m.machine_id
       {_BACKOFF_HASHED}
       WHERE %(provider)s::provider IS NULL OR p.provider = %(provider)s::provider) v
 """
@@ -393,17 +397,19 @@ async def machines_page(
     state: State | InstallState | str | None = None,
     provider: Provider | str | None = None,
     after: uuid.UUID | str | None = None,
-) -> tuple[list[MachineState], dict[State, int]]:
-    """A page of `machines` and the machine count per state, from one snapshot
-    (two statements in one transaction)."""
+) -> tuple[list[MachineState], dict[State, int], dict[InstallState, int]]:
+    """A page of `machines`, the machine count per state and the count per
+    installation state (machines without a request are in none), from one
+    snapshot (two statements in one transaction)."""
     params = machines_params(limit=limit, state=state, provider=provider, after=after)
 
     async def body(q: Queries) -> tuple[list[Row], list[Row]]:
         return await q.execute(MACHINES_SQL, params), await q.execute(STATE_COUNTS_SQL, params)
 
     rows, counts = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
-    by_state = dict(zip(State, counts[0], strict=True))
-    return [_machine_state(r) for r in rows], by_state
+    by_state = dict(zip(State, counts[0][: len(State)], strict=True))
+    by_install = dict(zip(InstallState, counts[0][len(State) :], strict=True))
+    return [_machine_state(r) for r in rows], by_state, by_install
 
 
 @dataclass(frozen=True)
@@ -593,6 +599,46 @@ async def audit(
 
     rows = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
     return [AuditRecord(*r) for r in rows]
+
+
+#: The machines whose current installation succeeded with one of the node
+#: keys %(keys)s (a report on an older generation names no node any more).
+NODE_MACHINES_SQL = """
+SELECT orp.node_public_key, orp.machine_id FROM machine_os_installation_report orp
+JOIN machine_os_installation_request oq
+  ON oq.machine_id = orp.machine_id AND oq.generation = orp.generation
+WHERE orp.success AND orp.node_public_key = ANY(%(keys)s::bytea[])
+ORDER BY orp.machine_id
+"""
+
+#: The most node keys `machines_of_nodes` looks up at once.
+MAX_NODE_KEYS = 10_000
+
+
+async def machines_of_nodes(
+    conn: Connection, public_keys: Sequence[bytes]
+) -> dict[bytes, tuple[uuid.UUID, ...]]:
+    """The machines installed with each of the nodes ``public_keys`` (raw
+    Ed25519 keys, as the install reports carry them), by key; a key no
+    current report names is absent. Normally one machine per key: two
+    means two agents reported the same node, which the views show as is.
+    `InvalidArgument` for more than `MAX_NODE_KEYS` keys or a key that is
+    not 32 bytes."""
+    keys = [bytes(k) for k in public_keys]
+    if len(keys) > MAX_NODE_KEYS:
+        raise InvalidArgument(f"at most {MAX_NODE_KEYS} node keys at once, got {len(keys)}")
+    if any(len(k) != 32 for k in keys):
+        raise InvalidArgument("a node public key is 32 bytes")
+    if not keys:
+        return {}
+
+    async def body(q: Queries) -> list[Row]:
+        return await q.execute(NODE_MACHINES_SQL, {"keys": keys})
+
+    found: dict[bytes, tuple[uuid.UUID, ...]] = {}
+    for key, machine_id in await conn.transact(body, isolation=Isolation.REPEATABLE_READ):
+        found[bytes(key)] = (*found.get(bytes(key), ()), machine_id)
+    return found
 
 
 def _json(value: Any) -> Sequence[Any]:

@@ -15,7 +15,8 @@ the same Trio run as the BMDB connection::
                                   GET /sessions
                                       overview.activity        (2 statements)
                                   GET /cluster, /cluster/node/ID[/tree]
-                                      cluster.ClusterView      (1 or 2 RPCs)
+                                      cluster.ClusterView      (1 or 2 RPCs, and
+                                      overview.machines_of_nodes: 1 statement)
                        pages.* render with render.* (everything escaped)
 
 Nothing writes to the BMDB and nothing secret is shown (agent keys are
@@ -28,4 +29,10 @@ Modules: `render` (HTML building blocks, escaping, the SVG charts), `pages`
 (one function per BMDB page), `cluster` (the cluster pages), `asgi`
 (routing, errors, headers), `server` (hypercorn under Trio), `errors` (the
 console's error tree), `__main__` (the command).
+
+A machine asked to install an OS shows its installation state with its
+generation (``installed@2``) in the list (filterable by installation
+state) and the request and report on its page; an installed machine links
+to its node's cluster page, and a node's pages link back to the machine
+whose install report carries the node's public key.
 """

@@ -110,13 +110,13 @@ class App:
         if self.cluster is None:
             return 200, cluster_pages.disabled()
         if path == "/cluster":
-            return 200, await self.cluster.nodes()
+            return 200, await self.cluster.nodes(self.conn)
         node = path.removeprefix("/cluster/node/")
         if node != path and node:
             if node.endswith("/tree"):
                 return 200, await self.cluster.tree(node.removesuffix("/tree"))
             if "/" not in node:
-                return 200, await self.cluster.node(node)
+                return 200, await self.cluster.node(self.conn, node)
         return 404, _error("Not found", f"No page at {path}.")
 
 

@@ -10,6 +10,12 @@ They show the cluster as its owner sees it, through
     /cluster/node/ID/tree    GetNodes, then the node's own
                              NodeDebug.GetSupervisionTree           (2 calls)
 
+The node list and a node's page also name the machine each node was
+installed on, linked to its page: the BMDB machine whose current install
+report carries the node's public key (`bmdb.overview.machines_of_nodes`,
+one statement). When the BMDB does not answer, the pages say so in that
+place and show the rest.
+
 Each page connects anew, so curators that come and go are followed. When
 a curator or the node does not answer, the page says which addresses were
 tried and what the error was, as a normal page (HTTP 200 with the
@@ -22,11 +28,15 @@ Every text is escaped by :mod:`console.render`.
 from __future__ import annotations
 
 import datetime
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import trio
 
+from bmdb import overview
+from bmdb.connection import Connection
+from bmdb.errors import BMDBError
 from console.errors import ConsoleError, NotFound
 from console.render import Html, ago, duration, esc, fields, link, page, table
 from metropolis.errors import MetropolisError
@@ -95,17 +105,20 @@ class ClusterView:
                 return row
         raise NotFound(f"no node {node_id} in the cluster")
 
-    async def nodes(self) -> Html:
-        """Every node: address, state, roles, curator and leader, health."""
+    async def nodes(self, conn: Connection) -> Html:
+        """Every node: address, state, roles, curator and leader, health,
+        and the machine it was installed on (from the BMDB ``conn``)."""
         try:
             rows = await self._ask(lambda owner: owner.nodes())
         except _Unreachable as e:
             return _unreachable_page("Cluster nodes", e)
+        machines = await _machines(conn, rows)
         body = table(
-            ("node", "address", "state", "roles", "curator", "health", "heartbeat", "debug"),
+            _NODE_COLUMNS,
             (
                 (
                     link(f"/cluster/node/{r.node_id}", r.node_id, **{"class": "mono"}),
+                    _machine_cell(machines, r),
                     r.address or "-",
                     r.state,
                     ", ".join(r.roles) or "-",
@@ -123,16 +136,19 @@ class ClusterView:
         intro = Html(f"<p>As the owner sees it, through the curators at {_addresses(self)}.</p>")
         return page("Cluster nodes", Html(intro + body), footer=f"{len(rows)} nodes")
 
-    async def node(self, node_id: str) -> Html:
-        """One node: everything the curators know of it, and a link to its tree."""
+    async def node(self, conn: Connection, node_id: str) -> Html:
+        """One node: everything the curators know of it, the machine it was
+        installed on (from the BMDB ``conn``), and a link to its tree."""
         try:
             row = await self._ask(lambda owner: self._row(owner, node_id))
         except _Unreachable as e:
             return _unreachable_page(f"Node {node_id}", e)
+        machines = await _machines(conn, [row])
         debug = f"{row.address}:{row.debug_port}" if row.debug_port else "-"
         body = fields(
             [
                 ("node", row.node_id),
+                ("machine", _machine_cell(machines, row)),
                 ("address", row.address or "-"),
                 ("state", row.state),
                 ("roles", ", ".join(row.roles) or "-"),
@@ -168,6 +184,34 @@ class ClusterView:
         else:
             return _tree_page(title, address, answer)
         return _unreachable_page(title, _Unreachable("the node's debug service", [address], error))
+
+
+#: The machines of nodes by public key, or why the BMDB could not say.
+_Machines = dict[bytes, tuple[uuid.UUID, ...]] | str
+
+
+async def _machines(conn: Connection, rows: list[NodeRow]) -> _Machines:
+    try:
+        found = await overview.machines_of_nodes(conn, [r.public_key for r in rows])
+    except BMDBError as e:
+        return f"BMDB: {e}"
+    return found
+
+
+def _machine_cell(machines: _Machines, row: NodeRow) -> Html:
+    """Links to the machines installed with ``row``'s node, ``-`` if none
+    (a node installed by hand, or the bootstrap node)."""
+    if isinstance(machines, str):
+        return Html(f'<span class="state-failed">{esc(machines)}</span>')
+    found = machines.get(row.public_key, ())
+    if not found:
+        return Html('<span class="dim">-</span>')
+    return Html(" ".join(link(f"/machine/{m}", m, **{"class": "mono machine"}) for m in found))
+
+
+_NODE_COLUMNS = (
+    "node", "machine", "address", "state", "roles", "curator", "health", "heartbeat", "debug",
+)  # fmt: skip
 
 
 def _addresses(view: ClusterView) -> Html:

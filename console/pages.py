@@ -12,7 +12,7 @@ import uuid
 
 from bmdb import overview
 from bmdb.connection import Connection
-from bmdb.model import Provider, WorkEvent
+from bmdb.model import InstallState, OSInstallation, Provider, WorkEvent
 from bmdb.overview import MachineState, State
 from console.audit import machine_section
 from console.errors import NotFound
@@ -39,12 +39,27 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-def _state(state: State) -> Html:
+def _state(state: State | InstallState) -> Html:
     return Html(f'<span class="state-{esc(state)}">{esc(state)}</span>')
 
 
 def _machine_link(machine_id: uuid.UUID) -> Html:
     return link(f"/machine/{machine_id}", machine_id, **{"class": "mono"})
+
+
+def node_link(node_id: str) -> Html:
+    """A link to the cluster's page of node ``node_id``."""
+    return link(f"/cluster/node/{node_id}", node_id, **{"class": "mono"})
+
+
+def _install(state: InstallState | None, generation: int | None) -> Html:
+    """``installed@2`` (the state, styled, and its generation), or ``-``."""
+    if state is None:
+        return Html('<span class="dim">-</span>')
+    return Html(
+        f'<span class="state-{esc(state)}" title="generation {esc(generation)}">'
+        f"{esc(state)}@{esc(generation)}</span>"
+    )
 
 
 async def machines(
@@ -56,7 +71,7 @@ async def machines(
     limit: int = PAGE_SIZE,
 ) -> Html:
     """The machines list: state counts (filter links), a page of machines."""
-    rows, counts = await overview.machines_page(
+    rows, counts, installs = await overview.machines_page(
         conn, limit=limit + 1, state=state, provider=provider, after=after
     )
     more = len(rows) > limit
@@ -73,6 +88,15 @@ async def machines(
                 url("/machines", {"state": s, "provider": provider}),
                 f"{s} ({counts[s]})",
                 **_on(state == s),
+            )
+        )
+    filt.append(Html("<br>install: "))
+    for i in InstallState:
+        filt.append(
+            link(
+                url("/machines", {"state": i, "provider": provider}),
+                f"{i} ({installs[i]})",
+                **_on(state == i),
             )
         )
     filt.append(Html("<br>provider: "))
@@ -100,8 +124,8 @@ async def machines(
 
 
 _MACHINE_COLUMNS = (
-    "machine", "state", "provider", "provider id", "address", "heartbeat", "work",
-    "backoff ends", "cause",
+    "machine", "state", "install", "node", "provider", "provider id", "address", "heartbeat",
+    "work", "backoff ends", "cause",
 )  # fmt: skip
 
 
@@ -113,6 +137,8 @@ def _machine_row(m: MachineState, now: datetime.datetime) -> tuple[object, ...]:
     return (
         _machine_link(m.machine_id),
         _state(m.state),
+        _install(m.install_state, m.install_generation),
+        node_link(m.node_id) if m.node_id else "-",
         m.provider or "-",
         m.provider_id or "-",
         m.address or "-",
@@ -132,6 +158,7 @@ async def machine(conn: Connection, machine_id: str) -> Html:
     tags = fields(
         [
             ("state", _state(m.state)),
+            ("install", _install(m.install_state, m.install_generation)),
             ("created", ago(m.created_at, now)),
             ("provider", m.provider or "-"),
             ("provider id", m.provider_id or "-"),
@@ -145,8 +172,6 @@ async def machine(conn: Connection, machine_id: str) -> Html:
                 "hardware report",
                 f"{d.hardware_report_bytes} bytes" if d.hardware_report_bytes is not None else "-",
             ),
-            ("OS installation request", _gen(d.os_installation_request_generation)),
-            ("OS installation report", _gen(d.os_installation_report_generation)),
             ("SSH host key", d.ssh_host_key.hex() if d.ssh_host_key else "-"),
             ("SSH host key first seen", ago(d.ssh_host_key_first_seen, now)),
             ("last failure", ago(m.failed_at, now)),
@@ -181,7 +206,8 @@ async def machine(conn: Connection, machine_id: str) -> Html:
         empty="no history",
     )
     body = Html(
-        f"{tags}<h2>Work</h2>{work}<h2>Backoff</h2>{backoffs}"
+        f"{tags}<h2>OS installation</h2>{_installation(d.installation, now)}"
+        f"<h2>Work</h2>{work}<h2>Backoff</h2>{backoffs}"
         f"<h2>History ({len(d.history)})</h2>{history}{machine_section(d)}"
     )
     return page(f"Machine {m.machine_id}", body)
@@ -193,6 +219,46 @@ def duration_left(until: datetime.datetime, now: datetime.datetime) -> str:
 
 def _gen(n: int | None) -> str:
     return "-" if n is None else f"generation {n}"
+
+
+def _installation(i: OSInstallation | None, now: datetime.datetime) -> Html:
+    """The request of the current generation and the report on it; the
+    installed node links to its page in the cluster views."""
+    if i is None:
+        return Html('<p class="dim">never asked to install an OS</p>')
+    items: list[tuple[str, object]] = [
+        ("state", _install(i.state, i.generation)),
+        ("generation", i.generation),
+        ("requested", ago(i.requested_at, now)),
+        ("root device", i.root_device or "-"),
+        ("image", i.image_digest or "-"),
+        ("node address", i.node_address or "-"),
+    ]
+    if i.reported:
+        items += [
+            ("reported", ago(i.reported_at, now)),
+            (
+                "outcome",
+                "success" if i.success else Html('<span class="state-failed">error</span>'),
+            ),
+        ]
+        if i.success:
+            node = i.node_id
+            items.append(("node", node_link(node) if node else "- (no key reported)"))
+            if i.node_public_key is not None:
+                items.append(
+                    (
+                        "node public key",
+                        Html(f'<span class="mono">{esc(i.node_public_key.hex())}</span>'),
+                    )
+                )
+        else:
+            items.append(("cause", Html(f'<span class="state-failed">{esc(i.cause)}</span>')))
+    else:
+        items.append(
+            ("last report", _gen(i.report_generation) if i.report_generation else "none yet")
+        )
+    return fields(items)
 
 
 def _event(event: WorkEvent) -> Html:

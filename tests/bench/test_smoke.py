@@ -44,6 +44,7 @@ PRINTS = {
     "grant_trace": "median ratio",
     "heartbeat": "ratio full/bare:",
     "initializer": "machines/min",
+    "install": "by hand / product (time ratio)",
     "provisioner": "reconcile",
     "rpc": "metropolis.rpc (h2 on Trio)",
     "startup_trace": "--- medians over",

@@ -1,5 +1,7 @@
 """The web UI's cluster pages against a real node (an OS process with its etcd),
-in a real browser; the node's debug service refuses all but the owner.
+in a real browser; the node's debug service refuses all but the owner. A
+BMDB machine whose install report carries the node's key links to the
+node's page, and the node's pages link back to it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from metropolis.roleserve import disk
 from metropolis.rpc import Endpoint, RPCError, Status, client_context, methods, open_client
 from tests.metropolis.test_node_cli import LEADS, NodeProcess, bootstrap_args, node
 from tests.operators.browser import Chromium
+from tests.operators.populate import populate_installs
 
 #: Generous: a node's bootstrap and the browser share two cores with
 #: other tests (one run under a load of 10 took over 120 s).
@@ -54,7 +57,12 @@ async def test_nodes_leader_and_supervision_tree_in_a_browser_then_curator_gone(
     with trio.fail_after(BOUND):
         async with node(*bootstrap_args(tmp_path)) as proc, trio.open_nursery() as nursery:
             await _running_node(proc)
-            node_id = identity.NodeCredentials.load(root.data.node_credentials).node_id
+            credentials = identity.NodeCredentials.load(root.data.node_credentials)
+            node_id = credentials.node_id
+            # As if this node had been installed on a machine of the fleet:
+            # that machine's agent reported the node's key.
+            installs = await populate_installs(bmdb_conn, credentials.public_key)
+            machine = str(installs.installed)
             view = ClusterView(load_owner(root, load_owner_key(tmp_path / "owner.pem")))
             urls = await nursery.start(
                 functools.partial(serve, bmdb_conn, "127.0.0.1:0", cluster=view)
@@ -68,9 +76,20 @@ async def test_nodes_leader_and_supervision_tree_in_a_browser_then_curator_gone(
                 await page.wait_for_url("**/cluster")
                 rows = await _cells(page)
                 assert [r[0] for r in rows] == [node_id]
-                _, address, state, roles, curator, *_ = rows[0]
+                _, listed_machine, address, state, roles, curator, *_ = rows[0]
                 assert (address, state, curator) == ("127.0.0.1", "UP", "leader")
                 assert "ConsensusMember" in roles and "KubernetesController" in roles
+                assert listed_machine == machine
+                await page.get_by_role("link", name=node_id).click()
+                await page.wait_for_url(f"**/cluster/node/{node_id}")
+                node_fields = await page.inner_text("table.fields")
+                assert "curator\tleader" in node_fields
+                assert f"machine\t{machine}" in node_fields
+                # Node -> machine -> node: both pages link to each other.
+                await page.get_by_role("link", name=machine).click()
+                await page.wait_for_url(f"**/machine/{machine}")
+                install = await page.inner_text("h2:has-text('OS installation') + table")
+                assert f"node\t{node_id}" in install
                 await page.get_by_role("link", name=node_id).click()
                 await page.wait_for_url(f"**/cluster/node/{node_id}")
                 assert "curator\tleader" in await page.inner_text("table.fields")
