@@ -177,8 +177,13 @@ def loopback_addresses(count: int, first: int = 2) -> list[str]:
     return [str(ipaddress.IPv4Address(base + i)) for i in range(count)]
 
 
-def _make_roots(directory: Path, count: int) -> list[Path]:
-    roots = [directory / f"machine-{i:04d}" for i in range(count)]
+def machine_root(directory: Path, index: int, prefix: str = "machine-") -> Path:
+    """The root folder of machine ``index`` of a fleet in ``directory``."""
+    return directory / f"{prefix}{index:04d}"
+
+
+def _make_roots(directory: Path, count: int, prefix: str) -> list[Path]:
+    roots = [machine_root(directory, i, prefix) for i in range(count)]
     for root in roots:
         (root / DISK).mkdir(parents=True, exist_ok=True)
     return roots
@@ -190,8 +195,9 @@ async def _start(
     authorized_key: str,
     hosts: list[str] | None = None,
     port: int = 0,
+    prefix: str = "machine-",
 ) -> Fleet:
-    roots = _make_roots(directory, count)
+    roots = _make_roots(directory, count, prefix)
     hosts = hosts or loopback_addresses(count)
     return Fleet(
         [
@@ -282,6 +288,7 @@ async def open_fleet(
     authorized_key: str,
     hosts: list[str] | None = None,
     port: int = 0,
+    prefix: str = "machine-",
 ) -> AsyncIterator[Fleet]:
     """Serve ``count`` machines under ``directory`` for the duration of the block.
 
@@ -293,9 +300,13 @@ async def open_fleet(
     of them. With ``hosts`` (one loopback address per machine) and
     ``port``, they all listen on the same port of their addresses, as real
     machines do on port 22 (a provider that only knows addresses, like
-    Equinix, can then reach them).
+    Equinix, can then reach them). Machine i's root is
+    ``directory/<prefix><i, 4 digits>`` (`machine_root`): a shorter
+    ``prefix`` keeps the UNIX socket paths of the nodes installed there short.
     """
-    fleet = await trio_asyncio.aio_as_trio(_start)(directory, count, authorized_key, hosts, port)
+    fleet = await trio_asyncio.aio_as_trio(_start)(
+        directory, count, authorized_key, hosts, port, prefix
+    )
     try:
         yield fleet
     finally:
