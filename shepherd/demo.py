@@ -268,27 +268,29 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def longest_socket_path(workdir: Path, machines: int) -> Path:
-    """The longest UNIX socket path the demo in ``workdir`` makes: the etcd
-    client socket of a node installed on the last machine's disk (deeper
-    than the first node's, and than PostgreSQL's)."""
-    disk = machine_root(workdir / MACHINES_DIR, max(machines - 1, 0), prefix="") / DISK
-    candidates = [
-        Root(disk / NODE_ROOT).ephemeral.consensus / SOCKET_NAME,
-        Root(workdir / FIRST_DIR).ephemeral.consensus / SOCKET_NAME,
-        workdir / "postgres" / "socket" / ".s.PGSQL.65535",
-    ]
+def longest_socket_path(workdir: Path, machines: int, *, nodes: bool = True) -> Path:
+    """The longest UNIX socket path the demo in ``workdir`` makes: with
+    ``nodes``, the etcd client socket of a node installed on the last
+    machine's disk (deeper than the first node's); without, PostgreSQL's."""
+    candidates = [workdir / "postgres" / "socket" / ".s.PGSQL.65535"]
+    if nodes:
+        disk = machine_root(workdir / MACHINES_DIR, max(machines - 1, 0), prefix="") / DISK
+        candidates += [
+            Root(disk / NODE_ROOT).ephemeral.consensus / SOCKET_NAME,
+            Root(workdir / FIRST_DIR).ephemeral.consensus / SOCKET_NAME,
+        ]
     return max(candidates, key=lambda p: len(os.fsencode(p)))
 
 
-def check_workdir_length(workdir: Path, machines: int) -> None:
+def check_workdir_length(workdir: Path, machines: int, *, nodes: bool = True) -> None:
     """`WorkdirError` if a socket path under ``workdir`` would be too long."""
-    path = longest_socket_path(workdir, machines)
+    path = longest_socket_path(workdir, machines, nodes=nodes)
     size = len(os.fsencode(path))
     if size > MAX_SOCKET_PATH:
+        what = "a node's etcd socket" if nodes else "PostgreSQL's socket"
         raise WorkdirError(
-            f"--workdir {workdir}: too long by {size - MAX_SOCKET_PATH} bytes: a node's etcd "
-            f"socket would be {path} ({size} bytes; a UNIX socket path has at most "
+            f"--workdir {workdir}: too long by {size - MAX_SOCKET_PATH} bytes: {what} "
+            f"would be {path} ({size} bytes; a UNIX socket path has at most "
             f"{MAX_SOCKET_PATH})"
         )
 
@@ -908,7 +910,7 @@ def final_table(seen: _Path, by_id: dict[str, FleetMachine], expected: dict[str,
 
     by_address = {row.address: row for row in seen.nodes.values()}
     rows.append(
-        ("(first node)", FIRST_NODE_ADDRESS, *node_columns(by_address.get(FIRST_NODE_ADDRESS)))
+        ("first-node", FIRST_NODE_ADDRESS, *node_columns(by_address.get(FIRST_NODE_ADDRESS)))
     )
     outcome = {o.provider_id: o for o in seen.results}
     for provider_id, machine in by_id.items():
@@ -994,6 +996,12 @@ async def _reap(workdir: Path) -> None:
     folders (agents, nodes, their etcd); SIGKILL what is left after
     `STOP_GRACE` seconds. The caller shields it."""
     folders = [workdir / MACHINES_DIR, workdir / BROKEN_DIR, workdir / FIRST_DIR]
+    # Again: an agent stopped mid-install may have started its node after
+    # the first round of stops.
+    for agent in (workdir / MACHINES_DIR).glob("*/root/agent"):
+        stop_agent(agent)
+    for disk in (workdir / MACHINES_DIR).glob(f"*/{DISK}"):
+        stop_node(disk)
 
     def left() -> list[int]:
         return [pid for folder in folders for pid in processes_under(folder)]
@@ -1087,13 +1095,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("asyncssh").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         if args.workdir is not None:  # refused before anything is created
-            check_workdir_length(args.workdir.absolute(), args.machines)
+            check_workdir_length(
+                args.workdir.absolute(), args.machines, nodes=not args.takeover_only
+            )
         workdir = Workdir.prepare(args.workdir)
     except (WorkdirError, OSError) as exc:
         sys.stderr.write(f"shepherd.demo: {exc}\n")
         return 2
     try:
-        check_workdir_length(workdir.path, args.machines)
+        check_workdir_length(workdir.path, args.machines, nodes=not args.takeover_only)
     except WorkdirError as exc:
         workdir.remove()
         sys.stderr.write(f"shepherd.demo: {exc} (TMPDIR is too long: give --workdir)\n")
