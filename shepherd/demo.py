@@ -552,7 +552,15 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
         trio.current_time() - started,
     )
     if not finished:
-        logger.error("gave up after %.0f s: not every machine reached its outcome", options.timeout)
+        if trio.current_time() >= deadline:
+            logger.error(
+                "gave up after %.0f s (--timeout): not every machine reached its outcome",
+                options.timeout,
+            )
+        else:
+            logger.error(
+                "stopped early: a step failed (above), not every machine reached its outcome"
+            )
     return finished
 
 
@@ -783,7 +791,15 @@ async def _steps(
         # Polling: the state lives in other processes.
         while not await _votes(first, row, seen, progress):  # noqa: ASYNC110
             await trio.sleep(0.5)
-    return all(_healthy(seen.nodes.get(m.address)) for m in seen.machines.values())
+    # Every node healthy at once: a heartbeat may be missed while curators
+    # start on the new members.
+    while True:
+        seen.nodes = await _nodes(first, seen.nodes)
+        for node in seen.nodes.values():
+            progress.show(f"node {node.node_id} ({node.address or '-'})", _node_state(node))
+        if all(_healthy(seen.nodes.get(m.address)) for m in seen.machines.values()):
+            return True
+        await trio.sleep(0.5)
 
 
 #: Waits after a refused role change (etcd busy with the last new member).
