@@ -536,7 +536,6 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
                         deadline,
                         image,
                         image_ready,
-                        images_dir=cache_dir(image_cache, options.etcd),
                     )
                     table = final_table(seen, dict(zip(ids, machines, strict=True)), expected)
         finally:
@@ -548,7 +547,7 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
 
     sys.stdout.write(table + "\n")
     logger.info(
-        "the run took %.1f s; stopping everything",
+        "the run took %.1f s",
         trio.current_time() - started,
     )
     if not finished:
@@ -700,7 +699,6 @@ async def _whole_path(
     deadline: float,
     image: list[Path],
     image_ready: trio.Event,
-    images_dir: Path,
 ) -> tuple[bool, _Path]:
     """Takeover, install, approval, roles, bounded by ``deadline``: whether
     every machine ended as expected, and what was seen."""
@@ -718,7 +716,6 @@ async def _whole_path(
                 progress,
                 image,
                 image_ready,
-                images_dir,
                 seen,
             )
         servers.cancel_scope.cancel()
@@ -737,7 +734,6 @@ async def _steps(
     progress: Progress,
     image: list[Path],
     image_ready: trio.Event,
-    images_dir: Path,
     seen: _Path,
 ) -> bool:
     taken_over, seen.results = await _watch(conn, options, expected, progress)
@@ -746,7 +742,7 @@ async def _steps(
     if not image_ready.is_set():
         logger.info("progress: waiting for the node image")
     await image_ready.wait()
-    images = await nursery.start(serve_images, ImageServerConfig("127.0.0.1:0", images_dir))
+    images = await nursery.start(serve_images, ImageServerConfig("127.0.0.1:0", image[0].parent))
     digest = "sha256:" + image[0].name.removesuffix(IMAGE_SUFFIX)
     plan = await _plan(first, images, digest)
     await check_image(plan.image, ssl.create_default_context())

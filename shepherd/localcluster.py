@@ -118,14 +118,18 @@ async def open_first_node(
     log: Path,
     *,
     ready_within: float = 60.0,
-    status_interval: float = 1.0,
 ) -> AsyncIterator[FirstNode]:
-    """Bootstrap a cluster with a node on ``address``; stop it on the way out."""
+    """Bootstrap a cluster with a node on ``address``; stop it on the way out.
+
+    The node keeps its default status interval: the cluster's heartbeat
+    timeout follows it (twice that), and nodes an agent installs push at
+    the default interval; a shorter one here would time them out between
+    two of their pushes.
+    """
     argv = [
         *(sys.executable, "-m", "metropolis", "node", "bootstrap"),
         *("--root", str(root), "--address", address),
         *("--owner-key-out", str(owner_key), "--insecure-seal"),
-        *("--status-interval", f"{status_interval:g}"),
     ]
     with log.open("ab") as out:
         process = await trio.lowlevel.open_process(
