@@ -72,6 +72,11 @@ class FleetMachine:
     #: wait for a child's exit runs in a thread that reports to the Trio run
     #: (trio_asyncio), and must not outlive it.
     _children: set[asyncio.subprocess.Process] = field(default_factory=set, repr=False)
+    #: Commands being spawned now: the fleet waits for them too, so that
+    #: one spawned while it stops is in ``_children`` before it reaps them.
+    _spawning: set[asyncio.Future[asyncio.subprocess.Process]] = field(
+        default_factory=set, repr=False
+    )
     #: Set once the fleet stops: no command starts after that.
     _stopping: bool = field(default=False, repr=False)
 
@@ -107,21 +112,23 @@ async def _run_command(machine: FleetMachine, process: asyncssh.SSHServerProcess
         process.exit(255)
         return
     machine.execs += 1
-    try:
-        child = await asyncio.create_subprocess_exec(
+    spawn = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(
             *argv,
             cwd=machine.root,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
+    )
+    machine._spawning.add(spawn)
+    spawn.add_done_callback(lambda done: _spawned(machine, done))
+    try:
+        child = await asyncio.shield(spawn)
     except OSError as exc:
         process.stderr.write(f"{argv[0]}: {exc.strerror}\n".encode())
         process.exit(127)
         return
-    machine._children.add(child)
-    child_exited = asyncio.ensure_future(child.wait())
-    child_exited.add_done_callback(lambda _: machine._children.discard(child))
     communicate = asyncio.ensure_future(child.communicate(stdin))
     closed = asyncio.ensure_future(process.wait_closed())
     await asyncio.wait({communicate, closed}, return_when=asyncio.FIRST_COMPLETED)
@@ -137,6 +144,18 @@ async def _run_command(machine: FleetMachine, process: asyncssh.SSHServerProcess
         machine.killed += 1
         child.kill()
         await communicate
+
+
+def _spawned(machine: FleetMachine, spawn: asyncio.Future[asyncio.subprocess.Process]) -> None:
+    """Track a spawned command until it exits (whether or not the session
+    that asked for it is still there)."""
+    machine._spawning.discard(spawn)
+    if spawn.cancelled() or spawn.exception() is not None:
+        return
+    child = spawn.result()
+    machine._children.add(child)
+    child_exited = asyncio.ensure_future(child.wait())
+    child_exited.add_done_callback(lambda _: machine._children.discard(child))
 
 
 async def _start_machine(
@@ -263,7 +282,10 @@ async def _stop(fleet: Fleet) -> None:
             machine._acceptor.close()
             await machine._acceptor.wait_closed()
         # A command still running (one a Ctrl-C to the process group did
-        # not end yet) is killed and reaped here, inside the loop.
+        # not end yet) is killed and reaped here, inside the loop; one
+        # being spawned first becomes one of them.
+        if machine._spawning:
+            await asyncio.wait(set(machine._spawning))
         for child in list(machine._children):
             with contextlib.suppress(ProcessLookupError):
                 child.kill()
