@@ -20,6 +20,8 @@
     │                              one machine (recorded as a failed work)
     ├── RateSyntaxError            shepherd.rate_limit: a bad rate (also a ValueError)
     ├── LocalSshdError             shepherd.localsshd: the local sshd did not start
+    ├── LocalClusterError          shepherd.localcluster: the local first node failed
+    ├── DemoFailed                 shepherd.demo: a step of the demo failed
     └── WorkdirError               shepherd.demo: the demo's folder is unusable
 
 BMDB errors (`bmdb.errors.BMDBError`) pass through the Shepherd unchanged:

@@ -72,6 +72,11 @@ class FleetMachine:
     #: wait for a child's exit runs in a thread that reports to the Trio run
     #: (trio_asyncio), and must not outlive it.
     _children: set[asyncio.subprocess.Process] = field(default_factory=set, repr=False)
+    #: Commands being spawned now: the fleet waits for them too, so that
+    #: one spawned while it stops is in ``_children`` before it reaps them.
+    _spawning: set[asyncio.Future[asyncio.subprocess.Process]] = field(
+        default_factory=set, repr=False
+    )
     #: Set once the fleet stops: no command starts after that.
     _stopping: bool = field(default=False, repr=False)
 
@@ -107,21 +112,23 @@ async def _run_command(machine: FleetMachine, process: asyncssh.SSHServerProcess
         process.exit(255)
         return
     machine.execs += 1
-    try:
-        child = await asyncio.create_subprocess_exec(
+    spawn = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(
             *argv,
             cwd=machine.root,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
+    )
+    machine._spawning.add(spawn)
+    spawn.add_done_callback(lambda done: _spawned(machine, done))
+    try:
+        child = await asyncio.shield(spawn)
     except OSError as exc:
         process.stderr.write(f"{argv[0]}: {exc.strerror}\n".encode())
         process.exit(127)
         return
-    machine._children.add(child)
-    child_exited = asyncio.ensure_future(child.wait())
-    child_exited.add_done_callback(lambda _: machine._children.discard(child))
     communicate = asyncio.ensure_future(child.communicate(stdin))
     closed = asyncio.ensure_future(process.wait_closed())
     await asyncio.wait({communicate, closed}, return_when=asyncio.FIRST_COMPLETED)
@@ -137,6 +144,18 @@ async def _run_command(machine: FleetMachine, process: asyncssh.SSHServerProcess
         machine.killed += 1
         child.kill()
         await communicate
+
+
+def _spawned(machine: FleetMachine, spawn: asyncio.Future[asyncio.subprocess.Process]) -> None:
+    """Track a spawned command until it exits (whether or not the session
+    that asked for it is still there)."""
+    machine._spawning.discard(spawn)
+    if spawn.cancelled() or spawn.exception() is not None:
+        return
+    child = spawn.result()
+    machine._children.add(child)
+    child_exited = asyncio.ensure_future(child.wait())
+    child_exited.add_done_callback(lambda _: machine._children.discard(child))
 
 
 async def _start_machine(
@@ -177,8 +196,13 @@ def loopback_addresses(count: int, first: int = 2) -> list[str]:
     return [str(ipaddress.IPv4Address(base + i)) for i in range(count)]
 
 
-def _make_roots(directory: Path, count: int) -> list[Path]:
-    roots = [directory / f"machine-{i:04d}" for i in range(count)]
+def machine_root(directory: Path, index: int, prefix: str = "machine-") -> Path:
+    """The root folder of machine ``index`` of a fleet in ``directory``."""
+    return directory / f"{prefix}{index:04d}"
+
+
+def _make_roots(directory: Path, count: int, prefix: str) -> list[Path]:
+    roots = [machine_root(directory, i, prefix) for i in range(count)]
     for root in roots:
         (root / DISK).mkdir(parents=True, exist_ok=True)
     return roots
@@ -190,8 +214,9 @@ async def _start(
     authorized_key: str,
     hosts: list[str] | None = None,
     port: int = 0,
+    prefix: str = "machine-",
 ) -> Fleet:
-    roots = _make_roots(directory, count)
+    roots = _make_roots(directory, count, prefix)
     hosts = hosts or loopback_addresses(count)
     return Fleet(
         [
@@ -257,7 +282,10 @@ async def _stop(fleet: Fleet) -> None:
             machine._acceptor.close()
             await machine._acceptor.wait_closed()
         # A command still running (one a Ctrl-C to the process group did
-        # not end yet) is killed and reaped here, inside the loop.
+        # not end yet) is killed and reaped here, inside the loop; one
+        # being spawned first becomes one of them.
+        if machine._spawning:
+            await asyncio.wait(set(machine._spawning))
         for child in list(machine._children):
             with contextlib.suppress(ProcessLookupError):
                 child.kill()
@@ -282,6 +310,7 @@ async def open_fleet(
     authorized_key: str,
     hosts: list[str] | None = None,
     port: int = 0,
+    prefix: str = "machine-",
 ) -> AsyncIterator[Fleet]:
     """Serve ``count`` machines under ``directory`` for the duration of the block.
 
@@ -293,9 +322,13 @@ async def open_fleet(
     of them. With ``hosts`` (one loopback address per machine) and
     ``port``, they all listen on the same port of their addresses, as real
     machines do on port 22 (a provider that only knows addresses, like
-    Equinix, can then reach them).
+    Equinix, can then reach them). Machine i's root is
+    ``directory/<prefix><i, 4 digits>`` (`machine_root`): a shorter
+    ``prefix`` keeps the UNIX socket paths of the nodes installed there short.
     """
-    fleet = await trio_asyncio.aio_as_trio(_start)(directory, count, authorized_key, hosts, port)
+    fleet = await trio_asyncio.aio_as_trio(_start)(
+        directory, count, authorized_key, hosts, port, prefix
+    )
     try:
         yield fleet
     finally:

@@ -282,6 +282,15 @@ def test_ipv6_peer_address_gets_an_ip_san() -> None:
     assert sans.get_values_for_type(x509.DNSName) == [identity.node_id(key)]
 
 
+def test_a_loopback_peer_address_also_names_the_loopback_source() -> None:
+    """A bootstrapped node on 127.0.1.1 dials its peers from 127.0.0.1, the
+    address etcd checks its certificate against."""
+    assert peerpki.peer_hosts("127.0.1.1:7834") == ["127.0.1.1", "127.0.0.1"]
+    assert peerpki.peer_hosts("127.0.0.1:7834") == ["127.0.0.1"]
+    assert peerpki.peer_hosts("192.0.2.10:7834") == ["192.0.2.10"]
+    assert peerpki.peer_hosts("node.example:7834") == ["node.example"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 async def test_a_killed_etcd_is_restarted_on_same_data(tmp_path: Path, sig: signal.Signals) -> None:
     """A crash, or a stop nobody here asked for (an operator's SIGTERM: etcd

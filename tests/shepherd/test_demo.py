@@ -1,4 +1,10 @@
-"""The demo that the README runs: a real private Postgres, real SSH machines, the real agent."""
+"""The demo that the README runs: a real private Postgres, real SSH machines, the
+real agent, the real node image installed, a real cluster.
+
+Most tests use ``--takeover-only`` (seconds); one runs the whole path and
+checks the final table; the Ctrl-C tests interrupt the takeover and the
+install. They use the fixed loopback addresses (127.0.0.2-N, 127.0.1.1).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+
+from shepherd.demo import (
+    MACHINES_DIR,
+    MAX_SOCKET_PATH,
+    WorkdirError,
+    check_workdir_length,
+    longest_socket_path,
+)
+from tests.fixtures.image import IMAGE_CACHE
 
 
 def run_demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -43,9 +59,27 @@ def wait_gone(pid: int) -> bool:
     return False
 
 
+def processes_under(folder: Path) -> list[str]:
+    """Command lines of running processes that name a path under ``folder``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path("/proc", pid, "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(folder).encode() in cmdline:
+            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
 def test_demo_takes_over_good_machines_and_fails_broken_ones(traversable_dir: Path) -> None:
     workdir = traversable_dir / "demo"
-    result = run_demo("--machines", "4", "--broken", "1", "--workdir", str(workdir), "--keep")
+    result = run_demo(
+        *("--machines", "4", "--broken", "1", "--takeover-only"),
+        *("--workdir", str(workdir), "--keep"),
+    )
     assert result.returncode == 0, result.stderr
     table = result.stdout.splitlines()
     assert table[0].split() == ["MACHINE", "ADDRESS", "OUTCOME"]
@@ -61,12 +95,144 @@ def test_demo_takes_over_good_machines_and_fails_broken_ones(traversable_dir: Pa
     assert listed.count("[[machine]]") == 4 and "demo-003" in listed
     assert listed.count("# Machines of the demo fleet") == 1
     assert (workdir / "shepherd_ed25519").exists()
-    assert len(list((workdir / "fleet").glob("*/root/agent"))) == 3
+    assert len(list((workdir / MACHINES_DIR).glob("*/root/agent"))) == 3
     # The agents the demo started are stopped with it.
-    for target in (workdir / "fleet").glob("*/root/agent"):
+    for target in (workdir / MACHINES_DIR).glob("*/root/agent"):
         pid = int(target.with_name("agent.pid").read_text())
         assert wait_gone(pid), f"agent {pid} still runs after the demo"
     assert "progress:" in result.stderr
+
+
+INTERRUPTED = (
+    "shepherd.demo: interrupted; the nodes, the fleet, the Shepherd and PostgreSQL stopped"
+)
+
+
+def test_the_whole_path_ends_with_healthy_nodes_two_of_them_consensus_members(
+    traversable_dir: Path, node_image: Path
+) -> None:
+    """Takeover (one machine refuses our key), a first node, the install on
+    the three others, approval, ConsensusMember for two: the final table
+    shows every node healthy; the web UI answered meanwhile; nothing of the
+    demo runs afterwards, and its folder is gone."""
+    workdir = traversable_dir / "demo"
+    demo = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "shepherd.demo", "--machines", "4", "--broken", "1"),
+            *("--workdir", str(workdir), "--web", "127.0.0.1:0"),
+            # The session's image (tests/fixtures/image.py): no build here.
+            *("--image-cache", str(IMAGE_CACHE)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert demo.stderr is not None and demo.stdout is not None
+        log: list[str] = []
+        page = None
+        for line in demo.stderr:
+            log.append(line)
+            if "progress: web UI: http://" in line and page is None:
+                url = line.split("progress: web UI: ", 1)[1].split()[0]
+                page = httpx.get(url, timeout=30)
+        out = demo.stdout.read()
+        returncode = demo.wait(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    stderr = "".join(log)
+    assert returncode == 0, stderr
+    assert page is not None and page.status_code == 200, stderr
+    assert "reusing the cached build" in stderr
+    table = out.splitlines()
+    assert table[0].split() == ["MACHINE", "ADDRESS", "NODE", "ROLES", "HEALTH"]
+    rows = {line.split()[0]: line.split(maxsplit=4) for line in table[1:]}
+    assert sorted(rows) == ["demo-000", "demo-001", "demo-002", "demo-003", "first-node"]
+    first = rows["first-node"]
+    assert first[1] == "127.0.1.1" and first[2].startswith("metropolis-")
+    installed = [rows[m] for m in ("demo-000", "demo-001", "demo-002")]
+    assert [r[1] for r in installed] == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    ids = [r[2] for r in installed]
+    assert all(i.startswith("metropolis-") for i in ids) and len(set(ids)) == 3
+    assert all(r[4] == "HEALTHY" for r in installed), out
+    assert [r[3] for r in installed] == ["ConsensusMember", "ConsensusMember", "-"], out
+    assert "ConsensusMember" in first[3] and first[4] == "HEALTHY", out
+    # Each node's id is the key its agent reported, as the install wrote it.
+    assert f"node {ids[0]}" in stderr and "approved " + ids[0] in stderr
+    broken = rows["demo-003"]
+    assert broken[1:4] == ["127.0.0.5", "-", "-"]
+    assert "no node: not taken over" in broken[4] and "refused our key" in broken[4]
+    assert "progress: etcd member " + ids[1] + ": voter" in stderr
+    assert not workdir.exists()
+    assert processes_under(workdir) == []
+
+
+def test_ctrl_c_during_the_install_stops_the_nodes_too(
+    traversable_dir: Path, node_image: Path
+) -> None:
+    workdir = traversable_dir / "demo"
+    demo = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "shepherd.demo", "--machines", "2", "--broken", "0"),
+            *("--workdir", str(workdir), "--image-cache", str(IMAGE_CACHE)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    try:
+        assert demo.stderr is not None
+        for line in demo.stderr:  # interrupt once an agent installs
+            if "installation 1 succeeded" in line:
+                break
+        postmaster = workdir / "postgres" / "data" / "postmaster.pid"
+        postgres_pid = int(postmaster.read_text().split()[0])
+        os.killpg(demo.pid, 2)
+        rest = demo.stderr.read()
+        returncode = demo.wait(timeout=90)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert returncode == 130, rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+    assert rest.strip().splitlines()[-1] == INTERRUPTED
+    assert wait_gone(postgres_pid), "PostgreSQL still runs after the demo"
+    assert processes_under(workdir) == []
+    assert not workdir.exists()
+
+
+def test_the_default_workdir_leaves_room_in_the_longest_socket_path() -> None:
+    default = Path(tempfile.gettempdir(), "shepherd-demo-abcdefgh")  # as mkdtemp names it
+    path = longest_socket_path(default, 5)
+    assert path == (
+        default
+        / MACHINES_DIR
+        / "0004/root/disks/disk0/metropolis/ephemeral/consensus"
+        / "client.sock:0"
+    )
+    assert len(os.fsencode(path)) <= MAX_SOCKET_PATH - 10
+    check_workdir_length(default, 5)
+
+
+def test_a_workdir_at_the_limit_is_taken_and_one_byte_more_refused() -> None:
+    base = Path("/tmp/x")
+    spare = MAX_SOCKET_PATH - len(os.fsencode(longest_socket_path(base, 3)))
+    check_workdir_length(Path("/tmp/x" + "y" * spare), 3)
+    with pytest.raises(WorkdirError, match="too long by 1 bytes"):
+        check_workdir_length(Path("/tmp/x" + "y" * (spare + 1)), 3)
+
+
+def test_demo_refuses_a_too_long_workdir_before_creating_anything(traversable_dir: Path) -> None:
+    workdir = traversable_dir / ("long-" * 12) / "demo"
+    result = run_demo("--workdir", str(workdir))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "too long by" in lines[0] and "client.sock:0" in lines[0], lines
+    assert list(traversable_dir.iterdir()) == []
 
 
 def test_demo_rejects_bad_flags() -> None:
@@ -88,7 +254,7 @@ def test_demo_without_postgres_binaries_says_what_to_install(tmp_path: Path) -> 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root hands the server to another user")
 def test_demo_in_a_folder_postgres_cannot_enter_is_a_clear_error(tmp_path: Path) -> None:
     tmp_path.chmod(0o700)
-    result = run_demo("--workdir", str(tmp_path / "inner" / "demo"))
+    result = run_demo("--takeover-only", "--workdir", str(tmp_path / "inner" / "demo"))
     assert result.returncode == 1
     assert "cannot enter" in result.stderr
     assert "Traceback" not in result.stderr
@@ -118,7 +284,9 @@ def test_demo_refuses_a_workdir_that_is_a_file(traversable_dir: Path) -> None:
 
 def test_demo_in_an_empty_workdir_keeps_the_folder_and_its_mode(traversable_dir: Path) -> None:
     traversable_dir.chmod(0o755)
-    result = run_demo("--machines", "1", "--broken", "0", "--workdir", str(traversable_dir))
+    result = run_demo(
+        "--machines", "1", "--broken", "0", "--takeover-only", "--workdir", str(traversable_dir)
+    )
     assert result.returncode == 0, result.stderr
     assert traversable_dir.is_dir()
     assert list(traversable_dir.iterdir()) == []
@@ -127,7 +295,9 @@ def test_demo_in_an_empty_workdir_keeps_the_folder_and_its_mode(traversable_dir:
 
 def test_demo_removes_the_folders_it_created_and_no_more(traversable_dir: Path) -> None:
     workdir = traversable_dir / "new" / "demo"
-    result = run_demo("--machines", "1", "--broken", "0", "--workdir", str(workdir))
+    result = run_demo(
+        "--machines", "1", "--broken", "0", "--takeover-only", "--workdir", str(workdir)
+    )
     assert result.returncode == 0, result.stderr
     assert traversable_dir.is_dir()
     assert list(traversable_dir.iterdir()) == []
@@ -142,7 +312,10 @@ def test_ctrl_c_ends_the_demo_with_one_line_and_leaves_nothing_running(
     there, it would cut the Shepherd off while it closes its sessions."""
     workdir = traversable_dir / "demo"
     demo = subprocess.Popen(
-        [sys.executable, "-m", "shepherd.demo", "--machines", "40", "--workdir", str(workdir)],
+        [
+            *(sys.executable, "-m", "shepherd.demo", "--machines", "40", "--takeover-only"),
+            *("--workdir", str(workdir)),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -165,8 +338,7 @@ def test_ctrl_c_ends_the_demo_with_one_line_and_leaves_nothing_running(
     assert returncode == 130, rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
     assert "could not delete" not in rest, rest
-    assert rest.strip().splitlines()[-1] == (
-        "shepherd.demo: interrupted; the fleet, the Shepherd and PostgreSQL stopped"
-    )
+    assert rest.strip().splitlines()[-1] == INTERRUPTED
     assert wait_gone(postgres_pid), "PostgreSQL still runs after the demo"
     assert not workdir.exists()
+    assert processes_under(workdir) == []
