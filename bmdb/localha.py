@@ -43,6 +43,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -57,7 +58,7 @@ from bmdb.connection import migrate
 from bmdb.localserver import TEMPLATE_DB, LocalPostgresError, find_postgres_bin
 from common.net import free_loopback_port
 
-__all__ = ["LocalPatroni", "Member", "find_patroni", "start_with_template"]
+__all__ = ["LocalPatroni", "Member", "find_patroni", "main", "start_with_template"]
 
 #: Seconds allowed for the cluster to come up (initdb, two base backups).
 _START_TIMEOUT = 120.0
@@ -369,7 +370,7 @@ class LocalPatroni:
                 members = []
             roles = sorted(m.get("role", "") for m in members)
             states = {m.get("state") for m in members if m.get("role") != "leader"}
-            leader = [m["name"] for m in members if m.get("role") == "leader"]
+            leader: list[str] = [m["name"] for m in members if m.get("role") == "leader"]
             if (
                 len(members) == len(self.members)
                 and roles.count("leader") == 1
@@ -503,3 +504,49 @@ def start_with_template(root: Path, **timings: int) -> LocalPatroni:
         cluster.stop()
         raise
     return cluster
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bmdb.localha [--root DIR]``: run a local HA BMDB until
+    Ctrl-C (or SIGTERM), printing its multi-host URL; then stop every
+    process and, unless ``--root`` was given, remove its files."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bmdb.localha",
+        description="Run a throwaway three-member Patroni PostgreSQL 15 cluster, "
+        "with a migrated BMDB, until interrupted.",
+    )
+    parser.add_argument("--root", type=Path, help="folder for its files (default: a temp dir)")
+    parser.add_argument("--db", default="bmdb", help="name of the BMDB database")
+    args = parser.parse_args(argv)
+    root: Path = args.root or Path(tempfile.mkdtemp(prefix="bmdb-ha-"))
+    # SIGTERM ends the run as Ctrl-C does, so the cluster is stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    cluster = LocalPatroni(root)
+    try:
+        cluster.create()
+        cluster.start()
+        try:
+            cluster.admin(f'CREATE DATABASE "{args.db}"')
+            trio.run(migrate, cluster.url(args.db))
+            print(f"BMDB (Patroni, primary {cluster.primary()}): {cluster.url(args.db)}")
+            print(f"read-only views: {cluster.url(args.db, target='prefer-standby')}")
+            print("Ctrl-C stops it.", flush=True)
+            while True:
+                time.sleep(3600)
+        finally:
+            cluster.stop()
+    except KeyboardInterrupt:
+        return 0
+    except LocalPostgresError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
