@@ -121,9 +121,9 @@ class LocalPatroni:
         root: Path,
         *,
         members: int = 3,
-        ttl: int = 10,
+        ttl: int = 20,
         loop_wait: int = 1,
-        retry_timeout: int = 4,
+        retry_timeout: int = 6,
     ) -> None:
         if members < 2:
             raise ValueError("a synchronous cluster needs at least two members")
@@ -383,6 +383,18 @@ class LocalPatroni:
             if time.monotonic() > deadline:
                 raise LocalPostgresError(f"the Patroni cluster is not healthy: {members}")
             time.sleep(0.2)
+
+    def wait_new_primary(self, old: str, timeout: float = _START_TIMEOUT) -> str:
+        """Wait until a member other than ``old`` leads and accepts writes
+        (Patroni names the leader before its promotion ends); return it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            name = self.primary()
+            if name is not None and name != old and self._accepts_writes(name):
+                return name
+            if time.monotonic() > deadline:
+                raise LocalPostgresError(f"no new primary after {old} within {timeout} s")
+            time.sleep(0.1)
 
     def _accepts_writes(self, name: str) -> bool:
         try:

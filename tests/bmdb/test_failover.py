@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import trio
 
@@ -19,6 +21,8 @@ from common.backoff import ExponentialBackoff, Retrier
 from tests.bmdb.helpers import agent_start_source, bulk_provided_machines, finish_agent_start
 
 logger = logging.getLogger("tests.bmdb.failover")
+
+T = TypeVar("T")
 
 #: How workers wait between attempts while there is no primary.
 RETRY = ExponentialBackoff(initial=0.05, maximum=0.5)
@@ -33,6 +37,18 @@ async def _server_port(q: Queries) -> int:
     return int(port)
 
 
+async def _retrying(conn: bmdb.Connection, fn: Callable[[Queries], Awaitable[T]]) -> T:
+    """``conn.transact(fn)``, retried while the BMDB is unavailable, as any
+    client does while Patroni settles (bounded by the test's timeout)."""
+    retrier = Retrier(RETRY)
+    with trio.fail_after(120):
+        while True:
+            try:
+                return await conn.transact(fn)
+            except DatabaseUnavailable:
+                await retrier.sleep()
+
+
 async def test_no_acknowledged_commit_is_lost_when_the_primary_is_killed(
     ha_bmdb_url: str, patroni_cluster: LocalPatroni
 ) -> None:
@@ -40,6 +56,7 @@ async def test_no_acknowledged_commit_is_lost_when_the_primary_is_killed(
     failures: list[BaseException] = []
     killed_at: list[float] = []
     first_after: list[float] = []
+    enough = trio.Event()  # set once 200 commits are acknowledged
 
     async with bmdb.open_connection(ha_bmdb_url) as conn:
         old_port = await conn.transact(_server_port)
@@ -54,12 +71,13 @@ async def test_no_acknowledged_commit_is_lost_when_the_primary_is_killed(
                     await retrier.sleep()
                     continue
                 retrier.reset()
+                if len(acknowledged) >= 200:
+                    enough.set()
                 if killed_at and not first_after:
                     first_after.append(time.monotonic())
 
         async def kill_midway() -> None:
-            while len(acknowledged) < 200:
-                await trio.sleep(0.01)
+            await enough.wait()
             name = await trio.to_thread.run_sync(patroni_cluster.kill_primary)
             killed_at.append(time.monotonic())
             logger.info("killed the primary's postgres on %s", name)
@@ -69,7 +87,7 @@ async def test_no_acknowledged_commit_is_lost_when_the_primary_is_killed(
                 nursery.start_soon(committer)
                 nursery.start_soon(kill_midway)
 
-        new_port = await conn.transact(_server_port)
+        new_port = await _retrying(conn, _server_port)
         pause = first_after[0] - killed_at[0]
         print(f"\nprimary lost -> first commit on the new primary: {pause:.2f} s")
 
@@ -77,7 +95,7 @@ async def test_no_acknowledged_commit_is_lost_when_the_primary_is_killed(
             rows = await q.execute("SELECT machine_id FROM machines")
             return {r[0] for r in rows}
 
-        on_new_primary = await conn.transact(stored)
+        on_new_primary = await _retrying(conn, stored)
 
     assert new_port != old_port
     # The kill cut the committer off: it saw the loss, as the BMDB's own error.
@@ -100,9 +118,7 @@ async def test_a_session_and_its_work_outlive_a_failover(
         async with conn.session("failover-test", "", interval=30.0) as sess:
             work = await sess.work(bmdb.Process.SHEPHERD_AGENT_START, agent_start_source)
             old = await trio.to_thread.run_sync(patroni_cluster.kill_primary)
-            with trio.fail_after(60):
-                while patroni_cluster.primary() in (None, old):
-                    await trio.sleep(0.1)
+            await trio.to_thread.run_sync(patroni_cluster.wait_new_primary, old)
             # The pool's connections to the old primary are dead; the
             # transaction notices at BEGIN and runs on a fresh one, which
             # the multi-host URL takes to the new primary.
