@@ -404,6 +404,10 @@ class LocalPatroni:
         except psycopg.Error:
             return False
 
+    def member(self, name: str) -> Member:
+        """The member called ``name`` (`LocalPostgresError` if none is)."""
+        return self._member(name)
+
     def _member(self, name: str) -> Member:
         for member in self.members:
             if member.name == name:
