@@ -6,6 +6,7 @@ primary acknowledged is on the new one (synchronous replication)."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -14,11 +15,17 @@ from typing import TypeVar
 import trio
 
 import bmdb
+from bmdb.__main__ import STANDBY_NOTE
 from bmdb.errors import DatabaseUnavailable
 from bmdb.localha import LocalPatroni
 from bmdb.model import Queries
 from common.backoff import ExponentialBackoff, Retrier
-from tests.bmdb.helpers import agent_start_source, bulk_provided_machines, finish_agent_start
+from tests.bmdb.helpers import (
+    add_provided_machines,
+    agent_start_source,
+    bulk_provided_machines,
+    finish_agent_start,
+)
 
 logger = logging.getLogger("tests.bmdb.failover")
 
@@ -134,3 +141,30 @@ async def test_a_session_and_its_work_outlive_a_failover(
 
         assert await conn.transact(finished) == 2
     await trio.to_thread.run_sync(patroni_cluster.wait_healthy)
+
+
+async def test_the_cli_says_when_it_reads_from_a_standby(
+    ha_bmdb_url: str, patroni_cluster: LocalPatroni
+) -> None:
+    """``bmdb machines`` takes the multi-host URL; with ``prefer-standby``
+    it reads from a standby and says so, with ``read-write`` it does not."""
+    async with bmdb.open_connection(ha_bmdb_url) as conn:
+        [machine] = await add_provided_machines(conn, 1)
+    standby_url = ha_bmdb_url.replace("read-write", "prefer-standby")
+    outputs = {}
+    for url in (standby_url, ha_bmdb_url):
+        with trio.fail_after(60):
+            while True:
+                done = await trio.run_process(
+                    [sys.executable, "-m", "bmdb", "--url", url, "machines"],
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                )
+                # The standby may not have replayed the machine yet.
+                if done.returncode == 0 and str(machine) in done.stdout.decode():
+                    break
+                await trio.sleep(0.1)
+        outputs[url] = done.stdout.decode()
+    assert STANDBY_NOTE in outputs[standby_url]
+    assert STANDBY_NOTE not in outputs[ha_bmdb_url]
