@@ -55,7 +55,12 @@ import psycopg
 import trio
 
 from bmdb.connection import migrate
-from bmdb.localserver import TEMPLATE_DB, LocalPostgresError, find_postgres_bin
+from bmdb.localserver import (
+    TEMPLATE_DB,
+    LocalPostgresError,
+    _first_untraversable,
+    find_postgres_bin,
+)
 from common.net import free_loopback_port
 
 __all__ = ["LocalPatroni", "Member", "find_patroni", "main", "start_with_template"]
@@ -182,6 +187,14 @@ class LocalPatroni:
                 raise LocalPostgresError(
                     "running as root, but there is no 'postgres' user to run the server as"
                 ) from None
+        if entry is not None:
+            blocked = _first_untraversable(self.root.parent.resolve(), entry)
+            if blocked is not None:
+                raise LocalPostgresError(
+                    f"the servers run as user {self._user!r}, which cannot enter {blocked}"
+                    f" (mode {blocked.stat().st_mode & 0o777:o}); put {self.root} in a folder"
+                    " that user can traverse (e.g. chmod o+x on it)"
+                )
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700 if entry is None else 0o711)
         (self.root / "etcd").mkdir(mode=0o700, exist_ok=True)
@@ -538,8 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", default="bmdb", help="name of the BMDB database")
     args = parser.parse_args(argv)
     root: Path = args.root or Path(tempfile.mkdtemp(prefix="bmdb-ha-"))
-    # SIGTERM ends the run as Ctrl-C does, so the cluster is stopped.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM ends the run as Ctrl-C does, so the cluster is stopped; and
+    # SIGINT does even if our parent (a shell's background job) ignored it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     cluster = LocalPatroni(root)
     try:
         cluster.create()
