@@ -57,7 +57,8 @@ the Lease it shares with its Session), `transaction` (Transactor: pool,
 isolation, retries, stats), `backoff` (work backoff intervals), `model`
 (enums, rows, Queries), `migrations` (SQL files and runner), `_pg` (the
 driver), `errors`, `localserver` (a throwaway PostgreSQL for the demo,
-tests and benchmarks). ``python -m bmdb``
+tests and benchmarks), `localha` (the same as a three-member Patroni
+cluster with synchronous replication; ``python -m bmdb.localha``). ``python -m bmdb``
 is the command-line tool (migrate, machines, history, sessions).
 """
 
