@@ -57,9 +57,11 @@ the Lease it shares with its Session), `transaction` (Transactor: pool,
 isolation, retries, stats), `backoff` (work backoff intervals), `model`
 (enums, rows, Queries), `migrations` (SQL files and runner), `_pg` (the
 driver), `errors`, `localserver` (a throwaway PostgreSQL for the demo,
-tests and benchmarks), `actions` (operator actions, each with its audit
-record). ``python -m bmdb`` is the command-line tool (migrate, machines,
-history, sessions, audit, and the actions: hold, release, retry-now, ...).
+tests and benchmarks), `localha` (the same as a three-member Patroni
+cluster with synchronous replication; ``python -m bmdb.localha``),
+`actions` (operator actions, each with its audit record). ``python -m
+bmdb`` is the command-line tool (migrate, machines, history, sessions,
+audit, and the actions: hold, release, retry-now, ...).
 """
 
 from bmdb.backoff import Backoff

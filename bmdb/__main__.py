@@ -404,6 +404,10 @@ async def _sessions(conn: bmdb.Connection) -> str:
     return _table(header, rows)
 
 
+#: Printed under a listing that was read from a standby.
+STANDBY_NOTE = "(read from a standby: it may lag the primary by a moment)"
+
+
 async def _command(args: argparse.Namespace) -> str:
     if args.command == "migrate":
         return await _migrate(args.url)
@@ -412,16 +416,22 @@ async def _command(args: argparse.Namespace) -> str:
     # One command, one query at a time: one connection.
     async with bmdb.open_connection(args.url, max_connections=1) as conn:
         if args.command == "machines":
-            return await _machines(conn, args)
-        if args.command == "machine":
-            return await _machine(conn, args)
-        if args.command == "history":
-            return await _history(conn, args.machine)
-        if args.command == "audit":
-            return await _audit(conn, args)
-        if args.command in set(actions.Action):
+            out = await _machines(conn, args)
+        elif args.command == "machine":
+            out = await _machine(conn, args)
+        elif args.command == "history":
+            out = await _history(conn, args.machine)
+        elif args.command == "audit":
+            out = await _audit(conn, args)
+        elif args.command in set(actions.Action):
             return await _act(conn, args)
-        return await _sessions(conn)
+        else:
+            out = await _sessions(conn)
+        # A multi-host URL with target_session_attrs=prefer-standby reads
+        # from a standby: say so (JSON stays machine-readable).
+        if not getattr(args, "json", False) and await conn.on_standby():
+            out += f"\n{STANDBY_NOTE}"
+        return out
 
 
 _ACTION_HELP = {

@@ -66,6 +66,18 @@ class Connection:
         read-only listings). Retries like `Session.transact`."""
         return await self._tx.run(isolation, fn)
 
+    async def on_standby(self) -> bool:
+        """True if this connection's transactions run on a standby (a server
+        in recovery), as with ``target_session_attrs=prefer-standby``: what
+        they read may lag the primary, and they cannot write. Asks the
+        server; raises `DatabaseUnavailable` like `transact`."""
+
+        async def body(q: Queries) -> bool:
+            [(in_recovery,)] = await q.execute("SELECT pg_is_in_recovery()")
+            return bool(in_recovery)
+
+        return await self._tx.run(Isolation.REPEATABLE_READ, body)
+
     async def collect_expired(self) -> None:
         """Delete every session past its deadline now, releasing its work
         (session owners do this on their own every `bmdb.session.GC_PERIOD`;

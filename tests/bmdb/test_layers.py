@@ -20,6 +20,7 @@ LAYERS = {
     "bmdb.session": 5,
     "bmdb.connection": 6,
     "bmdb.localserver": 7,
+    "bmdb.localha": 8,
     # Operator views, and what shows them (metrics; the web UI is the
     # console's, above this package).
     "bmdb.overview": 7,

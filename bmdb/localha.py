@@ -1,0 +1,583 @@
+"""A throwaway, highly available PostgreSQL 15: three members managed by Patroni.
+
+``LocalPatroni(root)`` runs, all on 127.0.0.1:
+
+- one ``etcd`` 3.4 member, Patroni's store (its leader lock and member keys),
+  reached by Patroni's ``etcd3`` client on a private client port;
+- three ``patroni`` processes (Debian's ``patroni`` package), each owning
+  one PostgreSQL 15 member that it initialises (the first to take the
+  lock runs ``initdb``, the others clone it with ``pg_basebackup``),
+  starts, promotes, demotes and rewinds (``pg_rewind``) as the cluster
+  needs.
+
+Replication is synchronous (``synchronous_mode: true``): the primary
+acknowledges a commit only once its synchronous standby has it, and Patroni
+only ever promotes that standby, so a commit acknowledged by the primary
+survives its loss. ``primary_start_timeout: 0`` makes Patroni fail over at
+once when the primary's postgres crashes, rather than restart it in place.
+
+Unlike `bmdb.localserver.LocalPostgres` the members listen on TCP (Patroni
+and replication need it), so every role has a random password: the
+superuser ``postgres`` (in `url`), ``replicator`` for streaming. They live
+in ``root`` (mode 0700), never anywhere else. Like it, it trades durability
+for speed (``fsync=off``): a SIGKILL of a member loses nothing the operating
+system has, a power cut would.
+
+`url` is a libpq multi-host URL with ``target_session_attrs=read-write``:
+libpq tries the members in turn and keeps the one that accepts writes, so a
+client that reconnects after a failover finds the new primary by itself.
+
+When we are root, Patroni (and so PostgreSQL) runs as the ``postgres`` user,
+as in `bmdb.localserver`. The calls are synchronous (a start takes a few
+seconds): run them before ``trio.run`` or through ``trio.to_thread``.
+`stop` ends every process it started (Patroni stops its postgres; a postgres
+left by a killed Patroni is ended through its ``postmaster.pid``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import trio
+
+from bmdb.connection import migrate
+from bmdb.localserver import (
+    TEMPLATE_DB,
+    LocalPostgresError,
+    _first_untraversable,
+    find_postgres_bin,
+)
+from common.net import free_loopback_port
+
+__all__ = ["LocalPatroni", "Member", "find_patroni", "main", "start_with_template"]
+
+#: Seconds allowed for the cluster to come up (initdb, two base backups).
+_START_TIMEOUT = 120.0
+#: Seconds allowed for one process to exit after SIGTERM before SIGKILL.
+_STOP_TIMEOUT = 30.0
+
+#: The cluster's name in Patroni (its key prefix in etcd).
+SCOPE = "bmdb"
+
+
+def find_patroni() -> tuple[str, str]:
+    """The ``patroni`` and ``patronictl`` executables, or `LocalPostgresError`."""
+    patroni = shutil.which("patroni")
+    patronictl = shutil.which("patronictl")
+    if patroni is None or patronictl is None:
+        raise LocalPostgresError(
+            "patroni not found: install Debian's 'patroni' and 'python3-etcd' packages"
+        )
+    return patroni, patronictl
+
+
+@dataclass
+class Member:
+    """One Patroni member: its name, PostgreSQL port and REST API port."""
+
+    name: str
+    pg_port: int
+    api_port: int
+    root: Path
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "patroni.yml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "patroni.log"
+
+
+class LocalPatroni:
+    """A private three-member Patroni cluster whose files live in ``root``.
+
+    ``create()`` once, then ``start()`` / ``stop()``. While it runs,
+    `kill_primary` crashes the primary's postgres (Patroni fails over) and
+    `switchover` moves the primary in a planned way. ``url(db)`` is the
+    multi-host URL clients use.
+
+    ``ttl``, ``loop_wait`` and ``retry_timeout`` are Patroni's own timings
+    (seconds): the leader lock's lifetime, the pause between two runs of
+    Patroni's loop, and how long it retries etcd and PostgreSQL before
+    demoting. Patroni asks ``loop_wait + 2 * retry_timeout <= ttl``.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        members: int = 3,
+        ttl: int = 20,
+        loop_wait: int = 1,
+        retry_timeout: int = 6,
+    ) -> None:
+        if members < 2:
+            raise ValueError("a synchronous cluster needs at least two members")
+        if loop_wait + 2 * retry_timeout > ttl:
+            raise ValueError("Patroni needs loop_wait + 2 * retry_timeout <= ttl")
+        self.root = root
+        self.ttl = ttl
+        self.loop_wait = loop_wait
+        self.retry_timeout = retry_timeout
+        self._patroni, self._patronictl = find_patroni()
+        self._bin = find_postgres_bin()
+        self._user = "postgres" if os.geteuid() == 0 else None
+        self.members = [
+            Member(f"m{i}", free_loopback_port(), free_loopback_port(), root / f"m{i}")
+            for i in range(members)
+        ]
+        self.etcd_port = free_loopback_port()
+        self.etcd_peer_port = free_loopback_port()
+        self._secrets = root / "secrets.json"
+        self._etcd: subprocess.Popen[bytes] | None = None
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    # -- addresses -----------------------------------------------------------
+
+    def _password(self, role: str) -> str:
+        value: str = json.loads(self._secrets.read_text())[role]
+        return value
+
+    def url(self, dbname: str = "postgres", *, target: str = "read-write") -> str:
+        """libpq multi-host URL of ``dbname``: every member, and
+        ``target_session_attrs`` (``read-write`` finds the primary;
+        ``prefer-standby`` a standby if one answers)."""
+        hosts = ",".join(f"127.0.0.1:{m.pg_port}" for m in self.members)
+        password = self._password("postgres")
+        return f"postgresql://postgres:{password}@{hosts}/{dbname}?target_session_attrs={target}"
+
+    def member_url(self, name: str, dbname: str = "postgres") -> str:
+        """URL of ``dbname`` on member ``name`` alone, whatever its role."""
+        member = self._member(name)
+        password = self._password("postgres")
+        return f"postgresql://postgres:{password}@127.0.0.1:{member.pg_port}/{dbname}"
+
+    @property
+    def running(self) -> bool:
+        return self._etcd is not None
+
+    # -- lifetime ------------------------------------------------------------
+
+    def create(self) -> None:
+        """Write the members' folders and Patroni configurations."""
+        entry = None
+        if self._user:
+            try:
+                entry = pwd.getpwnam(self._user)
+            except KeyError:
+                raise LocalPostgresError(
+                    "running as root, but there is no 'postgres' user to run the server as"
+                ) from None
+        if entry is not None:
+            blocked = _first_untraversable(self.root.parent.resolve(), entry)
+            if blocked is not None:
+                raise LocalPostgresError(
+                    f"the servers run as user {self._user!r}, which cannot enter {blocked}"
+                    f" (mode {blocked.stat().st_mode & 0o777:o}); put {self.root} in a folder"
+                    " that user can traverse (e.g. chmod o+x on it)"
+                )
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700 if entry is None else 0o711)
+        (self.root / "etcd").mkdir(mode=0o700, exist_ok=True)
+        self._secrets.write_text(
+            json.dumps({r: secrets.token_hex(16) for r in ("postgres", "replicator")})
+        )
+        os.chmod(self._secrets, 0o600)
+        for member in self.members:
+            member.root.mkdir(mode=0o700, exist_ok=True)
+            member.config.write_text(json.dumps(self._config(member), indent=2))
+            os.chmod(member.config, 0o600)
+            if entry is not None:
+                for path in (member.root, member.config):
+                    os.chown(path, entry.pw_uid, entry.pw_gid)
+
+    def _config(self, member: Member) -> dict[str, Any]:
+        # JSON is YAML: Patroni reads this file as its configuration.
+        return {
+            "scope": SCOPE,
+            "namespace": "/patroni/",
+            "name": member.name,
+            "log": {"level": "INFO", "dir": str(member.root), "file_num": 1},
+            "restapi": {
+                "listen": f"127.0.0.1:{member.api_port}",
+                "connect_address": f"127.0.0.1:{member.api_port}",
+            },
+            "etcd3": {"hosts": [f"127.0.0.1:{self.etcd_port}"]},
+            "bootstrap": {
+                "dcs": {
+                    "ttl": self.ttl,
+                    "loop_wait": self.loop_wait,
+                    "retry_timeout": self.retry_timeout,
+                    "maximum_lag_on_failover": 1048576,
+                    # Fail over when the primary's postgres crashes, rather
+                    # than restart it in place and keep clients waiting.
+                    "master_start_timeout": 0,
+                    "synchronous_mode": True,
+                    "postgresql": {
+                        "use_pg_rewind": True,
+                        "use_slots": True,
+                        "remove_data_directory_on_rewind_failure": True,
+                        "remove_data_directory_on_diverged_timelines": True,
+                        "parameters": {
+                            "max_connections": 300,
+                            "shared_buffers": "64MB",
+                            "fsync": "off",
+                            # pg_rewind needs full pages and hint bits in WAL.
+                            "wal_log_hints": "on",
+                            "wal_keep_size": "128MB",
+                            "max_wal_senders": 10,
+                            "max_replication_slots": 10,
+                            "hot_standby": "on",
+                        },
+                    },
+                },
+                "initdb": [{"encoding": "UTF8"}, {"locale": "C"}],
+            },
+            "postgresql": {
+                "listen": f"127.0.0.1:{member.pg_port}",
+                "connect_address": f"127.0.0.1:{member.pg_port}",
+                "data_dir": str(member.data),
+                "bin_dir": str(self._bin),
+                "pgpass": str(member.root / "pgpass"),
+                "authentication": {
+                    "superuser": {"username": "postgres", "password": self._password("postgres")},
+                    "replication": {
+                        "username": "replicator",
+                        "password": self._password("replicator"),
+                    },
+                },
+                "parameters": {"unix_socket_directories": str(member.root)},
+                "pg_hba": [
+                    "local all all peer",
+                    "host replication replicator 127.0.0.1/32 scram-sha-256",
+                    "host all all 127.0.0.1/32 scram-sha-256",
+                ],
+            },
+        }
+
+    def start(self) -> None:
+        """Start etcd and every member; wait until a primary runs with a
+        synchronous standby and every member streams from it."""
+        if self._etcd is not None:
+            raise LocalPostgresError("already running")
+        etcd_url = f"http://127.0.0.1:{self.etcd_port}"
+        peer_url = f"http://127.0.0.1:{self.etcd_peer_port}"
+        with open(self.root / "etcd.log", "ab") as log:
+            self._etcd = subprocess.Popen(
+                [
+                    "etcd",
+                    "--name=patroni-store",
+                    f"--data-dir={self.root / 'etcd' / 'data'}",
+                    f"--listen-client-urls={etcd_url}",
+                    f"--advertise-client-urls={etcd_url}",
+                    f"--listen-peer-urls={peer_url}",
+                    f"--initial-advertise-peer-urls={peer_url}",
+                    f"--initial-cluster=patroni-store={peer_url}",
+                    "--initial-cluster-state=new",
+                    "--unsafe-no-fsync",
+                ],
+                process_group=0,
+                stdout=log,
+                stderr=log,
+            )
+        try:
+            for member in self.members:
+                self._start_member(member)
+            self.wait_healthy(_START_TIMEOUT)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_member(self, member: Member) -> None:
+        with open(member.root / "stdout.log", "ab") as log:
+            self._procs[member.name] = subprocess.Popen(
+                [self._patroni, str(member.config)],
+                user=self._user,
+                group=self._user,
+                cwd=member.root,
+                # Our signals only: a Ctrl-C at the terminal must reach the
+                # caller, which then stops the cluster after its clients.
+                process_group=0,
+                stdout=log,
+                stderr=log,
+            )
+
+    def stop(self) -> None:
+        """Stop every member (Patroni stops its postgres), then etcd. Ends
+        whatever is left of each with SIGKILL if it does not exit in time."""
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self._procs.values():
+            _reap(proc)
+        self._procs.clear()
+        for member in self.members:
+            _kill_postmaster(member.data)
+        if self._etcd is not None:
+            self._etcd.send_signal(signal.SIGTERM)
+            _reap(self._etcd)
+            self._etcd = None
+
+    # -- state ---------------------------------------------------------------
+
+    def cluster(self) -> list[dict[str, Any]]:
+        """Patroni's view of the members (its REST API's ``/cluster``): one
+        dict per member with ``name``, ``role`` (``leader``,
+        ``sync_standby``, ``replica``), ``state``, ``timeline``..."""
+        last: Exception | None = None
+        for member in self.members:
+            url = f"http://127.0.0.1:{member.api_port}/cluster"
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    members: list[dict[str, Any]] = json.load(response)["members"]
+                    return members
+            except (OSError, ValueError, KeyError) as e:
+                last = e
+        raise LocalPostgresError(f"no Patroni member answers: {last}")
+
+    def primary(self) -> str | None:
+        """The name of the running leader, or None while there is none."""
+        try:
+            members = self.cluster()
+        except LocalPostgresError:
+            return None
+        for m in members:
+            if m.get("role") == "leader" and m.get("state") == "running":
+                name: str = m["name"]
+                return name
+        return None
+
+    def wait_healthy(self, timeout: float = _START_TIMEOUT) -> str:
+        """Wait until a leader runs and accepts writes, one member is its
+        synchronous standby and every other member runs as a replica; return
+        the leader's name."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for name, proc in self._procs.items():
+                if proc.poll() is not None:
+                    raise LocalPostgresError(
+                        f"patroni member {name} exited; see {self._member(name).log_path}"
+                    )
+            try:
+                members = self.cluster()
+            except LocalPostgresError:
+                members = []
+            roles = sorted(m.get("role", "") for m in members)
+            states = {m.get("state") for m in members if m.get("role") != "leader"}
+            leader: list[str] = [m["name"] for m in members if m.get("role") == "leader"]
+            if (
+                len(members) == len(self.members)
+                and roles.count("leader") == 1
+                and roles.count("sync_standby") >= 1
+                # "streaming" from Patroni 3.0.4 on, "running" before.
+                and states <= {"running", "streaming"}
+                and self._accepts_writes(leader[0])
+            ):
+                return leader[0]
+            if time.monotonic() > deadline:
+                raise LocalPostgresError(f"the Patroni cluster is not healthy: {members}")
+            time.sleep(0.2)
+
+    def wait_new_primary(self, old: str, timeout: float = _START_TIMEOUT) -> str:
+        """Wait until a member other than ``old`` leads and accepts writes
+        (Patroni names the leader before its promotion ends); return it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            name = self.primary()
+            if name is not None and name != old and self._accepts_writes(name):
+                return name
+            if time.monotonic() > deadline:
+                raise LocalPostgresError(f"no new primary after {old} within {timeout} s")
+            time.sleep(0.1)
+
+    def _accepts_writes(self, name: str) -> bool:
+        try:
+            with psycopg.connect(self.member_url(name), connect_timeout=2) as conn:
+                row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+                return row is not None and not row[0]
+        except psycopg.Error:
+            return False
+
+    def member(self, name: str) -> Member:
+        """The member called ``name`` (`LocalPostgresError` if none is)."""
+        return self._member(name)
+
+    def _member(self, name: str) -> Member:
+        for member in self.members:
+            if member.name == name:
+                return member
+        raise LocalPostgresError(f"no member {name!r}")
+
+    # -- faults --------------------------------------------------------------
+
+    def kill_primary(self) -> str:
+        """SIGKILL the primary's postmaster (its backends follow); return the
+        member's name. Patroni notices within ``loop_wait`` and fails over
+        to the synchronous standby."""
+        name = self.primary()
+        if name is None:
+            raise LocalPostgresError("there is no primary to kill")
+        pid = _postmaster_pid(self._member(name).data)
+        if pid is None:
+            raise LocalPostgresError(f"primary {name} has no postmaster.pid")
+        os.kill(pid, signal.SIGKILL)
+        return name
+
+    def switchover(self, candidate: str | None = None) -> str:
+        """A planned switchover (``patronictl switchover``) from the current
+        leader to ``candidate`` (default: the synchronous standby); return
+        the new leader's name once it runs."""
+        leader = self.primary()
+        if leader is None:
+            raise LocalPostgresError("there is no primary to switch over from")
+        if candidate is None:
+            sync = [m["name"] for m in self.cluster() if m.get("role") == "sync_standby"]
+            if not sync:
+                raise LocalPostgresError("there is no synchronous standby")
+            candidate = sync[0]
+        config = self._member(leader).config
+        result = subprocess.run(
+            [self._patronictl, "-c", str(config), "switchover", SCOPE,
+             "--leader", leader, "--candidate", candidate, "--force"],
+            capture_output=True,
+            text=True,
+            timeout=_START_TIMEOUT,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise LocalPostgresError(f"patronictl switchover failed: {result.stderr.strip()}")
+        deadline = time.monotonic() + _START_TIMEOUT
+        while self.primary() != candidate:
+            if time.monotonic() > deadline:
+                raise LocalPostgresError(f"{candidate} did not become the primary")
+            time.sleep(0.1)
+        return candidate
+
+    # -- administration ------------------------------------------------------
+
+    def admin(self, sql: str, db: str = "postgres") -> None:
+        """Run one statement on the primary outside a transaction."""
+        with psycopg.connect(self.url(db), autocommit=True, connect_timeout=5) as conn:
+            conn.execute(sql.encode())
+
+    def create_database(self, name: str, *, template: str | None = None) -> str:
+        """Create database ``name`` (optionally from ``template``); return its URL."""
+        sql = f'CREATE DATABASE "{name}"'
+        if template:
+            sql += f' TEMPLATE "{template}"'
+        self.admin(sql)
+        return self.url(name)
+
+
+def _postmaster_pid(data: Path) -> int | None:
+    try:
+        return int((data / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kill_postmaster(data: Path) -> None:
+    """End a postgres whose Patroni is gone (it would run on forever)."""
+    pid = _postmaster_pid(data)
+    if pid is None:
+        return
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return
+    if b"postgres" not in cmdline or str(data).encode() not in cmdline:
+        return  # a stale file; the pid belongs to someone else now
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + _STOP_TIMEOUT
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        proc.wait(timeout=_STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def start_with_template(root: Path, **timings: int) -> LocalPatroni:
+    """A started cluster in ``root`` holding a migrated `TEMPLATE_DB` to copy
+    fresh BMDBs from, as `bmdb.localserver.start_with_template` does for a
+    single server. The caller stops it."""
+    cluster = LocalPatroni(root, **timings)
+    cluster.create()
+    cluster.start()
+    try:
+        cluster.admin(f"CREATE DATABASE {TEMPLATE_DB}")
+        trio.run(migrate, cluster.url(TEMPLATE_DB))
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bmdb.localha [--root DIR]``: run a local HA BMDB until
+    Ctrl-C (or SIGTERM), printing its multi-host URL; then stop every
+    process and, unless ``--root`` was given, remove its files."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bmdb.localha",
+        description="Run a throwaway three-member Patroni PostgreSQL 15 cluster, "
+        "with a migrated BMDB, until interrupted.",
+    )
+    parser.add_argument("--root", type=Path, help="folder for its files (default: a temp dir)")
+    parser.add_argument("--db", default="bmdb", help="name of the BMDB database")
+    args = parser.parse_args(argv)
+    root: Path = args.root or Path(tempfile.mkdtemp(prefix="bmdb-ha-"))
+    # SIGTERM ends the run as Ctrl-C does, so the cluster is stopped; and
+    # SIGINT does even if our parent (a shell's background job) ignored it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
+    cluster = LocalPatroni(root)
+    try:
+        cluster.create()
+        cluster.start()
+        try:
+            cluster.admin(f'CREATE DATABASE "{args.db}"')
+            trio.run(migrate, cluster.url(args.db))
+            print(f"BMDB (Patroni, primary {cluster.primary()}): {cluster.url(args.db)}")
+            print(f"read-only views: {cluster.url(args.db, target='prefer-standby')}")
+            print("Ctrl-C stops it.", flush=True)
+            while True:
+                time.sleep(3600)
+        finally:
+            cluster.stop()
+    except KeyboardInterrupt:
+        return 0
+    except LocalPostgresError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
