@@ -2,54 +2,29 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import random
 import sys
-from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import trio
 
 from bmdb import Connection
-from bmdb.errors import BMDBError
 from common.backoff import ExponentialBackoff, Retrier
 from shepherd.agent_server import http1, server, workers
-
-
-class _DeadBMDB:
-    """A connection whose sessions never open."""
-
-    def __init__(self) -> None:
-        self.attempts = 0
-
-    @contextlib.asynccontextmanager
-    async def session(self, *args: Any, **kwargs: Any) -> AsyncIterator[None]:
-        self.attempts += 1
-        raise BMDBError("database gone")
-        yield  # pragma: no cover
+from tests.shepherd.retries import DeadBMDB, assert_backed_off, recorded_waits
 
 
 async def test_lost_session_is_reopened_after_growing_jittered_waits() -> None:
-    dead = _DeadBMDB()
+    dead = DeadBMDB()
     holder = server._SessionHolder(cast(Connection, dead), "", 1.0, random.Random(7))
-    waits: list[float] = []
-    real_next = holder._retrier.next_delay
-
-    def next_delay() -> float:
-        waits.append(real_next())
-        return 0.0  # the test does not wait them out
-
-    holder._retrier.next_delay = next_delay  # type: ignore[method-assign]
+    waits = recorded_waits(holder._retrier)
     with trio.move_on_after(0.5):
         await holder.run()
-    assert len(waits) >= 4
     assert dead.attempts in (len(waits), len(waits) + 1)  # one wait after each failure
-    ceilings = [server.SESSION_BACKOFF.ceiling(n + 1) for n in range(len(waits))]
-    low, high = server.SESSION_BACKOFF.jitter
-    assert all(c * low <= w <= c * high for w, c in zip(waits, ceilings, strict=True))
-    assert waits[3] > waits[0]  # grows (jitter (0.5, 1): ceiling doubles)
+    # Jitter (0.5, 1): the ceiling doubles, so the waits grow.
+    assert_backed_off(waits, server.SESSION_BACKOFF)
 
 
 async def test_a_crashing_worker_is_restarted_through_the_retrier() -> None:
@@ -84,14 +59,7 @@ async def test_accept_out_of_descriptors_pauses_through_the_retrier_and_goes_on(
     stream = trio.SocketStream(a)
     listener = _ExhaustedListener(4, stream)
     retrier = Retrier(http1.ACCEPT_BACKOFF, random.Random(3))
-    waits: list[float] = []
-    real_next = retrier.next_delay
-
-    def next_delay() -> float:
-        waits.append(real_next())
-        return 0.0
-
-    retrier.next_delay = next_delay  # type: ignore[method-assign]
+    waits = recorded_waits(retrier)
     connections = trio.Semaphore(2)
     served: list[trio.SocketStream] = []
 
@@ -113,9 +81,7 @@ async def test_accept_out_of_descriptors_pauses_through_the_retrier_and_goes_on(
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
     assert served == [stream] and len(waits) == 4
-    ceilings = [http1.ACCEPT_BACKOFF.ceiling(n + 1) for n in range(4)]
-    low, high = http1.ACCEPT_BACKOFF.jitter
-    assert all(c * low <= w <= c * high for w, c in zip(waits, ceilings, strict=True))
+    assert_backed_off(waits, http1.ACCEPT_BACKOFF)
     assert retrier.failures == 0  # the accepted connection started the count over
     assert connections.value == 2  # every slot taken for a failed accept was given back
     a.close()

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import trio
 
 import bmdb
 from bmdb import Backoff, Process, Queries, Work, WorkEvent
-from bmdb.errors import DatabaseUnavailable
 from shepherd import control_loop
 from shepherd.control_loop import ProcessingFailed, run_control_loop, start_control_loop
 from shepherd.rate_limit import Rate, RateLimiter
 from tests.shepherd.helpers import backoffs, events
+from tests.shepherd.retries import DeadBMDB, assert_backed_off, recorded_waits
 
 PROCESS = Process.UNIT_TEST_1
 
@@ -179,21 +177,8 @@ async def test_parallelism_must_be_positive(bmdb_conn: bmdb.Connection) -> None:
         )
 
 
-class _DeadBMDB:
-    """A connection whose sessions never open."""
-
-    def __init__(self) -> None:
-        self.attempts = 0
-
-    @contextlib.asynccontextmanager
-    async def session(self, *args: Any, **kwargs: Any) -> AsyncIterator[None]:
-        self.attempts += 1
-        raise DatabaseUnavailable("database gone")
-        yield  # pragma: no cover
-
-
 async def test_a_lost_session_is_replaced_after_growing_jittered_waits() -> None:
-    dead = _DeadBMDB()
+    dead = DeadBMDB()
     stats = control_loop.LoopStats()
     worker = control_loop._Worker(
         cast(bmdb.Connection, dead),
@@ -205,21 +190,9 @@ async def test_a_lost_session_is_replaced_after_growing_jittered_waits() -> None
         stats,
         random.Random(7),
     )
-    waits: list[float] = []
-    real_next = worker._retrier.next_delay
-
-    def next_delay() -> float:
-        waits.append(real_next())
-        return 0.0  # the test does not wait them out
-
-    worker._retrier.next_delay = next_delay  # type: ignore[method-assign]
+    waits = recorded_waits(worker._retrier)
     with trio.move_on_after(0.5):
         await worker.run()
-    assert len(waits) >= 4
     assert dead.attempts in (len(waits), len(waits) + 1)  # one wait after each loss
     assert stats.iterations["test-loop", "session_lost"] == len(waits)
-    policy = control_loop.SESSION_BACKOFF
-    low, high = policy.jitter
-    ceilings = [policy.ceiling(n + 1) for n in range(len(waits))]
-    assert all(c * low <= w <= c * high for w, c in zip(waits, ceilings, strict=True))
-    assert waits[3] > waits[0]  # grows (jitter (0.5, 1): the ceiling doubles)
+    assert_backed_off(waits, control_loop.SESSION_BACKOFF)
