@@ -80,13 +80,13 @@ class Value(Generic[T]):
         """Set ``change(current)`` and return it; the same object back sets nothing.
 
         ``change`` must not block (it runs between the read and the set).
-        Raises :class:`Closed` after ``close()``, `LookupError` if the value
-        was never set.
+        Raises :class:`Closed` after ``close()``, `RuntimeError` if the value
+        was never set (the caller's bug: nothing to change yet).
         """
         if self._closed:
             raise Closed("update() on a closed Value")
         if self._version == 0:
-            raise LookupError("update() of a Value that was never set")
+            raise RuntimeError("update() of a Value that was never set")
         current: T = self._value  # type: ignore[assignment]
         new = change(current)
         if new is not current:

@@ -320,7 +320,7 @@ async def test_update_changes_its_own_field_of_the_newest_value_and_wakes_watche
 
 async def test_update_refuses_a_value_never_set_or_closed() -> None:
     value: Value[int] = Value()
-    with pytest.raises(LookupError, match="never set"):
+    with pytest.raises(RuntimeError, match="never set"):
         value.update(lambda v: v + 1)
     value.set(1)
     value.close()
