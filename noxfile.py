@@ -48,7 +48,10 @@ def tests(session: nox.Session) -> None:
     session.install("-e", ".[dev]")
     _compile_installed(session)
     # Verbose, so that a CI log shows which tests ran, not just how many.
-    args = session.posargs or ["-v", "--durations=10"]
+    # Two workers (pytest-xdist), one per core: most tests wait on other
+    # processes (etcd, nodes, PostgreSQL) more than they compute. Modules
+    # that must not run side by side share a group (tests/conftest.py).
+    args = session.posargs or ["-v", "--durations=10", "-n", "2", "--dist", "loadgroup"]
     session.run("pytest", *args)
 
 

@@ -35,7 +35,7 @@ named; the layers and rules are in ARCHITECTURE.md at the repository root):
 
 - Work transactions (claim, finish, fail) run REPEATABLE READ, not
   SERIALIZABLE: SSI's page-level predicate locks made concurrent finishes
-  abort each other ~25% of the time at 16 workers; row locks plus a claim
+  abort each other often under many workers; row locks plus a claim
   generation on the machine row give the exclusion instead (`bmdb.work`).
   `Session.transact` stays SERIALIZABLE.
 - Locking agent-start sources pick at random among the oldest

@@ -19,10 +19,10 @@ pipeline mode): a transaction's BEGIN with its first statement, and a
 statement's Parse with its first execution. See `PgConnection.begin`.
 
 Why not psycopg's asyncio connection behind trio-asyncio (the usual way to
-use an asyncio library from Trio): measured on this machine, a round trip
-through the bridge cost 3-4 times as much CPU as one driven natively (about
-480 us against 130 us per ``SELECT``, same load, see the commit that made the
-switch), and the BMDB's throughput is bounded by exactly that. The native
+use an asyncio library from Trio): a round trip through the bridge costs
+several times the CPU of one driven natively (the commit that made the
+switch has the figures), and the BMDB's throughput is bounded by exactly
+that. The native
 loop also needs no asyncio event loop, so the BMDB works with or without
 ``trio_asyncio.open_loop()``. The price is the use of psycopg's protocol
 generators (``psycopg.generators``) and one private class,

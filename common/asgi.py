@@ -1,6 +1,6 @@
 """What every one of our small ASGI apps answers alike.
 
-Our ASGI endpoints (the BMDB web UI, the metrics endpoint) are plain ASGI
+Our ASGI endpoints (the console's web UI, the metrics endpoint) are plain ASGI
 apps under hypercorn's Trio worker (the agent callback server is not one:
 it has its own HTTP/1.1 transport). None of them has anything to set up or
 tear down when the server starts or stops (their callers open the BMDB

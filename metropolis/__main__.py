@@ -191,6 +191,14 @@ def _parser() -> argparse.ArgumentParser:
             metavar="DIR",
             help="where snapshots go (default: ROOT/data/snapshots)",
         )
+    for sub in (boot, reg):
+        sub.add_argument(
+            "--member-health-wait",
+            choices=["on", "off"],
+            default="on",
+            help="etcd refuses membership changes until every voter has been"
+            " connected for 5 s (default on; off only for clusters on one machine)",
+        )
 
     # Listed for --help only: main() hands 'image ...' to metropolis.image
     # before this parser sees it, so that the image tool keeps its own options.
@@ -259,7 +267,8 @@ def _settings(args: argparse.Namespace) -> disk.NodeSettings:
             f"--raft-tuning {args.raft_tuning!r}: want HEARTBEAT_MS,ELECTION_MS"
         ) from None
     try:
-        return _node_settings(args, Tuning(heartbeat, election))
+        tuning = Tuning(heartbeat, election, member_health_wait=args.member_health_wait == "on")
+        return _node_settings(args, tuning)
     except ValueError as e:  # NodeSettings refuses values out of range
         raise MetropolisError(str(e)) from None
 

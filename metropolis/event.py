@@ -24,6 +24,10 @@ Guarantees, which callers rely on:
 * :meth:`Value.readonly` gives a view that can only be watched: a service
   publishes its status through it so that consumers cannot ``set()`` it.
 * ``set()`` never blocks and costs O(watchers waiting) to wake them.
+* ``update(change)`` sets ``change(current)`` with no checkpoint between the
+  read and the set: a value with several writers, each owning some of its
+  fields, is changed by each through ``update``, and none loses what
+  another set. The writer reads nothing (no watcher, no wait).
 * After ``Value.close()``, a watcher still gets the newest value if it has not
   seen it, then ``get()`` raises :class:`Closed`. After ``Watcher.close()``,
   that watcher's ``get()`` raises :class:`Closed`.
@@ -71,6 +75,23 @@ class Value(Generic[T]):
         self._value = value
         self._version += 1
         self._wake()
+
+    def update(self, change: Callable[[T], T]) -> T:
+        """Set ``change(current)`` and return it; the same object back sets nothing.
+
+        ``change`` must not block (it runs between the read and the set).
+        Raises :class:`Closed` after ``close()``, `RuntimeError` if the value
+        was never set (the caller's bug: nothing to change yet).
+        """
+        if self._closed:
+            raise Closed("update() on a closed Value")
+        if self._version == 0:
+            raise RuntimeError("update() of a Value that was never set")
+        current: T = self._value  # type: ignore[assignment]
+        new = change(current)
+        if new is not current:
+            self.set(new)
+        return new
 
     def close(self) -> None:
         """End the series: watchers get the newest value, then :class:`Closed`."""

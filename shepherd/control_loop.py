@@ -15,7 +15,7 @@ what to do with it); :func:`run_control_loop` runs it::
                             raises ProcessingFailed  ─▶ work.fail(cause, backoff)
                             raises another error     ─▶ work.fail("internal error: ..")
                         any BMDBError (session expired, database gone, ...):
-                          new session after 1 s
+                          new session after SESSION_BACKOFF (0.5 s, doubling to 10 s)
 
 Each worker has its own session, so a worker whose session expires (a long
 stall, a lost database connection) restarts alone and its locks die with its
@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import socket
 import uuid
 from collections import Counter
@@ -40,6 +41,7 @@ import trio
 
 from bmdb import Backoff, Connection, Process, Queries, Session, Work
 from bmdb.errors import BMDBError, DatabaseUnavailable, NothingToDo, SessionExpired, WorkConflict
+from common.backoff import ExponentialBackoff, Retrier
 from common.text import printable
 from shepherd.errors import ShepherdError
 from shepherd.rate_limit import RateLimiter
@@ -53,8 +55,11 @@ T_contra = TypeVar("T_contra", contravariant=True)
 #: Seconds a worker's BMDB session survives without a heartbeat.
 DEFAULT_SESSION_INTERVAL = 5.0
 
-#: Pause before a worker opens a new session after losing one.
-SESSION_RETRY_DELAY = 1.0
+#: Waits before a worker opens a new session after losing one; a session
+#: that stayed open for an iteration starts the count over. Jittered, so
+#: that the workers of a loop that lost the database together do not come
+#: back together.
+SESSION_BACKOFF = ExponentialBackoff(0.5, 10.0, jitter=(0.5, 1.0))
 
 
 class ProcessingFailed(ShepherdError):
@@ -126,6 +131,7 @@ class _Worker(Generic[T]):
         index: int,
         session_interval: float,
         stats: LoopStats,
+        rng: random.Random,
     ) -> None:
         self._conn = conn
         self._processor = processor
@@ -134,6 +140,7 @@ class _Worker(Generic[T]):
         self._session_interval = session_interval
         self._stats = stats
         self._log = logging.getLogger(f"shepherd.{processor.component}.{index}")
+        self._retrier = Retrier(SESSION_BACKOFF, rng)
 
     async def run(self) -> None:
         while True:
@@ -149,6 +156,7 @@ class _Worker(Generic[T]):
                             self._stats.limiter_waits[component] += 1
                             seconds[component] = seconds.get(component, 0.0) + waited
                         await self._iteration(s)
+                        self._retrier.reset()
             except SessionExpired as exc:
                 self._log.warning("session lost, starting a new one: %s", exc)
             except DatabaseUnavailable as exc:
@@ -158,7 +166,7 @@ class _Worker(Generic[T]):
                 # the session was in, a fresh one is a clean start.
                 self._log.error("BMDB error, starting a new session: %s", exc)
             self._count("session_lost")
-            await trio.sleep(SESSION_RETRY_DELAY)
+            await self._retrier.sleep()
 
     async def _iteration(self, session: Session) -> None:
         processor = self._processor
@@ -227,6 +235,7 @@ async def run_control_loop(
     runtime_info: str | None = None,
     session_interval: float = DEFAULT_SESSION_INTERVAL,
     stats: LoopStats | None = None,
+    rng: random.Random | None = None,
 ) -> None:
     """Run ``parallelism`` workers of ``processor`` until cancelled.
 
@@ -234,7 +243,8 @@ async def run_control_loop(
     ``bmdb.Connection.session``). Never returns. Failures of single machines
     are recorded and logged, lost sessions are replaced; only cancellation
     (or a bug in this module) ends it. ``stats``, if given, is counted into
-    (see `LoopStats`). The BMDB needs no asyncio loop; run
+    (see `LoopStats`). ``rng`` jitters the waits before a lost session is
+    replaced (`SESSION_BACKOFF`). The BMDB needs no asyncio loop; run
     it inside ``trio_asyncio.open_loop()`` only if the processor uses asyncio
     libraries (the `Initializer`'s SSH client does).
     """
@@ -242,8 +252,18 @@ async def run_control_loop(
         raise ValueError(f"parallelism must be at least 1, got {parallelism}")
     info = runtime_info or default_runtime_info()
     counters = stats if stats is not None else LoopStats()
+    rng = rng if rng is not None else random.Random()
     workers = [
-        _Worker(conn, processor, limiter, info, i, session_interval, counters)
+        _Worker(
+            conn,
+            processor,
+            limiter,
+            info,
+            i,
+            session_interval,
+            counters,
+            random.Random(rng.getrandbits(64)),
+        )
         for i in range(parallelism)
     ]
     logger.info("%s: starting %d worker(s)", processor.component, parallelism)

@@ -7,10 +7,73 @@ as a pytest plugin, so any test can ask for any of them by name.
 
 from __future__ import annotations
 
+import getpass
+import os
+import shutil
+import tempfile
 from pathlib import Path
+
+import pytest
 
 pytest_plugins = [
     f"tests.fixtures.{path.stem}"
     for path in sorted((Path(__file__).parent / "fixtures").glob("*.py"))
     if path.stem != "__init__"
 ]
+
+
+#: Modules whose tests must run one after another in one process under
+#: pytest-xdist (``-n``), by group. "fixed-address": they use the fixed
+#: loopback addresses with the node's fixed ports (see
+#: ``shepherd.localfleet``), so two at once would collide. "smoke": the
+#: benchmarks' smoke runs, two of which one module-scoped fixture starts in
+#: the background for the module's tests (see tests/bench/test_smoke.py).
+SERIAL_GROUPS = {
+    "tests/test_install_e2e.py": "fixed-address",
+    "tests/shepherd/test_demo.py": "fixed-address",
+    "tests/shepherd/test_agent_install.py": "fixed-address",
+    "tests/shepherd/test_agent_install_e2e.py": "fixed-address",
+    "tests/bench/test_smoke.py": "smoke",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, put each module of `SERIAL_GROUPS` in its group.
+
+    With ``--dist loadgroup`` the tests of one ``xdist_group`` run on one
+    worker; every other test goes wherever a worker is free.
+    """
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    root = Path(str(config.rootpath))
+    for item in items:
+        group = SERIAL_GROUPS.get(item.path.relative_to(root).as_posix())
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, a base temp folder as short as pytest's own.
+
+    A worker's ``tmp_path`` is ``<basetemp>/popen-gwN/<test name>``: with
+    pytest's default base (``/tmp/pytest-of-USER/pytest-N``) etcd's client
+    socket below a node root there (``.../n1/ephemeral/consensus/client.sock:0``)
+    passed the 107 bytes a UNIX socket path may have, and etcd could not
+    be reached. This base is as long as the default is without xdist.
+    """
+    controller = not hasattr(config, "workerinput")  # not an xdist worker
+    if controller and getattr(config.option, "numprocesses", None) and not config.option.basetemp:
+        base = Path(tempfile.gettempdir()) / f"pt-{getpass.getuser()}-{os.getpid()}"
+        config.option.basetemp = str(base)
+        config.stash[_XDIST_BASETEMP] = base
+
+
+_XDIST_BASETEMP = pytest.StashKey[Path]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The short base folder goes when every test passed (kept to look at otherwise)."""
+    base = session.config.stash.get(_XDIST_BASETEMP, None)
+    if base is not None and exitstatus == 0:
+        shutil.rmtree(base, ignore_errors=True)

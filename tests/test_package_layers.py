@@ -16,10 +16,11 @@ the standard library is checked by tests/shepherd/test_agent.py.)
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.layering import imported, module_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,45 +76,15 @@ def _files() -> Iterator[tuple[str, Path]]:
         yield path.stem, path
     for init in sorted(ROOT.glob("*/__init__.py")):
         for path in sorted(init.parent.rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
-
-
-def _absolute(module: str, is_package: bool, level: int, name: str | None) -> str:
-    """The absolute name of ``from <level dots><name> import ...`` in ``module``."""
-    base = module.split(".")
-    if not is_package:
-        base = base[:-1]
-    base = base[: len(base) - (level - 1)]
-    return ".".join([*base, name] if name else base)
+            yield module_name(path, ROOT), path
 
 
 def imports(module: str, path: Path, source: str) -> Iterator[Import]:
     """The imports of our packages in ``source`` (the text of ``module`` at ``path``)."""
     ours = set(ALLOWED)
-    is_package = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(source, str(path))):
-        if not isinstance(node, ast.stmt | ast.expr):
-            continue
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                names = [_absolute(module, is_package, node.level, node.module)]
-            elif node.module:
-                names = [node.module]
-        elif (
-            isinstance(node, ast.Call)
-            and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            names = [node.args[0].value]
-        for name in names:
-            if name.split(".")[0] in ours:
-                yield Import(path, node.lineno, module, name)
+    for line, name in imported(module, path, source):
+        if name.split(".")[0] in ours:
+            yield Import(path, line, module, name)
 
 
 def violations(module: str, path: Path, source: str) -> list[Import]:

@@ -88,8 +88,8 @@ def agent_start_lock_sql(limit: int) -> str:
 
     Why: it is the hot statement of every claim, and with parameters
     PostgreSQL planned it afresh on every execution (as costly as running
-    it: about 0.7 ms of server CPU per claim, seen in pg_stat_statements
-    during the benchmark), because a generic plan must guess ``LIMIT $n``
+    it, as pg_stat_statements showed during the benchmark), because a
+    generic plan must guess ``LIMIT $n``
     and is several times slower, so the planner kept choosing custom plans.
     Without parameters, a prepared statement keeps its one plan. The values
     are integers and enum members of our own, so nothing is quoted from

@@ -16,7 +16,8 @@ Monogon's seed (``worker_controlplane.go``), reshaped for Trio::
 Values in, decisions out: the launcher acts on the startup decision alone,
 which holds what it needs (bootstrap data, or join data and credentials).
 What it publishes in the membership is merged into the newest value
-(:meth:`ControlPlaneWorker._publish`) and never comes back as a decision:
+(:meth:`ControlPlaneWorker._publish`, through ``Value.update``: the
+launcher never reads the membership) and never comes back as a decision:
 the membership mapper forwards only a change of home or credentials. The
 one output that does is the bootstrap's roles, by design: they turn the
 decision from "bootstrap" into "join", which changed() does not act on.
@@ -211,7 +212,7 @@ class ControlPlaneWorker:
             async with node.scope() as outer, node.scope() as inner:
                 if isinstance(current, NoControlPlane):
                     node.logger.info("no control plane on this node")
-                    await self._publish_without_control_plane()
+                    self._publish_without_control_plane()
                     await self._wipe_consensus_data(node)
                 else:
                     await self._start(node, outer, inner, current)
@@ -223,7 +224,7 @@ class ControlPlaneWorker:
                         node.restart(f"control plane changes: {type(new).__name__}")
                     current = new
 
-    async def _publish_without_control_plane(self) -> None:
+    def _publish_without_control_plane(self) -> None:
         """Drop the local services from the membership, if it names them."""
 
         def without(m: ClusterMembership) -> ClusterMembership:
@@ -231,25 +232,20 @@ class ControlPlaneWorker:
                 return replace(m, local_consensus=None, local_curator=None)
             return m
 
-        await self._publish(without)
+        self._publish(without)
 
-    async def _publish(self, fields: Callable[[ClusterMembership], ClusterMembership]) -> None:
+    def _publish(self, fields: Callable[[ClusterMembership], ClusterMembership]) -> None:
         """Publish the launcher's outputs in the membership: ``fields`` of the newest one.
 
         The membership has two writers: this launcher (the local services,
         and after a bootstrap the node's first credentials and directory)
-        and the directory update (the directory). Each sets its own fields
-        on the newest value, read and set with no checkpoint in between, so
-        neither loses what the other set. Nothing is decided from what is
-        read here: the launcher's decisions come from ``reduce()`` alone.
+        and the directory update (the directory). Each changes its own
+        fields through `Value.update`, so neither loses what the other set,
+        and neither reads the membership to do it: the launcher's inputs
+        are its startup decisions alone, which come from ``reduce()``.
+        The node sets a membership before the worker starts.
         """
-        # The node sets a membership before the worker starts, so this
-        # returns at once.
-        with self._membership.watch() as w:
-            current = await w.get()
-        new = fields(current)
-        if new is not current:
-            self._membership.set(new)
+        self._membership.update(fields)
 
     async def _wipe_consensus_data(self, node: Node) -> None:
         """Delete etcd's data: this node is no member (any more).
@@ -314,7 +310,7 @@ class ControlPlaneWorker:
             # beside the credentials' fsync makes both wait on the same
             # filesystem journal.
             curator = self._run_curator(inner, service, credentials, creation.lease)
-            await self._publish(
+            self._publish(
                 lambda _: ClusterMembership(
                     public_key=credentials.public_key,
                     credentials=credentials,
@@ -333,7 +329,7 @@ class ControlPlaneWorker:
             running = self._run_curator(inner, service, joined)
             # This node's own entry added to the newest directory (the
             # directory update may have published one since the decision).
-            await self._publish(
+            self._publish(
                 lambda m: replace(
                     m,
                     credentials=joined,

@@ -137,9 +137,7 @@ class DirectoryUpdate:
         await trio.to_thread.run_sync(
             functools.partial(self._root.esp.write_cluster_directory, directory)
         )
-        # Read again and set with no checkpoint in between: the launcher may
-        # have published its local services meanwhile, and they must stay.
-        with self._membership.watch() as watcher:
-            latest = await watcher.get()
-        self._membership.set(replace(latest, remote_curators=directory))
+        # Only this field of the newest membership: the launcher may have
+        # published its local services meanwhile, and they must stay.
+        self._membership.update(lambda latest: replace(latest, remote_curators=directory))
         node.logger.info("cluster directory: %s", ", ".join(sorted(curators.values())))

@@ -39,8 +39,8 @@ We weighed three stacks:
    grpclib stream reset must cancel the Trio code running the handler.
    Server-streaming Watch handlers would be asyncio code or need a
    channel pair per stream across the bridge. Every entry point and test
-   would also have to open a trio-asyncio loop. The bridge costs CPU per
-   call too (DESIGN.md measured 4x per statement for psycopg).
+   would also have to open a trio-asyncio loop, and every call would pay
+   for the bridge in CPU.
 2. **connectrpc (0.13) under hypercorn's Trio worker.** Native Trio and it
    speaks gRPC, but hypercorn does not hand the ASGI application the client
    certificate, and identity *is* the client certificate's key. Working
@@ -50,19 +50,16 @@ We weighed three stacks:
    connection; cancellation is plain Trio structured concurrency end to
    end: a handler is a Trio task in its connection's nursery, cancelled by
    the caller's RST_STREAM or by the connection ending, and a cancelled
-   client call sends RST_STREAM. The cost is code: about 900 lines with
-   docstrings for server, client, framing and transport, because we need
-   only what the curator uses: unary, server-streaming and bidirectional
-   calls, no compression. ``h2`` was already installed (grpclib
+   client call sends RST_STREAM. The cost is code of our own (server,
+   client, framing, transport), kept to what the curator uses: unary,
+   server-streaming and bidirectional calls, no compression. ``h2`` was already installed (grpclib
    depends on it) and is the maintained HTTP/2 state machine that hypercorn
    and httpx use.
 
-Speed (``python -m bench.rpc``, CPU time of server and client in one
-process, Ed25519 mutual TLS on loopback, ratios to grpclib on plain asyncio
-in the same run): a unary call costs about 1.15x, like grpclib with Trio on
-both ends across trio-asyncio (about 1.1x); a streamed message about 3.3x,
-where the bridged grpclib pays about 5.7x. Both stay far below what the
-curator needs (a Watch sends one message per change of a node record).
+Speed: ``python -m bench.rpc`` measures the CPU time of server and client
+per unary call and per streamed message, Ed25519 mutual TLS on loopback,
+as ratios to grpclib on plain asyncio and to grpclib bridged through
+trio-asyncio, in the same run.
 
 Wiring a curator: a :class:`Server` with :func:`server_context` (the
 node's credentials) and a :class:`ServerSecurity` whose three hooks answer

@@ -40,9 +40,9 @@ PrivateKey = CertificateIssuerPrivateKeyTypes
 
 #: Contexts kept for reuse. A node's role fetch, directory watch and status
 #: push call with the same credentials, and its debug service and curator
-#: serve with them: each context costs ~2 ms of CPU (OpenSSL parses the CA,
-#: the certificate and the key), all spent on the Trio thread at the moment
-#: the node comes home, when its curator campaigns. A context is safe to
+#: serve with them: each new context costs CPU (OpenSSL parses the CA, the
+#: certificate and the key), all spent on the Trio thread at the moment the
+#: node comes home, when its curator campaigns. A context is safe to
 #: share between connections as long as nobody changes it after creation.
 #: Private keys compare by identity, so a reloaded key gets a new context.
 _CACHED = 16
@@ -74,8 +74,8 @@ def _load_chain(context: ssl.SSLContext, certificate: x509.Certificate, key: Pri
 
 def _base(purpose: ssl.Purpose, ca_certificate: x509.Certificate) -> ssl.SSLContext:
     # The cluster CA and nothing else. Without cadata here, a client context
-    # would also load (and trust) the system's public CAs: ~150 of them,
-    # 0.05-0.3 s of every role fetch, status push and owner call's start.
+    # would also load (and trust) the system's public CAs, parsed again at
+    # the start of every role fetch, status push and owner call.
     context = ssl.create_default_context(
         purpose, cadata=pki.encode_certificate(ca_certificate, pki.Encoding.DER)
     )

@@ -69,13 +69,15 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import random
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
 
+from common.backoff import ExponentialBackoff, Retrier
 from common.numbers import parse_decimal
 from shepherd.agent_server.connect import ConnectError, ConnectUnary, error_answer
 from shepherd.errors import ShepherdError
@@ -199,16 +201,25 @@ async def serve_http1(
     ssl_context: ssl.SSLContext | None = None,
     timeouts: Timeouts = Timeouts(),
     max_connections: int = 10000,
+    rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on ``listeners`` until cancelled (listeners closed then)."""
+    """Serve ``app`` on ``listeners`` until cancelled (listeners closed then).
+
+    ``rng`` jitters the pauses after an accept() out of resources
+    (`ACCEPT_BACKOFF`).
+    """
     connections = trio.Semaphore(max_connections)
     server = _Server(app, ssl_context, timeouts)
+    rng = rng if rng is not None else random.Random()
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.watchdog)
             for listener in listeners:
-                nursery.start_soon(_accept_loop, listener, connections, server, nursery)
+                retrier = Retrier(ACCEPT_BACKOFF, random.Random(rng.getrandbits(64)))
+                nursery.start_soon(
+                    accept_loop, listener, connections, server.connection, nursery, retrier
+                )
             task_status.started()
     finally:
         for listener in listeners:
@@ -218,14 +229,26 @@ async def serve_http1(
 # accept() errors that mean "this one connection failed" or "out of
 # resources for now": log, pause, go on (as trio.serve_listeners does).
 _ACCEPT_CAPACITY = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+#: Pauses between accept() calls that ran out of resources; an accepted
+#: connection starts the count over.
+ACCEPT_BACKOFF = ExponentialBackoff(0.05, 2.0, jitter=(0.5, 1.0))
 
 
-async def _accept_loop(
+async def accept_loop(
     listener: trio.SocketListener,
     connections: trio.Semaphore,
-    server: _Server,
+    handler: Callable[[trio.SocketStream, trio.Semaphore], Awaitable[None]],
     nursery: trio.Nursery,
+    retrier: Retrier,
 ) -> None:
+    """Accept connections on ``listener`` for ever, each served by
+    ``handler(stream, connections)`` in ``nursery``.
+
+    A connection holds one of ``connections`` from before its accept; the
+    handler releases it. accept() out of resources (EMFILE, ENFILE, ENOMEM,
+    ENOBUFS) is logged and retried after ``retrier``'s next wait; any other
+    OSError is raised.
+    """
     while True:
         await connections.acquire()
         try:
@@ -235,12 +258,13 @@ async def _accept_loop(
             if exc.errno not in _ACCEPT_CAPACITY:
                 raise
             logger.error("accept: %s; pausing", exc)
-            await trio.sleep(0.1)
+            await retrier.sleep()
             continue
         except BaseException:
             connections.release()
             raise
-        nursery.start_soon(server.connection, stream, connections)
+        retrier.reset()
+        nursery.start_soon(handler, stream, connections)
 
 
 class _Server:

@@ -55,9 +55,15 @@ from pathlib import Path
 import h11
 import trio
 
-from common.backoff import ExponentialBackoff, Retrier
+from common.backoff import Retrier
 from common.numbers import parse_decimal
-from shepherd.agent_server.http1 import open_listener, split_listen, url_of
+from shepherd.agent_server.http1 import (
+    ACCEPT_BACKOFF,
+    accept_loop,
+    open_listener,
+    split_listen,
+    url_of,
+)
 from shepherd.errors import ShepherdError
 
 logger = logging.getLogger("shepherd.agent_server.images")
@@ -67,10 +73,6 @@ IMAGE_PATH = re.compile(rb"/images/sha256/([0-9a-f]{64})")
 
 #: Verification results kept (beyond, the cache starts over).
 VERIFIED_CACHE_SIZE = 4096
-
-# accept() errors that mean "out of resources for now": pause, go on.
-_ACCEPT_CAPACITY = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-_ACCEPT_BACKOFF = ExponentialBackoff(0.05, 2.0, jitter=(0.5, 1.0))
 
 _HASH_CHUNK = 1 << 20
 
@@ -178,28 +180,13 @@ class ImageServer:
             host, port, backlog=self.config.backlog, reuse_port=self.config.reuse_port
         )
         connections = trio.Semaphore(self.config.max_connections)
-        retrier = Retrier(_ACCEPT_BACKOFF, self._rng)
+        retrier = Retrier(ACCEPT_BACKOFF, self._rng)
         try:
             async with trio.open_nursery() as nursery:
                 url = url_of(listener, self.ssl_context is not None)
                 logger.info("image server on %s, images from %s", url, self.config.image_dir)
                 task_status.started(url)
-                while True:
-                    await connections.acquire()
-                    try:
-                        stream = await listener.accept()
-                    except OSError as exc:
-                        connections.release()
-                        if exc.errno not in _ACCEPT_CAPACITY:
-                            raise
-                        logger.error("accept: %s; pausing", exc)
-                        await retrier.sleep()
-                        continue
-                    except BaseException:
-                        connections.release()
-                        raise
-                    retrier.reset()
-                    nursery.start_soon(self._connection, stream, connections)
+                await accept_loop(listener, connections, self._connection, nursery, retrier)
         finally:
             await trio.aclose_forcefully(listener)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.layering import package_modules, unit, upward
+
 #: Each module's layer; a module may import only from lower layers. The
 #: modules of one package (bmdb.model, bmdb.migrations) share their layer.
 LAYERS = {
@@ -36,58 +38,21 @@ LAYERS = {
 ROOT = Path(__file__).resolve().parents[2] / "bmdb"
 
 
-def _unit(module: str) -> str:
-    """The entry of `LAYERS` that ``module`` belongs to."""
-    while module not in LAYERS:
-        module = module.rsplit(".", 1)[0]
-    return module
-
-
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The bmdb modules that ``path`` imports, anywhere in it (also under
-    TYPE_CHECKING or inside functions)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == "bmdb")
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.split(".")[0] != "bmdb":
-                continue
-            for alias in node.names:
-                candidate = f"{node.module}.{alias.name}"
-                found.add(candidate if candidate in modules else node.module)
-    return found
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
-    return out
-
-
 def test_every_module_has_a_layer() -> None:
-    assert all(_unit(name) in LAYERS for name in _modules())
+    for name in package_modules(ROOT):
+        unit(name, LAYERS)  # KeyError names a module in no layer
 
 
 def test_imports_only_go_down() -> None:
-    upward = []
-    for name, path in sorted(_modules().items()):
-        unit = _unit(name)
-        for imported in _imports(path, set(_modules())):
-            target = _unit(imported)
-            if target != unit and LAYERS[target] >= LAYERS[unit]:
-                upward.append(f"{name} imports {imported}")
-    assert not upward, upward
+    found = upward(package_modules(ROOT), LAYERS)
+    assert not found, found
 
 
 def test_no_public_signature_shows_the_driver_connection() -> None:
     """Above the driver, code sees `Queries` (or a protocol), never
     ``bmdb._pg.PgConnection``: the driver can change without the API."""
     shown = []
-    for name, path in sorted(_modules().items()):
+    for name, path in sorted(package_modules(ROOT).items()):
         if any(part.startswith("_") and part != "__main__" for part in name.split(".")):
             continue  # private modules (the driver, the pool) may
         for node in ast.walk(ast.parse(path.read_text())):

@@ -22,7 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.net import free_loopback_port
-from metropolis import pki
+from metropolis import identity, pki
 from metropolis.consensus.client import Client, Member
 from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.process import SOCKET_NAME
@@ -30,6 +30,7 @@ from metropolis.curator.probe import PROBE_ENV, parse_probe
 from metropolis.curator.state import PROBE_KEY
 from metropolis.localstorage import Root
 from metropolis.owner import NodeRow, Owner, open_owner
+from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
 from metropolis.rpc import Endpoint, RPCError, Status, client_context, open_client
 from tests.metropolis.test_node_cli import LEADS, NodeProcess, node
@@ -129,13 +130,20 @@ async def _form(owner: Owner, seed: Root) -> tuple[NodeRow, NodeRow, NodeRow]:
 
 @asynccontextmanager
 async def three_nodes(
-    tmp_path: Path, *, probe: bool = False, metrics_port: int | None = None
+    tmp_path: Path,
+    *,
+    probe: bool = False,
+    metrics_port: int | None = None,
+    health_wait: bool = False,
 ) -> AsyncIterator[tuple[list[NodeProcess], list[Root], Path]]:
     """n1 bootstraps, n2 and n3 register; ``probe``: every curator runs the leader probe.
 
     ``metrics_port``: every node serves its metrics on its address and this port.
 
     Nodes push their status (heartbeat) every second: timeouts after 2 s.
+    ``health_wait``: etcd's member health wait (``--member-health-wait``),
+    which holds every membership change for 5 s after a voter connects; off
+    unless the test is about it.
     """
     roots = [Root(tmp_path / f"n{i}") for i in (1, 2, 3)]
     owner_key = tmp_path / "owner.pem"
@@ -150,6 +158,8 @@ async def three_nodes(
         "1",
         "--curator-lease-ttl",
         "3",
+        "--member-health-wait",
+        "on" if health_wait else "off",
     ]
     env = {PROBE_ENV: "1"} if probe else None
 
@@ -173,6 +183,7 @@ async def three_nodes(
         )
         await n1.wait_for(LEADS)
         key = pki.decode_private_key(owner_key.read_bytes())
+        cluster = tmp_path / "cluster.pb"
         async with open_owner(roots[0], key) as owner:
 
             async def n1_listed() -> bool:
@@ -180,9 +191,10 @@ async def three_nodes(
                 return info.cluster_directory is not None and len(info.cluster_directory.nodes) == 1
 
             await _until(n1_listed)
-        ticket = (await _owner_cli(roots[0], owner_key, "ticket")).strip()
-        cluster = tmp_path / "cluster.pb"
-        await _owner_cli(roots[0], owner_key, "info", "--out", str(cluster))
+            # What 'owner ticket' and 'owner info --out' give (the CLI's own
+            # output is checked against these in the three-voters test).
+            ticket_hex = (await owner.ticket()).hex()
+            cluster.write_bytes(bytes(await owner.info()))
         others = []
         for root, address in zip(roots[1:], ADDRESSES[1:], strict=True):
             others.append(
@@ -194,7 +206,7 @@ async def three_nodes(
                         "--address",
                         address,
                         "--ticket",
-                        ticket,
+                        ticket_hex,
                         "--directory",
                         str(cluster),
                         *common,
@@ -223,6 +235,7 @@ async def test_three_voters_revoke_and_grant_again(tmp_path: Path) -> None:
                 await _until(lambda: _curators(owner, 3))
                 # Exactly one leader: n1 still leads; the others follow it.
                 assert procs[0].logged(LEADS)
+                assert procs[0].logged("--strict-reconfig-check=false")
                 for proc in procs[1:]:
                     await proc.wait_for("following")
                     assert not proc.logged(LEADS)
@@ -251,11 +264,30 @@ async def test_three_voters_revoke_and_grant_again(tmp_path: Path) -> None:
                 await owner.set_roles(n3.node_id, consensus_member=True)
                 await _voters(roots[0], 3)
                 await _until(lambda: _curators(owner, 3))
+                ticket = (await owner.ticket()).hex()
+                ca_certificate = (await owner.info()).ca_certificate
 
-            table = await _owner_cli(roots[0], owner_key, "nodes")
-            lines = table.strip().splitlines()
+            # The owner CLI, three processes side by side: the table, and the
+            # register ticket and cluster file the nodes were started with.
+            printed: dict[str, str] = {}
+            out = tmp_path / "cluster-cli.pb"
+
+            async def cli(*args: str) -> None:
+                printed[args[0]] = await _owner_cli(roots[0], owner_key, *args)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cli, "nodes")
+                nursery.start_soon(cli, "ticket")
+                nursery.start_soon(cli, "info", "--out", str(out))
+            lines = printed["nodes"].strip().splitlines()
             assert len(lines) == 4 and sum("LEADER" in line for line in lines) == 1
             assert all("ConsensusMember" in line for line in lines[1:])
+            assert printed["ticket"] == ticket + "\n"
+            info = GetClusterInfoResponse.parse(out.read_bytes())
+            assert info.ca_certificate == ca_certificate and info.cluster_directory is not None
+            listed = {line.split()[0] for line in printed["info"].splitlines()}
+            in_file = {identity.node_id(n.public_key) for n in info.cluster_directory.nodes}
+            assert len(listed) == 3 and listed == in_file
 
         for proc in procs:
             assert proc.process.returncode == 0

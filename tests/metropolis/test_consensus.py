@@ -321,7 +321,7 @@ async def test_a_removed_member_whose_etcd_exits_is_not_restarted(
     n1, n2 = Machine.make(tmp_path / "n1"), Machine.make(tmp_path / "n2")
     # Without etcd's health wait the removal lands at once, while n2's
     # children may still make their first calls (etcd refusing it for its
-    # health window is what test_revoke_leader.py and test_cluster.py meet).
+    # health window is what test_revoke_leader.py's two-member test meets).
     n1.health_wait = n2.health_wait = False
     async with trio.open_nursery() as nursery:
         first = await start(nursery, n1)

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import trio
 
+import metropolis.__main__ as cli
 from metropolis import pki
 from metropolis.consensus.client import Client
-from metropolis.consensus.process import SOCKET_NAME
+from metropolis.consensus.process import SOCKET_NAME, Tuning
 from metropolis.curator.election import DEFAULT_TTL, Leader
 from metropolis.curator.state import LEADER_KEY
 from metropolis.localstorage import Root, read_checked, write_checked
@@ -118,3 +119,17 @@ def test_the_lease_ttl_flag_is_checked_in_one_line(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "curator lease TTL must be >= 1 s" in lines[0], result.stderr
     assert not (tmp_path / "node").exists()
+
+
+@pytest.mark.parametrize(("flag", "wait"), [((), True), (("--member-health-wait", "off"), False)])
+@pytest.mark.parametrize("action", ["bootstrap", "register"])
+def test_the_member_health_wait_flag_reaches_the_tuning(
+    action: str, flag: tuple[str, ...], wait: bool
+) -> None:
+    """``--member-health-wait off`` (tests on one machine) reaches the tuning; on by default."""
+    common = ["--root", "r", "--address", "127.0.0.9", "--insecure-seal", "--raft-tuning", "20,200"]
+    own = ["--owner-key-out", "o.pem"] if action == "bootstrap" else ["--ticket", "00"]
+    args = cli._parser().parse_args(["node", action, *common, *own, *flag])
+    settings = cli._settings(args)
+    # Saved with the settings: test_roleserve.py's saved-setting test.
+    assert settings.tuning == Tuning(20, 200, member_health_wait=wait)

@@ -293,3 +293,36 @@ async def test_readonly_view_watches_but_cannot_set() -> None:
         value.close()
         with pytest.raises(Closed):
             await watcher.get()
+
+
+@dataclass(frozen=True)
+class _Two:
+    a: int
+    b: int
+
+
+async def test_update_changes_its_own_field_of_the_newest_value_and_wakes_watchers() -> None:
+    """Two writers, each owning one field, lose nothing of each other's."""
+    value: Value[_Two] = Value()
+    value.set(_Two(0, 0))
+    with value.watch() as watcher:
+        assert await watcher.get() == _Two(0, 0)
+        value.update(lambda v: _Two(1, v.b))
+        value.update(lambda v: _Two(v.a, 2))
+        assert await watcher.get() == _Two(1, 2)
+        # The same object back sets nothing: the watcher is not woken.
+        same = value.update(lambda v: v)
+        assert same == _Two(1, 2)
+        with trio.move_on_after(0.05) as scope:
+            await watcher.get()
+        assert scope.cancelled_caught
+
+
+async def test_update_refuses_a_value_never_set_or_closed() -> None:
+    value: Value[int] = Value()
+    with pytest.raises(RuntimeError, match="never set"):
+        value.update(lambda v: v + 1)
+    value.set(1)
+    value.close()
+    with pytest.raises(Closed):
+        value.update(lambda v: v + 1)

@@ -4,8 +4,9 @@ ARCHITECTURE.md). Read as source, as tests/bmdb/test_layers.py does for the BMDB
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from tests.layering import package_modules, unit, upward
 
 #: Each unit's layer; a unit may import only from lower layers, so two units
 #: of one layer import neither each other. A unit is a module or a
@@ -43,56 +44,14 @@ TOGETHER = {frozenset({"metropolis.proto", "metropolis.localstorage"})}
 ROOT = Path(__file__).resolve().parents[2] / "metropolis"
 
 
-def _unit(module: str) -> str:
-    """The entry of `LAYERS` that ``module`` belongs to."""
-    while module not in LAYERS:
-        module = module.rsplit(".", 1)[0]
-    return module
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in ROOT.rglob("*.py"):
-        if "gen" in path.relative_to(ROOT).parts:
-            continue  # generated protobuf code
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
-    return out
-
-
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The metropolis modules that ``path`` imports, anywhere in it (also under
-    TYPE_CHECKING or inside functions)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == "metropolis")
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.split(".")[0] != "metropolis":
-                continue
-            for alias in node.names:
-                candidate = f"{node.module}.{alias.name}"
-                found.add(candidate if candidate in modules else node.module)
-    return found
-
-
 def _upward(layers: dict[str, int]) -> list[str]:
-    modules = _modules()
-    upward = []
-    for name, path in sorted(modules.items()):
-        unit = _unit(name)
-        for imported in _imports(path, set(modules)):
-            target = _unit(imported)
-            if target == unit or frozenset({unit, target}) in TOGETHER:
-                continue
-            if layers[target] >= layers[unit]:
-                upward.append(f"{name} imports {imported}")
-    return upward
+    # Generated protobuf code (metropolis/proto/gen) is left out.
+    return upward(package_modules(ROOT, skip="gen"), layers, TOGETHER)
 
 
 def test_every_module_has_a_layer() -> None:
-    assert all(_unit(name) in LAYERS for name in _modules())
+    for name in package_modules(ROOT, skip="gen"):
+        unit(name, LAYERS)  # KeyError names a module in no layer
 
 
 def test_imports_only_go_down() -> None:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import random
 import uuid
+from typing import cast
 
 import pytest
 import trio
 
 import bmdb
 from bmdb import Backoff, Process, Queries, Work, WorkEvent
+from shepherd import control_loop
 from shepherd.control_loop import ProcessingFailed, run_control_loop, start_control_loop
 from shepherd.rate_limit import Rate, RateLimiter
 from tests.shepherd.helpers import backoffs, events
+from tests.shepherd.retries import DeadBMDB, assert_backed_off, recorded_waits
 
 PROCESS = Process.UNIT_TEST_1
 
@@ -171,3 +175,24 @@ async def test_parallelism_must_be_positive(bmdb_conn: bmdb.Connection) -> None:
         await run_control_loop(
             bmdb_conn, Scripted({}), parallelism=0, limiter=RateLimiter(Rate(1.0, 1))
         )
+
+
+async def test_a_lost_session_is_replaced_after_growing_jittered_waits() -> None:
+    dead = DeadBMDB()
+    stats = control_loop.LoopStats()
+    worker = control_loop._Worker(
+        cast(bmdb.Connection, dead),
+        Scripted({}),
+        RateLimiter(Rate(1.0, 1)),
+        "test",
+        0,
+        1.0,
+        stats,
+        random.Random(7),
+    )
+    waits = recorded_waits(worker._retrier)
+    with trio.move_on_after(0.5):
+        await worker.run()
+    assert dead.attempts in (len(waits), len(waits) + 1)  # one wait after each loss
+    assert stats.iterations["test-loop", "session_lost"] == len(waits)
+    assert_backed_off(waits, control_loop.SESSION_BACKOFF)
