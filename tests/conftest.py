@@ -23,17 +23,21 @@ pytest_plugins = [
 
 
 #: Modules whose tests must run one after another in one process under
-#: pytest-xdist (``-n``), by group. "fixed-address": they use the fixed
-#: loopback addresses with the node's fixed ports (see
-#: ``shepherd.localfleet``), so two at once would collide. "smoke": the
-#: benchmarks' smoke runs, two of which one module-scoped fixture starts in
-#: the background for the module's tests (see tests/bench/test_smoke.py).
+#: pytest-xdist (``-n``), by group. "fixed-address": they start nodes on
+#: the fixed loopback addresses (127.0.0.N of `shepherd.localfleet`'s
+#: machines, 127.0.1.1 for a first node) with the node's fixed ports, so
+#: two at once would collide. The benchmarks' smoke runs are among them
+#: (``bench.install`` installs nodes so), and one module-scoped fixture of
+#: tests/bench/test_smoke.py starts two of them in the background for the
+#: module's tests.
 SERIAL_GROUPS = {
     "tests/test_install_e2e.py": "fixed-address",
+    "tests/test_install_failures.py": "fixed-address",
+    "tests/test_install_hostile.py": "fixed-address",
     "tests/shepherd/test_demo.py": "fixed-address",
     "tests/shepherd/test_agent_install.py": "fixed-address",
     "tests/shepherd/test_agent_install_e2e.py": "fixed-address",
-    "tests/bench/test_smoke.py": "smoke",
+    "tests/bench/test_smoke.py": "fixed-address",
 }
 
 
