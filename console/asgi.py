@@ -91,7 +91,7 @@ class App:
                 return 200, await audit_pages.audit(
                     self.conn,
                     machine=query.get("machine") or None,
-                    before=query.get("before") or None,
+                    before=_int(query["before"], 0) if query.get("before") else None,
                 )
             if path == "/cluster" or path.startswith("/cluster/"):
                 return await self._cluster(path)

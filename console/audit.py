@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from bmdb import overview
 from bmdb.connection import Connection
-from bmdb.errors import InvalidArgument
 from bmdb.model import AuditRecord
 from bmdb.overview import MachineDetail
 from console.render import Html, ago, esc, link, page, table, url
@@ -43,16 +42,11 @@ def _rows(
     return rows
 
 
-async def audit(conn: Connection, *, machine: str | None, before: str | None) -> Html:
-    """The audit log, newest first, a page at a time (``before``: an id),
-    optionally of one machine (also one that was forgotten since)."""
-    older: int | None = None
-    if before is not None:
-        try:
-            older = int(before)
-        except ValueError:
-            raise InvalidArgument(f"not a record id: {before!r}") from None
-    records = await overview.audit(conn, machine=machine, limit=PAGE_SIZE + 1, before=older)
+async def audit(conn: Connection, *, machine: str | None, before: int | None) -> Html:
+    """The audit log, newest first, a page at a time (``before``: the
+    records older than this id), optionally of one machine (also one that
+    was forgotten since)."""
+    records = await overview.audit(conn, machine=machine, limit=PAGE_SIZE + 1, before=before)
     more = len(records) > PAGE_SIZE
     records = records[:PAGE_SIZE]
     body = table(_COLUMNS, _rows(records, _now(), with_machine=True), empty="no actions")
