@@ -48,7 +48,7 @@ import trio
 import bmdb
 from bmdb import actions, backup, migrations, overview
 from bmdb.cli import add_url_option
-from bmdb.connection import migrate
+from bmdb.connection import STANDBY_NOTE, migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
 from common.cli import run_main
@@ -405,9 +405,6 @@ async def _sessions(conn: bmdb.Connection) -> str:
 
 
 #: Printed under a listing that was read from a standby.
-STANDBY_NOTE = "(read from a standby: it may lag the primary by a moment)"
-
-
 async def _command(args: argparse.Namespace) -> str:
     if args.command == "migrate":
         return await _migrate(args.url)

@@ -30,6 +30,10 @@ DEFAULT_RETRY = RetryPolicy()
 DEFAULT_MAX_CONNECTIONS = 32
 
 
+#: What a view read from a standby says of itself (`Connection.on_standby`).
+STANDBY_NOTE = "(read from a standby: it may lag the primary by a moment)"
+
+
 class Connection:
     """An open BMDB. Create with `open_connection`.
 

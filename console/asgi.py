@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
-from bmdb.connection import Connection
+from bmdb.connection import STANDBY_NOTE, Connection
 from bmdb.errors import DatabaseUnavailable, InvalidArgument
 from common.asgi import answer_lifespan
 from console import audit as audit_pages
@@ -43,13 +43,39 @@ _HEADERS = [
 ]
 
 
+#: How long one answer of `Connection.on_standby` is taken as true, in
+#: seconds: a page then costs no extra round trip, and a failover shows on
+#: the pages within that time.
+STANDBY_CHECK_INTERVAL = 5.0
+
+
 class App:
-    """The ASGI callable; ``conn`` is an open BMDB `Connection` it only reads."""
+    """The ASGI callable; ``conn`` is an open BMDB `Connection` it only reads.
+
+    A connection whose URL lets it read from a standby (libpq's
+    ``target_session_attrs=prefer-standby``) may lag the primary: every page
+    then says so above its content (`STANDBY_NOTE`), as the ``bmdb`` CLI
+    does.
+    """
 
     def __init__(self, conn: Connection, cluster: ClusterView | None = None) -> None:
         """``cluster``: the cluster pages, or None (the cluster link says how to enable them)."""
         self.conn = conn
         self.cluster = cluster
+        #: (when checked, on a standby), by `time.monotonic`.
+        self._standby: tuple[float, bool] | None = None
+
+    async def _on_standby(self) -> bool:
+        """Whether the pages read from a standby, as last checked (at most
+        `STANDBY_CHECK_INTERVAL` ago); False while the BMDB cannot be
+        reached (the page says that itself)."""
+        now = time.monotonic()
+        if self._standby is None or now - self._standby[0] > STANDBY_CHECK_INTERVAL:
+            try:
+                self._standby = (now, await self.conn.on_standby())
+            except DatabaseUnavailable:
+                return False
+        return self._standby[1]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -59,6 +85,9 @@ class App:
             return
         started = time.perf_counter()
         status, body = await self._respond(scope)
+        if status == 200 and await self._on_standby():
+            note = f'<p class="dim" id="standby">{esc(STANDBY_NOTE)}</p>'
+            body = Html(body.replace("<main>", "<main>" + note, 1))
         elapsed_ms = (time.perf_counter() - started) * 1000
         headers = [*_HEADERS, (b"server-timing", f"app;dur={elapsed_ms:.3f}".encode())]
         data = body.encode()

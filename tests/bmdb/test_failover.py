@@ -5,6 +5,7 @@ primary acknowledged is on the new one (synchronous replication)."""
 
 from __future__ import annotations
 
+import html
 import logging
 import sys
 import time
@@ -12,14 +13,16 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import httpx
 import trio
 
 import bmdb
-from bmdb.__main__ import STANDBY_NOTE
+from bmdb.connection import STANDBY_NOTE
 from bmdb.errors import DatabaseUnavailable
 from bmdb.localha import LocalPatroni
 from bmdb.model import Queries
 from common.backoff import ExponentialBackoff, Retrier
+from console.server import serve
 from tests.bmdb.helpers import (
     add_provided_machines,
     agent_start_source,
@@ -168,3 +171,29 @@ async def test_the_cli_says_when_it_reads_from_a_standby(
         outputs[url] = done.stdout.decode()
     assert STANDBY_NOTE in outputs[standby_url]
     assert STANDBY_NOTE not in outputs[ha_bmdb_url]
+
+
+async def test_the_web_ui_says_when_it_reads_from_a_standby(
+    ha_bmdb_url: str, patroni_cluster: LocalPatroni
+) -> None:
+    """The console's pages carry the standby note exactly when the
+    console's connection reads from a standby."""
+    async with bmdb.open_connection(ha_bmdb_url) as conn:
+        [machine] = await add_provided_machines(conn, 1)
+    standby_url = ha_bmdb_url.replace("read-write", "prefer-standby")
+    pages = {}
+    for url in (standby_url, ha_bmdb_url):
+        async with bmdb.open_connection(url) as conn, trio.open_nursery() as nursery:
+            [base] = await nursery.start(serve, conn, "127.0.0.1:0")
+            async with httpx.AsyncClient(base_url=base) as client:
+                with trio.fail_after(60):
+                    while True:  # the standby may not have replayed the machine yet
+                        answer = await client.get("/machines")
+                        if str(machine) in answer.text:
+                            break
+                        await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+        assert answer.status_code == 200
+        pages[url] = answer.text
+    assert html.escape(STANDBY_NOTE) in pages[standby_url]
+    assert 'id="standby"' not in pages[ha_bmdb_url]
