@@ -44,9 +44,9 @@ This module is the command line and the run's order; the phases and the
 folder have modules of their own: `shepherd.demo_takeover` (the machines
 file, each machine's takeover outcome, progress lines),
 `shepherd.demo_cluster` (the node image, the install, approval and
-ConsensusMember), `shepherd.demo_table` (the final tables) and
-`shepherd.demo_workdir` (the working folder, what may be removed from it,
-and the processes that run from it).
+ConsensusMember), `shepherd.demo_table` (the final tables),
+`shepherd.demo_web` (``--web``) and `shepherd.demo_workdir` (the working
+folder, what may be removed from it, and the processes that run from it).
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Sequence
@@ -78,19 +77,18 @@ from shepherd.control_loop import start_control_loop
 from shepherd.demo_cluster import (
     CONSENSUS_GRANTS,
     FIRST_NODE_ADDRESS,
-    DemoFailed,
     default_image_cache,
     node_image,
     whole_path,
 )
 from shepherd.demo_table import final_table, render
 from shepherd.demo_takeover import Outcome, Progress, watch_takeover, write_machines_file
+from shepherd.demo_web import start_web
 from shepherd.demo_workdir import (
     BROKEN_DIR,
     FIRST_DIR,
     MACHINES_DIR,
     MAX_SOCKET_PATH,
-    STOP_GRACE,
     Workdir,
     WorkdirError,
     check_workdir_length,
@@ -99,7 +97,7 @@ from shepherd.demo_workdir import (
 )
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
-from shepherd.localcluster import FirstNode, open_first_node
+from shepherd.localcluster import open_first_node
 from shepherd.localfleet import DISK, loopback_addresses, open_fleet, stop_agent, stop_node
 from shepherd.providers.static import StaticProvider
 from shepherd.provisioner import sync_provided
@@ -379,7 +377,9 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
         try:
             if options.takeover_only:
                 if options.web is not None:
-                    await _start_web(nursery, options, postgres, None)
+                    await start_web(
+                        nursery, options.web, options.workdir / "web.log", postgres.url("bmdb")
+                    )
                 finished, results = False, list[Outcome]()
                 with trio.move_on_at(deadline):
                     finished, results = await watch_takeover(conn, expected, progress)
@@ -398,7 +398,13 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
                         options.workdir / "first.log",
                     )
                     if options.web is not None:
-                        await _start_web(nursery, options, postgres, first)
+                        await start_web(
+                            nursery,
+                            options.web,
+                            options.workdir / "web.log",
+                            postgres.url("bmdb"),
+                            first,
+                        )
                     finished, seen = await whole_path(
                         conn,
                         first,
@@ -432,67 +438,6 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
                 "stopped early: a step failed (above), not every machine reached its outcome"
             )
     return finished
-
-
-async def _start_web(
-    nursery: trio.Nursery, options: Options, postgres: LocalPostgres, first: FirstNode | None
-) -> None:
-    """Start ``python -m console web`` (its own session: the demo stops it,
-    before PostgreSQL) and log its URL; `DemoFailed` if it does not serve."""
-    assert options.web is not None
-    argv = [sys.executable, "-m", "console", "--url", postgres.url("bmdb")]
-    argv += ["web", "--listen", options.web]
-    if first is not None:
-        argv += ["--cluster-owner-root", str(first.root.path)]
-        argv += ["--cluster-owner-key", str(first.owner_key)]
-    log = options.workdir / "web.log"
-    with log.open("ab") as err:
-        process = await trio.lowlevel.open_process(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            start_new_session=True,
-        )
-    ready = trio.Event()
-    urls: list[str] = []
-
-    async def serve() -> None:
-        try:
-            assert process.stdout is not None
-            buffer = b""
-            async for chunk in process.stdout:
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    text = line.decode(errors="replace")
-                    if text.startswith("serving on "):
-                        urls.extend(text.removeprefix("serving on ").split())
-                        ready.set()
-            ready.set()
-            await trio.sleep_forever()
-        finally:
-            await _stop_process(process)
-
-    nursery.start_soon(serve)
-    with trio.fail_after(60):
-        await ready.wait()
-    if not urls:
-        said = log.read_text(errors="replace").strip().splitlines()
-        raise DemoFailed(f"the web UI did not start: {said[-1] if said else 'no output'}")
-    what = "the machines' pages" + (" and the cluster's nodes" if first is not None else "")
-    logger.info("progress: web UI: %s (%s; open it in a browser)", " ".join(urls), what)
-
-
-async def _stop_process(process: trio.Process) -> None:
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(STOP_GRACE):
-                await process.wait()
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
