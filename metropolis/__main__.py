@@ -10,7 +10,10 @@ approval) and keeps running; ``--parameters FILE`` (a NodeParameters with
 cluster_register, as the Shepherd's install writes it) replaces
 ``--ticket`` and ``--cluster``; ``--announce-key FILE`` writes the node's
 public key there as soon as its identity is saved. Run again on the same
-root after a crash, it resumes the saved registration. SIGINT or SIGTERM
+root after a crash, it resumes the saved registration. While no curator
+answers it retries with backoff, for ``--register-deadline SECONDS`` in a
+row (default 300; ``run`` takes it too, for a saved registration); a
+refusal (a wrong ticket) ends it at once. SIGINT or SIGTERM
 stops everything (etcd included) and exits 0. Each of the three takes
 ``--metrics-listen HOST:PORT`` to serve the node's Prometheus metrics at
 ``/metrics`` (:mod:`metropolis.roleserve.metrics`), and ``--snapshot-interval
@@ -75,7 +78,7 @@ from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk
 from metropolis.roleserve.metrics import NodeMetrics
-from metropolis.roleserve.register import register
+from metropolis.roleserve.register import DEFAULT_DEADLINE, register
 from metropolis.roleserve.server import RoleServer
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
 from metropolis.supervisor import Node, supervise
@@ -129,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = actions.add_parser("run", help="restart a node from its saved state")
     run.add_argument("--root", type=Path, required=True, help="the node's data directory")
+    _register_deadline_flag(run, " (when finishing a saved registration)")
 
     reg = actions.add_parser("register", help="join an existing cluster and run")
     reg.add_argument("--root", type=Path, required=True, help="the node's data directory")
@@ -153,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
         help="write the node's Ed25519 public key (32 raw bytes) here once it is saved",
     )
     reg.add_argument("--insecure-seal", action="store_true", help="no TPM: plain-text seal")
+    _register_deadline_flag(reg, "")
     reg.add_argument("--peer-port", type=int, default=7834, help="consensus peer port")
     reg.add_argument("--curator-port", type=int, default=7835, help="curator RPC port")
     reg.add_argument(
@@ -256,6 +261,29 @@ def _root(path: Path) -> Root:
     if os.path.lexists(root.path):
         root.check()
     return root
+
+
+def _register_deadline_flag(command: argparse.ArgumentParser, when: str) -> None:
+    command.add_argument(
+        "--register-deadline",
+        type=_positive_seconds,
+        default=DEFAULT_DEADLINE,
+        metavar="SECONDS",
+        help=f"while registering{when}, retry with backoff (each retry logged) as long as no "
+        f"curator answers, for up to SECONDS in a row, then give up (default "
+        f"{DEFAULT_DEADLINE:g}); a refusal (wrong ticket: PERMISSION_DENIED) ends it at once; "
+        "the wait for the owner's approval is not bounded (not saved)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def _settings(args: argparse.Namespace) -> disk.NodeSettings:
@@ -532,11 +560,14 @@ async def _run_node(
     root: Root,
     metrics_listen: str | None = None,
     snapshots: tuple[Path, float, int] | None = None,
+    register_deadline: float = DEFAULT_DEADLINE,
 ) -> None:
     """Finish a saved registration if there is one, then run the node; until a signal.
 
     ``metrics_listen``: serve the node's metrics there; ``snapshots``:
-    (folder, interval, keep) of scheduled etcd snapshots.
+    (folder, interval, keep) of scheduled etcd snapshots;
+    ``register_deadline``: how long the registration retries an outage of
+    every curator (:func:`~metropolis.roleserve.register.register`).
     """
     saved = disk.load(root)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -550,7 +581,7 @@ async def _run_node(
 
             nursery.start_soon(stop_on_signal)
             if saved.register is not None:
-                await register(root, saved.settings, saved.register)
+                await register(root, saved.settings, saved.register, deadline=register_deadline)
                 saved = disk.load(root)
             # An intent a crash left beside the credentials is done with.
             await trio.to_thread.run_sync(disk.drop_finished_intents, root)
@@ -599,7 +630,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 root = _root(args.root)
             disk.load(root)  # fail before starting anything
-            trio.run(_run_node, root, args.metrics_listen, _snapshots(args, root))
+            trio.run(
+                _run_node,
+                root,
+                args.metrics_listen,
+                _snapshots(args, root),
+                getattr(args, "register_deadline", DEFAULT_DEADLINE),
+            )
     except MetropolisError as e:
         log.error("%s", e)
         return 2

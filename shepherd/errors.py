@@ -21,8 +21,8 @@
     ├── RateSyntaxError            shepherd.rate_limit: a bad rate (also a ValueError)
     ├── LocalSshdError             shepherd.localsshd: the local sshd did not start
     ├── LocalClusterError          shepherd.localcluster: the local first node failed
-    ├── DemoFailed                 shepherd.demo: a step of the demo failed
-    └── WorkdirError               shepherd.demo: the demo's folder is unusable
+    ├── DemoFailed                 shepherd.demo_cluster: a step of the demo failed
+    └── WorkdirError               shepherd.demo_workdir: the demo's folder is unusable
 
 BMDB errors (`bmdb.errors.BMDBError`) pass through the Shepherd unchanged:
 the control loop handles them (a new session), and the CLI reports them.
