@@ -217,11 +217,20 @@ def _shepherd_args(tmp_path: Path, *extra: str) -> list[str]:
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        (["--approve-installed"], "needs --cluster-owner-root and --cluster-owner-key"),
-        (["--cluster-owner-root", "X"], "need --approve-installed"),
+        (["--approve-installed"], "--approve-installed needs --cluster-owner-key with"),
+        (["--cluster-owner-root", "X"], "--cluster-owner-info needs --cluster-owner-key"),
+        (["--cluster-owner-key", "X"], "needs --cluster-owner-root or --cluster-owner-info"),
+        (
+            ["--cluster-owner-root", "X", "--cluster-owner-info", "X", "--cluster-owner-key", "X"],
+            "exclude each other",
+        ),
         (
             ["--approve-installed", "--cluster-owner-root", "X", "--cluster-owner-key", "X"],
-            "--approve-installed: cannot read the owner key",
+            "the cluster owner's credentials: cannot read the owner key",
+        ),
+        (
+            ["--cluster-owner-info", "X", "--cluster-owner-key", "X"],
+            "the cluster owner's credentials: cannot read the owner key",
         ),
     ],
 )
