@@ -245,3 +245,60 @@ async def test_no_release_before_a_wipe_is_reported(
             await q.record_release(mid, "deleted")
 
         await bmdb_conn.transact(release_first)
+
+
+async def test_a_cluster_node_is_not_wiped_without_owner_credentials(
+    aio_loop: object,
+    bmdb_conn: bmdb.Connection,
+    bmdb_url: str,
+    sshd: Sshd,
+    shepherd_ssh_key: SSHKey,
+) -> None:
+    """A machine whose current successful install report names a node is a
+    cluster node: without the owner's credentials the decommissioner cannot
+    remove it from the cluster, so it wipes nothing and says why."""
+    provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
+
+    async def add(q: Queries) -> None:
+        mid = await q.new_machine()
+        await q.add_provided(mid, provider.type, "m-1", address="ignored")
+
+    await bmdb_conn.transact(add)
+    ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    target = sshd.root / "agent"
+    initializer = Initializer(provider, ssh, agent_config(target, _agent()))
+
+    async def taken_over(stats: LoopStats) -> bool:
+        return bool(await agent_keys(bmdb_conn))
+
+    await run_until(bmdb_conn, initializer, taken_over)
+    [mid] = await agent_keys(bmdb_conn)
+    key = bytes(range(32))
+
+    async def installed(q: Queries) -> None:
+        await q.set_os_installation_request(mid, 1, b"request")
+        await q.record_os_installation_report(mid, 1, b"report", True, None, key)
+
+    await bmdb_conn.transact(installed)
+    disk, node = _fake_install(sshd)
+    try:
+        code, _, err = await cli("--url", bmdb_url, "decommission", str(mid), "--reason", "retire")
+        assert (code, err) == (0, ""), err
+        decommissioner = Decommissioner(provider, ssh, agent_target_path=str(target))
+
+        async def failed(stats: LoopStats) -> bool:
+            return len(await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)) >= 2
+
+        await run_until(bmdb_conn, decommissioner, failed)
+        [_, (event, cause)] = await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)
+        node_name = bmdb.model.node_id(key)
+        assert event == WorkEvent.FAILED
+        assert f"is cluster node {node_name}; no owner credentials to remove it" in cause
+        # Nothing was wiped: the node runs, the disk and the agent's key are there.
+        assert node.poll() is None
+        assert (disk / "image.pyz").exists() and (sshd.root / "agent.key").exists()
+        code, out, _ = await cli("--url", bmdb_url, "machine", str(mid))
+        assert "not wiped yet" in out and "no owner credentials" in out
+    finally:
+        node.kill()
+        node.wait()
