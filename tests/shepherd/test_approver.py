@@ -260,8 +260,21 @@ async def test_approver_flags_give_the_owner_access(tmp_path: Path, cluster: Clu
     assert [e.address for e in options.approver.access.endpoints] == [
         e.address for e in cluster.access.endpoints
     ]
+    assert options.owner is options.approver.access  # the decommissioner's too
     without = validate_options(parser, parser.parse_args(_shepherd_args(tmp_path)))
-    assert without.approver is None
+    assert without.approver is None and without.owner is None
+    # The cluster file instead of a root, without the approver: the
+    # decommissioner alone gets the credentials (escrowed at first use).
+    info = tmp_path / "cluster.pb"
+    info.write_bytes(bytes(cluster.info))
+    argv = _shepherd_args(
+        tmp_path, "--cluster-owner-info", str(info), "--cluster-owner-key", str(cluster.owner_key)
+    )
+    by_file = validate_options(parser, parser.parse_args(argv))
+    assert by_file.approver is None and by_file.owner is not None
+    assert by_file.owner.certificate is None
+    assert by_file.owner.ca_certificate == cluster.access.ca_certificate
+    assert [e.host for e in by_file.owner.endpoints] == [e.host for e in cluster.access.endpoints]
 
 
 async def test_python_m_shepherd_approve_installed_runs_the_approver(
