@@ -27,6 +27,7 @@ import trio
 
 import bmdb
 from bmdb import Provider, Queries
+from bmdb.actions import act
 from common.net import free_loopback_port
 from metropolis import identity, pki
 from metropolis.localstorage import Root
@@ -312,3 +313,18 @@ async def test_python_m_shepherd_approve_installed_runs_the_approver(
         text = log.read_text()
         assert f"approved {identity.node_id(installed)}, installed on machine" in text
         assert f"not approving {identity.node_id(unknown)}" in text
+
+
+async def test_a_decommissioning_machine_s_node_is_not_approved(
+    cluster: Cluster, bmdb_conn: bmdb.Connection
+) -> None:
+    """The decommissioner removes that node from the cluster: approving it
+    meanwhile would admit a node about to be wiped."""
+    with trio.fail_after(BOUND):
+        leaving, staying = await _register(cluster), await _register(cluster)
+        machine = await _machine(bmdb_conn, "leaving", 1, 1, _success(1, leaving))
+        await _machine(bmdb_conn, "staying", 1, 1, _success(1, staying))
+        await act(bmdb_conn, "decommission", machine, operator="op", reason="retire")
+        approved = await Approver(cluster.access, bmdb_conn).round()
+        assert [a.node_id for a in approved] == [identity.node_id(staying)]
+        assert (await _states(cluster))[leaving] == "NEW"
