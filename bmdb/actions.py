@@ -12,7 +12,8 @@
                      and the initializer takes it over anew)
     forget-machine   delete a machine its provider no longer lists (the
                      updater recorded it as Missing), history and all
-    decommission     ask the Shepherd's decommissioner to wipe the machine,
+    decommission     ask the Shepherd's decommissioner to remove the machine's
+                     cluster node from the cluster, wipe the machine,
                      have its provider release it, and keep it as a
                      tombstone; from now on no other process takes it
 
@@ -289,7 +290,8 @@ async def _decommission(q: Queries, r: _Request) -> str:
     )
     return (
         "decommission requested: no other process takes the machine from now on; the "
-        "decommissioner has its agent wipe it, the provider release it, and keeps it as a tombstone"
+        "decommissioner removes its cluster node (if it is one) from the cluster, has its agent "
+        "wipe it, the provider release it, and keeps it as a tombstone"
     )
 
 

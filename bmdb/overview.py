@@ -481,9 +481,13 @@ SELECT v.*, p.provider_location, a.agent_public_key, octet_length(r.hardware_rep
        CASE WHEN dc.machine_id IS NULL THEN NULL
             WHEN dc.decommissioned_at IS NOT NULL
                  THEN 'decommissioned (a tombstone) at ' || dc.decommissioned_at
+                      || coalesce('; node ' || dc.node_id || ' ' || dc.node_removal, '')
                       || '; wiped: ' || dc.wipe_report || '; ' || dc.release_detail
             WHEN dc.released_at IS NOT NULL THEN 'released: ' || dc.release_detail
             WHEN dc.wiped_at IS NOT NULL THEN 'wiped at ' || dc.wiped_at || ': ' || dc.wipe_report
+            WHEN dc.node_removed_at IS NOT NULL
+                 THEN 'node ' || dc.node_id || ' at ' || dc.node_removed_at || ': '
+                      || dc.node_removal || '; not wiped yet'
             ELSE 'requested by ' || dc.requested_by || ' at ' || dc.requested_at
                  || ' (' || dc.reason || '), not wiped yet' END
 FROM ({MACHINES_SQL.replace("LIMIT %(limit)s", "")}) v

@@ -13,8 +13,10 @@ machine::
               (same generation)           decoded; Success.node_public_key kept
     curators  ApproveNode              <- NEW nodes whose key is one of those
 
-Never approved: a node whose key no agent reported (logged once, at INFO,
-with its ID and address), one reported only by an older generation than
+Never approved: a node of a machine an operator asked to decommission
+(the decommissioner removes it from the cluster), a node whose key no
+agent reported (logged once, at INFO, with its ID and address), one
+reported only by an older generation than
 the machine's current request (a reinstall replaced it), a report that
 is an error, one whose bytes do not decode (strictly, as a message from
 a peer: :func:`common.protobuf.parse_checked`) or whose own generation
@@ -83,6 +85,7 @@ _INSTALLED = """
     JOIN machine_os_installation_request q ON q.machine_id = r.machine_id
     LEFT JOIN machine_provided p ON p.machine_id = r.machine_id
     WHERE r.generation = q.generation
+      AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = r.machine_id)
 """
 
 

@@ -27,11 +27,15 @@ project) ends the process with status 1 and the API's message.
 The agent callback server, which receives the heartbeats the recoverer
 watches, is its own process: ``python -m shepherd.agent_server``.
 
-``--approve-installed --cluster-owner-root DIR --cluster-owner-key FILE``
-also runs the approver (:mod:`shepherd.approver`): with the cluster owner's
-files (what ``python -m metropolis owner --root DIR --owner-key FILE``
-takes) it approves the cluster's NEW nodes whose key a machine's agent
-reported in a successful installation, every ``--approve-interval``.
+``--cluster-owner-key FILE`` with ``--cluster-owner-root DIR`` (a node's
+root) or ``--cluster-owner-info FILE`` (what ``metropolis owner info --out``
+writes) gives the cluster owner's credentials (what ``python -m metropolis
+owner`` takes). With them the decommissioner removes a machine's cluster
+node from the cluster before the wipe (without, such a machine's
+decommission waits, saying why), and ``--approve-installed`` (which needs
+them) also runs the approver (:mod:`shepherd.approver`): it approves the
+cluster's NEW nodes whose key a machine's agent reported in a successful
+installation, every ``--approve-interval``.
 
 SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
 sessions are deleted, and the process exits with status 0.
@@ -70,7 +74,7 @@ from common.listen import listen_address
 from common.metrics import serve_metrics
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root
-from metropolis.owner import OwnerAccess, load_owner, load_owner_key
+from metropolis.owner import OwnerAccess, load_owner, load_owner_from_cluster, load_owner_key
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_start import AgentConfig
 from shepherd.approver import DEFAULT_INTERVAL as APPROVE_INTERVAL
@@ -127,6 +131,9 @@ class Options:
     recoverer: RecovererOptions = field(default_factory=lambda: RecovererOptions())
     #: None: the approver does not run.
     approver: ApproverOptions | None = None
+    #: The cluster owner's credentials (the decommissioner removes nodes with
+    #: them); None: none were given.
+    owner: OwnerAccess | None = None
 
 
 @dataclass(frozen=True)
@@ -503,7 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_approver_arguments(parser: argparse.ArgumentParser) -> None:
-    approve = parser.add_argument_group("approver (--approve-installed)")
+    approve = parser.add_argument_group(
+        "cluster owner (the approver, --approve-installed; the decommissioner removes nodes)"
+    )
     approve.add_argument(
         "--approve-installed",
         action="store_true",
@@ -514,6 +523,12 @@ def _add_approver_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="DIR",
         help="a cluster node's root with the owner certificate ('metropolis owner --root')",
+    )
+    approve.add_argument(
+        "--cluster-owner-info",
+        type=Path,
+        metavar="FILE",
+        help="instead of a root: the cluster file 'metropolis owner info --out' writes",
     )
     approve.add_argument(
         "--cluster-owner-key",
@@ -530,25 +545,40 @@ def _add_approver_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _approver_options(
-    parser: argparse.ArgumentParser, args: argparse.Namespace
-) -> ApproverOptions | None:
-    """The approver's options; exit with status 2 if they do not go together or
-    the owner's files are unusable (read now: a wrong path is a start-up error)."""
-    owner_files = (args.cluster_owner_root, args.cluster_owner_key)
-    if not args.approve_installed:
-        if any(f is not None for f in owner_files):
-            parser.error("--cluster-owner-root and --cluster-owner-key need --approve-installed")
+def _owner_access(parser: argparse.ArgumentParser, args: argparse.Namespace) -> OwnerAccess | None:
+    """The cluster owner's credentials, or None if none were given; exit with
+    status 2 if they do not go together or are unusable (read now: a wrong
+    path is a start-up error)."""
+    where = [f for f in (args.cluster_owner_root, args.cluster_owner_info) if f is not None]
+    if len(where) > 1:
+        parser.error("--cluster-owner-root and --cluster-owner-info exclude each other")
+    if args.cluster_owner_key is None:
+        if where:
+            parser.error("--cluster-owner-root or --cluster-owner-info needs --cluster-owner-key")
         return None
-    if any(f is None for f in owner_files):
-        parser.error("--approve-installed needs --cluster-owner-root and --cluster-owner-key")
+    if not where:
+        parser.error("--cluster-owner-key needs --cluster-owner-root or --cluster-owner-info")
     try:
-        access = load_owner(
-            Root(args.cluster_owner_root.resolve()), load_owner_key(args.cluster_owner_key)
-        )
+        key = load_owner_key(args.cluster_owner_key)
+        if args.cluster_owner_root is not None:
+            return load_owner(Root(args.cluster_owner_root.resolve()), key)
+        return load_owner_from_cluster(args.cluster_owner_info.resolve(), key)
     except MetropolisError as exc:
-        parser.error(f"--approve-installed: {exc}")
-    return ApproverOptions(access, args.approve_interval)
+        parser.error(f"the cluster owner's credentials: {exc}")
+
+
+def _approver_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, owner: OwnerAccess | None
+) -> ApproverOptions | None:
+    """The approver's options; exit with status 2 without the owner's credentials."""
+    if not args.approve_installed:
+        return None
+    if owner is None:
+        parser.error(
+            "--approve-installed needs --cluster-owner-key with --cluster-owner-root "
+            "or --cluster-owner-info"
+        )
+    return ApproverOptions(owner, args.approve_interval)
 
 
 def parse_options(argv: Sequence[str] | None = None) -> Options:
@@ -594,7 +624,8 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             )
         except StaticFileError as exc:
             parser.error(f"argument --static-machines-path: {exc}")
-    approver = _approver_options(parser, args)
+    owner = _owner_access(parser, args)
+    approver = _approver_options(parser, args, owner)
     executable = args.agent_executable_path or agent_zipapp()
     try:
         agent = AgentConfig(
@@ -658,6 +689,7 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             heartbeat_timeout=args.recovery_heartbeat_timeout,
         ),
         approver=approver,
+        owner=owner,
     )
 
 
@@ -691,7 +723,9 @@ async def run(options: Options) -> None:
         first_heartbeat_timeout=options.recoverer.first_heartbeat_timeout,
         heartbeat_timeout=options.recoverer.heartbeat_timeout,
     )
-    decommissioner = Decommissioner(provider, ssh, agent_target_path=options.agent.target_path)
+    decommissioner = Decommissioner(
+        provider, ssh, agent_target_path=options.agent.target_path, owner=options.owner
+    )
     provisioner = Provisioner(provider, options.provisioner)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

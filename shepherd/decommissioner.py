@@ -9,6 +9,15 @@ process is offered the machine::
     source (in the claiming transaction)
       machines_for_decommission(1)        requested, not done, not held
     handle
+      a cluster node, not removed yet:    the current successful install report
+                                          names the node's key
+        no owner credentials              ──▶ fail: "is cluster node X; no owner
+                                              credentials to remove it"
+        owner.nodes()                     not listed: nothing to remove
+        owner.set_roles(all off)          if it holds roles
+        owner.delete(node)                ──RPC error──▶ tried again through
+                                              common.backoff, then fail (backoff)
+        record_node_removal(detail)       one transaction of its own
       not wiped yet:
         no pinned SSH host key            ──▶ fail: a wipe dials only a machine
                                               that proved its key at a takeover
@@ -26,8 +35,20 @@ process is offered the machine::
 Each step is recorded before the next starts, so a retry (after a failure,
 a crash, a lost session) resumes where it stopped: a machine is never
 released before its wipe is reported (the BMDB's CHECKs hold that too), and
-a wipe already reported is not run again. A cluster node is not removed from
-its cluster first: the cluster has no node deletion yet (issue 27, item 3).
+a wipe already reported is not run again, and a node whose removal is
+recorded is not looked for again. A machine is wiped only once the cluster
+node it runs is gone from the cluster: a wiped node the cluster still
+lists would hold its roles (an etcd voter among them) while dead.
+
+The owner's credentials (`metropolis.owner.OwnerAccess`, what the
+approver uses: ``python -m shepherd --cluster-owner-root DIR`` or
+``--cluster-owner-info FILE``, with ``--cluster-owner-key FILE``) are
+needed only for machines that are nodes; without them such a machine
+waits, its cause in the views, until the Shepherd is started with them
+(then ``python -m bmdb retry-now`` ends the wait). A node that the
+cluster no longer lists (removed by an earlier try whose record was lost,
+or never registered) counts as removed. The node is matched by its
+public key, never by address.
 """
 
 from __future__ import annotations
@@ -40,8 +61,11 @@ import uuid
 import trio
 
 from bmdb import Backoff, Process, Queries, Work
-from bmdb.model import DecommissionTarget
+from bmdb.model import DecommissionTarget, node_id
+from common.backoff import ExponentialBackoff, Retrier
 from common.text import printable
+from metropolis.errors import MetropolisError
+from metropolis.owner import OwnerAccess, describe_change
 from shepherd.control_loop import ProcessingFailed
 from shepherd.providers import Provider, ProviderError
 from shepherd.ssh import SSHClient, SSHError
@@ -53,6 +77,12 @@ DEFAULT_BACKOFF = Backoff(initial=60, maximum=3600, exponent=2)
 
 #: Bound on the SSH session of a wipe (connect, run, stop the node).
 DEFAULT_WIPE_TIMEOUT = 120.0
+
+#: Tries of a node's removal within one work, and the waits between them
+#: (a curator failover, a role revocation the next leader completes);
+#: after the last, the work fails and the BMDB backoff takes over.
+REMOVE_ATTEMPTS = 4
+REMOVE_BACKOFF = ExponentialBackoff(initial=1.0, maximum=8.0)
 
 
 class Decommissioner:
@@ -69,9 +99,17 @@ class Decommissioner:
         agent_target_path: str,
         wipe_timeout: float = DEFAULT_WIPE_TIMEOUT,
         backoff: Backoff = DEFAULT_BACKOFF,
+        owner: OwnerAccess | None = None,
+        remove_attempts: int = REMOVE_ATTEMPTS,
+        remove_backoff: ExponentialBackoff = REMOVE_BACKOFF,
     ) -> None:
         if not wipe_timeout > 0:
             raise ValueError("the wipe timeout must be positive")
+        if remove_attempts < 1:
+            raise ValueError("a node removal needs at least one attempt")
+        self.owner = owner
+        self.remove_attempts = remove_attempts
+        self.remove_backoff = remove_backoff
         self.provider = provider
         self.ssh = ssh
         self.agent_target_path = agent_target_path
@@ -95,6 +133,15 @@ class Decommissioner:
                 f"machine is provided by {provided.provider}, "
                 f"this decommissioner serves {self.provider.type}"
             )
+        key = task.node_public_key
+        if not task.wiped and key is not None and not task.node_removed:
+            removal = await self._remove_node(key)
+
+            async def removed(q: Queries) -> None:
+                await q.record_node_removal(mid, node_id(key), removal)
+
+            await work.transact(removed)
+            logger.info("machine %s: %s", mid, removal)
         if not task.wiped:
             report = await self._wipe(mid, provided.provider_id, task.host_key)
 
@@ -120,6 +167,46 @@ class Decommissioner:
 
         await work.finish(tombstone)
         logger.info("machine %s: decommissioned", mid)
+
+    async def _remove_node(self, key: bytes) -> str:
+        """Remove the node of ``key`` from the cluster (roles revoked, then
+        deleted); what changed, in one line. Tries `remove_attempts` times
+        through `remove_backoff`, then fails the work with the last error."""
+        node = node_id(key)
+        if self.owner is None:
+            raise ProcessingFailed(
+                f"is cluster node {node}; no owner credentials to remove it (start the "
+                "Shepherd with --cluster-owner-key and --cluster-owner-root or "
+                "--cluster-owner-info)"
+            )
+        retrier = Retrier(self.remove_backoff)
+        while True:
+            try:
+                return await self._delete(self.owner, node, key)
+            except MetropolisError as exc:
+                if retrier.failures + 1 >= self.remove_attempts:
+                    raise ProcessingFailed(
+                        f"is cluster node {node}; removing it failed "
+                        f"{retrier.failures + 1} time(s): {printable(str(exc))}"
+                    ) from exc
+                logger.warning("removing cluster node %s failed, trying again: %s", node, exc)
+                await retrier.sleep()
+
+    async def _delete(self, access: OwnerAccess, node: str, key: bytes) -> str:
+        async with access.open() as owner:
+            row = next((r for r in await owner.nodes() if r.public_key == key), None)
+            if row is None:
+                return f"cluster node {node} is not listed by the cluster: nothing to remove"
+            done = []
+            if row.roles:
+                change = await owner.set_roles(
+                    row.node_id,
+                    consensus_member=False if "ConsensusMember" in row.roles else None,
+                    kubernetes_controller=False if "KubernetesController" in row.roles else None,
+                )
+                done.append(describe_change(change))
+            done.append(describe_change(await owner.delete(row.node_id)))
+            return printable("removed from the cluster: " + "; ".join(done))
 
     async def _wipe(self, mid: uuid.UUID, provider_id: str, host_key: bytes | None) -> str:
         """Run ``agent --wipe`` on the machine; its report as one line."""

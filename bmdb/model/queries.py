@@ -188,7 +188,10 @@ def _agent_recovery(
 # of its generation or a later one: the request travels back in the
 # heartbeat's answer, read in the same statement so that the answers cost
 # no query of their own (the main query sees the tables as they were before
-# the statement, which its CTEs do not change).
+# the statement, which its CTEs do not change). A machine asked to be
+# decommissioned gets the generation (a report on it is still stored: the
+# decommissioner must learn of a node the install started) but not the
+# request: its agent is never sent an install from then on.
 _RECORD_HEARTBEATS = """
     WITH req AS (
         SELECT * FROM unnest(
@@ -223,7 +226,10 @@ _RECORD_HEARTBEATS = """
     FROM req r
     WHERE NOT EXISTS (SELECT 1 FROM beat b WHERE b.machine_id = r.machine_id)
     UNION ALL
-    SELECT r.ord, true, q.generation, q.os_installation_request_raw
+    SELECT r.ord, true, q.generation,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
+                                 WHERE dc.machine_id = r.machine_id)
+                THEN q.os_installation_request_raw END
     FROM req r
     JOIN beat b ON b.machine_id = r.machine_id
     JOIN machine_os_installation_request q ON q.machine_id = r.machine_id
@@ -283,7 +289,8 @@ class HeartbeatResult:
     outcome: HeartbeatOutcome
     #: Accepted heartbeats only: the machine's stored OS installation request
     #: (raw OSInstallationRequest) and its generation, if no report of that
-    #: generation (or a later one) is stored.
+    #: generation (or a later one) is stored. A machine being decommissioned
+    #: has the generation (a report on it is stored) but no request to carry.
     installation_request: bytes | None = None
     installation_generation: int | None = None
 
@@ -691,7 +698,9 @@ class Queries:
         for ordinal, authenticated, generation, request in rows:
             if generation is not None:
                 results[ordinal - 1] = HeartbeatResult(
-                    HeartbeatOutcome.ACCEPTED, bytes(request), int(generation)
+                    HeartbeatOutcome.ACCEPTED,
+                    None if request is None else bytes(request),
+                    int(generation),
                 )
             else:
                 results[ordinal - 1] = HeartbeatResult(
@@ -735,11 +744,16 @@ class Queries:
         busy = [*_AGENT_PROCESSES, Process.SHEPHERD_DECOMMISSION]
         rows = await self.execute(
             f"""SELECT {_PROVIDED_COLUMNS}, k.public_key, dc.wiped_at IS NOT NULL,
-                       dc.released_at IS NOT NULL
+                       dc.released_at IS NOT NULL, orp.node_public_key,
+                       dc.node_removed_at IS NOT NULL
                 FROM machines m
                 JOIN machine_decommission dc ON dc.machine_id = m.machine_id
                 LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
                 LEFT JOIN machine_ssh_host_key k ON k.machine_id = m.machine_id
+                LEFT JOIN machine_os_installation_request oq ON oq.machine_id = m.machine_id
+                LEFT JOIN machine_os_installation_report orp
+                  ON orp.machine_id = m.machine_id AND orp.generation = oq.generation
+                 AND orp.success
                 WHERE dc.decommissioned_at IS NULL
                   AND NOT {_LIVE_WORK}
                   AND NOT {_ACTIVE_BACKOFF}
@@ -755,9 +769,25 @@ class Queries:
                 host_key=None if r[6] is None else bytes(r[6]),
                 wiped=r[7],
                 released=r[8],
+                node_public_key=None if r[9] is None else bytes(r[9]),
+                node_removed=r[10],
             )
             for r in rows
         ]
+
+    async def record_node_removal(
+        self, machine_id: uuid.UUID | str, node_id: str, detail: str
+    ) -> None:
+        """Store that the cluster node ``node_id`` the machine ran was removed
+        from its cluster (``detail``: what changed), before its wipe."""
+        _check_text("node id", node_id)
+        _check_text("node removal", detail)
+        await self.execute(
+            """UPDATE machine_decommission
+               SET node_id = %s, node_removed_at = now(), node_removal = %s
+               WHERE machine_id = %s AND wiped_at IS NULL""",
+            (node_id, detail, as_uuid(machine_id)),
+        )
 
     async def record_wipe(self, machine_id: uuid.UUID | str, report: str) -> None:
         """Store the agent's wipe report on a machine being decommissioned."""

@@ -188,6 +188,11 @@ class DecommissionTarget:
     wiped: bool
     #: The provider released it (a retry does not release again).
     released: bool
+    #: The node key of the machine's current successful installation
+    #: report: the machine is (or was) that cluster node.
+    node_public_key: bytes | None = None
+    #: That node's removal from the cluster is recorded (not done again).
+    node_removed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,10 @@ failed and why, and a new generation can be asked for. A report's error
 cause is a machine's text: made `common.text.printable` before it is
 stored or logged. A report that is malformed (no result, generation not positive, a
 node public key that is neither empty nor 32 bytes) refuses the heartbeat
-with invalid_argument, writing nothing.
+with invalid_argument, writing nothing. A machine an operator asked to
+decommission is carried no request from then on (a report on the pending
+generation is still stored, so that the decommissioner learns of the node
+an install already under way started).
 
 A signed heartbeat, once written, is answered with a new session
 (`shepherd.agent_server.session`), with which the agent then MACs its

@@ -22,6 +22,7 @@ import trio
 
 import bmdb
 from bmdb import Isolation, Queries
+from bmdb.actions import act
 from common.protobuf import parse_checked
 from common.text import printable
 from shepherd.agent import ed25519, protocol, wire
@@ -308,3 +309,26 @@ async def test_a_request_the_agent_could_not_read_is_refused_not_carried(
     )
     cut = request_refusal(request_bytes(1, root="disk0")[:-1], 1)
     assert cut is not None and cut.startswith("request does not decode: ")
+
+
+async def test_a_decommissioning_machine_is_carried_no_request(
+    bmdb_conn: bmdb.Connection, url: str
+) -> None:
+    """Once an operator asks to decommission a machine, its pending request
+    no longer reaches its agent (another machine's still does); a report on
+    that generation is still stored, so the decommissioner learns of the node
+    an install already under way started."""
+    leaving, staying = await new_agent(bmdb_conn, url), await new_agent(bmdb_conn, url)
+    raw = await store_request(bmdb_conn, leaving.machine_id, 1)
+    other = await store_request(bmdb_conn, staying.machine_id, 1)
+    assert carried(await leaving.beat()) == raw
+    await act(bmdb_conn, "decommission", leaving.machine_id, operator="op", reason="retire")
+    for _ in range(2):  # MACed, then signed (a new session)
+        assert carried(await leaving.beat()) is None
+        leaving.session = None
+    assert carried(await staying.beat()) == other
+    assert await stored_report(bmdb_conn, leaving.machine_id) is None  # pending, not carried
+    key = bytes(range(32))
+    assert carried(await leaving.beat(success(1, key))) is None
+    stored = await stored_report(bmdb_conn, leaving.machine_id)
+    assert stored is not None and stored[0] == 1

@@ -27,6 +27,7 @@ import trio
 
 import bmdb
 from bmdb import Provider, Queries
+from bmdb.actions import act
 from common.net import free_loopback_port
 from metropolis import identity, pki
 from metropolis.localstorage import Root
@@ -217,11 +218,20 @@ def _shepherd_args(tmp_path: Path, *extra: str) -> list[str]:
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        (["--approve-installed"], "needs --cluster-owner-root and --cluster-owner-key"),
-        (["--cluster-owner-root", "X"], "need --approve-installed"),
+        (["--approve-installed"], "--approve-installed needs --cluster-owner-key with"),
+        (["--cluster-owner-root", "X"], "--cluster-owner-info needs --cluster-owner-key"),
+        (["--cluster-owner-key", "X"], "needs --cluster-owner-root or --cluster-owner-info"),
+        (
+            ["--cluster-owner-root", "X", "--cluster-owner-info", "X", "--cluster-owner-key", "X"],
+            "exclude each other",
+        ),
         (
             ["--approve-installed", "--cluster-owner-root", "X", "--cluster-owner-key", "X"],
-            "--approve-installed: cannot read the owner key",
+            "the cluster owner's credentials: cannot read the owner key",
+        ),
+        (
+            ["--cluster-owner-info", "X", "--cluster-owner-key", "X"],
+            "the cluster owner's credentials: cannot read the owner key",
         ),
     ],
 )
@@ -251,8 +261,21 @@ async def test_approver_flags_give_the_owner_access(tmp_path: Path, cluster: Clu
     assert [e.address for e in options.approver.access.endpoints] == [
         e.address for e in cluster.access.endpoints
     ]
+    assert options.owner is options.approver.access  # the decommissioner's too
     without = validate_options(parser, parser.parse_args(_shepherd_args(tmp_path)))
-    assert without.approver is None
+    assert without.approver is None and without.owner is None
+    # The cluster file instead of a root, without the approver: the
+    # decommissioner alone gets the credentials (escrowed at first use).
+    info = tmp_path / "cluster.pb"
+    info.write_bytes(bytes(cluster.info))
+    argv = _shepherd_args(
+        tmp_path, "--cluster-owner-info", str(info), "--cluster-owner-key", str(cluster.owner_key)
+    )
+    by_file = validate_options(parser, parser.parse_args(argv))
+    assert by_file.approver is None and by_file.owner is not None
+    assert by_file.owner.certificate is None
+    assert by_file.owner.ca_certificate == cluster.access.ca_certificate
+    assert [e.host for e in by_file.owner.endpoints] == [e.host for e in cluster.access.endpoints]
 
 
 async def test_python_m_shepherd_approve_installed_runs_the_approver(
@@ -290,3 +313,18 @@ async def test_python_m_shepherd_approve_installed_runs_the_approver(
         text = log.read_text()
         assert f"approved {identity.node_id(installed)}, installed on machine" in text
         assert f"not approving {identity.node_id(unknown)}" in text
+
+
+async def test_a_decommissioning_machine_s_node_is_not_approved(
+    cluster: Cluster, bmdb_conn: bmdb.Connection
+) -> None:
+    """The decommissioner removes that node from the cluster: approving it
+    meanwhile would admit a node about to be wiped."""
+    with trio.fail_after(BOUND):
+        leaving, staying = await _register(cluster), await _register(cluster)
+        machine = await _machine(bmdb_conn, "leaving", 1, 1, _success(1, leaving))
+        await _machine(bmdb_conn, "staying", 1, 1, _success(1, staying))
+        await act(bmdb_conn, "decommission", machine, operator="op", reason="retire")
+        approved = await Approver(cluster.access, bmdb_conn).round()
+        assert [a.node_id for a in approved] == [identity.node_id(staying)]
+        assert (await _states(cluster))[leaving] == "NEW"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -18,6 +19,10 @@ import trio
 
 import bmdb
 from bmdb import Process, Provider, Queries, WorkEvent
+from common.backoff import ExponentialBackoff
+from metropolis import pki
+from metropolis.owner import OwnerAccess
+from metropolis.rpc import Endpoint
 from shepherd.control_loop import LoopStats
 from shepherd.decommissioner import Decommissioner
 from shepherd.initializer import Initializer
@@ -245,3 +250,114 @@ async def test_no_release_before_a_wipe_is_reported(
             await q.record_release(mid, "deleted")
 
         await bmdb_conn.transact(release_first)
+
+
+async def test_a_cluster_node_is_not_wiped_without_owner_credentials(
+    aio_loop: object,
+    bmdb_conn: bmdb.Connection,
+    bmdb_url: str,
+    sshd: Sshd,
+    shepherd_ssh_key: SSHKey,
+) -> None:
+    """A machine whose current successful install report names a node is a
+    cluster node: without the owner's credentials the decommissioner cannot
+    remove it from the cluster, so it wipes nothing and says why."""
+    provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
+
+    async def add(q: Queries) -> None:
+        mid = await q.new_machine()
+        await q.add_provided(mid, provider.type, "m-1", address="ignored")
+
+    await bmdb_conn.transact(add)
+    ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    target = sshd.root / "agent"
+    initializer = Initializer(provider, ssh, agent_config(target, _agent()))
+
+    async def taken_over(stats: LoopStats) -> bool:
+        return bool(await agent_keys(bmdb_conn))
+
+    await run_until(bmdb_conn, initializer, taken_over)
+    [mid] = await agent_keys(bmdb_conn)
+    key = bytes(range(32))
+
+    async def installed(q: Queries) -> None:
+        await q.set_os_installation_request(mid, 1, b"request")
+        await q.record_os_installation_report(mid, 1, b"report", True, None, key)
+
+    await bmdb_conn.transact(installed)
+    disk, node = _fake_install(sshd)
+    try:
+        code, _, err = await cli("--url", bmdb_url, "decommission", str(mid), "--reason", "retire")
+        assert (code, err) == (0, ""), err
+        decommissioner = Decommissioner(provider, ssh, agent_target_path=str(target))
+
+        async def failed(stats: LoopStats) -> bool:
+            return len(await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)) >= 2
+
+        await run_until(bmdb_conn, decommissioner, failed)
+        [_, (event, cause)] = await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)
+        node_name = bmdb.model.node_id(key)
+        assert event == WorkEvent.FAILED
+        assert f"is cluster node {node_name}; no owner credentials to remove it" in cause
+        # Nothing was wiped: the node runs, the disk and the agent's key are there.
+        assert node.poll() is None
+        assert (disk / "image.pyz").exists() and (sshd.root / "agent.key").exists()
+        code, out, _ = await cli("--url", bmdb_url, "machine", str(mid))
+        assert "not wiped yet" in out and "no owner credentials" in out
+    finally:
+        node.kill()
+        node.wait()
+
+
+async def test_a_failing_node_removal_is_retried_then_shown_and_nothing_is_wiped(
+    bmdb_conn: bmdb.Connection, bmdb_url: str, shepherd_ssh_key: SSHKey
+) -> None:
+    """Curators that do not answer: the removal is tried ``remove_attempts``
+    times (waiting through common.backoff), then the work fails with the
+    cause, which the views show; the wipe is not tried (its own failure
+    would say "no pinned SSH host key")."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    ca_key = pki.generate_key()
+    access = OwnerAccess(
+        [Endpoint("127.0.0.1", closed)], pki.new_ca(ca_key, "test CA"), pki.generate_key()
+    )
+    provider = StaticProvider([Machine("m-1", "127.0.0.1", 22)])
+    key = bytes(range(32))
+
+    async def add(q: Queries) -> bmdb.model.MachineProvided:
+        mid = await q.new_machine()
+        await q.add_provided(mid, provider.type, "m-1")
+        await q.set_os_installation_request(mid, 1, b"request")
+        await q.record_os_installation_report(mid, 1, b"report", True, None, key)
+        return (await q.provided_by_provider(provider.type))[0]
+
+    mid = (await bmdb_conn.transact(add)).machine_id
+    code, _, err = await cli("--url", bmdb_url, "decommission", str(mid), "--reason", "retire")
+    assert (code, err) == (0, ""), err
+    ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    decommissioner = Decommissioner(
+        provider,
+        ssh,
+        agent_target_path="/root/agent",
+        owner=access,
+        remove_attempts=3,
+        remove_backoff=ExponentialBackoff(initial=0.01, maximum=0.02),
+    )
+
+    async def failed(stats: LoopStats) -> bool:
+        return len(await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)) >= 2
+
+    await run_until(bmdb_conn, decommissioner, failed)
+    [_, (event, cause)] = await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)
+    assert event == WorkEvent.FAILED
+    assert f"is cluster node {bmdb.model.node_id(key)}; removing it failed 3 time(s)" in cause
+    code, out, _ = await cli("--url", bmdb_url, "machine", str(mid))
+    assert "removing it failed" in out and "not wiped yet" in out and "BACKOFF" in out
+
+    async def stamps(q: Queries) -> list[object]:
+        rows = await q.execute("SELECT node_removed_at, wiped_at FROM machine_decommission")
+        return list(rows[0])
+
+    assert await bmdb_conn.transact(stamps) == [None, None]
