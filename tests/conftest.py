@@ -34,6 +34,7 @@ SERIAL_GROUPS = {
     "tests/test_install_e2e.py": "fixed-address",
     "tests/test_install_failures.py": "fixed-address",
     "tests/test_install_hostile.py": "fixed-address",
+    "tests/test_decommission_e2e.py": "fixed-address",
     "tests/shepherd/test_demo.py": "fixed-address",
     "tests/shepherd/test_agent_install.py": "fixed-address",
     "tests/shepherd/test_agent_install_e2e.py": "fixed-address",
