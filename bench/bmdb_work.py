@@ -1,7 +1,7 @@
 """BMDB work cycles (source + claim + finish) against pgbench, in one run.
 
     python -m bench.bmdb_work [--machines 50000] [--share 0.1] [--workers 1,4,16] [--smoke]
-    python -m bench.bmdb_work --compare-machines 1000,100000 [--compare-cycles 2000] [--smoke]
+    python -m bench.bmdb_work --compare-machines 1000,100000 [--compare-cycles 500] [--smoke]
 
 Every figure is measured here, against one PostgreSQL 15 started for the run:
 
@@ -312,7 +312,7 @@ def main() -> None:
         help="instead: claim+finish cost per cycle on fleets of these sizes (e.g. 1000,100000),"
         " --compare-cycles cycles each with the largest of --workers",
     )
-    parser.add_argument("--compare-cycles", type=int, default=2000)
+    parser.add_argument("--compare-cycles", type=int, default=500)
     args = parse_args(parser, {"machines": 200, "workers": "2", "compare_cycles": 20})
     worker_counts = [int(w) for w in args.workers.split(",")]
     cycles = int(args.machines * args.share)
@@ -322,6 +322,9 @@ def main() -> None:
     try:
         if args.compare_machines:
             sizes = sorted(int(n) for n in args.compare_machines.split(","))
+            if args.compare_cycles > sizes[0] // 2:
+                # More would run out of machines to start on the smallest fleet.
+                parser.error(f"--compare-cycles must be at most half of {sizes[0]}")
             _compare_fleets(server, sizes, max(worker_counts), args.compare_cycles)
             return
         _prepare_templates(server, args.machines, args.machines - cycles)
