@@ -1,6 +1,7 @@
 """BMDB work cycles (source + claim + finish) against pgbench, in one run.
 
     python -m bench.bmdb_work [--machines 50000] [--share 0.1] [--workers 1,4,16] [--smoke]
+    python -m bench.bmdb_work --compare-machines 1000,100000 [--compare-cycles 500] [--smoke]
 
 Every figure is measured here, against one PostgreSQL 15 started for the run:
 
@@ -26,6 +27,11 @@ Every figure is measured here, against one PostgreSQL 15 started for the run:
   sustains), and *go best*, its first ``GO_BEST_CYCLES`` cycles on a fresh
   fleet (its best case, about the ~500/s the issue quotes). Ratio b is
   printed against both.
+
+With ``--compare-machines SMALL,LARGE`` it measures only ours, on fresh
+fleets of each size, the same cycles on each: the cost of a claim+finish
+cycle on the largest over the smallest (goal <= 1.2: a claim costs the same
+however large the fleet).
 
 "wasted" is (serialization retries + work conflicts) / successful claims.
 """
@@ -230,10 +236,10 @@ def _pgbench(server: LocalPostgres, db: str, script: Path, clients: int, cycles:
 # -- fleets -------------------------------------------------------------------
 
 
-def _prepare_templates(server: LocalPostgres, machines: int, processed: int) -> None:
-    """bench_first: ``machines`` provided, none processed; bench_last: the
-    oldest ``processed`` of them already have their agent started."""
-    server.admin(f"CREATE DATABASE bench_first TEMPLATE {TEMPLATE_DB}")
+def _prepare_fleet(server: LocalPostgres, name: str, machines: int) -> None:
+    """Database ``name``: ``machines`` provided, none processed, and the
+    pgbench session."""
+    server.admin(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
     server.admin(f"""
         DO $$ BEGIN
         WITH m AS (INSERT INTO machines (machine_created_at)
@@ -244,8 +250,14 @@ def _prepare_templates(server: LocalPostgres, machines: int, processed: int) -> 
         INSERT INTO sessions (session_id, session_component_name, session_runtime_info,
                               session_interval_seconds, session_deadline)
         VALUES ('{PGBENCH_SESSION}', 'pgbench', '', 3600, now() + interval '1 day');
-        END $$""", db="bench_first")  # fmt: skip
-    server.admin("VACUUM ANALYZE", db="bench_first")
+        END $$""", db=name)  # fmt: skip
+    server.admin("VACUUM ANALYZE", db=name)
+
+
+def _prepare_templates(server: LocalPostgres, machines: int, processed: int) -> None:
+    """bench_first: ``machines`` provided, none processed; bench_last: the
+    oldest ``processed`` of them already have their agent started."""
+    _prepare_fleet(server, "bench_first", machines)
     server.admin("CREATE DATABASE bench_last TEMPLATE bench_first")
     server.admin(f"""
         INSERT INTO machine_agent_started (machine_id, agent_started_at, agent_public_key)
@@ -266,18 +278,55 @@ def _fresh(server: LocalPostgres, template: str) -> str:
     return name
 
 
+def _compare_fleets(server: LocalPostgres, sizes: list[int], workers: int, cycles: int) -> None:
+    """Claim+finish cycles per second of ours on fleets of ``sizes`` machines
+    (none processed), and the cost per cycle of the largest over the smallest."""
+    rates = {}
+    for size in sizes:
+        _prepare_fleet(server, f"bench_fleet_{size}", size)
+        url = server.url(_fresh(server, f"bench_fleet_{size}"))
+        rates[size] = trio.run(_ours, url, workers, cycles).rate
+    print(f"{workers} workers, {cycles} claim+finish cycles per fleet\n")
+    print(f"{'machines':>9}  {'cycles/s':>8}  {'cost vs smallest':>16}")
+    small = min(sizes)
+    for size in sizes:
+        print(f"{size:>9}  {rates[size]:>8.0f}  {rates[small] / rates[size]:>16.2f}")
+    large = max(sizes)
+    report(
+        "bmdb_work",
+        f"claim+finish cost per cycle, {large} / {small} machines",
+        rates[small] / rates[large],
+        "<= 1.2",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--machines", type=int, default=50_000)
     parser.add_argument("--share", type=float, default=0.1, help="share processed per run")
     parser.add_argument("--workers", default="1,4,16")
-    args = parse_args(parser, {"machines": 200, "workers": "2"})
+    parser.add_argument(
+        "--compare-machines",
+        default="",
+        metavar="SMALL,LARGE",
+        help="instead: claim+finish cost per cycle on fleets of these sizes (e.g. 1000,100000),"
+        " --compare-cycles cycles each with the largest of --workers",
+    )
+    parser.add_argument("--compare-cycles", type=int, default=500)
+    args = parse_args(parser, {"machines": 200, "workers": "2", "compare_cycles": 20})
     worker_counts = [int(w) for w in args.workers.split(",")]
     cycles = int(args.machines * args.share)
 
     root = Path(tempfile.mkdtemp(prefix="bmdb-bench-"))
     server = start_with_template(root)
     try:
+        if args.compare_machines:
+            sizes = sorted(int(n) for n in args.compare_machines.split(","))
+            if args.compare_cycles > sizes[0] // 2:
+                # More would run out of machines to start on the smallest fleet.
+                parser.error(f"--compare-cycles must be at most half of {sizes[0]}")
+            _compare_fleets(server, sizes, max(worker_counts), args.compare_cycles)
+            return
         _prepare_templates(server, args.machines, args.machines - cycles)
         ours_script = root / "ours.sql"
         ours_script.write_text(_ours_script())
