@@ -42,7 +42,7 @@ def _provider(sushy: Sushy, credentials: BMCCredentials = GOOD) -> StaticProvide
 
 
 async def _wait_power(provider: StaticProvider, machine_id: str, want: PowerState) -> None:
-    with trio.fail_after(60):  # the fake driver applies a reset 1..11 s later
+    with trio.fail_after(60):  # the fake driver applies a change POWER_DELAY s later
         while (await provider.refresh(machine_id)).power != want:  # noqa: ASYNC110 (state is in the BMC)
             await trio.sleep(0.2)
 
