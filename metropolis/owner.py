@@ -29,15 +29,18 @@ Errors: :class:`~metropolis.rpc.RPCError` from the curators,
 
 from __future__ import annotations
 
+import random
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import trio
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.backoff import ExponentialBackoff, Retrier
 from metropolis import identity, pki
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import LocalStorageError, Root
@@ -75,6 +78,12 @@ __all__ = [
     "open_owner",
     "role_names",
 ]
+
+
+#: How long `Owner.nodes` retries a stale read that no curator can serve
+#: yet (their etcd is electing a leader), in seconds.
+STALE_READ_PATIENCE = 10.0
+_STALE_READ_BACKOFF = ExponentialBackoff(initial=0.1, maximum=1.0, jitter=(0.8, 1.2))
 
 
 class OwnerError(MetropolisError):
@@ -196,7 +205,18 @@ class Owner:
         except RPCError as e:
             if e.code is not Status.UNAVAILABLE:
                 raise
-        return await self._nodes(stale_ok=True)
+        # A follower may itself be briefly unable to read: etcd elects a new
+        # leader when the dead curator's node led it too ("leader changed").
+        retrier = Retrier(_STALE_READ_BACKOFF, random.Random())
+        deadline = trio.current_time() + STALE_READ_PATIENCE
+        while True:
+            try:
+                return await self._nodes(stale_ok=True)
+            except RPCError as e:
+                left = deadline - trio.current_time()
+                if e.code is not Status.UNAVAILABLE or left <= 0:
+                    raise
+                await retrier.sleep(at_most=left)
 
     async def _nodes(self, *, stale_ok: bool) -> list[NodeRow]:
         metadata = {STALE_OK_HEADER: "1"} if stale_ok else None

@@ -36,6 +36,7 @@ from metropolis.curator.election import (
 from metropolis.curator.managementapi import HEARTBEAT_TIMEOUT
 from metropolis.curator.membership import LEARNER_TIMEOUT
 from metropolis.curator.probe import PROBE_ENV, run_probe
+from metropolis.curator.rpcerrors import unavailable_consensus
 from metropolis.curator.server import CuratorServer
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.identity import NodeCredentials
@@ -198,6 +199,7 @@ class Curator:
                         api.security(),
                         metrics=self._rpc_metrics,
                         name="curator",
+                        translate=unavailable_consensus,
                     )
                     api.register(server)
                     # The listeners are bound: a connection made from now on

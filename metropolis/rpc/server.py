@@ -111,9 +111,15 @@ class Server:
         limits: Limits | None = None,
         metrics: RPCMetrics | None = None,
         name: str = "rpc",
+        translate: Callable[[Exception], RPCError | None] | None = None,
     ) -> None:
         """``metrics``: where every finished call is counted, as ``name``
-        (:mod:`metropolis.rpc.metrics`)."""
+        (:mod:`metropolis.rpc.metrics`). ``translate``: the status a
+        handler's exception other than `RPCError` answers with, where the
+        server's owner knows one (a store that is briefly unavailable is
+        UNAVAILABLE, which a caller retries); None, or no ``translate``,
+        answers INTERNAL and logs the exception."""
+        self._translate = translate
         self._ssl = ssl_context
         self._metrics = metrics
         self._name = name
@@ -328,9 +334,14 @@ class Server:
                 await call.fail(e)
             except (StreamGone, trio.Cancelled):
                 raise
-            except Exception:
-                _log.exception("handler of %s failed", path)
-                await call.fail(RPCError(Status.INTERNAL, "internal error"))
+            except Exception as e:
+                known = self._translate(e) if self._translate is not None else None
+                if known is None:
+                    _log.exception("handler of %s failed", path)
+                    known = RPCError(Status.INTERNAL, "internal error")
+                else:
+                    _log.info("%s answered %s: %s", path, known.code.name, e)
+                await call.fail(known)
         if deadline_scope.cancelled_caught and not call.gone:
             why = "deadline exceeded"
             if not request_in and arrival < deadline:
