@@ -81,8 +81,10 @@ __all__ = [
 
 
 #: How long `Owner.nodes` retries a stale read that no curator can serve
-#: yet (their etcd is electing a leader), in seconds.
-STALE_READ_PATIENCE = 10.0
+#: yet (their etcd is electing a leader), in seconds: about an etcd
+#: election, and well inside the console's own call timeout, so that a
+#: cluster with no curator left is reported as such.
+STALE_READ_PATIENCE = 3.0
 _STALE_READ_BACKOFF = ExponentialBackoff(initial=0.1, maximum=1.0, jitter=(0.8, 1.2))
 
 
