@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import secrets
 import shutil
 import signal
@@ -58,8 +57,8 @@ from bmdb.connection import migrate
 from bmdb.localserver import (
     TEMPLATE_DB,
     LocalPostgresError,
-    _first_untraversable,
     find_postgres_bin,
+    server_user,
 )
 from common.net import free_loopback_port
 
@@ -179,22 +178,7 @@ class LocalPatroni:
 
     def create(self) -> None:
         """Write the members' folders and Patroni configurations."""
-        entry = None
-        if self._user:
-            try:
-                entry = pwd.getpwnam(self._user)
-            except KeyError:
-                raise LocalPostgresError(
-                    "running as root, but there is no 'postgres' user to run the server as"
-                ) from None
-        if entry is not None:
-            blocked = _first_untraversable(self.root.parent.resolve(), entry)
-            if blocked is not None:
-                raise LocalPostgresError(
-                    f"the servers run as user {self._user!r}, which cannot enter {blocked}"
-                    f" (mode {blocked.stat().st_mode & 0o777:o}); put {self.root} in a folder"
-                    " that user can traverse (e.g. chmod o+x on it)"
-                )
+        entry = server_user(self._user, self.root) if self._user else None
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700 if entry is None else 0o711)
         (self.root / "etcd").mkdir(mode=0o700, exist_ok=True)

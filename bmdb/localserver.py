@@ -116,19 +116,7 @@ class LocalPostgres:
         # superuser: nobody but the server's user (and root) may enter it.
         os.chmod(self.socket_dir, 0o700)
         if self._user:
-            try:
-                entry = pwd.getpwnam(self._user)
-            except KeyError:
-                raise LocalPostgresError(
-                    "running as root, but there is no 'postgres' user to run the server as"
-                ) from None
-            blocked = _first_untraversable(self.root.parent.resolve(), entry)
-            if blocked is not None:
-                raise LocalPostgresError(
-                    f"the server runs as user {self._user!r}, which cannot enter {blocked}"
-                    f" (mode {blocked.stat().st_mode & 0o777:o}); put {self.root} in a folder"
-                    " that user can traverse (e.g. chmod o+x on it)"
-                )
+            entry = server_user(self._user, self.root)
             for path in (self.root, self.socket_dir):
                 os.chown(path, entry.pw_uid, entry.pw_gid)
         result = subprocess.run(
@@ -231,6 +219,30 @@ class LocalPostgres:
         if sig == signal.SIGKILL:
             # Orphaned backends keep the shared memory busy; wait for them.
             _wait_for_no_backends(self.data)
+
+
+def server_user(name: str, root: Path) -> pwd.struct_passwd:
+    """The user ``name`` that a server run as root runs as, once it is
+    sure that user can reach ``root`` (its data lies there).
+
+    Raises `LocalPostgresError` if there is no such user, or if it may not
+    enter ``root``'s folder or one of its ancestors (say which, and how to
+    mend it).
+    """
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise LocalPostgresError(
+            f"running as root, but there is no {name!r} user to run the server as"
+        ) from None
+    blocked = _first_untraversable(root.parent.resolve(), entry)
+    if blocked is not None:
+        raise LocalPostgresError(
+            f"the server runs as user {name!r}, which cannot enter {blocked}"
+            f" (mode {blocked.stat().st_mode & 0o777:o}); put {root} in a folder"
+            " that user can traverse (e.g. chmod o+x on it)"
+        )
+    return entry
 
 
 def _first_untraversable(folder: Path, user: pwd.struct_passwd) -> Path | None:
