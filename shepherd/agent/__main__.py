@@ -45,15 +45,16 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from .daemon import detach, log, replace_running_agent
+# Only what the takeover exchange needs: the heartbeat's modules (daemon,
+# heartbeat, hwreport, protocol) are imported where the heartbeat starts,
+# since the uploaded agent's modules are compiled from source at each start.
 from .ed25519 import ed25519_public_key
 from .errors import AgentError
-from .heartbeat import Heartbeater
-from .hwreport import collect_hardware_report
 from .keyfile import load_or_create_seed
 from .wire import DecodeError, TakeoverInit, encode_error, encode_success, iter_fields
 
 if TYPE_CHECKING:
+    from .heartbeat import Heartbeater
     from .install import Settings
 
 
@@ -138,8 +139,10 @@ def main() -> int:
         return 2
     init_bytes = sys.stdin.buffer.read()
     response = take_over(init_bytes, _beside(".key"))
-    heartbeater = None
+    heartbeater: Heartbeater | None = None
     if interval is not None and iter_fields(response)[0][0] == 1:  # success
+        from .heartbeat import Heartbeater  # the heartbeat's path only
+
         try:
             warnings: list[str] = []
             heartbeater = Heartbeater(
@@ -152,7 +155,12 @@ def main() -> int:
             response = encode_error(str(exc))
     sys.stdout.buffer.write(response)
     sys.stdout.buffer.flush()
-    if heartbeater is None or not detach(_beside(".log")):
+    if heartbeater is None:
+        return 0
+    from .daemon import detach, log, replace_running_agent
+    from .hwreport import collect_hardware_report
+
+    if not detach(_beside(".log")):
         return 0
     try:
         replace_running_agent(_beside(".pid"))
