@@ -43,6 +43,7 @@ PRINTS = {
     "controlplane": "grant, n2 in its own process",
     "etcdclient": "watch event",
     "grant_trace": "median ratio",
+    "growth": "100,000 machines a day:",
     "heartbeat": "ratio full/bare:",
     "initializer": "machines/min",
     "install": "by hand / product (time ratio)",
