@@ -43,7 +43,6 @@ import trio
 
 from common.backoff import Retrier
 from metropolis.consensus.client import (
-    _KEEP_ALIVE_RETRY,
     GRPC_CANCELED,
     GRPC_NOT_FOUND,
     GRPC_UNAVAILABLE,
@@ -73,6 +72,7 @@ from metropolis.consensus.client import (
     _b,
     _prefix_end,
     check_socket_path,
+    keep_lease_alive,
 )
 from metropolis.consensus.client import Watch as _GatewayWatch
 from metropolis.proto.gen import etcdserverpb as pb
@@ -406,26 +406,7 @@ class KV:
         an unreachable etcd is retried every second until the lease must have
         expired (then :class:`LeaseExpired`), as is a lease etcd says is gone.
         Signals ``task_status.started()`` after the first successful refresh."""
-        started = False
-        deadline = trio.current_time() + lease.ttl
-        retrier = Retrier(_KEEP_ALIVE_RETRY)
-        while True:
-            try:
-                ttl = await self.keep_alive_once(lease.id)
-            except EtcdUnavailable as e:
-                if self._gw.closed:
-                    raise EtcdClosed("etcd client was closed under the keep-alive") from e
-                if trio.current_time() >= deadline:
-                    raise LeaseExpired(lease.id) from e
-                logger.warning("lease %x keep-alive failed, retrying: %s", lease.id, e)
-                await retrier.sleep(at_most=deadline - trio.current_time())
-                continue
-            retrier.reset()
-            deadline = trio.current_time() + ttl
-            if not started:
-                started = True
-                task_status.started()
-            await trio.sleep(max(ttl / 3, 0.1))
+        await keep_lease_alive(self.keep_alive_once, lease, lambda: self._gw.closed, task_status)
 
     async def revoke(self, lease_id: int) -> None:
         """Revoke the lease, deleting its keys. :class:`LeaseExpired` if it is already gone."""

@@ -45,7 +45,7 @@ import base64
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -741,26 +741,7 @@ class KV:
         :class:`LeaseExpired` as soon as etcd says the lease is gone. Signals
         ``task_status.started()`` after the first successful refresh.
         """
-        started = False
-        deadline = trio.current_time() + lease.ttl
-        retrier = Retrier(_KEEP_ALIVE_RETRY)
-        while True:
-            try:
-                ttl = await self.keep_alive_once(lease.id)
-            except EtcdUnavailable as e:
-                if self._gw.closed:
-                    raise EtcdClosed("etcd client was closed under the keep-alive") from e
-                if trio.current_time() >= deadline:
-                    raise LeaseExpired(lease.id) from e
-                logger.warning("lease %x keep-alive failed, retrying: %s", lease.id, e)
-                await retrier.sleep(at_most=deadline - trio.current_time())
-                continue
-            retrier.reset()
-            deadline = trio.current_time() + ttl
-            if not started:
-                started = True
-                task_status.started()
-            await trio.sleep(max(ttl / 3, 0.1))
+        await keep_lease_alive(self.keep_alive_once, lease, lambda: self._gw.closed, task_status)
 
     async def revoke(self, lease_id: int) -> None:
         """Revoke the lease, deleting its keys. :class:`LeaseExpired` if it is already gone."""
@@ -781,6 +762,39 @@ class KV:
         see :class:`Watch` for what happens after that.
         """
         return Watch(self, key, prefix=prefix, start_revision=start_revision)
+
+
+async def keep_lease_alive(
+    refresh: Callable[[int], Awaitable[int]],
+    lease: Lease,
+    closed: Callable[[], bool],
+    task_status: trio.TaskStatus[None],
+) -> NoReturn:
+    """The keep-alive loop both etcd clients share: ``refresh(lease_id)``
+    returns the new TTL every TTL/3; :class:`EtcdUnavailable` is retried every
+    second until the lease must have expired (then :class:`LeaseExpired`), or
+    becomes :class:`EtcdClosed` once ``closed()`` says the client is closed.
+    Signals ``task_status.started()`` after the first successful refresh."""
+    started = False
+    deadline = trio.current_time() + lease.ttl
+    retrier = Retrier(_KEEP_ALIVE_RETRY)
+    while True:
+        try:
+            ttl = await refresh(lease.id)
+        except EtcdUnavailable as e:
+            if closed():
+                raise EtcdClosed("etcd client was closed under the keep-alive") from e
+            if trio.current_time() >= deadline:
+                raise LeaseExpired(lease.id) from e
+            logger.warning("lease %x keep-alive failed, retrying: %s", lease.id, e)
+            await retrier.sleep(at_most=deadline - trio.current_time())
+            continue
+        retrier.reset()
+        deadline = trio.current_time() + ttl
+        if not started:
+            started = True
+            task_status.started()
+        await trio.sleep(max(ttl / 3, 0.1))
 
 
 class Watch:
