@@ -31,7 +31,7 @@ from pathlib import Path
 import trio
 
 import bmdb
-from bench.bmdb_work import _ours
+from bench.bmdb_work import work_cycles
 from bench.ratios import report
 from bench.smoke import parse_args
 from bmdb import localha, localserver
@@ -145,7 +145,7 @@ def main() -> None:
         rates = {}
         for name, url in urls.items():
             trio.run(_populate, url, args.machines)
-            rates[name] = trio.run(_ours, url, args.workers, args.cycles).rate
+            rates[name] = trio.run(work_cycles, url, args.workers, args.cycles).rate
         ratio = rates["patroni"] / rates["single"]
         print(f"{args.workers} workers, {args.cycles} claim+finish cycles on {args.machines}")
         print(f"{'server':>8}  {'cycles/s':>9}")

@@ -80,7 +80,10 @@ async def _source(q: Queries) -> list[uuid.UUID]:
     return [machines[0].machine_id]
 
 
-async def _ours(url: str, workers: int, cycles: int) -> Result:
+async def work_cycles(url: str, workers: int, cycles: int) -> Result:
+    """Run ``cycles`` claim+finish cycles of our BMDB work on ``workers``
+    concurrent workers against ``url``; the other benchmarks (bmdb_ha) share
+    it so that both sides of their ratios run the same work."""
     async with bmdb.open_connection(url, max_connections=2 * workers + 2) as conn:
         remaining = cycles
         started = trio.Event()
@@ -285,7 +288,7 @@ def _compare_fleets(server: LocalPostgres, sizes: list[int], workers: int, cycle
     for size in sizes:
         _prepare_fleet(server, f"bench_fleet_{size}", size)
         url = server.url(_fresh(server, f"bench_fleet_{size}"))
-        rates[size] = trio.run(_ours, url, workers, cycles).rate
+        rates[size] = trio.run(work_cycles, url, workers, cycles).rate
     print(f"{workers} workers, {cycles} claim+finish cycles per fleet\n")
     print(f"{'machines':>9}  {'cycles/s':>8}  {'cost vs smallest':>16}")
     small = min(sizes)
@@ -356,7 +359,7 @@ def main() -> None:
         for workers in worker_counts:
             for phase in ("first", "last"):
                 ours = trio.run(
-                    _ours, server.url(_fresh(server, f"bench_{phase}")), workers, cycles
+                    work_cycles, server.url(_fresh(server, f"bench_{phase}")), workers, cycles
                 )
                 pgb = _pgbench(
                     server, _fresh(server, f"bench_{phase}"), ours_script, workers, cycles
