@@ -5,9 +5,10 @@ accepted from an agent is lost, and the workers carry on without an
 operator. Prints, per fault, the time from the primary's loss to
 the first commit on the new primary.
 
-``BMDB_FAILOVER_MACHINES`` sets the fleet's size: 800 by default, to keep
-the suite's time down (the faults, each waited out until the cluster is
-healthy again, take most of it); 2000 is the issue's figure. The worker
+``BMDB_FAILOVER_MACHINES`` sets the fleet's size: 2000 by default, the
+figure the HA BMDB is held to (a smaller fleet shortens a local run; the
+faults, each waited out until the cluster is healthy again, take most of
+its time). The worker
 processes hold each machine `HOLD` seconds, so that the run outlasts the
 three faults (asserted).
 """
@@ -35,7 +36,7 @@ from tests.bmdb.helpers import KEY, bulk_provided_machines, outcome_counts
 
 logger = logging.getLogger("tests.bmdb.failover_workers")
 
-MACHINES = int(os.environ.get("BMDB_FAILOVER_MACHINES", "800"))
+MACHINES = int(os.environ.get("BMDB_FAILOVER_MACHINES", "2000"))
 PROCESSES = 8
 #: Seconds a worker holds each machine (its stand-in for real work).
 HOLD = 0.25
