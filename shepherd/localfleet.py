@@ -40,6 +40,7 @@ import os
 import shlex
 import signal
 import sys
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -76,6 +77,13 @@ class FleetMachine:
     #: one spawned while it stops is in ``_children`` before it reaps them.
     _spawning: set[asyncio.Future[asyncio.subprocess.Process]] = field(
         default_factory=set, repr=False
+    )
+    #: The transports of commands spawned, exited or not. One whose pipe a
+    #: detached grandchild still holds stays open after its command exits;
+    #: the fleet closes it inside the loop when it stops, since a transport
+    #: collected after the loop closed reports "Event loop is closed".
+    _transports: weakref.WeakSet[asyncio.BaseTransport] = field(
+        default_factory=weakref.WeakSet, repr=False
     )
     #: Set once the fleet stops: no command starts after that.
     _stopping: bool = field(default=False, repr=False)
@@ -154,6 +162,9 @@ def _spawned(machine: FleetMachine, spawn: asyncio.Future[asyncio.subprocess.Pro
         return
     child = spawn.result()
     machine._children.add(child)
+    transport: asyncio.BaseTransport | None = getattr(child, "_transport", None)
+    if transport is not None:
+        machine._transports.add(transport)
     child_exited = asyncio.ensure_future(child.wait())
     child_exited.add_done_callback(lambda _: machine._children.discard(child))
 
@@ -290,6 +301,8 @@ async def _stop(fleet: Fleet) -> None:
             with contextlib.suppress(ProcessLookupError):
                 child.kill()
             await child.wait()
+        for transport in list(machine._transports):
+            transport.close()
         # An agent detaches from the SSH session that started it (on a real
         # machine it outlives the Shepherd's connection), so closing the
         # server does not end it, nor the node an agent started (which
