@@ -11,7 +11,12 @@
 
 The curator never retries on a client that is gone: a newer consensus
 status, or ``EtcdClosed`` from the election, restarts it (``node.restart``,
-no backoff), and the restart waits for consensus to run again. The RPC API
+no backoff), and the restart waits for consensus to run again. So does
+``EtcdUnavailable`` (etcd's socket refused or reset) when the consensus
+status changes within :data:`ETCD_GONE_GRACE`: etcd exits by itself once its
+member is removed, a moment before the consensus service notices and says
+so, and the curator's calls in that moment are part of the planned stop.
+Unavailable without such a change, it fails (the supervisor backs off). The RPC API
 is served from here (:mod:`.server`) when the curator has credentials and an
 address; it reads :attr:`Curator.election` to know whether to answer or
 name the leader.
@@ -24,7 +29,7 @@ import os
 
 import trio
 
-from metropolis.consensus.client import EtcdClosed, Lease
+from metropolis.consensus.client import EtcdClosed, EtcdUnavailable, Lease
 from metropolis.consensus.membership import Status
 from metropolis.curator.election import (
     DEFAULT_TTL,
@@ -38,12 +43,16 @@ from metropolis.curator.membership import LEARNER_TIMEOUT
 from metropolis.curator.probe import PROBE_ENV, run_probe
 from metropolis.curator.rpcerrors import unavailable_consensus
 from metropolis.curator.server import CuratorServer
-from metropolis.event import ReadOnlyValue, Value
+from metropolis.event import ReadOnlyValue, Value, Watcher
 from metropolis.identity import NodeCredentials
 from metropolis.rpc import RPCMetrics, Server, server_context
-from metropolis.supervisor import Node
+from metropolis.supervisor import Node, RestartRequested
 
-__all__ = ["Curator"]
+__all__ = ["ETCD_GONE_GRACE", "Curator"]
+
+#: Seconds a curator whose etcd became unreachable waits for the consensus
+#: status to change (etcd left: the service noticed) before it fails.
+ETCD_GONE_GRACE = 5.0
 
 
 class Curator:
@@ -97,119 +106,158 @@ class Curator:
     async def run(self, node: Node) -> None:
         """Run until cancelled; restarts itself (on request) when consensus changes.
 
-        Raises the etcd client's errors other than a closed client (the
-        supervisor restarts it with backoff).
+        Raises the etcd client's errors other than a closed client, and
+        ``EtcdUnavailable`` unless the consensus status changes within
+        :data:`ETCD_GONE_GRACE` of it (the supervisor restarts it with backoff).
         """
         self._election.set(Follower(None))
         with self._consensus.watch() as watcher:
             node.logger.info("waiting for consensus")
             status = await watcher.get(lambda s: s.running)
-            kv = status.curator_client()
-            node.logger.info("consensus is running; campaigning")
-            async with trio.open_nursery() as nursery:
-
-                async def follow_consensus() -> None:
-                    await watcher.get()
+            try:
+                await self._campaign_and_serve(node, watcher, status)
+            except BaseException as exc:
+                if not _only(exc, (EtcdUnavailable, EtcdClosed, RestartRequested)):
+                    raise
+                # etcd went away under the curator: it exits by itself once
+                # its member is removed (the leader's consensus revoked), and
+                # consensus, which stops the curator for that, notices a
+                # moment later. That is the planned stop, not a failure.
+                if _contains(exc, RestartRequested):
                     node.restart("consensus changed; its etcd client is gone")
+                with trio.move_on_after(ETCD_GONE_GRACE):
+                    await watcher.get()
+                    node.restart("consensus stopped as its etcd went away")
+                raise
 
-                # Only the first run: the lease is revoked when a run ends.
-                lease, self._lease = self._lease, None
-                # The campaign runs beside the API's start, but its outcome is
-                # published only once the API listens: whoever sees this
-                # curator lead can call it at once.
-                campaign: Value[ElectionState] = Value()
-                listening = trio.Event()
+    async def _campaign_and_serve(
+        self, node: Node, watcher: Watcher[Status], status: Status
+    ) -> None:
+        """Campaign and serve the API on ``status`` (a running consensus) until cancelled.
 
-                async def publish() -> None:
-                    await listening.wait()
-                    with campaign.watch() as states:
-                        while True:
-                            state = await states.get()
-                            if isinstance(state, Leader):
-                                node.logger.info("this curator leads (term %d)", state.revision)
-                            self._election.set(state)
+        Asks for a restart (raises ``RestartRequested``) when the consensus
+        status changes or the etcd client closes.
+        """
+        kv = status.curator_client()
+        node.logger.info("consensus is running; campaigning")
+        async with trio.open_nursery() as nursery:
 
-                async def elect() -> None:
-                    try:
-                        await run_election(
-                            kv,
-                            self.node_id,
-                            campaign,
-                            ttl=self.ttl,
-                            logger=node.logger,
-                            lease=lease,
-                        )
-                    except* EtcdClosed:
-                        # Also from inside the election's nursery (keep-alive).
-                        node.restart("the etcd client closed")
+            async def follow_consensus() -> None:
+                await watcher.get()
+                node.restart("consensus changed; its etcd client is gone")
 
-                nursery.start_soon(follow_consensus)
-                serve = self._credentials is not None and self._listen is not None
-                loaded: list[CuratorServer] = []
+            # Only the first run: the lease is revoked when a run ends.
+            lease, self._lease = self._lease, None
+            # The campaign runs beside the API's start, but its outcome is
+            # published only once the API listens: whoever sees this
+            # curator lead can call it at once.
+            campaign: Value[ElectionState] = Value()
+            listening = trio.Event()
 
-                async def load_api() -> None:
-                    loaded.append(
-                        await CuratorServer.load(
-                            status,
-                            peer_port=self._peer_port,
-                            learner_timeout=self._learner_timeout,
-                            heartbeat_timeout=self._heartbeat_timeout,
-                        )
+            async def publish() -> None:
+                await listening.wait()
+                with campaign.watch() as states:
+                    while True:
+                        state = await states.get()
+                        if isinstance(state, Leader):
+                            node.logger.info("this curator leads (term %d)", state.revision)
+                        self._election.set(state)
+
+            async def elect() -> None:
+                try:
+                    await run_election(
+                        kv,
+                        self.node_id,
+                        campaign,
+                        ttl=self.ttl,
+                        logger=node.logger,
+                        lease=lease,
                     )
+                except* EtcdClosed:
+                    # Also from inside the election's nursery (keep-alive).
+                    node.restart("the etcd client closed")
 
-                nursery.start_soon(publish)
-                # The API does not wait for the campaign's lease: until the
-                # campaign's outcome is published (after the API listens, see
-                # above) it answers as a follower of an unknown leader, as it
-                # would while the lease was held and the campaign in flight.
-                # The lease is a write, which on a node that has just joined
-                # takes both members' fsyncs: waiting for it cost a grant of
-                # ConsensusMember that round trip on its critical path; the
-                # API's reads go beside it.
-                nursery.start_soon(elect)
-                listeners: list[trio.SocketListener] = []
-                if serve:
-                    assert self._listen is not None
-                    host, port = self._listen
-                    # Bound while the API's reads are in flight (one round
-                    # trip): a caller that connects meanwhile waits in the
-                    # listen backlog, not refused; the port is published
-                    # only once the API serves.
-                    try:
-                        async with trio.open_nursery() as startup:
-                            startup.start_soon(load_api)
-                            listeners = await trio.open_tcp_listeners(port, host=host)
-                    except BaseException:
-                        # The API failed to load (or we were cancelled) with
-                        # the port bound: release it now, not at collection.
-                        for listener in listeners:
-                            listener.socket.close()
-                        raise
-                if os.environ.get(PROBE_ENV) == "1":  # test hook: leader-guarded writes
-                    nursery.start_soon(
-                        functools.partial(
-                            run_probe, kv, self.election, self.node_id, logger=node.logger
-                        )
+            nursery.start_soon(follow_consensus)
+            serve = self._credentials is not None and self._listen is not None
+            loaded: list[CuratorServer] = []
+
+            async def load_api() -> None:
+                loaded.append(
+                    await CuratorServer.load(
+                        status,
+                        peer_port=self._peer_port,
+                        learner_timeout=self._learner_timeout,
+                        heartbeat_timeout=self._heartbeat_timeout,
                     )
-                if serve:
-                    assert self._credentials is not None and self._listen is not None
-                    [api] = loaded
-                    server = Server(
-                        server_context(self._credentials),
-                        api.security(),
-                        metrics=self._rpc_metrics,
-                        name="curator",
-                        translate=unavailable_consensus,
+                )
+
+            nursery.start_soon(publish)
+            # The API does not wait for the campaign's lease: until the
+            # campaign's outcome is published (after the API listens, see
+            # above) it answers as a follower of an unknown leader, as it
+            # would while the lease was held and the campaign in flight.
+            # The lease is a write, which on a node that has just joined
+            # takes both members' fsyncs: waiting for it cost a grant of
+            # ConsensusMember that round trip on its critical path; the
+            # API's reads go beside it.
+            nursery.start_soon(elect)
+            listeners: list[trio.SocketListener] = []
+            if serve:
+                assert self._listen is not None
+                host, port = self._listen
+                # Bound while the API's reads are in flight (one round
+                # trip): a caller that connects meanwhile waits in the
+                # listen backlog, not refused; the port is published
+                # only once the API serves.
+                try:
+                    async with trio.open_nursery() as startup:
+                        startup.start_soon(load_api)
+                        listeners = await trio.open_tcp_listeners(port, host=host)
+                except BaseException:
+                    # The API failed to load (or we were cancelled) with
+                    # the port bound: release it now, not at collection.
+                    for listener in listeners:
+                        listener.socket.close()
+                    raise
+            if os.environ.get(PROBE_ENV) == "1":  # test hook: leader-guarded writes
+                nursery.start_soon(
+                    functools.partial(
+                        run_probe, kv, self.election, self.node_id, logger=node.logger
                     )
-                    api.register(server)
-                    # The listeners are bound: a connection made from now on
-                    # is accepted once the serving task runs. Not waiting for
-                    # that task to say so spares the nested task starts,
-                    # each a turn of every other task the new control plane
-                    # has just started.
-                    nursery.start_soon(api.serve, server, self.election, listeners)
-                    bound = listeners[0].socket.getsockname()[1]
-                    node.logger.info("serving the curator API on %s:%d", self._listen[0], bound)
-                    self._port.set(bound)
-                listening.set()
-                node.signal_healthy()
+                )
+            if serve:
+                assert self._credentials is not None and self._listen is not None
+                [api] = loaded
+                server = Server(
+                    server_context(self._credentials),
+                    api.security(),
+                    metrics=self._rpc_metrics,
+                    name="curator",
+                    translate=unavailable_consensus,
+                )
+                api.register(server)
+                # The listeners are bound: a connection made from now on
+                # is accepted once the serving task runs. Not waiting for
+                # that task to say so spares the nested task starts,
+                # each a turn of every other task the new control plane
+                # has just started.
+                nursery.start_soon(api.serve, server, self.election, listeners)
+                bound = listeners[0].socket.getsockname()[1]
+                node.logger.info("serving the curator API on %s:%d", self._listen[0], bound)
+                self._port.set(bound)
+            listening.set()
+            node.signal_healthy()
+
+
+def _only(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    """Whether every leaf of ``exc`` (a group or not) is one of ``kinds``."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(kinds)[1] is None
+    return isinstance(exc, kinds)
+
+
+def _contains(exc: BaseException, kind: type[BaseException]) -> bool:
+    """Whether some leaf of ``exc`` (a group or not) is a ``kind``."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(kind)[0] is not None
+    return isinstance(exc, kind)

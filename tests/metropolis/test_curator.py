@@ -14,8 +14,9 @@ import trio.testing
 from common.net import free_loopback_port
 from metropolis import identity, pki
 from metropolis.consensus import Config, Service, Status
-from metropolis.consensus.client import KV, Compare, LeaseExpired, Put
+from metropolis.consensus.client import KV, Client, Compare, EtcdUnavailable, LeaseExpired, Put
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, kill_etcd
+from metropolis.curator import service as curator_service
 from metropolis.curator.bootstrap import BootstrapResult, bootstrap_cluster
 from metropolis.curator.election import ElectionState, Follower, Leader, NotLeader, run_election
 from metropolis.curator.service import Curator
@@ -30,13 +31,16 @@ from metropolis.event import Value
 from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRoles, NodeRolesKubernetesWorker, NodeState
 from metropolis.proto.curator import LeaderElectionValue, Node
-from metropolis.supervisor import Supervisor, open_supervisor
+from metropolis.supervisor import BackoffPolicy, State, Supervisor, open_supervisor
 
 BOUND = 60
 
 
 @asynccontextmanager
-async def consensus(tmp_path: Path) -> AsyncIterator[tuple[Service, Supervisor, Status]]:
+async def consensus(
+    tmp_path: Path, *, policy: BackoffPolicy | None = None
+) -> AsyncIterator[tuple[Service, Supervisor, Status]]:
+    """A one-member consensus, supervised (with ``policy``: its restarts' backoff)."""
     root = Root(tmp_path / "n")
     root.create()
     service = Service(
@@ -48,7 +52,7 @@ async def consensus(tmp_path: Path) -> AsyncIterator[tuple[Service, Supervisor, 
             tuning=LOOPBACK_TUNING,
         )
     )
-    async with open_supervisor(service.run, name="consensus") as supervisor:
+    async with open_supervisor(service.run, name="consensus", policy=policy) as supervisor:
         with trio.fail_after(BOUND):
             status = await service.wait_running()
         yield service, supervisor, status
@@ -329,3 +333,71 @@ async def test_curator_leads_and_restarts_when_consensus_restarts(tmp_path: Path
                     await w.get(lambda s: isinstance(s, Leader))
                 [info] = [i for i in cs.snapshot() if i.name == "curator"]
                 assert info.restarts >= 1 and info.last_error is None
+
+
+@asynccontextmanager
+async def _etcd_gone_under_a_running_status(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[Value[Status], Status]]:
+    """A status that says running while its etcd is gone, and the one that says not.
+
+    The moment between etcd leaving by itself (its member removed) and the
+    consensus service saying so, held open: the etcd is killed, its service
+    waits a minute before restarting it, and the curator follows a value of
+    the test's holding the last running status, on an open client.
+    """
+    async with (
+        consensus(tmp_path, policy=BackoffPolicy(initial=60, jitter=0)) as (service, _, status),
+        Client(service.config.client_socket) as client,
+    ):
+        kill_etcd(service.config.ephemeral)
+        with trio.fail_after(BOUND), service.status.watch() as w:
+            stopped = await w.get(lambda s: not s.running)
+        running = Status(
+            running=True,
+            node_id=status.node_id,
+            peer_url=status.peer_url,
+            member_id=status.member_id,
+            _client=client,
+            _config=service.config,
+        )
+        value = Value[Status]()
+        value.set(running)
+        yield value, stopped
+
+
+async def test_etcd_gone_as_consensus_stops_restarts_the_curator_on_request(
+    tmp_path: Path,
+) -> None:
+    """EtcdUnavailable, then the consensus status changes: the stop, not a failure."""
+    async with _etcd_gone_under_a_running_status(tmp_path) as (value, stopped):
+        curator = Curator(value.readonly(), stopped.node_id)
+        with trio.fail_after(BOUND):
+            async with open_supervisor(curator.run, name="curator") as cs:
+                # Its lease grant is refused; it waits for consensus to change.
+                await trio.testing.wait_all_tasks_blocked(cushion=0.1)
+                assert cs.restart_totals() == {}
+                assert cs.state("curator") is not State.BACKOFF
+                value.set(stopped)
+                await trio.testing.wait_all_tasks_blocked(cushion=0.1)
+                assert cs.restart_totals() == {("curator", "request"): 1}
+                [info] = [i for i in cs.snapshot() if i.name == "curator"]
+                assert info.last_error is None
+
+
+async def test_etcd_gone_under_a_running_consensus_is_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EtcdUnavailable and no consensus change within the grace: the curator fails."""
+    monkeypatch.setattr(curator_service, "ETCD_GONE_GRACE", 0.2)
+    async with _etcd_gone_under_a_running_status(tmp_path) as (value, stopped):
+        curator = Curator(value.readonly(), stopped.node_id)
+        with trio.fail_after(BOUND):
+            async with open_supervisor(curator.run, name="curator") as cs:
+                await cs.wait_state("curator", State.BACKOFF)
+                assert cs.restart_totals() == {}  # counted once the backoff is over
+        [failed] = [r for r in caplog.records if r.name == "curator" and r.levelname == "ERROR"]
+        assert failed.exc_info is not None
+        error = failed.exc_info[1]
+        assert isinstance(error, ExceptionGroup)
+        assert error.split(EtcdUnavailable)[1] is None
