@@ -189,6 +189,22 @@ class EtcdAPIError(EtcdError):
         """
         return self.code in (GRPC_UNAVAILABLE, GRPC_FAILED_PRECONDITION, GRPC_DEADLINE_EXCEEDED)
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the member answered so because it is shutting down.
+
+        etcd fails the requests in flight with these (code UNKNOWN) when its
+        raft loop stops: after its own member was removed, or on a signal.
+        Such a member never serves again; to a caller it is as gone as one
+        whose socket refuses.
+        """
+        return self.message in _STOPPING_MESSAGES
+
+
+#: etcd's texts for a request cut off by its server stopping
+#: (``raft.ErrStopped`` and ``etcdserver.ErrStopped``).
+_STOPPING_MESSAGES = frozenset({"raft: stopped", "etcdserver: server stopped"})
+
 
 class LeaseExpired(EtcdError):
     """The lease no longer exists (expired or revoked)."""

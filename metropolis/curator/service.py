@@ -12,7 +12,8 @@
 The curator never retries on a client that is gone: a newer consensus
 status, or ``EtcdClosed`` from the election, restarts it (``node.restart``,
 no backoff), and the restart waits for consensus to run again. So does
-``EtcdUnavailable`` (etcd's socket refused or reset) when the consensus
+``EtcdUnavailable`` (etcd's socket refused or reset), or etcd answering
+that it is stopping (``EtcdAPIError.stopping``), when the consensus
 status changes within :data:`ETCD_GONE_GRACE`: etcd exits by itself once its
 member is removed, a moment before the consensus service notices and says
 so, and the curator's calls in that moment are part of the planned stop.
@@ -26,10 +27,11 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import trio
 
-from metropolis.consensus.client import EtcdClosed, EtcdUnavailable, Lease
+from metropolis.consensus.client import EtcdAPIError, EtcdClosed, EtcdUnavailable, Lease
 from metropolis.consensus.membership import Status
 from metropolis.curator.election import (
     DEFAULT_TTL,
@@ -107,7 +109,8 @@ class Curator:
         """Run until cancelled; restarts itself (on request) when consensus changes.
 
         Raises the etcd client's errors other than a closed client, and
-        ``EtcdUnavailable`` unless the consensus status changes within
+        ``EtcdUnavailable`` (or etcd's "stopping" answers) unless the
+        consensus status changes within
         :data:`ETCD_GONE_GRACE` of it (the supervisor restarts it with backoff).
         """
         self._election.set(Follower(None))
@@ -117,7 +120,7 @@ class Curator:
             try:
                 await self._campaign_and_serve(node, watcher, status)
             except BaseException as exc:
-                if not _only(exc, (EtcdUnavailable, EtcdClosed, RestartRequested)):
+                if not _only(exc, _etcd_gone_or_restart):
                     raise
                 # etcd went away under the curator: it exits by itself once
                 # its member is removed (the leader's consensus revoked), and
@@ -249,11 +252,22 @@ class Curator:
             node.signal_healthy()
 
 
-def _only(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
-    """Whether every leaf of ``exc`` (a group or not) is one of ``kinds``."""
+def _etcd_gone_or_restart(exc: BaseException) -> bool:
+    """Whether ``exc`` says the curator's etcd went away, or asks for a restart.
+
+    Gone: unreachable, this client closed, or the member answering that it
+    is stopping (the requests in flight when a removed member's raft stops).
+    """
+    if isinstance(exc, EtcdAPIError):
+        return exc.stopping
+    return isinstance(exc, (EtcdUnavailable, EtcdClosed, RestartRequested))
+
+
+def _only(exc: BaseException, leaf: Callable[[BaseException], bool]) -> bool:
+    """Whether every leaf of ``exc`` (a group or not) satisfies ``leaf``."""
     if isinstance(exc, BaseExceptionGroup):
-        return exc.split(kinds)[1] is None
-    return isinstance(exc, kinds)
+        return exc.split(leaf)[1] is None
+    return leaf(exc)
 
 
 def _contains(exc: BaseException, kind: type[BaseException]) -> bool:

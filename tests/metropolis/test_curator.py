@@ -14,7 +14,15 @@ import trio.testing
 from common.net import free_loopback_port
 from metropolis import identity, pki
 from metropolis.consensus import Config, Service, Status
-from metropolis.consensus.client import KV, Client, Compare, EtcdUnavailable, LeaseExpired, Put
+from metropolis.consensus.client import (
+    KV,
+    Client,
+    Compare,
+    EtcdAPIError,
+    EtcdUnavailable,
+    LeaseExpired,
+    Put,
+)
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, kill_etcd
 from metropolis.curator import service as curator_service
 from metropolis.curator.bootstrap import BootstrapResult, bootstrap_cluster
@@ -401,3 +409,20 @@ async def test_etcd_gone_under_a_running_consensus_is_a_failure(
         error = failed.exc_info[1]
         assert isinstance(error, ExceptionGroup)
         assert error.split(EtcdUnavailable)[1] is None
+
+
+def test_a_member_answering_that_it_stops_is_gone_like_an_unreachable_one() -> None:
+    """etcd's "raft: stopped" to the requests in flight as a removed member
+    stops is the same planned stop as its socket refusing; other answers
+    are failures."""
+    stopping = EtcdAPIError("raft: stopped", 2, 500)
+    assert stopping.stopping
+    assert curator_service._only(
+        ExceptionGroup("nursery", [ExceptionGroup("inner", [stopping, EtcdUnavailable("gone")])]),
+        curator_service._etcd_gone_or_restart,
+    )
+    refused = EtcdAPIError("etcdserver: too many requests", 8, 429)
+    assert not refused.stopping
+    assert not curator_service._only(
+        ExceptionGroup("nursery", [stopping, refused]), curator_service._etcd_gone_or_restart
+    )
