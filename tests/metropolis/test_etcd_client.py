@@ -486,3 +486,70 @@ async def test_no_transport_error_escapes(tmp_path: Path, client_class: ClientCl
                 await client.get("k")
         nursery.cancel_scope.cancel()
     listener.close()
+
+
+async def _gateway_cutting_short(
+    path: Path, answers: list[bytes], seen: list[bytes], *, task_status: trio.TaskStatus[None]
+) -> None:
+    """A UNIX-socket stand-in for etcd's gateway: one request per connection,
+    answered with the first of ``answers``, taken off the list unless it is
+    the last; each request's head line goes to ``seen``."""
+    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await listener.bind(str(path))
+    listener.listen()
+    task_status.started()
+    with listener:
+        while True:
+            conn, _ = await listener.accept()
+            with conn:
+                request = await conn.recv(65536)
+                seen.append(request.split(b"\r\n", 1)[0])
+                body = answers.pop(0) if len(answers) > 1 else answers[0]
+                status = b"200 OK" if b'"kvs"' in body else b"500 Internal Server Error"
+                await conn.send(
+                    b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
+                    b"Connection: close\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
+
+
+_CUT_SHORT = b'{"error":"unexpected EOF","code":13,"message":"unexpected EOF"}'
+
+
+async def test_a_read_the_gateway_cut_short_is_sent_again_a_write_is_not(
+    tmp_path: Path,
+) -> None:
+    """etcd 3.4's gateway relays each call over gRPC to its own member, and
+    answers INTERNAL "unexpected EOF" when that link loses the answer midway
+    (seen on CI under load). A read is sent again; a write, which may have
+    been applied, is not."""
+    found = (
+        b'{"header":{"revision":"7"},"count":"1","kvs":[{"key":"aw==","value":"dg==",'
+        b'"create_revision":"7","mod_revision":"7","version":"1"}]}'
+    )
+    path = tmp_path / "gw.sock"
+    seen: list[bytes] = []
+    answers = [_CUT_SHORT, _CUT_SHORT, found]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_gateway_cutting_short, path, answers, seen)
+        async with Client(path, timeout=10) as client:
+            with trio.fail_after(BOUND):
+                kv = await client.get("k")
+            assert kv is not None and kv.value == b"v"
+            assert seen == [b"POST /v3/kv/range HTTP/1.1"] * 3
+
+            seen.clear()
+            answers[:] = [_CUT_SHORT]
+            with trio.fail_after(BOUND), pytest.raises(EtcdAPIError) as info:
+                await client.put("k", "v")
+            assert info.value.cut_short
+            assert seen == [b"POST /v3/kv/put HTTP/1.1"]
+
+            # A read cut short every time gives up after its retries.
+            seen.clear()
+            with trio.fail_after(BOUND), pytest.raises(EtcdAPIError, match="unexpected EOF"):
+                await client.get("k")
+            assert len(seen) == 3
+        nursery.cancel_scope.cancel()
