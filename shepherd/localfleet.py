@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import json
 import os
@@ -301,8 +302,6 @@ async def _stop(fleet: Fleet) -> None:
             with contextlib.suppress(ProcessLookupError):
                 child.kill()
             await child.wait()
-        for transport in list(machine._transports):
-            transport.close()
         # An agent detaches from the SSH session that started it (on a real
         # machine it outlives the Shepherd's connection), so closing the
         # server does not end it, nor the node an agent started (which
@@ -313,6 +312,22 @@ async def _stop(fleet: Fleet) -> None:
                 stop_node(pid_file.parent)
             else:
                 stop_agent(pid_file.with_name(pid_file.name.removesuffix(".pid")))
+
+
+def _close_transports(fleet: Fleet) -> None:
+    """Close the fleet's command transports, and collect any that only a
+    reference cycle still holds, while the loop runs.
+
+    A subprocess transport is never closed by its process's exit, only by
+    ``close()`` or its finalizer; one finalized after the loop closed (a
+    cycle through a traceback keeps it until the interpreter's last
+    collection) reports "Event loop is closed" on stderr. Synchronous, so
+    that it runs even when the fleet's stop was cancelled.
+    """
+    for machine in fleet.machines:
+        for transport in list(machine._transports):
+            transport.close()
+    gc.collect()
 
 
 @asynccontextmanager
@@ -345,7 +360,10 @@ async def open_fleet(
     try:
         yield fleet
     finally:
-        await trio_asyncio.aio_as_trio(_stop)(fleet)
+        try:
+            await trio_asyncio.aio_as_trio(_stop)(fleet)
+        finally:
+            _close_transports(fleet)
 
 
 async def _serve_forever(directory: Path, count: int, authorized_key: str) -> None:
