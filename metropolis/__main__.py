@@ -59,7 +59,7 @@ import trio
 
 from common.listen import listen_address
 from metropolis import identity, pki
-from metropolis.consensus.process import SOCKET_NAME, Tuning
+from metropolis.consensus.process import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
 from metropolis.consensus.snapshot import manifest_path, take_snapshot
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
@@ -261,6 +261,24 @@ def _root(path: Path) -> Root:
     if os.path.lexists(root.path):
         root.check()
     return root
+
+
+def _check_socket_room(path: Path) -> None:
+    """`NodeRootError` if etcd's client socket under the root ``path`` names
+    would be longer than a UNIX socket path may be.
+
+    Checked before anything is written: etcd would otherwise fail to
+    listen only once the node starts its control plane, with a message
+    far from its cause.
+    """
+    socket = _root(path).ephemeral.consensus / SOCKET_NAME
+    size = len(os.fsencode(socket))
+    if size > SOCKET_PATH_MAX:
+        raise disk.NodeRootError(
+            f"--root {path}: too long by {size - SOCKET_PATH_MAX} bytes: etcd's client socket "
+            f"would be {socket} ({size} bytes; a UNIX socket path has at most "
+            f"{SOCKET_PATH_MAX}); use a shorter root"
+        )
 
 
 def _register_deadline_flag(command: argparse.ArgumentParser, when: str) -> None:
@@ -623,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "owner":
             trio.run(_owner, args)
         else:
+            _check_socket_room(args.root)
             if args.action == "register":
                 root = _prepare_register(args)
             elif args.action == "bootstrap":

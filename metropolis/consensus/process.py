@@ -49,6 +49,7 @@ from metropolis.errors import ConsensusError
 __all__ = [
     "ETCD_BINARY_ENV",
     "SOCKET_NAME",
+    "SOCKET_PATH_MAX",
     "EtcdExited",
     "PeerTLS",
     "ProcessConfig",
@@ -58,6 +59,10 @@ __all__ = [
 
 #: The client socket's file name inside the working directory.
 SOCKET_NAME = "client.sock:0"
+
+#: The longest client socket path etcd can listen on: ``sun_path`` has 108
+#: bytes, and Go wants one of them for the terminating NUL.
+SOCKET_PATH_MAX = 107
 
 #: Names the etcd binary to run. A node image's entry point
 #: (`metropolis.image.entry`) sets it to the etcd the image bundles; unset

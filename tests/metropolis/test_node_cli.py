@@ -282,3 +282,33 @@ def test_bootstrap_refuses_a_used_root_and_needs_insecure_seal(tmp_path: Path) -
     )
     assert result.returncode == 2 and "--insecure-seal" in result.stderr
     assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.parametrize("action", ["bootstrap", "run", "register"])
+def test_a_root_too_long_for_etcds_socket_is_refused_before_anything_is_written(
+    tmp_path: Path, action: str
+) -> None:
+    # Deep enough that root/ephemeral/consensus/client.sock:0 passes 107 bytes.
+    parent = tmp_path / ("d" * max(1, 110 - len(str(tmp_path))))
+    parent.mkdir()
+    root = parent / "n"
+    args = {
+        "bootstrap": [*bootstrap_args(tmp_path)],
+        "run": ["run", "--root", str(root)],
+        "register": [
+            *("register", "--root", str(root), "--address", "127.0.0.2"),
+            *("--ticket", "00", "--directory", str(tmp_path / "cluster.pb"), "--insecure-seal"),
+        ],
+    }[action]
+    if action == "bootstrap":
+        args[args.index("--root") + 1] = str(root)
+    result = subprocess.run(
+        [sys.executable, "-m", "metropolis", "node", *args],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+    )
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert f"--root {root}: too long by " in line and "client.sock:0" in line
+    assert list(parent.iterdir()) == []
