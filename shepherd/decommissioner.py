@@ -27,6 +27,9 @@ process is offered the machine::
           loopback disks, removes its key, prints what it did (JSON)
         record_wipe(report)               one transaction of its own
       not released yet:
+        a node not removed yet            an install report stored after the
+                                          source read: removed as above (the
+                                          wipe stopped it; nothing registers now)
         provider.release(id)              ──ProviderError──▶ fail (backoff)
           Equinix: the device is deleted; static: marked removed
         record_release(detail)            one transaction of its own
@@ -133,16 +136,10 @@ class Decommissioner:
                 f"machine is provided by {provided.provider}, "
                 f"this decommissioner serves {self.provider.type}"
             )
-        key = task.node_public_key
-        if not task.wiped and key is not None and not task.node_removed:
-            removal = await self._remove_node(key)
-
-            async def removed(q: Queries) -> None:
-                await q.record_node_removal(mid, node_id(key), removal)
-
-            await work.transact(removed)
-            logger.info("machine %s: %s", mid, removal)
         if not task.wiped:
+            key = task.node_public_key
+            if key is not None and not task.node_removed:
+                await self._remove_and_record(work, mid, key)
             report = await self._wipe(mid, provided.provider_id, task.host_key)
 
             async def wiped(q: Queries) -> None:
@@ -151,6 +148,14 @@ class Decommissioner:
             await work.transact(wiped)
             logger.info("machine %s: wiped: %s", mid, report)
         if not task.released:
+            # The agent may have stored an install report after the source
+            # read none (or an older one): its node registered and was
+            # stopped by the wipe, and the cluster still lists it. Wiped,
+            # the machine can register nothing more, so one look now finds
+            # every such node; it goes before the machine is released.
+            late = await work.transact(lambda q: q.unremoved_node_key(mid))
+            if late is not None:
+                await self._remove_and_record(work, mid, late)
             try:
                 detail = await self.provider.release(provided.provider_id)
             except ProviderError as exc:
@@ -167,6 +172,16 @@ class Decommissioner:
 
         await work.finish(tombstone)
         logger.info("machine %s: decommissioned", mid)
+
+    async def _remove_and_record(self, work: Work, mid: uuid.UUID, key: bytes) -> None:
+        """Remove the node of ``key`` from its cluster, and record that."""
+        removal = await self._remove_node(key)
+
+        async def removed(q: Queries) -> None:
+            await q.record_node_removal(mid, node_id(key), removal)
+
+        await work.transact(removed)
+        logger.info("machine %s: %s", mid, removal)
 
     async def _remove_node(self, key: bytes) -> str:
         """Remove the node of ``key`` from the cluster (roles revoked, then

@@ -114,6 +114,11 @@ def agent_start_lock_sql(limit: int) -> str:
 AGENT_FIRST_HEARTBEAT_TIMEOUT = 30 * 60.0
 AGENT_HEARTBEAT_TIMEOUT = 10 * 60.0
 
+#: The node id (`rows.node_id`) of the installation report ``orp``'s key.
+_NODE_ID_OF_REPORT = (
+    f"('{records.NODE_ID_PREFIX}' || encode(substring(orp.node_public_key FROM 1 FOR 16), 'hex'))"
+)
+
 _AGENT_STARTED_COLUMNS = "a.machine_id, a.agent_started_at, a.agent_public_key"
 
 
@@ -745,7 +750,7 @@ class Queries:
         rows = await self.execute(
             f"""SELECT {_PROVIDED_COLUMNS}, k.public_key, dc.wiped_at IS NOT NULL,
                        dc.released_at IS NOT NULL, orp.node_public_key,
-                       dc.node_removed_at IS NOT NULL
+                       dc.node_id IS NOT DISTINCT FROM {_NODE_ID_OF_REPORT}
                 FROM machines m
                 JOIN machine_decommission dc ON dc.machine_id = m.machine_id
                 LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
@@ -779,15 +784,39 @@ class Queries:
         self, machine_id: uuid.UUID | str, node_id: str, detail: str
     ) -> None:
         """Store that the cluster node ``node_id`` the machine ran was removed
-        from its cluster (``detail``: what changed), before its wipe."""
+        from its cluster (``detail``: what changed). Usually before its wipe;
+        after it for a node whose install report came in meanwhile (see
+        `unremoved_node_key`), whose removal is then added to the first."""
         _check_text("node id", node_id)
         _check_text("node removal", detail)
         await self.execute(
             """UPDATE machine_decommission
-               SET node_id = %s, node_removed_at = now(), node_removal = %s
-               WHERE machine_id = %s AND wiped_at IS NULL""",
-            (node_id, detail, as_uuid(machine_id)),
+               SET node_id = %(node)s, node_removed_at = now(),
+                   node_removal = CASE WHEN node_removal IS NULL THEN %(detail)s
+                                       ELSE node_removal || '; then ' || %(detail)s END
+               WHERE machine_id = %(machine)s AND decommissioned_at IS NULL""",
+            {"node": node_id, "detail": detail, "machine": as_uuid(machine_id)},
         )
+
+    async def unremoved_node_key(self, machine_id: uuid.UUID | str) -> bytes | None:
+        """The node key of the machine's current successful installation
+        report, unless that node's removal from its cluster is recorded.
+
+        Read by the decommissioner once the machine is wiped: a report the
+        agent stored after the decommissioner's source had read none names a
+        node the cluster still lists (dead now)."""
+        rows = await self.execute(
+            f"""SELECT orp.node_public_key
+                FROM machine_decommission dc
+                JOIN machine_os_installation_request oq ON oq.machine_id = dc.machine_id
+                JOIN machine_os_installation_report orp
+                  ON orp.machine_id = oq.machine_id AND orp.generation = oq.generation
+                 AND orp.success AND orp.node_public_key IS NOT NULL
+                WHERE dc.machine_id = %s
+                  AND dc.node_id IS DISTINCT FROM {_NODE_ID_OF_REPORT}""",
+            (as_uuid(machine_id),),
+        )
+        return bytes(rows[0][0]) if rows else None
 
     async def record_wipe(self, machine_id: uuid.UUID | str, report: str) -> None:
         """Store the agent's wipe report on a machine being decommissioned."""

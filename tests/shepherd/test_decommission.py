@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -361,3 +362,77 @@ async def test_a_failing_node_removal_is_retried_then_shown_and_nothing_is_wiped
         return list(rows[0])
 
     assert await bmdb_conn.transact(stamps) == [None, None]
+
+
+async def test_a_node_whose_install_report_comes_during_the_decommission_is_removed_before_release(
+    aio_loop: object,
+    bmdb_conn: bmdb.Connection,
+    bmdb_url: str,
+    sshd: Sshd,
+    shepherd_ssh_key: SSHKey,
+) -> None:
+    """The source read no install report, then the agent stored one (its
+    node registered) before the wipe stopped that node: once wiped, the
+    decommissioner looks again and removes the node before the release.
+    Without owner credentials it can only say so: wiped, not released."""
+    provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
+
+    async def add(q: Queries) -> None:
+        mid = await q.new_machine()
+        await q.add_provided(mid, provider.type, "m-1", address="ignored")
+
+    await bmdb_conn.transact(add)
+    ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
+    target = sshd.root / "agent"
+    initializer = Initializer(provider, ssh, agent_config(target, _agent()))
+
+    async def taken_over(stats: LoopStats) -> bool:
+        return bool(await agent_keys(bmdb_conn))
+
+    await run_until(bmdb_conn, initializer, taken_over)
+    [mid] = await agent_keys(bmdb_conn)
+    key = bytes(range(32))
+
+    class ReportDuringTheWipe(Decommissioner):
+        """The agent's report lands after the source, before the wipe."""
+
+        async def _wipe(self, mid: uuid.UUID, provider_id: str, host_key: bytes | None) -> str:
+            async def installed(q: Queries) -> None:
+                await q.set_os_installation_request(mid, 1, b"request")
+                await q.record_os_installation_report(mid, 1, b"report", True, None, key)
+
+            await bmdb_conn.transact(installed)
+            return await super()._wipe(mid, provider_id, host_key)
+
+    disk, node = _fake_install(sshd)
+    try:
+        code, _, err = await cli("--url", bmdb_url, "decommission", str(mid), "--reason", "retire")
+        assert (code, err) == (0, ""), err
+        decommissioner = ReportDuringTheWipe(provider, ssh, agent_target_path=str(target))
+
+        async def failed(stats: LoopStats) -> bool:
+            return len(await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)) >= 2
+
+        await run_until(bmdb_conn, decommissioner, failed)
+        [_, (event, cause)] = await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)
+        assert event == WorkEvent.FAILED
+        node_name = bmdb.model.node_id(key)
+        assert f"is cluster node {node_name}; no owner credentials to remove it" in cause
+
+        async def stamps(q: Queries) -> list[object]:
+            rows = await q.execute(
+                "SELECT wiped_at IS NOT NULL, released_at, node_removed_at"
+                " FROM machine_decommission"
+            )
+            return list(rows[0])
+
+        assert await bmdb_conn.transact(stamps) == [True, None, None]
+        assert list(disk.iterdir()) == []  # the wipe ran
+        # Once its removal is recorded, the node is not looked for again.
+        assert await bmdb_conn.transact(lambda q: q.unremoved_node_key(mid)) == key
+        await bmdb_conn.transact(lambda q: q.record_node_removal(mid, node_name, "removed"))
+        assert await bmdb_conn.transact(lambda q: q.unremoved_node_key(mid)) is None
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
