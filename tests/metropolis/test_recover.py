@@ -10,11 +10,13 @@ nodes with their roles, n2 a voter again, and the recovery's record.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -40,7 +42,7 @@ from tests.metropolis.test_node_cli import LEADS, NodeProcess, node
 BOUND = 120
 
 
-async def _cli(*args: str) -> trio.CompletedProcess[bytes]:
+async def _cli(*args: str) -> subprocess.CompletedProcess[bytes]:
     return await trio.run_process(
         [sys.executable, "-m", "metropolis", *args],
         capture_stdout=True,
@@ -90,7 +92,7 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 proc.process.kill()
             for proc, root in zip(procs, roots, strict=True):
                 await proc.process.wait()
-                await _until(lambda root=root: _no_etcd(root))
+                await _until(functools.partial(_no_etcd, root))
                 if root.data.etcd.data.exists():  # n3 had no etcd member
                     shutil.rmtree(root.data.etcd.data)
 
