@@ -1,9 +1,11 @@
 """Disaster recovery: every node and every etcd data folder lost, one snapshot left.
 
 Three nodes (each its own process, real etcd, on 127.0.0.1/2/3 with free
-ports): n1 and n2 ConsensusMember, n3 KubernetesController. A snapshot;
-every node killed and every etcd data folder deleted. A snapshot of
-another cluster and a cut one are refused, the root untouched. ``node
+ports): n1 and n2 ConsensusMember, n3 KubernetesController. A snapshot
+(``recover`` refused while n1 runs); every node killed and every etcd
+data folder deleted. A snapshot of another cluster (its manifest names
+another CA, which is what the check compares) and a cut one are refused,
+the root untouched. ``node
 recover`` on n1, ``node run`` on n2 and n3: the owner sees the three
 nodes with their roles, n2 a voter again, and the recovery's record.
 """
@@ -87,6 +89,11 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
             made = await _cli(*owner_args, "snapshot", "--out", str(snapshot))
             assert made.returncode == 0, made.stderr.decode()
 
+            recover = ("node", "recover", "--root", str(roots[0].path), "--snapshot")
+            running = await _cli(*recover, str(snapshot))
+            assert running.returncode == 2
+            assert "stop the node before recovering" in running.stderr.decode()
+
             # The disaster: every node killed, every etcd data folder gone.
             for proc in procs:
                 proc.process.kill()
@@ -105,7 +112,6 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
             cut.write_bytes(snapshot.read_bytes()[:-1000])
             shutil.copyfile(manifest_path(snapshot), manifest_path(cut))
             untouched = _listing(roots[0])
-            recover = ("node", "recover", "--root", str(roots[0].path), "--snapshot")
             for bad, why in ((foreign, "another cluster"), (cut, "cut or grown")):
                 refused = await _cli(*recover, str(bad))
                 assert refused.returncode == 2, refused.stderr.decode()
