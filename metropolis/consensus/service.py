@@ -2,8 +2,9 @@
 
 Startup decides where the peer TLS material comes from::
 
-    JoinCluster given? ──yes──> write CA, peer cert, our key, CRL to data/etcd
-          │ no                  start etcd as a member of the existing cluster
+    JoinCluster given? ──yes──> etcd data beside another peer cert: deleted (a new member)
+          │ no                  write CA, peer cert, our key, CRL to data/etcd
+          │                     start etcd as a member of the existing cluster
           v
     peer PKI on disk? ──yes──> check it is intact and ours; start etcd on its data
           │ no
