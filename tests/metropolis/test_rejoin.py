@@ -1,4 +1,5 @@
-"""The leading curator's rejoins after a recovery, on a real one-member etcd.
+"""After a recovery, on a real one-member etcd: the restored etcd prepared, and the
+leading curator's rejoins.
 
 A marked node is added again as a new learner, with a new peer
 certificate, only once it is heard from after the recovery; a mark whose
@@ -11,15 +12,22 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import trio
 
 from metropolis import identity, pki
-from metropolis.consensus.client import KV
+from metropolis.consensus.client import KV, Client
+from metropolis.consensus.config import CURATOR_NAMESPACE
 from metropolis.consensus.join import JoinCluster
+from metropolis.consensus.localetcd import EtcdServer
 from metropolis.consensus.peerpki import issue_local_certificate, new_ca
+from metropolis.curator.rejoin import Recovery, prepare_restored, read_recoveries
 from metropolis.curator.state import (
     CONSENSUS_REJOINS,
+    LEADER_KEY,
+    CuratorError,
     consensus_rejoin_key,
+    consensus_removal_key,
     heartbeat_key,
     node_key,
     read_node,
@@ -91,9 +99,9 @@ async def test_a_marked_node_rejoins_once_heard_from_and_a_node_without_the_role
             await _until(added)
             [learner] = [m for m in await cl.status.members() if m.is_learner]
             assert learner.peer_urls == ["https://127.0.0.9:7834"]
-            record = await read_node(cl.kv, member_id)
-            assert record is not None and record.roles is not None
-            role = record.roles.consensus_member
+            rejoined = await read_node(cl.kv, member_id)
+            assert rejoined is not None and rejoined.roles is not None
+            role = rejoined.roles.consensus_member
             assert role is not None
             join = JoinCluster.from_proto(role)
             join.check(key)  # for its key, from the cluster's peer CA
@@ -101,3 +109,51 @@ async def test_a_marked_node_rejoins_once_heard_from_and_a_node_without_the_role
             assert [n.name for n in join.existing_nodes] == [cl.node.node_id]
             # A learner that has not caught up keeps its mark.
             assert await _marks(cl.kv) == {member_id}
+
+
+async def test_prepare_restored_marks_the_members_and_refuses_a_node_it_does_not_know(
+    etcd: EtcdServer,
+) -> None:
+    async with Client(etcd.socket_path) as client:
+        kv = client.namespaced(CURATOR_NAMESPACE)
+        keys = {name: pki.public_key_bytes(pki.generate_key()) for name in ("own", "a", "b")}
+        ids = {name: identity.node_id(key) for name, key in keys.items()}
+        ca, crl = new_ca()
+        old = JoinCluster(
+            ca.certificate, issue_local_certificate(ca, keys["a"], ["127.0.0.9"]), crl, ()
+        )
+        roles = {
+            "own": NodeRoles(kubernetes_controller=NodeRolesKubernetesController()),
+            "a": NodeRoles(consensus_member=old.to_proto()),
+            "b": NodeRoles(),
+        }
+        for name, key in keys.items():
+            record = Node(public_key=key, fsm_state=NodeState.UP, roles=roles[name])
+            await kv.put(node_key(ids[name]), bytes(record))
+        await kv.put(LEADER_KEY, b"the old leader")
+        await kv.put(consensus_removal_key(ids["own"]), keys["own"])
+
+        def recovery(node_id: str) -> Recovery:
+            return Recovery.now(
+                node_id, revision=7, taken_at="then", snapshot_node_id=ids["a"], sha256="00"
+            )
+
+        role = JoinCluster(
+            ca.certificate, issue_local_certificate(ca, keys["own"], ["127.0.0.1"]), crl, ()
+        ).to_proto()
+        stranger = identity.node_id(pki.public_key_bytes(pki.generate_key()))
+        before = (await kv.range(b"/", prefix=True)).revision
+        with pytest.raises(CuratorError, match="no record of this node"):
+            await prepare_restored(kv, recovery(stranger), role)
+        assert (await kv.range(b"/", prefix=True)).revision == before  # nothing written
+
+        own_roles, done = await prepare_restored(kv, recovery(ids["own"]), role)
+        assert own_roles.consensus_member == role
+        assert own_roles.kubernetes_controller is not None
+        assert done.rejoining == (ids["a"],)
+        assert await _marks(kv) == {ids["a"]}
+        assert await kv.get(LEADER_KEY) is None
+        assert await kv.get(consensus_removal_key(ids["own"])) is None
+        stored = await read_node(kv, ids["own"])
+        assert stored is not None and stored.roles == own_roles
+        assert await read_recoveries(kv) == [done]
