@@ -22,11 +22,16 @@ one at a time (etcd 3.4 takes one learner at a time): a marked node is
 added as a new learner, with new join data in its record, only once its
 heartbeat is newer than the recovery (it runs again: a node that never
 comes back does not block every later membership change as a learner that
-never starts). Its role fetch gets the new join data and its control
-plane starts etcd again from an empty folder
-(:mod:`metropolis.roleserve.controlplane`); the promoter makes it a voter,
-and the mark goes. A mark goes too when its node has lost the role or its
-record.
+never starts). The join data carries a new peer certificate: its role
+fetch gets it, its control plane restarts etcd on it, and the consensus
+service deletes the dropped member's data first
+(:mod:`metropolis.roleserve.startup`, :mod:`metropolis.consensus.service`);
+the promoter makes it a voter, and the mark goes. A learner added by a
+pass whose record was not written (leadership lost in between) gets its
+join data at the next pass. A mark goes too when its node has lost the
+role or its record. Not handled: a node that dies between its heartbeat
+and its learner's start leaves that learner in the way of every later
+one (etcd takes one at a time); revoking its ConsensusMember removes it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from common.backoff import ExponentialBackoff, Retrier
-from metropolis import identity
 from metropolis.consensus import ConsensusError
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.consensus.client import KV, Delete, EtcdClosed, KeyValue, Member, Op, Put
@@ -254,39 +258,53 @@ class Rejoins:
                 continue
             url = peer_url(record, self._peer_port)
             member = _member_of(current, node_id, url)
-            if member is not None:
-                if not member.is_learner:
-                    await self._records.txn([], [Delete(mark.key)])
-                    _log.info("%s votes again after the recovery", node_id)
-                    progressed = True
-                continue  # a learner catching up: the promoter's
-            if url is None or any(m.is_learner for m in current):
-                continue  # no address yet; etcd takes one learner at a time
-            if not _heard_since(heard.get(node_id), mark.value):
+            if member is not None and not member.is_learner:
+                await self._records.txn([], [Delete(mark.key)])
+                _log.info("%s votes again after the recovery", node_id)
+                progressed = True
                 continue
+            if member is not None and member.name:
+                continue  # a started learner catching up: the promoter's
+            if url is None:
+                continue  # no address yet
+            if member is None:
+                if any(m.is_learner for m in current):
+                    continue  # etcd takes one learner at a time
+                if not _heard_since(heard.get(node_id), mark.value):
+                    continue
             async with self._membership.lock:
-                # A new peer certificate, not the stored one: that is how the
-                # node tells its new member from the dropped one (whose etcd
-                # data it then deletes) and restarts its etcd.
-                issuing = await self._consensus.load_node_pki(node_id)
-                join = await self._consensus.add_node(
-                    record.public_key,
-                    peer_url=url,
-                    node_pki=replace(issuing, stored_certificate=None),
-                )
-                role = join.to_proto()
-
-                def change(r: Node, role: NodeRolesConsensusMember = role) -> Node:
-                    return with_consensus_member(r, role)
-
-                await self._records.update(node_id, change)
-            _log.info(
-                "%s added to etcd again as a new learner (after the recovery)",
-                identity.node_id(record.public_key),
-            )
-            progressed = True
-            current = await members(self._consensus)
+                if await self._add(node_id, record, url, added=member is not None):
+                    progressed = True
+                    current = await members(self._consensus)
         return progressed
+
+    async def _add(self, node_id: str, record: Node, url: str, *, added: bool) -> bool:
+        """Add the node as a new learner (unless ``added``) and write its join data.
+
+        The join data gets a new peer certificate, not the one its record
+        holds: that is how the node tells its new member from the dropped
+        one (whose etcd data it then deletes) and restarts its etcd. A
+        learner added by an earlier pass whose record was not written
+        (leadership lost between the two) is ``added``: the certificate
+        stored then is used, and only the record is written. Whether
+        anything was done.
+        """
+        role = record.roles.consensus_member if record.roles else None
+        handed_out = role.peer_certificate if role is not None else None
+        issuing = await self._consensus.load_node_pki(node_id)
+        if issuing.stored_certificate == handed_out:
+            if added:
+                return False  # its join data is in its record: the node starts it
+            issuing = replace(issuing, stored_certificate=None)
+        join = await self._consensus.add_node(record.public_key, peer_url=url, node_pki=issuing)
+        new = join.to_proto()
+
+        def change(r: Node) -> Node:
+            return with_consensus_member(r, new)
+
+        await self._records.update(node_id, change)
+        _log.info("%s added to etcd again as a new learner (after the recovery)", node_id)
+        return True
 
 
 def _member_of(current: list[Member], node_id: str, url: str | None) -> Member | None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity, pki
 from metropolis.consensus.client import KV, Client
@@ -50,24 +52,39 @@ async def _marks(kv: KV) -> set[str]:
     return {k.key.removeprefix(CONSENSUS_REJOINS).decode() for k in found.kvs}
 
 
+def _dropped_member() -> tuple[Ed25519PrivateKey, JoinCluster, Node]:
+    """A node at 127.0.0.9 whose etcd member a recovery dropped: key, old join data, record.
+
+    The old join data comes from a peer CA of its own: it is not this cluster's.
+    """
+    key = pki.generate_key()
+    public = pki.public_key_bytes(key)
+    ca, crl = new_ca()
+    old = JoinCluster(ca.certificate, issue_local_certificate(ca, public, ["127.0.0.9"]), crl, ())
+    record = Node(
+        public_key=public,
+        fsm_state=NodeState.UP,
+        roles=NodeRoles(consensus_member=old.to_proto()),
+        status=NodeStatus(external_address="127.0.0.9"),
+    )
+    return key, old, record
+
+
+async def _join_data(kv: KV, node_id: str) -> JoinCluster:
+    stored = await read_node(kv, node_id)
+    assert stored is not None and stored.roles is not None
+    role = stored.roles.consensus_member
+    assert role is not None
+    return JoinCluster.from_proto(role)
+
+
 async def test_a_marked_node_rejoins_once_heard_from_and_a_node_without_the_role_does_not(
     tmp_path: Path,
 ) -> None:
     with trio.fail_after(BOUND):
         async with cluster(tmp_path) as cl:
-            # The dropped member's join data, from a peer CA of its own.
-            key = pki.generate_key()
-            public = pki.public_key_bytes(key)
-            ca, crl = new_ca()
-            old = JoinCluster(
-                ca.certificate, issue_local_certificate(ca, public, ["127.0.0.9"]), crl, ()
-            )
-            member = Node(
-                public_key=public,
-                fsm_state=NodeState.UP,
-                roles=NodeRoles(consensus_member=old.to_proto()),
-                status=NodeStatus(external_address="127.0.0.9"),
-            )
+            key, old, member = _dropped_member()
+            public = member.public_key
             other_key = pki.public_key_bytes(pki.generate_key())
             other = Node(
                 public_key=other_key,
@@ -94,21 +111,45 @@ async def test_a_marked_node_rejoins_once_heard_from_and_a_node_without_the_role
             await cl.kv.put(heartbeat_key(member_id), str(time.time_ns()).encode())
 
             async def added() -> bool:
-                return len(await cl.status.members()) == 2
+                # The member first, then the record with its join data.
+                return await _join_data(cl.kv, member_id) != old
 
             await _until(added)
             [learner] = [m for m in await cl.status.members() if m.is_learner]
             assert learner.peer_urls == ["https://127.0.0.9:7834"]
-            rejoined = await read_node(cl.kv, member_id)
-            assert rejoined is not None and rejoined.roles is not None
-            role = rejoined.roles.consensus_member
-            assert role is not None
-            join = JoinCluster.from_proto(role)
+            join = await _join_data(cl.kv, member_id)
             join.check(key)  # for its key, from the cluster's peer CA
             assert join.node_certificate != old.node_certificate
             assert [n.name for n in join.existing_nodes] == [cl.node.node_id]
             # A learner that has not caught up keeps its mark.
             assert await _marks(cl.kv) == {member_id}
+
+
+async def test_a_learner_added_without_its_record_written_gets_its_join_data(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(BOUND):
+        async with cluster(tmp_path) as cl:
+            _, old, record = _dropped_member()
+            node_id = identity.node_id(record.public_key)
+            await cl.kv.put(node_key(node_id), bytes(record))
+            # What a pass leaves that lost its lead between the learner's
+            # addition (with a new certificate) and the record's write.
+            issuing = await cl.status.load_node_pki(node_id)
+            made = await cl.status.add_node(
+                record.public_key,
+                peer_url="https://127.0.0.9:7834",
+                node_pki=replace(issuing, stored_certificate=None),
+            )
+            await cl.kv.put(consensus_rejoin_key(node_id), str(time.time_ns()).encode())
+
+            async def written() -> bool:
+                return await _join_data(cl.kv, node_id) != old
+
+            await _until(written)
+            join = await _join_data(cl.kv, node_id)
+            assert join.node_certificate == made.node_certificate
+            assert len(await cl.status.members()) == 2  # no second learner
 
 
 async def test_prepare_restored_marks_the_members_and_refuses_a_node_it_does_not_know(
