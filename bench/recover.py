@@ -328,18 +328,22 @@ async def _measure(base: Path, nodes: int, runs: int) -> None:
         return float(statistics.median(getattr(r, field) for r in ours))
 
     answered = median("answered")
+    # (measure, seconds, its baseline's seconds, reported as a ratio)
     rows = [
-        ("etcdctl snapshot save (baseline)", bare_snap, 1.0),
-        ("owner snapshot: start to durable", ours_snap, ours_snap / bare_snap),
-        ("etcdctl restore + etcd start (baseline)", bare_recover, 1.0),
-        ("node recover to the owner answered", answered, answered / bare_recover),
+        ("etcdctl snapshot save (baseline)", bare_snap, bare_snap, False),
+        ("owner snapshot: start to durable", ours_snap, bare_snap, True),
+        ("etcdctl restore + etcd start (baseline)", bare_recover, bare_recover, False),
+        ("node recover to the owner answered", answered, bare_recover, True),
+        # Without the interpreter's start and imports (before its first log
+        # line), which etcd's Go binaries do not pay: shown, not reported.
+        ("  the same after its imports", answered - median("started"), bare_recover, False),
     ]
     print(f"{nodes} node records, snapshot {size / 1024:.0f} KiB, median of {runs}")
     print(f"{'measure':<42} {'value':>10} {'ratio':>8}")
-    for name, value, ratio in rows:
-        print(f"{name:<42} {value * 1000:>7.0f} ms {ratio:>8.2f}")
-        if not name.endswith("(baseline)"):
-            report("recover", name, ratio, "<= 2")
+    for name, value, baseline, reported in rows:
+        print(f"{name:<42} {value * 1000:>7.0f} ms {value / baseline:>8.2f}")
+        if reported:
+            report("recover", name, value / baseline, "<= 2")
     print("node recover, from its spawn (from its log's times):")
     for name, field in (
         ("first log line (interpreter, imports)", "started"),
