@@ -7,7 +7,9 @@ left::
     check (nothing changed yet) ─ the root is a finished node of a cluster;
       │                           the snapshot whole (manifest, SHA-256,
       │                           etcd's hash) and of this cluster (its CA's
-      │                           SHA-256); no etcd runs on this node
+      │                           SHA-256); no etcd runs on this node, and
+      │                           nothing answers on its debug port (the
+      │                           node runs)
     restore ─ etcdctl snapshot restore into ROOT/data/recover/data: a new
       │       one-member cluster of this node (old members dropped)
     prepare ─ a temporary etcd on it (plain-HTTP peers, alone): this node's
@@ -101,7 +103,22 @@ def check(root: Root, snapshot: Path) -> Checked:
         raise RecoverError(
             f"an etcd member runs on the node of {root.path}: stop the node before recovering"
         )
+    debug = (saved.settings.address, saved.settings.debug_port)
+    if _listens(*debug):
+        raise RecoverError(
+            f"something answers on the node's debug port {debug[0]}:{debug[1]}: stop the node"
+            " before recovering"
+        )
     return Checked(root, saved.settings, saved.credentials, snapshot, manifest)
+
+
+def _listens(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at ``host``:``port`` (within a second)."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _answers(path: Path) -> bool:

@@ -2,7 +2,7 @@
 
 Three nodes (each its own process, real etcd, on 127.0.0.1/2/3 with free
 ports): n1 and n2 ConsensusMember, n3 KubernetesController. A snapshot
-(``recover`` refused while n1 runs); every node killed and every etcd
+(``recover`` refused while n1, or n3 without etcd, runs); every node killed and every etcd
 data folder deleted. A snapshot of another cluster (its manifest names
 another CA, which is what the check compares) and a cut one are refused,
 the root untouched. ``node
@@ -92,7 +92,13 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
             recover = ("node", "recover", "--root", str(roots[0].path), "--snapshot")
             running = await _cli(*recover, str(snapshot))
             assert running.returncode == 2
-            assert "stop the node before recovering" in running.stderr.decode()
+            assert "an etcd member runs" in running.stderr.decode()
+            # n3 runs no etcd: its debug port tells that it runs.
+            n3_runs = await _cli(
+                *recover[:2], "--root", str(roots[2].path), "--snapshot", str(snapshot)
+            )
+            assert n3_runs.returncode == 2
+            assert "debug port" in n3_runs.stderr.decode()
 
             # The disaster: every node killed, every etcd data folder gone.
             for proc in procs:
