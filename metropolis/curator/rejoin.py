@@ -10,7 +10,8 @@ one transaction:
 - the recovering node's record with its ConsensusMember role (join data for
   the restored member: the cluster's peer CA, its peer certificate);
 - a rejoin mark (``/consensus-rejoins/<node id>``, the recovery's time) for
-  every other node that holds ConsensusMember;
+  every other node that holds ConsensusMember (but one whose removal is
+  pending: the next leader completes that, :mod:`.removal`);
 - the :class:`Recovery` record (``/recoveries/<time>``), which
   ``owner recoveries`` shows;
 - the old leader's election key deleted (its lease would block the
@@ -53,6 +54,7 @@ from metropolis.curator.records import Records, with_consensus_member
 from metropolis.curator.removal import each_term
 from metropolis.curator.state import (
     CONSENSUS_REJOINS,
+    CONSENSUS_REMOVALS,
     HEARTBEATS,
     LEADER_KEY,
     NODES,
@@ -152,6 +154,9 @@ async def prepare_restored(
     """
     own_id = recovery.node_id
     result = await kv.range(NODES, prefix=True)
+    marked = await kv.range(CONSENSUS_REMOVALS, prefix=True)
+    # Their removal was asked for: the next leader completes it (:mod:`.removal`).
+    leaving = {m.key.removeprefix(CONSENSUS_REMOVALS).decode() for m in marked.kvs}
     own = None
     rejoining = []
     for stored in result.kvs:
@@ -159,7 +164,9 @@ async def prepare_restored(
         record = parse_node(stored.value, node_id)
         if node_id == own_id:
             own = record
-        elif record.roles is not None and record.roles.consensus_member is not None:
+            continue
+        member = record.roles.consensus_member if record.roles is not None else None
+        if member is not None and node_id not in leaving:
             rejoining.append(node_id)
     if own is None:
         raise CuratorError(

@@ -157,7 +157,8 @@ async def test_prepare_restored_marks_the_members_and_refuses_a_node_it_does_not
 ) -> None:
     async with Client(etcd.socket_path) as client:
         kv = client.namespaced(CURATOR_NAMESPACE)
-        keys = {name: pki.public_key_bytes(pki.generate_key()) for name in ("own", "a", "b")}
+        names = ("own", "a", "b", "leaving")
+        keys = {name: pki.public_key_bytes(pki.generate_key()) for name in names}
         ids = {name: identity.node_id(key) for name, key in keys.items()}
         ca, crl = new_ca()
         old = JoinCluster(
@@ -167,12 +168,14 @@ async def test_prepare_restored_marks_the_members_and_refuses_a_node_it_does_not
             "own": NodeRoles(kubernetes_controller=NodeRolesKubernetesController()),
             "a": NodeRoles(consensus_member=old.to_proto()),
             "b": NodeRoles(),
+            "leaving": NodeRoles(consensus_member=old.to_proto()),
         }
         for name, key in keys.items():
             record = Node(public_key=key, fsm_state=NodeState.UP, roles=roles[name])
             await kv.put(node_key(ids[name]), bytes(record))
         await kv.put(LEADER_KEY, b"the old leader")
         await kv.put(consensus_removal_key(ids["own"]), keys["own"])
+        await kv.put(consensus_removal_key(ids["leaving"]), keys["leaving"])
 
         def recovery(node_id: str) -> Recovery:
             return Recovery.now(
@@ -195,6 +198,7 @@ async def test_prepare_restored_marks_the_members_and_refuses_a_node_it_does_not
         assert await _marks(kv) == {ids["a"]}
         assert await kv.get(LEADER_KEY) is None
         assert await kv.get(consensus_removal_key(ids["own"])) is None
+        assert await kv.get(consensus_removal_key(ids["leaving"])) is not None
         stored = await read_node(kv, ids["own"])
         assert stored is not None and stored.roles == own_roles
         assert await read_recoveries(kv) == [done]
