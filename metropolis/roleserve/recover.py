@@ -140,6 +140,7 @@ async def recover(checked: Checked) -> Recovery:
     root, settings, credentials = checked.root, checked.settings, checked.credentials
     node_id = credentials.node_id
     manifest = checked.manifest
+    await trio.to_thread.run_sync(root.create)
     work = root.data.path / "recover"
     await trio.to_thread.run_sync(_fresh_folder, work)
     try:
@@ -218,6 +219,7 @@ def _swap(
     work: Path,
 ) -> None:
     """Write peer PKI, CRL and roles, then put the restored data in etcd's place (blocking)."""
+    root.create()  # the layout, should the operator have deleted all of data/etcd
     etcd = root.data.etcd
     etcd.peer_pki.write_all(
         ca_certificate=pki.encode_certificate(join.ca_certificate),

@@ -108,6 +108,8 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 await _until(functools.partial(_no_etcd, root))
                 if root.data.etcd.data.exists():  # n3 had no etcd member
                     shutil.rmtree(root.data.etcd.data)
+            # n1 lost its peer PKI and CRL too: all of etcd's folder.
+            shutil.rmtree(roots[0].data.etcd.path)
 
             # Refused, and nothing changed: another cluster's, and a cut one.
             foreign = tmp_path / "foreign.snap"
