@@ -19,7 +19,10 @@ stops everything (etcd included) and exits 0. Each of the three takes
 ``/metrics`` (:mod:`metropolis.roleserve.metrics`), and ``--snapshot-interval
 SECONDS [--snapshot-keep N] [--snapshot-dir DIR]`` to snapshot the local
 etcd member on that schedule (:mod:`metropolis.roleserve.snapshots`);
-neither is saved.
+neither is saved. ``metropolis node recover --root DIR --snapshot FILE``
+makes this node the first member of its cluster restored from a snapshot,
+then runs it (:mod:`metropolis.roleserve.recover`); it takes the same
+metrics and snapshot options.
 
 ``metropolis image build --out DIR`` builds a node image
 (:mod:`metropolis.image.__main__`, which it hands its arguments to).
@@ -29,7 +32,8 @@ then ``nodes``, ``approve NODE``, ``set-roles NODE [--consensus-member
 on|off] [--kubernetes-controller on|off]``, ``delete NODE [--force]``,
 ``tree NODE``, ``ticket``, ``info [--out FILE]`` or ``snapshot --out FILE``
 (of the etcd member running on the node of ``--root``, with its manifest:
-:mod:`metropolis.consensus.snapshot`): the owner's calls
+:mod:`metropolis.consensus.snapshot`) or ``recoveries`` (the recoveries from
+snapshots, read there too): the owner's calls
 (:mod:`metropolis.owner`). ``--cluster`` takes what ``info --out`` wrote
 and needs no node's disk. Calls that change something print what
 changed; one still waiting after a second says what it waits for.
@@ -59,8 +63,11 @@ import trio
 
 from common.listen import listen_address
 from metropolis import identity, pki
+from metropolis.consensus.client import Client
+from metropolis.consensus.config import CURATOR_NAMESPACE
 from metropolis.consensus.process import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
 from metropolis.consensus.snapshot import manifest_path, take_snapshot
+from metropolis.curator.rejoin import read_recoveries
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
 from metropolis.owner import (
@@ -76,7 +83,7 @@ from metropolis.owner import (
 )
 from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
-from metropolis.roleserve import disk
+from metropolis.roleserve import disk, recover
 from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.roleserve.register import DEFAULT_DEADLINE, register
 from metropolis.roleserve.server import RoleServer
@@ -134,6 +141,21 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--root", type=Path, required=True, help="the node's data directory")
     _register_deadline_flag(run, " (when finishing a saved registration)")
 
+    rec = actions.add_parser(
+        "recover",
+        help="restore the cluster from an etcd snapshot on this node, then run it",
+        description="Turn this node into the first member of its cluster restored from a"
+        " snapshot ('owner snapshot' or a scheduled one, with its manifest): etcd is restored"
+        " by etcdctl as a one-member cluster, the other members are dropped; they rejoin"
+        " with their own 'node run'. The snapshot must be whole and of this node's cluster,"
+        " and the node stopped: otherwise nothing is changed. Then runs the node (later"
+        " starts: 'node run').",
+    )
+    rec.add_argument("--root", type=Path, required=True, help="the node's data directory")
+    rec.add_argument(
+        "--snapshot", type=Path, required=True, help="the snapshot file (FILE.manifest beside it)"
+    )
+
     reg = actions.add_parser("register", help="join an existing cluster and run")
     reg.add_argument("--root", type=Path, required=True, help="the node's data directory")
     reg.add_argument("--address", required=True, help="IP or name other nodes reach it at")
@@ -173,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
         help="how long a dead curator leader blocks the next election (default 10)",
     )
 
-    for command in (boot, run, reg):
+    for command in (boot, run, reg, rec):
         command.add_argument(
             "--metrics-listen",
             type=listen_address,
@@ -246,6 +268,10 @@ def _parser() -> argparse.ArgumentParser:
         "snapshot", help="snapshot etcd (the member on this --root's node), with a manifest"
     )
     snap.add_argument("--out", type=Path, required=True, help="the snapshot file")
+    calls.add_parser(
+        "recoveries",
+        help="the recoveries from snapshots (read from the etcd member on this --root's node)",
+    )
     return parser
 
 
@@ -437,6 +463,11 @@ async def _owner_call(args: argparse.Namespace, owner: Owner) -> None:
         # The owner key must be the cluster's: the curators answer it.
         await owner.info()
         out(await _snapshot(_root(args.root), args.out) + "\n")
+    elif args.action == "recoveries":
+        if args.root is None:
+            raise MetropolisError("recoveries needs --root: the node whose etcd member it reads")
+        await owner.info()
+        out(await _recoveries(_root(args.root)) + "\n")
     else:
         info = await owner.info()
         if args.out is not None:
@@ -447,14 +478,34 @@ async def _owner_call(args: argparse.Namespace, owner: Owner) -> None:
             out(f"{identity.node_id(node.public_key)} {hosts}\n")
 
 
-async def _snapshot(root: Root, out: Path) -> str:
-    """Snapshot the etcd member of the node at ``root`` into ``out``; one line on it."""
+def _local_etcd(root: Root) -> Path:
+    """The client socket of the etcd member on the node of ``root``; refused if none runs."""
     socket = root.ephemeral.consensus / SOCKET_NAME
     if not socket.exists():
         raise MetropolisError(
             f"no etcd member runs on the node of {root.path}: give the root of a node"
             " with ConsensusMember"
         )
+    return socket
+
+
+async def _recoveries(root: Root) -> str:
+    """The recoveries recorded in the cluster, one line each (oldest first)."""
+    async with Client(_local_etcd(root)) as client:
+        found = await read_recoveries(client.namespaced(CURATOR_NAMESPACE))
+    if not found:
+        return "no recovery from a snapshot"
+    return "\n".join(
+        f"{r.at} {r.node_id} recovered from snapshot revision {r.snapshot_revision}"
+        f" (taken {r.snapshot_taken_at} on {r.snapshot_node_id}, sha256 {r.snapshot_sha256});"
+        f" rejoining: {', '.join(r.rejoining) or 'none'}"
+        for r in found
+    )
+
+
+async def _snapshot(root: Root, out: Path) -> str:
+    """Snapshot the etcd member of the node at ``root`` into ``out``; one line on it."""
+    socket = _local_etcd(root)
     saved = await trio.to_thread.run_sync(disk.load, root)
     assert saved.credentials is not None  # the owner call above needs them
     der = saved.credentials.ca_certificate.public_bytes(pki.Encoding.DER)
@@ -646,6 +697,10 @@ def main(argv: list[str] | None = None) -> int:
                 root = _prepare_register(args)
             elif args.action == "bootstrap":
                 root = _bootstrap(args)
+            elif args.action == "recover":
+                root = _root(args.root)
+                checked = recover.check(root, args.snapshot)  # before anything changes
+                trio.run(recover.recover, checked)
             else:
                 root = _root(args.root)
             disk.load(root)  # fail before starting anything

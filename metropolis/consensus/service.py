@@ -2,8 +2,9 @@
 
 Startup decides where the peer TLS material comes from::
 
-    JoinCluster given? ──yes──> write CA, peer cert, our key, CRL to data/etcd
-          │ no                  start etcd as a member of the existing cluster
+    JoinCluster given? ──yes──> etcd data beside another peer cert: deleted (a new member)
+          │ no                  write CA, peer cert, our key, CRL to data/etcd
+          │                     start etcd as a member of the existing cluster
           v
     peer PKI on disk? ──yes──> check it is intact and ours; start etcd on its data
           │ no
@@ -55,6 +56,7 @@ disk does not stall the other tasks of the node.
 from __future__ import annotations
 
 import logging
+import shutil
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -184,6 +186,7 @@ class Service:
         ) = None
         if join is not None:
             node.logger.info("joining existing cluster via %d members", len(join.existing_nodes))
+            await self._drop_other_members_data(node, join)
             unsynced = await self._write_join_pki(join)
             store_pki = False
             initial = own | {n.name: n.url for n in join.existing_nodes}
@@ -351,6 +354,32 @@ class Service:
             atomic_write(self.config.data.peer_crl, crl, durable=False)
             written.append(self.config.data.peer_crl)
         return written
+
+    async def _drop_other_members_data(self, node: Node, join: JoinCluster) -> None:
+        """Delete etcd's data if it is of a member the join data's is not.
+
+        The curator issues a node a new peer certificate only when it adds
+        the node as a new member (after a recovery from a snapshot dropped
+        the old one: :mod:`metropolis.curator.rejoin`); etcd data beside
+        another certificate is the old member's, of a cluster that no
+        longer knows it, and etcd would only fail on it. Unreadable or
+        absent certificates are left to the checks that follow.
+        """
+        data = self.config.data
+        if not (data.data / "member").exists():
+            return
+        try:
+            on_disk = pki.decode_certificate(data.peer_pki.certificate.read_bytes())
+        except (OSError, pki.PKIError):
+            return
+        if on_disk == join.node_certificate:
+            return
+        node.logger.warning(
+            "join data for a new member (a new peer certificate): deleting the old"
+            " member's etcd data in %s",
+            data.data,
+        )
+        await trio.to_thread.run_sync(shutil.rmtree, data.data)
 
     def _have_newer_crl(self, join: JoinCluster) -> bool:
         """Whether the CRL on disk is at least as new as the join data's.

@@ -22,10 +22,10 @@ from metropolis.consensus import ConsensusError
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.consensus.client import Member, Op
 from metropolis.consensus.peerpki import NodePKI
-from metropolis.curator.records import Records, without_consensus_member
+from metropolis.curator.records import Records, with_consensus_member, without_consensus_member
 from metropolis.curator.removal import Removals
 from metropolis.gather import gather
-from metropolis.proto.common import NodeRoles, NodeState
+from metropolis.proto.common import NodeState
 from metropolis.proto.curator import Node
 from metropolis.rpc import RPCError
 from metropolis.rpc.status import Status
@@ -140,10 +140,7 @@ class Membership:
         member = join.to_proto()
 
         def change(r: Node) -> Node:
-            roles = r.roles or NodeRoles()
-            roles.consensus_member = member
-            r.roles = roles
-            return r
+            return with_consensus_member(r, member)
 
         # The record as read above: if it changed since, the write retries.
         await self._records.update(node_id, change, read=found)

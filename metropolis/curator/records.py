@@ -17,11 +17,12 @@ from collections.abc import Callable, Sequence
 from metropolis.consensus.client import KV, Compare, Get, Op, Put
 from metropolis.curator.election import ElectionState, Leader, NotLeader
 from metropolis.curator.state import NODES, CuratorError, node_key, parse_node
+from metropolis.proto.common import NodeRoles, NodeRolesConsensusMember
 from metropolis.proto.curator import Node
 from metropolis.rpc import RPCError
 from metropolis.rpc.status import Status
 
-__all__ = ["Records", "without_consensus_member"]
+__all__ = ["Records", "with_consensus_member", "without_consensus_member"]
 
 _log = logging.getLogger("metropolis.curator.records")
 
@@ -108,4 +109,12 @@ def without_consensus_member(record: Node) -> Node:
     """``record`` without the ConsensusMember role (a change for :meth:`Records.update`)."""
     if record.roles is not None:
         record.roles.consensus_member = None
+    return record
+
+
+def with_consensus_member(record: Node, role: NodeRolesConsensusMember) -> Node:
+    """``record`` with ``role`` as its ConsensusMember role (its join data)."""
+    roles = record.roles or NodeRoles()
+    roles.consensus_member = role
+    record.roles = roles
     return record

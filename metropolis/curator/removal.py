@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -49,13 +50,38 @@ from metropolis.event import ReadOnlyValue
 from metropolis.rpc import RPCError
 from metropolis.rpc.status import Status
 
-__all__ = ["RETRY", "Removals"]
+__all__ = ["RETRY", "Removals", "each_term"]
 
 _log = logging.getLogger("metropolis.curator.removal")
 
 #: Waits between attempts at a pending removal while etcd refuses it; mostly
 #: "leader changed" just after the marked member left, which settles quickly.
 RETRY = ExponentialBackoff(initial=0.25, maximum=4.0, jitter=(0.75, 1.25))
+
+
+async def each_term(
+    election: ReadOnlyValue[ElectionState], of_term: Callable[[], Awaitable[None]]
+) -> None:
+    """Run ``of_term()`` in each term of this curator's leadership, until cancelled.
+
+    It starts when a term starts and is cancelled when the term ends (any
+    new election state); what it raises ends this call.
+    """
+    with election.watch() as watcher:
+        state = await watcher.get(lambda s: isinstance(s, Leader))
+        while True:
+            with trio.CancelScope() as term:
+                async with trio.open_nursery() as nursery:
+
+                    async def until_term_ends(leader: ElectionState = state) -> None:
+                        nonlocal state
+                        state = await watcher.get(lambda s: s != leader)
+                        term.cancel()
+
+                    nursery.start_soon(until_term_ends)
+                    await of_term()
+            if not isinstance(state, Leader):
+                state = await watcher.get(lambda s: isinstance(s, Leader))
 
 
 class Removals:
@@ -135,21 +161,7 @@ class Removals:
         this curator leads. Raises ``EtcdClosed`` (the curator restarts on
         the new consensus status).
         """
-        with election.watch() as watcher:
-            state = await watcher.get(lambda s: isinstance(s, Leader))
-            while True:
-                with trio.CancelScope() as term:
-                    async with trio.open_nursery() as nursery:
-
-                        async def until_term_ends(leader: ElectionState = state) -> None:
-                            nonlocal state
-                            state = await watcher.get(lambda s: s != leader)
-                            term.cancel()
-
-                        nursery.start_soon(until_term_ends)
-                        await self._of_term()
-                if not isinstance(state, Leader):
-                    state = await watcher.get(lambda s: isinstance(s, Leader))
+        await each_term(election, self._of_term)
 
     async def _of_term(self) -> None:
         retrier = Retrier(RETRY, self._rng)

@@ -9,9 +9,10 @@
       │     └── Deletion   (:mod:`.deletion`)     DeleteNode: member, record, CRL
       ├── Escrow         (:mod:`.aaa`)            the owner's certificate, for its key
       ├── Removals       (:mod:`.removal`)        the next leader's half of a removal
+      ├── Rejoins        (:mod:`.rejoin`)         members added again after a recovery
       └── Records        (:mod:`.records`)        leader-guarded reads and writes
     serve: the RPC server, and beside it the election's follower, the CRL's
-           follower and the removals of each term; until cancelled
+           follower, the removals and the rejoins of each term; until cancelled
 
 The security hooks (:meth:`CuratorServer.security`) answer from memory: the
 owner key and CA are fixed at bootstrap and read once, the CRL is re-read
@@ -43,6 +44,7 @@ from metropolis.curator.managementapi import HEARTBEAT_TIMEOUT, ManagementAPI
 from metropolis.curator.membership import LEARNER_TIMEOUT, Membership
 from metropolis.curator.nodeapi import NodeAPI
 from metropolis.curator.records import Records
+from metropolis.curator.rejoin import Rejoins
 from metropolis.curator.removal import Removals
 from metropolis.curator.state import CA_CERTIFICATE_KEY, CRL_KEY, INITIAL_OWNER_KEY, CuratorError
 from metropolis.event import ReadOnlyValue
@@ -86,6 +88,7 @@ class CuratorServer:
             peer_port=peer_port,
             learner_timeout=learner_timeout,
         )
+        self.rejoins = Rejoins(self._records, consensus, membership, peer_port=peer_port, rng=rng)
         self.nodes = NodeAPI(self._records, consensus, ca=ca, peer_port=peer_port)
         deletion = Deletion(
             self._records,
@@ -243,4 +246,5 @@ class CuratorServer:
             nursery.start_soon(self.follow_election, election)
             nursery.start_soon(self.follow_crl)
             nursery.start_soon(self.removals.run, election)
+            nursery.start_soon(self.rejoins.run, election)
             task_status.started(await nursery.start(server.serve_listeners, listeners))

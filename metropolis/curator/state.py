@@ -16,6 +16,11 @@ Monogon's curator::
     /consensus-removals/<node id> raw public key: the node's etcd member is
                                   to be removed by the *next* leader (it was
                                   revoked on the node whose curator led)
+    /consensus-rejoins/<node id>  text: Unix time (ns) of a recovery; the node held
+                                  ConsensusMember in the snapshot and is to be added
+                                  again as a new learner once it is heard from
+                                  (:mod:`.rejoin`)
+    /recoveries/<time>            JSON: a recovery from a snapshot (:mod:`.rejoin`)
     /test/leader-probe            text: "<node id> <term> <count>", tests only
                                   (:mod:`.probe`)
 """
@@ -33,6 +38,7 @@ from metropolis.proto.curator import Node
 __all__ = [
     "CA_CERTIFICATE_KEY",
     "CA_KEY_KEY",
+    "CONSENSUS_REJOINS",
     "CONSENSUS_REMOVALS",
     "CRL_KEY",
     "HEARTBEATS",
@@ -40,8 +46,10 @@ __all__ = [
     "LEADER_KEY",
     "NODES",
     "PROBE_KEY",
+    "RECOVERIES",
     "REGISTER_TICKET_KEY",
     "CuratorError",
+    "consensus_rejoin_key",
     "consensus_removal_key",
     "heartbeat_key",
     "issued_certificate_key",
@@ -66,6 +74,10 @@ NODES = b"/nodes/"
 HEARTBEATS = b"/heartbeats/"
 #: Prefix of the pending removals of consensus members (see :mod:`.removal`).
 CONSENSUS_REMOVALS = b"/consensus-removals/"
+#: Prefix of the nodes to add to etcd again after a recovery (see :mod:`.rejoin`).
+CONSENSUS_REJOINS = b"/consensus-rejoins/"
+#: Prefix of the records of recoveries from a snapshot (see :mod:`.rejoin`).
+RECOVERIES = b"/recoveries/"
 #: The leader probe's counter (a test hook, :mod:`.probe`).
 PROBE_KEY = b"/test/leader-probe"
 
@@ -94,6 +106,10 @@ def join_key_key(join_public_key: bytes) -> bytes:
 
 def consensus_removal_key(node_id: str) -> bytes:
     return CONSENSUS_REMOVALS + _id_part(node_id)
+
+
+def consensus_rejoin_key(node_id: str) -> bytes:
+    return CONSENSUS_REJOINS + _id_part(node_id)
 
 
 def issued_certificate_key(node_id: str) -> bytes:

@@ -9,7 +9,8 @@ Monogon's seed (``worker_controlplane.go``), reshaped for Trio::
     launcher: watches the startup value; runs consensus + curator ◀┘
               inside a scope, which it leaves and re-enters (restart on
               request) only when changed() says the control plane
-              appears or disappears; publishes the local services in
+              appears or disappears, or the node's etcd member is a new
+              one (after a recovery); publishes the local services in
               the membership (and after a bootstrap the node's first
               credentials, directory and roles).
 

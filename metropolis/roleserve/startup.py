@@ -144,10 +144,18 @@ def has_control_plane(startup: ControlPlaneStartup) -> bool:
 
 
 def changed(old: ControlPlaneStartup, new: ControlPlaneStartup) -> bool:
-    """Whether the launcher must restart: the control plane appears or disappears.
+    """Whether the launcher must restart: the control plane appears or disappears,
+    or the join data gives this node a new peer certificate.
 
-    Other differences (new join data, churned membership, bootstrap giving
-    way to the roles it produced) do not restart a running etcd: its data
-    directory already holds what the join data would seed it with.
+    A new peer certificate means the node was added to etcd again as a new
+    member (after a recovery from a snapshot dropped its old one:
+    :mod:`metropolis.curator.rejoin`); its etcd must start anew with that
+    join data (the consensus service then drops the old member's data).
+    Other differences (other peers in the join data, churned membership,
+    bootstrap giving way to the roles it produced) do not restart a running
+    etcd: its data directory already holds what the join data would seed
+    it with.
     """
+    if isinstance(old, JoinControlPlane) and isinstance(new, JoinControlPlane):
+        return old.join.node_certificate != new.join.node_certificate
     return has_control_plane(old) != has_control_plane(new)

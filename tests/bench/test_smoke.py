@@ -48,6 +48,7 @@ PRINTS = {
     "initializer": "machines/min",
     "install": "by hand / product (time ratio)",
     "provisioner": "reconcile",
+    "recover": "node recover to the owner answered",
     "rpc": "metropolis.rpc (h2 on Trio)",
     "startup_trace": "--- medians over",
     "web_pages": "metrics fleet query:",

@@ -88,8 +88,8 @@ async def _voters(root: Root, count: int) -> None:
     await _until(check)
 
 
-async def _form(owner: Owner, seed: Root) -> tuple[NodeRow, NodeRow, NodeRow]:
-    """Approve the two registered nodes and grant each ConsensusMember: three voters."""
+async def approve_registered(owner: Owner) -> tuple[NodeRow, NodeRow, NodeRow]:
+    """Approve the two registered nodes; the three rows once all three are UP."""
 
     async def registered() -> bool:
         rows = await owner.nodes()
@@ -107,6 +107,12 @@ async def _form(owner: Owner, seed: Root) -> tuple[NodeRow, NodeRow, NodeRow]:
     await _until(all_up)
     rows = await _rows(owner)
     n1, n2, n3 = (rows[a] for a in ADDRESSES)
+    return n1, n2, n3
+
+
+async def _form(owner: Owner, seed: Root) -> tuple[NodeRow, NodeRow, NodeRow]:
+    """Approve the two registered nodes and grant each ConsensusMember: three voters."""
+    n1, n2, n3 = await approve_registered(owner)
     assert n2.roles == () and n3.roles == ()
     # Nodes without a curator serve their own supervision tree to the owner.
     for row in (n2, n3):

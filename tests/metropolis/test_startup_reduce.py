@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,15 +154,25 @@ def test_reduce_depends_only_on_the_newest_of_each_kind(
     assert replayed == final
 
 
-def test_changed_only_when_the_control_plane_appears_or_disappears() -> None:
+def test_changed_when_the_control_plane_appears_or_disappears_or_the_member_is_new() -> None:
     bootstrap = BootstrapControlPlane(BOOTSTRAPS[0])
     join_a = JoinControlPlane(GOOD_JOINS[0], CREDENTIALS)
-    join_b = JoinControlPlane(GOOD_JOINS[2], CREDENTIALS)
+    # The same member, other peers: the join data a later fetch may bring.
+    other_peers = replace(GOOD_JOINS[2], node_certificate=GOOD_JOINS[0].node_certificate)
+    join_b = JoinControlPlane(other_peers, CREDENTIALS)
     none = NoControlPlane()
     assert not changed(bootstrap, join_a)
     assert not changed(join_a, join_b)
     assert not changed(none, NoControlPlane())
     assert changed(join_a, none) and changed(none, bootstrap)
+    # Added again as a new member (after a recovery): a new peer certificate.
+    rejoined = GOOD_JOINS[1]
+    certificate = peerpki.issue_local_certificate(_peer_ca, PUBLIC, ["127.0.0.1"])
+    join_c = JoinControlPlane(
+        JoinCluster(rejoined.ca_certificate, certificate, rejoined.initial_crl, ()), CREDENTIALS
+    )
+    assert changed(join_a, join_c) and changed(join_c, join_b)
+    assert changed(join_a, JoinControlPlane(GOOD_JOINS[2], CREDENTIALS))
 
 
 def test_a_new_directory_makes_no_new_decision() -> None:

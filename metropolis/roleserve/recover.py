@@ -1,0 +1,236 @@
+"""``node recover``: one node becomes the first member of a cluster restored from a snapshot.
+
+For the day every consensus member is lost (their etcd data gone) but a
+snapshot (:mod:`metropolis.consensus.snapshot`) and a node's root are
+left::
+
+    check (nothing changed yet) ─ the root is a finished node of a cluster;
+      │                           the snapshot whole (manifest, SHA-256,
+      │                           etcd's hash) and of this cluster (its CA's
+      │                           SHA-256); no etcd runs on this node, and
+      │                           nothing answers on its debug port (the
+      │                           node runs)
+    restore ─ etcdctl snapshot restore into ROOT/data/recover/data: a new
+      │       one-member cluster of this node (old members dropped)
+    prepare ─ a temporary etcd on it (plain-HTTP peers, alone): this node's
+      │       peer certificate (the stored one, or a new one), its record
+      │       with ConsensusMember for the restored member, rejoin marks for
+      │       the other members, the recovery's record
+      │       (:func:`~metropolis.curator.rejoin.prepare_restored`); stopped
+    swap ─ peer PKI, CRL and roles written, the old etcd data (if any)
+           deleted and the restored data renamed into its place
+
+after which the caller runs the node as ``node run`` would: its etcd
+starts on the restored data, its curator leads, and the other nodes come
+back with their own ``node run`` (:mod:`metropolis.curator.rejoin`).
+
+Cluster CA, owner, node records, roles and tickets are the snapshot's: the
+node's own credentials (issued by that CA) stay valid. What happened in
+the cluster after the snapshot was taken is lost.
+
+Errors: :class:`RecoverError` (or :class:`~metropolis.consensus.snapshot.SnapshotError`,
+:class:`~metropolis.consensus.restore.RestoreError`), one line; before the
+swap nothing of the node's state has changed (the work folder is removed).
+A crash during the swap leaves the root for ``node recover`` to be run
+again. Cancellation: the temporary etcd is stopped and the work folder
+removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from metropolis import pki
+from metropolis.consensus import peerpki
+from metropolis.consensus.client import Client
+from metropolis.consensus.config import CURATOR_NAMESPACE
+from metropolis.consensus.join import JoinCluster
+from metropolis.consensus.process import SOCKET_NAME, ProcessConfig, run_etcd
+from metropolis.consensus.restore import restore_data
+from metropolis.consensus.snapshot import SnapshotManifest, verify_snapshot
+from metropolis.curator.rejoin import Recovery, prepare_restored
+from metropolis.errors import MetropolisError
+from metropolis.identity import NodeCredentials
+from metropolis.localstorage import Root, atomic_write, fsync_directory
+from metropolis.proto.common import NodeRoles
+from metropolis.roleserve import disk
+
+__all__ = ["Checked", "RecoverError", "check", "recover"]
+
+_log = logging.getLogger("metropolis.roleserve.recover")
+
+
+class RecoverError(MetropolisError):
+    """The node or the snapshot cannot be recovered from; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What :func:`check` found: the node and the snapshot to recover it from."""
+
+    root: Root
+    settings: disk.NodeSettings
+    credentials: NodeCredentials
+    snapshot: Path
+    manifest: SnapshotManifest
+
+
+def check(root: Root, snapshot: Path) -> Checked:
+    """Check the node and the snapshot; change nothing (blocking). See the module docstring."""
+    saved = disk.load(root)
+    if saved.credentials is None:
+        raise RecoverError(
+            f"{root.path} holds no finished node (no cluster credentials): recover on a"
+            " node of the cluster"
+        )
+    manifest = verify_snapshot(snapshot)
+    der = saved.credentials.ca_certificate.public_bytes(pki.Encoding.DER)
+    ca = hashlib.sha256(der).hexdigest()
+    if manifest.cluster_ca_sha256 != ca:
+        raise RecoverError(
+            f"{snapshot} is a snapshot of another cluster (CA SHA-256 "
+            f"{manifest.cluster_ca_sha256[:16]}..., this node's is {ca[:16]}...): refusing it"
+        )
+    if _answers(root.ephemeral.consensus / SOCKET_NAME):
+        raise RecoverError(
+            f"an etcd member runs on the node of {root.path}: stop the node before recovering"
+        )
+    debug = (saved.settings.address, saved.settings.debug_port)
+    if _listens(*debug):
+        raise RecoverError(
+            f"something answers on the node's debug port {debug[0]}:{debug[1]}: stop the node"
+            " before recovering"
+        )
+    return Checked(root, saved.settings, saved.credentials, snapshot, manifest)
+
+
+def _listens(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at ``host``:``port`` (within a second)."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _answers(path: Path) -> bool:
+    """Whether something accepts connections on the UNIX socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+async def recover(checked: Checked) -> Recovery:
+    """Restore, prepare and swap in the snapshot's etcd; the recovery as recorded.
+
+    See the module docstring. The node must not run meanwhile
+    (:func:`check` looked); its peer port must be free.
+    """
+    root, settings, credentials = checked.root, checked.settings, checked.credentials
+    node_id = credentials.node_id
+    manifest = checked.manifest
+    await trio.to_thread.run_sync(root.create)
+    work = root.data.path / "recover"
+    await trio.to_thread.run_sync(_fresh_folder, work)
+    try:
+        restored = work / "data"
+        peer_url = f"https://{settings.peer_address}"
+        _log.info("restoring %s with etcdctl", checked.snapshot)
+        await restore_data(checked.snapshot, restored, name=node_id, peer_url=peer_url)
+        process = ProcessConfig(
+            name=node_id,
+            data_dir=restored,
+            working_dir=work / "run",
+            peer_address=settings.peer_address,
+            peer_tls=None,
+            initial_cluster={node_id: peer_url},
+            cluster_state="new",
+            tuning=settings.tuning,
+        )
+        recovery = Recovery.now(
+            node_id,
+            revision=manifest.revision,
+            taken_at=manifest.taken_at,
+            snapshot_node_id=manifest.node_id,
+            sha256=manifest.sha256,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_etcd, process, logging.getLogger(f"{_log.name}.etcd"))
+            async with Client(process.socket_path) as client:
+                join = await _own_join(client, credentials, settings.peer_address)
+                roles, recovery = await prepare_restored(
+                    client.namespaced(CURATOR_NAMESPACE), recovery, join.to_proto()
+                )
+            nursery.cancel_scope.cancel()
+        await trio.to_thread.run_sync(_swap, root, credentials, join, roles, restored, work)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(shutil.rmtree, work, True)
+    _log.warning(
+        "recovered from %s (revision %d, taken %s on %s): etcd restored as a one-member"
+        " cluster of %s; to rejoin once they run: %s",
+        checked.snapshot,
+        recovery.snapshot_revision,
+        recovery.snapshot_taken_at,
+        recovery.snapshot_node_id,
+        node_id,
+        ", ".join(recovery.rejoining) or "none",
+    )
+    return recovery
+
+
+async def _own_join(client: Client, credentials: NodeCredentials, peer_address: str) -> JoinCluster:
+    """This node's join data for its restored member: the peer CA, CRL and its certificate."""
+    kv = client.namespaced(peerpki.NAMESPACE)
+    node = await peerpki.load_for_node(kv, credentials.node_id)
+    certificate = await peerpki.reuse_or_issue(
+        kv,
+        node.ca,
+        credentials.public_key,
+        peerpki.peer_hosts(peer_address),
+        node.crl,
+        node.stored_certificate,
+    )
+    return JoinCluster(node.ca.certificate, certificate, node.crl, ())
+
+
+def _fresh_folder(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o700)
+
+
+def _swap(
+    root: Root,
+    credentials: NodeCredentials,
+    join: JoinCluster,
+    roles: NodeRoles,
+    restored: Path,
+    work: Path,
+) -> None:
+    """Write peer PKI, CRL and roles, then put the restored data in etcd's place (blocking)."""
+    root.create()  # the layout, should the operator have deleted all of data/etcd
+    etcd = root.data.etcd
+    etcd.peer_pki.write_all(
+        ca_certificate=pki.encode_certificate(join.ca_certificate),
+        certificate=pki.encode_certificate(join.node_certificate),
+        key=pki.encode_private_key(credentials.private_key),
+    )
+    atomic_write(etcd.peer_crl, pki.encode_crl(join.initial_crl))
+    disk.save_roles(root, roles)
+    if etcd.data.exists():
+        old = work / "old"
+        os.replace(etcd.data, old)
+        shutil.rmtree(old)
+    os.replace(restored, etcd.data)
+    fsync_directory(etcd.path)
