@@ -30,7 +30,9 @@ _SHAPES = [
 KEEP = 3
 
 
-async def _fill(conn: bmdb.Connection) -> dict[str, list[tuple[int, uuid.UUID | None, float]]]:
+async def fill_old_rows(
+    conn: bmdb.Connection,
+) -> dict[str, list[tuple[int, uuid.UUID | None, float]]]:
     """Write the `_SHAPES` rows into both tables, interleaving machines so
     that one machine's rows are spread over the ids; return, per table,
     every row as (id, machine, age in days)."""
@@ -62,7 +64,7 @@ async def _fill(conn: bmdb.Connection) -> dict[str, list[tuple[int, uuid.UUID | 
     return await conn.transact(fn)
 
 
-def _expected_kept(rows: list[tuple[int, uuid.UUID | None, float]], keep: int) -> set[int]:
+def expected_kept(rows: list[tuple[int, uuid.UUID | None, float]], keep: int) -> set[int]:
     """What the policy keeps: rows under a day old, and each machine's
     (the machine-less rows' together) newest ``keep`` by id."""
     kept = {row_id for row_id, _, age in rows if age < 1}
@@ -72,7 +74,7 @@ def _expected_kept(rows: list[tuple[int, uuid.UUID | None, float]], keep: int) -
     return kept
 
 
-async def _ids(conn: bmdb.Connection, table: str) -> set[int]:
+async def row_ids(conn: bmdb.Connection, table: str) -> set[int]:
     async def fn(q: Queries) -> set[int]:
         return {r[0] for r in await q.execute(f"SELECT id FROM {table}")}
 
@@ -83,17 +85,17 @@ async def _ids(conn: bmdb.Connection, table: str) -> set[int]:
 async def test_prune_deletes_what_the_policy_does_not_keep(
     bmdb_conn: bmdb.Connection, keep: int
 ) -> None:
-    written = await _fill(bmdb_conn)
+    written = await fill_old_rows(bmdb_conn)
     # Two rows per batch: the walk crosses machines and batches.
     policy = retention.RetentionPolicy(keep_last=keep, keep_newer_than=DAY, batch=2)
     dry = await retention.prune(bmdb_conn, policy, dry_run=True)
     for table, rows in written.items():
-        assert await _ids(bmdb_conn, table) == {r[0] for r in rows}, "a dry run deleted"
+        assert await row_ids(bmdb_conn, table) == {r[0] for r in rows}, "a dry run deleted"
     progress: list[retention.PruneResult] = []
     done = await retention.prune(bmdb_conn, policy, progress=progress.append)
     for table, rows in written.items():
-        kept = _expected_kept(rows, keep)
-        assert await _ids(bmdb_conn, table) == kept
+        kept = expected_kept(rows, keep)
+        assert await row_ids(bmdb_conn, table) == kept
         [d] = [r for r in dry if r.table == table]
         [r] = [r for r in done if r.table == table]
         assert d.deleted == r.deleted == len(rows) - len(kept)
@@ -112,7 +114,7 @@ async def test_prune_does_not_block_a_workers_claim_and_finish(
     of the very machine being claimed, and on its audit records): a claim,
     a finish and an operator's action on that machine all complete before
     the batch commits."""
-    written = await _fill(bmdb_conn)
+    written = await fill_old_rows(bmdb_conn)
     machine = written["work_history"][0][1]
     assert machine is not None
     policy = {"keep": 0, "batch": 1000, "after": 0}
@@ -164,8 +166,8 @@ def test_policy_refuses_bad_values() -> None:
 
 
 async def test_prune_command(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
-    written = await _fill(bmdb_conn)
-    before = {t: await _ids(bmdb_conn, t) for t in retention.TABLES}
+    written = await fill_old_rows(bmdb_conn)
+    before = {t: await row_ids(bmdb_conn, t) for t in retention.TABLES}
     for flags, message in [
         (["--keep-last", "-1", "--keep-newer-than", "1d"], "must be 0 or more, got -1"),
         (["--keep-last", "x", "--keep-newer-than", "1d"], "not a whole number: 'x'"),
@@ -178,17 +180,17 @@ async def test_prune_command(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
         assert code == 2 and out == "", (flags, err)
         # The usage, then one line that says what is wrong.
         assert err.strip().splitlines()[-1].startswith("bmdb prune: error: ") and message in err
-    assert {t: await _ids(bmdb_conn, t) for t in retention.TABLES} == before
+    assert {t: await row_ids(bmdb_conn, t) for t in retention.TABLES} == before
 
     keep = ["--keep-last", str(KEEP), "--keep-newer-than", "1d", "--table", "work_history"]
     code, out, err = await cli("--url", bmdb_url, "prune", *keep, "--dry-run")
     rows = written["work_history"]
-    gone = len(rows) - len(_expected_kept(rows, KEEP))
+    gone = len(rows) - len(expected_kept(rows, KEEP))
     assert (code, err) == (0, "")
     assert f"work_history: would delete {gone} rows" in out and "dry run" in out
-    assert {t: await _ids(bmdb_conn, t) for t in retention.TABLES} == before
+    assert {t: await row_ids(bmdb_conn, t) for t in retention.TABLES} == before
     code, out, err = await cli("--url", bmdb_url, "prune", *keep)
     assert (code, err) == (0, "") and f"work_history: deleted {gone} rows" in out
     assert "audit_log" not in out
-    assert await _ids(bmdb_conn, "work_history") == _expected_kept(rows, KEEP)
-    assert await _ids(bmdb_conn, "audit_log") == before["audit_log"]
+    assert await row_ids(bmdb_conn, "work_history") == expected_kept(rows, KEEP)
+    assert await row_ids(bmdb_conn, "audit_log") == before["audit_log"]
