@@ -272,7 +272,11 @@ async def _prune(conn: bmdb.Connection, args: argparse.Namespace) -> str:
 
     def progress(r: retention.PruneResult) -> None:
         if r.batches % PRUNE_PROGRESS_BATCHES == 0:
-            print(f"bmdb: {r.table}: {verb} {r.deleted} so far", file=sys.stderr, flush=True)
+            print(
+                f"bmdb: {r.table}: {verb} {r.deleted} rows, kept {r.kept_old} older ones, so far",
+                file=sys.stderr,
+                flush=True,
+            )
 
     results = await retention.prune(
         conn,
