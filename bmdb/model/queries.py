@@ -148,15 +148,21 @@ def _agent_recovery(
           AND NOT {_ACTIVE_BACKOFF}
           AND {NOT_HELD}
     """
+    window = max(SOURCING_WINDOW, limit) if locking else limit
     # Two branches in one Append, so that a LIMIT stops the second one early:
     # the (few) operator requests, then the silent in the floor index's order.
+    # Each branch has its own LIMIT: a branch is planned on its own, and
+    # without one it is planned for all its rows (hash joins over the fleet
+    # and a sort, when most machines are silent, as after an outage of the
+    # callback server) instead of for the first few in index order.
     candidates = f"""
         (SELECT m.machine_id, 0 AS rank, rr.requested_at AS since FROM machine_recovery_request rr
          JOIN machines m ON m.machine_id = rr.machine_id
          JOIN machine_agent_started a ON a.machine_id = m.machine_id
          {provider_join}
          WHERE m.agent_started {claimable}
-         ORDER BY rr.requested_at, rr.machine_id)
+         ORDER BY rr.requested_at, rr.machine_id
+         LIMIT {window:d})
         UNION ALL
         (SELECT m.machine_id, 1, a.agent_seen_floor FROM machine_agent_started a
          JOIN machines m ON m.machine_id = a.machine_id
@@ -168,9 +174,9 @@ def _agent_recovery(
            AND NOT EXISTS (SELECT 1 FROM machine_recovery_request rr
                            WHERE rr.machine_id = a.machine_id)
            {claimable}
-         ORDER BY a.agent_seen_floor, a.machine_id)
+         ORDER BY a.agent_seen_floor, a.machine_id
+         LIMIT {window:d})
     """.replace("%(busy)s", busy).replace("%(process)s", f"'{Process.SHEPHERD_RECOVERY}'")
-    window = max(SOURCING_WINDOW, limit) if locking else limit
     order = "random()" if locking else "c.rank, c.since, c.machine_id"
     return f"""
     SELECT {_AGENT_STARTED_COLUMNS}, {_PROVIDED_COLUMNS}

@@ -213,3 +213,28 @@ def test_recoverer_source_with_silent_machines_is_flat(
     # The window is looked at twice (sourced, then joined for its columns),
     # and about as many again are skipped for their backoff.
     _check_flat(fleets, sql, None, 3 * window, _SILENT)
+
+
+# Every agent silent for an hour (the callback server was down), with the
+# planner's statistics saying so: the source still reads only its window.
+_ALL_SILENT = """
+UPDATE machine_agent_heartbeat SET agent_heartbeat_at = now() - interval '1 hour';
+ANALYZE machine_agent_started;
+ANALYZE machine_agent_heartbeat
+"""
+
+
+@pytest.mark.parametrize("locking", [True, False], ids=["locking", "listing"])
+def test_recoverer_source_with_every_machine_silent_is_flat(
+    fleets: dict[int, str], locking: bool
+) -> None:
+    sql = queries._agent_recovery(
+        1 if locking else 100,
+        None,
+        queries.AGENT_FIRST_HEARTBEAT_TIMEOUT,
+        queries.AGENT_HEARTBEAT_TIMEOUT,
+        locking,
+    )
+    window = queries.SOURCING_WINDOW if locking else 100
+    # The window, looked at twice (sourced, then joined for its columns).
+    _check_flat(fleets, sql, None, 2 * window, _ALL_SILENT)
