@@ -8,9 +8,10 @@ Both tables only grow: every claim, finish, failure and cancel appends to
 of each machine (rows without a machine, which only the audit log could
 hold, count as one more machine); `prune` deletes the rest.
 
-Why it never blocks workers: the rows deleted are old, and nothing but
-`prune` ever changes a history or audit row (workers and operator actions
-only insert). Each batch is one short statement in its own transaction
+Why it never blocks workers: the rows deleted are old, and workers and
+operator actions only insert history and audit rows; the one other
+writer, forgetting a machine (whose history goes with it), waits at most
+for one batch, or the batch for it. Each batch is one short statement in its own transaction
 (READ COMMITTED, at most ``batch`` rows): it locks the rows it deletes and
 nothing else; deleting a row that references a machine takes no lock on
 the machine. So a claim or a finish never waits for a prune, and a prune
@@ -18,8 +19,9 @@ stopped halfway (cancelled, connection lost) leaves a consistent table
 with fewer rows; the next run carries on.
 
 The walk: rows in id order (the primary key), from the oldest, in batches
-of ``batch`` ids, up to the newest id older than the cutoff; the cutoff is
-taken once, from the database's clock, when the run starts. Each row is
+of ``batch`` ids, until a batch holds no row older than the cutoff (ids
+follow time); the cutoff is taken once, from the database's clock, when
+the run starts. Each row is
 checked against its machine's newest ``keep_last`` through the
 ``(machine_id, id)`` index, so a batch costs ``batch`` index probes of at
 most ``keep_last`` entries. A run reads every row older than the cutoff,
