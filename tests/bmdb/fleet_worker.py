@@ -2,7 +2,9 @@
 
     python -m tests.bmdb.fleet_worker URL NAME OUT
 
-Runs, on one connection, `LOOPS` initializer-like and `LOOPS` recoverer-like
+Once connected it prints ``ready`` and waits for a line on stdin (so that
+the test starts every process's claims together). Then it runs, on one
+connection, `LOOPS` initializer-like and `LOOPS` recoverer-like
 worker loops with the Shepherd's own sourcing queries (each loop in a
 session of its own, like the Shepherd's control loops), until neither
 source finds anything. An initializer finishes by setting the
@@ -76,10 +78,17 @@ async def _loop(
             done.append(str(machine))
 
 
+async def _connected(q: Queries) -> None:
+    await q.execute("SELECT 1")
+
+
 async def run(url: str, name: str) -> dict[str, object]:
     started: list[str] = []
     recovered: list[str] = []
     async with bmdb.open_connection(url) as conn, trio.open_nursery() as nursery:
+        await conn.transact(_connected)
+        print("ready", flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)
         for i in range(LOOPS):
             nursery.start_soon(
                 _loop,

@@ -4,8 +4,10 @@ not wasted (no claim finds its machine taken; few retry)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,14 +47,38 @@ async def test_processes_share_the_fleet_without_wasted_claims(
     silent = await bmdb_conn.transact(silence)
     outs = [tmp_path / f"w{i}.json" for i in range(PROCESSES)]
 
+    ready = trio.Semaphore(0)
+    go = trio.Event()
+
     async def worker(i: int) -> None:
-        await trio.run_process([*WORKER, bmdb_url, f"w{i}", str(outs[i])], check=True)
+        command = [*WORKER, bmdb_url, f"w{i}", str(outs[i])]
+        run = functools.partial(
+            trio.run_process, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        # run_process waits for the exit (check=True: a failure raises),
+        # and kills the process if the test is cancelled.
+        async with trio.open_nursery() as own:
+            process: trio.Process = await own.start(run)
+            assert process.stdin is not None and process.stdout is not None
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = await process.stdout.receive_some(100)
+                assert chunk, f"worker {i} exited before it was ready"
+                line += chunk
+            assert line == b"ready\n", line
+            ready.release()
+            await go.wait()
+            await process.stdin.send_all(b"go\n")
 
     # A safety bound against a hang, far above the usual time.
     with trio.fail_after(240):
         async with trio.open_nursery() as nursery:
             for i in range(PROCESSES):
                 nursery.start_soon(worker, i)
+            # Every process connected before any claims: they share the work.
+            for _ in range(PROCESSES):
+                await ready.acquire()
+            go.set()
     results = [json.loads(out.read_text()) for out in outs]
     started = [m for r in results for m in r["started"]]
     recovered = [m for r in results for m in r["recovered"]]
