@@ -166,11 +166,14 @@ def _agent_recovery(
         UNION ALL
         (SELECT m.machine_id, 1, a.agent_seen_floor FROM machine_agent_started a
          JOIN machines m ON m.machine_id = a.machine_id
-         LEFT JOIN machine_agent_heartbeat h ON h.machine_id = a.machine_id
          {provider_join}
          WHERE a.agent_seen_floor < now() - interval '{min(first, last):.6f} s'
-           AND ((h.machine_id IS NULL AND a.agent_started_at < now() - interval '{first:.6f} s')
-                OR h.agent_heartbeat_at < now() - interval '{last:.6f} s')
+           -- The exact check, a probe per candidate: as a scalar subquery,
+           -- not a join, which the planner could make a hash join over
+           -- every heartbeat when it expects many candidates.
+           AND coalesce((SELECT h.agent_heartbeat_at < now() - interval '{last:.6f} s'
+                         FROM machine_agent_heartbeat h WHERE h.machine_id = a.machine_id),
+                        a.agent_started_at < now() - interval '{first:.6f} s')
            AND NOT EXISTS (SELECT 1 FROM machine_recovery_request rr
                            WHERE rr.machine_id = a.machine_id)
            {claimable}

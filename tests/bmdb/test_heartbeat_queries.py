@@ -201,7 +201,8 @@ async def test_seen_floor_follows_every_writer(bmdb_conn: bmdb.Connection) -> No
         [(floor, expected)] = await q.execute(
             """SELECT a.agent_seen_floor, agent_seen_floor(coalesce(
                           (SELECT agent_heartbeat_at FROM machine_agent_heartbeat h
-                           WHERE h.machine_id = a.machine_id), a.agent_started_at))
+                           WHERE h.machine_id = a.machine_id), a.agent_started_at),
+                          a.machine_id)
                FROM machine_agent_started a WHERE a.machine_id = %s""",
             (machine,),
         )
@@ -245,3 +246,23 @@ async def test_seen_floor_follows_every_writer(bmdb_conn: bmdb.Connection) -> No
     # Every step moved it (hours apart, each in its own 5 minutes), the last
     # one back to the start's.
     assert len(set(floors[:4])) == 4 and floors[4] == floors[0]
+
+
+async def test_seen_floors_of_machines_are_spread_over_five_minutes(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """Each machine's 5 minutes start at an offset of its own: at one
+    instant, 300 machines with ids 0 to 299 have 300 different floors, all
+    in the last 5 minutes (so heartbeats cross into the next 5 minutes
+    spread out, not all at once)."""
+
+    async def fn(q: Queries) -> tuple[int, bool]:
+        [(distinct, within)] = await q.execute(
+            """SELECT count(DISTINCT f), bool_and(f <= now() AND f > now() - interval '5 minutes')
+               FROM (SELECT agent_seen_floor(now(), ('00000000-0000-0000-0000-'
+                                                     || lpad(to_hex(g), 12, '0'))::uuid) f
+                     FROM generate_series(0, 299) g) floors"""
+        )
+        return int(distinct), bool(within)
+
+    assert await bmdb_conn.transact(fn) == (300, True)

@@ -56,7 +56,7 @@ INSERT INTO machine_provided (machine_id, provider, provider_id)
 SELECT machine_id, 'Static', machine_id::text FROM machines;
 INSERT INTO machine_agent_started (machine_id, agent_started_at, agent_public_key,
                                    agent_seen_floor)
-SELECT machine_id, now() - interval '2 hours', '\\x00'::bytea, agent_seen_floor(now())
+SELECT machine_id, now() - interval '2 hours', '\\x00'::bytea, agent_seen_floor(now(), machine_id)
 FROM machines WHERE agent_started;
 INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at)
 SELECT machine_id, now() FROM machines WHERE agent_started;
