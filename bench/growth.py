@@ -15,6 +15,13 @@ heartbeat per machine per ``--interval`` seconds is applied for
 A CHECKPOINT starts the window; the first round's WAL beyond a steady
 round's is what a checkpoint costs (full-page images, were they on).
 
+A heartbeat that crosses into the next 5 minutes of the clock also moves
+its machine's ``agent_seen_floor`` (migration 0007: a non-HOT update of
+``machine_agent_started``, by trigger). After the window every heartbeat
+is moved back 5 minutes and one more round is measured: its WAL and size
+beyond a steady round's are what one crossing costs, paid once per
+machine every 5 minutes, and added to the day's figures.
+
 It runs twice in one process, each time in a fresh database: with the
 heartbeat table at fill factor 100 (PostgreSQL's default) and at the
 migrated 50 (migration 0002). For each it prints the deltas of
@@ -49,7 +56,9 @@ from bmdb.model import AgentHeartbeat
 
 #: The heartbeat path's tables (heartbeat row; the hardware report comes
 #: with the first heartbeat only, so its table does not grow here).
-TABLES = ("machine_agent_heartbeat", "machine_hardware_report")
+TABLES = ("machine_agent_heartbeat", "machine_hardware_report", "machine_agent_started")
+#: Width of the recovery source's floor (migration 0007), seconds.
+FLOOR = 300.0
 DAY = 86400.0
 FLEET = 100_000
 #: PostgreSQL's default checkpoint_timeout, seconds.
@@ -97,6 +106,9 @@ class Result:
     fpi: int
     hot_ratio: float
     dead: int
+    #: One floor crossing of every machine: WAL and size beyond a steady round.
+    crossing_wal: int
+    crossing_bytes: int
 
     def wal_per_beat(self) -> float:
         return self.steady_wal / max(self.steady_beats, 1)
@@ -162,7 +174,19 @@ async def _run(url: str, args: argparse.Namespace, fillfactor: int) -> Result:
         seconds = trio.current_time() - t0
         await trio.sleep(1.5)
         after = await _snapshot(conn)
+
+        async def backdate(q: Queries) -> None:
+            await q.execute(
+                "UPDATE machine_agent_heartbeat"
+                " SET agent_heartbeat_at = agent_heartbeat_at - interval '5 minutes'"
+            )
+
+        await conn.transact(backdate, isolation=Isolation.READ_COMMITTED)
+        before_crossing = await _snapshot(conn)
+        await round_(False)
+        after_crossing = await _snapshot(conn)
     upd = after.upd - before.upd
+    steady_per_beat = (after.lsn - after_first.lsn) / max(beats - n, 1)
     return Result(
         fillfactor=fillfactor,
         heartbeats=beats,
@@ -174,14 +198,20 @@ async def _run(url: str, args: argparse.Namespace, fillfactor: int) -> Result:
         fpi=after.fpi - before.fpi,
         hot_ratio=(after.hot - before.hot) / upd if upd else 0.0,
         dead=after.dead,
+        crossing_wal=max(int(after_crossing.lsn - before_crossing.lsn - steady_per_beat * n), 0),
+        crossing_bytes=sum(after_crossing.sizes.values()) - sum(before_crossing.sizes.values()),
     )
 
 
 def _print(r: Result, args: argparse.Namespace) -> tuple[float, float]:
     machine_days = r.heartbeats * args.interval / DAY
     beats_per_day = DAY / args.interval
-    wal_day = r.wal_per_beat() * beats_per_day + r.fpi_extra() / args.machines * (
-        DAY / CHECKPOINT_TIMEOUT
+    crossings_per_day = DAY / FLOOR
+    crossing_day = r.crossing_wal / args.machines * crossings_per_day
+    wal_day = (
+        r.wal_per_beat() * beats_per_day
+        + r.fpi_extra() / args.machines * (DAY / CHECKPOINT_TIMEOUT)
+        + crossing_day
     )
     table_day = r.table_bytes / machine_days
     print(f"--- fillfactor {r.fillfactor}: {r.heartbeats} heartbeats in {r.seconds:.1f}s")
@@ -190,6 +220,11 @@ def _print(r: Result, args: argparse.Namespace) -> tuple[float, float]:
     print(f"  table+index+toast growth:      {r.table_bytes} bytes")
     print(f"  WAL per heartbeat (steady):    {r.wal_per_beat():.1f} bytes")
     print(f"  WAL of a checkpoint's FPIs:    {r.fpi_extra():.0f} bytes ({r.fpi} FPIs)")
+    print(
+        f"  floor crossing (every {FLOOR:g}s): WAL {r.crossing_wal / args.machines:.0f} B,"
+        f" size {r.crossing_bytes} B for {args.machines} machines;"
+        f" {crossing_day / 1e3:.1f} kB WAL per machine-day"
+    )
     print(f"  per machine-day: table {table_day:.0f} B, WAL {wal_day / 1e6:.2f} MB")
     print(
         f"  100,000 machines a day: table {table_day * FLEET / 1e6:.1f} MB, "

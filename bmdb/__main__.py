@@ -10,6 +10,9 @@
     python -m bmdb [--url URL] backup --out FILE       pg_dump, checksummed (bmdb.backup)
     python -m bmdb [--url URL] restore --from FILE     into an empty database
     python -m bmdb [--url URL] audit [--machine MACHINE_ID] [--limit N] [--before ID] [--json]
+    python -m bmdb [--url URL] prune --keep-last N --keep-newer-than AGE [--dry-run]
+        [--table work_history|audit_log] [--batch ROWS]
+        delete old work history and audit records (bmdb.retention)
 
 Operator actions, each one transaction with its audit record (see
 `bmdb.actions`); ``--reason`` is required, the operator is the OS user
@@ -46,7 +49,7 @@ from collections.abc import Sequence
 import trio
 
 import bmdb
-from bmdb import actions, backup, migrations, overview
+from bmdb import actions, backup, migrations, overview, retention
 from bmdb.cli import add_url_option
 from bmdb.connection import STANDBY_NOTE, migrate
 from bmdb.errors import BMDBError
@@ -259,6 +262,41 @@ async def _audit(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     return _audit_table(records, with_machine=True)
 
 
+async def _prune(conn: bmdb.Connection, args: argparse.Namespace) -> str:
+    policy = retention.RetentionPolicy(
+        keep_last=args.keep_last,
+        keep_newer_than=retention.parse_age(args.keep_newer_than),
+        batch=args.batch,
+    )
+    verb = "would delete" if args.dry_run else "deleted"
+
+    def progress(r: retention.PruneResult) -> None:
+        if r.batches % PRUNE_PROGRESS_BATCHES == 0:
+            print(
+                f"bmdb: {r.table}: {verb} {r.deleted} rows, kept {r.kept_old} older ones, so far",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    results = await retention.prune(
+        conn,
+        policy,
+        tables=args.table or tuple(retention.TABLES),
+        dry_run=args.dry_run,
+        progress=progress,
+    )
+    return "\n".join(
+        f"{r.table}: {verb} {r.deleted} rows older than {_when(r.cutoff)}; "
+        f"kept {r.kept_old} older ones as their machine's newest {policy.keep_last}"
+        + (" (dry run: nothing deleted)" if r.dry_run else "")
+        for r in results
+    )
+
+
+#: A prune says how far it is every this many batches.
+PRUNE_PROGRESS_BATCHES = 100
+
+
 async def _act(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     def waiting(busy: actions.MachineBusy) -> None:
         print(f"bmdb: {busy}; waiting up to {args.wait:g}s", file=sys.stderr, flush=True)
@@ -420,6 +458,8 @@ async def _command(args: argparse.Namespace) -> str:
             out = await _history(conn, args.machine)
         elif args.command == "audit":
             out = await _audit(conn, args)
+        elif args.command == "prune":
+            return await _prune(conn, args)
         elif args.command in set(actions.Action):
             return await _act(conn, args)
         else:
@@ -440,6 +480,74 @@ _ACTION_HELP = {
     actions.Action.FORGET_MACHINE: "delete a machine its provider no longer lists",
     actions.Action.DECOMMISSION: "wipe the machine, release it to its provider, keep a tombstone",
 }
+
+
+def _keep_last(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _age(text: str) -> str:
+    try:
+        retention.parse_age(text)
+    except BMDBError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _batch(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= 100_000:
+        raise argparse.ArgumentTypeError(f"must be 1 to 100000 rows, got {value}")
+    return value
+
+
+def _add_prune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    prune = commands.add_parser(
+        "prune",
+        help="delete old work history and audit records (retention)",
+        description="Delete the rows of the work history and of the audit log that"
+        " the policy does not keep: it keeps every row newer than --keep-newer-than"
+        " and, whatever their age, each machine's newest --keep-last rows. Deletes"
+        " in small batches, each its own short transaction, so that workers and"
+        " operators are never blocked; stopping it halfway is safe.",
+    )
+    prune.add_argument(
+        "--keep-last",
+        type=_keep_last,
+        required=True,
+        metavar="N",
+        help="keep each machine's newest N rows whatever their age (0: none)",
+    )
+    prune.add_argument(
+        "--keep-newer-than",
+        type=_age,
+        required=True,
+        metavar="AGE",
+        help="keep every row newer than AGE: a number and s, m, h or d (e.g. 90d)",
+    )
+    prune.add_argument(
+        "--table",
+        action="append",
+        choices=list(retention.TABLES),
+        help="only this table (repeatable; default: both)",
+    )
+    prune.add_argument(
+        "--batch",
+        type=_batch,
+        default=retention.DEFAULT_BATCH,
+        metavar="ROWS",
+        help=f"rows per transaction (default {retention.DEFAULT_BATCH})",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="count what would go, delete nothing")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     audit.add_argument("--limit", type=int, default=100, help="at most this many")
     audit.add_argument("--before", type=int, metavar="ID", help="only records older than this id")
     audit.add_argument("--json", action="store_true", help="JSON for scripts")
+    _add_prune(commands)
     for action, help_text in _ACTION_HELP.items():
         sub = commands.add_parser(action, help=help_text)
         sub.add_argument("machine", metavar="MACHINE_ID")

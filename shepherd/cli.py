@@ -10,7 +10,8 @@ bad or missing option exits with status 2 and a message naming it. Then::
                                            ├─ updater.run        (unless --no-updater-enable)
                                            ├─ run_control_loop(initializer, N workers)
                                            ├─ run_control_loop(recoverer, M workers)
-                                           └─ run_control_loop(decommissioner, 1 worker)
+                                           ├─ run_control_loop(decommissioner, 1 worker)
+                                           └─ pruner.run         (with a retention policy)
 
 The BMDB needs no asyncio loop, so it is opened first, outside it: an
 unreachable or malformed ``--bmdb-url`` then fails as one plain
@@ -37,6 +38,11 @@ them) also runs the approver (:mod:`shepherd.approver`): it approves the
 cluster's NEW nodes whose key a machine's agent reported in a successful
 installation, every ``--approve-interval``.
 
+``--retention-keep-last N --retention-keep-newer-than AGE`` (both, or
+neither) runs the pruner (:mod:`shepherd.pruner`, off by default: it says
+why): every ``--retention-interval`` it deletes the work history and audit
+records older than AGE beyond each machine's newest N.
+
 SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
 sessions are deleted, and the process exits with status 0.
 
@@ -49,6 +55,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import datetime
 import hashlib
 import logging
 import os
@@ -69,6 +76,7 @@ import bmdb
 from bmdb.errors import BMDBError
 from bmdb.metrics import DEFAULT_FLEET_PERIOD, ConnectionCollector, FleetGauges
 from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
+from bmdb.retention import RetentionPolicy, parse_age
 from common.cli import run_main
 from common.listen import listen_address
 from common.metrics import serve_metrics
@@ -94,6 +102,8 @@ from shepherd.providers.equinix.provider import (
 from shepherd.providers.redfish import BMCConfigError, load_credentials
 from shepherd.providers.static import StaticFileError, StaticProvider
 from shepherd.provisioner import Provisioner, ProvisionerConfig
+from shepherd.pruner import DEFAULT_INTERVAL as PRUNE_INTERVAL
+from shepherd.pruner import Pruner, PrunerConfig
 from shepherd.rate_limit import Rate, RateLimiter, parse_duration
 from shepherd.recoverer import Recoverer
 from shepherd.ssh import SSHClient
@@ -134,6 +144,8 @@ class Options:
     #: The cluster owner's credentials (the decommissioner removes nodes with
     #: them); None: none were given.
     owner: OwnerAccess | None = None
+    #: None: the pruner does not run.
+    pruner: PrunerConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +215,13 @@ def _positive_duration(text: str) -> float:
     if seconds <= 0:
         raise ValueError(f"duration must be positive, got {text!r}")
     return seconds
+
+
+def _age(text: str) -> datetime.timedelta:
+    try:
+        return parse_age(text)
+    except BMDBError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def _parallelism(text: str) -> int:
@@ -505,6 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="recover an agent whose last heartbeat is older than this (default: 10m)",
     )
     _add_approver_arguments(parser)
+    _add_retention_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -542,6 +562,50 @@ def _add_approver_arguments(parser: argparse.ArgumentParser) -> None:
         default=APPROVE_INTERVAL,
         metavar="DURATION",
         help=f"time between two approver rounds (default: {APPROVE_INTERVAL:g}s)",
+    )
+
+
+def _add_retention_arguments(parser: argparse.ArgumentParser) -> None:
+    retain = parser.add_argument_group(
+        "retention (the pruner: off unless both --retention-keep-* options are given)"
+    )
+    retain.add_argument(
+        "--retention-keep-last",
+        type=_arg_type("count", _count),
+        metavar="N",
+        help="keep each machine's newest N work history and audit records, whatever their age",
+    )
+    retain.add_argument(
+        "--retention-keep-newer-than",
+        type=_arg_type("age", _age),
+        metavar="AGE",
+        help="keep every record newer than AGE: a number and s, m, h or d (e.g. 90d)",
+    )
+    retain.add_argument(
+        "--retention-interval",
+        type=_arg_type("duration", _positive_duration),
+        metavar="DURATION",
+        help=f"time between two prunes (default: {PRUNE_INTERVAL:g}s)",
+    )
+
+
+def _pruner_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> PrunerConfig | None:
+    """The pruner's policy, or None if none was given; exit with status 2
+    if the retention options do not go together."""
+    keep_last, keep_newer_than = args.retention_keep_last, args.retention_keep_newer_than
+    if keep_last is None and keep_newer_than is None:
+        if args.retention_interval is not None:
+            parser.error(
+                "--retention-interval needs --retention-keep-last and --retention-keep-newer-than"
+            )
+        return None
+    if keep_last is None or keep_newer_than is None:
+        parser.error("--retention-keep-last and --retention-keep-newer-than go together")
+    return PrunerConfig(
+        RetentionPolicy(keep_last=keep_last, keep_newer_than=keep_newer_than),
+        interval=args.retention_interval or PRUNE_INTERVAL,
     )
 
 
@@ -626,6 +690,7 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             parser.error(f"argument --static-machines-path: {exc}")
     owner = _owner_access(parser, args)
     approver = _approver_options(parser, args, owner)
+    pruner = _pruner_config(parser, args)
     executable = args.agent_executable_path or agent_zipapp()
     try:
         agent = AgentConfig(
@@ -690,6 +755,7 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         ),
         approver=approver,
         owner=owner,
+        pruner=pruner,
     )
 
 
@@ -777,6 +843,8 @@ async def run(options: Options) -> None:
                     parallelism=1,
                     limiter=RateLimiter(options.recoverer.rate),
                 )
+                if options.pruner is not None:
+                    nursery.start_soon(Pruner(conn, options.pruner).run)
                 if options.approver is not None:
                     nursery.start_soon(
                         run_approver, options.approver.access, conn, options.approver.interval

@@ -126,12 +126,20 @@ _AGENT_STARTED_COLUMNS = "a.machine_id, a.agent_started_at, a.agent_public_key"
 def _agent_recovery(
     limit: int, provider: str | None, first: float, last: float, locking: bool
 ) -> str:
-    """The recovery source: machines whose agent started but went silent.
+    """The recovery source: machines whose agent started but went silent,
+    those an operator asked to recover first, then the longest silent.
+
+    Its cost is that of the candidates it looks at, not of the fleet: the
+    silent are found by a range scan of ``machine_agent_started_seen``
+    (``agent_seen_floor``, a lower bound on the last sign of life, see
+    migration 0007) below the shorter timeout, each checked against its
+    exact heartbeat; live machines are below that bound only when a timeout
+    is shorter than 5 minutes and a heartbeat interval.
 
     Built like `agent_start_lock_sql` and for the same reason: every value is
     written into the text (our own integers, floats and enum members), so a
     prepared statement keeps one plan; and a locking source picks at random
-    among the oldest `SOURCING_WINDOW` candidates, so parallel recoverers do
+    among the first `SOURCING_WINDOW` candidates, so parallel recoverers do
     not all race for the first row.
     """
     busy = "'{" + ",".join(_AGENT_PROCESSES) + "}'"
@@ -140,23 +148,44 @@ def _agent_recovery(
         if provider is not None
         else ""
     )
-    candidates = f"""
-        SELECT m.machine_id, m.machine_created_at FROM machines m
-        JOIN machine_agent_started a ON a.machine_id = m.machine_id
-        LEFT JOIN machine_agent_heartbeat h ON h.machine_id = m.machine_id
-        {provider_join}
-        WHERE m.agent_started
-          AND ((h.machine_id IS NULL AND a.agent_started_at < now() - interval '{first:.6f} s')
-               OR h.agent_heartbeat_at < now() - interval '{last:.6f} s'
-               OR EXISTS (SELECT 1 FROM machine_recovery_request rr
-                          WHERE rr.machine_id = m.machine_id))
+    claimable = f"""
           AND NOT {_LIVE_WORK}
           AND NOT {_ACTIVE_BACKOFF}
           AND {NOT_HELD}
-        ORDER BY m.machine_created_at, m.machine_id
-    """.replace("%(busy)s", busy).replace("%(process)s", f"'{Process.SHEPHERD_RECOVERY}'")
+    """
     window = max(SOURCING_WINDOW, limit) if locking else limit
-    order = "random()" if locking else "c.machine_created_at, c.machine_id"
+    # Two branches in one Append, so that a LIMIT stops the second one early:
+    # the (few) operator requests, then the silent in the floor index's order.
+    # Each branch has its own LIMIT: a branch is planned on its own, and
+    # without one it is planned for all its rows (hash joins over the fleet
+    # and a sort, when most machines are silent, as after an outage of the
+    # callback server) instead of for the first few in index order.
+    candidates = f"""
+        (SELECT m.machine_id, 0 AS rank, rr.requested_at AS since FROM machine_recovery_request rr
+         JOIN machines m ON m.machine_id = rr.machine_id
+         JOIN machine_agent_started a ON a.machine_id = m.machine_id
+         {provider_join}
+         WHERE m.agent_started {claimable}
+         ORDER BY rr.requested_at, rr.machine_id
+         LIMIT {window:d})
+        UNION ALL
+        (SELECT m.machine_id, 1, a.agent_seen_floor FROM machine_agent_started a
+         JOIN machines m ON m.machine_id = a.machine_id
+         {provider_join}
+         WHERE a.agent_seen_floor < now() - interval '{min(first, last):.6f} s'
+           -- The exact check, a probe per candidate: as a scalar subquery,
+           -- not a join, which the planner could make a hash join over
+           -- every heartbeat when it expects many candidates.
+           AND coalesce((SELECT h.agent_heartbeat_at < now() - interval '{last:.6f} s'
+                         FROM machine_agent_heartbeat h WHERE h.machine_id = a.machine_id),
+                        a.agent_started_at < now() - interval '{first:.6f} s')
+           AND NOT EXISTS (SELECT 1 FROM machine_recovery_request rr
+                           WHERE rr.machine_id = a.machine_id)
+           {claimable}
+         ORDER BY a.agent_seen_floor, a.machine_id
+         LIMIT {window:d})
+    """.replace("%(busy)s", busy).replace("%(process)s", f"'{Process.SHEPHERD_RECOVERY}'")
+    order = "random()" if locking else "c.rank, c.since, c.machine_id"
     return f"""
     SELECT {_AGENT_STARTED_COLUMNS}, {_PROVIDED_COLUMNS}
     FROM ({candidates} LIMIT {window:d}) c
@@ -920,8 +949,10 @@ class Queries:
         silent: no heartbeat ``first_heartbeat_timeout`` seconds after the
         start, or the last heartbeat older than ``heartbeat_timeout``, or an
         operator asked for its recovery (``bmdb recover-now``); without
-        live agent work, recovery backoff or an operator's hold; oldest first (approximately,
-        among the oldest `SOURCING_WINDOW`, when locking)."""
+        live agent work, recovery backoff or an operator's hold. Operator
+        requests first (oldest request first), then the longest silent (by
+        the last sign of life rounded down to 5 minutes, then machine id);
+        approximately, among the first `SOURCING_WINDOW`, when locking."""
         for name, value in (
             ("first_heartbeat_timeout", first_heartbeat_timeout),
             ("heartbeat_timeout", heartbeat_timeout),

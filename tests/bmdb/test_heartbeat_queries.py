@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -78,13 +79,15 @@ async def test_recovery_timeouts_are_parameters(bmdb_conn: bmdb.Connection) -> N
             found = await q.machines_for_agent_recovery(
                 10, first_heartbeat_timeout=first, heartbeat_timeout=last
             )
-            return [m.machine_id for m in found]
+            # In an order of their last sign of life to 5 minutes: both
+            # may fall in the same 5 minutes.
+            return sorted(m.machine_id for m in found)
 
         return await bmdb_conn.transact(fn)
 
     assert await source(1800, 600) == []
     assert await source(10, 600) == [silent]
-    assert await source(10, 2) == [silent, beating]
+    assert await source(10, 2) == sorted([silent, beating])
     assert await source(1800, 2) == [beating]
 
 
@@ -184,3 +187,82 @@ async def test_heartbeat_batch_with_a_machine_twice_is_refused_whole(
     with pytest.raises(InvalidArgument):
         await bmdb_conn.transact(record)
     assert await _state(bmdb_conn, machine) == (None, None)
+
+
+async def test_seen_floor_follows_every_writer(bmdb_conn: bmdb.Connection) -> None:
+    """The recovery source's index key (migration 0007) is the last sign of
+    life rounded down to 5 minutes, whoever writes the start or the
+    heartbeat: the start, a heartbeat set or recorded, one moved back, and
+    the heartbeat's deletion (back to the start)."""
+    (machine,) = await add_provided_machines(bmdb_conn, 1)
+    now = datetime.datetime.now(datetime.UTC)
+
+    async def floor_and_expected(q: Queries) -> tuple[object, object]:
+        [(floor, expected)] = await q.execute(
+            """SELECT a.agent_seen_floor, agent_seen_floor(coalesce(
+                          (SELECT agent_heartbeat_at FROM machine_agent_heartbeat h
+                           WHERE h.machine_id = a.machine_id), a.agent_started_at),
+                          a.machine_id)
+               FROM machine_agent_started a WHERE a.machine_id = %s""",
+            (machine,),
+        )
+        return floor, expected
+
+    hours = datetime.timedelta(hours=1)
+
+    async def started(q: Queries) -> None:
+        await q.set_agent_started(machine, now - 3 * hours, KEY)
+
+    async def heartbeat_set(q: Queries) -> None:
+        await q.set_agent_heartbeat(machine, now - hours)
+
+    async def heartbeat_recorded(q: Queries) -> None:
+        await q.record_agent_heartbeat(machine, KEY, 5)
+
+    async def heartbeat_moved_back(q: Queries) -> None:
+        await q.set_agent_heartbeat(machine, now - 2 * hours)
+
+    async def heartbeat_deleted(q: Queries) -> None:
+        await q.delete_agent_heartbeat(machine)
+
+    floors = []
+    for step in (
+        started,
+        heartbeat_set,
+        heartbeat_recorded,
+        heartbeat_moved_back,
+        heartbeat_deleted,
+    ):
+
+        async def fn(
+            q: Queries, step: Callable[[Queries], Awaitable[None]] = step
+        ) -> tuple[object, object]:
+            await step(q)
+            return await floor_and_expected(q)
+
+        floor, expected = await bmdb_conn.transact(fn)
+        assert floor == expected, step.__name__
+        floors.append(floor)
+    # Every step moved it (hours apart, each in its own 5 minutes), the last
+    # one back to the start's.
+    assert len(set(floors[:4])) == 4 and floors[4] == floors[0]
+
+
+async def test_seen_floors_of_machines_are_spread_over_five_minutes(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """Each machine's 5 minutes start at an offset of its own: at one
+    instant, 300 machines with ids 0 to 299 have 300 different floors, all
+    in the last 5 minutes (so heartbeats cross into the next 5 minutes
+    spread out, not all at once)."""
+
+    async def fn(q: Queries) -> tuple[int, bool]:
+        [(distinct, within)] = await q.execute(
+            """SELECT count(DISTINCT f), bool_and(f <= now() AND f > now() - interval '5 minutes')
+               FROM (SELECT agent_seen_floor(now(), ('00000000-0000-0000-0000-'
+                                                     || lpad(to_hex(g), 12, '0'))::uuid) f
+                     FROM generate_series(0, 299) g) floors"""
+        )
+        return int(distinct), bool(within)
+
+    assert await bmdb_conn.transact(fn) == (300, True)

@@ -29,6 +29,8 @@ LAYERS = {
     "bmdb.metrics": 7,
     # Operator actions (each with its audit record).
     "bmdb.actions": 7,
+    # Retention of the work history and the audit log.
+    "bmdb.retention": 7,
     "bmdb.cli": 8,
     "bmdb": 8,
     "bmdb.__main__": 9,

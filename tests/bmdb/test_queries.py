@@ -123,7 +123,8 @@ async def test_agent_start_and_recovery_sourcing(bmdb_conn: bmdb.Connection) -> 
         assert start == [fresh]
         assert recovery == [silent, stale_beat]
         start, recovery = await sess.transact(sources)
-        assert recovery == [silent, stale_beat, busy]
+        # Longest silent first: by the last sign of life, to 5 minutes.
+        assert recovery == [silent, busy, stale_beat]
 
 
 async def test_agent_authentication_and_host_keys(bmdb_conn: bmdb.Connection) -> None:

@@ -79,6 +79,7 @@ def test_defaults_follow_the_seed(files: dict[str, Path]) -> None:
     recoverer = options.recoverer
     assert (recoverer.rate.interval, recoverer.rate.burst, recoverer.parallelism) == (0.25, 8, 1)
     assert (recoverer.first_heartbeat_timeout, recoverer.heartbeat_timeout) == (1800.0, 600.0)
+    assert options.pruner is None  # retention is the operator's decision
     # The key was generated and persisted where asked.
     assert load_ssh_key(files["key"]).authorized_key == options.ssh_key.authorized_key
 
@@ -221,6 +222,9 @@ def test_bad_files_are_clear_errors(
         ("--agent-heartbeat-interval", "0s", "duration must be positive"),
         ("--recovery-heartbeat-timeout", "10", "missing unit in duration"),
         ("--recoverer-parallelism", "0", "must be at least 1"),
+        ("--retention-keep-last", "-1", "must not be negative"),
+        ("--retention-keep-newer-than", "90", "not an age: '90'"),
+        ("--retention-interval", "0s", "duration must be positive"),
     ],
 )
 def test_bad_values_are_clear_errors(
@@ -361,3 +365,30 @@ async def test_key_creation_is_logged_with_its_absolute_path(
     err = result.stderr.decode()
     assert result.returncode == 1, err
     assert f"generated new SSH key {tmp_path / 'relative_key'}: ssh-ed25519 " in err
+
+
+def test_retention_options(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    options = parse_options(
+        _argv(files, "--retention-keep-last", "50", "--retention-keep-newer-than", "90d")
+    )
+    assert options.pruner is not None
+    assert options.pruner.policy.keep_last == 50
+    assert options.pruner.policy.keep_newer_than == datetime.timedelta(days=90)
+    assert options.pruner.interval == 3600.0
+    options = parse_options(
+        _argv(
+            files,
+            *("--retention-keep-last", "0", "--retention-keep-newer-than", "12h"),
+            *("--retention-interval", "10m"),
+        )
+    )
+    assert options.pruner is not None and options.pruner.interval == 600.0
+    for flags, error in [
+        (["--retention-keep-last", "5"], "go together"),
+        (["--retention-keep-newer-than", "1d"], "go together"),
+        (["--retention-interval", "1h"], "--retention-interval needs"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            parse_options(_argv(files, *flags))
+        assert exited.value.code == 2
+        assert error in capsys.readouterr().err
