@@ -1,7 +1,7 @@
 """A fleet of 100,000 machines on one BMDB: claims, heartbeats, the recoverer, the views.
 
     python -m bench.fleet_scale [--machines 100000] [--small 1000] [--interval 10]
-                                [--seconds 30] [--workers N] [--load-processes 2]
+                                [--seconds 30] [--bringup 60] [--workers N] [--load-processes 2]
                                 [--connections 10000] [--silent-every 1000]
                                 [--profile DIR] [--smoke]
 
@@ -20,7 +20,10 @@ own agent key), every ``--silent-every``-th silent for an hour, and
    transport and Connect layer, answering without a check or a write), then
    against the real agent callback server. With each: the *bring-up* (every
    agent's first heartbeat, signed and with its hardware report, due within
-   one interval) and the *capacity* (every connection back to back for
+   ``--bringup`` seconds, as a fleet's agents start over a while; one
+   refused, e.g. queued past the server's 5 s, is not sent again before
+   the agent's next turn, where the agent would retry after a second) and
+   the *capacity* (every connection back to back for
    ``--seconds``); the ratio full/bare of capacities (goal >= 0.5). With the
    real server also the *hold*: every agent every ``--interval`` for
    ``--seconds``, an open loop. It is *held* if at most 1% of the
@@ -163,8 +166,8 @@ def _bare(url: str, fleet: Fleet, args: argparse.Namespace) -> LoadResult:
             port, fleet, processes=args.load_processes, connections=args.connections,
             dummy_sessions=True,
         ) as load:  # fmt: skip
-            up = load.phase(args.interval, args.interval, drain=600)
-            print(_line("bare, bring-up", up, args.interval), flush=True)
+            up = load.phase(args.bringup, args.bringup, drain=600)
+            print(_line("bare, bring-up", up, args.bringup), flush=True)
             closed = load.phase(0, args.seconds)
             print(_line("bare, capacity", closed), flush=True)
             return closed
@@ -204,8 +207,8 @@ def _full(
         with FleetLoad(
             port, fleet, processes=args.load_processes, connections=args.connections
         ) as load:
-            up = load.phase(args.interval, args.interval, drain=600)
-            print(_line("full, bring-up", up, args.interval), flush=True)
+            up = load.phase(args.bringup, args.bringup, drain=600)
+            print(_line("full, bring-up", up, args.bringup), flush=True)
             wal0 = _lsn(url)
             cpu.start()
             hold = load.phase(args.interval, args.seconds)
@@ -425,6 +428,9 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=10.0, help="heartbeat interval, s")
     parser.add_argument("--seconds", type=float, default=30.0, help="each measured phase, s")
     parser.add_argument(
+        "--bringup", type=float, default=60.0, help="seconds over which agents first heartbeat"
+    )
+    parser.add_argument(
         "--workers", type=int, default=default_workers(), help="server processes (%(default)s)"
     )
     parser.add_argument("--load-processes", type=int, default=2)
@@ -436,7 +442,7 @@ def main() -> None:
         parser,
         {
             "machines": 60, "small": 20, "cycles": 4, "claim_workers": 2, "claim_rounds": 1,
-            "interval": 0.5, "seconds": 1.0, "workers": 1, "load_processes": 1,
+            "interval": 0.5, "seconds": 1.0, "bringup": 0.5, "workers": 1, "load_processes": 1,
             "connections": 8, "silent_every": 20, "requests": 1,
         },
     )  # fmt: skip
@@ -444,8 +450,8 @@ def main() -> None:
                  "load_processes", "connections", "requests"):  # fmt: skip
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not args.interval > 0 or not args.seconds > 0:
-        parser.error("--interval and --seconds must be positive")
+    if not args.interval > 0 or not args.seconds > 0 or not args.bringup > 0:
+        parser.error("--interval, --seconds and --bringup must be positive")
     if args.cycles * 2 > args.small:
         parser.error("--cycles must be at most half of --small")
     if args.profile:
