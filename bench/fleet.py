@@ -495,6 +495,14 @@ class _Load:
                     self._readable(conn_)
         after = resource.getrusage(resource.RUSAGE_SELF)
         result.cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        for conn in self.connections:
+            if conn.agent is not None:
+                # Still unanswered at the deadline (counted so below): its answer
+                # must not arrive in the next phase, so its connection goes.
+                conn.agent = None
+                if conn.sock is not None:
+                    self._close(conn)
+        self.in_flight = 0
         result.window = seconds
         if interval:
             due = sum(

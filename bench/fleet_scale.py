@@ -30,8 +30,9 @@ own agent key), every ``--silent-every``-th silent for an hour, and
    heartbeats due are unanswered at its end and 99% were answered within a
    tenth of the interval of their due time; the rate held is reported
    against the agents' need (goal >= 1: 10,000/s at 100,000 agents every
-   10 s). If not held, longer intervals (x1.5, x2, x3, x4, x6, x8) until
-   one is. Printed per heartbeat of the hold: CPU seconds of server,
+   10 s). If not held, longer intervals until one is: first the one at
+   which the agents need 80% of the rate accepted, then 1.5 times longer
+   each, at most 4. Printed per heartbeat of the hold: CPU seconds of server,
    PostgreSQL and load (where the time goes; ``--profile DIR`` also writes
    a cProfile of each server process there and prints the top functions)
    and WAL bytes (``pg_current_wal_lsn``), as bytes per machine-day.
@@ -90,8 +91,8 @@ from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.recoverer import Recoverer
 
 DAY = 86400.0
-#: Longer intervals tried, as multiples of --interval, when it is not held.
-SEARCH = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+#: Longer intervals tried when --interval is not held.
+SEARCH_TRIES = 4
 
 
 def _load_average() -> str:
@@ -238,7 +239,7 @@ def _full(
             report("fleet_scale", f"heartbeats held at {args.interval:g} s / need",
                    hold.rate() / need, ">= 1")  # fmt: skip
             if not held:
-                _search(load, agents, args)
+                _search(load, agents, hold.rate(), args)
             _recover(url, fleet, load, args)
             closed = load.phase(0, args.seconds)
             print(_line("full, capacity", closed), flush=True)
@@ -249,10 +250,12 @@ def _full(
             _print_profiles(Path(args.profile))
 
 
-def _search(load: FleetLoad, agents: int, args: argparse.Namespace) -> None:
-    """Longer intervals until one is held."""
-    for factor in SEARCH:
-        interval = args.interval * factor
+def _search(load: FleetLoad, agents: int, rate: float, args: argparse.Namespace) -> None:
+    """Longer intervals until one is held: first the one at which the agents
+    need 80% of the ``rate`` accepted at --interval, then each 1.5 times the last."""
+    interval = max(args.interval * 1.25, agents / max(0.8 * rate, 1e-9))
+    for _ in range(SEARCH_TRIES):
+        interval = round(interval, 1)
         hold = load.phase(interval, args.seconds)
         held = _held(hold, interval)
         print(_line(f"full, hold every {interval:g} s", hold, interval))
@@ -263,6 +266,7 @@ def _search(load: FleetLoad, agents: int, args: argparse.Namespace) -> None:
         )
         if held:
             return
+        interval *= 1.5
     print("    not held at any interval tried")
 
 
