@@ -39,7 +39,8 @@ own agent key), every ``--silent-every``-th silent for an hour, and
 3. **The recoverer**: its source statement at this fleet size (goal: well
    within its rate interval, 250 ms), then the real control loop
    (`shepherd.recoverer.Recoverer`, static provider, default rate) while
-   the agents heartbeat, until every silent machine is recovered.
+   the agents heartbeat at the interval held (or the longest tried), until
+   every silent machine is recovered.
 4. **The views**: ``python -m bmdb machines`` (the CLI, wall time), the web
    UI's first machine page and one machine's page (handler time against
    the same SQL in pgbench, as ``bench.web_pages``: goal <= 2 for the
@@ -198,7 +199,7 @@ class _Cpu:
 def _full(
     server: LocalPostgres, url: str, fleet: Fleet, args: argparse.Namespace
 ) -> tuple[LoadResult, LoadResult]:
-    """The real server: bring-up, hold (and the search), capacity, the recoverer.
+    """The real server: bring-up, capacity, hold (and the search), the recoverer.
     Returns (capacity, hold at --interval)."""
     agents = fleet.size - fleet.silent_count()
     need = agents / args.interval
@@ -210,6 +211,9 @@ def _full(
         ) as load:
             up = load.phase(args.bringup, args.bringup, drain=600)
             print(_line("full, bring-up", up, args.bringup), flush=True)
+            # Right after the bring-up, as with the bare endpoint: the same state.
+            closed = load.phase(0, args.seconds)
+            print(_line("full, capacity", closed), flush=True)
             wal0 = _lsn(url)
             cpu.start()
             hold = load.phase(args.interval, args.seconds)
@@ -238,11 +242,8 @@ def _full(
             )
             report("fleet_scale", f"heartbeats held at {args.interval:g} s / need",
                    hold.rate() / need, ">= 1")  # fmt: skip
-            if not held:
-                _search(load, agents, hold.rate(), args)
-            _recover(url, fleet, load, args)
-            closed = load.phase(0, args.seconds)
-            print(_line("full, capacity", closed), flush=True)
+            interval = args.interval if held else _search(load, agents, hold.rate(), args)
+            _recover(url, fleet, load, interval)
             return closed, hold
     finally:
         stop_servers(processes)
@@ -250,9 +251,10 @@ def _full(
             _print_profiles(Path(args.profile))
 
 
-def _search(load: FleetLoad, agents: int, rate: float, args: argparse.Namespace) -> None:
+def _search(load: FleetLoad, agents: int, rate: float, args: argparse.Namespace) -> float:
     """Longer intervals until one is held: first the one at which the agents
-    need 80% of the ``rate`` accepted at --interval, then each 1.5 times the last."""
+    need 80% of the ``rate`` accepted at --interval, then each 1.5 times the
+    last. Returns the one held (or the last tried)."""
     interval = max(args.interval * 1.25, agents / max(0.8 * rate, 1e-9))
     for _ in range(SEARCH_TRIES):
         interval = round(interval, 1)
@@ -265,9 +267,10 @@ def _search(load: FleetLoad, agents: int, rate: float, args: argparse.Namespace)
             flush=True,
         )
         if held:
-            return
+            return interval
         interval *= 1.5
     print("    not held at any interval tried")
+    return interval / 1.5
 
 
 def _print_profiles(folder: Path) -> None:
@@ -282,15 +285,15 @@ def _print_profiles(folder: Path) -> None:
 # --- 3. the recoverer ---------------------------------------------------------------
 
 
-def _recover(url: str, fleet: Fleet, load: FleetLoad, args: argparse.Namespace) -> None:
+def _recover(url: str, fleet: Fleet, load: FleetLoad, interval: float) -> None:
     """The recoverer's source statement, then its control loop until the silent
-    machines are recovered, while every agent heartbeats."""
+    machines are recovered, while every agent heartbeats every ``interval``."""
     silent = [fleet.machine_id(i) for i in range(fleet.size) if fleet.silent(i)]
     rate = RecovererOptions().rate
     # Long enough for the loop at its rate, with room; the phase runs in its own thread.
     seconds = len(silent) * rate.interval * 1.5 + 2
     results: list[LoadResult] = []
-    thread = threading.Thread(target=lambda: results.append(load.phase(args.interval, seconds)))
+    thread = threading.Thread(target=lambda: results.append(load.phase(interval, seconds)))
     thread.start()
     try:
         source_ms, took, recovered, others = trio.run(_recover_loop, url, silent, rate)
@@ -301,7 +304,8 @@ def _recover(url: str, fleet: Fleet, load: FleetLoad, args: argparse.Namespace) 
         f" (median; its rate interval: {rate.interval * 1000:.0f} ms);"
         f" the control loop recovered {recovered} of {len(silent)} silent machines in"
         f" {took:.1f} s ({took / max(recovered, 1) * 1000:.0f} ms each), {others} others,"
-        f" while {results[0].rate() if results else 0:.0f} heartbeats/s were accepted",
+        f" while agents heartbeat every {interval:g} s"
+        f" ({results[0].rate() if results else 0:.0f}/s accepted)",
         flush=True,
     )
     report("fleet_scale", "recoverer source ms / its rate interval",
