@@ -255,7 +255,7 @@ def _search(load: FleetLoad, agents: int, rate: float, args: argparse.Namespace)
     """Longer intervals until one is held: first the one at which the agents
     need 80% of the ``rate`` accepted at --interval, then each 1.5 times the
     last. Returns the one held (or the last tried)."""
-    interval = max(args.interval * 1.25, agents / max(0.8 * rate, 1e-9))
+    interval: float = max(float(args.interval) * 1.25, agents / max(0.8 * rate, 1e-9))
     for _ in range(SEARCH_TRIES):
         interval = round(interval, 1)
         hold = load.phase(interval, args.seconds)
