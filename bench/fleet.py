@@ -15,17 +15,19 @@ Two halves, used by ``bench/fleet_scale.py`` and ``tests/bench/test_fleet.py``:
   ``pending`` more machines are provided but not yet taken over (what the
   initializer looks for).
 
-- `run_load` runs the agents against an agent callback server on a local
-  port, in ``processes`` load processes (`load_process`),
-  each a bare epoll loop driving thousands of agents. Each agent speaks the
-  real protocol with its own key: the headers are the agent's own
+- `FleetLoad` runs the agents against an agent callback server on a local
+  port, in ``processes`` load processes (`load_process`), each a bare
+  epoll loop driving thousands of agents, in phases (`FleetLoad.phase`)
+  between which agents keep their sessions. Each agent speaks the real
+  protocol with its own key: the headers are the agent's own
   (`shepherd.agent.heartbeat.request_headers`), the body the agent's codec
   (`shepherd.agent.wire`); its first heartbeat is signed and carries its
-  hardware report, the answer's session MACs the following ones, and a
-  refused session makes it sign again at once, as the agent does. Unlike
-  the agent, it signs with ``cryptography`` (the agent's pure-Python
-  Ed25519 takes 15 ms a signature; the bytes are the same, Ed25519 being
-  deterministic).
+  hardware report, the answer's session MACs the following ones, a refused
+  session makes it sign again at once, and a refused heartbeat is sent
+  again after a backoff (1 s, doubling, at most the interval), as the agent
+  does. Unlike the agent, it signs with ``cryptography`` (the agent's
+  pure-Python Ed25519 takes 15 ms a signature; the bytes are the same,
+  Ed25519 being deterministic).
 
   Agent ``g`` heartbeats at ``t0 + (g / size) * interval`` and every
   ``interval`` after (an open loop: a late answer does not move the next
@@ -52,6 +54,7 @@ import heapq
 import io
 import json
 import math
+import random
 import resource
 import select
 import socket
@@ -261,7 +264,10 @@ class LoadResult:
 
 
 class _Agent:
-    __slots__ = ("index", "last_ns", "machine_id", "public", "seed", "session", "session_until")
+    __slots__ = (
+        "failures", "index", "last_ns", "machine_id", "public", "seed", "session",
+        "session_until",
+    )  # fmt: skip
 
     def __init__(self, fleet: Fleet, index: int) -> None:
         self.index = index
@@ -271,6 +277,8 @@ class _Agent:
         self.session: wire.AgentSession | None = None
         self.session_until = 0.0
         self.last_ns = 0
+        #: Refusals in a row (the agent backs off 1 s, doubling).
+        self.failures = 0
 
 
 class _Connection:
@@ -432,6 +440,15 @@ class _Load:
             else:
                 result.sessions += 1
         conn.agent = None
+        if status != b"200" and self.interval:
+            # The agent's way: the same heartbeat again after a backoff (1 s,
+            # doubling, jittered, at most the interval); the connection waits.
+            agent.failures += 1
+            backoff = min(2.0 ** (agent.failures - 1), max(self.interval, 1.0))
+            conn.due = now + backoff * random.uniform(0.8, 1.0)
+            heapq.heappush(self.timers, (conn.due, id(conn), conn))
+            return
+        agent.failures = 0
         conn.pos += 1
         if conn.pos == len(conn.agents):
             conn.pos, conn.round = 0, conn.round + 1

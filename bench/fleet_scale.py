@@ -302,8 +302,9 @@ def _recover(url: str, fleet: Fleet, load: FleetLoad, interval: float) -> None:
     print(
         f"  recoverer: its source statement at {fleet.size} machines takes {source_ms:.1f} ms"
         f" (median; its rate interval: {rate.interval * 1000:.0f} ms);"
-        f" the control loop recovered {recovered} of {len(silent)} silent machines in"
-        f" {took:.1f} s ({took / max(recovered, 1) * 1000:.0f} ms each), {others} others,"
+        f" the control loop recovered {recovered} of {len(silent)} silent machines and"
+        f" {others} others (never heartbeated) in {took:.1f} s"
+        f" ({took / max(recovered + others, 1) * 1000:.0f} ms each),"
         f" while agents heartbeat every {interval:g} s"
         f" ({results[0].rate() if results else 0:.0f}/s accepted)",
         flush=True,
