@@ -240,6 +240,19 @@ class _Agent:
         self.buffer = b""
 
 
+def split_answer(buffer: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """The first whole HTTP/1.1 answer in ``buffer`` (with a Content-Length):
+    (its head, lowercased; its body; the bytes after it), or None if not all there."""
+    end = buffer.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = buffer[:end].lower()
+    length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+    if len(buffer) < end + 4 + length:
+        return None
+    return head, buffer[end + 4 : end + 4 + length], buffer[end + 4 + length :]
+
+
 def run_load(port: int, load: Load, seconds: float, answers: list[bytes] | None = None) -> float:
     """Run every agent until ``seconds`` pass (or its requests run out); return the time taken.
 
@@ -296,16 +309,12 @@ def run_load(port: int, load: Load, seconds: float, answers: list[bytes] | None 
                 drop(agent_, error=True)
                 continue
             agent_.buffer += data
-            end_of_head = agent_.buffer.find(b"\r\n\r\n")
-            if end_of_head < 0:
+            answer = split_answer(agent_.buffer)
+            if answer is None:
                 continue
-            head = agent_.buffer[:end_of_head].lower()
-            length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-            if len(agent_.buffer) < end_of_head + 4 + length:
-                continue
+            head, body, agent_.buffer = answer
             if answers is not None:
-                answers[agent_.index] = agent_.buffer[end_of_head + 4 : end_of_head + 4 + length]
-            agent_.buffer = agent_.buffer[end_of_head + 4 + length :]
+                answers[agent_.index] = body
             if head.startswith(b"http/1.1 200"):
                 load.ok += 1
             else:
@@ -361,7 +370,7 @@ PER_PROCESS_RATE = 6000
 # --- measurements -----------------------------------------------------------
 
 
-def _cpu_seconds(pids: list[int]) -> dict[int, float]:
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
     """CPU seconds (user + system) so far of each of ``pids`` still alive."""
     cpu = {}
     for pid in pids:
@@ -373,7 +382,7 @@ def _cpu_seconds(pids: list[int]) -> dict[int, float]:
     return cpu
 
 
-def _postgres_pids(server: LocalPostgres) -> list[int]:
+def postgres_pids(server: LocalPostgres) -> list[int]:
     """The postmaster and all its children now (backends come and go with pool connections)."""
     postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
     children = subprocess.run(
@@ -382,12 +391,12 @@ def _postgres_pids(server: LocalPostgres) -> list[int]:
     return [postmaster, *(int(c) for c in children)]
 
 
-def _spent(before: dict[int, float], after: dict[int, float]) -> float:
+def spent(before: dict[int, float], after: dict[int, float]) -> float:
     """CPU seconds spent between two snapshots (processes born meanwhile count whole)."""
     return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
 
 
-def _commits(url: str) -> int:
+def commits(url: str) -> int:
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute(
             "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
@@ -441,7 +450,7 @@ def _wait_listening(port: int, processes: list[subprocess.Popen[bytes]]) -> None
     raise RuntimeError("server did not start")
 
 
-def _start_servers(mode: str, url: str, workers: int) -> tuple[list[subprocess.Popen[bytes]], int]:
+def start_servers(mode: str, url: str, workers: int) -> tuple[list[subprocess.Popen[bytes]], int]:
     """``workers`` server processes of ``mode`` on one port (SO_REUSEPORT), all listening."""
     reserved, listen = reserve_port("127.0.0.1:0")
     port = int(listen.rsplit(":", 1)[1])
@@ -467,7 +476,7 @@ def _start_servers(mode: str, url: str, workers: int) -> tuple[list[subprocess.P
         _wait_listening(port, processes)
         _wait_all_bound(port, workers)
     except BaseException:
-        _stop(processes)
+        stop_servers(processes)
         raise
     finally:
         reserved.close()
@@ -490,7 +499,7 @@ def _wait_all_bound(port: int, workers: int) -> None:
     raise RuntimeError("not every server process listens")
 
 
-def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+def stop_servers(processes: list[subprocess.Popen[bytes]]) -> None:
     for process in processes:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)  # a clean exit, so that a profile gets written
@@ -522,7 +531,7 @@ def measure(
     seconds: float,
     workers: int,
 ) -> Result:
-    processes, port = _start_servers(mode, url, workers)
+    processes, port = start_servers(mode, url, workers)
     clients: list[subprocess.Popen[str]] = []
     try:
         for agents_file in agents_files:
@@ -548,8 +557,8 @@ def measure(
             if client.stdout.readline().strip() != "ready":
                 raise RuntimeError("a load process failed")
         server_pids = [p.pid for p in processes]
-        pg_pids = _postgres_pids(server)
-        cpu0, db0, commits0 = _cpu_seconds(server_pids), _cpu_seconds(pg_pids), _commits(url)
+        pg_pids = postgres_pids(server)
+        cpu0, db0, commits0 = cpu_seconds(server_pids), cpu_seconds(pg_pids), commits(url)
         for client in clients:
             assert client.stdin is not None
             client.stdin.write("go\n")
@@ -558,25 +567,25 @@ def measure(
         for client in clients:
             assert client.stdout is not None
             results.append(json.loads(client.stdout.readline()))
-        cpu1, db1 = _cpu_seconds(server_pids), _cpu_seconds(_postgres_pids(server))
-        commits1 = _commits(url)
+        cpu1, db1 = cpu_seconds(server_pids), cpu_seconds(postgres_pids(server))
+        commits1 = commits(url)
     finally:
         for client in clients:
             if client.poll() is None:
                 client.kill()
             client.wait()
-        _stop(processes)
+        stop_servers(processes)
     ok = sum(r["ok"] for r in results)
     refused = sum(r["refused"] for r in results)
     elapsed = max(r["elapsed"] for r in results)
-    # _commits' own transaction counts once.
+    # commits' own transaction counts once.
     return Result(
         (ok + refused) / elapsed,
         ok,
         refused,
         sum(r["errors"] for r in results),
-        _spent(cpu0, cpu1),
-        _spent(db0, db1),
+        spent(cpu0, cpu1),
+        spent(db0, db1),
         sum(r["cpu"] for r in results),
         commits1 - commits0 - 1,
     )

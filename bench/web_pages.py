@@ -22,6 +22,7 @@ Finished in their history.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import shutil
 import statistics
@@ -91,8 +92,11 @@ def _bind(sql: str, params: dict[str, object]) -> str:
     return " ".join(sql.split())
 
 
-def _pgbench(server: LocalPostgres, statements: list[str], requests: int, root: Path) -> float:
-    """Average latency in ms of ``statements`` in one REPEATABLE READ transaction."""
+def pgbench_ms(
+    server: LocalPostgres, statements: list[str], requests: int, root: Path, db: str = DB
+) -> float:
+    """Average latency in ms of ``statements`` in one REPEATABLE READ transaction
+    (``requests`` times, one client) in database ``db``."""
     script = root / "page.sql"
     body = "".join(f"{s};\n" for s in statements)
     script.write_text(f"BEGIN ISOLATION LEVEL REPEATABLE READ;\n{body}COMMIT;\n")
@@ -100,7 +104,7 @@ def _pgbench(server: LocalPostgres, statements: list[str], requests: int, root: 
         [
             str(find_postgres_bin() / "pgbench"), "-n", "-M", "prepared", "-c", "1",
             "-t", str(requests), "-f", str(script),
-            "-h", str(server.socket_dir), "-p", str(server.port), "-U", "postgres", DB,
+            "-h", str(server.socket_dir), "-p", str(server.port), "-U", "postgres", db,
         ],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
@@ -109,7 +113,7 @@ def _pgbench(server: LocalPostgres, statements: list[str], requests: int, root: 
     return float(match[1])
 
 
-async def _server_ms(client: httpx.AsyncClient, path: str, requests: int) -> tuple[float, float]:
+async def server_ms(client: httpx.AsyncClient, path: str, requests: int) -> tuple[float, float]:
     """Median handler ms (Server-Timing) and median wall ms per request of ``path``."""
     await client.get(path)  # warm: prepared statements, plans, caches
     app, wall = [], []
@@ -122,6 +126,37 @@ async def _server_ms(client: httpx.AsyncClient, path: str, requests: int) -> tup
     return statistics.median(app), statistics.median(wall)
 
 
+def machines_page_sql(size: int, **kw: object) -> list[str]:
+    """The statements of the machine list's page of ``size`` machines (filters ``kw``
+    as `overview.machines_params` takes them), parameters written in."""
+    params = overview.machines_params(limit=size + 1, **kw)  # type: ignore[arg-type]
+    return [_bind(overview.MACHINES_SQL, params), _bind(overview.STATE_COUNTS_SQL, params)]
+
+
+def machine_page_sql(machine_id: object) -> list[str]:
+    """The statements of one machine's page, parameters written in."""
+    detail = overview.machines_params(limit=1) | {"machine": machine_id}
+    return [_bind(overview.DETAIL_SQL, detail), _bind(overview.HISTORY_SQL, {"%s": machine_id})]
+
+
+async def fleet_query_ms(
+    conn: bmdb.Connection, server: LocalPostgres, requests: int, root: Path, db: str = DB
+) -> tuple[float, float]:
+    """The metrics' fleet query, median ms from bmdb (`FleetGauges.update`) and
+    average ms in pgbench, over ``requests`` runs each."""
+    from bmdb.metrics import FleetGauges
+
+    gauges = FleetGauges(conn)
+    durations = []
+    for _ in range(requests):
+        await gauges.update()
+        durations.append(gauges.duration * 1000)
+    fleet_sql = await trio.to_thread.run_sync(
+        functools.partial(pgbench_ms, server, [" ".join(FLEET_SQL.split())], requests, root, db)
+    )
+    return statistics.median(durations), fleet_sql
+
+
 async def _measure(server: LocalPostgres, root: Path, requests: int) -> None:
     url = server.url(DB)
     async with bmdb.open_connection(url, max_connections=4) as conn:
@@ -132,24 +167,12 @@ async def _measure(server: LocalPostgres, root: Path, requests: int) -> None:
         pages: list[tuple[str, str, list[str]]] = []
 
         def machines_page(name: str, path: str, **kw: object) -> None:
-            params = overview.machines_params(limit=size + 1, **kw)  # type: ignore[arg-type]
-            sql = [_bind(overview.MACHINES_SQL, params), _bind(overview.STATE_COUNTS_SQL, params)]
-            pages.append((name, path, sql))
+            pages.append((name, path, machines_page_sql(size, **kw)))
 
         machines_page("machines, first page", "/machines")
         machines_page("machines, middle page", f"/machines?after={middle}", after=middle)
         machines_page("machines, failed", "/machines?state=failed", state="failed")
-        detail = overview.machines_params(limit=1) | {"machine": failed}
-        pages.append(
-            (
-                "machine page",
-                f"/machine/{failed}",
-                [
-                    _bind(overview.DETAIL_SQL, detail),
-                    _bind(overview.HISTORY_SQL, {"%s": failed}),
-                ],
-            )
-        )
+        pages.append(("machine page", f"/machine/{failed}", machine_page_sql(failed)))
 
         async with trio.open_nursery() as nursery:
             [base] = await nursery.start(serve, conn, "127.0.0.1:0")
@@ -158,8 +181,8 @@ async def _measure(server: LocalPostgres, root: Path, requests: int) -> None:
                 header = f"{'page':<24} {'server ms':>10} {'wall ms':>8} {'SQL ms':>7} {'ratio':>6}"
                 print(header)
                 for name, path, sql in pages:
-                    app_ms, wall_ms = await _server_ms(client, path, requests)
-                    sql_ms = _pgbench(server, sql, requests, root)
+                    app_ms, wall_ms = await server_ms(client, path, requests)
+                    sql_ms = pgbench_ms(server, sql, requests, root)
                     ratio = app_ms / sql_ms
                     print(
                         f"{name:<24} {app_ms:>10.2f} {wall_ms:>8.2f} {sql_ms:>7.2f} {ratio:>6.2f}"
@@ -168,15 +191,7 @@ async def _measure(server: LocalPostgres, root: Path, requests: int) -> None:
                     report("web_pages", f"{name}: server / SQL time", ratio, goal)
             nursery.cancel_scope.cancel()
 
-        from bmdb.metrics import FleetGauges
-
-        gauges = FleetGauges(conn)
-        durations = []
-        for _ in range(requests):
-            await gauges.update()
-            durations.append(gauges.duration * 1000)
-        ours = statistics.median(durations)
-        fleet_sql = _pgbench(server, [" ".join(FLEET_SQL.split())], requests, root)
+        ours, fleet_sql = await fleet_query_ms(conn, server, requests, root)
         print(
             f"\nmetrics fleet query: {fleet_sql:.2f} ms in pgbench, {ours:.2f} ms from bmdb"
             f" (goal: under 100 ms of database time)"

@@ -7,6 +7,7 @@ the connection and the session, and backs off while heartbeats fail.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import protocol
@@ -40,6 +41,41 @@ REQUEST_TIMEOUT = 15.0
 #: largest node parameters the installer takes (`install.MAX_NODE_PARAMETERS`),
 #: so that one too large is refused with that cause rather than cut.
 MAX_ANSWER = 2 * 1024 * 1024
+
+
+def request_headers(
+    machine_id: str,
+    body: bytes,
+    time_ns: int,
+    session: AgentSession | None,
+    *,
+    public_key: bytes,
+    sign: Callable[[bytes], bytes],
+) -> dict[str, str]:
+    """The headers of a heartbeat request with ``body`` sent at ``time_ns``:
+    MACed with ``session`` if given, else signed with ``sign`` (the agent's
+    Ed25519 signature of a message, checked against ``public_key``).
+
+    The agent's `Heartbeater` sends these; the fleet simulator
+    (``bench/fleet.py``) sends the same for each of its simulated agents.
+    """
+    import base64
+
+    message = protocol.signed_message("POST", protocol.HEARTBEAT_PATH, machine_id, time_ns, body)
+    headers = {
+        "Content-Type": "application/proto",
+        "Connect-Protocol-Version": "1",
+        "Connect-Timeout-Ms": str(int(REQUEST_TIMEOUT * 1000)),
+        protocol.HEADER_TIME: str(time_ns),
+    }
+    if session is not None:
+        headers[protocol.HEADER_SESSION] = base64.b64encode(session.token).decode("ascii")
+        mac = protocol.session_mac(session.key, message)
+        headers[protocol.HEADER_MAC] = base64.b64encode(mac).decode("ascii")
+    else:
+        headers[protocol.HEADER_KEY] = base64.b64encode(public_key).decode("ascii")
+        headers[protocol.HEADER_SIGNATURE] = base64.b64encode(sign(message)).decode("ascii")
+    return headers
 
 
 class Heartbeater:
@@ -92,8 +128,6 @@ class Heartbeater:
     def request(self) -> tuple[bytes, dict[str, str]]:
         """The next request: body and headers, MACed with the session if one
         is held and still in use, else signed."""
-        import base64
-
         report, warnings = self.report if self.report is not None else (None, None)
         installation = self.installer.pending_report() if self.installer is not None else None
         body = encode_heartbeat_request(self.init.machine_id, report, warnings, installation)
@@ -101,25 +135,16 @@ class Heartbeater:
         # refuses a time not newer than the last it accepted.
         now = max(time.time_ns(), self._last_time_ns + 1)
         self._last_time_ns = now
-        message = protocol.signed_message(
-            "POST", protocol.HEARTBEAT_PATH, self.init.machine_id, now, body
-        )
-        headers = {
-            "Content-Type": "application/proto",
-            "Connect-Protocol-Version": "1",
-            "Connect-Timeout-Ms": str(int(REQUEST_TIMEOUT * 1000)),
-            protocol.HEADER_TIME: str(now),
-        }
         if self.session is not None and time.monotonic() >= self.session_until:
             self.session = None
-        if self.session is not None:
-            headers[protocol.HEADER_SESSION] = base64.b64encode(self.session.token).decode("ascii")
-            mac = protocol.session_mac(self.session.key, message)
-            headers[protocol.HEADER_MAC] = base64.b64encode(mac).decode("ascii")
-        else:
-            signature = ed25519_sign(self.seed, message)
-            headers[protocol.HEADER_KEY] = base64.b64encode(self.public_key).decode("ascii")
-            headers[protocol.HEADER_SIGNATURE] = base64.b64encode(signature).decode("ascii")
+        headers = request_headers(
+            self.init.machine_id,
+            body,
+            now,
+            self.session,
+            public_key=self.public_key,
+            sign=lambda message: ed25519_sign(self.seed, message),
+        )
         return body, headers
 
     def accepted(self, answer: bytes) -> None:

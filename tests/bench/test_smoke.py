@@ -44,6 +44,7 @@ PRINTS = {
     "etcdclient": "watch event",
     "grant_trace": "median ratio",
     "growth": "100,000 machines a day:",
+    "fleet_scale": "capacity full/bare at",
     "heartbeat": "ratio full/bare:",
     "initializer": "machines/min",
     "install": "by hand / product (time ratio)",
