@@ -253,16 +253,11 @@ async def test_no_release_before_a_wipe_is_reported(
         await bmdb_conn.transact(release_first)
 
 
-async def test_a_cluster_node_is_not_wiped_without_owner_credentials(
-    aio_loop: object,
-    bmdb_conn: bmdb.Connection,
-    bmdb_url: str,
-    sshd: Sshd,
-    shepherd_ssh_key: SSHKey,
-) -> None:
-    """A machine whose current successful install report names a node is a
-    cluster node: without the owner's credentials the decommissioner cannot
-    remove it from the cluster, so it wipes nothing and says why."""
+async def _static_machine_taken_over(
+    bmdb_conn: bmdb.Connection, sshd: Sshd, shepherd_ssh_key: SSHKey
+) -> tuple[StaticProvider, SSHClient, Path, uuid.UUID]:
+    """A static machine (the test's sshd) taken over by the real
+    initializer: its provider, the SSH client, the agent's path, its id."""
     provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
 
     async def add(q: Queries) -> None:
@@ -279,6 +274,20 @@ async def test_a_cluster_node_is_not_wiped_without_owner_credentials(
 
     await run_until(bmdb_conn, initializer, taken_over)
     [mid] = await agent_keys(bmdb_conn)
+    return provider, ssh, target, mid
+
+
+async def test_a_cluster_node_is_not_wiped_without_owner_credentials(
+    aio_loop: object,
+    bmdb_conn: bmdb.Connection,
+    bmdb_url: str,
+    sshd: Sshd,
+    shepherd_ssh_key: SSHKey,
+) -> None:
+    """A machine whose current successful install report names a node is a
+    cluster node: without the owner's credentials the decommissioner cannot
+    remove it from the cluster, so it wipes nothing and says why."""
+    provider, ssh, target, mid = await _static_machine_taken_over(bmdb_conn, sshd, shepherd_ssh_key)
     key = bytes(range(32))
 
     async def installed(q: Queries) -> None:
@@ -375,22 +384,7 @@ async def test_a_node_whose_install_report_comes_during_the_decommission_is_remo
     node registered) before the wipe stopped that node: once wiped, the
     decommissioner looks again and removes the node before the release.
     Without owner credentials it can only say so: wiped, not released."""
-    provider = StaticProvider([Machine("m-1", sshd.host, sshd.port)])
-
-    async def add(q: Queries) -> None:
-        mid = await q.new_machine()
-        await q.add_provided(mid, provider.type, "m-1", address="ignored")
-
-    await bmdb_conn.transact(add)
-    ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
-    target = sshd.root / "agent"
-    initializer = Initializer(provider, ssh, agent_config(target, _agent()))
-
-    async def taken_over(stats: LoopStats) -> bool:
-        return bool(await agent_keys(bmdb_conn))
-
-    await run_until(bmdb_conn, initializer, taken_over)
-    [mid] = await agent_keys(bmdb_conn)
+    provider, ssh, target, mid = await _static_machine_taken_over(bmdb_conn, sshd, shepherd_ssh_key)
     key = bytes(range(32))
 
     class ReportDuringTheWipe(Decommissioner):
