@@ -177,8 +177,8 @@ def seed_fleet(url: str, fleet: Fleet) -> None:
         if fleet.silent(index):
             beats.write(f"{mid}\t{silent_at}\n")
     with psycopg.connect(url) as conn:
-        # machines.agent_started is written with the row, as the trigger on
-        # machine_agent_started would have set it (off: one UPDATE per row).
+        # Triggers off (one UPDATE per row otherwise): what they would write is
+        # written here, machines.agent_started with its row.
         conn.execute("SET LOCAL session_replication_role = replica")
         _copy(conn, "machines", "machine_id, machine_created_at, agent_started", machines)
         _copy(
@@ -187,15 +187,25 @@ def seed_fleet(url: str, fleet: Fleet) -> None:
             "machine_id, provider, provider_id, provider_address, provider_location",
             provided,
         )
-        _copy(
-            conn,
-            "machine_agent_started",
-            "machine_id, agent_started_at, agent_public_key",
-            started,
+        _copy(conn, "machine_agent_heartbeat", "machine_id, agent_heartbeat_at", beats)
+        # The started rows' agent_seen_floor, as migration 0007's trigger
+        # would have set it, by its own function (after the heartbeats).
+        conn.execute(
+            """CREATE TEMP TABLE seed_started (machine_id uuid, agent_started_at timestamptz,
+                                               agent_public_key bytea) ON COMMIT DROP"""
+        )
+        _copy(conn, "seed_started", "machine_id, agent_started_at, agent_public_key", started)
+        conn.execute(
+            """INSERT INTO machine_agent_started
+                   (machine_id, agent_started_at, agent_public_key, agent_seen_floor)
+               SELECT s.machine_id, s.agent_started_at, s.agent_public_key,
+                      agent_seen_floor(coalesce(h.agent_heartbeat_at, s.agent_started_at),
+                                       s.machine_id)
+               FROM seed_started s
+               LEFT JOIN machine_agent_heartbeat h ON h.machine_id = s.machine_id"""
         )
         _copy(conn, "machine_ssh_host_key", "machine_id, public_key, first_seen", host_keys)
         _copy(conn, "work_history", "machine_id, process, event, at", history)
-        _copy(conn, "machine_agent_heartbeat", "machine_id, agent_heartbeat_at", beats)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE")
 
