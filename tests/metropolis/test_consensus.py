@@ -20,6 +20,7 @@ import trio
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.backoff import ExponentialBackoff, Retrier
 from common.net import free_loopback_port
 from metropolis import identity, localstorage, pki
 from metropolis.consensus import (
@@ -450,9 +451,10 @@ async def test_a_learner_is_promoted_without_waiting_for_the_poll(tmp_path: Path
         # same committed change on its own schedule, which under load can
         # come a moment later.
         async with Client(first.service.config.client_socket) as c1:
+            polls = Retrier(ExponentialBackoff(initial=0.05, maximum=0.5))
             with trio.fail_after(BOUND):
                 while any(m.is_learner for m in await c1.member_list()):
-                    await trio.sleep(0.05)
+                    await polls.sleep()
         await second.stop()
         await first.stop()
 
