@@ -50,7 +50,6 @@ Errors of the package are logged as one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import signal
@@ -66,7 +65,7 @@ from metropolis import identity, pki
 from metropolis.consensus.client import Client
 from metropolis.consensus.config import CURATOR_NAMESPACE
 from metropolis.consensus.process import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
-from metropolis.consensus.snapshot import manifest_path, take_snapshot
+from metropolis.consensus.snapshot import cluster_identity, manifest_path, take_snapshot
 from metropolis.curator.rejoin import read_recoveries
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
@@ -508,11 +507,10 @@ async def _snapshot(root: Root, out: Path) -> str:
     socket = _local_etcd(root)
     saved = await trio.to_thread.run_sync(disk.load, root)
     assert saved.credentials is not None  # the owner call above needs them
-    der = saved.credentials.ca_certificate.public_bytes(pki.Encoding.DER)
     made = await take_snapshot(
         socket,
         out,
-        cluster_ca_sha256=hashlib.sha256(der).hexdigest(),
+        cluster_ca_sha256=cluster_identity(saved.credentials.ca_certificate),
         node_id=saved.credentials.node_id,
     )
     return (

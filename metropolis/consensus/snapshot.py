@@ -34,11 +34,20 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from metropolis.consensus.unixhttp import TransportError, UnixHTTP
 from metropolis.errors import ConsensusError
 
-__all__ = ["FORMAT", "SnapshotError", "SnapshotManifest", "take_snapshot", "verify_snapshot"]
+__all__ = [
+    "FORMAT",
+    "SnapshotError",
+    "SnapshotManifest",
+    "cluster_identity",
+    "take_snapshot",
+    "verify_snapshot",
+]
 
 #: The manifest's ``format`` field.
 FORMAT = "metropolis-etcd-snapshot/1"
@@ -47,6 +56,12 @@ MANIFEST_SUFFIX = ".manifest"
 _CHUNK = 1 << 20
 #: Bytes of etcd's SHA-256 at the end of its snapshot.
 _HASH = 32
+
+
+def cluster_identity(ca_certificate: x509.Certificate) -> str:
+    """The cluster's identity as a manifest names it: the SHA-256 (hex) of
+    its CA certificate's DER encoding."""
+    return hashlib.sha256(ca_certificate.public_bytes(serialization.Encoding.DER)).hexdigest()
 
 
 class SnapshotError(ConsensusError):

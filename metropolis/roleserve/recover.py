@@ -38,7 +38,6 @@ removed.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -55,7 +54,7 @@ from metropolis.consensus.config import CURATOR_NAMESPACE
 from metropolis.consensus.join import JoinCluster
 from metropolis.consensus.process import SOCKET_NAME, ProcessConfig, run_etcd
 from metropolis.consensus.restore import restore_data
-from metropolis.consensus.snapshot import SnapshotManifest, verify_snapshot
+from metropolis.consensus.snapshot import SnapshotManifest, cluster_identity, verify_snapshot
 from metropolis.curator.rejoin import Recovery, prepare_restored
 from metropolis.errors import MetropolisError
 from metropolis.identity import NodeCredentials
@@ -92,8 +91,7 @@ def check(root: Root, snapshot: Path) -> Checked:
             " node of the cluster"
         )
     manifest = verify_snapshot(snapshot)
-    der = saved.credentials.ca_certificate.public_bytes(pki.Encoding.DER)
-    ca = hashlib.sha256(der).hexdigest()
+    ca = cluster_identity(saved.credentials.ca_certificate)
     if manifest.cluster_ca_sha256 != ca:
         raise RecoverError(
             f"{snapshot} is a snapshot of another cluster (CA SHA-256 "

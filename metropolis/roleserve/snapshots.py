@@ -19,15 +19,18 @@ not fail for it.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 from pathlib import Path
 
 import trio
-from cryptography.hazmat.primitives.serialization import Encoding
 
 from metropolis.consensus import Service
-from metropolis.consensus.snapshot import SnapshotError, manifest_path, take_snapshot
+from metropolis.consensus.snapshot import (
+    SnapshotError,
+    cluster_identity,
+    manifest_path,
+    take_snapshot,
+)
 from metropolis.event import ReadOnlyValue
 from metropolis.roleserve.values import ClusterMembership
 from metropolis.supervisor import Node
@@ -93,10 +96,12 @@ class SnapshotSchedule:
                     service = membership.local_consensus
                     credentials = membership.credentials
                     assert service is not None and credentials is not None
-                    der = credentials.ca_certificate.public_bytes(Encoding.DER)
                     await service.wait_running()
                     await self._take(
-                        node, service, hashlib.sha256(der).hexdigest(), credentials.node_id
+                        node,
+                        service,
+                        cluster_identity(credentials.ca_certificate),
+                        credentials.node_id,
                     )
                 await trio.sleep_until(deadline)
 
