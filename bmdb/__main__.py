@@ -265,7 +265,7 @@ async def _audit(conn: bmdb.Connection, args: argparse.Namespace) -> str:
 async def _prune(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     policy = retention.RetentionPolicy(
         keep_last=args.keep_last,
-        keep_newer_than=retention.parse_age(args.keep_newer_than),
+        keep_newer_than=args.keep_newer_than,
         batch=args.batch,
     )
     verb = "would delete" if args.dry_run else "deleted"
@@ -492,12 +492,11 @@ def _keep_last(text: str) -> int:
     return value
 
 
-def _age(text: str) -> str:
+def _age(text: str) -> datetime.timedelta:
     try:
-        retention.parse_age(text)
+        return retention.parse_age(text)
     except BMDBError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def _batch(text: str) -> int:
