@@ -281,11 +281,16 @@ def _root(path: Path) -> Root:
     given as ``--root`` is refused by the check, not followed. A missing
     root is left to the command (bootstrap creates it, run refuses it).
     """
-    absolute = Path(os.path.abspath(path))
-    root = Root(absolute.parent.resolve() / absolute.name)
+    root = _resolved(path)
     if os.path.lexists(root.path):
         root.check()
     return root
+
+
+def _resolved(path: Path) -> Root:
+    """The node root at ``path`` with the folders above it resolved (not checked)."""
+    absolute = Path(os.path.abspath(path))
+    return Root(absolute.parent.resolve() / absolute.name)
 
 
 def _check_socket_room(path: Path) -> None:
@@ -296,7 +301,7 @@ def _check_socket_room(path: Path) -> None:
     listen only once the node starts its control plane, with a message
     far from its cause.
     """
-    socket = _root(path).ephemeral.consensus / SOCKET_NAME
+    socket = _resolved(path).ephemeral.consensus / SOCKET_NAME
     size = len(os.fsencode(socket))
     if size > SOCKET_PATH_MAX:
         raise disk.NodeRootError(
