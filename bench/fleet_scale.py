@@ -3,7 +3,7 @@
     python -m bench.fleet_scale [--machines 100000] [--small 1000] [--interval 10]
                                 [--seconds 30] [--bringup 60] [--workers N] [--load-processes 2]
                                 [--connections 10000] [--silent-every 1000]
-                                [--profile DIR] [--smoke]
+                                [--profile DIR] [--heartbeats-only] [--smoke]
 
 One PostgreSQL 15 for the run; the fleet (`bench.fleet`): ``--machines``
 machines as the provisioner and the initializer leave them (each with its
@@ -45,6 +45,10 @@ own agent key), every ``--silent-every``-th silent for an hour, and
    UI's first machine page and one machine's page (handler time against
    the same SQL in pgbench, as ``bench.web_pages``: goal <= 2 for the
    list), and the metrics' fleet query (goal: under 100 ms).
+
+``--heartbeats-only`` runs the seeding and section 2's real server alone
+(bring-up, capacity, hold and the search): where its CPU goes, without
+the rest of the run.
 
 Everything runs on this machine, load included: on a shared machine the
 wall-clock rates follow its load (printed); the ratios are taken within
@@ -243,7 +247,8 @@ def _full(
             report("fleet_scale", f"heartbeats held at {args.interval:g} s / need",
                    hold.rate() / need, ">= 1")  # fmt: skip
             interval = args.interval if held else _search(load, agents, hold.rate(), args)
-            _recover(url, fleet, load, interval)
+            if not args.heartbeats_only:
+                _recover(url, fleet, load, interval)
             return closed, hold
     finally:
         stop_servers(processes)
@@ -447,6 +452,12 @@ def main() -> None:
     parser.add_argument("--silent-every", type=int, default=1000, help="every N-th is silent")
     parser.add_argument("--requests", type=int, default=30, help="requests per web page")
     parser.add_argument("--profile", default="", help="cProfile the servers into this folder")
+    parser.add_argument(
+        "--heartbeats-only",
+        action="store_true",
+        help="only the real server's heartbeats (bring-up, capacity, hold and the search):"
+        " no claims, no bare endpoint, no recoverer, no views",
+    )
     args = parse_args(
         parser,
         {
@@ -481,12 +492,16 @@ def main() -> None:
             f" load average {_load_average()}",
             flush=True,
         )
-        _claims(server, args)
+        if not args.heartbeats_only:
+            _claims(server, args)
         print(
             f"heartbeats: {args.machines - fleet.silent_count()} agents, {args.workers} server"
             f" processes, {args.load_processes} load processes, {args.connections} connections",
             flush=True,
         )
+        if args.heartbeats_only:
+            _full(server, url, fleet, args)
+            return
         bare = _bare(url, fleet, args)
         full, _ = _full(server, url, fleet, args)
         ratio = full.rate() / max(bare.rate(), 1e-9)
