@@ -34,11 +34,12 @@ halves pin the behaviour.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TypeVar
 
 import betterproto2
 
-__all__ = ["parse_checked", "parse_strict"]
+__all__ = ["checked_fields", "parse_checked", "parse_strict"]
 
 _M = TypeVar("_M", bound=betterproto2.Message)
 
@@ -96,88 +97,203 @@ def parse_checked(cls: type[_M], data: bytes) -> _M:
     return cls.parse(data)
 
 
-def _varint(data: bytes, pos: int, where: str) -> tuple[int, int]:
+class _VarintError(ValueError):
+    """A malformed varint; the caller adds where it is (built only then)."""
+
+
+def checked_fields(cls: type[betterproto2.Message], data: bytes) -> dict[str, bytes | int]:
+    """The checks of `parse_checked` on ``data`` as a ``cls`` message,
+    without building the message: the values of its singular fields that
+    are set, by name (the bytes of a length-delimited or fixed-width
+    field, the number of a varint, as on the wire: no sign or zigzag
+    decoding); repeated fields and maps are checked but not returned.
+
+    For a hot path that needs a few top-level fields and would pass an
+    embedded message on as its bytes: they are the sender's, checked as
+    `parse_checked` checks them (so `parse_checked` of them succeeds).
+    `ValueError` as `parse_checked`.
+    """
+    out: dict[str, bytes | int] = {}
+    _walk(cls, data, cls.__name__, 0, skip_unknown=True, out=out)
+    return out
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
     result = 0
     for shift in range(0, 70, 7):
         if pos >= len(data):
-            raise ValueError(f"{where}: truncated varint")
+            raise _VarintError("truncated varint")
         byte = data[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
             if result >= 1 << 64:
-                raise ValueError(f"{where}: varint over 64 bits")
+                raise _VarintError("varint over 64 bits")
             return result, pos
-    raise ValueError(f"{where}: varint longer than 10 bytes")
+    raise _VarintError("varint longer than 10 bytes")
+
+
+_PLAIN, _STRING, _MESSAGE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """What the walk needs of one declared field, read once per class."""
+
+    name: str
+    #: The wire type it is declared with.
+    want: int
+    #: At most once in a message (neither repeated nor a map).
+    singular: bool
+    #: Its oneof, if any.
+    group: str | None
+    #: May come packed (a repeated scalar).
+    packable: bool
+    kind: int
+    #: For `_MESSAGE`: the class its payload is walked as.
+    inner: type[betterproto2.Message] | None
+
+
+#: Per class, its fields by number (built on first use: betterproto2's
+#: metadata is read through several dictionaries per field otherwise).
+_plans: dict[type[betterproto2.Message], dict[int, _Field]] = {}
+
+
+def _plan(cls: type[betterproto2.Message]) -> dict[int, _Field]:
+    plan = _plans.get(cls)
+    if plan is None:
+        # betterproto2 types this class property for concrete subclasses only.
+        meta: betterproto2.ProtoClassMetadata = cls._betterproto  # type: ignore[arg-type]
+        plan = {}
+        for number, name in meta.field_name_by_number.items():
+            field = meta.meta_by_field_name[name]
+            want = _WIRE_TYPE[field.proto_type]
+            inner = None
+            kind = _PLAIN
+            if field.proto_type == betterproto2.TYPE_STRING:
+                kind = _STRING
+            elif field.proto_type in (betterproto2.TYPE_MESSAGE, betterproto2.TYPE_MAP):
+                kind = _MESSAGE
+                # A well-known type that betterproto2 unwraps (Timestamp to
+                # datetime) is walked as the message it is on the wire.
+                inner = field.unwrap() if field.unwrap else meta.cls_by_field[name]
+            plan[number] = _Field(
+                name,
+                want,
+                not field.repeated and field.proto_type != betterproto2.TYPE_MAP,
+                field.group,
+                bool(field.repeated) and want != _LEN,
+                kind,
+                inner,
+            )
+        _plans[cls] = plan
+    return plan
 
 
 def _walk(
-    cls: type[betterproto2.Message], data: bytes, where: str, depth: int, *, skip_unknown: bool
+    cls: type[betterproto2.Message],
+    data: bytes,
+    where: str,
+    depth: int,
+    *,
+    skip_unknown: bool,
+    out: dict[str, bytes | int] | None = None,
 ) -> None:
+    """Check ``data`` against ``cls`` (see `parse_checked`); with ``out``, put
+    there the value of each singular field it declares (bytes of a
+    length-delimited or fixed one, the number of a varint), by name."""
     if depth > _MAX_DEPTH:
         raise ValueError(f"{where}: nested deeper than {_MAX_DEPTH}")
-    # betterproto2 types this class property for concrete subclasses only.
-    meta: betterproto2.ProtoClassMetadata = cls._betterproto  # type: ignore[arg-type]
+    plan = _plan(cls)
     seen: set[int] = set()
     oneofs: dict[str, str] = {}
     pos = 0
-    while pos < len(data):
-        key, pos = _varint(data, pos, where)
+    size = len(data)
+    while pos < size:
+        # Error locations are formatted only when raised: on the way to
+        # accepting a message, no string is built.
+        key = data[pos]
+        if key < 0x80:  # the common one-byte key, without a call
+            pos += 1
+        else:
+            try:
+                key, pos = _varint(data, pos)
+            except _VarintError as exc:
+                raise ValueError(f"{where}: {exc}") from None
         number, wire_type = key >> 3, key & 7
         if not 0 < number < 1 << 29:
             raise ValueError(f"{where}: field number {number} out of range")
-        name = meta.field_name_by_number.get(number)
-        if name is None:
+        field = plan.get(number)
+        if field is None:
             if not skip_unknown:
                 raise ValueError(f"{where}: field {number} is not one of {cls.__name__}'s")
             pos = _skip(data, pos, wire_type, f"{where}.{number}")
             continue
-        field = meta.meta_by_field_name[name]
-        path = f"{where}.{name}"
-        at = f"{path}, field {number}"
-        if not field.repeated and field.proto_type != betterproto2.TYPE_MAP:
+        name = field.name
+        if field.singular:
             if number in seen:
-                raise ValueError(f"{at}: set twice")
+                raise ValueError(f"{where}.{name}, field {number}: set twice")
             seen.add(number)
         if field.group is not None:
             other = oneofs.setdefault(field.group, name)
             if other != name:
                 raise ValueError(f"{where}: more than one of {field.group} set: {other}, {name}")
-        want = _WIRE_TYPE[field.proto_type]
-        packed = bool(field.repeated) and want != _LEN and wire_type == _LEN
+        want = field.want
+        packed = field.packable and wire_type == _LEN
         if wire_type != want and not packed:
-            raise ValueError(f"{at}: wire type {wire_type}, want {_WIRE_NAMES[want]}")
-        if wire_type == _VARINT:
-            _, pos = _varint(data, pos, at)
-        elif wire_type in (_FIXED64, _FIXED32):
+            raise ValueError(
+                f"{where}.{name}, field {number}: wire type {wire_type}, want {_WIRE_NAMES[want]}"
+            )
+        start = pos
+        if wire_type == _FIXED64 or wire_type == _FIXED32:
             pos += 8 if wire_type == _FIXED64 else 4
-            if pos > len(data):
-                raise ValueError(f"{at}: past end of message")
+            if pos > size:
+                raise ValueError(f"{where}.{name}, field {number}: past end of message")
+            if out is not None and field.singular:
+                out[name] = data[start:pos]
+            continue
+        # A varint's value or a length: mostly one byte, read without a call.
+        if pos < size and data[pos] < 0x80:
+            value = data[pos]
+            pos += 1
         else:
-            length, pos = _varint(data, pos, at)
-            if pos + length > len(data):
-                raise ValueError(f"{at}: past end of message (length {length})")
-            payload = data[pos : pos + length]
-            pos += length
-            if packed:
-                _walk_packed(want, payload, at)
-            elif field.proto_type == betterproto2.TYPE_STRING:
-                try:
-                    payload.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{at}: not UTF-8") from e
-            elif field.proto_type in (betterproto2.TYPE_MESSAGE, betterproto2.TYPE_MAP):
-                # A well-known type that betterproto2 unwraps (Timestamp to
-                # datetime) is walked as the message it is on the wire.
-                inner = field.unwrap() if field.unwrap else meta.cls_by_field[name]
-                _walk(inner, payload, path, depth + 1, skip_unknown=skip_unknown)
+            try:
+                value, pos = _varint(data, pos)
+            except _VarintError as exc:
+                raise ValueError(f"{where}.{name}, field {number}: {exc}") from None
+        if wire_type == _VARINT:
+            if out is not None and field.singular:
+                out[name] = value
+            continue
+        length = value
+        if pos + length > size:
+            raise ValueError(
+                f"{where}.{name}, field {number}: past end of message (length {length})"
+            )
+        payload = data[pos : pos + length]
+        pos += length
+        if out is not None and field.singular:
+            out[name] = payload
+        if packed:
+            _walk_packed(want, payload, f"{where}.{name}, field {number}")
+        elif field.kind == _STRING:
+            try:
+                payload.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}.{name}, field {number}: not UTF-8") from e
+        elif field.kind == _MESSAGE:
+            assert field.inner is not None
+            _walk(field.inner, payload, f"{where}.{name}", depth + 1, skip_unknown=skip_unknown)
 
 
 def _walk_packed(wire_type: int, payload: bytes, where: str) -> None:
     pos = 0
     while pos < len(payload):
         if wire_type == _VARINT:
-            _, pos = _varint(payload, pos, where)
+            try:
+                _, pos = _varint(payload, pos)
+            except _VarintError as exc:
+                raise ValueError(f"{where}: {exc}") from None
         else:
             pos += 8 if wire_type == _FIXED64 else 4
             if pos > len(payload):
@@ -186,12 +302,16 @@ def _walk_packed(wire_type: int, payload: bytes, where: str) -> None:
 
 def _skip(data: bytes, pos: int, wire_type: int, where: str) -> int:
     """The position after an unknown field's value of ``wire_type`` at ``pos``."""
-    if wire_type == _VARINT:
-        return _varint(data, pos, where)[1]
+    try:
+        if wire_type == _VARINT:
+            return _varint(data, pos)[1]
+        if wire_type == _LEN:
+            length, pos = _varint(data, pos)
+    except _VarintError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     if wire_type in (_FIXED64, _FIXED32):
         end = pos + (8 if wire_type == _FIXED64 else 4)
     elif wire_type == _LEN:
-        length, pos = _varint(data, pos, where)
         end = pos + length
     else:
         raise ValueError(f"{where}: unsupported wire type {wire_type} (proto3 never writes it)")

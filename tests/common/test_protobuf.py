@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.protobuf import parse_checked, parse_strict
+from common.protobuf import checked_fields, parse_checked, parse_strict
 from metropolis.proto import common, configuration, management
 from tests.protoc import google_modules
 
@@ -209,3 +209,40 @@ def test_checked_takes_any_bytes_to_a_message_or_a_valueerror(data: bytes) -> No
     except ValueError:
         return
     assert len(bytes(message)) <= len(data)
+
+
+# --- checked_fields: parse_checked's checks, the fields' bytes as sent ---------
+
+
+def test_checked_fields_are_the_bytes_as_sent() -> None:
+    """An unknown field first, in the message and in the embedded one (an
+    encoder again would write it last): the value is the sender's bytes."""
+    params = _params()
+    assert params.cluster_register is not None
+    inner = bytes([0xF8, 0x07, 0x02]) + bytes(params.cluster_register)  # field 127 first
+    assert bytes(parse_checked(configuration.NodeParametersClusterRegister, inner)) != inner
+    data = bytes([0xF8, 0x07, 0x01, 0x12, 0x80 | len(inner) & 0x7F, len(inner) >> 7]) + inner
+    assert checked_fields(configuration.NodeParameters, data) == {"cluster_register": inner}
+    assert checked_fields(configuration.NodeParameters, b"") == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_checked_fields_refuse_what_parse_checked_refuses(data: bytes) -> None:
+    """The same checks with the same errors; what they accept gives the
+    fields the parsed message has, each parsing to the same value."""
+    try:
+        message = parse_checked(configuration.NodeParameters, data)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as caught:
+            checked_fields(configuration.NodeParameters, data)
+        assert str(caught.value) == str(exc)
+        return
+    fields = checked_fields(configuration.NodeParameters, data)
+    for name in ("cluster_bootstrap", "cluster_register"):
+        value = getattr(message, name, None)
+        if value is None:
+            assert name not in fields
+        else:
+            raw = fields[name]
+            assert isinstance(raw, bytes) and type(value).parse(raw) == value
