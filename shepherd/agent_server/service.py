@@ -121,7 +121,7 @@ from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import AgentHeartbeat, HeartbeatOutcome
 from bmdb.model.queries import HeartbeatResult
 from common.numbers import parse_decimal
-from common.protobuf import parse_checked
+from common.protobuf import checked_fields, parse_checked
 from common.text import printable
 from metropolis.proto.configuration import OsImageRef
 from shepherd.agent.heartbeat import MAX_ANSWER
@@ -194,7 +194,7 @@ class Heartbeat:
     machine_id: uuid.UUID
     key: bytes
     time_ns: int
-    #: The AgentHardwareReport, encoded again by betterproto2, if one was sent.
+    #: The AgentHardwareReport's bytes as the agent sent them (checked), if any.
     hardware_report: bytes | None
     #: Authenticated by a signature (answered with a new session once
     #: written), not by a session's MAC.
@@ -202,24 +202,50 @@ class Heartbeat:
     installation_report: InstallationReport | None = None
 
 
-def _parse(body: bytes) -> HeartbeatRequest:
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A checked HeartbeatRequest's fields, as sent."""
+
+    machine_id: str
+    #: The AgentHardwareReport's bytes as received, if one was sent.
+    hardware_report: bytes | None
+    #: The OSInstallationReport's bytes as received, if one was sent.
+    installation_report: bytes | None
+
+
+def _parse(body: bytes) -> _Request:
+    """The fields of a HeartbeatRequest, checked (`common.protobuf.checked_fields`);
+    invalid_argument if malformed.
+
+    No message is built: the hot path needs the machine id, and the
+    embedded reports go on as their bytes (an installation report is parsed
+    further by `installation_report`).
+    """
     try:
-        return parse_checked(HeartbeatRequest, body)
+        fields = checked_fields(HeartbeatRequest, body)
     except ValueError as exc:
         raise ConnectError("invalid_argument", f"malformed HeartbeatRequest: {exc}") from exc
+    machine_id = fields.get("machine_id", b"")
+    hardware = fields.get("hardware_report")
+    install = fields.get("installation_report")
+    # The walk checked the wire types: a string field's value is UTF-8
+    # bytes, a message field's bytes.
+    assert isinstance(machine_id, bytes)
+    assert hardware is None or isinstance(hardware, bytes)
+    assert install is None or isinstance(install, bytes)
+    return _Request(machine_id.decode("utf-8"), hardware, install)
 
 
 def parse_request(body: bytes) -> tuple[str, bytes | None]:
-    """(machine_id, encoded hardware report) of a HeartbeatRequest; invalid_argument if malformed.
+    """(machine_id, hardware report) of a HeartbeatRequest; invalid_argument if malformed.
 
     Parsed strictly (`common.protobuf`): betterproto2 alone would turn
     garbage into an empty message instead of failing. The report is the
-    parsed one encoded again (the same message, unknown fields kept; not
-    always the same bytes: betterproto2 writes fields in its own order).
+    bytes the agent sent, once checked as an AgentHardwareReport (unknown
+    fields kept, as they came).
     """
     request = _parse(body)
-    report = request.hardware_report
-    return request.machine_id, bytes(report) if report is not None else None
+    return request.machine_id, request.hardware_report
 
 
 def installation_report(report: OsInstallationReport) -> InstallationReport:
@@ -281,10 +307,9 @@ def authenticate(
     """
     request = _parse(body)
     text_id = request.machine_id
-    hardware = request.hardware_report
-    report = bytes(hardware) if hardware is not None else None
+    report = request.hardware_report
     install = (
-        installation_report(request.installation_report)
+        installation_report(OsInstallationReport.parse(request.installation_report))
         if request.installation_report is not None
         else None
     )

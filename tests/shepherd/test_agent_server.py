@@ -217,6 +217,14 @@ def test_a_request_gives_its_machine_id_and_report() -> None:
     assert parse_request(wire.encode_heartbeat_request("m-2")) == ("m-2", None)
 
 
+def test_a_request_gives_its_report_as_sent() -> None:
+    """Stored as the agent sent it (once checked), not encoded again: an
+    unknown field first stays first."""
+    raw = b"\xf8\x07\x01" + bytes(AgentHardwareReport(report=Node(product="p"), warning=["w"]))
+    assert bytes(AgentHardwareReport.parse(raw)) != raw
+    assert parse_request(_len(1, b"m-3") + _len(2, raw)) == ("m-3", raw)
+
+
 async def test_replayed_request_is_refused_and_changes_nothing(server: Server) -> None:
     mid, seed = await started_machine(server.conn)
     hb = heartbeater(server.url, str(mid), seed, report=True)
