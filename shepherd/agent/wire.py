@@ -439,6 +439,20 @@ class AgentSession:
     lifetime_seconds: int
 
 
+def encode_heartbeat_session(session: AgentSession) -> bytes:
+    """cloud.bmaas.server.api.HeartbeatResponse{session}: what the agent
+    callback server answers a signed heartbeat with (no installation request;
+    `decode_heartbeat_session` reads it back)."""
+    inner = b""
+    if session.token:
+        inner += _len_field(1, session.token)
+    if session.key:
+        inner += _len_field(2, session.key)
+    if session.lifetime_seconds:
+        inner += _varint_field(3, session.lifetime_seconds)
+    return _len_field(100, inner)
+
+
 def decode_heartbeat_session(data: bytes) -> AgentSession | None:
     """The session in a HeartbeatResponse (field 100), if any; DecodeError if malformed."""
     session = None

@@ -124,6 +124,7 @@ from common.numbers import parse_decimal
 from common.protobuf import checked_fields, parse_checked
 from common.text import printable
 from metropolis.proto.configuration import OsImageRef
+from shepherd.agent import wire
 from shepherd.agent.heartbeat import MAX_ANSWER
 from shepherd.agent.protocol import (
     HEADER_KEY,
@@ -137,7 +138,6 @@ from shepherd.agent.protocol import (
 from shepherd.agent_server.connect import ConnectError
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret, session_mac
 from shepherd.proto.agent_callback import (
-    AgentSession,
     HeartbeatRequest,
     HeartbeatResponse,
     OsInstallationReport,
@@ -353,8 +353,7 @@ _SESSION = HEADER_SESSION.lower()
 def session_response(sessions: SessionKeys, beat: Heartbeat, now_ns: int) -> bytes:
     """The HeartbeatResponse to an accepted signed heartbeat: a new session."""
     token, key = sessions.issue(beat.machine_id, beat.key, now_ns)
-    session = AgentSession(token=token, key=key, lifetime_seconds=int(sessions.lifetime))
-    return bytes(HeartbeatResponse(session=session))
+    return wire.encode_heartbeat_session(wire.AgentSession(token, key, int(sessions.lifetime)))
 
 
 def with_installation_request(response: bytes, request: bytes | None) -> bytes:

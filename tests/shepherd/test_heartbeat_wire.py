@@ -209,7 +209,8 @@ def test_heartbeat_response_session_matches_other_implementations(
     pb: ModuleType, token: bytes, key: bytes, lifetime: int, installation: int | None
 ) -> None:
     """The agent reads the session (field 100) from what Google's runtime and
-    betterproto2 (the server's classes) write, beside the reference's fields."""
+    betterproto2 write, beside the reference's fields; the server's encoder
+    writes what both write."""
     theirs = pb.HeartbeatResponse(
         session=pb.AgentSession(token=token, key=key, lifetime_seconds=lifetime)
     )
@@ -223,4 +224,6 @@ def test_heartbeat_response_session_matches_other_implementations(
     )
     assert bytes(server) == pb.HeartbeatResponse(session=theirs.session).SerializeToString()
     assert wire.decode_heartbeat_session(bytes(server)) == expected
+    # What the server writes now (its own encoder): the same bytes.
+    assert wire.encode_heartbeat_session(expected) == bytes(server)
     assert wire.decode_heartbeat_session(b"") is None
