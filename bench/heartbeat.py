@@ -83,7 +83,7 @@ from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from shepherd.agent import protocol
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, run_agent_server
 from shepherd.agent_server.connect import Handler
-from shepherd.agent_server.server import serve_app
+from shepherd.agent_server.server import serve_app, tune_gc
 from shepherd.agent_server.service import DEFAULT_FRESHNESS, authenticate, session_response
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret
 from shepherd.agent_server.workers import default_workers, reserve_port
@@ -594,6 +594,7 @@ def measure(
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "serve":
         secret = bytes.fromhex(sys.stdin.readline())
+        tune_gc()  # as `python -m shepherd.agent_server` does
         trio.run(_serve_until_sigint, sys.argv[2], sys.argv[3], sys.argv[4], secret)
         return
     if len(sys.argv) == 6 and sys.argv[1] == "client":

@@ -43,7 +43,7 @@ from bmdb.errors import BMDBError
 from shepherd.agent_server.connect import Limits
 from shepherd.agent_server.http1 import split_listen
 from shepherd.agent_server.images import ImageServerConfig, serve_images
-from shepherd.agent_server.server import AgentServerConfig, run_agent_server
+from shepherd.agent_server.server import AgentServerConfig, run_agent_server, tune_gc
 from shepherd.agent_server.session import new_secret
 from shepherd.agent_server.workers import default_workers, supervise, watch_parent
 from shepherd.control_loop import default_runtime_info
@@ -262,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     errors: list[BaseException] = []
+    tune_gc()
     try:
         trio.run(run, options)
     except* (BMDBError, OSError) as group:

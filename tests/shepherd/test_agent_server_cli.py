@@ -75,3 +75,19 @@ async def test_serves_and_stops_on_sigterm(bmdb_conn: bmdb.Connection, bmdb_url:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def test_a_server_process_collects_cycles_less_often() -> None:
+    """`tune_gc` (run by the server's main before it serves), in a process
+    of its own: the collector's settings are the process's."""
+    code = (
+        "import gc\n"
+        "from shepherd.agent_server.server import GC_THRESHOLD, tune_gc\n"
+        "assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] < GC_THRESHOLD\n"
+        "tune_gc()\n"
+        "assert gc.get_threshold() == (GC_THRESHOLD, 10, 10), gc.get_threshold()\n"
+        "assert gc.get_freeze_count() > 1000, gc.get_freeze_count()\n"
+        "cycle = []; cycle.append(cycle); del cycle\n"
+        "assert gc.collect() >= 1  # cycles are still freed\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
