@@ -69,6 +69,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import random
 import socket
 import ssl
@@ -312,7 +313,9 @@ class _Server:
                     await tls.do_handshake()
                 if handshake.cancelled_caught:
                     return
-            connection = _Connection(self, stream)
+            connection = _Connection(
+                self, stream, tcp.socket.fileno() if self.ssl_context is None else None
+            )
             self.connections.add(connection)
             try:
                 await connection.serve()
@@ -341,13 +344,27 @@ def _peer(tcp: trio.SocketStream) -> str:
 
 class _Connection:
     """One connection's state: its stream, unread bytes, its cancel scope,
-    and the deadline of its current phase (kept by `_Server.watchdog`)."""
+    and the deadline of its current phase (kept by `_Server.watchdog`).
 
-    def __init__(self, server: _Server, stream: trio.abc.Stream) -> None:
+    A plain TCP connection (``fd`` given, the stream's socket) is read and
+    written on its socket directly, waiting through Trio only when the
+    socket would block: Trio's socket stream yields to the scheduler after
+    every read and write that did not block, two more trips through its
+    run loop per request than the wait for the request's bytes and the
+    handler's own wait. A request that came without any wait of its
+    connection is followed by a checkpoint (`serve`), so that a client
+    pipelining requests to a handler that never waits still lets the
+    other connections run and cancellation in. TLS goes through the stream.
+    """
+
+    def __init__(self, server: _Server, stream: trio.abc.Stream, fd: int | None = None) -> None:
         self.app = server.app
         self.limits = server.limits
         self.timeouts = server.timeouts
         self.stream = stream
+        self.fd = fd
+        #: Whether the connection waited for its socket since this was last reset.
+        self.waited = False
         self.buffer = bytearray()
         self.scope = trio.CancelScope()
         #: When the current phase (idle, reading, answering) must be over (Trio time).
@@ -357,9 +374,40 @@ class _Connection:
         #: While an answer is being sent: no other answer can follow it.
         self.sending = False
 
+    async def receive_some(self) -> bytes:
+        """The next bytes from the client (empty at the end of the stream);
+        `trio.BrokenResourceError` if the connection broke."""
+        fd = self.fd
+        if fd is None:
+            return await self.stream.receive_some(_RECEIVE)
+        while True:
+            try:
+                return os.read(fd, _RECEIVE)
+            except BlockingIOError:
+                self.waited = True
+                await trio.lowlevel.wait_readable(fd)
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
+
+    async def send_all(self, data: bytes) -> None:
+        """All of ``data`` to the client; `trio.BrokenResourceError` if the connection broke."""
+        fd = self.fd
+        if fd is None:
+            await self.stream.send_all(data)
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                self.waited = True
+                await trio.lowlevel.wait_writable(fd)
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+
     async def receive(self) -> None:
         """More bytes into the buffer; `_Close` at the end of the stream."""
-        data = await self.stream.receive_some(_RECEIVE)
+        data = await self.receive_some()
         if not data:
             raise _Close()
         self.buffer += data
@@ -369,9 +417,10 @@ class _Connection:
         with self.scope:
             while True:
                 self.reading = False
+                self.waited = False
                 if not buffer:
                     self.deadline = trio.current_time() + self.timeouts.keep_alive
-                    data = await self.stream.receive_some(_RECEIVE)
+                    data = await self.receive_some()
                     if not data:
                         return  # closed between requests: the normal end
                     buffer += data
@@ -386,6 +435,8 @@ class _Connection:
                     return
                 if not keep_alive:
                     return
+                if self.fd is not None and not self.waited:
+                    await trio.lowlevel.checkpoint()  # see the class's docstring
         if self.scope.cancelled_caught and self.reading:
             # In the middle of a request: tell the client why it is cut off.
             with trio.move_on_after(self.timeouts.send):
@@ -436,7 +487,7 @@ class _Connection:
             if encoding.lower() != "chunked" or "content-length" in headers:
                 raise _refuse(ConnectError("invalid_argument", "unsupported transfer-encoding"))
             if expect:
-                await self.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await self.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
             return await self.chunked(limit, too_large)
         declared = headers.get("content-length")
         try:
@@ -450,7 +501,7 @@ class _Connection:
         if length > limit:
             raise _refuse(too_large)
         if expect and len(self.buffer) < length:
-            await self.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await self.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
         while len(self.buffer) < length:
             await self.receive()
         body = bytes(self.buffer[:length])
@@ -507,7 +558,7 @@ class _Connection:
             b"" if keep_alive else b"Connection: close\r\n",
         )
         self.sending = True
-        await self.stream.send_all(head + body)
+        await self.send_all(head + body)
         self.sending = False
 
     async def internal_error(self) -> None:

@@ -219,6 +219,34 @@ def statuses(answers: list[Answer]) -> list[int]:
 # --- the findings ------------------------------------------------------------
 
 
+def test_pipelined_requests_to_a_handler_that_never_waits_let_others_run() -> None:
+    """A connection reads and writes its socket directly, waiting only when
+    it would block: requests that are all there already are each followed
+    by a checkpoint, so that one client cannot hold the server's loop."""
+    ticks = [0]
+    seen: list[int] = []
+
+    async def handler(headers: Mapping[str, str], body: bytes) -> bytes:
+        seen.append(ticks[0])
+        return body
+
+    async def serve(task_status: trio.TaskStatus[tuple[int, object]]) -> None:
+        async def ticker() -> None:
+            while True:
+                await trio.lowlevel.checkpoint()
+                ticks[0] += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            task_status.started(await nursery.start(_bare(ConnectUnary({PATH: handler}, LIMITS))))
+
+    with thread_server(serve) as server:
+        answers = exchange(server.port, good_request(b"x") * 200)
+    assert statuses(answers) == [200] * 200
+    # Without a checkpoint between them, the requests of one read share a tick.
+    assert len(set(seen)) > 150, seen
+
+
 def test_non_ascii_digit_content_length_is_a_400_and_the_server_goes_on(
     echo_server: ThreadServer,
 ) -> None:
