@@ -245,7 +245,7 @@ def _walk(
                 f"{where}.{name}, field {number}: wire type {wire_type}, want {_WIRE_NAMES[want]}"
             )
         start = pos
-        if wire_type == _FIXED64 or wire_type == _FIXED32:
+        if wire_type in (_FIXED64, _FIXED32):
             pos += 8 if wire_type == _FIXED64 else 4
             if pos > size:
                 raise ValueError(f"{where}.{name}, field {number}: past end of message")

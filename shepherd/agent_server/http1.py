@@ -374,7 +374,7 @@ class _Connection:
         #: While an answer is being sent: no other answer can follow it.
         self.sending = False
 
-    async def receive_some(self) -> bytes:
+    async def receive_some(self) -> bytes | bytearray:
         """The next bytes from the client (empty at the end of the stream);
         `trio.BrokenResourceError` if the connection broke."""
         fd = self.fd
