@@ -3,7 +3,7 @@
     python -m bench.fleet_scale [--machines 100000] [--small 1000] [--interval 10]
                                 [--seconds 30] [--bringup 60] [--workers N] [--load-processes 2]
                                 [--connections 10000] [--silent-every 1000]
-                                [--profile DIR] [--heartbeats-only] [--smoke]
+                                [--profile DIR] [--only heartbeats|recoverer] [--smoke]
 
 One PostgreSQL 15 for the run; the fleet (`bench.fleet`): ``--machines``
 machines as the provisioner and the initializer leave them (each with its
@@ -46,9 +46,11 @@ own agent key), every ``--silent-every``-th silent for an hour, and
    the same SQL in pgbench, as ``bench.web_pages``: goal <= 2 for the
    list), and the metrics' fleet query (goal: under 100 ms).
 
-``--heartbeats-only`` runs the seeding and section 2's real server alone
+``--only heartbeats`` runs the seeding and section 2's real server alone
 (bring-up, capacity, hold and the search): where its CPU goes, without
-the rest of the run.
+the rest of the run. ``--only recoverer`` runs phase 3 alone: the fleet,
+the real server, the agents' bring-up (so that the live ones have
+heartbeated), then the recoverer while they heartbeat every ``--interval``.
 
 Everything runs on this machine, load included: on a shared machine the
 wall-clock rates follow its load (printed); the ratios are taken within
@@ -58,6 +60,7 @@ the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import pstats
@@ -68,6 +71,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -87,10 +91,11 @@ from bench.web_pages import (
     pgbench_ms,
     server_ms,
 )
+from bmdb.errors import NothingToDo
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from shepherd.agent_server.workers import default_workers
 from shepherd.cli import RecovererOptions
-from shepherd.control_loop import run_control_loop
+from shepherd.control_loop import LoopStats, run_control_loop
 from shepherd.providers.static import StaticProvider
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.recoverer import Recoverer
@@ -200,6 +205,20 @@ class _Cpu:
         )
 
 
+def _recoverer_only(url: str, fleet: Fleet, args: argparse.Namespace) -> None:
+    """Phase 3 alone: the real server, the agents' bring-up, the recoverer."""
+    processes, port = start_servers("full", url, args.workers)
+    try:
+        with FleetLoad(
+            port, fleet, processes=args.load_processes, connections=args.connections
+        ) as load:
+            up = load.phase(args.bringup, args.bringup, drain=600)
+            print(_line("full, bring-up", up, args.bringup), flush=True)
+            _recover(url, fleet, load, args.interval)
+    finally:
+        stop_servers(processes)
+
+
 def _full(
     server: LocalPostgres, url: str, fleet: Fleet, args: argparse.Namespace
 ) -> tuple[LoadResult, LoadResult]:
@@ -247,7 +266,7 @@ def _full(
             report("fleet_scale", f"heartbeats held at {args.interval:g} s / need",
                    hold.rate() / need, ">= 1")  # fmt: skip
             interval = args.interval if held else _search(load, agents, hold.rate(), args)
-            if not args.heartbeats_only:
+            if args.only != "heartbeats":
                 _recover(url, fleet, load, interval)
             return closed, hold
     finally:
@@ -301,33 +320,69 @@ def _recover(url: str, fleet: Fleet, load: FleetLoad, interval: float) -> None:
     thread = threading.Thread(target=lambda: results.append(load.phase(interval, seconds)))
     thread.start()
     try:
-        source_ms, took, recovered, others = trio.run(_recover_loop, url, silent, rate)
+        source_ms, took, recovered, others, counts = trio.run(_recover_loop, url, silent, rate)
     finally:
         thread.join()
     print(
-        f"  recoverer: its source statement at {fleet.size} machines takes {source_ms:.1f} ms"
+        f"  recoverer: its source at {fleet.size} machines, as its loop runs it (locking, in the"
+        f" claiming transaction), takes {source_ms:.1f} ms"
         f" (median; its rate interval: {rate.interval * 1000:.0f} ms);"
         f" the control loop recovered {recovered} of {len(silent)} silent machines and"
-        f" {others} others (never heartbeated) in {took:.1f} s"
+        f" {others} others (past a timeout: never heartbeated, or not within 10 min)"
+        f" in {took:.1f} s"
         f" ({took / max(recovered + others, 1) * 1000:.0f} ms each),"
         f" while agents heartbeat every {interval:g} s"
-        f" ({results[0].rate() if results else 0:.0f}/s accepted)",
+        f" ({results[0].rate() if results else 0:.0f}/s accepted)\n"
+        f"    its iterations: {counts}; load average {_load_average()}",
         flush=True,
     )
-    report("fleet_scale", "recoverer source ms / its rate interval",
+    report("fleet_scale", "recoverer source (locking) ms / its rate interval",
            source_ms / (rate.interval * 1000), "<= 1")  # fmt: skip
 
 
-async def _recover_loop(url: str, silent: list[str], rate: Rate) -> tuple[float, float, int, int]:
+def _never_heartbeated(url: str) -> int:
+    """Started agents without a heartbeat: the recoverer takes those too,
+    once their first-heartbeat timeout passed (the fleet's started 2 h ago)."""
+    with psycopg.connect(url, autocommit=True) as db:
+        row = db.execute(
+            """SELECT count(*) FROM machine_agent_started a WHERE NOT EXISTS
+               (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = a.machine_id)"""
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+async def _source_ms(conn: bmdb.Connection, recoverer: Recoverer) -> list[float]:
+    """Milliseconds of 11 runs of the recoverer's source as its loop runs it:
+    the locking statement (a window of candidates, one picked at random and
+    locked), in the claiming transaction of a session; then nothing is
+    claimed (the transaction is rolled back). The listing statement
+    (``conn.transact``) is a different one, which stops at the first
+    silent machine."""
+    durations: list[float] = []
+
+    async def source(q: bmdb.Queries) -> list[uuid.UUID]:
+        started = time.perf_counter()
+        await recoverer.source(q)
+        durations.append((time.perf_counter() - started) * 1000)
+        raise NothingToDo("only timed")
+
+    async with conn.session("fleet-scale-bench") as session:
+        for _ in range(11):
+            with contextlib.suppress(NothingToDo):
+                await session.work(recoverer.process, source)
+    return durations
+
+
+async def _recover_loop(
+    url: str, silent: list[str], rate: Rate
+) -> tuple[float, float, int, int, str]:
     """(median source ms, seconds until all of ``silent`` were recovered or
-    the bound, how many were, how many others were)."""
+    the bound, how many were, how many others were, what the loop's
+    iterations did: outcomes, rate-limiter waits, transaction retries)."""
     recoverer = Recoverer(StaticProvider([]))
     async with bmdb.open_connection(url, max_connections=4) as conn:
-        durations = []
-        for _ in range(11):
-            started = time.perf_counter()
-            await conn.transact(recoverer.source)
-            durations.append((time.perf_counter() - started) * 1000)
+        durations = await _source_ms(conn, recoverer)
 
         def remaining() -> tuple[int, int]:
             with psycopg.connect(url, autocommit=True) as db:
@@ -340,13 +395,17 @@ async def _recover_loop(url: str, silent: list[str], rate: Rate) -> tuple[float,
                 assert row is not None
                 return int(row[0]), int(row[1])
 
+        unheard = _never_heartbeated(url)
         left, pending0 = remaining()
         bound = len(silent) * rate.interval * 4 + 30
+        stats = LoopStats()
+        retries0 = conn.stats.retries
         started = time.monotonic()
         async with trio.open_nursery() as nursery:
             loop = functools.partial(
-                run_control_loop, conn, recoverer, parallelism=1, limiter=RateLimiter(rate)
-            )
+                run_control_loop, conn, recoverer, parallelism=1, limiter=RateLimiter(rate),
+                stats=stats,
+            )  # fmt: skip
             nursery.start_soon(loop)
             while left and time.monotonic() - started < bound:
                 await trio.sleep(0.2)
@@ -355,7 +414,17 @@ async def _recover_loop(url: str, silent: list[str], rate: Rate) -> tuple[float,
             nursery.cancel_scope.cancel()
         left, pending = remaining()
     recovered = len(silent) - left
-    return statistics.median(durations), took, recovered, pending - pending0 - recovered
+    component = recoverer.component
+    outcomes = ", ".join(
+        f"{outcome} {n}" for (c, outcome), n in sorted(stats.iterations.items()) if c == component
+    )
+    counts = (
+        f"{outcomes or 'none'} ({unheard} started agents had never heartbeated at its start);"
+        f" rate-limiter waits {stats.limiter_waits[component]}"
+        f" ({stats.limiter_wait_seconds.get(component, 0.0):.1f} s);"
+        f" transaction retries {conn.stats.retries - retries0}"
+    )
+    return statistics.median(durations), took, recovered, pending - pending0 - recovered, counts
 
 
 # --- 4. the views --------------------------------------------------------------------
@@ -453,11 +522,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30, help="requests per web page")
     parser.add_argument("--profile", default="", help="cProfile the servers into this folder")
     parser.add_argument(
-        "--heartbeats-only",
-        action="store_true",
-        help="only the real server's heartbeats (bring-up, capacity, hold and the search):"
-        " no claims, no bare endpoint, no recoverer, no views",
-    )
+        "--only", choices=["heartbeats", "recoverer"], default="",
+        help="run one part alone: heartbeats (the real server's bring-up, capacity,"
+        " hold and the search) or recoverer (bring-up, then the recoverer at --interval)",
+    )  # fmt: skip
     args = parse_args(
         parser,
         {
@@ -492,14 +560,17 @@ def main() -> None:
             f" load average {_load_average()}",
             flush=True,
         )
-        if not args.heartbeats_only:
+        if args.only == "recoverer":
+            _recoverer_only(url, fleet, args)
+            return
+        if args.only != "heartbeats":
             _claims(server, args)
         print(
             f"heartbeats: {args.machines - fleet.silent_count()} agents, {args.workers} server"
             f" processes, {args.load_processes} load processes, {args.connections} connections",
             flush=True,
         )
-        if args.heartbeats_only:
+        if args.only == "heartbeats":
             _full(server, url, fleet, args)
             return
         bare = _bare(url, fleet, args)

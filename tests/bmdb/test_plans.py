@@ -168,15 +168,29 @@ def test_work_release_is_flat(fleets: dict[int, str]) -> None:
     _check_flat(fleets, RELEASE_SQL, _CLAIM | {"event": "Finished", "cause": None}, 1)
 
 
-@pytest.mark.parametrize("locking", [True, False], ids=["locking", "listing"])
-def test_recoverer_source_is_flat(fleets: dict[int, str], locking: bool) -> None:
-    sql = queries._agent_recovery(
+def _recovery_sql(locking: bool, provider: str | None) -> str:
+    """The recovery source: locking (one of a window, as the recoverer's loop
+    claims) or listing (100, outside a claim), of every provider or of one
+    (as the recoverer asks: the statement has one more join)."""
+    return queries._agent_recovery(
         1 if locking else 100,
-        None,
+        provider,
         queries.AGENT_FIRST_HEARTBEAT_TIMEOUT,
         queries.AGENT_HEARTBEAT_TIMEOUT,
         locking,
     )
+
+
+#: The recoverer asks for its provider's machines only.
+_PROVIDERS = pytest.mark.parametrize("provider", [None, "Static"], ids=["any", "static"])
+
+
+@_PROVIDERS
+@pytest.mark.parametrize("locking", [True, False], ids=["locking", "listing"])
+def test_recoverer_source_is_flat(
+    fleets: dict[int, str], locking: bool, provider: str | None
+) -> None:
+    sql = _recovery_sql(locking, provider)
     _check_flat(fleets, sql, None, queries.SOURCING_WINDOW if locking else 100)
 
 
@@ -198,17 +212,12 @@ ORDER BY machine_created_at DESC LIMIT 3
 """
 
 
+@_PROVIDERS
 @pytest.mark.parametrize("locking", [True, False], ids=["locking", "listing"])
 def test_recoverer_source_with_silent_machines_is_flat(
-    fleets: dict[int, str], locking: bool
+    fleets: dict[int, str], locking: bool, provider: str | None
 ) -> None:
-    sql = queries._agent_recovery(
-        1 if locking else 100,
-        None,
-        queries.AGENT_FIRST_HEARTBEAT_TIMEOUT,
-        queries.AGENT_HEARTBEAT_TIMEOUT,
-        locking,
-    )
+    sql = _recovery_sql(locking, provider)
     window = queries.SOURCING_WINDOW if locking else 100
     # The window is looked at twice (sourced, then joined for its columns),
     # and about as many again are skipped for their backoff.
@@ -224,17 +233,12 @@ ANALYZE machine_agent_heartbeat
 """
 
 
+@_PROVIDERS
 @pytest.mark.parametrize("locking", [True, False], ids=["locking", "listing"])
 def test_recoverer_source_with_every_machine_silent_is_flat(
-    fleets: dict[int, str], locking: bool
+    fleets: dict[int, str], locking: bool, provider: str | None
 ) -> None:
-    sql = queries._agent_recovery(
-        1 if locking else 100,
-        None,
-        queries.AGENT_FIRST_HEARTBEAT_TIMEOUT,
-        queries.AGENT_HEARTBEAT_TIMEOUT,
-        locking,
-    )
+    sql = _recovery_sql(locking, provider)
     window = queries.SOURCING_WINDOW if locking else 100
     # The window, looked at twice (sourced, then joined for its columns).
     _check_flat(fleets, sql, None, 2 * window, _ALL_SILENT)
