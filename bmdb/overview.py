@@ -30,7 +30,7 @@ of both (`parse_state_filter`).
 A machine an operator holds (`bmdb.actions`) shows who holds it, since
 when and why beside its state; `audit` lists the operators' actions.
 
-Every function here reads in one REPEATABLE READ transaction (one or two
+Every function here reads in one REPEATABLE READ transaction (one to three
 statements, one snapshot) through `Connection.transact`, and raises what it
 raises (`DatabaseUnavailable`, ...), or `InvalidArgument` for a bad machine
 id, state or provider. Nothing here writes.
@@ -181,12 +181,14 @@ LIMIT %(limit)s
 """
 
 # How many machines are in each state (of one provider, or all), as one row
-# of filtered counts in `State` order, then in `InstallState` order: a plain
-# aggregate, where GROUP BY on the CASE made the planner expect 50,000
-# groups and sort them.
+# of filtered counts in `State` order, then in `InstallState` order, then the
+# snapshot's time: a plain aggregate, where GROUP BY on the CASE made the
+# planner expect 50,000 groups and sort them. It reads every machine (a
+# fleet scan): the web UI runs it at most once per period (`console.counts`).
 STATE_COUNTS_SQL = f"""
 SELECT {", ".join(f"count(*) FILTER (WHERE state = '{s}')" for s in State)},
-       {", ".join(f"count(*) FILTER (WHERE install_state = '{s}')" for s in InstallState)}
+       {", ".join(f"count(*) FILTER (WHERE install_state = '{s}')" for s in InstallState)},
+       now()
 FROM (SELECT {STATE_SQL} AS state, {INSTALL_STATE_SQL} AS install_state
       FROM machines m
       {_TAGS}
@@ -390,26 +392,38 @@ async def machines(
     ]
 
 
-async def machines_page(
-    conn: Connection,
-    *,
-    limit: int,
-    state: State | InstallState | str | None = None,
-    provider: Provider | str | None = None,
-    after: uuid.UUID | str | None = None,
-) -> tuple[list[MachineState], dict[State, int], dict[InstallState, int]]:
-    """A page of `machines`, the machine count per state and the count per
-    installation state (machines without a request are in none), from one
-    snapshot (two statements in one transaction)."""
-    params = machines_params(limit=limit, state=state, provider=provider, after=after)
+@dataclass(frozen=True)
+class StateCounts:
+    """How many machines are in each state, and in each installation state
+    (machines without a request are in none), of one snapshot."""
 
-    async def body(q: Queries) -> tuple[list[Row], list[Row]]:
-        return await q.execute(MACHINES_SQL, params), await q.execute(STATE_COUNTS_SQL, params)
+    by_state: dict[State, int]
+    by_install: dict[InstallState, int]
+    #: The database's clock at the snapshot: what the counts are "as of".
+    at: datetime.datetime
 
-    rows, counts = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
-    by_state = dict(zip(State, counts[0][: len(State)], strict=True))
-    by_install = dict(zip(InstallState, counts[0][len(State) :], strict=True))
-    return [_machine_state(r) for r in rows], by_state, by_install
+    @property
+    def total(self) -> int:
+        """Every machine counted (each is in exactly one `State`)."""
+        return sum(self.by_state.values())
+
+
+async def state_counts(conn: Connection, *, provider: Provider | str | None = None) -> StateCounts:
+    """The counts per state of every machine, or of ``provider``'s (one
+    statement that reads the whole fleet: see `console.counts` for how the
+    web UI keeps its cost down)."""
+    params = {"provider": None if provider is None else Provider.parse(str(provider))}
+
+    async def body(q: Queries) -> list[Row]:
+        return await q.execute(STATE_COUNTS_SQL, params)
+
+    [row] = await conn.transact(body, isolation=Isolation.REPEATABLE_READ)
+    installs = len(State) + len(InstallState)
+    return StateCounts(
+        by_state=dict(zip(State, row[: len(State)], strict=True)),
+        by_install=dict(zip(InstallState, row[len(State) : installs], strict=True)),
+        at=row[installs],
+    )
 
 
 @dataclass(frozen=True)
