@@ -3,7 +3,7 @@
     python -m bench.fleet_scale [--machines 100000] [--small 1000] [--interval 10]
                                 [--seconds 30] [--bringup 60] [--workers N] [--load-processes 2]
                                 [--connections 10000] [--silent-every 1000]
-                                [--profile DIR] [--smoke]
+                                [--profile DIR] [--phases claims,heartbeats,views] [--smoke]
 
 One PostgreSQL 15 for the run; the fleet (`bench.fleet`): ``--machines``
 machines as the provisioner and the initializer leave them (each with its
@@ -43,8 +43,14 @@ own agent key), every ``--silent-every``-th silent for an hour, and
    every silent machine is recovered.
 4. **The views**: ``python -m bmdb machines`` (the CLI, wall time), the web
    UI's first machine page and one machine's page (handler time against
-   the same SQL in pgbench, as ``bench.web_pages``: goal <= 2 for the
-   list), and the metrics' fleet query (goal: under 100 ms).
+   the SQL the page runs per request in pgbench, as ``bench.web_pages``:
+   goal <= 2 for the list), the list's counts per state (taken at most
+   once per period, not per request: timed alone), and the metrics' fleet
+   query (goal: under 100 ms).
+
+``--phases`` runs only some of them (e.g. ``--phases views``: the fleet is
+seeded, every agent but the silent ones given a heartbeat as the heartbeat
+phase would leave them, then only the views are measured).
 
 Everything runs on this machine, load included: on a shared machine the
 wall-clock rates follow its load (printed); the ratios are taken within
@@ -77,6 +83,7 @@ from bench.heartbeat import cpu_seconds, postgres_pids, spent, start_servers, st
 from bench.ratios import report
 from bench.smoke import parse_args
 from bench.web_pages import (
+    counts_sql,
     fleet_query_ms,
     machine_page_sql,
     machines_page_sql,
@@ -92,6 +99,10 @@ from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.recoverer import Recoverer
 
 DAY = 86400.0
+#: The phases, in the order they run (``--phases`` chooses among them; the
+#: recoverer runs with the heartbeats, which drive its agents).
+PHASES = ("claims", "heartbeats", "views")
+
 #: Longer intervals tried when --interval is not held.
 SEARCH_TRIES = 4
 
@@ -356,6 +367,18 @@ async def _recover_loop(url: str, silent: list[str], rate: Rate) -> tuple[float,
 # --- 4. the views --------------------------------------------------------------------
 
 
+def _beat_all(url: str) -> None:
+    """What the heartbeat phase leaves for the views: every agent that is not
+    silent heartbeated just now (the silent ones keep their old heartbeat)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            """INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at)
+               SELECT machine_id, now() FROM machine_agent_started
+               ON CONFLICT (machine_id) DO NOTHING"""
+        )
+        conn.execute("VACUUM ANALYZE")
+
+
 def _views(server: LocalPostgres, db: str, root: Path, args: argparse.Namespace) -> None:
     url = server.url(db)
     started = time.perf_counter()
@@ -394,13 +417,14 @@ async def _pages(server: LocalPostgres, db: str, root: Path, requests: int) -> N
             [base] = await nursery.start(serve, conn, "127.0.0.1:0")
             async with httpx.AsyncClient(base_url=base, timeout=60) as client:
                 for name, path, sql in pages:
-                    app_ms, wall_ms = await server_ms(client, path, requests)
+                    app_ms, wall_ms, first_ms = await server_ms(client, path, requests)
                     sql_ms = await trio.to_thread.run_sync(
                         functools.partial(pgbench_ms, server, sql, requests, root, db)
                     )
                     print(
                         f"  {name} at {await _count(conn)} machines: server {app_ms:.2f} ms"
-                        f" (wall {wall_ms:.2f} ms), its SQL alone {sql_ms:.2f} ms:"
+                        f" (wall {wall_ms:.2f} ms; the first request {first_ms:.1f} ms),"
+                        f" the SQL it runs per request alone {sql_ms:.2f} ms:"
                         f" ratio {app_ms / sql_ms:.2f}"
                         + (" (goal <= 2)" if name == "web first machine page" else ""),
                         flush=True,
@@ -408,6 +432,14 @@ async def _pages(server: LocalPostgres, db: str, root: Path, requests: int) -> N
                     report("fleet_scale", f"{name}: server / SQL time", app_ms / sql_ms,
                            "<= 2" if name == "web first machine page" else "")  # fmt: skip
             nursery.cancel_scope.cancel()
+        counts_ms = await trio.to_thread.run_sync(
+            functools.partial(pgbench_ms, server, counts_sql(), requests, root, db)
+        )
+        print(
+            f"  the machine list's counts per state (at most once per period, shared):"
+            f" {counts_ms:.1f} ms in pgbench",
+            flush=True,
+        )
         ours, fleet_sql = await fleet_query_ms(conn, server, requests, root, db)
         print(
             f"  metrics scrape (fleet query): {ours:.1f} ms from bmdb,"
@@ -425,6 +457,20 @@ async def _count(conn: bmdb.Connection) -> int:
 
 
 # --- the run ---------------------------------------------------------------------------
+
+
+def _heartbeats(server: LocalPostgres, url: str, fleet: Fleet, args: argparse.Namespace) -> None:
+    """Bare endpoint, then the real server and the recoverer; the capacity ratio."""
+    print(
+        f"heartbeats: {args.machines - fleet.silent_count()} agents, {args.workers} server"
+        f" processes, {args.load_processes} load processes, {args.connections} connections",
+        flush=True,
+    )
+    bare = _bare(url, fleet, args)
+    full, _ = _full(server, url, fleet, args)
+    ratio = full.rate() / max(bare.rate(), 1e-9)
+    print(f"  capacity full/bare at {fleet.size} machines: {ratio:.2f} (goal >= 0.5)")
+    report("fleet_scale", "heartbeat capacity full / bare", ratio, ">= 0.5")
 
 
 def main() -> None:
@@ -447,6 +493,11 @@ def main() -> None:
     parser.add_argument("--silent-every", type=int, default=1000, help="every N-th is silent")
     parser.add_argument("--requests", type=int, default=30, help="requests per web page")
     parser.add_argument("--profile", default="", help="cProfile the servers into this folder")
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help="comma-separated phases to run, of %(default)s (the fleet is seeded for any)",
+    )
     args = parse_args(
         parser,
         {
@@ -463,6 +514,10 @@ def main() -> None:
         parser.error("--interval, --seconds and --bringup must be positive")
     if args.cycles * 2 > args.small:
         parser.error("--cycles must be at most half of --small")
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown or not phases:
+        parser.error(f"--phases takes some of {','.join(PHASES)}, got {args.phases!r}")
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         os.environ["HEARTBEAT_BENCH_PROFILE"] = str(Path(args.profile).resolve())
@@ -481,19 +536,15 @@ def main() -> None:
             f" load average {_load_average()}",
             flush=True,
         )
-        _claims(server, args)
-        print(
-            f"heartbeats: {args.machines - fleet.silent_count()} agents, {args.workers} server"
-            f" processes, {args.load_processes} load processes, {args.connections} connections",
-            flush=True,
-        )
-        bare = _bare(url, fleet, args)
-        full, _ = _full(server, url, fleet, args)
-        ratio = full.rate() / max(bare.rate(), 1e-9)
-        print(f"  capacity full/bare at {fleet.size} machines: {ratio:.2f} (goal >= 0.5)")
-        report("fleet_scale", "heartbeat capacity full / bare", ratio, ">= 0.5")
-        print("views:", flush=True)
-        _views(server, "fleet", root, args)
+        if "claims" in phases:
+            _claims(server, args)
+        if "heartbeats" in phases:
+            _heartbeats(server, url, fleet, args)
+        if "views" in phases:
+            if "heartbeats" not in phases:
+                _beat_all(url)
+            print(f"views (load average {_load_average()}):", flush=True)
+            _views(server, "fleet", root, args)
         print(f"load average at the end: {_load_average()}")
     finally:
         server.stop()
