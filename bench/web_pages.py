@@ -148,7 +148,7 @@ def machines_page_sql(size: int, **kw: object) -> list[str]:
     request (filters ``kw`` as `overview.machines_params` takes them),
     parameters written in: its rows; not its counts (`counts_sql`)."""
     params = overview.machines_params(limit=size + 1, **kw)  # type: ignore[arg-type]
-    return [_bind(overview.MACHINES_SQL, params)]
+    return [_bind(overview.machines_sql(params), params)]
 
 
 def counts_sql(provider: object = None) -> list[str]:
@@ -158,7 +158,7 @@ def counts_sql(provider: object = None) -> list[str]:
 
 def machine_page_sql(machine_id: object) -> list[str]:
     """The statements of one machine's page, parameters written in."""
-    detail = overview.machines_params(limit=1) | {"machine": machine_id}
+    detail = {"machine": machine_id}
     audit = {"machine": machine_id, "before": None, "limit": overview.MAX_AUDIT}
     return [
         _bind(overview.DETAIL_SQL, detail),
