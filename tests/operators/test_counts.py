@@ -366,3 +366,12 @@ async def test_console_web_refuses_a_negative_counts_period(bmdb_url: str) -> No
     result = await trio.run_process(argv, capture_stderr=True, check=False)
     assert result.returncode == 2
     assert "--counts-period must be >= 0, got -1" in result.stderr.decode()
+
+
+async def test_serve_raises_a_bind_error_as_itself(
+    bmdb_conn: bmdb.Connection, web: Callable[[float], Awaitable[str]]
+) -> None:
+    """The counts' nursery around the server does not hide its errors in a group."""
+    taken = (await web(5)).removeprefix("http://")
+    with pytest.raises(OSError):
+        await serve(bmdb_conn, taken)
