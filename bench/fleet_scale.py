@@ -3,7 +3,8 @@
     python -m bench.fleet_scale [--machines 100000] [--small 1000] [--interval 10]
                                 [--seconds 30] [--bringup 60] [--workers N] [--load-processes 2]
                                 [--connections 10000] [--silent-every 1000]
-                                [--profile DIR] [--only heartbeats|recoverer] [--smoke]
+                                [--profile DIR] [--phases claims,heartbeats,recoverer,views]
+                                [--smoke]
 
 One PostgreSQL 15 for the run; the fleet (`bench.fleet`): ``--machines``
 machines as the provisioner and the initializer leave them (each with its
@@ -43,14 +44,21 @@ own agent key), every ``--silent-every``-th silent for an hour, and
    every silent machine is recovered.
 4. **The views**: ``python -m bmdb machines`` (the CLI, wall time), the web
    UI's first machine page and one machine's page (handler time against
-   the same SQL in pgbench, as ``bench.web_pages``: goal <= 2 for the
-   list), and the metrics' fleet query (goal: under 100 ms).
+   the SQL the page runs per request in pgbench, as ``bench.web_pages``:
+   goal <= 2 for the list), the list's counts per state (taken at most
+   once per period, not per request: timed alone), and the metrics' fleet
+   query (goal: under 100 ms).
 
-``--only heartbeats`` runs the seeding and section 2's real server alone
-(bring-up, capacity, hold and the search): where its CPU goes, without
-the rest of the run. ``--only recoverer`` runs phase 3 alone: the fleet,
-the real server, the agents' bring-up (so that the live ones have
-heartbeated), then the recoverer while they heartbeat every ``--interval``.
+``--phases`` runs only some of them (e.g. ``--phases views``: the fleet is
+seeded, every agent but the silent ones given a heartbeat as the heartbeat
+phase would leave them, then only the views are measured).
+
+``--phases heartbeats`` runs the seeding and section 2 alone: where the
+server's CPU goes, without the rest of the run. ``--phases recoverer`` runs
+phase 3 alone: the fleet, the real server, the agents' bring-up (so that
+the live ones have heartbeated), then the recoverer while they heartbeat
+every ``--interval``; with ``heartbeats`` too, it runs after the hold at the
+interval held, as in the whole run.
 
 Everything runs on this machine, load included: on a shared machine the
 wall-clock rates follow its load (printed); the ratios are taken within
@@ -85,6 +93,7 @@ from bench.heartbeat import cpu_seconds, postgres_pids, spent, start_servers, st
 from bench.ratios import report
 from bench.smoke import parse_args
 from bench.web_pages import (
+    counts_sql,
     fleet_query_ms,
     machine_page_sql,
     machines_page_sql,
@@ -101,6 +110,11 @@ from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.recoverer import Recoverer
 
 DAY = 86400.0
+#: The phases, in the order they run (``--phases`` chooses among them; the
+#: recoverer runs inside the heartbeats' phase when both are chosen, since
+#: their agents are the ones it watches).
+PHASES = ("claims", "heartbeats", "recoverer", "views")
+
 #: Longer intervals tried when --interval is not held.
 SEARCH_TRIES = 4
 
@@ -220,10 +234,10 @@ def _recoverer_only(url: str, fleet: Fleet, args: argparse.Namespace) -> None:
 
 
 def _full(
-    server: LocalPostgres, url: str, fleet: Fleet, args: argparse.Namespace
+    server: LocalPostgres, url: str, fleet: Fleet, args: argparse.Namespace, *, recoverer: bool
 ) -> tuple[LoadResult, LoadResult]:
-    """The real server: bring-up, capacity, hold (and the search), the recoverer.
-    Returns (capacity, hold at --interval)."""
+    """The real server: bring-up, capacity, hold (and the search), then the
+    recoverer if asked for. Returns (capacity, hold at --interval)."""
     agents = fleet.size - fleet.silent_count()
     need = agents / args.interval
     processes, port = start_servers("full", url, args.workers)
@@ -266,7 +280,7 @@ def _full(
             report("fleet_scale", f"heartbeats held at {args.interval:g} s / need",
                    hold.rate() / need, ">= 1")  # fmt: skip
             interval = args.interval if held else _search(load, agents, hold.rate(), args)
-            if args.only != "heartbeats":
+            if recoverer:
                 _recover(url, fleet, load, interval)
             return closed, hold
     finally:
@@ -430,6 +444,18 @@ async def _recover_loop(
 # --- 4. the views --------------------------------------------------------------------
 
 
+def _beat_all(url: str) -> None:
+    """What the heartbeat phase leaves for the views: every agent that is not
+    silent heartbeated just now (the silent ones keep their old heartbeat)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            """INSERT INTO machine_agent_heartbeat (machine_id, agent_heartbeat_at)
+               SELECT machine_id, now() FROM machine_agent_started
+               ON CONFLICT (machine_id) DO NOTHING"""
+        )
+        conn.execute("VACUUM ANALYZE")
+
+
 def _views(server: LocalPostgres, db: str, root: Path, args: argparse.Namespace) -> None:
     url = server.url(db)
     started = time.perf_counter()
@@ -468,13 +494,14 @@ async def _pages(server: LocalPostgres, db: str, root: Path, requests: int) -> N
             [base] = await nursery.start(serve, conn, "127.0.0.1:0")
             async with httpx.AsyncClient(base_url=base, timeout=60) as client:
                 for name, path, sql in pages:
-                    app_ms, wall_ms = await server_ms(client, path, requests)
+                    app_ms, wall_ms, first_ms = await server_ms(client, path, requests)
                     sql_ms = await trio.to_thread.run_sync(
                         functools.partial(pgbench_ms, server, sql, requests, root, db)
                     )
                     print(
                         f"  {name} at {await _count(conn)} machines: server {app_ms:.2f} ms"
-                        f" (wall {wall_ms:.2f} ms), its SQL alone {sql_ms:.2f} ms:"
+                        f" (wall {wall_ms:.2f} ms; the first request {first_ms:.1f} ms),"
+                        f" the SQL it runs per request alone {sql_ms:.2f} ms:"
                         f" ratio {app_ms / sql_ms:.2f}"
                         + (" (goal <= 2)" if name == "web first machine page" else ""),
                         flush=True,
@@ -482,6 +509,14 @@ async def _pages(server: LocalPostgres, db: str, root: Path, requests: int) -> N
                     report("fleet_scale", f"{name}: server / SQL time", app_ms / sql_ms,
                            "<= 2" if name == "web first machine page" else "")  # fmt: skip
             nursery.cancel_scope.cancel()
+        counts_ms = await trio.to_thread.run_sync(
+            functools.partial(pgbench_ms, server, counts_sql(), requests, root, db)
+        )
+        print(
+            f"  the machine list's counts per state (at most once per period, shared):"
+            f" {counts_ms:.1f} ms in pgbench",
+            flush=True,
+        )
         ours, fleet_sql = await fleet_query_ms(conn, server, requests, root, db)
         print(
             f"  metrics scrape (fleet query): {ours:.1f} ms from bmdb,"
@@ -499,6 +534,22 @@ async def _count(conn: bmdb.Connection) -> int:
 
 
 # --- the run ---------------------------------------------------------------------------
+
+
+def _heartbeats(
+    server: LocalPostgres, url: str, fleet: Fleet, args: argparse.Namespace, *, recoverer: bool
+) -> None:
+    """Bare endpoint, then the real server (and the recoverer, if asked); the capacity ratio."""
+    print(
+        f"heartbeats: {args.machines - fleet.silent_count()} agents, {args.workers} server"
+        f" processes, {args.load_processes} load processes, {args.connections} connections",
+        flush=True,
+    )
+    bare = _bare(url, fleet, args)
+    full, _ = _full(server, url, fleet, args, recoverer=recoverer)
+    ratio = full.rate() / max(bare.rate(), 1e-9)
+    print(f"  capacity full/bare at {fleet.size} machines: {ratio:.2f} (goal >= 0.5)")
+    report("fleet_scale", "heartbeat capacity full / bare", ratio, ">= 0.5")
 
 
 def main() -> None:
@@ -522,10 +573,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30, help="requests per web page")
     parser.add_argument("--profile", default="", help="cProfile the servers into this folder")
     parser.add_argument(
-        "--only", choices=["heartbeats", "recoverer"], default="",
-        help="run one part alone: heartbeats (the real server's bring-up, capacity,"
-        " hold and the search) or recoverer (bring-up, then the recoverer at --interval)",
-    )  # fmt: skip
+        "--phases",
+        default=",".join(PHASES),
+        help="comma-separated phases to run, of %(default)s (the fleet is seeded for any)",
+    )
     args = parse_args(
         parser,
         {
@@ -542,6 +593,10 @@ def main() -> None:
         parser.error("--interval, --seconds and --bringup must be positive")
     if args.cycles * 2 > args.small:
         parser.error("--cycles must be at most half of --small")
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown or not phases:
+        parser.error(f"--phases takes some of {','.join(PHASES)}, got {args.phases!r}")
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         os.environ["HEARTBEAT_BENCH_PROFILE"] = str(Path(args.profile).resolve())
@@ -560,26 +615,17 @@ def main() -> None:
             f" load average {_load_average()}",
             flush=True,
         )
-        if args.only == "recoverer":
-            _recoverer_only(url, fleet, args)
-            return
-        if args.only != "heartbeats":
+        if "claims" in phases:
             _claims(server, args)
-        print(
-            f"heartbeats: {args.machines - fleet.silent_count()} agents, {args.workers} server"
-            f" processes, {args.load_processes} load processes, {args.connections} connections",
-            flush=True,
-        )
-        if args.only == "heartbeats":
-            _full(server, url, fleet, args)
-            return
-        bare = _bare(url, fleet, args)
-        full, _ = _full(server, url, fleet, args)
-        ratio = full.rate() / max(bare.rate(), 1e-9)
-        print(f"  capacity full/bare at {fleet.size} machines: {ratio:.2f} (goal >= 0.5)")
-        report("fleet_scale", "heartbeat capacity full / bare", ratio, ">= 0.5")
-        print("views:", flush=True)
-        _views(server, "fleet", root, args)
+        if "heartbeats" in phases:
+            _heartbeats(server, url, fleet, args, recoverer="recoverer" in phases)
+        elif "recoverer" in phases:
+            _recoverer_only(url, fleet, args)
+        if "views" in phases:
+            if "heartbeats" not in phases and "recoverer" not in phases:
+                _beat_all(url)
+            print(f"views (load average {_load_average()}):", flush=True)
+            _views(server, "fleet", root, args)
         print(f"load average at the end: {_load_average()}")
     finally:
         server.stop()

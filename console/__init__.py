@@ -9,9 +9,11 @@ Server-rendered HTML, no JavaScript, served by hypercorn's Trio worker in
 the same Trio run as the BMDB connection::
 
     hypercorn (trio) ─ asgi.App ─ GET /machines?state=&provider=&after=
-                                      overview.machines_page   (2 statements)
+                                      overview.machines        (1 statement)
+                                      counts.CountsCache       (overview.state_counts:
+                                        at most once per 5 s, shared, in its nursery)
                                   GET /machine/ID
-                                      overview.machine         (2 statements)
+                                      overview.machine         (3 statements)
                                   GET /sessions
                                       overview.activity        (2 statements)
                                   GET /cluster, /cluster/node/ID[/tree]
@@ -26,7 +28,8 @@ server, as the cluster's owner, when it is given the owner's files: one UI
 and one navigation for the fleet and the cluster it runs.
 
 Modules: `render` (HTML building blocks, escaping, the SVG charts), `pages`
-(one function per BMDB page), `cluster` (the cluster pages), `asgi`
+(one function per BMDB page), `counts` (the machine list's counts per
+state, taken at most once per period and shared by requests), `cluster` (the cluster pages), `asgi`
 (routing, errors, headers), `server` (hypercorn under Trio), `errors` (the
 console's error tree), `__main__` (the command).
 

@@ -3,6 +3,7 @@
     python -m console [--url URL] web [--listen HOST:PORT]   read-only web UI
         [--cluster-owner-root DIR --cluster-owner-key FILE]  with the cluster's pages
         [--metrics-listen HOST:PORT [--metrics-fleet-period SECONDS]]
+        [--counts-period SECONDS]                            machine list's counts reused
 
 ``--url`` is the BMDB's, as ``python -m bmdb`` takes it (without it, the
 libpq ``PG*`` environment variables locate the database). The server runs
@@ -26,6 +27,7 @@ from bmdb.cli import add_url_option
 from bmdb.errors import BMDBError
 from common.cli import run_main
 from common.listen import listen_address
+from console.counts import DEFAULT_PERIOD
 from console.errors import ConsoleError
 from metropolis.errors import MetropolisError
 
@@ -67,7 +69,11 @@ async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
                 metrics = await nursery.start(serve_metrics, registry, args.metrics_listen)
                 print(f"metrics on {metrics[0]}/metrics", flush=True)
                 await nursery.start(fleet.run)
-            urls = await nursery.start(functools.partial(serve, conn, args.listen, cluster=cluster))
+            urls = await nursery.start(
+                functools.partial(
+                    serve, conn, args.listen, cluster=cluster, counts_period=args.counts_period
+                )
+            )
             print(f"serving on {' '.join(urls)}", flush=True)
             async for _ in signals:
                 nursery.cancel_scope.cancel()
@@ -122,7 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="how often the fleet gauges are queried (default: %(default)s)",
     )
+    web.add_argument(
+        "--counts-period",
+        type=float,
+        default=DEFAULT_PERIOD,
+        metavar="SECONDS",
+        help="how long the machine list's counts per state are reused before they are"
+        " taken again (each take reads the whole fleet; default: %(default)s)",
+    )
     args = parser.parse_args(argv)
+    if not args.counts_period >= 0:  # NaN too
+        parser.error(f"--counts-period must be >= 0, got {args.counts_period:g}")
     if (args.cluster_owner_root is None) != (args.cluster_owner_key is None):
         parser.error("--cluster-owner-root and --cluster-owner-key go together")
     logging.basicConfig(

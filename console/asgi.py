@@ -23,6 +23,7 @@ from console import audit as audit_pages
 from console import cluster as cluster_pages
 from console import pages
 from console.cluster import ClusterView
+from console.counts import CountsCache
 from console.errors import NotFound
 from console.render import Html, esc, page
 
@@ -58,9 +59,14 @@ class App:
     does.
     """
 
-    def __init__(self, conn: Connection, cluster: ClusterView | None = None) -> None:
-        """``cluster``: the cluster pages, or None (the cluster link says how to enable them)."""
+    def __init__(
+        self, conn: Connection, counts: CountsCache, cluster: ClusterView | None = None
+    ) -> None:
+        """``counts``: the machine list's counts per state (`console.counts`);
+        ``cluster``: the cluster pages, or None (the cluster link says how to
+        enable them)."""
         self.conn = conn
+        self.counts = counts
         self.cluster = cluster
         #: (when checked, on a standby), by `time.monotonic`.
         self._standby: tuple[float, bool] | None = None
@@ -107,6 +113,7 @@ class App:
                 limit = _int(query.get("limit"), pages.PAGE_SIZE)
                 return 200, await pages.machines(
                     self.conn,
+                    self.counts,
                     state=query.get("state") or None,
                     provider=query.get("provider") or None,
                     after=query.get("after") or None,

@@ -8,7 +8,7 @@ errors are about the pages themselves.
 
 from __future__ import annotations
 
-__all__ = ["ConsoleError", "NotFound"]
+__all__ = ["ConsoleError", "CountsUnavailable", "NotFound"]
 
 
 class ConsoleError(Exception):
@@ -17,3 +17,8 @@ class ConsoleError(Exception):
 
 class NotFound(ConsoleError):
     """A page's subject (a machine, a cluster node) does not exist (answered with 404)."""
+
+
+class CountsUnavailable(ConsoleError):
+    """The machine list's count query was cancelled before it answered: the
+    UI is stopping (`console.counts`)."""

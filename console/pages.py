@@ -12,10 +12,12 @@ import uuid
 
 from bmdb import overview
 from bmdb.connection import Connection
+from bmdb.errors import BMDBError
 from bmdb.model import InstallState, OSInstallation, Provider, WorkEvent
-from bmdb.overview import MachineState, State
+from bmdb.overview import MachineState, State, StateCounts
 from console.audit import machine_section
-from console.errors import NotFound
+from console.counts import CountsCache
+from console.errors import CountsUnavailable, NotFound
 from console.render import (
     Html,
     ago,
@@ -64,29 +66,48 @@ def _install(state: InstallState | None, generation: int | None) -> Html:
 
 async def machines(
     conn: Connection,
+    counts: CountsCache,
     *,
     state: str | None,
     provider: str | None,
     after: str | None,
     limit: int = PAGE_SIZE,
 ) -> Html:
-    """The machines list: state counts (filter links), a page of machines."""
-    rows, counts, installs = await overview.machines_page(
+    """The machines list: state counts (filter links) from ``counts``, as
+    of when they were taken, and a page of machines read now. A count query
+    that fails leaves the rows and says why the counts are missing."""
+    # Checked before a count query may start: bad input costs no fleet scan.
+    params = overview.machines_params(limit=limit + 1, state=state, provider=provider, after=after)
+    # Asked first, so that a count query this page needs runs beside its rows.
+    pending = counts.fetch(params["provider"])
+    rows = await overview.machines(
         conn, limit=limit + 1, state=state, provider=provider, after=after
     )
+    taken: StateCounts | None = None
+    missing = ""
+    try:
+        taken = await pending.wait()
+    except (BMDBError, CountsUnavailable) as e:
+        missing = str(e)
     more = len(rows) > limit
     rows = rows[:limit]
     now = _now()
-    total = sum(counts.values())
+
+    by_state = taken.by_state if taken is not None else {}
+    by_install = taken.by_install if taken is not None else {}
     filt: list[Html] = [Html('<p class="filters">state: ')]
     filt.append(
-        link(url("/machines", {"provider": provider}), f"all ({total})", **_on(state is None))
+        link(
+            url("/machines", {"provider": provider}),
+            _counted("all", taken.total if taken is not None else None),
+            **_on(state is None),
+        )
     )
     for s in State:
         filt.append(
             link(
                 url("/machines", {"state": s, "provider": provider}),
-                f"{s} ({counts[s]})",
+                _counted(s, by_state.get(s)),
                 **_on(state == s),
             )
         )
@@ -95,7 +116,7 @@ async def machines(
         filt.append(
             link(
                 url("/machines", {"state": i, "provider": provider}),
-                f"{i} ({installs[i]})",
+                _counted(i, by_install.get(i)),
                 **_on(state == i),
             )
         )
@@ -106,7 +127,18 @@ async def machines(
             link(url("/machines", {"state": state, "provider": p}), p, **_on(provider == p))
         )
     filt.append(Html("</p>"))
-    chart = stacked_bar([(str(s), counts[s]) for s in State])
+    if taken is not None:
+        age = Html(
+            f'<p class="dim" id="counts-age">counts as of {ago(taken.at, now)}'
+            f" (taken at most every {counts.period:g} s; the list below is read now)</p>"
+        )
+        chart = stacked_bar([(str(s), taken.by_state[s]) for s in State])
+    else:
+        age = Html(
+            f'<p class="state-failed" id="counts-age">counts unavailable: {esc(missing)}'
+            " (the next page asks again; the list below is read now)</p>"
+        )
+        chart = Html("")
     body = table(
         _MACHINE_COLUMNS,
         (_machine_row(m, now) for m in rows),
@@ -118,15 +150,21 @@ async def machines(
             "/machines", {"state": state, "provider": provider, "after": rows[-1].machine_id}
         )
         pager.append(link(next_url, "next page", rel="next", id="next"))
-    content = Html("".join(filt) + chart + body + "<p>" + " | ".join(pager) + "</p>")
+    content = Html("".join(filt) + age + chart + body + "<p>" + " | ".join(pager) + "</p>")
     title = "Machines" + (f": {state}" if state else "") + (f" of {provider}" if provider else "")
-    return page(title, content, footer=f"{len(rows)} shown, {total} in all")
+    in_all = f", {taken.total} in all" if taken is not None else ""
+    return page(title, content, footer=f"{len(rows)} shown{in_all}")
 
 
 _MACHINE_COLUMNS = (
     "machine", "state", "install", "node", "provider", "provider id", "address", "heartbeat",
     "work", "backoff ends", "cause",
 )  # fmt: skip
+
+
+def _counted(name: str, n: int | None) -> str:
+    """A filter's label: its name and its count, if known."""
+    return name if n is None else f"{name} ({n})"
 
 
 def _on(on: bool) -> dict[str, str]:

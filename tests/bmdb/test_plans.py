@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from bmdb import Process
+from bmdb import Process, overview
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres
 from bmdb.model import queries
 from bmdb.work import CLAIM_SQL, RELEASE_SQL
@@ -242,3 +242,26 @@ def test_recoverer_source_with_every_machine_silent_is_flat(
     window = queries.SOURCING_WINDOW if locking else 100
     # The window, looked at twice (sourced, then joined for its columns).
     _check_flat(fleets, sql, None, 2 * window, _ALL_SILENT)
+
+
+# Every machine's agent start in the history (Started, Finished), as the
+# page reads it for each machine's last failure.
+_HISTORY = """
+INSERT INTO work_history (machine_id, process, event, at)
+SELECT machine_id, 'ShepherdAgentStart', e::work_history_event, now()
+FROM machines, unnest(ARRAY['Started', 'Finished']) e;
+ANALYZE work_history
+"""
+
+
+def test_first_machine_page_is_flat_and_planned_once(fleets: dict[int, str]) -> None:
+    """The web UI's first page of machines (and ``bmdb machines``): a statement
+    without parameters, so that PostgreSQL plans it once per connection (a
+    generic plan of ``LIMIT $n`` or of ``$n IS NULL OR ...`` filters sorts
+    the fleet; a custom plan costs more to plan than to run), reading its
+    hundred machines with a few index probes each."""
+    sql = overview.machines_sql(overview.machines_params(limit=101))
+    assert "%(" not in sql
+    # Each machine is probed in about ten tables (tags, hold, installation,
+    # backoff, history, work): a few candidates' worth of buffers each.
+    _check_flat(fleets, sql, None, 4 * 101, _HISTORY)
