@@ -722,8 +722,8 @@ def main() -> int:
         " runs in different blocks can share a host",
     )
     smoke = {
-        "machines": 2,
-        "by_hand_parallelism": 2,
+        "machines": 1,
+        "by_hand_parallelism": 1,
         "timeout": 240.0,
         "heartbeat_interval": 1.0,
         "approve_interval": 0.5,
