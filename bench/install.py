@@ -1,15 +1,17 @@
 """From the install request to every node approved and healthy: the product against OpenSSH by hand.
 
-    python -m bench.install [--machines 20] [--by-hand-parallelism N] [--timeout 900] [--smoke]
+    python -m bench.install [--machines 20] [--by-hand-parallelism N] [--timeout 900]
+                            [--loopback-block B] [--smoke]
 
 Both paths install the same node image (built first, timed) with the same
 NodeParameters onto ``--machines`` machines, each node on its own loopback
-address 127.0.0.N on the nodes' fixed ports, into a fresh cluster whose
-first node bootstraps on 127.0.1.1. They run one after the other, each
-with its own cluster (the first path's processes are gone before the
-second starts: the addresses and ports are the same), in the same run.
+address 127.B.0.N on the nodes' fixed ports, into a fresh cluster whose
+first node bootstraps on 127.B.1.1 (B: ``--loopback-block``, 0 by default).
+They run one after the other, each with its own cluster (the first path's
+processes are gone before the second starts: the addresses and ports are the
+same), in the same run.
 Run it under the shared lock (``flock /work/wt/net.lock``): the addresses
-and ports are fixed.
+and ports are fixed (two runs at once need different ``--loopback-block``).
 
 - product: a loopback fleet (`shepherd.localfleet`, asyncssh servers) is
   taken over by the initializer (not timed: that is setup), the agents
@@ -87,7 +89,15 @@ from shepherd.control_loop import start_control_loop
 from shepherd.demo import write_machines_file
 from shepherd.initializer import Initializer
 from shepherd.install import Plan, image_from_server, install, owner_public_key
-from shepherd.localfleet import DISK, loopback_addresses, node_pid, open_fleet, stop_node
+from shepherd.localfleet import (
+    DISK,
+    LOOPBACK_BLOCKS,
+    first_node_address,
+    loopback_addresses,
+    node_pid,
+    open_fleet,
+    stop_node,
+)
 from shepherd.localsshd import start_sshd, stop_sshd
 from shepherd.providers.static import StaticProvider
 from shepherd.provisioner import sync_provided
@@ -95,8 +105,6 @@ from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
 
-#: The bootstrap node's address (the fleet's machines are 127.0.0.2 on).
-FIRST = "127.0.1.1"
 #: The Shepherd's defaults (``python -m shepherd --help``).
 HEARTBEAT_INTERVAL = 10.0
 HEARTBEAT_BACKOFF_CAP = 60.0
@@ -165,8 +173,8 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def bootstrap(folder: Path) -> AsyncIterator[Cluster]:
-    """A new cluster whose first node runs on `FIRST` in ``folder`` (new).
+async def bootstrap(folder: Path, address: str) -> AsyncIterator[Cluster]:
+    """A new cluster whose first node runs on ``address`` in ``folder`` (new).
     At the node's default status interval: the curator takes a node as
     healthy while its last status push is at most twice that old, and the
     registered nodes (started as the agent starts them) push at their
@@ -177,7 +185,7 @@ async def bootstrap(folder: Path) -> AsyncIterator[Cluster]:
     log = folder / "bootstrap.log"
     argv = [
         sys.executable, "-m", "metropolis", "node", "bootstrap", "--root", str(root.path),
-        "--address", FIRST, "--owner-key-out", str(owner_key), "--insecure-seal",
+        "--address", address, "--owner-key-out", str(owner_key), "--insecure-seal",
     ]  # fmt: skip
     with log.open("wb") as out:
         process = await trio.lowlevel.open_process(argv, stdout=out, stderr=subprocess.STDOUT)
@@ -290,16 +298,18 @@ async def product_path(
     args: argparse.Namespace, work: Path, built: BuiltImage, postgres: LocalPostgres
 ) -> Progress:
     image = built.path
-    hosts = loopback_addresses(args.machines)
+    hosts = loopback_addresses(args.machines, block=args.loopback_block)
     progress = Progress(args.machines)
     key = SSHKey.generate()
     os.environ["SHIV_ROOT"] = str(work / "shiv")  # the agents' nodes inherit it
     postgres.admin("CREATE DATABASE bench_install")
     try:
         async with (
-            open_fleet(work / "fleet", count=args.machines, authorized_key=key.authorized_key) as f,
+            open_fleet(
+                work / "fleet", count=args.machines, authorized_key=key.authorized_key, hosts=hosts
+            ) as f,
             bmdb.open_connection(postgres.url("bench_install"), migrate=True) as conn,
-            bootstrap(work / "cluster") as cluster,
+            bootstrap(work / "cluster", first_node_address(args.loopback_block)) as cluster,
             trio.open_nursery() as nursery,
         ):
             assert [m.host for m in f.machines] == hosts
@@ -541,7 +551,7 @@ async def by_hand_one(index: int, host: str, hand: ByHand, progress: Progress) -
 
 
 async def by_hand_path(args: argparse.Namespace, work: Path, image: Path) -> Progress:
-    hosts = loopback_addresses(args.machines)
+    hosts = loopback_addresses(args.machines, block=args.loopback_block)
     progress = Progress(args.machines)
     os.makedirs(work)
     key = SSHKey.generate()
@@ -551,7 +561,7 @@ async def by_hand_path(args: argparse.Namespace, work: Path, image: Path) -> Pro
     sshd_process, sshd = start_sshd(work / "sshd", [key.authorized_key])
     folders = sshd.root
     try:
-        async with bootstrap(work / "cluster") as cluster:
+        async with bootstrap(work / "cluster", first_node_address(args.loopback_block)) as cluster:
             params = work / "node-parameters.pb"
             params.write_bytes(node_parameters(cluster))
             say(
@@ -703,9 +713,17 @@ def main() -> int:
         default=APPROVE_INTERVAL,
         help="the approver's, seconds (default: the Shepherd's, %(default)s)",
     )
+    parser.add_argument(
+        "--loopback-block",
+        type=int,
+        default=0,
+        metavar="B",
+        help="machines on 127.B.0.2 on, the first node on 127.B.1.1 (default: %(default)s);"
+        " runs in different blocks can share a host",
+    )
     smoke = {
-        "machines": 2,
-        "by_hand_parallelism": 2,
+        "machines": 1,
+        "by_hand_parallelism": 1,
         "timeout": 240.0,
         "heartbeat_interval": 1.0,
         "approve_interval": 0.5,
@@ -715,6 +733,8 @@ def main() -> int:
         parser.error("--machines must be at least 1")
     if args.by_hand_parallelism < 1:
         parser.error("--by-hand-parallelism must be at least 1")
+    if not 0 <= args.loopback_block < LOOPBACK_BLOCKS:
+        parser.error(f"--loopback-block must be in 0-{LOOPBACK_BLOCKS - 1}")
     # Short: a node's etcd socket lies deep inside it (107 bytes at most).
     work = Path(tempfile.mkdtemp(prefix="bi-", dir="/tmp"))
     try:

@@ -199,13 +199,35 @@ async def _start_machine(
 DISK = Path("root") / "disks" / "disk0"
 
 
-def loopback_addresses(count: int, first: int = 2) -> list[str]:
-    """``count`` loopback addresses from 127.0.0.``first`` on (past .255 they
-    go on in 127.0.1.x: all of 127.0.0.0/8 is loopback)."""
-    base = int(ipaddress.IPv4Address("127.0.0.0")) + first
+#: How many blocks (/16s) 127.0.0.0/8 holds; see `loopback_addresses`.
+LOOPBACK_BLOCKS = 256
+
+
+def _block_base(block: int) -> int:
+    if not 0 <= block < LOOPBACK_BLOCKS:
+        raise ValueError(f"loopback block {block} is not in 0-{LOOPBACK_BLOCKS - 1}")
+    return int(ipaddress.IPv4Address("127.0.0.0")) + (block << 16)
+
+
+def loopback_addresses(count: int, first: int = 2, *, block: int = 0) -> list[str]:
+    """``count`` loopback addresses from 127.``block``.0.``first`` on (past .255
+    they go on in 127.``block``.1.x: all of 127.0.0.0/8 is loopback).
+
+    ``block`` picks one /16 of 127.0.0.0/8: fleets (and the nodes installed
+    on them, on the nodes' fixed ports) in different blocks can run on one
+    host at once. Block 0 (127.0.0.N) is the default.
+    """
+    base = _block_base(block) + first
     if first < 1 or base + count > int(ipaddress.IPv4Address("127.255.255.255")):
-        raise ValueError(f"no {count} loopback addresses from 127.0.0.{first}")
+        raise ValueError(f"no {count} loopback addresses from 127.{block}.0.{first}")
     return [str(ipaddress.IPv4Address(base + i)) for i in range(count)]
+
+
+def first_node_address(block: int = 0) -> str:
+    """Where the first node of a cluster beside a fleet in ``block`` runs:
+    127.``block``.1.1, not 127.0.0.1 (the Shepherd's servers) nor a
+    machine's 127.``block``.0.N."""
+    return str(ipaddress.IPv4Address(_block_base(block) + 257))
 
 
 def machine_root(directory: Path, index: int, prefix: str = "machine-") -> Path:
@@ -347,12 +369,13 @@ async def open_fleet(
 
     By default machine i listens on a port of its own of 127.0.0.(2+i)
     (`loopback_addresses`); two fleets open at once need ``hosts`` for one
-    of them. With ``hosts`` (one loopback address per machine) and
-    ``port``, they all listen on the same port of their addresses, as real
-    machines do on port 22 (a provider that only knows addresses, like
-    Equinix, can then reach them). Machine i's root is
-    ``directory/<prefix><i, 4 digits>`` (`machine_root`): a shorter
-    ``prefix`` keeps the UNIX socket paths of the nodes installed there short.
+    of them (another block of `loopback_addresses`, say). With ``hosts``
+    (one loopback address per machine) and ``port``, they all listen on the
+    same port of their addresses, as real machines do on port 22 (a provider
+    that only knows addresses, like Equinix, can then reach them). Machine
+    i's root is ``directory/<prefix><i, 4 digits>`` (`machine_root`): a
+    shorter ``prefix`` keeps the UNIX socket paths of the nodes installed
+    there short.
     """
     fleet = await trio_asyncio.aio_as_trio(_start)(
         directory, count, authorized_key, hosts, port, prefix

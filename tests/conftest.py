@@ -23,22 +23,21 @@ pytest_plugins = [
 
 
 #: Modules whose tests must run one after another in one process under
-#: pytest-xdist (``-n``), by group. "fixed-address": they start nodes on
-#: the fixed loopback addresses (127.0.0.N of `shepherd.localfleet`'s
-#: machines, 127.0.1.1 for a first node) with the node's fixed ports, so
-#: two at once would collide. The benchmarks' smoke runs are among them
-#: (``bench.install`` installs nodes so), and one module-scoped fixture of
-#: tests/bench/test_smoke.py starts two of them in the background for the
-#: module's tests.
+#: pytest-xdist (``-n``), by group.
+#:
+#: "fixed-address": they start nodes on the product's default loopback
+#: addresses (127.0.0.N of `shepherd.localfleet`'s machines, 127.0.1.1 for
+#: a first node) with the node's fixed ports, so two at once would collide.
+#: A module that puts its nodes in its own process's block of addresses
+#: instead (`tests.loopback`; the install rig does) needs no group: each
+#: worker has its own block, and runs its tests one after another.
+#:
+#: "bench-smoke": the benchmarks' smoke runs, whose module-scoped fixture
+#: starts two of them in the background for the module's tests (on one
+#: worker, so that they run once).
 SERIAL_GROUPS = {
-    "tests/test_install_e2e.py": "fixed-address",
-    "tests/test_install_failures.py": "fixed-address",
-    "tests/test_install_hostile.py": "fixed-address",
-    "tests/test_decommission_e2e.py": "fixed-address",
     "tests/shepherd/test_demo.py": "fixed-address",
-    "tests/shepherd/test_agent_install.py": "fixed-address",
-    "tests/shepherd/test_agent_install_e2e.py": "fixed-address",
-    "tests/bench/test_smoke.py": "fixed-address",
+    "tests/bench/test_smoke.py": "bench-smoke",
 }
 
 

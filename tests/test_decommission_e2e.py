@@ -2,7 +2,7 @@
 
 The install rig (`tests.fixtures.install_rig`) takes a loopback machine
 over and installs the session's node image on it; the node registers into
-a cluster bootstrapped on 127.0.1.1 and the Shepherd's approver admits it;
+a cluster bootstrapped on 127.B.1.1 (`tests.loopback`) and the Shepherd's approver admits it;
 it is granted a role. Then the operator decommissions the machine with
 ``python -m bmdb decommission``, and the Shepherd's decommissioner, given
 the owner's credentials, revokes the node's role and deletes it from the
@@ -34,6 +34,7 @@ from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh_key import SSHKey
 from tests.fixtures.install_rig import (
+    FIRST,
     cli,
     kill_everything_under,
     open_cluster,
@@ -112,7 +113,7 @@ async def test_decommissioning_an_installed_node_removes_it_from_the_cluster_the
                 # The node left the cluster: not listed, its certificate refused.
                 assert all(r.node_id != node.node_id for r in await cluster.nodes())
                 listed = await cli(*cluster.owner_cli, "nodes")
-                assert node.node_id not in listed and "127.0.1.1" in listed
+                assert node.node_id not in listed and FIRST in listed
                 context = client_context(
                     credentials.ca_certificate, credentials.certificate, credentials.private_key
                 )

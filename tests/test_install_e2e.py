@@ -1,11 +1,12 @@
 """The whole installation flow, real everything: three taken-over machines become nodes.
 
 PostgreSQL holds the BMDB; three loopback machines (`shepherd.localfleet`,
-127.0.0.2-4) are taken over by the real initializer (the control loop, SSH,
-the uploaded agent), whose agents heartbeat to the real agent callback
-server; its image server serves the node image this test session built.
-A first node bootstraps the cluster on 127.0.1.1 (its own address: the
-fleet's machines run their nodes on 127.0.0.N, on the nodes' fixed
+127.B.0.2-4 in this test process's block B of `tests.loopback`) are taken
+over by the real initializer (the control loop, SSH, the uploaded agent),
+whose agents heartbeat to the real agent callback server; its image server
+serves the node image this test session built.
+A first node bootstraps the cluster on 127.B.1.1 (its own address: the
+fleet's machines run their nodes on 127.B.0.N, on the nodes' fixed
 ports). ``python -m shepherd install`` asks the three agents to install;
 each downloads and verifies the image, starts its node, which registers;
 the Shepherd's approver approves exactly those nodes. Then: four nodes UP
@@ -30,6 +31,7 @@ from metropolis.owner import NodeRow
 from shepherd.approver import run_approver
 from shepherd.localfleet import DISK, agent_pid, node_pid
 from shepherd.ssh_key import SSHKey
+from tests import loopback
 from tests.fixtures.install_rig import (
     FIRST,
     cli,
@@ -65,7 +67,7 @@ async def test_three_taken_over_machines_become_approved_healthy_nodes(
             ):
                 # Taken over: every agent has heartbeated with its hardware report.
                 machines = rig.machines
-                assert [m.host for m in machines] == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+                assert [m.host for m in machines] == loopback.fleet_hosts(3)
                 digest = node_image.name.removesuffix(".pyz")
                 out = await cli(
                     *("shepherd", "install", "--bmdb-url", bmdb_url),

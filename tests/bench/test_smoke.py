@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from bench.smoke import parse_args
+from tests import loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,6 +55,9 @@ PRINTS = {
     "startup_trace": "--- medians over",
     "web_pages": "metrics fleet query:",
 }
+#: Arguments beyond ``--smoke``: the install benchmark puts nodes on the
+#: nodes' fixed ports, in this test process's block of loopback addresses.
+EXTRA_ARGS = {"install": ("--loopback-block", str(loopback.BLOCK))}
 #: Benchmarks that mostly wait: started in the background, tested last.
 BACKGROUND = ("controlplane", "grant_trace")
 #: Seconds a smoke run may take at most (they take seconds; this is for a hang).
@@ -88,7 +92,7 @@ class SmokeRun:
         ratios.touch()
         with output.open("wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", f"bench.{name}", "--smoke"],
+                [sys.executable, "-m", f"bench.{name}", "--smoke", *EXTRA_ARGS.get(name, ())],
                 cwd=ROOT,
                 env={**os.environ, "BENCH_RATIOS": str(ratios)},
                 stdin=subprocess.DEVNULL,

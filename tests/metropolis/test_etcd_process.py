@@ -105,6 +105,10 @@ import logging, sys, trio
 from pathlib import Path
 from metropolis.consensus.process import ProcessConfig, Tuning, run_etcd
 
+# Trio ends a worker thread after it idled this long (10 s by default): the
+# thread that spawned etcd ends within half a second of it, not ten.
+trio._core._thread_cache.IDLE_TIMEOUT = 0.5
+
 async def main() -> None:
     config = ProcessConfig.standalone("solo", Path(sys.argv[1]), int(sys.argv[2]), Tuning(20, 200))
     async with trio.open_nursery() as nursery:
@@ -120,7 +124,8 @@ async def test_etcd_dies_with_its_owner_even_on_sigkill(tmp_path: Path) -> None:
     """No orphan: SIGKILL of the owning process takes etcd along (PR_SET_PDEATHSIG).
 
     etcd must also survive the owner's idle Trio worker threads ending
-    (after 10 s): the death signal follows the thread that spawned it.
+    (after 10 s; the owner here makes it half a second): the death signal
+    follows the thread that spawned it.
     """
     config = _config(tmp_path)
     owner = await trio.lowlevel.open_process(
@@ -133,7 +138,10 @@ async def test_etcd_dies_with_its_owner_even_on_sigkill(tmp_path: Path) -> None:
             assert b"ready" in await owner.stdout.receive_some()
         pid = etcd_pid(config.working_dir)
         assert pid is not None
-        await trio.sleep(11)  # Trio's idle worker threads are gone by now
+        # The worker thread that spawned etcd ends: the owner is down to its main thread.
+        with trio.fail_after(BOUND):
+            await _eventually(lambda: len(os.listdir(f"/proc/{owner.pid}/task")) == 1)
+        await trio.sleep(1.0)  # room for a death signal to land
         assert etcd_pid(config.working_dir) == pid
         owner.send_signal(signal.SIGKILL)
         await owner.wait()

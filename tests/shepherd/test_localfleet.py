@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio_asyncio
 
-from shepherd.localfleet import agent_pid, loopback_addresses, open_fleet
+from shepherd.localfleet import agent_pid, first_node_address, loopback_addresses, open_fleet
 from shepherd.ssh_key import SSHKey
 from tests.shepherd.agents import kill_agent, start_agent_process
 
@@ -58,3 +58,15 @@ def test_loopback_addresses_go_on_past_255() -> None:
     assert loopback_addresses(3, first=254) == ["127.0.0.254", "127.0.0.255", "127.0.1.0"]
     with pytest.raises(ValueError, match="no 2 loopback addresses"):
         loopback_addresses(2, first=0)
+
+
+def test_a_block_is_a_slash_16_of_its_own_with_the_first_node_beside_the_machines() -> None:
+    assert loopback_addresses(2, block=3) == ["127.3.0.2", "127.3.0.3"]
+    assert first_node_address() == "127.0.1.1"
+    assert first_node_address(3) == "127.3.1.1"
+    assert first_node_address(3) not in loopback_addresses(254, block=3)
+    for bad in (-1, 256):
+        with pytest.raises(ValueError, match=f"loopback block {bad} is not in 0-255"):
+            loopback_addresses(1, block=bad)
+        with pytest.raises(ValueError, match=f"loopback block {bad} is not in 0-255"):
+            first_node_address(bad)
