@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import html
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from urllib.parse import urlencode
 
@@ -19,11 +20,20 @@ class Html(str):
     __slots__ = ()
 
 
+# The characters `html.escape` replaces (quote=True): a text without any is
+# its own escape, and one search is cheaper than escape's five replaces (a
+# machine list page escapes about 1,900 texts).
+_SPECIAL = re.compile("[&<>\"']")
+
+
 def esc(value: object) -> Html:
     """``value`` as text in HTML (quotes too, so it is safe in attributes)."""
     if isinstance(value, Html):
         return value
-    return Html(html.escape("" if value is None else str(value), quote=True))
+    text = "" if value is None else str(value)
+    if _SPECIAL.search(text) is None:
+        return Html(text)
+    return Html(html.escape(text, quote=True))
 
 
 def join(parts: Iterable[object]) -> Html:
@@ -62,9 +72,8 @@ def ago(at: datetime.datetime | None, now: datetime.datetime) -> Html:
     seconds = (at - now).total_seconds()
     text = duration(abs(seconds))
     rel = f"in {text}" if seconds > 0 else f"{text} ago"
-    return Html(
-        f'<time datetime="{esc(at.isoformat())}" title="{esc(at.isoformat())}">{rel}</time>'
-    )
+    exact = esc(at.isoformat())
+    return Html(f'<time datetime="{exact}" title="{exact}">{rel}</time>')
 
 
 def duration(seconds: float) -> str:
