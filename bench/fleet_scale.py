@@ -80,6 +80,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -219,8 +220,12 @@ class _Cpu:
         )
 
 
-def _recoverer_only(url: str, fleet: Fleet, args: argparse.Namespace) -> None:
-    """Phase 3 alone: the real server, the agents' bring-up, the recoverer."""
+@contextlib.contextmanager
+def _brought_up(
+    url: str, fleet: Fleet, args: argparse.Namespace
+) -> Iterator[tuple[list[subprocess.Popen[bytes]], FleetLoad]]:
+    """The real server's processes and the load, once every agent's first
+    heartbeat was due (the bring-up, printed); the servers stop on exit."""
     processes, port = start_servers("full", url, args.workers)
     try:
         with FleetLoad(
@@ -228,9 +233,15 @@ def _recoverer_only(url: str, fleet: Fleet, args: argparse.Namespace) -> None:
         ) as load:
             up = load.phase(args.bringup, args.bringup, drain=600)
             print(_line("full, bring-up", up, args.bringup), flush=True)
-            _recover(url, fleet, load, args.interval)
+            yield processes, load
     finally:
         stop_servers(processes)
+
+
+def _recoverer_only(url: str, fleet: Fleet, args: argparse.Namespace) -> None:
+    """Phase 3 alone: the real server, the agents' bring-up, the recoverer."""
+    with _brought_up(url, fleet, args) as (_, load):
+        _recover(url, fleet, load, args.interval)
 
 
 def _full(
@@ -240,14 +251,9 @@ def _full(
     recoverer if asked for. Returns (capacity, hold at --interval)."""
     agents = fleet.size - fleet.silent_count()
     need = agents / args.interval
-    processes, port = start_servers("full", url, args.workers)
-    cpu = _Cpu(server, [p.pid for p in processes])
     try:
-        with FleetLoad(
-            port, fleet, processes=args.load_processes, connections=args.connections
-        ) as load:
-            up = load.phase(args.bringup, args.bringup, drain=600)
-            print(_line("full, bring-up", up, args.bringup), flush=True)
+        with _brought_up(url, fleet, args) as (processes, load):
+            cpu = _Cpu(server, [p.pid for p in processes])
             # Right after the bring-up, as with the bare endpoint: the same state.
             closed = load.phase(0, args.seconds)
             print(_line("full, capacity", closed), flush=True)
@@ -284,7 +290,6 @@ def _full(
                 _recover(url, fleet, load, interval)
             return closed, hold
     finally:
-        stop_servers(processes)
         if args.profile:
             _print_profiles(Path(args.profile))
 
