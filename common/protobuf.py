@@ -97,10 +97,6 @@ def parse_checked(cls: type[_M], data: bytes) -> _M:
     return cls.parse(data)
 
 
-class _VarintError(ValueError):
-    """A malformed varint; the caller adds where it is (built only then)."""
-
-
 def checked_fields(cls: type[betterproto2.Message], data: bytes) -> dict[str, bytes | int]:
     """The checks of `parse_checked` on ``data`` as a ``cls`` message,
     without building the message: the values of its singular fields that
@@ -122,15 +118,15 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
     result = 0
     for shift in range(0, 70, 7):
         if pos >= len(data):
-            raise _VarintError("truncated varint")
+            raise ValueError("truncated varint")
         byte = data[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
             if result >= 1 << 64:
-                raise _VarintError("varint over 64 bits")
+                raise ValueError("varint over 64 bits")
             return result, pos
-    raise _VarintError("varint longer than 10 bytes")
+    raise ValueError("varint longer than 10 bytes")
 
 
 _PLAIN, _STRING, _MESSAGE = 0, 1, 2
@@ -218,7 +214,7 @@ def _walk(
         else:
             try:
                 key, pos = _varint(data, pos)
-            except _VarintError as exc:
+            except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
         number, wire_type = key >> 3, key & 7
         if not 0 < number < 1 << 29:
@@ -259,7 +255,7 @@ def _walk(
         else:
             try:
                 value, pos = _varint(data, pos)
-            except _VarintError as exc:
+            except ValueError as exc:
                 raise ValueError(f"{where}.{name}, field {number}: {exc}") from None
         if wire_type == _VARINT:
             if out is not None and field.singular:
@@ -292,7 +288,7 @@ def _walk_packed(wire_type: int, payload: bytes, where: str) -> None:
         if wire_type == _VARINT:
             try:
                 _, pos = _varint(payload, pos)
-            except _VarintError as exc:
+            except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
         else:
             pos += 8 if wire_type == _FIXED64 else 4
@@ -307,7 +303,7 @@ def _skip(data: bytes, pos: int, wire_type: int, where: str) -> int:
             return _varint(data, pos)[1]
         if wire_type == _LEN:
             length, pos = _varint(data, pos)
-    except _VarintError as exc:
+    except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     if wire_type in (_FIXED64, _FIXED32):
         end = pos + (8 if wire_type == _FIXED64 else 4)

@@ -243,8 +243,9 @@ def test_pipelined_requests_to_a_handler_that_never_waits_let_others_run() -> No
     with thread_server(serve) as server:
         answers = exchange(server.port, good_request(b"x") * 200)
     assert statuses(answers) == [200] * 200
-    # Without a checkpoint between them, the requests of one read share a tick.
-    assert len(set(seen)) > 150, seen
+    # Without a checkpoint between them, the requests of one read share a tick
+    # (1 distinct tick here without it; 149 to 200 with it).
+    assert len(set(seen)) > 100, seen
 
 
 def test_non_ascii_digit_content_length_is_a_400_and_the_server_goes_on(
