@@ -65,6 +65,20 @@ async def equinix_client(equinix: LocalEquinix) -> AsyncIterator[EquinixClient]:
         yield client
 
 
+async def _failure(conn: bmdb.Connection, decommissioner: Decommissioner, mid: uuid.UUID) -> str:
+    """Run ``decommissioner`` until the machine's decommission history has
+    its second event (Started, then how it ended); that one is a failure:
+    its cause."""
+
+    async def ended(stats: LoopStats) -> bool:
+        return len(await events(conn, mid, Process.SHEPHERD_DECOMMISSION)) >= 2
+
+    await run_until(conn, decommissioner, ended)
+    [_, (event, cause)] = await events(conn, mid, Process.SHEPHERD_DECOMMISSION)
+    assert event == WorkEvent.FAILED, cause
+    return cause
+
+
 def _fake_install(sshd: Sshd) -> tuple[Path, subprocess.Popen[bytes]]:
     """What an install leaves on the loopback disk, with a "node" running
     from its image (a process whose command line names the image, as the
@@ -227,12 +241,8 @@ async def test_no_release_before_a_wipe_is_reported(
     ssh = SSHClient(shepherd_ssh_key, username="root", connect_timeout=5.0)
     decommissioner = Decommissioner(provider, ssh, agent_target_path="/root/agent")
 
-    async def failed(stats: LoopStats) -> bool:
-        return len(await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)) >= 2
-
-    await run_until(bmdb_conn, decommissioner, failed)
-    [_, (event, cause)] = await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)
-    assert event == WorkEvent.FAILED and "no pinned SSH host key" in cause
+    cause = await _failure(bmdb_conn, decommissioner, mid)
+    assert "no pinned SSH host key" in cause
     assert device in equinix.devices
     code, out, _ = await cli("--url", bmdb_url, "machine", str(mid))
     assert "not wiped yet" in out and "BACKOFF" in out and "ShepherdDecommission" in out
@@ -301,13 +311,8 @@ async def test_a_cluster_node_is_not_wiped_without_owner_credentials(
         assert (code, err) == (0, ""), err
         decommissioner = Decommissioner(provider, ssh, agent_target_path=str(target))
 
-        async def failed(stats: LoopStats) -> bool:
-            return len(await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)) >= 2
-
-        await run_until(bmdb_conn, decommissioner, failed)
-        [_, (event, cause)] = await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)
+        cause = await _failure(bmdb_conn, decommissioner, mid)
         node_name = bmdb.model.node_id(key)
-        assert event == WorkEvent.FAILED
         assert f"is cluster node {node_name}; no owner credentials to remove it" in cause
         # Nothing was wiped: the node runs, the disk and the agent's key are there.
         assert node.poll() is None
@@ -356,12 +361,7 @@ async def test_a_failing_node_removal_is_retried_then_shown_and_nothing_is_wiped
         remove_backoff=ExponentialBackoff(initial=0.01, maximum=0.02),
     )
 
-    async def failed(stats: LoopStats) -> bool:
-        return len(await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)) >= 2
-
-    await run_until(bmdb_conn, decommissioner, failed)
-    [_, (event, cause)] = await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)
-    assert event == WorkEvent.FAILED
+    cause = await _failure(bmdb_conn, decommissioner, mid)
     assert f"is cluster node {bmdb.model.node_id(key)}; removing it failed 3 time(s)" in cause
     code, out, _ = await cli("--url", bmdb_url, "machine", str(mid))
     assert "removing it failed" in out and "not wiped yet" in out and "BACKOFF" in out
@@ -404,12 +404,7 @@ async def test_a_node_whose_install_report_comes_during_the_decommission_is_remo
         assert (code, err) == (0, ""), err
         decommissioner = ReportDuringTheWipe(provider, ssh, agent_target_path=str(target))
 
-        async def failed(stats: LoopStats) -> bool:
-            return len(await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)) >= 2
-
-        await run_until(bmdb_conn, decommissioner, failed)
-        [_, (event, cause)] = await events(bmdb_conn, mid, Process.SHEPHERD_DECOMMISSION)
-        assert event == WorkEvent.FAILED
+        cause = await _failure(bmdb_conn, decommissioner, mid)
         node_name = bmdb.model.node_id(key)
         assert f"is cluster node {node_name}; no owner credentials to remove it" in cause
 
