@@ -11,6 +11,7 @@ import getpass
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,28 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     base = session.config.stash.get(_XDIST_BASETEMP, None)
     if base is not None and exitstatus == 0:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fixed_addresses_claimed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A "fixed-address" module runs only while this process holds block 0.
+
+    Its nodes use the product's default addresses, which no claim of
+    `tests.loopback` covers: a second test run on the same host that reaches
+    such a module while another run is in one is refused in one line, naming
+    the other run, instead of colliding with it on the nodes' ports.
+    """
+    from tests import loopback
+
+    path = Path(str(request.path)).relative_to(Path(str(request.config.rootpath))).as_posix()
+    if SERIAL_GROUPS.get(path) != "fixed-address":
+        yield
+        return
+    try:
+        fd = loopback.claim_default_block()
+    except loopback.BlockHeld as held:
+        pytest.fail(str(held), pytrace=False)
+    try:
+        yield
+    finally:
+        os.close(fd)

@@ -11,6 +11,7 @@ nodes there. The install rig puts them in the block.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,48 @@ def test_each_worker_has_a_block_of_its_own_and_none_has_the_default() -> None:
     assert install_rig.FIRST == loopback.FIRST == first_node_address(loopback.BLOCK)
     assert loopback.fleet_hosts(2) == loopback_addresses(2, block=loopback.BLOCK)
     assert loopback.BLOCK != 0
+
+
+def test_a_block_held_by_another_run_is_skipped_and_freed_when_it_ends(tmp_path: Path) -> None:
+    # Another run: a child process that claims block 5 and waits.
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from pathlib import Path; from tests import loopback;"
+                f"b, _ = loopback.claim_block(5, lock_dir=Path({str(tmp_path)!r}));"
+                "print(b, flush=True); sys.stdin.read()"
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=TESTS.parent,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "5"
+        block, fd = loopback.claim_block(5, lock_dir=tmp_path)
+        assert block == 6  # 5 is the other run's
+        os.close(fd)
+    finally:
+        child.communicate("")
+    block, fd = loopback.claim_block(5, lock_dir=tmp_path)  # its end freed it
+    assert block == 5
+    os.close(fd)
+
+
+def test_the_default_block_held_by_another_run_is_refused_naming_it(tmp_path: Path) -> None:
+    fd = loopback.claim_default_block(lock_dir=tmp_path)
+    try:
+        # flock is per open file: a second open in this process is "another run".
+        with pytest.raises(
+            loopback.BlockHeld, match=rf"another test run \(pid {os.getpid()}, run in "
+        ):
+            loopback.claim_default_block(lock_dir=tmp_path)
+    finally:
+        os.close(fd)
+    os.close(loopback.claim_default_block(lock_dir=tmp_path))
