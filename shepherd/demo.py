@@ -29,6 +29,9 @@ cluster reports them (with ``--takeover-only``: each machine's takeover
 outcome as the BMDB records it). ``--web`` serves the web UI
 (``python -m console web``) for the run and prints its URL.
 
+With ``--stay`` (implied by ``--web`` unless ``--exit`` is given) every
+server keeps running after the table, and the demo prints the commands
+that work against them (`shepherd.demo_stay`), until Ctrl-C or SIGTERM.
 Then it stops everything, PostgreSQL last (after every BMDB session is
 closed), waits until no process it started (agents, nodes, etcd, the web
 UI) runs, and removes what it created in its working folder (``--keep``
@@ -81,6 +84,7 @@ from shepherd.demo_cluster import (
     node_image,
     whole_path,
 )
+from shepherd.demo_stay import look_around
 from shepherd.demo_table import final_table, render
 from shepherd.demo_takeover import Outcome, Progress, watch_takeover, write_machines_file
 from shepherd.demo_web import start_web
@@ -137,6 +141,8 @@ class Options:
     keep: bool
     takeover_only: bool = False
     web: str | None = None
+    #: After the table, keep every server up until Ctrl-C/SIGTERM.
+    stay: bool = False
     image_cache: Path | None = None
     etcd: Path = Path("/usr/bin/etcd")
 
@@ -192,6 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help=f"also serve the web UI (python -m console web) for the run, at HOST:PORT "
         f"(default {DEFAULT_WEB}; port 0: any free port); its URL is printed",
+    )
+    parser.add_argument(
+        "--stay",
+        action="store_true",
+        help="after the table, keep PostgreSQL, the fleet, the nodes, the Shepherd and the "
+        "web UI running until Ctrl-C or SIGTERM, and print the commands (bmdb machines, "
+        "hold, decommission, metropolis owner nodes, set-roles) that work against them; "
+        "implied by --web",
+    )
+    parser.add_argument(
+        "--exit",
+        action="store_true",
+        help="end after the table even with --web (the run's servers stop)",
     )
     parser.add_argument(
         "--image-cache",
@@ -258,7 +277,7 @@ async def run_interruptible(options: Options, postgres: LocalPostgres) -> bool |
     stops PostgreSQL and ends the process after `SHUTDOWN_BOUND` seconds.
     """
     result: bool | None = None
-    with trio.open_signal_receiver(signal.SIGINT) as signals:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
             async def on_interrupt() -> None:
@@ -376,14 +395,24 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
         progress = Progress()
         try:
             if options.takeover_only:
+                urls: list[str] = []
                 if options.web is not None:
-                    await start_web(
+                    urls = await start_web(
                         nursery, options.web, options.workdir / "web.log", postgres.url("bmdb")
                     )
                 finished, results = False, list[Outcome]()
                 with trio.move_on_at(deadline):
                     finished, results = await watch_takeover(conn, expected, progress)
                 table = render(results, ports)
+                if options.stay:
+                    await _stay(
+                        table,
+                        look_around(
+                            bmdb_url=postgres.url("bmdb"),
+                            machine=await _machine_id(conn, provider, ids[0]),
+                            web_urls=urls,
+                        ),
+                    )
             else:
                 async with open_first_node(
                     options.workdir / FIRST_DIR,
@@ -397,8 +426,9 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
                         FIRST_NODE_ADDRESS,
                         options.workdir / "first.log",
                     )
+                    urls = []
                     if options.web is not None:
-                        await start_web(
+                        urls = await start_web(
                             nursery,
                             options.web,
                             options.workdir / "web.log",
@@ -415,6 +445,18 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
                         image_ready,
                     )
                     table = final_table(seen, dict(zip(ids, machines, strict=True)), expected)
+                    if options.stay:
+                        cluster_file = options.workdir / "cluster.pb"
+                        cluster_file.write_bytes(bytes(first.info))
+                        text = look_around(
+                            bmdb_url=postgres.url("bmdb"),
+                            machine=await _machine_id(conn, provider, ids[0]),
+                            web_urls=urls,
+                            cluster_file=cluster_file,
+                            owner_key=first.owner_key,
+                            node=_node_of(table, ids[0]),
+                        )
+                        await _stay(table, text)
         finally:
             # Cancelled first, so that no new agent starts after this.
             nursery.cancel_scope.cancel()
@@ -438,6 +480,35 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
                 "stopped early: a step failed (above), not every machine reached its outcome"
             )
     return finished
+
+
+async def _stay(table: str, commands: str) -> None:
+    """Print ``table`` and ``commands``, then wait until cancelled (Ctrl-C,
+    SIGTERM): the servers of the run stay up meanwhile."""
+    sys.stdout.write(table + "\n" + commands)
+    sys.stdout.flush()
+    logger.info("progress: staying up; Ctrl-C (or SIGTERM) stops everything")
+    await trio.sleep_forever()
+
+
+async def _machine_id(conn: bmdb.Connection, provider: StaticProvider, name: str) -> str:
+    """The BMDB's machine id (what ``python -m bmdb`` takes) of the provider's ``name``."""
+
+    async def read(q: bmdb.Queries) -> list[str]:
+        provided = await q.provided_by_provider(provider.type)
+        return [str(p.machine_id) for p in provided if p.provider_id == name]
+
+    found = await conn.transact(read)
+    return found[0] if found else name
+
+
+def _node_of(table: str, machine: str) -> str | None:
+    """The node id the final ``table`` gives ``machine`` (its third column), if any."""
+    for line in table.splitlines():
+        cells = line.split()
+        if len(cells) > 2 and cells[0] == machine and cells[2].startswith("metropolis-"):
+            return cells[2]
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -473,6 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep=args.keep,
         takeover_only=args.takeover_only,
         web=args.web,
+        stay=args.stay or (args.web is not None and not args.exit),
         image_cache=args.image_cache,
         etcd=args.etcd,
     )
@@ -501,6 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Cleanup is bounded (PostgreSQL's stop waits, then kills): a second
         # Ctrl-C must not cut it short and leave the server running.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # Last, after trio.run has closed every BMDB session: the server
         # runs in its own process group, so Ctrl-C did not stop it.
         if postgres is not None:

@@ -25,13 +25,13 @@ async def start_web(
     log: Path,
     bmdb_url: str,
     first: FirstNode | None = None,
-) -> None:
+) -> list[str]:
     """Start ``python -m console web`` at ``listen`` (HOST:PORT) on the BMDB
     at ``bmdb_url`` and, given ``first``, its cluster, in a session of its
     own, its stderr appended to ``log``; log its URL. It runs in ``nursery``
     and stops (SIGTERM, SIGKILL after `STOP_GRACE` s) when that is
     cancelled: the demo cancels it before PostgreSQL stops. `DemoFailed` if
-    it does not serve within 60 s."""
+    it does not serve within 60 s. Returns the URLs it serves on."""
     argv = [sys.executable, "-m", "console", "--url", bmdb_url]
     argv += ["web", "--listen", listen]
     if first is not None:
@@ -73,6 +73,7 @@ async def start_web(
         raise DemoFailed(f"the web UI did not start: {said[-1] if said else 'no output'}")
     what = "the machines' pages" + (" and the cluster's nodes" if first is not None else "")
     logger.info("progress: web UI: %s (%s; open it in a browser)", " ".join(urls), what)
+    return urls
 
 
 async def _stop_process(process: trio.Process) -> None:

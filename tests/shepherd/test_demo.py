@@ -9,7 +9,9 @@ install. They use the fixed loopback addresses (127.0.0.2-N, 127.0.1.1).
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,7 +121,7 @@ def test_the_whole_path_ends_with_healthy_nodes_two_of_them_consensus_members(
     demo = subprocess.Popen(
         [
             *(sys.executable, "-m", "shepherd.demo", "--machines", "4", "--broken", "1"),
-            *("--workdir", str(workdir), "--web", "127.0.0.1:0"),
+            *("--workdir", str(workdir), "--web", "127.0.0.1:0", "--exit"),
             # The session's image (tests/fixtures/image.py): no build here.
             *("--image-cache", str(IMAGE_CACHE)),
         ],
@@ -342,3 +344,59 @@ def test_ctrl_c_ends_the_demo_with_one_line_and_leaves_nothing_running(
     assert wait_gone(postgres_pid), "PostgreSQL still runs after the demo"
     assert not workdir.exists()
     assert processes_under(workdir) == []
+
+
+def test_stay_keeps_the_servers_up_and_its_printed_commands_work_until_sigterm(
+    traversable_dir: Path,
+) -> None:
+    """``--web`` implies ``--stay``: after the table the demo keeps running and
+    prints commands; a hold and a decommission typed as printed show on the
+    machine's page; SIGTERM then ends it with one line, nothing left behind."""
+    workdir = traversable_dir / "demo"
+    demo = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "shepherd.demo", "--machines", "2", "--broken", "1"),
+            *("--takeover-only", "--workdir", str(workdir), "--web", "127.0.0.1:0"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert demo.stdout is not None and demo.stderr is not None
+        printed: list[str] = []
+        for line in demo.stdout:
+            printed.append(line)
+            if "-m bmdb" in line and " decommission " in line:
+                break
+        commands = [shlex.split(line) for line in printed if "-m bmdb" in line]
+        web = [line.split()[-1] for line in printed if line.strip().startswith("web UI:")]
+        assert web and web[0].startswith("http://"), printed
+        assert demo.poll() is None, "the demo ended instead of staying"
+        by_name = {c[c.index("--url") + 2]: c for c in commands}
+        assert set(by_name) >= {"machines", "machine", "hold", "release", "decommission"}
+        machine = by_name["hold"][by_name["hold"].index("hold") + 1]
+        listed = subprocess.run(by_name["machines"], capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0 and machine in listed.stdout, listed.stderr
+        for action in ("hold", "release", "decommission"):
+            done = subprocess.run(by_name[action], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            page = httpx.get(f"{web[0]}/machine/{machine}", timeout=30).text
+            if action == "hold":
+                assert "Held by" in page and "a look around" in page, page
+        assert "Decommission:" in page and "end of the demo" in page, page
+        postmaster = workdir / "postgres" / "data" / "postmaster.pid"
+        postgres_pid = int(postmaster.read_text().split()[0])
+        demo.send_signal(signal.SIGTERM)
+        rest = demo.stderr.read()
+        returncode = demo.wait(timeout=90)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert returncode == 130, rest
+    assert "Traceback" not in rest, rest
+    assert rest.strip().splitlines()[-1] == INTERRUPTED
+    assert wait_gone(postgres_pid), "PostgreSQL still runs after the demo"
+    assert processes_under(workdir) == []
+    assert not workdir.exists()
