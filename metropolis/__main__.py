@@ -93,7 +93,10 @@ log = logging.getLogger("metropolis.cli")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="metropolis", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="metropolis",
+        description="The node half: run a cluster node, build its image, manage the cluster.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     node = commands.add_parser("node", help="run a cluster node")
     actions = node.add_subparsers(dest="action", required=True)

@@ -78,6 +78,7 @@ from bmdb.metrics import DEFAULT_FLEET_PERIOD, ConnectionCollector, FleetGauges
 from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
 from bmdb.retention import RetentionPolicy, parse_age
 from common.cli import run_main
+from common.commands import DEFAULT, commands_description
 from common.listen import listen_address
 from common.metrics import serve_metrics
 from metropolis.errors import MetropolisError
@@ -250,10 +251,24 @@ def _nonempty_file(path: str) -> bytes:
     return data
 
 
+#: What ``python -m shepherd`` can do, as its ``--help`` starts (and the README lists).
+COMMANDS = (
+    (DEFAULT, "run the control loops: takeover, provisioning, recovery, decommission"),
+    ("install", "ask machines to install the node image (its own --help)"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shepherd",
-        description="Start the takeover agent on every provided machine in the BMDB.",
+        usage="%(prog)s [install ...] --bmdb-url URL --provider {static,equinix} [options]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=commands_description(
+            COMMANDS,
+            "Without a command the Shepherd runs its control loops on the BMDB at --bmdb-url"
+            " and the machines of --provider until SIGINT/SIGTERM: the options below are"
+            " theirs. 'python -m shepherd install --help' gives install's own.",
+        ),
         epilog="'python -m shepherd install --help': ask machines to install the node image.",
     )
     db = parser.add_argument_group("BMDB")

@@ -71,6 +71,7 @@ import bmdb
 from bmdb.errors import BMDBError
 from bmdb.localserver import LocalPostgres, LocalPostgresError
 from common.cli import leaf_errors
+from common.commands import DEFAULT, commands_description
 from metropolis.errors import MetropolisError
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
@@ -147,10 +148,22 @@ class Options:
     etcd: Path = Path("/usr/bin/etcd")
 
 
+#: What the demo can do, as its ``--help`` starts (and the README lists).
+COMMANDS = (
+    (DEFAULT, "the whole path: takeover, image, install, approval, a cluster; then stop"),
+    ("--takeover-only", "stop after the takeover: each machine's outcome"),
+    ("--stay", "then keep everything up and print commands to try, until Ctrl-C"),
+    ("--web", "also serve the web UI and print its URL (implies --stay; --exit ends)"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m shepherd.demo",
-        description=(
+        usage="%(prog)s [--takeover-only] [--stay | --web [HOST:PORT] [--exit]] [options]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=commands_description(
+            COMMANDS,
             "The whole path on one machine: a private PostgreSQL (the BMDB), a fleet of SSH "
             "machines on loopback (127.0.0.2, .3, ...) that the Shepherd takes over (some "
             "refuse our key, to show failure handling), a cluster bootstrapped by a first "
@@ -160,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
             "ConsensusMember. Prints what changes, then one table: machine, address, node "
             "id, roles, health. The default run takes about 30 s on 2 cores (the first one "
             "also builds the image, 10-30 s more). Needs Debian's postgresql (15) and "
-            "etcd-server packages. Ctrl-C stops everything."
+            "etcd-server packages. Ctrl-C stops everything.",
         ),
     )
     parser.add_argument(
