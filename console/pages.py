@@ -18,6 +18,7 @@ from bmdb.overview import MachineState, State, StateCounts
 from console.audit import machine_section
 from console.counts import CountsCache
 from console.errors import CountsUnavailable, NotFound
+from console.guidance import next_step
 from console.render import (
     Html,
     ago,
@@ -150,7 +151,8 @@ async def machines(
             "/machines", {"state": state, "provider": provider, "after": rows[-1].machine_id}
         )
         pager.append(link(next_url, "next page", rel="next", id="next"))
-    content = Html("".join(filt) + age + chart + body + "<p>" + " | ".join(pager) + "</p>")
+    guide = next_step(taken, rows) if state is None and provider is None and after is None else ""
+    content = Html("".join(filt) + age + chart + guide + body + "<p>" + " | ".join(pager) + "</p>")
     title = "Machines" + (f": {state}" if state else "") + (f" of {provider}" if provider else "")
     in_all = f", {taken.total} in all" if taken is not None else ""
     return page(title, content, footer=f"{len(rows)} shown{in_all}")
