@@ -48,5 +48,5 @@ def look_around(
         )
         lines.append(f"  {owner} nodes")
         if node is not None:
-            lines.append(f"  {owner} set-roles {node} --grant KubernetesWorker")
+            lines.append(f"  {owner} set-roles {node} --kubernetes-controller on")
     return "\n".join(lines) + "\n"

@@ -400,3 +400,48 @@ def test_stay_keeps_the_servers_up_and_its_printed_commands_work_until_sigterm(
     assert wait_gone(postgres_pid), "PostgreSQL still runs after the demo"
     assert processes_under(workdir) == []
     assert not workdir.exists()
+
+
+def test_stay_after_the_whole_path_prints_owner_commands_that_work(
+    traversable_dir: Path, node_image: Path
+) -> None:
+    """After the whole path, ``--stay``'s printed ``owner ... nodes`` lists the
+    nodes of the table and its ``set-roles`` is accepted; Ctrl-C ends it."""
+    workdir = traversable_dir / "demo"
+    demo = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "shepherd.demo", "--machines", "2", "--broken", "0"),
+            *("--workdir", str(workdir), "--stay", "--image-cache", str(IMAGE_CACHE)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    try:
+        assert demo.stdout is not None and demo.stderr is not None
+        printed: list[str] = []
+        for line in demo.stdout:
+            printed.append(line)
+            if " set-roles " in line:
+                break
+        owner = [shlex.split(line) for line in printed if "-m metropolis owner" in line]
+        nodes = next(c for c in owner if c[-1] == "nodes")
+        listed = subprocess.run(nodes, capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        table_ids = {line.split()[2] for line in printed if line.startswith("demo-")}
+        assert table_ids and all(i in listed.stdout for i in table_ids), listed.stdout
+        roles = next(c for c in owner if "set-roles" in c)
+        granted = subprocess.run(roles, capture_output=True, text=True, timeout=60)
+        assert granted.returncode == 0, granted.stderr
+        os.killpg(demo.pid, signal.SIGINT)
+        rest = demo.stderr.read()
+        returncode = demo.wait(timeout=90)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert returncode == 130, rest
+    assert rest.strip().splitlines()[-1] == INTERRUPTED
+    assert processes_under(workdir) == []
+    assert not workdir.exists()
