@@ -55,6 +55,7 @@ from bmdb.connection import STANDBY_NOTE, migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
 from common.cli import run_main
+from common.sshkey import fingerprint
 from common.text import printable
 
 
@@ -164,6 +165,7 @@ async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
         ("heartbeat", _when(m.agent_heartbeat_at)),
         ("hardware report", _size(detail.hardware_report_bytes)),
         *_installation_fields(detail.installation),
+        ("ssh host key", fingerprint(detail.ssh_host_key) if detail.ssh_host_key else "-"),
         ("ssh host key first seen", _when(detail.ssh_host_key_first_seen)),
         ("last failure", _when(m.failed_at)),
         ("last failure cause", _oneline(m.failed_cause)),

@@ -152,9 +152,40 @@ _FILTERS = (
 )
 
 
-def _compose(conditions: Sequence[str], limit: str) -> str:
-    """A page of machines with ``conditions`` (one per `_FILTERS` entry) and ``limit``."""
+def state_prefilter(state: State | None) -> str:
+    """A condition on machine m alone that holds exactly for the machines
+    in ``state``, or ``true`` (None, or a state without one: `STATE_SQL`
+    decides). A page selects its machines by it first, where an index
+    serves it, before any machine's other joins are read.
+
+    Why: the ``state`` filter compares the computed state, so a page of
+    failed machines read machines in order, each with all its joins, until
+    it had 101 failed ones (about 257 ms at 100,000 machines). "failed" is
+    an active backoff: a semi-join on work_backoff (its primary key leads
+    with machine_id) finds those without reading the rest. The other
+    states are most of the fleet or cheap to find in order, so they need
+    none. Keep this beside `STATE_SQL`: a state added there that is rare
+    wants its condition here."""
+    if state == State.FAILED:
+        return (
+            "EXISTS (SELECT 1 FROM work_backoff fb"
+            " WHERE fb.machine_id = m.machine_id AND fb.until > now())"
+        )
+    return "true"
+
+
+def _compose(conditions: Sequence[str], limit: str, prefilter: str = "true") -> str:
+    """A page of machines with ``conditions`` (one per `_FILTERS` entry),
+    ``limit`` and ``prefilter`` (`state_prefilter`: exactly the state's
+    machines)."""
     after, provider, state, install_state = conditions
+    machines = "machines"
+    if prefilter != "true" and provider == "true":
+        # The page's machines first, in order, by the prefilter alone (exact
+        # for the states that have one): the joins below then read a page,
+        # not every machine in the state.
+        machines = f"""(SELECT m.* FROM machines m WHERE {after} AND {prefilter}
+                       ORDER BY m.machine_created_at, m.machine_id {limit})"""
     return f"""
 SELECT * FROM (
     SELECT m.machine_id, m.machine_created_at, p.provider, p.provider_id, p.provider_address,
@@ -176,7 +207,7 @@ SELECT * FROM (
                 WHEN dcm.released_at IS NOT NULL THEN 'released'
                 WHEN dcm.wiped_at IS NOT NULL THEN 'wiped'
                 ELSE 'requested' END AS decommission
-    FROM machines m
+    FROM {machines} m
     {_TAGS}
     LEFT JOIN machine_hold hd ON hd.machine_id = m.machine_id
     LEFT JOIN machine_decommission dcm ON dcm.machine_id = m.machine_id
@@ -189,6 +220,7 @@ SELECT * FROM (
         ORDER BY x.id DESC LIMIT 1) f ON true
     WHERE {after}
       AND {provider}
+      AND {prefilter}
 ) v
 WHERE {state}
   AND {install_state}
@@ -209,17 +241,20 @@ def machines_sql(params: Mapping[str, Any]) -> str:
     size has a generic plan as good as the custom one. Texts stay few (16
     combinations, a few page sizes); the driver prepares at most
     `bmdb._pg.MAX_PREPARED` per connection in any case."""
+    state = None if params["state"] is None else State(params["state"])
     return _machines_sql(
-        tuple(params[name] is not None for name, _ in _FILTERS), int(params["limit"])
+        tuple(params[name] is not None for name, _ in _FILTERS), int(params["limit"]), state
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _machines_sql(given: tuple[bool, ...], limit: int | None) -> str:
-    """The filters ``given`` (in `_FILTERS` order), LIMIT ``limit`` (None: none)."""
+def _machines_sql(given: tuple[bool, ...], limit: int | None, state: State | None = None) -> str:
+    """The filters ``given`` (in `_FILTERS` order), LIMIT ``limit`` (None:
+    none), the `state_prefilter` of ``state``."""
     return _compose(
         [cond if on else "true" for on, (_, cond) in zip(given, _FILTERS, strict=True)],
         "" if limit is None else f"LIMIT {limit:d}",
+        state_prefilter(state),
     )
 
 

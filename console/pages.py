@@ -15,6 +15,7 @@ from bmdb.connection import Connection
 from bmdb.errors import BMDBError
 from bmdb.model import InstallState, OSInstallation, Provider, WorkEvent
 from bmdb.overview import MachineState, State, StateCounts
+from common.sshkey import fingerprint
 from console.audit import machine_section
 from console.counts import CountsCache
 from console.errors import CountsUnavailable, NotFound
@@ -210,7 +211,7 @@ async def machine(conn: Connection, machine_id: str) -> Html:
                 "hardware report",
                 f"{d.hardware_report_bytes} bytes" if d.hardware_report_bytes is not None else "-",
             ),
-            ("SSH host key", d.ssh_host_key.hex() if d.ssh_host_key else "-"),
+            ("SSH host key", fingerprint(d.ssh_host_key) if d.ssh_host_key else "-"),
             ("SSH host key first seen", ago(d.ssh_host_key_first_seen, now)),
             ("last failure", ago(m.failed_at, now)),
             ("last failure cause", m.failed_cause or "-"),
