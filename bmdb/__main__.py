@@ -55,6 +55,7 @@ from bmdb.connection import STANDBY_NOTE, migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
 from common.cli import run_main
+from common.exitcodes import show_in_help
 from common.text import printable
 
 
@@ -557,6 +558,7 @@ def _add_prune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bmdb", description="Inspect and migrate the BMDB.")
+    show_in_help(parser)
     add_url_option(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -623,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         print(trio.run(_command, args))
         return 0
 
-    return run_main("bmdb", body, known=(BMDBError,))
+    return run_main("bmdb", body, known=(BMDBError,), try_again=(actions.MachineBusy,))
 
 
 if __name__ == "__main__":
