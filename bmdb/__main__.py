@@ -113,10 +113,10 @@ async def _machines(conn: bmdb.Connection, args: argparse.Namespace) -> str:
             m.state,
             _install(m.install_state, m.install_generation)
             if m.was_install_state is None
-            else f"was {_install(m.was_install_state, m.install_generation)}",
+            else f"was:{_install(m.was_install_state, m.install_generation)}",
             "-"
             if m.node_id is None
-            else f"was node {m.node_id}"
+            else f"was:{m.node_id}"
             if m.state == overview.State.DECOMMISSIONED
             else m.node_id,
             f"{m.provider}:{_oneline(m.provider_id)}" if m.provider else "-",
