@@ -172,12 +172,28 @@ def _on(on: bool) -> dict[str, str]:
     return {"class": "on"} if on else {}
 
 
+def _install_of(m: MachineState) -> Html:
+    """The machine's installation; a tombstone's is what it was."""
+    if m.was_install_state is not None:
+        return Html(f"was {_install(m.was_install_state, m.install_generation)}")
+    return _install(m.install_state, m.install_generation)
+
+
+def _node_of(m: MachineState) -> Html | str:
+    """The installed node (linked); a tombstone's node is gone (no link)."""
+    if not m.node_id:
+        return "-"
+    if m.state == State.DECOMMISSIONED:
+        return Html(f'was <span class="mono">{esc(m.node_id)}</span>')
+    return node_link(m.node_id)
+
+
 def _machine_row(m: MachineState, now: datetime.datetime) -> tuple[object, ...]:
     return (
         _machine_link(m.machine_id),
         _state(m.state),
-        _install(m.install_state, m.install_generation),
-        node_link(m.node_id) if m.node_id else "-",
+        _install_of(m),
+        _node_of(m),
         m.provider or "-",
         m.provider_id or "-",
         m.address or "-",
@@ -197,7 +213,7 @@ async def machine(conn: Connection, machine_id: str) -> Html:
     tags = fields(
         [
             ("state", _state(m.state)),
-            ("install", _install(m.install_state, m.install_generation)),
+            ("install", _install_of(m)),
             ("created", ago(m.created_at, now)),
             ("provider", m.provider or "-"),
             ("provider id", m.provider_id or "-"),

@@ -78,6 +78,7 @@ from bmdb.metrics import DEFAULT_FLEET_PERIOD, ConnectionCollector, FleetGauges
 from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
 from bmdb.retention import RetentionPolicy, parse_age
 from common.cli import run_main
+from common.exitcodes import show_in_help
 from common.listen import listen_address
 from common.metrics import serve_metrics
 from metropolis.errors import MetropolisError
@@ -256,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the takeover agent on every provided machine in the BMDB.",
         epilog="'python -m shepherd install --help': ask machines to install the node image.",
     )
+    show_in_help(parser)
     db = parser.add_argument_group("BMDB")
     db.add_argument(
         "--bmdb-url", required=True, metavar="URL", help="libpq URL of the BMDB (already migrated)"
