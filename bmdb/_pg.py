@@ -248,7 +248,8 @@ class PgConnection:
     async def connect(cls, conninfo: str, bounds: Bounds = UNBOUNDED) -> PgConnection:
         """Open a connection. ``conninfo`` is a libpq URL or key/value string;
         an empty string means the ``PG*`` environment variables. ``bounds``
-        bound its statements and commits (none by default).
+        bound its statements and commits (none by default). The
+        connection's ``client_encoding`` is UTF8, whatever they say.
 
         Raises `DatabaseUnavailable` when the server cannot be reached, and
         for any other `psycopg.Error` (a malformed ``conninfo`` too), with a
@@ -256,11 +257,15 @@ class PgConnection:
         is not chained to it, as its text may (libpq quotes a malformed URL
         whole).
         """
+        # The client always speaks UTF-8, whatever the server's or the
+        # environment's default (PGCLIENTENCODING, a SQL_ASCII database):
+        # text comes back as str, never as undecoded bytes.
         connect = functools.partial(
             psycopg.Connection.connect,
             conninfo,
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT,
+            client_encoding="UTF8",
             **_with_statement_timeout(conninfo, bounds.statement),
         )
         try:
