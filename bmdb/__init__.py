@@ -64,6 +64,7 @@ bmdb`` is the command-line tool (migrate, machines, history, sessions,
 audit, and the actions: hold, release, retry-now, ...).
 """
 
+from bmdb._pg import Bounds
 from bmdb.backoff import Backoff
 from bmdb.connection import Connection, open_connection
 from bmdb.model import Process, Provider, ProviderStatus, Queries, WorkEvent
@@ -73,6 +74,7 @@ from bmdb.work import Work
 
 __all__ = [
     "Backoff",
+    "Bounds",
     "Connection",
     "Isolation",
     "Process",

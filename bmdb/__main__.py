@@ -55,6 +55,8 @@ from bmdb.connection import STANDBY_NOTE, migrate
 from bmdb.errors import BMDBError
 from bmdb.model import Queries, as_uuid
 from common.cli import run_main
+from common.exitcodes import show_in_help
+from common.sshkey import fingerprint
 from common.text import printable
 
 
@@ -110,8 +112,14 @@ async def _machines(conn: bmdb.Connection, args: argparse.Namespace) -> str:
         (
             str(m.machine_id),
             m.state,
-            _install(m.install_state, m.install_generation),
-            m.node_id or "-",
+            _install(m.install_state, m.install_generation)
+            if m.was_install_state is None
+            else f"was:{_install(m.was_install_state, m.install_generation)}",
+            "-"
+            if m.node_id is None
+            else f"was:{m.node_id}"
+            if m.state == overview.State.DECOMMISSIONED
+            else m.node_id,
             f"{m.provider}:{_oneline(m.provider_id)}" if m.provider else "-",
             _oneline(m.address),
             _when(m.agent_heartbeat_at),
@@ -164,6 +172,7 @@ async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
         ("heartbeat", _when(m.agent_heartbeat_at)),
         ("hardware report", _size(detail.hardware_report_bytes)),
         *_installation_fields(detail.installation),
+        ("ssh host key", fingerprint(detail.ssh_host_key) if detail.ssh_host_key else "-"),
         ("ssh host key first seen", _when(detail.ssh_host_key_first_seen)),
         ("last failure", _when(m.failed_at)),
         ("last failure cause", _oneline(m.failed_cause)),
@@ -551,6 +560,7 @@ def _add_prune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bmdb", description="Inspect and migrate the BMDB.")
+    show_in_help(parser)
     add_url_option(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -617,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         print(trio.run(_command, args))
         return 0
 
-    return run_main("bmdb", body, known=(BMDBError,))
+    return run_main("bmdb", body, known=(BMDBError,), try_again=(actions.MachineBusy,))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,28 @@ Without a cancel, nothing of this runs. Opening a connection runs psycopg's
 blocking ``connect`` in a worker thread (abandoned, and the connection
 discarded, if cancelled).
 
+Bounds (`Bounds`): no statement waits forever, whatever the server does.
+
+- The server ends a statement that runs longer than ``statement`` seconds
+  (``statement_timeout``, set at connect unless the URL's ``options`` or
+  ``PGOPTIONS`` set one already): SQLSTATE 57014.
+- The client gives up on a statement ``STATEMENT_GRACE`` seconds after
+  that (a server that no longer answers at all, a cut the network does not
+  report): it cancels as above, drops the connection and raises
+  `DatabaseUnavailable`.
+- ``COMMIT`` is bounded by the client alone, ``commit`` seconds, and never
+  cancelled on the server. ``statement_timeout`` does not cover the wait
+  for the synchronous standby (the server ends the statement's timer
+  before it commits), and a cancel that reaches a backend waiting there
+  makes it *commit locally* and answer success with a warning ("canceling
+  wait for synchronous replication"), a success a failover then loses. So
+  a commit that does not return in time is dropped with its connection,
+  and a commit answered with that warning (an operator's
+  ``pg_cancel_backend``, say) is not taken for a success either: both
+  raise `CommitOutcomeUnknown` (a `DatabaseUnavailable`): it may or may not
+  have happened, and the caller's rules for a lost connection apply (the
+  work locks' do: `bmdb.work`).
+
 Errors: a lost or unreachable server, and any `psycopg.Error` at connect (a
 malformed URL too), become `DatabaseUnavailable` with a one-line message
 from which the password is removed; errors reported by the server stay
@@ -70,9 +92,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import urllib.parse
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
@@ -86,6 +110,7 @@ from psycopg.waiting import Ready, Wait
 
 from bmdb.errors import (
     BMDBError,
+    CommitOutcomeUnknown,
     DatabaseUnavailable,
     InvalidArgument,
     PermissionDenied,
@@ -131,6 +156,58 @@ CANCEL_RETRY = (0.05, 0.5)
 #: Seconds allowed to end the backend of a connection given up on (step 3).
 TERMINATE_TIMEOUT = 5.0
 
+#: What `PgConnection._drive` runs when cancelled mid-statement.
+_OnCancel = Callable[[Generator[Wait, Ready, Any], int, Wait], Awaitable[None]]
+
+#: Default server-side bound on one statement (``statement_timeout``), seconds.
+STATEMENT_TIMEOUT = 30.0
+#: Seconds the client waits past ``statement_timeout`` for an answer before
+#: it takes the server for gone.
+STATEMENT_GRACE = 5.0
+#: Default client-side bound on one ``COMMIT``, seconds (module docstring).
+COMMIT_TIMEOUT = 10.0
+
+#: What a backend says when a wait for its synchronous standby was cut
+#: short: the transaction committed locally only (PostgreSQL's syncrep.c).
+_SYNCREP_CUT = "synchronous replication"
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """How long one statement and one commit may take, in seconds (None: no
+    bound). See the module docstring; `bmdb.open_connection` takes one."""
+
+    statement: float | None = STATEMENT_TIMEOUT
+    commit: float | None = COMMIT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        for name in ("statement", "commit"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"the {name} bound must be positive or None, got {value!r}")
+
+
+#: No bound at all: migrations (an index built over a large fleet) and tools.
+UNBOUNDED = Bounds(statement=None, commit=None)
+
+
+def _with_statement_timeout(conninfo: str, seconds: float | None) -> dict[str, Any]:
+    """The ``options`` keyword that sets ``statement_timeout`` at connect,
+    keeping what ``conninfo`` (or ``PGOPTIONS``) already says; none when
+    there is no bound, when they set one already, or when ``conninfo`` does
+    not parse (connect then reports it)."""
+    if seconds is None:
+        return {}
+    try:
+        options = conninfo_to_dict(conninfo).get("options")
+    except psycopg.Error:
+        return {}
+    existing = str(options) if options is not None else os.environ.get("PGOPTIONS", "")
+    if "statement_timeout" in existing:
+        return {}
+    setting = f"-c statement_timeout={max(1, round(seconds * 1000))}"
+    return {"options": f"{existing} {setting}".strip()}
+
 
 class PgConnection:
     """One PostgreSQL connection in autocommit mode, driven from Trio.
@@ -140,8 +217,17 @@ class PgConnection:
     ensures it).
     """
 
-    def __init__(self, conn: psycopg.Connection[Row], conninfo: str) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Row], conninfo: str, bounds: Bounds = UNBOUNDED
+    ) -> None:
         self._conn = conn
+        self.bounds = bounds
+        #: The client's own deadline for one statement (see `Bounds`).
+        self._deadline = None if bounds.statement is None else bounds.statement + STATEMENT_GRACE
+        #: Warnings that a wait for the synchronous standby was cut short,
+        #: received since the last `commit` began.
+        self._syncrep_cut: list[str] = []
+        conn.add_notice_handler(self._on_notice)
         #: To reach the server again, to end this connection's backend if a
         #: cancelled statement will not stop (see `_abort`).
         self._conninfo = conninfo
@@ -159,9 +245,11 @@ class PgConnection:
         self.lost_at_begin = False
 
     @classmethod
-    async def connect(cls, conninfo: str) -> PgConnection:
+    async def connect(cls, conninfo: str, bounds: Bounds = UNBOUNDED) -> PgConnection:
         """Open a connection. ``conninfo`` is a libpq URL or key/value string;
-        an empty string means the ``PG*`` environment variables.
+        an empty string means the ``PG*`` environment variables. ``bounds``
+        bound its statements and commits (none by default). The
+        connection's ``client_encoding`` is UTF8, whatever they say.
 
         Raises `DatabaseUnavailable` when the server cannot be reached, and
         for any other `psycopg.Error` (a malformed ``conninfo`` too), with a
@@ -169,15 +257,23 @@ class PgConnection:
         is not chained to it, as its text may (libpq quotes a malformed URL
         whole).
         """
+        # The client always speaks UTF-8, whatever the server's or the
+        # environment's default (PGCLIENTENCODING, a SQL_ASCII database):
+        # text comes back as str, never as undecoded bytes.
         connect = functools.partial(
-            psycopg.Connection.connect, conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT
+            psycopg.Connection.connect,
+            conninfo,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT,
+            client_encoding="UTF8",
+            **_with_statement_timeout(conninfo, bounds.statement),
         )
         try:
             conn = await trio.to_thread.run_sync(connect, abandon_on_cancel=True)
         except psycopg.Error as e:
             reason = _without_password(_one_line(e), conninfo)
         else:
-            return cls(conn, conninfo)
+            return cls(conn, conninfo, bounds)
         raise DatabaseUnavailable(f"cannot connect to the BMDB: {reason}")
 
     def begin(self, isolation: str) -> None:
@@ -192,6 +288,63 @@ class PgConnection:
         """
         self._begin = f"BEGIN ISOLATION LEVEL {isolation}".encode()
 
+    async def commit(self) -> None:
+        """Commit the open transaction, within the commit bound.
+
+        Never cancelled on the server when bounded (module docstring,
+        "Bounds"). Raises
+        `CommitOutcomeUnknown` when the commit does not return in time (the
+        connection is closed first) or returns with the warning that the
+        wait for the synchronous standby was cut short; `DatabaseUnavailable`
+        when the connection is lost; a `psycopg.Error` for a refusal (a
+        serialization failure at commit). Cancellation of the caller is as
+        for `execute`: the outcome is then unknown too.
+        """
+        if self._conn.closed:
+            raise DatabaseUnavailable("the BMDB connection is closed")
+        if self._begin is not None:
+            self._begin = None  # nothing was sent: nothing to commit
+            return
+        self._syncrep_cut.clear()
+        bound = self.bounds.commit
+        with trio.CancelScope() as scope:
+            if bound is not None:
+                scope.relative_deadline = bound
+            try:
+                results = await self._drive(
+                    self._simple(b"COMMIT"), on_cancel=None if bound is None else self._drop
+                )
+            except psycopg.OperationalError as e:
+                if self._conn.closed or self._conn.broken:
+                    raise CommitOutcomeUnknown(
+                        "lost the BMDB connection during COMMIT, its outcome unknown:"
+                        f" {_first_line(e)}"
+                    ) from e
+                raise
+        if scope.cancelled_caught:
+            raise CommitOutcomeUnknown(
+                f"COMMIT did not return within {bound:g} s (a primary waiting for a"
+                " synchronous standby it lost?): connection dropped, outcome unknown"
+            )
+        _check(results, self._encoding)
+        if self._syncrep_cut:
+            await self.close()
+            raise CommitOutcomeUnknown(
+                f"COMMIT returned, but {self._syncrep_cut[0]}: it may be lost at a failover;"
+                " connection dropped, outcome unknown"
+            )
+
+    async def _drop(self, gen: Generator[Wait, Ready, Any], fileno: int, state: Wait) -> None:
+        """What a cancelled `commit` does instead of `_abort`: close the
+        connection and send nothing (a cancel would commit locally)."""
+        await self.close()
+
+    def _on_notice(self, diag: psycopg.errors.Diagnostic) -> None:
+        message = diag.message_primary or ""
+        if _SYNCREP_CUT in message:
+            detail = diag.message_detail
+            self._syncrep_cut.append(printable(f"{message} ({detail})" if detail else message))
+
     async def execute(self, query: str, params: Params | None = None) -> list[Row]:
         """Run one statement (or, without params, several) and return the
         rows of the first result (empty if it returns none).
@@ -204,7 +357,9 @@ class PgConnection:
         the simple protocol, which allows several in one call (migrations,
         ``COMMIT``).
 
-        Raises `DatabaseUnavailable` if the connection is lost, a
+        Raises `DatabaseUnavailable` if the connection is lost or the server
+        does not answer within the statement bound and its grace (the
+        connection is then closed), a
         `psycopg.Error` for errors reported by the server, and a plain
         `trio.Cancelled` when cancelled, also mid-send: only once the
         statement does not run on the server any more, within a few seconds
@@ -214,6 +369,19 @@ class PgConnection:
         """
         if self._conn.closed:
             raise DatabaseUnavailable("the BMDB connection is closed")
+        if self._deadline is None:
+            return await self._execute(query, params)
+        with trio.move_on_after(self._deadline):
+            return await self._execute(query, params)
+        # The cancel has run (`_abort`): whatever the server does now, this
+        # connection is not to be trusted with the next statement.
+        await self.close()
+        raise DatabaseUnavailable(
+            f"the BMDB did not answer a statement within {self._deadline:g} s"
+            " (its statement_timeout and a grace): connection dropped"
+        )
+
+    async def _execute(self, query: str, params: Params | None) -> list[Row]:
         begin, self._begin = self._begin, None
         self.lost_at_begin = False
         try:
@@ -296,20 +464,27 @@ class PgConnection:
         errors = [r for reply in replies[:commands] for r in reply if r.status == FATAL_ERROR]
         return errors or replies[commands - 1]
 
-    async def _drive(self, gen: Generator[Wait, Ready, T]) -> T:
+    async def _drive(
+        self,
+        gen: Generator[Wait, Ready, T],
+        *,
+        on_cancel: _OnCancel | None = None,
+    ) -> T:
         """Run one of psycopg's protocol generators to completion.
 
         If cancelled, the statement is cancelled on the server first (see
-        `_abort`); then the plain `trio.Cancelled` propagates.
+        `_abort`; ``on_cancel`` instead if given); then the plain
+        `trio.Cancelled` propagates.
         """
         fileno = self._pgconn.socket
+        abort = self._abort if on_cancel is None else on_cancel
         try:
             state = next(gen)
             while True:
                 try:
                     ready = await _wait(fileno, state)
                 except trio.Cancelled:
-                    await self._abort(gen, fileno, state)
+                    await abort(gen, fileno, state)
                     raise
                 state = gen.send(ready)
         except StopIteration as stop:

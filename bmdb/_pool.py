@@ -14,17 +14,19 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from bmdb._pg import PgConnection
+from bmdb._pg import UNBOUNDED, Bounds, PgConnection
 from bmdb.errors import DatabaseUnavailable
 
 
 class Pool:
-    """Hands out at most ``max_size`` connections at a time to ``conninfo``."""
+    """Hands out at most ``max_size`` connections at a time to ``conninfo``,
+    each with ``bounds`` on its statements and commits."""
 
-    def __init__(self, conninfo: str, max_size: int) -> None:
+    def __init__(self, conninfo: str, max_size: int, bounds: Bounds = UNBOUNDED) -> None:
         if max_size < 1:
             raise ValueError("max_size must be at least 1")
         self._conninfo = conninfo
+        self._bounds = bounds
         self._slots = trio.Semaphore(max_size)
         self._idle: list[PgConnection] = []
         self._closed = False
@@ -39,7 +41,10 @@ class Pool:
         if self._closed:
             raise RuntimeError("the BMDB connection is closed")
         async with self._slots:
-            pg = self._idle.pop() if self._idle else await PgConnection.connect(self._conninfo)
+            if self._idle:
+                pg = self._idle.pop()
+            else:
+                pg = await PgConnection.connect(self._conninfo, self._bounds)
             try:
                 yield pg
             except DatabaseUnavailable:

@@ -35,7 +35,14 @@ Every action runs as one SERIALIZABLE transaction that
 
 `act` with ``wait`` > 0 tries a busy machine again, pausing through
 `common.backoff`, until its work is gone or the time is up; without, a busy
-machine is refused at once. Cancellation rolls back whatever was not
+machine is refused at once. The first time it finds the machine busy, it
+commits a pending-action row (migration 0008) that stops every process
+from claiming the machine anew, so the action lands as soon as the work in
+progress ends, however busy the workers (it is never starved). The row
+goes in the transaction that lands the action, or when the waiter gives
+up, fails or is cancelled; a waiter killed outright leaves it, but the row
+expires when the wait would have ended, so a dead waiter keeps the machine
+from new work no longer than a live one would have. Cancellation rolls back whatever was not
 committed. Bad input (an unknown action or machine, an empty reason, an
 operator name or reason that is not one printable line) is
 `InvalidArgument`, before anything is written.
@@ -66,6 +73,9 @@ logger = logging.getLogger("bmdb.actions")
 #: Longest operator name and reason accepted (characters).
 MAX_OPERATOR = 100
 MAX_REASON = 1000
+
+#: Seconds allowed to delete the pending row of a waiter that gave up.
+_UNPEND_TIMEOUT = 5.0
 
 #: Pauses between tries on a busy machine (``wait``).
 WAIT_BACKOFF = ExponentialBackoff(initial=0.1, maximum=2.0, multiplier=1.5)
@@ -306,6 +316,52 @@ _HANDLERS: dict[Action, Callable[[Queries, _Request], Awaitable[str]]] = {
 }
 
 
+_PEND = """
+    WITH expired AS (
+        DELETE FROM machine_pending_action WHERE machine_id = %(m)s AND until <= now()
+    )
+    INSERT INTO machine_pending_action (pending_id, machine_id, action, requested_by, until)
+    VALUES (%(id)s, %(m)s, %(action)s, %(by)s, now() + make_interval(secs => %(left)s))
+"""
+
+_UNPEND = "DELETE FROM machine_pending_action WHERE pending_id = %s"
+
+
+async def _pend(
+    conn: Connection, mid: uuid.UUID, action: Action, operator: str, left: float
+) -> uuid.UUID:
+    """Commit a pending-action row for ``mid`` that expires when the wait
+    does (``left`` seconds from now): from then on no process claims the
+    machine anew, so its work in progress is the last (see migration
+    0008). Returns the row's id."""
+    pending = uuid.uuid4()
+
+    async def insert(q: Queries) -> None:
+        await q.execute(
+            _PEND,
+            {"id": pending, "m": mid, "action": str(action), "by": operator, "left": left},
+        )
+
+    await conn.transact(insert)
+    logger.info("%s on %s waits for its work to end; no new claims meanwhile", action, mid)
+    return pending
+
+
+async def _unpend(conn: Connection, pending: uuid.UUID) -> None:
+    """Delete the pending row of a waiter that gave up (or failed, or was
+    cancelled), shielded. A failure to is logged, not raised: the row
+    expires by itself when the wait would have ended."""
+
+    async def delete(q: Queries) -> None:
+        await q.execute(_UNPEND, (pending,))
+
+    with trio.CancelScope(shield=True), trio.move_on_after(_UNPEND_TIMEOUT):
+        try:
+            await conn.transact(delete)
+        except BMDBError as e:
+            logger.warning("could not delete pending action %s (it expires): %s", pending, e)
+
+
 def _audit_record(r: Row) -> AuditRecord:
     return AuditRecord(*r)
 
@@ -366,28 +422,46 @@ async def act(
 
     deadline = trio.current_time() + wait
     retrier = Retrier(WAIT_BACKOFF)
-    while True:
-        try:
-            record = await conn.transact(body, isolation=Isolation.SERIALIZABLE)
-        except MachineBusy as busy:
-            left = deadline - trio.current_time()
-            if left <= 0:
-                if wait:
-                    raise MachineBusy(
-                        f"{busy} (still under work after waiting {wait:g}s)", busy.work
-                    ) from None
-                raise MachineBusy(f"{busy} (--wait SECONDS waits for it)", busy.work) from None
-            if retrier.failures == 0 and on_wait is not None:
-                on_wait(busy)
-            await retrier.sleep(at_most=left)
-            continue
-        logger.info(
-            "audit #%d: %s %s on %s: %s (%s)",
-            record.id,
-            record.operator,
-            record.action,
-            mid,
-            record.detail,
-            record.reason,
-        )
+    pending: uuid.UUID | None = None
+
+    async def landing(q: Queries) -> AuditRecord:
+        record = await body(q)
+        # The action and the end of its pending row commit together.
+        await q.execute(_UNPEND, (pending,))
         return record
+
+    try:
+        while True:
+            try:
+                record = await conn.transact(
+                    body if pending is None else landing, isolation=Isolation.SERIALIZABLE
+                )
+            except MachineBusy as busy:
+                left = deadline - trio.current_time()
+                if left <= 0:
+                    if wait:
+                        raise MachineBusy(
+                            f"{busy} (still under work after waiting {wait:g}s)", busy.work
+                        ) from None
+                    raise MachineBusy(f"{busy} (--wait SECONDS waits for it)", busy.work) from None
+                if pending is None:
+                    pending = await _pend(conn, mid, chosen, request.operator, left)
+                if retrier.failures == 0 and on_wait is not None:
+                    on_wait(busy)
+                await retrier.sleep(at_most=left)
+                continue
+            pending = None  # deleted with the action
+            break
+    finally:
+        if pending is not None:
+            await _unpend(conn, pending)
+    logger.info(
+        "audit #%d: %s %s on %s: %s (%s)",
+        record.id,
+        record.operator,
+        record.action,
+        mid,
+        record.detail,
+        record.reason,
+    )
+    return record

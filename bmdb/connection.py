@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
+from bmdb._pg import UNBOUNDED, Bounds
 from bmdb._pool import Pool
 from bmdb.migrations import Migration
 from bmdb.model import Queries
@@ -28,6 +29,9 @@ DEFAULT_RETRY = RetryPolicy()
 
 #: Default upper bound of simultaneously open database connections.
 DEFAULT_MAX_CONNECTIONS = 32
+
+#: How long a statement and a commit may take unless told otherwise.
+DEFAULT_BOUNDS = Bounds()
 
 
 #: What a view read from a standby says of itself (`Connection.on_standby`).
@@ -100,6 +104,7 @@ async def open_connection(
     migrate: bool = False,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     retry: RetryPolicy = DEFAULT_RETRY,
+    bounds: Bounds = DEFAULT_BOUNDS,
 ) -> AsyncIterator[Connection]:
     """Connect to the BMDB at ``url`` (a libpq URL or key=value string; None
     means the standard ``PG*`` environment variables).
@@ -111,8 +116,15 @@ async def open_connection(
     `SchemaTooNew` if the database was migrated by a newer release,
     `SchemaNotMigrated` if it lacks migrations and ``migrate`` is false,
     and with ``migrate`` what `migrate` raises.
+
+    ``bounds`` bound every statement (the server's ``statement_timeout``,
+    30 s by default, unless the URL's ``options`` set one) and every
+    ``COMMIT`` (10 s, by the client): a statement or commit that does not
+    return in time raises `DatabaseUnavailable`, a commit's with its
+    outcome unknown (`bmdb._pg`, "Bounds"). ``bounds=Bounds(None, None)``
+    removes them.
     """
-    tx = Transactor(Pool(url or "", max_connections), retry)
+    tx = Transactor(Pool(url or "", max_connections, bounds), retry)
     try:
         applied = await tx.prepare_schema(migrate=migrate)
         if applied:
@@ -131,9 +143,10 @@ async def migrate(url: str | None = None) -> list[Migration]:
     `SchemaTooNew` like `open_connection`, `SchemaConflict` if the database
     holds tables of ours that migrations did not create, `PermissionDenied`
     if the role may not create them; a failing migration is rolled back and
-    its error raised as a `BMDBError` naming it.
+    its error raised as a `BMDBError` naming it. Its statements are not
+    bounded: an index built over a large fleet may take minutes.
     """
-    tx = Transactor(Pool(url or "", 1), DEFAULT_RETRY)
+    tx = Transactor(Pool(url or "", 1, UNBOUNDED), DEFAULT_RETRY)
     try:
         return await tx.prepare_schema(migrate=True)
     finally:

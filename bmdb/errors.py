@@ -5,6 +5,7 @@
     BMDBError
     ├── InvalidArgument          (also a ValueError) bad input, nothing was written
     ├── DatabaseUnavailable      cannot connect, or the connection was lost
+    │   └── CommitOutcomeUnknown a COMMIT that may or may not have happened
     ├── PermissionDenied         the database role lacks a privilege (which one, and for what)
     ├── SchemaError              the database schema does not match this code
     │   ├── SchemaTooNew         migrated by a newer release than this one
@@ -44,6 +45,13 @@ class InvalidArgument(BMDBError, ValueError):
 
 class DatabaseUnavailable(BMDBError):
     """The database cannot be reached, or the connection to it was lost."""
+
+
+class CommitOutcomeUnknown(DatabaseUnavailable):
+    """A ``COMMIT`` whose outcome is unknown: it did not return within its
+    bound (the connection was dropped), or the server it reached committed
+    without its synchronous standby confirming it (a failover may lose it).
+    It may or may not have happened; callers treat it as a lost connection."""
 
 
 class PermissionDenied(BMDBError):

@@ -8,7 +8,34 @@
   one PostgreSQL 15 member that it initialises (the first to take the
   lock runs ``initdb``, the others clone it with ``pg_basebackup``),
   starts, promotes, demotes and rewinds (``pg_rewind``) as the cluster
-  needs.
+  needs;
+- one ``haproxy`` (Debian's ``haproxy`` package), the only address clients
+  are given: it routes a connection only to the member whose Patroni says,
+  on its REST API, that it holds the leader lock (``GET /primary`` answers
+  200), as Patroni's documentation recommends for clients.
+
+Why the proxy (fencing)::
+
+    client ──▶ haproxy :proxy ──▶ the member whose GET /primary is 200
+                 │ health check every 0.3 s, on each member's REST port
+                 │ 2 failed checks: marked down, its open sessions cut
+                 ▼
+    a postgres whose Patroni died answers no REST call: no route to it
+
+A SIGKILL of the leader's Patroni leaves its PostgreSQL running as a
+writable primary that Patroni no longer lists; after ``ttl`` another member
+takes the lock and is promoted. A client that picks its server itself
+(libpq's ``target_session_attrs=read-write`` over every member) connects
+to the orphan whenever it stands first in the host list, and its commits
+then wait forever for a synchronous standby that follows the new leader.
+Through the proxy such a member is unreachable within a second of its
+Patroni's death, and the sessions open on it are cut, so they fail as
+``DatabaseUnavailable`` instead of hanging. Patroni's watchdog (``watchdog:
+mode: automatic``) is asked for as well: where the host has
+``/dev/watchdog`` it resets a machine whose Patroni stops feeding it, the
+other half of the standard answer; this host has none, so it is the proxy
+alone here. The bound on a commit that still waits (a network cut the proxy
+cannot see) is the client's (`bmdb._pg.COMMIT_TIMEOUT`).
 
 Replication is synchronous (``synchronous_mode: true``): the primary
 acknowledges a commit only once its synchronous standby has it, and Patroni
@@ -23,9 +50,13 @@ in ``root`` (mode 0700), never anywhere else. Like it, it trades durability
 for speed (``fsync=off``): a SIGKILL of a member loses nothing the operating
 system has, a power cut would.
 
-`url` is a libpq multi-host URL with ``target_session_attrs=read-write``:
-libpq tries the members in turn and keeps the one that accepts writes, so a
-client that reconnects after a failover finds the new primary by itself.
+`url` is the proxy's address (with ``target_session_attrs=read-write``, so
+that libpq also refuses a member that does not accept writes): a client
+that reconnects after a failover reaches the new primary by itself, once
+Patroni has promoted it. ``url(target="prefer-standby")`` goes to a second
+listener of the proxy that routes to replicas (``GET /replica``), and falls
+back to the primary's listener when none runs. `member_url` reaches one
+member directly, for tests and administration.
 
 When we are root, Patroni (and so PostgreSQL) runs as the ``postgres`` user,
 as in `bmdb.localserver`. The calls are synchronous (a start takes a few
@@ -62,7 +93,7 @@ from bmdb.localserver import (
 )
 from common.net import free_loopback_port
 
-__all__ = ["LocalPatroni", "Member", "find_patroni", "main", "start_with_template"]
+__all__ = ["LocalPatroni", "Member", "find_haproxy", "find_patroni", "main", "start_with_template"]
 
 #: Seconds allowed for the cluster to come up (initdb, two base backups).
 _START_TIMEOUT = 120.0
@@ -71,6 +102,20 @@ _STOP_TIMEOUT = 30.0
 
 #: The cluster's name in Patroni (its key prefix in etcd).
 SCOPE = "bmdb"
+
+#: Seconds between two health checks of a member by the proxy; after
+#: `_CHECK_FALL` failed ones in a row it routes nothing to it and cuts the
+#: sessions it has open there.
+_CHECK_INTERVAL = 0.3
+_CHECK_FALL = 2
+
+
+def find_haproxy() -> str:
+    """The ``haproxy`` executable, or `LocalPostgresError`."""
+    haproxy = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/sbin")
+    if haproxy is None:
+        raise LocalPostgresError("haproxy not found: install Debian's 'haproxy' package")
+    return haproxy
 
 
 def find_patroni() -> tuple[str, str]:
@@ -138,6 +183,7 @@ class LocalPatroni:
         self.loop_wait = loop_wait
         self.retry_timeout = retry_timeout
         self._patroni, self._patronictl = find_patroni()
+        self._haproxy = find_haproxy()
         self._bin = find_postgres_bin()
         self._user = "postgres" if os.geteuid() == 0 else None
         self.members = [
@@ -146,9 +192,15 @@ class LocalPatroni:
         ]
         self.etcd_port = free_loopback_port()
         self.etcd_peer_port = free_loopback_port()
+        #: The proxy's listeners: to the primary, and to the replicas.
+        self.proxy_port = free_loopback_port()
+        self.standby_proxy_port = free_loopback_port()
         self._secrets = root / "secrets.json"
         self._etcd: subprocess.Popen[bytes] | None = None
+        self._proxy: subprocess.Popen[bytes] | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        #: Members whose Patroni `kill_patroni` killed, until restarted.
+        self._killed: set[str] = set()
 
     # -- addresses -----------------------------------------------------------
 
@@ -157,12 +209,24 @@ class LocalPatroni:
         return value
 
     def url(self, dbname: str = "postgres", *, target: str = "read-write") -> str:
-        """libpq multi-host URL of ``dbname``: every member, and
-        ``target_session_attrs`` (``read-write`` finds the primary;
-        ``prefer-standby`` a standby if one answers)."""
-        hosts = ",".join(f"127.0.0.1:{m.pg_port}" for m in self.members)
+        """libpq URL of ``dbname`` through the proxy, with
+        ``target_session_attrs`` ``target``: ``read-write`` reaches the
+        primary Patroni names (and only it); ``prefer-standby`` a replica
+        if one runs, else the primary."""
+        if target == "read-write":
+            hosts = f"127.0.0.1:{self.proxy_port}"
+        else:
+            hosts = f"127.0.0.1:{self.standby_proxy_port},127.0.0.1:{self.proxy_port}"
         password = self._password("postgres")
         return f"postgresql://postgres:{password}@{hosts}/{dbname}?target_session_attrs={target}"
+
+    def direct_url(self, dbname: str = "postgres") -> str:
+        """The multi-host URL of ``dbname`` over every member directly, with
+        ``target_session_attrs=read-write``: what clients used before the
+        proxy, and what is unsafe when a Patroni dies (module docstring)."""
+        hosts = ",".join(f"127.0.0.1:{m.pg_port}" for m in self.members)
+        password = self._password("postgres")
+        return f"postgresql://postgres:{password}@{hosts}/{dbname}?target_session_attrs=read-write"
 
     def member_url(self, name: str, dbname: str = "postgres") -> str:
         """URL of ``dbname`` on member ``name`` alone, whatever its role."""
@@ -173,6 +237,40 @@ class LocalPatroni:
     @property
     def running(self) -> bool:
         return self._etcd is not None
+
+    def _proxy_config(self) -> str:
+        """HAProxy's configuration: a TCP listener per target, each member a
+        server checked on its REST API (Patroni's recommended template)."""
+        lines = [
+            "global",
+            "    maxconn 4000",
+            "defaults",
+            "    mode tcp",
+            "    timeout connect 2s",
+            # Pooled connections sit idle between transactions.
+            "    timeout client 1h",
+            "    timeout server 1h",
+            "    timeout check 1s",
+        ]
+        for name, port, check in (
+            ("primary", self.proxy_port, "/primary"),
+            ("replicas", self.standby_proxy_port, "/replica"),
+        ):
+            interval = f"{int(_CHECK_INTERVAL * 1000)}ms"
+            lines += [
+                f"listen {name}",
+                f"    bind 127.0.0.1:{port}",
+                "    option httpchk",
+                f"    http-check send meth GET uri {check}",
+                "    http-check expect status 200",
+                f"    default-server inter {interval} fastinter {interval} downinter {interval}"
+                f" rise 1 fall {_CHECK_FALL} on-marked-down shutdown-sessions",
+            ]
+            lines += [
+                f"    server {m.name} 127.0.0.1:{m.pg_port} check port {m.api_port}"
+                for m in self.members
+            ]
+        return "\n".join(lines) + "\n"
 
     # -- lifetime ------------------------------------------------------------
 
@@ -206,6 +304,11 @@ class LocalPatroni:
                 "connect_address": f"127.0.0.1:{member.api_port}",
             },
             "etcd3": {"hosts": [f"127.0.0.1:{self.etcd_port}"]},
+            # Fencing where the host can: a watchdog that resets the machine
+            # when Patroni stops feeding it. "automatic": used if the host
+            # has /dev/watchdog, and Patroni runs on without one (the proxy
+            # is then the fence, module docstring).
+            "watchdog": {"mode": "automatic"},
             "bootstrap": {
                 "dcs": {
                     "ttl": self.ttl,
@@ -284,6 +387,16 @@ class LocalPatroni:
                 stderr=log,
             )
         try:
+            proxy_config = self.root / "haproxy.cfg"
+            proxy_config.write_text(self._proxy_config())
+            with open(self.root / "haproxy.log", "ab") as log:
+                # -db: in the foreground, ours to stop; -W off (no master).
+                self._proxy = subprocess.Popen(
+                    [self._haproxy, "-db", "-f", str(proxy_config)],
+                    process_group=0,
+                    stdout=log,
+                    stderr=log,
+                )
             for member in self.members:
                 self._start_member(member)
             self.wait_healthy(_START_TIMEOUT)
@@ -316,6 +429,10 @@ class LocalPatroni:
         self._procs.clear()
         for member in self.members:
             _kill_postmaster(member.data)
+        if self._proxy is not None:
+            self._proxy.send_signal(signal.SIGTERM)
+            _reap(self._proxy)
+            self._proxy = None
         if self._etcd is not None:
             self._etcd.send_signal(signal.SIGTERM)
             _reap(self._etcd)
@@ -351,13 +468,15 @@ class LocalPatroni:
         return None
 
     def wait_healthy(self, timeout: float = _START_TIMEOUT) -> str:
-        """Wait until a leader runs and accepts writes, one member is its
-        synchronous standby and every other member runs as a replica; return
-        the leader's name."""
+        """Wait until a leader runs and accepts writes (through the proxy),
+        one member is its synchronous standby and every other member runs
+        as a replica; return the leader's name. A member whose Patroni was
+        killed (`kill_patroni`) and not restarted is not waited for: the
+        others are healthy without it."""
         deadline = time.monotonic() + timeout
         while True:
             for name, proc in self._procs.items():
-                if proc.poll() is not None:
+                if proc.poll() is not None and name not in self._killed:
                     raise LocalPostgresError(
                         f"patroni member {name} exited; see {self._member(name).log_path}"
                     )
@@ -369,12 +488,13 @@ class LocalPatroni:
             states = {m.get("state") for m in members if m.get("role") != "leader"}
             leader: list[str] = [m["name"] for m in members if m.get("role") == "leader"]
             if (
-                len(members) == len(self.members)
+                len(members) == len(self.members) - len(self._killed)
                 and roles.count("leader") == 1
                 and roles.count("sync_standby") >= 1
                 # "streaming" from Patroni 3.0.4 on, "running" before.
                 and states <= {"running", "streaming"}
                 and self._accepts_writes(leader[0])
+                and self._proxy_reaches(leader[0])
             ):
                 return leader[0]
             if time.monotonic() > deadline:
@@ -387,7 +507,12 @@ class LocalPatroni:
         deadline = time.monotonic() + timeout
         while True:
             name = self.primary()
-            if name is not None and name != old and self._accepts_writes(name):
+            if (
+                name is not None
+                and name != old
+                and self._accepts_writes(name)
+                and self._proxy_reaches(name)
+            ):
                 return name
             if time.monotonic() > deadline:
                 raise LocalPostgresError(f"no new primary after {old} within {timeout} s")
@@ -398,6 +523,15 @@ class LocalPatroni:
             with psycopg.connect(self.member_url(name), connect_timeout=2) as conn:
                 row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
                 return row is not None and not row[0]
+        except psycopg.Error:
+            return False
+
+    def _proxy_reaches(self, name: str) -> bool:
+        """True if a connection through the proxy lands on member ``name``."""
+        try:
+            with psycopg.connect(self.url(), connect_timeout=2) as conn:
+                row = conn.execute("SELECT inet_server_port()").fetchone()
+                return row is not None and row[0] == self._member(name).pg_port
         except psycopg.Error:
             return False
 
@@ -425,6 +559,31 @@ class LocalPatroni:
             raise LocalPostgresError(f"primary {name} has no postmaster.pid")
         os.kill(pid, signal.SIGKILL)
         return name
+
+    def kill_patroni(self) -> str:
+        """SIGKILL the primary's Patroni process alone; return the member's
+        name. Its PostgreSQL goes on running, writable, while the leader
+        lock expires (``ttl``) and another member is promoted: the proxy
+        stops routing to it as soon as its REST API stops answering.
+        `restart_member` starts its Patroni again (as a service manager
+        would), which demotes and rewinds it."""
+        name = self.primary()
+        if name is None:
+            raise LocalPostgresError("there is no primary whose Patroni to kill")
+        proc = self._procs[name]
+        proc.kill()
+        proc.wait()
+        self._killed.add(name)
+        return name
+
+    def restart_member(self, name: str) -> None:
+        """Start member ``name``'s Patroni again after `kill_patroni` (a
+        no-op if it runs)."""
+        proc = self._procs.get(name)
+        if proc is not None and proc.poll() is None:
+            return
+        self._start_member(self._member(name))
+        self._killed.discard(name)
 
     def switchover(self, candidate: str | None = None) -> str:
         """A planned switchover (``patronictl switchover``) from the current

@@ -26,6 +26,9 @@ exports its last answer::
     bmdb_fleet_machines_agent_started, bmdb_fleet_machines_heartbeating,
     bmdb_fleet_work_active{process}, bmdb_fleet_backoffs_active{process},
     bmdb_fleet_machines_installation{state}   installing, installed, install-failed
+                                              (tombstones not counted)
+    bmdb_fleet_machines_decommissioned        tombstones (`bmdb.overview` state
+                                              decommissioned)
     bmdb_fleet_query_duration_seconds, bmdb_fleet_updated_timestamp_seconds
 
 Collectors must be collected in the Trio thread (see `common.metrics`):
@@ -74,7 +77,11 @@ SELECT (SELECT count(*) FROM machines),
        ARRAY(SELECT i.state || '=' || count(*) FROM (
                  SELECT {INSTALL_STATE_SQL} AS state FROM machine_os_installation_request oq
                  LEFT JOIN machine_os_installation_report orp ON orp.machine_id = oq.machine_id
-             ) i GROUP BY i.state)
+                 WHERE NOT EXISTS (SELECT 1 FROM machine_decommission dc
+                                   WHERE dc.machine_id = oq.machine_id
+                                     AND dc.decommissioned_at IS NOT NULL)
+             ) i GROUP BY i.state),
+       (SELECT count(*) FROM machine_decommission WHERE decommissioned_at IS NOT NULL)
 """
 
 
@@ -145,8 +152,10 @@ class FleetSnapshot:
     heartbeating: int
     work: dict[str, int] = field(default_factory=dict)
     backoffs: dict[str, int] = field(default_factory=dict)
-    #: Machines by installation state (those with a request).
+    #: Machines by installation state (those with a request, tombstones not).
     installation: dict[str, int] = field(default_factory=dict)
+    #: Tombstones: machines decommissioned.
+    decommissioned: int = 0
 
 
 async def fleet_snapshot(conn: Connection) -> FleetSnapshot:
@@ -160,7 +169,7 @@ async def fleet_snapshot(conn: Connection) -> FleetSnapshot:
     def pairs(items: list[str]) -> dict[str, int]:
         return {k: int(v) for k, _, v in (i.rpartition("=") for i in items)}
 
-    return FleetSnapshot(r[0], r[1], r[2], r[3], pairs(r[4]), pairs(r[5]), pairs(r[6]))
+    return FleetSnapshot(r[0], r[1], r[2], r[3], pairs(r[4]), pairs(r[5]), pairs(r[6]), r[7])
 
 
 class FleetGauges(Collector):
@@ -213,6 +222,11 @@ class FleetGauges(Collector):
                 "bmdb_fleet_machines_heartbeating",
                 "Machines whose agent sent a heartbeat in the last 10 minutes.",
                 s.heartbeating,
+            ),
+            (
+                "bmdb_fleet_machines_decommissioned",
+                "Machines decommissioned (tombstones kept with their history).",
+                s.decommissioned,
             ),
         ):
             yield GaugeMetricFamily(name, doc, value=value)

@@ -39,7 +39,7 @@ from typing import TypeVar
 
 import trio
 
-from bmdb.errors import DatabaseUnavailable, InvalidArgument, SessionExpired
+from bmdb.errors import BMDBError, DatabaseUnavailable, InvalidArgument, SessionExpired
 from bmdb.model import Process, Queries
 from bmdb.transaction import Isolation, Transactor
 from bmdb.work import Lease, Work, claim
@@ -238,16 +238,46 @@ async def open_session(
             yield session
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        # Present the one real error (SessionExpired from the heartbeat, or
-        # whatever the body raised) rather than a group of one.
-        raise _single(group) from None
+        # The block raises one exception, never a group (`_one_error`);
+        # its cause is the others, if any, not the group.
+        error = _one_error(group)
+        raise error from error.__cause__
     finally:
         await session._close()
 
 
-def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
+def _one_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception a session block raises for what its nursery raised.
+
+    The heartbeat and the body can fail at once: the session expires while
+    the body's COMMIT finds the database gone, say. Callers are promised
+    the documented `BMDBError`s, so a group of them becomes the one that
+    explains the rest: `SessionExpired` first (everything under the session
+    was cancelled because of it), else the first; the others are chained
+    as its ``__cause__`` (one, or a group of them) and noted on it. An
+    exception of the body's own that is not a BMDB error (a bug, or the
+    caller's own error) wins over BMDB errors, as it would without the
+    session; two of those stay a group, as the body's own nursery would
+    have raised them. `trio.Cancelled` among the leaves is dropped while
+    anything else is there.
+    """
     leaves = leaf_errors(group)
-    if len(leaves) == 1 or all(isinstance(e, SessionExpired) for e in leaves):
-        # The body and the heartbeat may both have noticed the expiry.
+    errors = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    if not errors:
         return leaves[0]
-    return group
+    foreign = [e for e in errors if not isinstance(e, BMDBError)]
+    if len(foreign) > 1:
+        return group
+    if foreign:
+        chosen = foreign[0]
+    else:
+        expired = [e for e in errors if isinstance(e, SessionExpired)]
+        chosen = (expired or errors)[0]
+    others = [e for e in errors if e is not chosen]
+    for other in others:
+        chosen.add_note(f"also: {type(other).__name__}: {other}")
+    if others and chosen.__cause__ is None:
+        chosen.__cause__ = (
+            others[0] if len(others) == 1 else BaseExceptionGroup("the other errors", others)
+        )
+    return chosen

@@ -193,7 +193,7 @@ async def _attempt(
             pg.begin(isolation)
             try:
                 result = await body(Queries(pg, locking=locking))
-                await pg.execute("COMMIT")
+                await pg.commit()
             except BaseException as e:
                 await pg.rollback_quietly()
                 if isinstance(e, DatabaseUnavailable) and pg.lost_at_begin and not last_try:

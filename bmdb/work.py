@@ -103,7 +103,10 @@ CLAIM_SQL = f"""
              UNION ALL
              SELECT 1 FROM machine_decommission WHERE machine_id = %(machine)s
                AND (%(process)s::process <> 'ShepherdDecommission'
-                    OR decommissioned_at IS NOT NULL)),
+                    OR decommissioned_at IS NOT NULL)
+             UNION ALL
+             SELECT 1 FROM machine_pending_action
+             WHERE machine_id = %(machine)s AND until > now()),
     claimed AS (
         INSERT INTO work (machine_id, session_id, process)
         SELECT %(machine)s, %(session)s, %(process)s::process

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from common.exitcodes import ExitCode
+
 __all__ = ["BROKEN_PIPE_STATUS", "leaf_errors", "run_main"]
 
 #: 128 + SIGPIPE: what a shell reports for a C program that wrote to a closed pipe.
@@ -62,6 +64,7 @@ def run_main(
     *,
     known: tuple[type[BaseException], ...],
     labels: Sequence[tuple[type[BaseException], str]] = (),
+    try_again: tuple[type[BaseException], ...] = (),
 ) -> int:
     """Run ``body`` (a CLI's work; returns its exit status) and report its errors.
 
@@ -72,7 +75,9 @@ def run_main(
     unchanged, also from inside a group, so Ctrl-C and usage errors behave
     as usual. ``labels`` name where a known error came from: the first
     entry whose type matches replaces ``error`` in ``prog: error: message``
-    (e.g. ``shepherd: Equinix: ...`` for a provider's error).
+    (e.g. ``shepherd: Equinix: ...`` for a provider's error). If every
+    leaf is one of ``try_again`` (a "not yet"), the status is
+    `ExitCode.TRY_AGAIN` instead of 1 (`common.exitcodes`).
     """
     try:
         status = body()
@@ -89,7 +94,9 @@ def run_main(
             _silence_stdout()
             return BROKEN_PIPE_STATUS
         _report(prog, leaves, known, labels)
-        return 1
+        if try_again and all(isinstance(leaf, try_again) for leaf in leaves):
+            return ExitCode.TRY_AGAIN
+        return ExitCode.FAILED
 
 
 def _report(

@@ -26,6 +26,7 @@ import bmdb
 from bmdb.cli import add_url_option
 from bmdb.errors import BMDBError
 from common.cli import run_main
+from common.exitcodes import show_in_help
 from common.listen import listen_address
 from console.counts import DEFAULT_PERIOD
 from console.errors import ConsoleError
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="console",
         description="The operator console: the fleet (BMDB) and the cluster it runs.",
     )
+    show_in_help(parser)
     add_url_option(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

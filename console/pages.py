@@ -15,6 +15,7 @@ from bmdb.connection import Connection
 from bmdb.errors import BMDBError
 from bmdb.model import InstallState, OSInstallation, Provider, WorkEvent
 from bmdb.overview import MachineState, State, StateCounts
+from common.sshkey import fingerprint
 from console.audit import machine_section
 from console.counts import CountsCache
 from console.errors import CountsUnavailable, NotFound
@@ -173,12 +174,28 @@ def _on(on: bool) -> dict[str, str]:
     return {"class": "on"} if on else {}
 
 
+def _install_of(m: MachineState) -> Html:
+    """The machine's installation; a tombstone's is what it was."""
+    if m.was_install_state is not None:
+        return Html(f"was {_install(m.was_install_state, m.install_generation)}")
+    return _install(m.install_state, m.install_generation)
+
+
+def _node_of(m: MachineState) -> Html | str:
+    """The installed node (linked); a tombstone's node is gone (no link)."""
+    if not m.node_id:
+        return "-"
+    if m.state == State.DECOMMISSIONED:
+        return Html(f'was <span class="mono">{esc(m.node_id)}</span>')
+    return node_link(m.node_id)
+
+
 def _machine_row(m: MachineState, now: datetime.datetime) -> tuple[object, ...]:
     return (
         _machine_link(m.machine_id),
         _state(m.state),
-        _install(m.install_state, m.install_generation),
-        node_link(m.node_id) if m.node_id else "-",
+        _install_of(m),
+        _node_of(m),
         m.provider or "-",
         m.provider_id or "-",
         m.address or "-",
@@ -198,7 +215,7 @@ async def machine(conn: Connection, machine_id: str) -> Html:
     tags = fields(
         [
             ("state", _state(m.state)),
-            ("install", _install(m.install_state, m.install_generation)),
+            ("install", _install_of(m)),
             ("created", ago(m.created_at, now)),
             ("provider", m.provider or "-"),
             ("provider id", m.provider_id or "-"),
@@ -212,7 +229,7 @@ async def machine(conn: Connection, machine_id: str) -> Html:
                 "hardware report",
                 f"{d.hardware_report_bytes} bytes" if d.hardware_report_bytes is not None else "-",
             ),
-            ("SSH host key", d.ssh_host_key.hex() if d.ssh_host_key else "-"),
+            ("SSH host key", fingerprint(d.ssh_host_key) if d.ssh_host_key else "-"),
             ("SSH host key first seen", ago(d.ssh_host_key_first_seen, now)),
             ("last failure", ago(m.failed_at, now)),
             ("last failure cause", m.failed_cause or "-"),

@@ -130,6 +130,7 @@ COLOURS = {
     "started": "#59d",
     "heartbeating": "#2a7",
     "silent": "#737",
+    "decommissioned": "#555",
 }
 
 

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import trio
 
+from common.exitcodes import ExitCode, show_in_help
 from common.listen import listen_address
 from metropolis import identity, pki
 from metropolis.consensus.client import Client
@@ -71,6 +72,7 @@ from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
 from metropolis.owner import (
     Change,
+    NodeNotFinished,
     Owner,
     OwnerAccess,
     describe_change,
@@ -97,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="metropolis",
         description="The node half: run a cluster node, build its image, manage the cluster.",
     )
+    show_in_help(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     node = commands.add_parser("node", help="run a cluster node")
     actions = node.add_subparsers(dest="action", required=True)
@@ -719,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     except MetropolisError as e:
         log.error("%s", e)
-        return 2
+        return ExitCode.TRY_AGAIN if isinstance(e, NodeNotFinished) else 2
     except BaseExceptionGroup as group:
         # Errors from inside the node's nursery (a refused registration):
         # one line each, like any other error of ours, not a traceback.

@@ -92,6 +92,11 @@ class OwnerError(MetropolisError):
     """The owner's files are missing or a node named on the command line is unknown."""
 
 
+class NodeNotFinished(OwnerError):
+    """The node root is still being bootstrapped (or registered): not yet,
+    its owner's files are not all there; the same call later may succeed."""
+
+
 @dataclass(frozen=True)
 class NodeRow:
     """One line of the node table."""
@@ -500,7 +505,7 @@ def load_owner(root: Root, owner_key: Ed25519PrivateKey) -> OwnerAccess:
     except (OSError, LocalStorageError, pki.PKIError) as e:
         raise OwnerError(f"cannot read the owner's files in {root.path}: {e}") from e
     if saved.credentials is None or saved.directory is None:
-        raise OwnerError(f"{root.path} is not a finished node")
+        raise NodeNotFinished(f"{root.path} is not a finished node (yet: try again)")
     endpoints = endpoints_from_directory(saved.directory, saved.settings.curator_port)
     return OwnerAccess(endpoints, saved.credentials.ca_certificate, owner_key, certificate)
 

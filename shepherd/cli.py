@@ -79,6 +79,7 @@ from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
 from bmdb.retention import RetentionPolicy, parse_age
 from common.cli import run_main
 from common.commands import DEFAULT, commands_description
+from common.exitcodes import show_in_help
 from common.listen import listen_address
 from common.metrics import serve_metrics
 from metropolis.errors import MetropolisError
@@ -271,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="'python -m shepherd install --help': ask machines to install the node image.",
     )
+    show_in_help(parser)
     db = parser.add_argument_group("BMDB")
     db.add_argument(
         "--bmdb-url", required=True, metavar="URL", help="libpq URL of the BMDB (already migrated)"

@@ -72,6 +72,7 @@ from bmdb.errors import BMDBError
 from bmdb.localserver import LocalPostgres, LocalPostgresError
 from common.cli import leaf_errors
 from common.commands import DEFAULT, commands_description
+from common.exitcodes import show_in_help
 from metropolis.errors import MetropolisError
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
             "etcd-server packages. Ctrl-C stops everything.",
         ),
     )
+    show_in_help(parser)
     parser.add_argument(
         "--machines",
         type=_positive,

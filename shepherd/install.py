@@ -77,6 +77,7 @@ from bmdb import overview
 from bmdb.errors import BMDBError
 from bmdb.model import InstallationTarget, InstallState, Queries
 from common.cli import run_main
+from common.exitcodes import show_in_help
 from common.protobuf import parse_checked
 from common.text import printable
 from metropolis.errors import MetropolisError
@@ -429,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    show_in_help(parser)
     parser.add_argument(
         "--bmdb-url", required=True, metavar="URL", help="libpq URL of the BMDB (migrated)"
     )

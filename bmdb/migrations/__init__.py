@@ -15,7 +15,9 @@ waited reads what the one before it committed.
 
 A database with a migration newer than the newest file here was migrated by
 a newer release: `check_schema` and `migrate` refuse it with `SchemaTooNew`
-rather than guess what the newer schema means. Every database error becomes
+rather than guess what the newer schema means. A database whose encoding
+is not UTF8 is refused by `migrate` before anything is written (the client
+always speaks UTF-8, see `bmdb._pg`). Every database error becomes
 a one-line `BMDBError` (`bmdb._pg.as_bmdb_error`) that names the migration
 it came from: an object of ours that migrations did not create (another
 application's ``machines`` table, or a ``schema_migrations`` of another
@@ -44,6 +46,7 @@ from bmdb.errors import (
     SchemaNotMigrated,
     SchemaTooNew,
 )
+from common.crashpoint import crash_point
 from common.text import printable
 
 logger = logging.getLogger("bmdb.migrations")
@@ -146,10 +149,15 @@ async def migrate(pg: Connection) -> list[Migration]:
     (see the module docstring): each migration is applied by one of them.
     Raises `SchemaTooNew` if the database knows a newer version than this
     code, `SchemaConflict` if it holds an object of ours that migrations did
-    not create, `PermissionDenied` if the role may not create objects, and
-    other database errors as `BMDBError`s naming the migration. A failing
-    migration is rolled back entirely; earlier ones stay applied.
+    not create, `PermissionDenied` if the role may not create objects,
+    `SchemaError` if the database's encoding is not UTF8 (before anything is
+    written), and other database errors as `BMDBError`s naming the
+    migration. A failing migration, or one whose process dies halfway, is
+    rolled back entirely with its ``schema_migrations`` row; earlier ones
+    stay applied.
     """
+    with _translated(pg):
+        await _refuse_encoding(pg)
     applied = []
     for migration in available():
         with _translated(pg, doing=f"migration {migration.label}"):
@@ -185,6 +193,9 @@ async def _apply(pg: Connection, migration: Migration) -> bool:
             return False
         logger.info("applying migration %s", migration.label)
         await pg.execute(migration.sql)
+        # Test hook: a migrator killed between its migration and the row
+        # that records it leaves neither (the transaction never commits).
+        crash_point("bmdb-migration-applied")
         await pg.execute(
             "INSERT INTO schema_migrations (version, name) VALUES (%s, %s)",
             (migration.version, migration.name),
@@ -213,6 +224,26 @@ async def _applied_versions(pg: Connection, *, create: bool = False) -> list[int
             " use an empty database or schema for the BMDB"
         )
     return [r[0] for r in await pg.execute("SELECT version FROM schema_migrations ORDER BY 1")]
+
+
+#: The encoding of the current database, as PostgreSQL names it.
+_ENCODING = """
+    SELECT pg_encoding_to_char(encoding) FROM pg_database WHERE datname = current_database()
+"""
+
+
+async def _refuse_encoding(pg: Connection) -> None:
+    """Raise `SchemaError` unless the database stores UTF-8 text: in any
+    other (SQL_ASCII from an ``initdb`` under the C locale, LATIN1, ...)
+    machine names, labels and messages would be stored unchecked or
+    refused one by one, long after migrating seemed to work."""
+    [(encoding,)] = await pg.execute(_ENCODING)
+    if encoding != "UTF8":
+        raise SchemaError(
+            f"the BMDB's database has encoding {printable(encoding)}, which cannot store"
+            " UTF-8 text: create the database with ENCODING 'UTF8' (a cluster with"
+            " initdb --encoding=UTF8)"
+        )
 
 
 async def _check_may_create(pg: Connection) -> None:

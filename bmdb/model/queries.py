@@ -45,11 +45,19 @@ _LIVE_WORK = """
               AND s.session_deadline > now())
 """
 
-#: The machine is not held by an operator (see bmdb/actions.py), and not
-#: asked to be (or already) decommissioned: no process is offered such a
-#: machine (the decommissioner has its own source).
-NOT_HELD = """
+#: An operator's action waits for the machine's work to end (see
+#: bmdb/actions.py and migration 0008): no process claims it anew meanwhile.
+NOT_PENDING = """
+    NOT EXISTS (SELECT 1 FROM machine_pending_action pa
+                WHERE pa.machine_id = m.machine_id AND pa.until > now())
+"""
+
+#: The machine is not held by an operator (see bmdb/actions.py), nor about
+#: to be (`NOT_PENDING`), and not asked to be (or already) decommissioned: no
+#: process is offered such a machine (the decommissioner has its own source).
+NOT_HELD = f"""
     NOT EXISTS (SELECT 1 FROM machine_hold hd WHERE hd.machine_id = m.machine_id)
+    AND {NOT_PENDING}
     AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = m.machine_id)
 """
 
@@ -792,6 +800,7 @@ class Queries:
                   AND NOT {_LIVE_WORK}
                   AND NOT {_ACTIVE_BACKOFF}
                   AND NOT EXISTS (SELECT 1 FROM machine_hold hd WHERE hd.machine_id = m.machine_id)
+                  AND {NOT_PENDING}
                 ORDER BY dc.requested_at, m.machine_id
                 LIMIT %(limit)s {"FOR UPDATE OF m SKIP LOCKED" if self.locking else ""}""",
             {"limit": _limit(limit), "busy": busy, "process": Process.SHEPHERD_DECOMMISSION},

@@ -9,7 +9,8 @@ seconds (a stand-in for the Shepherd's work on it) before it is finished.
 On exit it writes ``OUT`` (JSON): every hold, as ``[machine, start, end,
 port]``: times in ``time.monotonic()`` seconds (shared by the processes of
 one Linux system), the port of the member that committed its finish (0 if
-it was not acknowledged), and the number of sessions it opened.
+it was not acknowledged), and every session it held, as ``[start, end]``
+(from the moment the session block was entered to the moment it was left).
 """
 
 from __future__ import annotations
@@ -55,16 +56,19 @@ async def _all_tagged(conn: bmdb.Connection, total: int) -> bool:
     return (await outcome_counts(conn))["tagged"] == total
 
 
-async def run(url: str, name: str, hold: float, interval: float) -> tuple[list[Hold], int]:
+async def run(
+    url: str, name: str, hold: float, interval: float
+) -> tuple[list[Hold], list[tuple[float, float]]]:
     holds: list[Hold] = []
-    sessions = 0
+    sessions: list[tuple[float, float]] = []
     retrier = Retrier(RETRY)
     async with bmdb.open_connection(url) as conn:
         total = (await outcome_counts(conn))["machines"]
         while True:
             try:
+                began: float | None = None
                 async with conn.session("ha-worker", name, interval=interval) as sess:
-                    sessions += 1
+                    began = time.monotonic()
                     while True:
                         try:
                             work = await sess.work(
@@ -89,6 +93,9 @@ async def run(url: str, name: str, hold: float, interval: float) -> tuple[list[H
             except (SessionExpired, DatabaseUnavailable, BMDBError) as e:
                 logger.info("%s: %s; starting over", name, e)
                 await retrier.sleep()
+            finally:
+                if began is not None:
+                    sessions.append((began, time.monotonic()))
 
 
 def main() -> None:

@@ -17,8 +17,7 @@ import trio.lowlevel
 import bmdb
 from bmdb import Backoff, Isolation, Process, ProviderStatus, Queries, actions
 from bmdb.errors import NothingToDo, WorkConflict
-from bmdb.model import AuditRecord
-from tests.bmdb.helpers import add_provided_machines, agent_start_source, source_for
+from tests.bmdb.helpers import add_provided_machines, agent_start_source, eventually, source_for
 from tests.bmdb.test_cli import cli
 
 
@@ -240,7 +239,7 @@ async def test_an_action_on_a_machine_under_work_is_refused_or_waits(
     async with bmdb_conn.session("shepherd-initializer") as sess:
         work = await sess.work(Process.SHEPHERD_AGENT_START, agent_start_source)
         code, out, err = await act(bmdb_url, "hold", str(mid), "--reason", "maintenance")
-        assert code == 1 and out == ""
+        assert code == 75 and out == ""  # try again (common.exitcodes)
         assert f"machine {mid} is under work: ShepherdAgentStart by shepherd-initializer" in err
         assert "nothing changed" in err and "--wait" in err
         assert await count(bmdb_conn, "SELECT count(*) FROM machine_hold") == 0
@@ -294,7 +293,7 @@ async def test_an_action_on_a_machine_under_work_is_refused_or_waits(
         code, _, err = await act(
             bmdb_url, "forget-host-key", str(mid), "--reason", "x", "--wait", "0.5"
         )
-        assert code == 1 and "still under work after waiting 0.5s" in err
+        assert code == 75 and "still under work after waiting 0.5s" in err  # try again
         await work.cancel()
 
 
@@ -320,32 +319,45 @@ async def test_bad_input_is_one_line_and_writes_nothing(
     assert await count(bmdb_conn, "SELECT count(*) FROM machine_hold") == 0
 
 
-async def test_a_hold_never_lands_under_concurrent_claims(bmdb_conn: bmdb.Connection) -> None:
-    """Workers claim and release one machine as fast as they can while an
-    operator holds it (waiting for the work): when the hold commits no work
-    is live, and no claim succeeds after it."""
+@pytest.mark.parametrize("action", ["hold", "decommission", "recover-now"])
+async def test_a_waiting_action_is_never_starved_by_busy_workers(
+    bmdb_conn: bmdb.Connection, action: str
+) -> None:
+    """Four workers of two processes claim and release one machine back to
+    back, so that it is almost never free, while an operator's action waits for its work:
+    the action lands (no new claim once it is pending, so the work in
+    progress is the last) and, for a hold or a decommission, when it
+    commits no work is live and no claim succeeds after it. Before pending
+    actions (migration 0008) a hold waited out its wait without finding a
+    free moment."""
     [mid] = await add_provided_machines(bmdb_conn, 1)
-    held = trio.Event()
-    claims_after_hold = 0
+    if action == "recover-now":
+
+        async def started(q: Queries) -> None:
+            await q.set_agent_started(mid, datetime.datetime.now(datetime.UTC), b"k" * 32)
+
+        await bmdb_conn.transact(started)
+    landed = trio.Event()
+    claims_after = 0
     claims = 0
 
     async def worker(n: int) -> None:
-        nonlocal claims, claims_after_hold
+        nonlocal claims, claims_after
+        # Two workers per process: while one's work ends, the other
+        # process's work most likely goes on.
+        process = (Process.UNIT_TEST_1, Process.UNIT_TEST_2)[n % 2]
         async with bmdb_conn.session(f"worker-{n}") as sess:
-            while True:
+            while not landed.is_set():
                 try:
-                    work = await sess.work(Process.UNIT_TEST_1, source_for(Process.UNIT_TEST_1))
+                    work = await sess.work(process, source_for(process))
                 except (NothingToDo, WorkConflict):
-                    if held.is_set():
-                        return
-                    await trio.sleep(0.005)
+                    await trio.sleep(0.001)
                     continue
                 claims += 1
-                if held.is_set():
-                    claims_after_hold += 1
+                if landed.is_set():
+                    claims_after += 1
                 await trio.sleep(0.01)
                 await work.cancel()
-                await trio.sleep(0.005)
 
     async with trio.open_nursery() as nursery:
         for n in range(4):
@@ -353,22 +365,70 @@ async def test_a_hold_never_lands_under_concurrent_claims(bmdb_conn: bmdb.Connec
         with trio.fail_after(30):
             while claims < 10:  # noqa: ASYNC110 (counted by the workers)
                 await trio.sleep(0.01)
-        record = await act_in_process(bmdb_conn, mid)
-        held.set()
+        busy_seen: list[actions.MachineBusy] = []
+        record = await actions.act(
+            bmdb_conn, action, mid, operator="op", reason="stress", wait=20,
+            on_wait=busy_seen.append,
+        )  # fmt: skip
+        landed.set()
         live = await count(
             bmdb_conn,
             """SELECT count(*) FROM work w JOIN sessions s USING (session_id)
                WHERE w.machine_id = %s AND s.session_deadline > now()""",
             mid,
         )
-    assert record.action == "hold"
-    assert live == 0
-    assert claims_after_hold == 0
-    assert claims >= 10
+    assert record.action == action
+    assert busy_seen, "the action never had to wait: the test proved nothing"
+    if action != "recover-now":
+        # A hold or a decommission keeps every process away from now on (a
+        # recovery request leaves other processes free to claim the machine).
+        assert live == 0
+        assert claims_after == 0
+    # The pending row went with the action.
+    assert await count(bmdb_conn, "SELECT count(*) FROM machine_pending_action") == 0
 
 
-async def act_in_process(conn: bmdb.Connection, mid: uuid.UUID) -> AuditRecord:
-    return await actions.act(conn, "hold", mid, operator="op", reason="stress", wait=30)
+async def test_a_killed_waiter_blocks_new_work_only_until_its_wait_ends(
+    bmdb_conn: bmdb.Connection, bmdb_url: str
+) -> None:
+    """A waiting CLI killed outright cannot delete its pending row: claims
+    stay refused while it is unexpired, and succeed again once the wait it
+    asked for is over; a waiter that gives up deletes its row at once."""
+    [mid] = await add_provided_machines(bmdb_conn, 1)
+    source = source_for(Process.UNIT_TEST_1)
+    async with bmdb_conn.session("busy") as sess:
+        work = await sess.work(Process.UNIT_TEST_1, source)
+        # Gives up: its row goes with it.
+        code, _, err = await act(bmdb_url, "hold", str(mid), "--reason", "x", "--wait", "0.5")
+        assert code == 1 and "still under work after waiting 0.5s" in err
+        assert await count(bmdb_conn, "SELECT count(*) FROM machine_pending_action") == 0
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "bmdb", "--url", bmdb_url, "hold", str(mid),
+             "--reason", "killed", "--wait", "3"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+
+            async def pending() -> bool:
+                return await count(bmdb_conn, "SELECT count(*) FROM machine_pending_action") == 1
+
+            await eventually(pending)
+        finally:
+            proc.kill()
+            await proc.wait()
+        await work.cancel()
+    # The row is still there, unexpired: nobody claims the machine anew.
+    assert await count(
+        bmdb_conn, "SELECT count(*) FROM machine_pending_action WHERE until > now()"
+    ) == 1  # fmt: skip
+    assert not await claimable(bmdb_conn, Process.UNIT_TEST_1)
+    # Once the wait it asked for is over, the machine is offered again.
+
+    async def offered() -> bool:
+        return await claimable(bmdb_conn, Process.UNIT_TEST_1)
+
+    await eventually(offered)
+    assert await count(bmdb_conn, "SELECT count(*) FROM machine_hold") == 0
 
 
 def test_without_an_os_user_name_the_cli_asks_for_operator(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
@@ -60,8 +61,8 @@ def small_send_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     nothing is cancelled and ``pg_sleep`` runs out the test's bound."""
     real = PgConnection.connect.__func__  # type: ignore[attr-defined]
 
-    async def connect(cls: type[PgConnection], conninfo: str) -> PgConnection:
-        pg: PgConnection = await real(cls, conninfo)
+    async def connect(cls: type[PgConnection], conninfo: str, *args: Any) -> PgConnection:
+        pg: PgConnection = await real(cls, conninfo, *args)
         with socket.socket(fileno=os.dup(pg._pgconn.socket)) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         return pg

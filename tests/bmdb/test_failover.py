@@ -176,11 +176,13 @@ async def test_a_session_and_its_work_outlive_a_failover(
 async def test_the_cli_says_when_it_reads_from_a_standby(
     ha_bmdb_url: str, patroni_cluster: LocalPatroni
 ) -> None:
-    """``bmdb machines`` takes the multi-host URL; with ``prefer-standby``
-    it reads from a standby and says so, with ``read-write`` it does not."""
+    """``bmdb machines`` takes a multi-host URL; with ``prefer-standby``
+    (the proxy's replica listener first) it reads from a standby and says
+    so, with ``read-write`` it does not."""
     async with bmdb.open_connection(ha_bmdb_url) as conn:
         [machine] = await add_provided_machines(conn, 1)
-    standby_url = ha_bmdb_url.replace("read-write", "prefer-standby")
+    dbname = ha_bmdb_url.rsplit("/", 1)[1].split("?")[0]
+    standby_url = patroni_cluster.url(dbname, target="prefer-standby")
     outputs = {}
     for url in (standby_url, ha_bmdb_url):
         with trio.fail_after(60):
@@ -222,7 +224,8 @@ async def test_the_web_ui_says_when_it_reads_from_a_standby(
     each try opens a new connection."""
     async with bmdb.open_connection(ha_bmdb_url) as conn:
         [machine] = await add_provided_machines(conn, 1)
-    standby_url = ha_bmdb_url.replace("read-write", "prefer-standby")
+    dbname = ha_bmdb_url.rsplit("/", 1)[1].split("?")[0]
+    standby_url = patroni_cluster.url(dbname, target="prefer-standby")
     with trio.fail_after(60):
         while True:  # until a standby serves the page and has replayed the machine
             text = await _page(standby_url)

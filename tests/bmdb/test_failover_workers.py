@@ -1,9 +1,15 @@
-"""Eight worker processes on the HA BMDB through two crashes of the
-primary's postgres and one planned switchover: every machine is finished
-exactly once, no two holds of one machine overlap, no heartbeat the BMDB
-accepted from an agent is lost, and the workers carry on without an
-operator. Prints, per fault, the time from the primary's loss to
-the first commit on the new primary.
+"""Eight worker processes on the HA BMDB through three faults: a crash of
+the primary's postgres, a SIGKILL of the next primary's Patroni (its
+postgres runs on, writable, while another member is promoted: the case the
+proxy fences, `bmdb.localha`), and a planned switchover. Every machine is
+finished exactly once, no two holds of one machine overlap, no heartbeat
+the BMDB accepted from an agent is lost, the workers carry on without an
+operator, and none is without a session for longer than two session
+intervals once the new leader is up. Prints, per fault, the time from the
+primary's loss to the first commit on the new primary.
+
+A run whose work stops moving for `STALL` seconds fails at once, saying
+how far it got (before the fencing, the Patroni kill stalled it for good).
 
 ``BMDB_FAILOVER_MACHINES`` sets the fleet's size: 2000 by default, the
 figure the HA BMDB is held to (a smaller fleet shortens a local run). The
@@ -13,6 +19,8 @@ outlasts the three faults (asserted).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -48,7 +56,10 @@ INTERVAL = 15.0
 #: the cluster is healthy again after the one before.
 WORKER = [sys.executable, "-m", "tests.bmdb.ha_worker"]
 ARGS = [str(HOLD), str(INTERVAL)]
-FAULTS = [(0.1, "kill"), (0.3, "switchover"), (0.5, "kill")]
+FAULTS = [(0.1, "kill"), (0.3, "kill-patroni"), (0.5, "switchover")]
+#: Seconds without a machine tagged after which the run has stalled: far
+#: more than a failover takes (Patroni's ttl, 20 s, for the Patroni kill).
+STALL = 120.0
 
 
 #: How many started agents send heartbeats during the run.
@@ -68,34 +79,58 @@ async def _stored_beats(q: Queries) -> dict[uuid.UUID, int]:
     return {r[0]: int(r[1]) for r in rows}
 
 
+async def _open_observer(url: str, *, task_status: trio.TaskStatus[bmdb.Connection]) -> None:
+    """A connection for the watchers, open until cancelled."""
+    async with bmdb.open_connection(url) as observer:
+        task_status.started(observer)
+        await trio.sleep_forever()
+
+
 @pytest.mark.slow
-async def test_eight_workers_through_two_kills_and_a_switchover(
+async def test_eight_workers_through_a_kill_a_patroni_kill_and_a_switchover(
     ha_bmdb_url: str, patroni_cluster: LocalPatroni, tmp_path: Path
 ) -> None:
     async with bmdb.open_connection(ha_bmdb_url) as conn:
         await bulk_provided_machines(conn, MACHINES)
-    faults: list[tuple[str, str, float, int]] = []  # (kind, old primary, at, new port)
+    # (kind, old primary, at, new port, new leader up at)
+    faults: list[tuple[str, str, float, int, float]] = []
+    progress: dict[str, float] = {"tagged": 0, "at": time.monotonic()}
+    orphans: list[str] = []
+
+    async def watch_progress(observer: bmdb.Connection) -> None:
+        while True:
+            tagged: float = progress["tagged"]
+            with contextlib.suppress(DatabaseUnavailable):
+                tagged = (await outcome_counts(observer))["tagged"]
+            if tagged > progress["tagged"]:
+                progress.update(tagged=tagged, at=time.monotonic())
+            stalled = time.monotonic() - progress["at"]
+            assert stalled < STALL, (
+                f"work stalled: {progress['tagged']} of {MACHINES} machines tagged,"
+                f" none more for {stalled:.0f} s (faults so far: {[f[0] for f in faults]})"
+            )
+            await trio.sleep(0.2)
 
     async def run_faults() -> None:
-        async with bmdb.open_connection(ha_bmdb_url) as observer:
-            for fraction, kind in FAULTS:
-                while True:
-                    try:
-                        tagged = (await outcome_counts(observer))["tagged"]
-                    except DatabaseUnavailable:
-                        tagged = 0
-                    if tagged >= fraction * MACHINES:
-                        break
-                    await trio.sleep(0.2)
-                old = await trio.to_thread.run_sync(patroni_cluster.wait_healthy)
-                at = time.monotonic()
-                if kind == "kill":
-                    await trio.to_thread.run_sync(patroni_cluster.kill_primary)
-                else:
-                    await trio.to_thread.run_sync(patroni_cluster.switchover)
-                logger.info("%s of %s at %d tagged", kind, old, tagged)
-                new = await trio.to_thread.run_sync(patroni_cluster.wait_new_primary, old)
-                faults.append((kind, old, at, patroni_cluster.member(new).pg_port))
+        for fraction, kind in FAULTS:
+            while progress["tagged"] < fraction * MACHINES:  # noqa: ASYNC110 (set by a poller)
+                await trio.sleep(0.2)
+            old = await trio.to_thread.run_sync(patroni_cluster.wait_healthy)
+            at = time.monotonic()
+            if kind == "kill":
+                await trio.to_thread.run_sync(patroni_cluster.kill_primary)
+            elif kind == "kill-patroni":
+                await trio.to_thread.run_sync(patroni_cluster.kill_patroni)
+            else:
+                await trio.to_thread.run_sync(patroni_cluster.switchover)
+            logger.info("%s of %s at %d tagged", kind, old, progress["tagged"])
+            new = await trio.to_thread.run_sync(patroni_cluster.wait_new_primary, old)
+            up = time.monotonic()
+            faults.append((kind, old, at, patroni_cluster.member(new).pg_port, up))
+            if kind == "kill-patroni":
+                # Its postgres runs on, writable, for the rest of the run:
+                # nothing may reach it (the fence) and nothing may wait on it.
+                orphans.append(old)
         faults_done.set()
 
     #: machine -> request time (ns) of its last heartbeat the BMDB accepted.
@@ -131,16 +166,23 @@ async def test_eight_workers_through_two_kills_and_a_switchover(
                 await trio.lowlevel.open_process([*WORKER, ha_bmdb_url, f"w{i}", str(out), *ARGS])
                 for i, out in enumerate(outs)
             ]
+            observer = await nursery.start(_open_observer, ha_bmdb_url)
+            nursery.start_soon(watch_progress, observer)
             nursery.start_soon(run_faults)
             nursery.start_soon(beat_agents)
             try:
                 for proc in procs:
                     await proc.wait()
+                nursery.cancel_scope.cancel()
             finally:
                 for proc in procs:
                     if proc.returncode is None:
                         proc.kill()
                         await proc.wait()
+                # As a service manager would, late: the dead Patroni comes
+                # back, and demotes (and rewinds) the postgres it left.
+                for name in orphans:
+                    patroni_cluster.restart_member(name)
     assert [p.returncode for p in procs] == [0] * PROCESSES
 
     reports = [json.loads(out.read_text()) for out in outs]
@@ -158,7 +200,18 @@ async def test_eight_workers_through_two_kills_and_a_switchover(
     ]
     assert not overlapping, f"{len(overlapping)} machines held twice at once"
 
-    for kind, old, at, port in faults:
+    # After each new leader is up, every worker has a session again within
+    # two session intervals (or has finished).
+    late = []
+    for i, report in enumerate(reports):
+        spans = sorted(tuple(span) for span in report["sessions"])
+        for (_, ended), (began, _) in itertools.pairwise(spans):
+            ups = [f[4] for f in faults if f[4] <= began]
+            if ups and began - max(ended, ups[-1]) > 2 * INTERVAL:
+                late.append((f"w{i}", round(began - max(ended, ups[-1]), 1)))
+    assert not late, f"workers without a session for over {2 * INTERVAL} s: {late}"
+
+    for kind, old, at, port, _up in faults:
         after = [end for _, _, end, by in holds if by == port and end > at]
         assert after, f"no commit on the new primary after the {kind} (workers done too soon?)"
         first = min(after)

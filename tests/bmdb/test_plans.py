@@ -265,3 +265,28 @@ def test_first_machine_page_is_flat_and_planned_once(fleets: dict[int, str]) -> 
     # Each machine is probed in about ten tables (tags, hold, installation,
     # backoff, history, work): a few candidates' worth of buffers each.
     _check_flat(fleets, sql, None, 4 * 101, _HISTORY)
+
+
+def test_failed_machines_page_is_served_by_an_index(fleets: dict[int, str]) -> None:
+    """The web UI's ``/machines?state=failed``: the active backoffs are found
+    through an index and only the page's machines get their joins, not every
+    machine walked until a hundred failed ones are found (one in 50 here)."""
+    params = overview.machines_params(limit=101, state="failed")
+    sql = overview.machines_sql(params)
+    plan = _explain(fleets[LARGE], sql, params, _HISTORY)
+    backoff_scans = {
+        node["Node Type"] for node in _nodes(plan) if node.get("Relation Name") == "work_backoff"
+    }
+    assert backoff_scans and backoff_scans <= {
+        "Index Scan",
+        "Index Only Scan",
+        "Bitmap Heap Scan",
+    }, backoff_scans
+    # The history is read for the page's machines only.
+    history_loops = max(
+        node["Actual Loops"] for node in _nodes(plan) if node.get("Relation Name") == "work_history"
+    )
+    assert history_loops <= 101
+    # The machines are walked in order with one backoff probe each until a
+    # page is found: 50 per failed machine here, whatever the fleet's size.
+    _check_flat(fleets, sql, params, 50 * 101 // 4, _HISTORY)

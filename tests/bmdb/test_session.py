@@ -9,6 +9,7 @@ import pytest
 import trio
 
 import bmdb
+import bmdb.errors
 from bmdb import Process, WorkEvent
 from bmdb.errors import InvalidArgument, SessionExpired
 from bmdb.model import Queries
@@ -171,3 +172,49 @@ async def test_closing_releases_work_left_open(bmdb_conn: bmdb.Connection) -> No
         (WorkEvent.STARTED, None),
         (WorkEvent.CANCELED, "session closed"),
     ]
+
+
+#: Nothing listens here (port 1 on loopback): connecting fails at once.
+UNREACHABLE = "postgresql://nobody@127.0.0.1:1/bmdb?connect_timeout=2"
+
+
+async def _expire_while_shielded(
+    conn: bmdb.Connection, sess: bmdb.Session, then: type[BaseException] | None
+) -> None:
+    """Expire ``sess`` (its row's deadline in the past: the heartbeat's next
+    poke finds it gone and raises `SessionExpired`, cancelling the body),
+    while the body, shielded, waits for that and then fails on its own: with
+    a real `DatabaseUnavailable` (``then`` None) or ``then``."""
+    await expire_now(conn, sess.id)
+    with trio.CancelScope(shield=True):
+        with trio.fail_after(10):
+            while not sess.expired:  # noqa: ASYNC110 (the heartbeat sets it)
+                await trio.sleep(0.05)
+        if then is not None:
+            raise then("the body's own error")
+        async with bmdb.open_connection(UNREACHABLE):
+            pass
+
+
+async def test_an_expiry_and_a_database_error_at_once_raise_session_expired(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """Both the heartbeat (`SessionExpired`) and the body
+    (`DatabaseUnavailable`) fail: the block raises one documented error,
+    `SessionExpired`, with the other chained and noted, never a group."""
+    with pytest.raises(SessionExpired) as caught:
+        async with bmdb_conn.session("both-fail", interval=0.4) as sess:
+            await _expire_while_shielded(bmdb_conn, sess, None)
+    assert isinstance(caught.value.__cause__, bmdb.errors.DatabaseUnavailable)
+    assert any("also: DatabaseUnavailable" in n for n in getattr(caught.value, "__notes__", []))
+
+
+async def test_a_bug_in_the_body_beside_an_expiry_is_raised_as_itself(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """The body's own exception (not a BMDB error) is what it would be
+    without the session, with the expiry noted."""
+    with pytest.raises(KeyError) as caught:
+        async with bmdb_conn.session("bug-and-expiry", interval=0.4) as sess:
+            await _expire_while_shielded(bmdb_conn, sess, KeyError)
+    assert isinstance(caught.value.__cause__, SessionExpired)

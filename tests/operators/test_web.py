@@ -116,7 +116,7 @@ async def test_pages_answer_ten_browsers_at_once(
         for _ in range(3):
             await page.goto(f"{web}/machines")
             assert len(await _rows(page)) == 7
-            mid = fleet.ids[list(State)[n % len(State)]]
+            mid = list(fleet.ids.values())[n % len(fleet.ids)]
             await page.get_by_role("link", name=str(mid)).click()
             await page.wait_for_url(f"**/machine/{mid}")
             assert str(mid) in await page.title()
