@@ -22,9 +22,10 @@ path that must never write an unverified image.
 
 One install, in order (`install`)::
 
-    check the request     root_device one of the loopback disks (`disks`); a
-                          real block device is refused ("not implemented"),
-                          so are bounds and shapes a request must keep
+    check the request     root_device one of the loopback disks (`disks`), or
+                          a real block device by its kernel name (``sdb``,
+                          ``loop3``) that `blockdev.check_device` accepts;
+                          bounds and shapes a request must keep
     download, verify      {scheme}://{host}/images/sha256/{hex} into a
                           temporary file in the disk folder (`download`: TLS
                           verified against the CA from TakeoverInit, bounded,
@@ -42,9 +43,19 @@ One install, in order (`install`)::
 
 A disk whose node (from an earlier generation) still runs is refused: a
 loopback install cannot stop a node without killing what it serves, and a
-second node would fight the first for the fixed ports. On a real machine
-the install would also partition the disk, write the image, add a boot
-entry and reboot; this agent refuses real block devices instead.
+second node would fight the first for the fixed ports.
+
+A real block device is installed by `blockdev.install_device` (GPT, image
+on system A read back, boot record, data partition, the boot entry last),
+after the download into a temporary file beside the agent. Then, as
+`Settings.after_install` says: "start" (``systemctl daemon-reload``, start
+``metropolis-node.service`` and wait for its key in /run/metropolis),
+"reboot" (``systemctl reboot``; the agent that starts after the reboot
+reports the key the node announces), or "none" (the report then says the
+node was installed but not started, as an error: no key is known). "node
+started" is recorded before the boot entry is written: from then on a
+restarted agent waits for the key instead of calling the generation
+interrupted.
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from . import blockdev
 from .daemon import log
 from .disks import loopback_disks, valid_name
 from .download import PART_PREFIX, PART_SUFFIX, DownloadFailed, Limits, Source, download
@@ -103,6 +115,11 @@ class Settings:
     #: Bound on waiting for the started node's key.
     announce_timeout: float = 60.0
     python: str = sys.executable or "python3"
+    #: A real block device's partition sizes, and where its boot entry goes.
+    layout: blockdev.Layout = dataclasses.field(default_factory=blockdev.Layout)
+    target: blockdev.Target = dataclasses.field(default_factory=blockdev.Target)
+    #: After a real install: "start" the node unit, "reboot", or "none".
+    after_install: str = "start"
 
     def download_limits(self) -> Limits:
         return Limits(
@@ -131,6 +148,9 @@ class Plan:
     digest: str  # 64 lowercase hex
     node_parameters: bytes
     node_address: str
+    #: A real block device's path ("" for a loopback disk); ``disk`` is then
+    #: the folder the download's temporary file goes to.
+    device: str = ""
 
     @property
     def source(self) -> Source:
@@ -157,7 +177,11 @@ def _valid_address(text: str) -> bool:
 
 
 def check_request(
-    request: InstallationRequest, disks: dict[str, str], endpoint_scheme: str
+    request: InstallationRequest,
+    disks: dict[str, str],
+    endpoint_scheme: str,
+    layout: blockdev.Layout | None = None,
+    work_dir: str = "",
 ) -> Plan:
     """The plan of a request, or InstallFailed with the cause it is refused for."""
     m = request.metropolis
@@ -171,9 +195,15 @@ def check_request(
             f"{MAX_NODE_PARAMETERS}"
         )
     name = m.root_device
-    if name not in disks:
-        if valid_name(name) and os.path.exists(f"/sys/block/{name}"):
+    device = ""
+    if name not in disks and valid_name(name) and os.path.exists(f"/sys/block/{name}"):
+        if layout is None:
             raise InstallFailed(f"root device {name}: {BLOCK_DEVICE_REFUSAL}")
+        try:
+            device = blockdev.check_device(name, layout)
+        except blockdev.DeviceRefused as exc:
+            raise InstallFailed(str(exc)) from exc
+    elif name not in disks:
         listed = ", ".join(disks) or "none"
         raise InstallFailed(
             f"root device {name!r} is not one of this machine's loopback disks ({listed})"
@@ -206,7 +236,7 @@ def check_request(
         raise InstallFailed(f"image host {image.host!r}: port out of range")
     return Plan(
         generation=request.generation,
-        disk=disks[m.root_device],
+        disk=work_dir if device else disks[m.root_device],
         scheme=image.scheme,
         host=v6 if v6 is not None else name_or_v4,
         port=port,
@@ -214,6 +244,7 @@ def check_request(
         digest=digest.group(1),
         node_parameters=m.node_parameters,
         node_address=m.node_address,
+        device=device,
     )
 
 
@@ -382,6 +413,8 @@ def install(
     InstallFailed with the cause. ``progress`` is told "writing" before the
     disk folder is changed and "node-started" before the node is spawned
     (and must have recorded that durably when it returns)."""
+    if plan.device:
+        return install_device(plan, context, settings, progress)
     running = node_running(plan.disk)
     if running is not None:
         raise InstallFailed(
@@ -429,6 +462,93 @@ def install(
     finally:
         step("announce")
         log(f"generation {plan.generation}: " + ", ".join(steps))
+
+
+def install_device(
+    plan: Plan,
+    context: ssl.SSLContext | None,
+    settings: Settings,
+    progress: Callable[[str], None],
+) -> bytes:
+    """`install` onto a real block device (``plan.device``)."""
+    import subprocess
+
+    steps: list[str] = []
+    clock = time.monotonic()
+
+    def step(what: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        steps.append(f"{what} {now - clock:.2f}s")
+        clock = now
+
+    try:
+        tmp = download(
+            plan.source,
+            plan.digest,
+            plan.disk,
+            context=context,
+            limits=settings.download_limits(),
+            label=f"generation {plan.generation}",
+        )
+    except DownloadFailed as exc:
+        raise InstallFailed(str(exc)) from exc
+    step(f"download+verify of {os.path.getsize(tmp)} bytes")
+    key_path = os.path.join(blockdev.RUN, "node.key.pub")
+    try:
+        progress("writing")
+
+        def boot_step(what: str) -> None:
+            step(what)
+            if what == "data":  # the boot entry comes next: its node may start
+                progress("node-started")
+
+        blockdev.install_device(
+            plan.device,
+            tmp,
+            plan.digest,
+            plan.node_parameters,
+            plan.node_address,
+            layout=settings.layout,
+            target=settings.target,
+            step=boot_step,
+        )
+    except blockdev.DeviceFailed as exc:
+        raise InstallFailed(f"installing onto {plan.device}: {exc}") from exc
+    finally:
+        _remove(tmp)
+        log(f"generation {plan.generation}: " + ", ".join(steps))
+    if settings.after_install == "reboot":
+        subprocess.run(["systemctl", "reboot"], check=False)
+        return await_device_key(key_path, settings.announce_timeout)
+    if settings.after_install != "start":
+        raise InstallFailed(
+            f"installed onto {plan.device}; the node was not started (after_install "
+            f"{settings.after_install!r}): it starts at the next boot"
+        )
+    for argv in (["systemctl", "daemon-reload"], ["systemctl", "start", blockdev.NODE_UNIT]):
+        done = subprocess.run(argv, capture_output=True, check=False, timeout=120)
+        if done.returncode != 0:
+            raise InstallFailed(
+                f"installed onto {plan.device}, but {' '.join(argv)} failed: "
+                f"{done.stderr.decode(errors='replace').strip()[-300:]}"
+            )
+    return await_device_key(key_path, settings.announce_timeout)
+
+
+def await_device_key(path: str, timeout: float) -> bytes:
+    """The key the node unit announces at ``path``, waited for at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        key = _read_key(path)
+        if key is not None:
+            return key
+        if time.monotonic() > deadline:
+            raise InstallFailed(
+                f"the node unit did not announce its key within {timeout:g}s "
+                f"(journalctl -u {blockdev.NODE_UNIT} says why)"
+            )
+        time.sleep(0.2)
 
 
 def write_disk_state(disk: str, state: dict[str, object]) -> None:
@@ -571,6 +691,9 @@ class Installer:
 
     def _finish(self, generation: int, disk: str | None, *, key: bytes | None, error: str) -> None:
         outcome: dict[str, Any] = {"generation": generation, "status": "done"}
+        with self._lock:
+            if self._state is not None and self._state.get("device"):
+                outcome["device"] = self._state["device"]  # what `wipe` wipes
         if key is not None:
             outcome["node_public_key"] = key.hex()
             log(f"generation {generation}: installed, node key {key.hex()}")
@@ -594,11 +717,23 @@ class Installer:
         g = request.generation
         disk: str | None = None
         try:
-            plan = check_request(request, loopback_disks(self.agent_dir), self.endpoint_scheme)
+            plan = check_request(
+                request,
+                loopback_disks(self.agent_dir),
+                self.endpoint_scheme,
+                layout=self.settings.layout,
+                work_dir=self.agent_dir,
+            )
             context = self._context() if plan.scheme == "https" else None
 
             def progress(status: str) -> None:
                 nonlocal disk
+                if plan.device:  # no install.json on a block device: the agent's own only
+                    # Recorded before the first write, so that a wipe finds the device.
+                    status = "started" if status == "writing" else status
+                    with self._lock:
+                        self._save({"generation": g, "status": status, "device": plan.device})
+                    return
                 disk = plan.disk
                 if status == "node-started":
                     with self._lock:
@@ -617,6 +752,18 @@ class Installer:
         assert self._state is not None
         g = int(self._state["generation"])
         disk = self._state.get("disk")
+        device = self._state.get("device")
+        if self._state["status"] == "node-started" and isinstance(device, str):
+            log(f"generation {g}: installed onto {device} before the agent restarted")
+            try:
+                key = await_device_key(
+                    os.path.join(blockdev.RUN, "node.key.pub"), self.settings.announce_timeout
+                )
+            except InstallFailed as exc:
+                self._finish(g, None, key=None, error=f"after an agent restart: {exc}")
+            else:
+                self._finish(g, None, key=key, error="")
+            return
         if self._state["status"] != "node-started" or not isinstance(disk, str):
             for folder in loopback_disks(self.agent_dir).values():
                 _remove_parts(folder)  # the interrupted download's, if any

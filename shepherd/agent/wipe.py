@@ -12,6 +12,13 @@ with ``--wipe`` (nothing on stdin). In order:
     empty each loopback disk       everything an install wrote in the folder
                                    that stands for the disk (the folder stays:
                                    it is the disk)
+    wipe the installed real disk   the device the install state names: the node
+                                   unit stopped (``systemctl stop``, if there is
+                                   a systemctl), the boot entry removed (enable
+                                   symlink first), then `blockdev.wipe_device`:
+                                   wipefs and zeroes of each partition's first
+                                   and last MiB, wipefs of the table, blkdiscard
+                                   (zeroes where unsupported), read back
     remove the agent's own files   its key, pid file and install state
 
 and prints one JSON object on stdout: ``{"wiped": [paths], "stopped":
@@ -31,6 +38,7 @@ import signal
 import sys
 import time
 
+from . import blockdev
 from .disks import loopback_disks
 from .files import read_int, read_text
 from .install import node_running
@@ -83,8 +91,34 @@ def _remove(path: str, wiped: list[str], errors: list[str]) -> None:
     wiped.append(path)
 
 
-def wipe(agent: str) -> dict[str, list[object]]:
-    """Wipe what the agent at path ``agent`` and its installs wrote; the report."""
+def _installed_device(agent: str) -> str | None:
+    try:
+        with open(agent + ".install.json", "rb") as f:
+            state = json.loads(f.read(64 * 1024))
+    except (OSError, ValueError):
+        return None
+    device = state.get("device") if isinstance(state, dict) else None
+    return device if isinstance(device, str) and device else None
+
+
+def _wipe_device(device: str, target: blockdev.Target, wiped: list[str], errors: list[str]) -> None:
+    if shutil.which("systemctl") and os.path.isdir("/run/systemd/system"):
+        import subprocess
+
+        subprocess.run(["systemctl", "stop", blockdev.NODE_UNIT], capture_output=True, check=False)
+    try:
+        wiped.extend(blockdev.remove_boot_entry(target))
+    except OSError as exc:
+        errors.append(f"cannot remove the boot entry: {exc}")
+    try:
+        wiped.extend(blockdev.wipe_device(device))
+    except (OSError, blockdev.DeviceFailed) as exc:
+        errors.append(f"cannot wipe {device}: {exc}")
+
+
+def wipe(agent: str, target: blockdev.Target | None = None) -> dict[str, list[object]]:
+    """Wipe what the agent at path ``agent`` and its installs wrote; the report.
+    ``target``: where a real install's boot entry is (`blockdev.Target` by default)."""
     agent = os.path.abspath(agent)
     wiped: list[str] = []
     stopped: list[int] = []
@@ -100,6 +134,9 @@ def wipe(agent: str) -> dict[str, list[object]]:
             _stop(node, stopped, errors)
         for name in sorted(os.listdir(disk)):
             _remove(os.path.join(disk, name), wiped, errors)
+    device = _installed_device(agent)
+    if device is not None:
+        _wipe_device(device, target or blockdev.Target(), wiped, errors)
     for suffix in OWN_FILES:
         _remove(agent + suffix, wiped, errors)
     return {"wiped": list(wiped), "stopped": list(stopped), "errors": list(errors)}
