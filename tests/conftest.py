@@ -104,7 +104,9 @@ def _fixed_addresses_claimed(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     try:
-        fd = loopback.claim_default_block()
+        # Another worker of this run may hold it for a module of the group
+        # (xdist can split a group across workers): wait for it.
+        fd = loopback.claim_default_block(wait=900)
     except loopback.BlockHeld as held:
         pytest.fail(str(held), pytrace=False)
     try:

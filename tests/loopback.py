@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from shepherd.localfleet import LOOPBACK_BLOCKS, first_node_address, loopback_addresses
@@ -99,10 +100,15 @@ def claim_block(preferred: int | None = None, *, lock_dir: Path = LOCK_DIR) -> t
     )
 
 
-def claim_default_block(*, lock_dir: Path = LOCK_DIR) -> int:
-    """Claim block 0 (the product's default addresses) for this process, or raise
-    `BlockHeld` naming the run that holds it. Returns the lock's fd."""
+def claim_default_block(*, lock_dir: Path = LOCK_DIR, wait: float = 0.0) -> int:
+    """Claim block 0 (the product's default addresses) for this process, waiting
+    up to ``wait`` seconds for another holder to let go, or raise `BlockHeld`
+    naming the run that holds it. Returns the lock's fd."""
+    deadline = time.monotonic() + wait
     fd = _try_claim(0, lock_dir)
+    while fd is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        fd = _try_claim(0, lock_dir)
     if fd is None:
         raise BlockHeld(
             f"the default loopback addresses (127.0.0.N, block 0) are in use by another test run"
