@@ -175,9 +175,13 @@ async def test_eight_workers_through_a_kill_a_patroni_kill_and_a_switchover(
                     await proc.wait()
                 nursery.cancel_scope.cancel()
             finally:
+                # Every worker is killed before any wait: a failed run is
+                # cancelled here, and its first wait would end the loop.
                 for proc in procs:
                     if proc.returncode is None:
                         proc.kill()
+                with trio.CancelScope(shield=True):
+                    for proc in procs:
                         await proc.wait()
                 # As a service manager would, late: the dead Patroni comes
                 # back, and demotes (and rewinds) the postgres it left.
