@@ -151,14 +151,19 @@ class Network:
             self._lock.close()
 
 
-def claim_network(lock_dir: Path = LOCK_DIR) -> Network:
+def claim_network() -> Network:
     """Claim the first free slot, clear its leftovers, create its bridge.
+
+    The locks live in one folder for the whole host (`LOCK_DIR`), never one
+    of the caller's: the names they guard (bridge, veths, namespaces) are
+    the host's, so a claim through another folder would take a live fleet's
+    slot for a dead one and remove its network.
 
     Raises `NetworkError` when every slot is held or ``ip`` fails (then the
     slot is released again)."""
-    lock_dir.mkdir(parents=True, exist_ok=True)
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
     for slot in range(SLOTS):
-        lock = (lock_dir / f"slot-{slot}.lock").open("a")
+        lock = (LOCK_DIR / f"slot-{slot}.lock").open("a")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
