@@ -47,9 +47,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import asyncssh
 import trio
 import trio_asyncio
+
+from shepherd.asyncssh_import import asyncssh
 
 
 @dataclass

@@ -33,20 +33,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import asyncssh
 import trio
 import trio_asyncio
 
-# Not exported by asyncssh's top level (asyncssh.public_key is an internal
-# module), so an asyncssh release may move it; tests/shepherd/test_ssh.py
-# connects with a recorded host key, which fails loudly if it does.
-from asyncssh.public_key import decode_ssh_public_key
-
 from common.cli import leaf_errors
+from shepherd.asyncssh_import import asyncssh
 from shepherd.errors import ShepherdError
 from shepherd.ssh_key import SSHKey
 
 logger = logging.getLogger("shepherd.ssh")
+
+# Not exported by asyncssh's top level (asyncssh.public_key is an internal
+# module), so an asyncssh release may move it; tests/shepherd/test_ssh.py
+# connects with a recorded host key, which fails loudly if it does.
+decode_ssh_public_key = asyncssh.public_key.decode_ssh_public_key
 
 #: Most bytes :meth:`SSHConnection.run` accepts on stdout (and on stderr).
 DEFAULT_OUTPUT_LIMIT = 1 << 20

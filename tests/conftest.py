@@ -43,9 +43,17 @@ SERIAL_GROUPS = {
     "tests/test_cli_help.py": "fixed-address",
     "tests/test_exit_codes.py": "fixed-address",
     "tests/bench/test_smoke.py": "bench-smoke",
+    # One fleet of machines for the module, whose tests build on each
+    # other's state (a partition made, then read after a reboot).
+    "tests/shepherd/nspawn/test_fleet.py": "nspawn-fleet",
+    # Checks that these groups reach xdist at all.
+    "tests/test_xdist_groups.py": "group-check",
 }
 
 
+# First, so the marks are there when xdist's worker reads them in its own
+# hook of this name (it writes each test's group into the node id).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist, put each module of `SERIAL_GROUPS` in its group.
 
