@@ -125,6 +125,8 @@ class ClusterView:
                     _curator(r),
                     r.health,
                     _since(r.since_heartbeat),
+                    _image(r),
+                    r.slot_state,
                     link(f"/cluster/node/{r.node_id}/tree", "supervision tree")
                     if r.debug_port
                     else "-",
@@ -155,6 +157,9 @@ class ClusterView:
                 ("curator", _curator(row)),
                 ("health", row.health),
                 ("heartbeat", _since(row.since_heartbeat)),
+                ("image", Html(f'<span class="mono">{esc(row.image or "-")}</span>')),
+                ("slot", _slot_text(row)),
+                ("went back from", _rollback(row)),
                 ("debug service", debug),
             ]
         )
@@ -210,8 +215,33 @@ def _machine_cell(machines: _Machines, row: NodeRow) -> Html:
 
 
 _NODE_COLUMNS = (
-    "node", "machine", "address", "state", "roles", "curator", "health", "heartbeat", "debug",
+    "node", "machine", "address", "state", "roles", "curator", "health", "heartbeat",
+    "image", "slot", "debug",
 )  # fmt: skip
+
+
+def _image(row: NodeRow) -> Html:
+    """The image's short digest, the whole one in its title."""
+    if not row.image:
+        return Html('<span class="dim">-</span>')
+    return Html(f'<span class="mono" title="{esc(row.image)}">{esc(row.short_image)}</span>')
+
+
+def _slot_text(row: NodeRow) -> str:
+    if row.slot == "-":
+        return "none (a loopback disk, or a node run by hand)"
+    if row.trial:
+        return f"{row.slot}: a one-shot try, not yet permanent"
+    return f"{row.slot} (permanent)"
+
+
+def _rollback(row: NodeRow) -> Html:
+    if not row.rolled_back:
+        return Html('<span class="dim">-</span>')
+    return Html(
+        f'<span class="mono">{esc(row.rolled_back)}</span>: '
+        f'<span class="state-failed">{esc(row.rollback_cause or "no cause given")}</span>'
+    )
 
 
 def _addresses(view: ClusterView) -> Html:

@@ -19,7 +19,13 @@ stops everything (etcd included) and exits 0. Each of the three takes
 ``/metrics`` (:mod:`metropolis.roleserve.metrics`), and ``--snapshot-interval
 SECONDS [--snapshot-keep N] [--snapshot-dir DIR]`` to snapshot the local
 etcd member on that schedule (:mod:`metropolis.roleserve.snapshots`);
-neither is saved. ``metropolis node recover --root DIR --snapshot FILE``
+neither is saved. ``--boot-info FILE`` (what the boot chose: the disk slot,
+the image, whether this boot is a one-shot try) and ``--announce-healthy
+FILE`` (written once the cluster took the node's status and its roles
+run) are the node's part of an A/B upgrade (:mod:`metropolis.roleserve.bootinfo`,
+:mod:`metropolis.roleserve.bootcheck`); their defaults come from
+``METROPOLIS_BOOT_INFO`` and ``METROPOLIS_ANNOUNCE_HEALTHY``, which the
+installed node unit sets. ``metropolis node recover --root DIR --snapshot FILE``
 makes this node the first member of its cluster restored from a snapshot,
 then runs it (:mod:`metropolis.roleserve.recover`); it takes the same
 metrics and snapshot options.
@@ -85,6 +91,11 @@ from metropolis.owner import (
 from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk, recover
+from metropolis.roleserve.bootinfo import (
+    ANNOUNCE_HEALTHY_ENV,
+    BOOT_INFO_ENV,
+    RunningImageSource,
+)
 from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.roleserve.register import DEFAULT_DEADLINE, register
 from metropolis.roleserve.server import RoleServer
@@ -223,6 +234,22 @@ def _parser() -> argparse.ArgumentParser:
             metavar="DIR",
             help="where snapshots go (default: ROOT/data/snapshots)",
         )
+        command.add_argument(
+            "--boot-info",
+            type=Path,
+            default=_env_path(BOOT_INFO_ENV),
+            metavar="FILE",
+            help="what the boot chose (disk slot, image, one-shot try), to report in the node's"
+            f" status (default: ${BOOT_INFO_ENV}; not saved)",
+        )
+        command.add_argument(
+            "--announce-healthy",
+            type=Path,
+            default=_env_path(ANNOUNCE_HEALTHY_ENV),
+            metavar="FILE",
+            help="write FILE once the cluster took this node's status and its roles run: the"
+            f" health check of a slot tried once (default: ${ANNOUNCE_HEALTHY_ENV}; not saved)",
+        )
     for sub in (boot, reg):
         sub.add_argument(
             "--member-health-wait",
@@ -328,6 +355,12 @@ def _register_deadline_flag(command: argparse.ArgumentParser, when: str) -> None
         f"{DEFAULT_DEADLINE:g}); a refusal (wrong ticket: PERMISSION_DENIED) ends it at once; "
         "the wait for the owner's approval is not bounded (not saved)",
     )
+
+
+def _env_path(name: str) -> Path | None:
+    """The path an environment variable names, if set and not empty."""
+    value = os.environ.get(name)
+    return Path(value) if value else None
 
 
 def _positive_seconds(text: str) -> float:
@@ -639,13 +672,18 @@ async def _run_node(
     metrics_listen: str | None = None,
     snapshots: tuple[Path, float, int] | None = None,
     register_deadline: float = DEFAULT_DEADLINE,
+    boot_info: Path | None = None,
+    announce_healthy: Path | None = None,
 ) -> None:
     """Finish a saved registration if there is one, then run the node; until a signal.
 
     ``metrics_listen``: serve the node's metrics there; ``snapshots``:
     (folder, interval, keep) of scheduled etcd snapshots;
     ``register_deadline``: how long the registration retries an outage of
-    every curator (:func:`~metropolis.roleserve.register.register`).
+    every curator (:func:`~metropolis.roleserve.register.register`);
+    ``boot_info``, ``announce_healthy``: what the boot chose, and where to
+    say the node came up healthy (:mod:`metropolis.roleserve.bootinfo`,
+    :mod:`metropolis.roleserve.bootcheck`).
     """
     saved = disk.load(root)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -664,7 +702,14 @@ async def _run_node(
             # An intent a crash left beside the credentials is done with.
             await trio.to_thread.run_sync(disk.drop_finished_intents, root)
             metrics = NodeMetrics(metrics_listen) if metrics_listen else None
-            server = RoleServer(root, saved, metrics=metrics, snapshots=snapshots)
+            server = RoleServer(
+                root,
+                saved,
+                metrics=metrics,
+                snapshots=snapshots,
+                running=RunningImageSource(_absolute(boot_info)),
+                announce_healthy=_absolute(announce_healthy),
+            )
 
             async def main(node: Node) -> None:
                 node.run("role", server.run)
@@ -672,6 +717,10 @@ async def _run_node(
                 await trio.sleep_forever()
 
             nursery.start_soon(supervise, main)
+
+
+def _absolute(path: Path | None) -> Path | None:
+    return None if path is None else Path(os.path.abspath(path))
 
 
 def _snapshots(args: argparse.Namespace, root: Root) -> tuple[Path, float, int] | None:
@@ -719,6 +768,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.metrics_listen,
                 _snapshots(args, root),
                 getattr(args, "register_deadline", DEFAULT_DEADLINE),
+                args.boot_info,
+                args.announce_healthy,
             )
     except MetropolisError as e:
         log.error("%s", e)

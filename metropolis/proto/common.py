@@ -13,6 +13,8 @@ from metropolis.proto.gen.metropolis.proto.common import (
     NodeState,
     NodeStatus,
     NodeStatusRunningCurator,
+    NodeStatusRunningImage,
+    NodeStatusRunningImageSlot,
 )
 
 __all__ = [
@@ -28,4 +30,6 @@ __all__ = [
     "NodeState",
     "NodeStatus",
     "NodeStatusRunningCurator",
+    "NodeStatusRunningImage",
+    "NodeStatusRunningImageSlot",
 ]

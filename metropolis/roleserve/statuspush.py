@@ -1,4 +1,5 @@
-"""Status push: tell the curators this node's address, debug port and whether its curator runs.
+"""Status push: tell the curators this node's address, debug port, whether its curator runs,
+and what it runs (its image and disk slot, :mod:`.bootinfo`).
 
 Monogon's ``worker_statuspush.go``, on Trio: whenever the membership
 changes (home at first, then a local curator serving or stopping), send
@@ -17,6 +18,11 @@ failover, and the node would look dead. It is logged as role fetch and
 directory update log it (:class:`.curatorloss.CuratorOutage`): one WARNING
 per outage. The client itself moves on to the next curator of its list.
 
+What the node runs is read again before every push (a try confirmed
+healthy turns ``trial`` off without a restart). Each accepted push is
+published in :attr:`StatusPush.accepted` (the request the curator took),
+which the boot assessment (:mod:`.bootcheck`) watches.
+
 Cancellation: cancelled with the role server. Errors: :class:`RPCError`
 from the curators other than UNAVAILABLE, raised to the supervisor, which
 retries after its backoff; a restarted push sends the current status again.
@@ -26,9 +32,10 @@ from __future__ import annotations
 
 import trio
 
-from metropolis.event import ReadOnlyValue
+from metropolis.event import ReadOnlyValue, Value
 from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeStatus, NodeStatusRunningCurator
+from metropolis.roleserve.bootinfo import RunningImageSource
 from metropolis.roleserve.curatorloss import CuratorOutage
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.rolefetch import curator_endpoints, restart_on_change, wait_home
@@ -48,11 +55,17 @@ class StatusPush:
         settings: NodeSettings,
         membership: ReadOnlyValue[ClusterMembership],
         startup: ReadOnlyValue[ControlPlaneStartup] | None = None,
+        running: RunningImageSource | None = None,
     ) -> None:
-        """``startup``: the control-plane worker's decision (see :func:`.wait_home`)."""
+        """``startup``: the control-plane worker's decision (see :func:`.wait_home`);
+        ``running``: what the node runs (default: the image of ``METROPOLIS_IMAGE``,
+        no boot info)."""
         self._settings = settings
         self._membership = membership
         self._startup = startup
+        self._running = running if running is not None else RunningImageSource(None)
+        #: The last status update a curator accepted.
+        self.accepted: Value[c.UpdateNodeStatusRequest] = Value()
         #: ``trio.current_time()`` of the last push a curator accepted.
         self.last_pushed: float | None = None
         #: Pushes by outcome (``ok``, or the status code of the refusal).
@@ -69,6 +82,7 @@ class StatusPush:
             external_address=self._settings.address,
             running_curator=running,
             debug_port=self._settings.debug_port,
+            image=await self._running.read(),
         )
         context = client_context(
             credentials.ca_certificate, credentials.certificate, credentials.private_key
@@ -87,6 +101,7 @@ class StatusPush:
                         self.pushes[e.code.name] = self.pushes.get(e.code.name, 0) + 1
                         outage.lost(e, curator)
                     else:
+                        self.accepted.set(request)
                         self.last_pushed = trio.current_time()
                         self.pushes["ok"] = self.pushes.get("ok", 0) + 1
                         outage.recovered(client.endpoint.address)
@@ -99,3 +114,14 @@ class StatusPush:
                             node.signal_healthy()
                             pushed = True
                     await trio.sleep(self._settings.status_interval)
+                    image = await self._running.read()
+                    if image != status.image:
+                        status = NodeStatus(
+                            external_address=status.external_address,
+                            running_curator=status.running_curator,
+                            debug_port=status.debug_port,
+                            image=image,
+                        )
+                        request = c.UpdateNodeStatusRequest(
+                            node_id=credentials.node_id, status=status
+                        )
