@@ -30,10 +30,15 @@ agent bundle cannot import):
                 header with the image's size, digest and the PARTUUIDs, the
                 NodeParameters): python3 reads it at boot with no extra package
     data        mkfs.ext4 of the data partition, the node's root
-    boot entry  LAST: the helper `bootprep` and three units in the systemd
-                root, then the enable symlinks. A cut before this step leaves
-                no unit; a cut inside it leaves unit files without the symlink
-                of ``multi-user.target.wants``, which is written last of all.
+    boot entry  LAST: the helpers `bootprep` and `abslots` and four units in
+                the systemd root (the boot check of `abslots` among them), then
+                the enable symlinks. A cut before this step leaves no unit; a
+                cut inside it leaves unit files without the node's symlink of
+                ``multi-user.target.wants``, which is written last of all.
+
+A/B upgrades (slot B written, tried once, kept or given up) are
+`abslots`'s and `shepherd.agent.upgrade`'s; the install only writes the
+pieces every boot runs.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import struct
 import subprocess
 from collections.abc import Callable
 
+from . import abslots
 from .errors import AgentError
 
 MIB = 1024 * 1024
@@ -62,6 +68,8 @@ NAMES = ("boot", "system-a", "system-b", "data")
 
 MAGIC = b"MONOTRIO-BOOT1\n"
 HELPER = "bootprep.py"
+#: Helpers copied beside it (`bootprep` imports them).
+HELPER_MODULES = ("abslots.py",)
 PREPARE_UNIT = "metropolis-prepare.service"
 NODE_UNIT = "metropolis-node.service"
 RUN = "/run/metropolis"
@@ -335,11 +343,14 @@ def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, st
             "[Unit]\nDescription=Metropolis node\n"
             f"Requires={mount}\nAfter={mount} network-online.target\n\n"
             "[Service]\nRestart=always\nRestartSec=2\n"
+            f"Environment=METROPOLIS_BOOT_INFO={RUN}/{abslots.BOOT_INFO} "
+            f"METROPOLIS_ANNOUNCE_HEALTHY={RUN}/{abslots.HEALTHY}\n"
             f"ExecStart={target.python} {RUN}/image.pyz node register "
             f"--parameters {RUN}/node-parameters.pb --root {target.mount_point}/metropolis "
             f"--address {node_address} --insecure-seal --announce-key {RUN}/node.key.pub\n\n"
             "[Install]\nWantedBy=multi-user.target\n"
         ),
+        abslots.CHECK_UNIT: abslots.check_unit(target.python, helper, boot_partuuid),
     }
 
 
@@ -358,35 +369,46 @@ def write_boot_entry(target: Target, boot_partuuid: str, node_address: str) -> l
     from importlib import resources
 
     os.makedirs(target.helper_dir, exist_ok=True)
-    helper = resources.files(__package__).joinpath(HELPER).read_bytes()
-    _write(os.path.join(target.helper_dir, HELPER), helper, 0o755)
+    for name in (*HELPER_MODULES, HELPER):
+        helper = resources.files(__package__).joinpath(name).read_bytes()
+        _write(os.path.join(target.helper_dir, name), helper, 0o755)
     written = []
     for name, text in units(target, boot_partuuid, node_address).items():
         path = os.path.join(target.systemd_root, name)
         _write(path, text.encode())
         written.append(path)
+    for unit in (abslots.CHECK_UNIT, NODE_UNIT):  # the node's symlink last
+        written.append(enable(target, unit))
+    return written
+
+
+def enable(target: Target, unit: str) -> str:
+    """The symlink of ``multi-user.target.wants`` that starts ``unit`` at boot."""
     wants = os.path.join(target.systemd_root, "multi-user.target.wants")
     os.makedirs(wants, exist_ok=True)
-    link = os.path.join(wants, NODE_UNIT)
+    link = os.path.join(wants, unit)
     tmp = f"{link}.tmp"
     if os.path.lexists(tmp):
         os.unlink(tmp)
-    os.symlink(os.path.join(target.systemd_root, NODE_UNIT), tmp)
+    os.symlink(os.path.join(target.systemd_root, unit), tmp)
     os.replace(tmp, link)
-    written.append(link)
-    return written
+    return link
 
 
 def remove_boot_entry(target: Target) -> list[str]:
     """Remove the enable symlink first, then the units and the helper."""
+    wants = os.path.join(target.systemd_root, "multi-user.target.wants")
     paths = [
-        os.path.join(target.systemd_root, "multi-user.target.wants", NODE_UNIT),
+        os.path.join(wants, NODE_UNIT),
+        os.path.join(wants, abslots.CHECK_UNIT),
         os.path.join(target.systemd_root, NODE_UNIT),
+        os.path.join(target.systemd_root, abslots.CHECK_UNIT),
         os.path.join(target.systemd_root, PREPARE_UNIT),
         os.path.join(target.helper_dir, HELPER),
+        *(os.path.join(target.helper_dir, name) for name in HELPER_MODULES),
     ]
     with contextlib.suppress(DeviceFailed):  # a bad mount point: no such unit was written
-        paths.insert(3, os.path.join(target.systemd_root, mount_unit_name(target.mount_point)))
+        paths.insert(5, os.path.join(target.systemd_root, mount_unit_name(target.mount_point)))
     removed = []
     for path in paths:
         if os.path.lexists(path):
@@ -428,6 +450,7 @@ def install_device(
         **dict(zip(("boot", "system_a", "system_b", "data"), parts.partuuids, strict=True)),
     }
     write_boot_record(parts.nodes[0], header, node_parameters)
+    abslots.DeviceStore(parts.nodes[0]).clear()  # no slot state of an earlier install
     step("boot record")
     crash_point("data")
     _run(["mkfs.ext4", "-q", "-F", "-L", "metropolis-data", "-U", "random", parts.nodes[3]])

@@ -8,13 +8,25 @@ systemd-nspawn machine) no partition node appears in /dev by itself, so it:
     makes every missing partition node   /dev/<part> from /sys/class/block/<part>/dev
     finds the boot partition             by PARTUUID, with ``blkid`` (util-linux)
     reads the boot record                `blockdev.write_boot_record`'s layout
-    extracts the node image              from system A, its SHA-256 checked
+    chooses the slot                     `abslots` (copied beside this file):
+                                         the active one, or a new one tried once
+                                         (its state written before it runs)
+    extracts the node image              from that slot, its SHA-256 checked (a
+                                         tried slot that does not match is given
+                                         up at once: the active one boots)
+    writes /run/metropolis/boot.json     the slot, image and whether a try, which
+                                         the node reports in its status
     links /run/metropolis/data           to the data partition's node: the mount
                                          unit names that path, outside /dev, so
                                          systemd waits for no udev device unit
 
 Exit status 1 with a line on stderr if anything does not match: the node
 unit then does not start (it Requires this one).
+
+``python3 bootprep.py --check BOOT_PARTUUID`` is the boot check
+(`abslots.CHECK_UNIT`): on a boot that tries a new slot, it keeps the slot
+once the node announces itself healthy, or reboots (and the next boot goes
+back) when it does not in time; on any other boot it exits at once.
 """
 
 from __future__ import annotations
@@ -25,6 +37,11 @@ import os
 import struct
 import subprocess
 import sys
+
+try:
+    from . import abslots  # imported as shepherd.agent.bootprep
+except ImportError:  # run as a script, beside abslots.py
+    import abslots  # type: ignore[no-redef,import-not-found]
 
 RUN = "/run/metropolis"
 MAGIC = b"MONOTRIO-BOOT1\n"
@@ -65,23 +82,36 @@ def read_record(device: str) -> tuple[dict[str, object], bytes]:
 
 def main(boot_partuuid: str) -> int:
     make_nodes()
-    header, parameters = read_record(by_partuuid(boot_partuuid))
+    boot_device = by_partuuid(boot_partuuid)
+    header, parameters = read_record(boot_device)
     os.makedirs(RUN, mode=0o700, exist_ok=True)
-    size, want = int(str(header["image_bytes"])), str(header["image_sha256"])
-    digest = hashlib.sha256()
-    source = by_partuuid(str(header["system_a"]))
-    with open(source, "rb") as src, open(f"{RUN}/image.pyz.tmp", "wb") as dst:
-        left = size
-        while left:
-            chunk = src.read(min(left, 1 << 20))
-            if not chunk:
-                raise SystemExit("bootprep: system A is shorter than the image")
-            digest.update(chunk)
-            dst.write(chunk)
-            left -= len(chunk)
-    if digest.hexdigest() != want:
-        raise SystemExit("bootprep: the image on system A does not match its SHA-256")
-    os.replace(f"{RUN}/image.pyz.tmp", f"{RUN}/image.pyz")
+
+    def extract(slot: str, image: abslots.SlotImage) -> None:
+        digest = hashlib.sha256()
+        source = by_partuuid(str(header[f"system_{slot}"]))
+        with open(source, "rb") as src, open(f"{RUN}/image.pyz.tmp", "wb") as dst:
+            left = image.size
+            while left:
+                chunk = src.read(min(left, 1 << 20))
+                if not chunk:
+                    raise abslots.SlotError(f"system {slot.upper()} is shorter than the image")
+                digest.update(chunk)
+                dst.write(chunk)
+                left -= len(chunk)
+        if digest.hexdigest() != image.sha256:
+            raise abslots.SlotError(
+                f"the image on system {slot.upper()} does not match its SHA-256"
+            )
+        os.replace(f"{RUN}/image.pyz.tmp", f"{RUN}/image.pyz")
+
+    def installed() -> abslots.SlotState:
+        size, want = int(str(header["image_bytes"])), str(header["image_sha256"])
+        return abslots.initial(abslots.SlotImage(want, size))
+
+    try:
+        abslots.boot(abslots.DeviceStore(boot_device), installed, extract, RUN)
+    except abslots.SlotError as exc:
+        raise SystemExit(f"bootprep: {exc}") from None
     with open(f"{RUN}/node-parameters.pb", "wb") as f:
         f.write(parameters)
     link = f"{RUN}/data"
@@ -91,5 +121,23 @@ def main(boot_partuuid: str) -> int:
     return 0
 
 
+def check_main(boot_partuuid: str) -> int:
+    """The boot check (see the module): 0 when done, whatever it found."""
+    make_nodes()
+
+    def reboot() -> None:
+        subprocess.run(["systemctl", "reboot"], check=False)
+
+    def log(message: str) -> None:
+        sys.stderr.write(f"bootprep: {message}\n")
+        sys.stderr.flush()
+
+    store = abslots.DeviceStore(by_partuuid(boot_partuuid))
+    log(abslots.check(store, RUN, reboot, log=log))
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--check"]:
+        sys.exit(check_main(sys.argv[2]))
     sys.exit(main(sys.argv[1]))

@@ -21,6 +21,7 @@ from .wire import (
     TakeoverInit,
     decode_heartbeat_session,
     decode_installation_request,
+    decode_upgrade_request,
     encode_heartbeat_request,
 )
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     import ssl
 
     from .install import Installer
+    from .upgrade import Upgrader
 
 # The heartbeat's modules (http.client, ssl, urllib.parse, base64, random)
 # are imported where they are used, not here: constructing a Heartbeater is
@@ -98,11 +100,14 @@ class Heartbeater:
         self.report = report  # sent until one heartbeat carrying it is accepted
         #: Told each answer's installation request; gives the report to send.
         self.installer: Installer | None = None
+        #: The same for upgrade requests.
+        self.upgrader: Upgrader | None = None
         import threading
 
         #: Set to send the next heartbeat now (an install's outcome is ready).
         self.wake = threading.Event()
         self._malformed = ""
+        self._malformed_upgrade = ""
         self._last_time_ns = 0
         #: The session requests are MACed with, if any, and when (time.monotonic())
         #: to stop using it and sign again, ahead of its end at the server.
@@ -130,7 +135,10 @@ class Heartbeater:
         is held and still in use, else signed."""
         report, warnings = self.report if self.report is not None else (None, None)
         installation = self.installer.pending_report() if self.installer is not None else None
-        body = encode_heartbeat_request(self.init.machine_id, report, warnings, installation)
+        upgrade = self.upgrader.pending_report() if self.upgrader is not None else None
+        body = encode_heartbeat_request(
+            self.init.machine_id, report, warnings, installation, upgrade
+        )
         # Strictly increasing, also when the clock steps back: the server
         # refuses a time not newer than the last it accepted.
         now = max(time.time_ns(), self._last_time_ns + 1)
@@ -183,6 +191,21 @@ class Heartbeater:
             return
         self._malformed = ""
         self.installer.on_answer(request)
+
+    def take_upgrade(self, answer: bytes) -> None:
+        """Tell the upgrader the upgrade request of an accepted answer; a
+        malformed one is ignored and said once, as `take_installation` does."""
+        if self.upgrader is None:
+            return
+        try:
+            request = decode_upgrade_request(answer)
+        except DecodeError as exc:
+            if str(exc) != self._malformed_upgrade:
+                log(f"ignoring a malformed upgrade request: {exc}")
+                self._malformed_upgrade = str(exc)
+            return
+        self._malformed_upgrade = ""
+        self.upgrader.on_answer(request)
 
     def _connect(self) -> http.client.HTTPConnection:
         import http.client
@@ -241,6 +264,7 @@ class Heartbeater:
         else:
             self.accepted(answer)
             self.take_installation(answer)
+            self.take_upgrade(answer)
         if self.report is not None:
             log("hardware report accepted")
             self.report = None
