@@ -1,0 +1,526 @@
+"""``python -m shepherd upgrade``: a rolling upgrade of installed machines to a new node image.
+
+Starting a run writes, in ONE SERIALIZABLE transaction, an ``upgrade_run``
+(the image, ``--max-unavailable``, ``--health-timeout``) and a row per
+machine, pending, in the order the cluster gives them (when the owner's
+credentials are given: nodes without a consensus role first, then
+consensus members, the leader's node last; the Shepherd's upgrader checks
+that order against the cluster again before each machine), and an audit
+record for the run and for each machine. The Shepherd's upgrader
+(:mod:`shepherd.upgrader`, in ``python -m shepherd`` with the owner's
+credentials) then does the work, from any Shepherd process, across
+restarts; this command only asks, and with ``--wait`` follows::
+
+    python -m shepherd upgrade --bmdb-url URL \\
+        --image-server https://HOST:PORT --image-digest sha256:HEX | --image-url URL
+        [--image-server-ca FILE] [--insecure-plain-http]
+        --machines ID[,ID...] | --all
+        [--max-unavailable 1] [--health-timeout 300]
+        [--cluster-owner-key FILE (--cluster-owner-root DIR | --cluster-owner-info FILE)]
+        [--operator NAME] [--reason TEXT] [--dry-run] [--wait]
+    python -m shepherd upgrade --bmdb-url URL --status
+    python -m shepherd upgrade --bmdb-url URL --stop --reason TEXT
+
+Refused, with one line each and nothing written for it, is a machine that
+is not installed (no successful installation with a node key), is held,
+or is being decommissioned; a machine whose node already runs the image
+(as far as the BMDB knows) is left out. The whole run is refused (exit 1)
+if the image server does not have the image, if no machine is left, or if
+another run is not finished (one run at a time). ``--wait`` prints each
+machine's changes until the run ends; its exit status is 0 when every
+machine was upgraded, 1 when the run stopped (the cause is printed: the
+first machine that went back, and why). Interrupting ``--wait`` leaves the
+run going: the Shepherd does the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import logging
+import ssl
+import sys
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+import bmdb
+from bmdb.errors import BMDBError, InvalidArgument
+from bmdb.model import (
+    InstallState,
+    MachineUpgrade,
+    Queries,
+    UpgradePlanEntry,
+    UpgradeRun,
+)
+from common.cli import run_main
+from common.exitcodes import show_in_help
+from common.text import printable
+from metropolis.errors import MetropolisError
+from metropolis.localstorage import Root
+from metropolis.owner import (
+    NodeRow,
+    OwnerAccess,
+    load_owner,
+    load_owner_from_cluster,
+    load_owner_key,
+)
+from shepherd.errors import ShepherdError
+from shepherd.install import ImageRef, check_image, image_from_server, image_from_url
+from shepherd.upgrade_plan import phase
+
+logger = logging.getLogger("shepherd.upgrade")
+
+DEFAULT_HEALTH_TIMEOUT = 300
+MIN_HEALTH_TIMEOUT, MAX_HEALTH_TIMEOUT = 5, 86400
+PHASES = ("workers", "consensus", "leader")
+
+
+class UpgradeError(ShepherdError):
+    """A run refused as a whole (the image, no machine, another run): nothing written."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the command does with one machine."""
+
+    machine_id: uuid.UUID
+    entry: UpgradePlanEntry | None = None
+    #: Why it is left out (refused, or already on the image).
+    left_out: str | None = None
+    node: str = "-"
+
+
+def _order_key(row: NodeRow | None) -> int:
+    return 0 if row is None else phase(row)
+
+
+async def choose(
+    q: Queries,
+    machines: Sequence[uuid.UUID],
+    digest: str,
+    cluster: list[NodeRow] | None,
+) -> list[Choice]:
+    """Each machine's place in the run, or why it is left out, from one snapshot."""
+    ids = list(dict.fromkeys(machines)) if machines else await q.installed_machine_ids()
+    latest = await q.latest_upgrades()
+    by_key = {r.public_key: r for r in cluster or []}
+    found: list[tuple[uuid.UUID, UpgradePlanEntry | None, str | None, NodeRow | None]] = []
+    for mid in ids:
+        target = await q.installation_target(mid)
+        installation = target.installation if target is not None else None
+        if target is None:
+            found.append((mid, None, "no such machine", None))
+            continue
+        if target.held is not None:
+            found.append((mid, None, f"held by {target.held}", None))
+            continue
+        if target.decommissioned:
+            found.append((mid, None, "it is being decommissioned, or was", None))
+            continue
+        if (
+            installation is None
+            or installation.state is not InstallState.INSTALLED
+            or installation.node_public_key is None
+            or not installation.root_device
+        ):
+            found.append((mid, None, "not installed (no successful installation)", None))
+            continue
+        row = by_key.get(installation.node_public_key)
+        last = latest.get(mid)
+        current = (last.running_digest if last is not None else None) or installation.image_digest
+        if row is not None and row.image:
+            current = row.image
+        if current == digest:
+            found.append((mid, None, f"already runs {digest[:19]}", row))
+            continue
+        entry = UpgradePlanEntry(mid, _order_key(row), 0, installation.root_device, current)
+        found.append((mid, entry, None, row))
+    planned = [(mid, entry, row) for mid, entry, _, row in found if entry is not None]
+    planned.sort(key=lambda p: p[1].phase)  # stable: the given order within a phase
+    choices = [
+        Choice(
+            mid,
+            UpgradePlanEntry(mid, entry.phase, position, entry.root_device, entry.from_digest),
+            node=row.node_id if row else "-",
+        )
+        for position, (mid, entry, row) in enumerate(planned)
+    ]
+    choices += [
+        Choice(mid, left_out=why, node=row.node_id if row else "-")
+        for mid, entry, why, row in found
+        if entry is None
+    ]
+    return choices
+
+
+@dataclass(frozen=True)
+class Options:
+    bmdb_url: str
+    action: str  # "start", "status", "stop"
+    image: ImageRef | None = None
+    ssl_context: ssl.SSLContext | None = None
+    machines: tuple[uuid.UUID, ...] = ()
+    max_unavailable: int = 1
+    health_timeout: int = DEFAULT_HEALTH_TIMEOUT
+    owner: OwnerAccess | None = None
+    operator: str = ""
+    reason: str = ""
+    dry_run: bool = False
+    wait: bool = False
+    verbose: bool = False
+
+
+async def start(conn: bmdb.Connection, options: Options) -> int:
+    """Check the image, choose the machines, write the run; print the plan."""
+    assert options.image is not None and options.ssl_context is not None
+    await check_image(options.image, options.ssl_context)
+    cluster = None
+    if options.owner is not None:
+        try:
+            async with options.owner.open() as owner:
+                cluster = await owner.nodes()
+        except MetropolisError as exc:
+            raise UpgradeError(f"cannot read the cluster's nodes: {exc}") from exc
+    digest = options.image.digest
+
+    async def body(q: Queries) -> tuple[list[Choice], UpgradeRun | None]:
+        choices = await choose(q, options.machines, digest, cluster)
+        entries = [c.entry for c in choices if c.entry is not None]
+        if not entries or options.dry_run:
+            return choices, None
+        run = await q.create_upgrade_run(
+            image_digest=digest,
+            os_image=bytes(options.image.message()) if options.image else b"",
+            max_unavailable=options.max_unavailable,
+            health_timeout=options.health_timeout,
+            requested_by=options.operator,
+            machines=entries,
+        )
+        await q.append_audit(
+            options.operator,
+            "upgrade",
+            None,
+            options.reason,
+            f"run {run.run_id}: {len(entries)} machine(s) to {digest}",
+        )
+        for entry in entries:
+            await q.append_audit(
+                options.operator,
+                "upgrade",
+                entry.machine_id,
+                options.reason,
+                f"run {run.run_id}: to {digest}, {PHASES[entry.phase]} #{entry.position + 1}",
+            )
+        return choices, run
+
+    try:
+        choices, run = await conn.transact(body, isolation=bmdb.Isolation.SERIALIZABLE)
+    except InvalidArgument as exc:
+        raise UpgradeError(str(exc)) from exc
+    for c in choices:
+        if c.entry is not None:
+            print(
+                f"{'would upgrade' if options.dry_run else 'upgrade'} #{c.entry.position + 1} "
+                f"{c.machine_id} node {c.node} ({PHASES[c.entry.phase]}) from "
+                f"{(c.entry.from_digest or '?')[:19]}"
+            )
+        else:
+            print(printable(f"left out {c.machine_id}: {c.left_out}"))
+    planned = sum(c.entry is not None for c in choices)
+    if not planned:
+        raise UpgradeError("no machine to upgrade")
+    if run is None:
+        print(f"{planned} machine(s) would be upgraded to {digest} (dry run: nothing written)")
+        return 0
+    print(
+        f"upgrade run {run.run_id}: {planned} machine(s) to {digest}, at most "
+        f"{run.max_unavailable} at a time, {run.health_timeout} s for each node to be healthy"
+        + ("" if cluster is not None else " (order: the Shepherd's upgrader sets it)")
+    )
+    if not options.wait:
+        print(
+            "the Shepherd's upgrader does the work; follow it: python -m shepherd upgrade --status"
+        )
+        return 0
+    return await follow(conn, run.run_id)
+
+
+async def follow(conn: bmdb.Connection, run_id: uuid.UUID, *, interval: float = 1.0) -> int:
+    """Print each machine's changes until the run ends; 0 if all were upgraded."""
+    seen: dict[uuid.UUID, tuple[str, str | None, str | None]] = {}
+    while True:
+
+        async def body(q: Queries) -> tuple[UpgradeRun | None, list[MachineUpgrade]]:
+            return await q.upgrade_run(run_id), [m for m, _ in await q.upgrade_machines(run_id)]
+
+        run, machines = await conn.transact(body)
+        assert run is not None
+        for m in machines:
+            now = (str(m.state), m.agent_state, m.detail)
+            if seen.get(m.machine_id) != now:
+                seen[m.machine_id] = now
+                print(printable(machine_line(m)), flush=True)
+        if run.finished_at is not None:
+            if run.stop_cause:
+                print(printable(f"upgrade run {run_id} stopped: {run.stop_cause}"))
+                return 1
+            print(f"upgrade run {run_id} finished: every machine runs {run.image_digest}")
+            return 0
+        await trio.sleep(interval)
+
+
+def machine_line(m: MachineUpgrade) -> str:
+    """One machine of a run, on one line."""
+    agent = f"; agent: {m.agent_state} {m.agent_detail or ''}".rstrip() if m.agent_state else ""
+    where = f" slot {m.slot} {m.running_digest[:19]}" if m.running_digest and m.slot else ""
+    detail = f": {m.detail}" if m.detail else ""
+    return f"{m.machine_id} {m.state}{where} ({PHASES[m.phase]} #{m.position + 1}){detail}{agent}"
+
+
+async def status(conn: bmdb.Connection) -> int:
+    async def body(q: Queries) -> tuple[list[UpgradeRun], list[MachineUpgrade]]:
+        runs = await q.upgrade_runs(1)
+        machines = [m for m, _ in await q.upgrade_machines(runs[0].run_id)] if runs else []
+        return runs, machines
+
+    runs, machines = await conn.transact(body)
+    if not runs:
+        print("no upgrade run yet")
+        return 0
+    run = runs[0]
+    state = (
+        "running"
+        if run.finished_at is None
+        else (f"stopped: {run.stop_cause}" if run.stop_cause else "finished")
+    )
+    print(
+        printable(
+            f"upgrade run {run.run_id} to {run.image_digest}, by {run.requested_by} at "
+            f"{run.requested_at:%Y-%m-%d %H:%M:%S}: {state}"
+        )
+    )
+    for m in machines:
+        print(printable("  " + machine_line(m)))
+    return 0
+
+
+async def stop(conn: bmdb.Connection, options: Options) -> int:
+    async def body(q: Queries) -> UpgradeRun | None:
+        run = await q.running_upgrade_run()
+        if run is None:
+            return None
+        cause = f"stopped by {options.operator}: {options.reason}"
+        await q.stop_upgrade_run(run.run_id, cause)
+        await q.append_audit(
+            options.operator, "upgrade-stop", None, options.reason, f"run {run.run_id} stopped"
+        )
+        return run
+
+    run = await conn.transact(body, isolation=bmdb.Isolation.SERIALIZABLE)
+    if run is None:
+        raise UpgradeError("no upgrade run is running")
+    print(
+        f"upgrade run {run.run_id} stopped: no machine is asked from now on (one being "
+        "upgraded now ends as its node and agent make it)"
+    )
+    return 0
+
+
+async def run(options: Options) -> int:
+    async with bmdb.open_connection(options.bmdb_url, max_connections=1) as conn:
+        if options.action == "status":
+            return await status(conn)
+        if options.action == "stop":
+            return await stop(conn, options)
+        return await start(conn, options)
+
+
+EXAMPLES = """\
+examples:
+  # every installed machine, one at a time, each node given 5 minutes
+  python -m shepherd upgrade --bmdb-url postgresql:///bmdb --all \\
+      --image-server https://bmaas.example:7443 --image-digest sha256:<64 hex> \\
+      --cluster-owner-info cluster.pb --cluster-owner-key owner.pem --wait
+
+  python -m shepherd upgrade --bmdb-url postgresql:///bmdb --status
+  python -m shepherd upgrade --bmdb-url postgresql:///bmdb --stop --reason "bad image"
+
+Exit status: 0 done (with --wait: every machine upgraded), 1 refused or (with
+--wait) stopped at a machine that went back or failed, 2 for a bad option.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shepherd upgrade",
+        description="Move installed machines to a new node image, A/B, a few at a time and\n"
+        "consensus members one by one, keeping the cluster's quorum; the Shepherd's\n"
+        "upgrader does the work (it needs the cluster owner's credentials).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    show_in_help(parser)
+    parser.add_argument("--bmdb-url", required=True, metavar="URL", help="libpq URL of the BMDB")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--status", action="store_true", help="show the latest run and its machines")
+    what.add_argument("--stop", action="store_true", help="stop the running run (needs --reason)")
+    choose_ = parser.add_argument_group("machines (--machines or --all)")
+    choose_.add_argument(
+        "--machines",
+        action="append",
+        default=[],
+        type=_uuids,
+        metavar="ID[,ID...]",
+        help="machine ids (as 'python -m bmdb machines' lists them); repeat or comma-separate",
+    )
+    choose_.add_argument("--all", action="store_true", help="every installed machine")
+    image = parser.add_argument_group("image (--image-url, or --image-server with --image-digest)")
+    image.add_argument("--image-url", metavar="URL", help="https://HOST:PORT/images/sha256/<hex>")
+    image.add_argument(
+        "--image-server", metavar="URL", help="https://HOST:PORT of the image server"
+    )
+    image.add_argument("--image-digest", metavar="sha256:HEX", help="the new image's SHA-256")
+    image.add_argument("--image-server-ca", type=Path, metavar="FILE", help="PEM CA of the server")
+    image.add_argument(
+        "--insecure-plain-http", action="store_true", help="allow an http:// image server"
+    )
+    parser.add_argument(
+        "--max-unavailable",
+        type=_count,
+        default=1,
+        metavar="N",
+        help="nodes down at once at most, counting those the cluster already sees unhealthy "
+        "(default 1; consensus members always go one at a time)",
+    )
+    parser.add_argument(
+        "--health-timeout",
+        type=_seconds,
+        default=DEFAULT_HEALTH_TIMEOUT,
+        metavar="S",
+        help="seconds a node on its new slot has, from its boot, to be healthy in the cluster "
+        f"before its machine goes back (default {DEFAULT_HEALTH_TIMEOUT})",
+    )
+    owner = parser.add_argument_group("cluster owner (to order the run from the cluster's view)")
+    owner.add_argument("--cluster-owner-root", type=Path, metavar="DIR")
+    owner.add_argument("--cluster-owner-info", type=Path, metavar="FILE")
+    owner.add_argument("--cluster-owner-key", type=Path, metavar="FILE")
+    parser.add_argument("--operator", help="who asks, for the audit log (default: the OS user)")
+    parser.add_argument("--reason", default="", help="why, for the audit log")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
+    parser.add_argument("--wait", action="store_true", help="follow the run until it ends")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser
+
+
+def _uuids(text: str) -> list[uuid.UUID]:
+    try:
+        return [uuid.UUID(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not machine ids (UUIDs): {text[:100]!r}") from None
+
+
+def _count(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 1000:
+        raise argparse.ArgumentTypeError(f"want a count from 1 to 1000, got {text[:100]!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> int:
+    if not text.isascii() or not text.isdigit():
+        raise argparse.ArgumentTypeError(f"want whole seconds, got {text[:100]!r}")
+    value = int(text)
+    if not MIN_HEALTH_TIMEOUT <= value <= MAX_HEALTH_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"want {MIN_HEALTH_TIMEOUT} to {MAX_HEALTH_TIMEOUT} seconds, got {value}"
+        )
+    return value
+
+
+def parse_options(argv: Sequence[str]) -> Options:
+    """Parse and check the command line; exit with status 2 on any problem."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    operator = args.operator
+    if operator is None:
+        try:
+            operator = getpass.getuser()
+        except (OSError, KeyError):
+            parser.error("cannot tell the OS user's name: give --operator NAME")
+    if args.status:
+        return Options(args.bmdb_url, "status")
+    reason = args.reason.strip()
+    if args.stop:
+        if not reason:
+            parser.error("--stop needs --reason TEXT (for the audit log)")
+        return Options(args.bmdb_url, "stop", operator=operator, reason=reason)
+    machines = tuple(m for group in args.machines for m in group)
+    if bool(machines) == args.all:
+        parser.error("choose machines with --machines ID[,ID...] or --all")
+    try:
+        if args.image_url is not None:
+            if args.image_server is not None or args.image_digest is not None:
+                parser.error("--image-url, or --image-server with --image-digest, not both")
+            image = image_from_url(args.image_url, plain_http=args.insecure_plain_http)
+        elif args.image_server is not None and args.image_digest is not None:
+            image = image_from_server(
+                args.image_server, args.image_digest, plain_http=args.insecure_plain_http
+            )
+        else:
+            parser.error("the image: --image-url URL, or --image-server URL --image-digest D")
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        context = ssl.create_default_context(
+            cafile=None if args.image_server_ca is None else str(args.image_server_ca)
+        )
+    except (OSError, ssl.SSLError) as e:
+        parser.error(f"argument --image-server-ca: {args.image_server_ca}: {e}")
+    owner = None
+    where = [p for p in (args.cluster_owner_root, args.cluster_owner_info) if p is not None]
+    if len(where) > 1:
+        parser.error("--cluster-owner-root and --cluster-owner-info exclude each other")
+    if bool(where) != (args.cluster_owner_key is not None):
+        parser.error("--cluster-owner-key goes with --cluster-owner-root or --cluster-owner-info")
+    if where:
+        try:
+            key = load_owner_key(args.cluster_owner_key)
+            owner = (
+                load_owner(Root(args.cluster_owner_root.resolve()), key)
+                if args.cluster_owner_root is not None
+                else load_owner_from_cluster(args.cluster_owner_info.resolve(), key)
+            )
+        except MetropolisError as e:
+            parser.error(f"the cluster owner's credentials: {e}")
+    return Options(
+        args.bmdb_url,
+        "start",
+        image=image,
+        ssl_context=context,
+        machines=machines,
+        max_unavailable=args.max_unavailable,
+        health_timeout=args.health_timeout,
+        owner=owner,
+        operator=operator,
+        reason=reason or f"rolling upgrade to {image.digest}",
+        dry_run=args.dry_run,
+        wait=args.wait,
+        verbose=args.verbose,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m shepherd upgrade ARGS`` (``argv`` without ``upgrade``)."""
+    options = parse_options(sys.argv[2:] if argv is None else argv)
+    logging.basicConfig(
+        level=logging.DEBUG if options.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+    def body() -> int:
+        return trio.run(run, options)
+
+    return run_main("shepherd upgrade", body, known=(BMDBError, ShepherdError, MetropolisError))
