@@ -130,13 +130,16 @@ async def _machines(conn: bmdb.Connection, args: argparse.Namespace) -> str:
             else f"decommission:{m.decommission}"
             if m.decommission
             else "-",
+            m.upgrade_state or "-",
+            (m.slot or "-").upper(),
+            m.image.removeprefix("sha256:")[:12] if m.image else "-",
             _oneline(m.cause),
         )
         for m in machines
     ]
     header = (
         "MACHINE", "STATE", "INSTALL", "NODE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK",
-        "BACKOFF", "HELD", "CAUSE",
+        "BACKOFF", "HELD", "UPGRADE", "SLOT", "IMAGE", "CAUSE",
     )  # fmt: skip
     return _table(header, rows)
 
@@ -172,6 +175,9 @@ async def _machine(conn: bmdb.Connection, args: argparse.Namespace) -> str:
         ("heartbeat", _when(m.agent_heartbeat_at)),
         ("hardware report", _size(detail.hardware_report_bytes)),
         *_installation_fields(detail.installation),
+        ("upgrade", m.upgrade_state or "-"),
+        ("slot", (m.slot or "-").upper()),
+        ("image", m.image or "-"),
         ("ssh host key", fingerprint(detail.ssh_host_key) if detail.ssh_host_key else "-"),
         ("ssh host key first seen", _when(detail.ssh_host_key_first_seen)),
         ("last failure", _when(m.failed_at)),
@@ -566,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("migrate", help="apply pending schema migrations")
     machines = commands.add_parser(
-        "machines", help="list machines: state, work, backoff end and last failure cause"
+        "machines",
+        help="list machines: state, work, backoff, upgrade, slot, image, last failure",
     )
     machines.add_argument("--limit", type=int, default=1000, help="at most this many (oldest)")
     machines.add_argument(

@@ -161,8 +161,16 @@ async def machines(
 
 _MACHINE_COLUMNS = (
     "machine", "state", "install", "node", "provider", "provider id", "address", "heartbeat",
-    "work", "backoff ends", "cause",
+    "work", "backoff ends", "upgrade", "slot", "image", "cause",
 )  # fmt: skip
+
+
+def _image_of(m: MachineState) -> Html:
+    """The image the machine runs as far as the BMDB knows: its short digest."""
+    if not m.image:
+        return Html('<span class="dim">-</span>')
+    short = m.image.removeprefix("sha256:")[:12]
+    return Html(f'<span class="mono" title="{esc(m.image)}">{esc(short)}</span>')
 
 
 def _counted(name: str, n: int | None) -> str:
@@ -202,6 +210,9 @@ def _machine_row(m: MachineState, now: datetime.datetime) -> tuple[object, ...]:
         ago(m.agent_heartbeat_at, now),
         ", ".join(m.work) or "-",
         ago(m.backoff_until, now) if m.backoff_until else "-",
+        m.upgrade_state or "-",
+        (m.slot or "-").upper(),
+        _image_of(m),
         m.cause or "",
     )
 
@@ -216,6 +227,9 @@ async def machine(conn: Connection, machine_id: str) -> Html:
         [
             ("state", _state(m.state)),
             ("install", _install_of(m)),
+            ("upgrade", m.upgrade_state or "-"),
+            ("slot", (m.slot or "-").upper()),
+            ("image", _image_of(m)),
             ("created", ago(m.created_at, now)),
             ("provider", m.provider or "-"),
             ("provider id", m.provider_id or "-"),

@@ -45,9 +45,11 @@ state at once, see "Where it is kept")::
     trying=b         roles run) ── WRITE: active=b,                ▲
                      next=null; boot.json trial=false              │
                      ──▶ COMMITTED (b permanent)                   │
-                   no healthy.json within health_timeout:          │
-                     reboot ──▶ boot (bootprep): next=b, tries=0 ──┘ WRITE: rolled back
-                   power cut, crash, any reboot before the confirm: the same
+                   no healthy.json within health_timeout, ─────────┤ WRITE: rolled back
+                     or the node exited: then reboot               │ (with that cause)
+                   power cut, crash, any reboot before             │
+                     the confirm: boot (bootprep) finds ───────────┘ WRITE: rolled back
+                     next=b, tries=0
 
 What a crash at each point leaves, and what the next boot does (the
 invariant: every boot runs a slot whose image was read back whole and
@@ -73,6 +75,8 @@ confirmed slot):
                                      goes back to a, though b was healthy;
                                      the Shepherd sees the rollback and says
                                      so (conservative, never a bad slot)
+    during the check's give-up write torn: TRYING, the next boot goes back
+                                     (with its own, vaguer, cause)
     during the rollback write        torn: TRYING again, the next boot writes
                                      the rollback again
 
@@ -563,10 +567,31 @@ def check(
             log(f"slot {slot} confirmed healthy: it is the active slot now")
             return "confirmed"
         if alive is not None and not alive():
-            log(f"the node of slot {slot} exited before it was healthy: rebooting")
-            reboot()
-            return "rebooted"
+            return _give_up(
+                store, state, f"the node of slot {slot} exited before it was healthy", reboot, log
+            )
         time.sleep(poll)
-    log(f"slot {slot} was not confirmed healthy within {state.health_timeout:g} s: rebooting")
+    return _give_up(
+        store,
+        state,
+        f"slot {slot} was not confirmed healthy within {state.health_timeout:g} s of its boot",
+        reboot,
+        log,
+    )
+
+
+def _give_up(
+    store: Store,
+    state: SlotState,
+    cause: str,
+    reboot: Callable[[], None],
+    log: Callable[[str], None],
+) -> str:
+    """End a try that failed: the state goes back (with the cause, for the
+    node and the Shepherd to say), then ``reboot``. A cut before the write
+    leaves TRYING, which the next boot takes back all the same."""
+    crash_point("slots-give-up-write")
+    store.write(rolled_back(state, cause))
+    log(f"{cause}: going back to slot {state.active}, rebooting")
     reboot()
     return "rebooted"

@@ -193,7 +193,7 @@ class Disk:
             "from shepherd.agent import blockdev, upgrade\n"
             "t = blockdev.Target(systemd_root=sys.argv[3], helper_dir=sys.argv[4])\n"
             "print(upgrade.stage_device(upgrade.open_device(sys.argv[1]), sys.argv[2],"
-            " sys.argv[5], 30, t))\n"
+            " sys.argv[5], 5, t))\n"
         )
         return subprocess.run(
             [
@@ -373,15 +373,19 @@ def test_a_boot_cut_at_its_write_tries_once_at_most(
 
 
 @needs_root
-def test_a_check_cut_at_its_confirm_goes_back_and_says_so(
-    loop: Callable[[int], str], tmp_path: Path
+@pytest.mark.parametrize(
+    ("crash", "healthy"), [("slots-confirm-write", True), ("slots-give-up-write", False)]
+)
+def test_a_check_cut_at_its_write_goes_back_at_the_next_boot(
+    loop: Callable[[int], str], tmp_path: Path, crash: str, healthy: bool
 ) -> None:
     disk = Disk(loop(40), tmp_path)
     second = disk.image("second")
     _ok(disk.stage(second))
     _ok(disk.boot())
-    disk.healthy(disk.booted())
-    assert disk.check(crash="slots-confirm-write")[0] == "killed -9"
+    if healthy:
+        disk.healthy(disk.booted())
+    assert disk.check(crash=crash)[0] == "killed -9"
     state = disk.state()
     assert state is not None and state.trying == "b" and state.next == "b"
     _ok(disk.boot())
