@@ -116,6 +116,9 @@ import time
 from collections.abc import Callable
 
 CRASH_ENV = "METROPOLIS_TEST_CRASH_AT"
+#: Test hook: SIGSTOP this process at the step named (a test then cuts the
+#: machine's power there, through its BMC).
+STOP_ENV = "METROPOLIS_TEST_STOP_AT"
 SLOTS = ("a", "b")
 #: The boot check's unit (written by the installer and the upgrade).
 CHECK_UNIT = "metropolis-boot-check.service"
@@ -140,11 +143,14 @@ class SlotError(Exception):
 
 
 def crash_point(step: str) -> None:
-    """SIGKILL this process here if ``METROPOLIS_TEST_CRASH_AT`` names ``step``."""
-    if os.environ.get(CRASH_ENV) == step:
-        import signal
+    """SIGKILL this process here if ``METROPOLIS_TEST_CRASH_AT`` names ``step``;
+    SIGSTOP it if ``METROPOLIS_TEST_STOP_AT`` does."""
+    import signal
 
+    if os.environ.get(CRASH_ENV) == step:
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get(STOP_ENV) == step:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def other(slot: str) -> str:

@@ -150,10 +150,36 @@ class DeviceDisk:
         return self.store.read() or self.installed()
 
 
+def partition_nodes(device: str) -> list[str]:
+    """The /dev nodes of ``device``'s partitions as the kernel knows them now,
+    each made (or made again, when it names other numbers) from
+    /sys/class/block: no udev needed, and no re-read of the table. (A re-read,
+    ``partx -u``, of a disk whose data partition is mounted may give the other
+    partitions new minor numbers; the install's `blockdev.partition_nodes`
+    runs on a disk nothing uses.)"""
+    import stat
+
+    name = blockdev.sys_name(os.stat(device).st_rdev)
+    nodes = []
+    for part in blockdev.child_partitions(name):
+        node = f"/dev/{part}"
+        with open(f"/sys/class/block/{part}/dev") as f:
+            major, minor = (int(x) for x in f.read().split(":"))
+        devno = os.makedev(major, minor)
+        try:
+            if os.stat(node).st_rdev != devno:
+                os.unlink(node)
+                raise FileNotFoundError(node)
+        except FileNotFoundError:
+            os.mknod(node, 0o600 | stat.S_IFBLK, devno)
+        nodes.append(node)
+    return nodes
+
+
 def open_device(device: str) -> DeviceDisk:
     """The installed disk ``device``; UpgradeFailed unless it is one an install wrote."""
     try:
-        nodes = blockdev.partition_nodes(device)
+        nodes = partition_nodes(device)
         header, params = blockdev.read_boot_record(nodes[0]) if nodes else ({}, b"")
     except (OSError, ValueError, blockdev.DeviceFailed) as exc:
         raise UpgradeFailed(f"{device} holds no installed node: {exc}") from exc
@@ -188,13 +214,13 @@ def stage_device(
     slot = abslots.other(state.active)
     node = disk.nodes[1] if slot == "a" else disk.nodes[2]
     try:
-        blockdev.crash_point("upgrade-image")
+        abslots.crash_point("upgrade-image")
         size = blockdev.write_image(image, node, digest)
-        blockdev.crash_point("upgrade-helpers")
+        abslots.crash_point("upgrade-helpers")
         refresh_boot_entry(target, str(disk.header["boot"]))
-        blockdev.crash_point("upgrade-state")
+        abslots.crash_point("upgrade-state")
         disk.store.write(abslots.stage(state, SlotImage(digest, size), health_timeout))
-        blockdev.crash_point("upgrade-staged")
+        abslots.crash_point("upgrade-staged")
     except (OSError, blockdev.DeviceFailed, SlotError) as exc:
         raise UpgradeFailed(f"staging slot {slot} of {disk.device}: {exc}") from exc
     return slot
@@ -252,14 +278,14 @@ def stage_folder(disk: str, image: str, digest: str, health_timeout: float) -> s
         raise UpgradeFailed(f"a try of slot {state.next} is staged or under way on {disk}")
     slot = abslots.other(state.active)
     size = os.path.getsize(image)
-    blockdev.crash_point("upgrade-image")
+    abslots.crash_point("upgrade-image")
     os.replace(image, slot_file(disk, slot))
-    blockdev.crash_point("upgrade-state")
+    abslots.crash_point("upgrade-state")
     try:
         store.write(abslots.stage(state, SlotImage(digest, size), health_timeout))
     except SlotError as exc:
         raise UpgradeFailed(str(exc)) from exc
-    blockdev.crash_point("upgrade-staged")
+    abslots.crash_point("upgrade-staged")
     return slot
 
 
