@@ -429,3 +429,68 @@ def test_staging_refuses_a_second_try_and_a_disk_it_did_not_install(
     blank = loop(40)
     with pytest.raises(upgrade.UpgradeFailed, match=r"holds no installed node|partitions"):
         upgrade.open_device(blank)
+
+
+@needs_root
+def test_the_agent_stages_a_request_and_reads_the_outcome_off_the_disk(
+    loop: Callable[[int], str], tmp_path: Path
+) -> None:
+    """The agent's Upgrader on a real disk: the request's image downloaded
+    (TLS, digest checked), staged, reported STAGED; after the boots, an
+    agent started anew reports what the slot state says (COMMITTED)."""
+    from shepherd.agent import wire
+    from shepherd.agent.install import Settings
+    from tests.shepherd.agent_install import serve_images
+    from tests.shepherd.agents import make_tls
+
+    disk = Disk(loop(40), tmp_path)
+    agent = tmp_path / "root" / "agent"
+    agent.parent.mkdir()
+    installed = {"generation": 1, "status": "done", "device": disk.device}
+    (agent.parent / "agent.install.json").write_text(json.dumps(installed))
+    tls = make_tls(tmp_path / "tls")
+    settings = Settings(read_timeout=5.0, download_deadline=30.0, layout=SMALL, target=disk.target)
+
+    def upgrader() -> upgrade.Upgrader:
+        return upgrade.Upgrader(
+            str(agent),
+            endpoint_scheme="https",
+            ca_certificate=tls.ca_der,
+            settings=settings,
+            after_stage="none",
+        )
+
+    with serve_images((tls.certfile, tls.keyfile)) as server:
+        data = stand_in_image(payload=b"second", size=250_000)
+        digest = server.add(data)
+        image = wire.OSImageRef("https", f"127.0.0.1:{server.port}", "metropolis-node", "",
+                                f"sha256:{digest}")  # fmt: skip
+        name = os.path.basename(disk.device)
+        refused = wire.UpgradeRequest(1, image, 5, "sdz9")
+        first = upgrader()
+        first.on_answer(refused)
+        first.join(60)
+        first.on_answer(refused)
+        report = first.pending_report()
+        assert report is not None and report.state == wire.UPGRADE_FAILED
+        assert "not the device this agent installed" in report.detail
+        assert server.ranges == []  # refused before any download
+        request = wire.UpgradeRequest(2, image, 5, name)
+        first.on_answer(request)
+        first.join(60)
+        first.on_answer(request)
+        report = first.pending_report()
+    assert report is not None
+    assert (report.generation, report.state, report.slot) == (2, wire.UPGRADE_STAGED, "b")
+    assert blockdev.sha256_of(f"{disk.device}p3", len(data)) == digest
+    _ok(disk.boot())
+    info = disk.booted()
+    assert (info["slot"], info["trial"]) == ("b", True)
+    disk.healthy(info)
+    assert disk.check() == ("confirmed", False)
+    again = upgrader()  # the agent after the reboot
+    again.on_answer(request)
+    report = again.pending_report()
+    assert report is not None and report.state == wire.UPGRADE_COMMITTED, report
+    assert report.slot == "b"
+    assert json.loads((agent.parent / "agent.upgrade.json").read_text())["status"] == "done"
