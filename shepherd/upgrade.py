@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -60,17 +61,12 @@ from common.cli import run_main
 from common.exitcodes import show_in_help
 from common.text import printable
 from metropolis.errors import MetropolisError
-from metropolis.localstorage import Root
-from metropolis.owner import (
-    NodeRow,
-    OwnerAccess,
-    load_owner,
-    load_owner_from_cluster,
-    load_owner_key,
-)
 from shepherd.errors import ShepherdError
 from shepherd.install import ImageRef, check_image, image_from_server, image_from_url
 from shepherd.upgrade_plan import phase
+
+if TYPE_CHECKING:  # the owner's client is imported only when credentials are given
+    from metropolis.owner import NodeRow, OwnerAccess
 
 logger = logging.getLogger("shepherd.upgrade")
 
@@ -486,6 +482,9 @@ def parse_options(argv: Sequence[str]) -> Options:
     if bool(where) != (args.cluster_owner_key is not None):
         parser.error("--cluster-owner-key goes with --cluster-owner-root or --cluster-owner-info")
     if where:
+        from metropolis.localstorage import Root
+        from metropolis.owner import load_owner, load_owner_from_cluster, load_owner_key
+
         try:
             key = load_owner_key(args.cluster_owner_key)
             owner = (

@@ -31,8 +31,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from metropolis.owner import NodeRow
+if TYPE_CHECKING:  # the owner's client: not imported by a mere --help
+    from metropolis.owner import NodeRow
 
 __all__ = ["Verdict", "gate", "phase", "upgraded", "went_back"]
 

@@ -18,6 +18,7 @@ import pytest
 BOUNDS: list[tuple[list[str], set[str], str]] = [
     # install asks the BMDB and the cluster: no SSH, no metrics or web server.
     (["shepherd", "install", "--help"], {"asyncssh", "hypercorn", "prometheus_client"}, "shepherd"),
+    (["shepherd", "upgrade", "--help"], {"asyncssh", "hypercorn", "prometheus_client"}, "shepherd"),
     # The control loops need SSH: the bound above is install's own, not a typo.
     (["shepherd", "--help"], set(), "asyncssh"),
     # Nothing of the node half's servers in the BMDB's CLI.
