@@ -19,7 +19,8 @@ directory update log it (:class:`.curatorloss.CuratorOutage`): one WARNING
 per outage. The client itself moves on to the next curator of its list.
 
 What the node runs is read again before every push (a try confirmed
-healthy turns ``trial`` off without a restart). Each accepted push is
+healthy turns ``trial`` off without a restart); while this boot is a try,
+every `TRIAL_LOOK` seconds, so that its confirmation is pushed at once. Each accepted push is
 published in :attr:`StatusPush.accepted` (the request the curator took),
 which the boot assessment (:mod:`.bootcheck`) watches.
 
@@ -34,7 +35,7 @@ import trio
 
 from metropolis.event import ReadOnlyValue, Value
 from metropolis.proto import curator_api as c
-from metropolis.proto.common import NodeStatus, NodeStatusRunningCurator
+from metropolis.proto.common import NodeStatus, NodeStatusRunningCurator, NodeStatusRunningImage
 from metropolis.roleserve.bootinfo import RunningImageSource
 from metropolis.roleserve.curatorloss import CuratorOutage
 from metropolis.roleserve.disk import NodeSettings
@@ -45,6 +46,12 @@ from metropolis.rpc import RPCError, client_context, methods, open_client
 from metropolis.supervisor import Node
 
 __all__ = ["StatusPush"]
+
+
+#: Seconds between looks at the boot info while this boot is a try: its
+#: confirmation is pushed at once, not at the next interval (the upgrade
+#: waits for the cluster to see the slot permanent).
+TRIAL_LOOK = 0.25
 
 
 class StatusPush:
@@ -113,8 +120,7 @@ class StatusPush:
                             )
                             node.signal_healthy()
                             pushed = True
-                    await trio.sleep(self._settings.status_interval)
-                    image = await self._running.read()
+                    image = await self._next_image(status)
                     if image != status.image:
                         status = NodeStatus(
                             external_address=status.external_address,
@@ -125,3 +131,17 @@ class StatusPush:
                         request = c.UpdateNodeStatusRequest(
                             node_id=credentials.node_id, status=status
                         )
+
+    async def _next_image(self, status: NodeStatus) -> NodeStatusRunningImage:
+        """What the node runs at the next push: after ``status_interval``, or
+        as soon as a try's confirmation shows in the boot info."""
+        deadline = trio.current_time() + self._settings.status_interval
+        image = status.image
+        if image is not None and image.trial:
+            while trio.current_time() + TRIAL_LOOK < deadline:
+                await trio.sleep(TRIAL_LOOK)
+                image = await self._running.read()
+                if image != status.image:
+                    return image
+        await trio.sleep_until(deadline)
+        return await self._running.read()

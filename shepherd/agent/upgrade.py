@@ -32,8 +32,10 @@ One upgrade::
                             it or goes back. An agent that runs after the
                             reboot reads the outcome off the disk's slot state
                             and reports it
-                          loopback disk (`LoopbackBoots`): the agent plays
-                            the boots: stops the node, lets `abslots.boot`
+                          loopback disk (`LoopbackBoots`): the agent starts
+                            the new image once for its --help (it unpacks
+                            while the old node serves), then plays the
+                            boots: stops the node, lets `abslots.boot`
                             choose, starts the node from the chosen slot
                             (``node run``), and runs the check: healthy in
                             time -> COMMITTED; else (or the node exits) it
@@ -382,6 +384,21 @@ class LoopbackBoots:
         process = self._process
         return process is not None and process.poll() is None
 
+    def prewarm(self, slot: str, timeout: float = 300.0) -> None:
+        """Start ``slot``'s image once for its ``--help``, while the old node
+        still serves: a node image (shiv) unpacks and compiles its modules at
+        its first start, seconds that would otherwise fall inside the node's
+        downtime. Best effort: a failure here is the boot's to find."""
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(
+                [self.python, slot_file(self.disk, slot), "node", "--help"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                cwd=self.disk,
+                timeout=timeout,
+                check=False,
+            )
+
     def settle(self, digest: str, *, poll: float = 0.2) -> tuple[int, str]:
         """Boot, check, and boot again when the check gives up: the outcome of
         the try of ``digest`` (hex), as `device_outcome` says it."""
@@ -658,6 +675,8 @@ class Upgrader:
         digest = str(self._state.get("digest", ""))
         try:
             boots = LoopbackBoots(disk, self.settings.python, stop_timeout=self.stop_timeout)
+            if slot:
+                boots.prewarm(slot)
             state, detail = boots.settle(digest)
         except (OSError, SlotError, AgentError) as exc:
             self._report(
