@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 # on the takeover's critical path, and they would about double the agent's
 # start-up time.
 
-#: Bound on one heartbeat exchange (connect, TLS, request, response), seconds.
+#: Bound on one heartbeat exchange (connect, TLS, request, the whole
+#: answer), seconds: each step gets what remains of it, and an answer
+#: trickled in a byte at a time is given up when it runs out.
 REQUEST_TIMEOUT = 15.0
 #: Bound on an answer's size: room for an installation request with the
 #: largest node parameters the installer takes (`install.MAX_NODE_PARAMETERS`),
@@ -185,13 +187,9 @@ class Heartbeater:
         self.installer.on_answer(request)
 
     def _connect(self) -> http.client.HTTPConnection:
-        import http.client
+        from .deadline import connection
 
-        if self.context is not None:
-            return http.client.HTTPSConnection(
-                self.host, self.port, timeout=REQUEST_TIMEOUT, context=self.context
-            )
-        return http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT)
+        return connection(self.host, self.port, self.context)
 
     def beat(self) -> None:
         """Send one heartbeat; raise OSError, HTTPException or AgentError on failure.
@@ -201,9 +199,12 @@ class Heartbeater:
         TCP and TLS handshake per heartbeat. A kept connection the server
         closed meanwhile is replaced once, with a new request. A session
         the server refuses (expired, or made before the server restarted)
-        is dropped and the heartbeat sent again at once, signed.
+        is dropped and the heartbeat sent again at once, signed. Each
+        exchange must complete within `REQUEST_TIMEOUT` (`deadline`).
         """
         import http.client
+
+        from .deadline import start_exchange
 
         reconnected = resigned = False
         while True:
@@ -213,6 +214,7 @@ class Heartbeater:
             conn = self._conn
             body, headers = self.request()
             try:
+                start_exchange(conn, REQUEST_TIMEOUT)
                 conn.request("POST", protocol.HEARTBEAT_PATH, body=body, headers=headers)
                 response = conn.getresponse()
                 answer = response.read(MAX_ANSWER + 1)
