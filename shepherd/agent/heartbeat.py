@@ -200,7 +200,9 @@ class Heartbeater:
         closed meanwhile is replaced once, with a new request. A session
         the server refuses (expired, or made before the server restarted)
         is dropped and the heartbeat sent again at once, signed. Each
-        exchange must complete within `REQUEST_TIMEOUT` (`deadline`).
+        exchange must complete within `REQUEST_TIMEOUT` (`deadline`). An
+        answer that is not a ``200`` of ``application/proto`` (a proxy's
+        page, say) fails the heartbeat, and its connection is closed.
         """
         import http.client
 
@@ -225,7 +227,10 @@ class Heartbeater:
                     reconnected = True
                     continue
                 raise
-            if response.will_close or len(answer) > MAX_ANSWER:
+            content_type = response.getheader("Content-Type") or ""
+            ours = response.status == 200 and _is_proto(content_type)
+            if response.will_close or len(answer) > MAX_ANSWER or not ours:
+                # Not an answer of ours: nothing more is read on this connection.
                 conn.close()
                 self._conn = None
             if response.status == 401 and protocol.HEADER_SESSION in headers and not resigned:
@@ -238,6 +243,13 @@ class Heartbeater:
         if response.status != 200:
             text = answer[:300].decode("utf-8", errors="replace")
             raise AgentError(f"heartbeat refused: HTTP {response.status}: {text}")
+        if not ours:
+            # A proxy's or a portal's page is no heartbeat answer: the
+            # heartbeat (and the report it carries) did not reach the server.
+            text = answer[:300].decode("utf-8", errors="replace")
+            raise AgentError(
+                f"heartbeat answer of type '{content_type}', not application/proto: {text}"
+            )
         if len(answer) > MAX_ANSWER:
             log(f"ignoring an answer of over {MAX_ANSWER} bytes")
         else:
@@ -271,3 +283,8 @@ class Heartbeater:
             failing = False
             delay = 0.0
             self.wake.wait(self.interval)  # or sooner, when an install's outcome is ready
+
+
+def _is_proto(content_type: str) -> bool:
+    """Whether a Content-Type is Connect's for a unary answer (application/proto)."""
+    return content_type.split(";")[0].strip().lower() == "application/proto"

@@ -8,9 +8,10 @@ log and, for a well-formed request, its install state, and goes on
 heartbeating. In process against `Heartbeater.beat` (fast, so Hypothesis
 can search), and once with the real agent process.
 
-The finding (it failed before its fix): an answer trickled a byte at a
+The findings (each failed before its fix): an answer trickled a byte at a
 time held a heartbeat for ever (``REQUEST_TIMEOUT`` bounded each read, not
-the exchange).
+the exchange); a ``200`` that was not ``application/proto`` (a proxy's
+page) counted as accepted, so the hardware report was dropped unsent.
 """
 
 from __future__ import annotations
@@ -125,6 +126,18 @@ def test_a_trickled_answer_is_given_up_within_the_request_timeout(
         assert isinstance(failure, HANDLED), failure
         assert agent.hb.report is not None  # not accepted: the report goes again
     assert agent.beat() is None  # the next answer is a good one
+
+
+def test_an_answer_that_is_not_application_proto_is_a_failed_heartbeat(agent: Agent) -> None:
+    for content_type in (b"text/html; charset=utf-8", b"application/json", b"application/proto2"):
+        agent.server.then(reply(200, b"<html>welcome</html>", content_type=content_type))
+        failure = agent.beat()
+        assert isinstance(failure, AgentError), failure
+        assert "application/proto" in str(failure)
+        assert agent.hb.report is not None  # still to be sent
+    agent.server.then(reply(200, b"", content_type=b"application/proto; charset=binary"))
+    assert agent.beat() is None
+    assert agent.hb.report is None  # accepted: sent
 
 
 def test_huge_and_cut_short_answers_are_refused_and_memory_stays_bounded(agent: Agent) -> None:
