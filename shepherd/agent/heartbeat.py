@@ -234,21 +234,19 @@ class Heartbeater:
                 conn.close()
                 self._conn = None
             if response.status == 401 and protocol.HEADER_SESSION in headers and not resigned:
-                text = answer[:300].decode("utf-8", errors="replace")
-                log(f"session refused, signing again: {text}")
+                log(f"session refused, signing again: {_quoted(answer)}")
                 self.session = None
                 resigned = True
                 continue
             break
         if response.status != 200:
-            text = answer[:300].decode("utf-8", errors="replace")
-            raise AgentError(f"heartbeat refused: HTTP {response.status}: {text}")
+            raise AgentError(f"heartbeat refused: HTTP {response.status}: {_quoted(answer)}")
         if not ours:
             # A proxy's or a portal's page is no heartbeat answer: the
             # heartbeat (and the report it carries) did not reach the server.
-            text = answer[:300].decode("utf-8", errors="replace")
+            kind = _quoted(content_type.encode("latin-1", errors="replace"))
             raise AgentError(
-                f"heartbeat answer of type '{content_type}', not application/proto: {text}"
+                f"heartbeat answer of type '{kind}', not application/proto: {_quoted(answer)}"
             )
         if len(answer) > MAX_ANSWER:
             log(f"ignoring an answer of over {MAX_ANSWER} bytes")
@@ -288,3 +286,10 @@ class Heartbeater:
 def _is_proto(content_type: str) -> bool:
     """Whether a Content-Type is Connect's for a unary answer (application/proto)."""
     return content_type.split(";")[0].strip().lower() == "application/proto"
+
+
+def _quoted(text: bytes) -> str:
+    """The start of a server's text, fit for one log line: control and
+    formatting characters escaped (a server must not write lines of its own
+    into the agent's log, nor move a terminal's cursor)."""
+    return repr(text[:300].decode("utf-8", errors="replace"))[1:-1]

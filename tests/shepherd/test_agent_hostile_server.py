@@ -11,13 +11,16 @@ can search), and once with the real agent process.
 The findings (each failed before its fix): an answer trickled a byte at a
 time held a heartbeat for ever (``REQUEST_TIMEOUT`` bounded each read, not
 the exchange); a ``200`` that was not ``application/proto`` (a proxy's
-page) counted as accepted, so the hardware report was dropped unsent.
+page) counted as accepted, so the hardware report was dropped unsent; a
+server's error text went into the agent's log as it came, so it could
+forge log lines.
 """
 
 from __future__ import annotations
 
 import http.client
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -32,9 +35,12 @@ from shepherd.agent import heartbeat, wire
 from shepherd.agent.errors import AgentError
 from shepherd.agent.heartbeat import MAX_ANSWER, Heartbeater
 from shepherd.agent.install import Installer
+from shepherd.localfleet import agent_pid
 from tests.shepherd.agent_install import encode_response, request
+from tests.shepherd.agents import kill_agent, patched_agent, start_agent_process
 from tests.shepherd.hostile_callback import (
     HostileServer,
+    Received,
     hostile_server,
     huge,
     raw,
@@ -138,6 +144,25 @@ def test_an_answer_that_is_not_application_proto_is_a_failed_heartbeat(agent: Ag
     agent.server.then(reply(200, b"", content_type=b"application/proto; charset=binary"))
     assert agent.beat() is None
     assert agent.hb.report is None  # accepted: sent
+
+
+def test_a_servers_text_is_escaped_where_the_agent_logs_it(
+    agent: Agent, capsys: pytest.CaptureFixture[str]
+) -> None:
+    forged = b"no\r\n2030-01-01T00:00:00Z agent: generation 9: installed\x1b[2J\xff"
+    agent.server.then(reply(500, forged, content_type=b"text/plain"))
+    failure = agent.beat()
+    assert isinstance(failure, AgentError), failure
+    assert str(failure).isprintable(), str(failure)  # what `run` logs
+    # A session refused: logged at once, then signed again.
+    agent.hb.session = wire.AgentSession(b"t" * 32, b"k" * 32, 3600)
+    agent.hb.session_until = float("inf")
+    agent.server.then(reply(401, forged, content_type=b"application/json"))
+    assert agent.beat() is None
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(re.fullmatch(r"\S+Z agent: \S.*", line) for line in lines), lines
+    assert all(line.isprintable() for line in lines), lines
+    assert not any(line.startswith("2030-") for line in lines), lines
 
 
 def test_huge_and_cut_short_answers_are_refused_and_memory_stays_bounded(agent: Agent) -> None:
@@ -330,3 +355,70 @@ def test_arbitrary_answers_are_refused_or_taken_and_the_agent_goes_on(
     # The agent goes on: a good answer is taken.
     server.then(reply(200, b""))
     assert agent.beat() is None
+
+
+# --- the real agent process ----------------------------------------------------
+
+#: A log line of the agent's (`shepherd.agent.daemon.log`).
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ agent: \S.*")
+
+
+def test_the_real_agent_goes_on_through_hostile_answers(
+    tmp_path: Path, server: HostileServer
+) -> None:
+    """The uploaded agent (its exchange bound cut to 2 s, so that a trickled
+    answer costs little) through one hostile answer of each kind: it stays
+    up, heartbeats after each, keeps its key and its hardware report until
+    an answer of ours takes it, writes nothing on its disk, reports the
+    installation request it refuses, and its log holds only its own lines."""
+    server.clear()
+    root = tmp_path / "machine"
+    target = root / "agent"
+    (root / "disks" / "disk0").mkdir(parents=True)
+    zipapp = patched_agent("heartbeat.py", b"REQUEST_TIMEOUT = 15.0", b"REQUEST_TIMEOUT = 2.0")
+    refused = encode_response(
+        request(1, host="127.0.0.1:9", digest="sha256:" + "a" * 64, root_device="../../etc")
+    )
+    trickled = b"HTTP/1.1 200 OK\r\nContent-Type: application/proto\r\nContent-Length: 99\r\n\r\n"
+    forged = b"no\n2030-01-01T00:00:00Z agent: generation 9: installed\x1b[2J"
+    first = len(server.requests) + 1
+    server.then(
+        reply(200, b"<html>sign in</html>", content_type=b"text/html"),
+        raw(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort"),
+        huge(8 * MAX_ANSWER),
+        reply(200, b"\x08\x01"),  # the installation request as a varint
+        trickle(trickled, pause=0.3),
+        reply(500, forged, content_type=b"text/plain"),
+        *[reply(200, refused)] * 30,
+    )
+    try:
+        start_agent_process(
+            target, str(uuid.uuid4()), server.endpoint, interval=0.2, cap=1.0, zipapp=zipapp
+        )
+        key = target.with_name("agent.key").read_bytes()
+        # The hardware report goes again after the page that was not an answer.
+        assert has_hardware_report(server.wait_for(first))
+        assert has_hardware_report(server.wait_for(first + 1))
+        # Through every hostile answer, to the report of the refused request.
+        index = first
+        while True:
+            received = server.wait_for(index)
+            report = received.installation_report
+            if report is not None:
+                break
+            index += 1
+        assert "root device '../../etc' is not one of" in wire_error(report), wire_error(report)
+        assert agent_pid(target) is not None  # still up
+        assert target.with_name("agent.key").read_bytes() == key
+        assert list((root / "disks" / "disk0").iterdir()) == []
+        log = target.with_name("agent.log").read_text()
+        lines = log.splitlines()
+        assert all(LOG_LINE.fullmatch(line) for line in lines), log
+        assert "2030-01-01" not in "".join(line[:10] for line in lines), log
+        assert "not application/proto" in log and "backing off" in log, log
+    finally:
+        kill_agent(target)
+
+
+def has_hardware_report(received: Received) -> bool:
+    return any(number == 2 for number, _, _ in wire.iter_fields(received.body))
