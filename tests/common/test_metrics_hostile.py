@@ -84,7 +84,9 @@ def big_registry():  # as the test module's
     return registry
 
 async def main():
-    limits = MetricsLimits(head_timeout=2.0, send_timeout=2.0)
+    # A backlog that holds the probes' thousand connections at once, so that
+    # their connects are not held back by the kernel (which is not the probe).
+    limits = MetricsLimits(head_timeout=2.0, send_timeout=2.0, backlog=1024)
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             urls = await nursery.start(
@@ -172,6 +174,13 @@ def raw(port: int, data: bytes) -> bytes:
         except ConnectionResetError:
             pass
     return received
+
+
+def get_status(server: Server, target: bytes) -> int:
+    answer = raw(
+        server.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    return int(answer.split(b" ", 2)[1])
 
 
 def test_a_megabyte_request_line_is_refused(server: Server) -> None:
@@ -351,9 +360,9 @@ def test_arbitrary_requests_are_answered_or_closed(server: Server, data: bytes) 
         raw(server.port, data)
     else:
         assert 500 not in statuses(exchange(server.port, data))
-    with httpx.Client(timeout=60) as client:  # a scraper's small answer, kept short
-        response = client.get(server.url + "/metrics?name[]=none")
-    assert response.status_code == 200
+    # Still serving (a short answer: each example's scrape would collect
+    # every series; the module's other probes scrape in full).
+    assert get_status(server, b"/metrics?name[]=none") == 200
     assert server.process.poll() is None
 
 

@@ -201,6 +201,9 @@ def hostile_server() -> Iterator[HostileServer]:
     try:
         yield server
     finally:
+        # A shutdown wakes the accept() under way (a close alone does not).
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
         listener.close()
         thread.join(10)
 

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import httpx
 import psycopg
@@ -67,6 +67,8 @@ class Rig:
     url: str
     bmdb_url: str
     machines: Machines
+    #: The test's own connection to the BMDB (autocommit: each read sees the newest).
+    db: psycopg.Connection[tuple[Any, ...]]
     last_ns: int = 0
 
     def post(self, mid: uuid.UUID, report: bytes | None, *, seed: bytes | None = None) -> int:
@@ -93,26 +95,24 @@ class Rig:
 
     def rows(self, mid: uuid.UUID) -> tuple[object, ...]:
         """What the BMDB holds of ``mid``'s heartbeats and installation."""
-        with psycopg.connect(self.bmdb_url, autocommit=True) as conn:
-            return tuple(
-                conn.execute(
-                    f"SELECT * FROM {table} WHERE machine_id = %s ORDER BY 1", (mid,)
-                ).fetchall()
-                for table in (
-                    "machine_agent_heartbeat",
-                    "machine_os_installation_report",
-                    "machine_os_installation_request",
-                    "machine_hardware_report",
-                )
+        return tuple(
+            self.db.execute(
+                f"SELECT * FROM {table} WHERE machine_id = %s ORDER BY 1", (mid,)
+            ).fetchall()
+            for table in (
+                "machine_agent_heartbeat",
+                "machine_os_installation_report",
+                "machine_os_installation_request",
+                "machine_hardware_report",
             )
+        )
 
     def report(self, mid: uuid.UUID) -> tuple[int, bytes] | None:
-        with psycopg.connect(self.bmdb_url, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT generation, os_installation_report_raw"
-                " FROM machine_os_installation_report WHERE machine_id = %s",
-                (mid,),
-            ).fetchone()
+        row = self.db.execute(
+            "SELECT generation, os_installation_report_raw"
+            " FROM machine_os_installation_report WHERE machine_id = %s",
+            (mid,),
+        ).fetchone()
         return None if row is None else (int(row[0]), bytes(row[1]))
 
     def ask(self, mid: uuid.UUID, generation: int) -> None:
@@ -176,8 +176,11 @@ def rig(bmdb_url: str) -> Iterator[Rig]:
                 )
                 task_status.started((port_of(binds[0]), conn))
 
-    with thread_server(serve) as server:
-        yield Rig(server, f"http://127.0.0.1:{server.port}", bmdb_url, made[0])
+    with (
+        thread_server(serve) as server,
+        psycopg.connect(bmdb_url, autocommit=True) as db,
+    ):
+        yield Rig(server, f"http://127.0.0.1:{server.port}", bmdb_url, made[0], db)
 
 
 def test_a_huge_report_is_refused_unread(rig: Rig) -> None:
