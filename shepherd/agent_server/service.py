@@ -44,12 +44,14 @@ row's) is never carried: the server stores an error report on the row's
 generation in its place, with the cause, so the views show the install
 failed and why, and a new generation can be asked for. A report's error
 cause is a machine's text: made `common.text.printable` before it is
-stored or logged. A report that is malformed (no result, generation not positive, a
-node public key that is neither empty nor 32 bytes) refuses the heartbeat
-with invalid_argument, writing nothing. A machine an operator asked to
-decommission is carried no request from then on (a report on the pending
-generation is still stored, so that the decommissioner learns of the node
-an install already under way started).
+stored or logged; a report is stored as built again from its checked
+fields, without fields this server does not know. A report that is
+malformed (no result, generation not positive, a node public key that is
+neither empty nor 32 bytes) refuses the heartbeat with invalid_argument,
+writing nothing. A machine an operator asked to decommission is carried
+no request from then on (a report on the pending generation is still
+stored, so that the decommissioner learns of the node an install already
+under way started).
 
 A signed heartbeat, once written, is answered with a new session
 (`shepherd.agent_server.session`), with which the agent then MACs its
@@ -142,6 +144,7 @@ from shepherd.proto.agent_callback import (
     HeartbeatResponse,
     OsInstallationReport,
     OsInstallationReportError,
+    OsInstallationReportSuccess,
     OsInstallationRequest,
 )
 
@@ -178,7 +181,9 @@ class InstallationReport:
     """An agent's OSInstallationReport, checked and made safe to store."""
 
     generation: int
-    #: The report encoded again by betterproto2, with the cause as in `cause`.
+    #: The report as stored: built again from its checked fields alone (the
+    #: cause as in `cause`), so that fields this server does not know, which
+    #: an agent could make as large as its request, are not stored.
     raw: bytes
     success: bool
     #: Why it failed (`common.text.printable`); None for a success.
@@ -259,7 +264,10 @@ def installation_report(report: OsInstallationReport) -> InstallationReport:
             raise ConnectError(
                 "invalid_argument", "installation report: node public key not 32 bytes"
             )
-        return InstallationReport(generation, bytes(report), True, None, key or None)
+        safe = OsInstallationReport(
+            generation=generation, success=OsInstallationReportSuccess(node_public_key=key)
+        )
+        return InstallationReport(generation, bytes(safe), True, None, key or None)
     if report.error is not None:
         cause = printable(report.error.error)
         safe = OsInstallationReport(
