@@ -21,7 +21,14 @@ the same stack:
   each answered after its commit, in a PostgreSQL 15 of its own;
 - full-signed (for information): the same server with every request
   signed (Ed25519), as agents did before sessions and as each does once an
-  hour (and after a server restart) to get a new session.
+  hour (and after a server restart) to get a new session;
+- bare and full again on the hand-written HTTP/1.1 parser that llhttp
+  replaced (`bench.http1_handwritten`, swapped into the server processes):
+  the server's CPU per answer on llhttp over that on the old parser, the
+  measure the switch was decided on (goal <= 1). Before the servers, the
+  parsing of one heartbeat request alone is timed with both, in this
+  process (the transport's own parse path: callbacks, limits, the Connect
+  check; the old: its head parser, framing and body slicing).
 
 The load: ``--agents`` simulated agents, each with its own machine in the
 BMDB and its own Ed25519 key, sent like the real agent sends: each on its
@@ -41,7 +48,10 @@ With ``--pending`` every machine has an OS installation request stored and
 no report of it, so that each full-mode answer carries the request (read
 by the group's statement): the heartbeat path while a fleet installs.
 
-Prints answers/s of each mode, the ratio full/bare (goal >= 0.5), the
+Prints answers/s of each mode, the ratio full/bare (goal >= 0.5; and the
+same ratio of what this machine's cores sustain given each mode's CPU
+per answer of server, PostgreSQL and load, which the machine's other work
+moves less than wall-clock rates), the
 headroom over what ``--agents`` agents at a 10 s interval need (goal >=
 10x), and the cost per accepted heartbeat: database transactions, and CPU
 time of server, PostgreSQL (all its processes, from /proc) and load.
@@ -73,16 +83,19 @@ from statistics import median
 
 import psycopg
 import trio
+import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
+from bench import http1_handwritten
 from bench.ratios import report
 from bench.smoke import parse_args
 from bmdb import Provider, Queries
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
+from common.numbers import parse_decimal
 from shepherd.agent import protocol
-from shepherd.agent_server import AgentServerConfig, ConnectUnary, run_agent_server
-from shepherd.agent_server.connect import Handler
+from shepherd.agent_server import AgentServerConfig, ConnectUnary, http1, run_agent_server
+from shepherd.agent_server.connect import Handler, Limits
 from shepherd.agent_server.server import serve_app, tune_gc
 from shepherd.agent_server.service import DEFAULT_FRESHNESS, authenticate, session_response
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret
@@ -118,9 +131,16 @@ def _authenticated(sessions: SessionKeys) -> Handler:
     return handler
 
 
+#: A mode's suffix: the same on the hand-written parser (`bench.http1_handwritten`).
+HANDWRITTEN = "-handwritten"
+
+
 async def _serve(mode: str, listen: str, url: str, secret: bytes) -> None:
     # One of --workers processes on the port, as `python -m shepherd.agent_server`
     # runs them: the same session secret in all.
+    if mode.endswith(HANDWRITTEN):
+        http1_handwritten.install()
+        mode = mode.removesuffix(HANDWRITTEN)
     config = AgentServerConfig(listen=listen, reuse_port=True, agent_session_secret=secret)
     if mode in ("bare", "auth"):
         handler = _bare if mode == "bare" else _authenticated(SessionKeys(secret))
@@ -370,6 +390,59 @@ PER_PROCESS_RATE = 6000
 # --- measurements -----------------------------------------------------------
 
 
+def parse_microseconds(count: int) -> tuple[float, float]:
+    """CPU microseconds to parse one session heartbeat request, in this
+    process: (hand-written, llhttp), each the best of three runs of ``count``.
+
+    Each path goes from the request's bytes to what the handler is called
+    with: head, headers by name, the Connect check, framing and the body.
+    """
+    machine_id = "00000000-0000-4000-8000-000000000000"
+    data = session_request(machine_id, DUMMY_SESSION, time.time_ns())
+    app = ConnectUnary({protocol.HEARTBEAT_PATH: _bare}, Limits())
+    server = http1._Server(app, None, http1.Timeouts())
+    conn = http1._Connection(server, trio.testing.MemoryReceiveStream())  # type: ignore[arg-type]
+
+    def llhttp() -> None:
+        conn.feed(data)
+        conn.ready.popleft()
+
+    def handwritten() -> None:
+        buffer = bytearray(data)
+        end = buffer.find(b"\r\n\r\n")
+        head = bytes(buffer[:end])
+        del buffer[: end + 4]
+        method, path, version, headers = http1_handwritten._parse_head(head)
+        http1_handwritten._keep_alive(version, headers.get("connection", ""))
+        app.check(method, path, headers)
+        length = parse_decimal(headers["content-length"], max_digits=12)
+        bytes(buffer[:length])
+        del buffer[:length]
+
+    best = []
+    for parse in (handwritten, llhttp):
+        times = []
+        for _ in range(3):
+            started = time.process_time()
+            for _ in range(count):
+                parse()
+            times.append((time.process_time() - started) / count * 1e6)
+        best.append(min(times))
+    return best[0], best[1]
+
+
+def per_answer(result: Result) -> float:
+    """Server CPU milliseconds per answer."""
+    return 1000 * result.server_cpu / max(result.ok + result.refused, 1)
+
+
+def machine_capacity(result: Result, cores: int) -> float:
+    """Answers/s this machine's ``cores`` sustain at ``result``'s CPU per
+    answer of server, PostgreSQL and load together."""
+    cpu = result.server_cpu + result.db_cpu + result.client_cpu
+    return cores * max(result.ok, 1) / max(cpu, 1e-9)
+
+
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
     """CPU seconds (user + system) so far of each of ``pids`` still alive."""
     cpu = {}
@@ -613,7 +686,12 @@ def main() -> None:
         action="store_true",
         help="every machine has a pending OS installation request (answers carry it)",
     )
-    args = parse_args(parser, {"agents": 4, "seconds": 0.2, "workers": 1, "clients": 1})
+    parser.add_argument(
+        "--parse-count", type=int, default=20000, help="requests parsed in the timing of parsing"
+    )
+    args = parse_args(
+        parser, {"agents": 4, "seconds": 0.2, "workers": 1, "clients": 1, "parse_count": 10}
+    )
 
     root = Path(tempfile.mkdtemp(prefix="heartbeat-bench-"))
     server = start_with_template(root)
@@ -628,12 +706,27 @@ def main() -> None:
             ]
             agents_files.append(root / f"agents-{index}.json")
             agents_files[-1].write_text(json.dumps(part))
+        old_us, new_us = parse_microseconds(args.parse_count)
+        print(
+            f"parsing one session heartbeat request (CPU, in this process): hand-written"
+            f" {old_us:.2f} us, llhttp {new_us:.2f} us: llhttp / hand-written"
+            f" {new_us / old_us:.2f}",
+            flush=True,
+        )
         ratios, rates, auth_ratios, capacities = [], [], [], []
+        cpu_ratios, parser_ratios = [], []
         for round_ in range(args.rounds):
-            bare = measure("bare", server, url, agents_files, args.seconds, args.workers)
-            auth = measure("auth", server, url, agents_files, args.seconds, args.workers)
-            full = measure("full", server, url, agents_files, args.seconds, args.workers)
-            signed = measure("full-signed", server, url, agents_files, args.seconds, args.workers)
+
+            def run(mode: str) -> Result:
+                return measure(mode, server, url, agents_files, args.seconds, args.workers)
+
+            bare = run("bare")
+            bare_old = run("bare" + HANDWRITTEN)
+            auth = run("auth")
+            full = run("full")
+            full_old = run("full" + HANDWRITTEN)
+            signed = run("full-signed")
+            parser_ratios.append(per_answer(full) / per_answer(full_old))
             ratio = full.rate / bare.rate
             auth_ratios.append(full.rate / auth.rate)
             ratios.append(ratio)
@@ -647,6 +740,7 @@ def main() -> None:
             cores = len(os.sched_getaffinity(0))
             per_machine = cores * per / max(full.server_cpu + full.db_cpu + full.client_cpu, 1e-9)
             capacities.append(per_machine)
+            cpu_ratios.append(per_machine / machine_capacity(bare, cores))
             load_average = " ".join(Path("/proc/loadavg").read_text().split()[:3])
             print(
                 f"round {round_ + 1}: {args.agents} agents, {args.seconds:g}s each mode,"
@@ -658,12 +752,21 @@ def main() -> None:
                 f"  full: {full.rate:8.0f} heartbeats/s accepted {full.ok}, refused"
                 f" {full.refused}, errors {full.errors} (server CPU {full.server_cpu:.1f}s,"
                 f" PostgreSQL CPU {full.db_cpu:.1f}s, load CPU {full.client_cpu:.1f}s)\n"
+                f"  on the hand-written parser: bare {bare_old.rate:8.0f} answers/s, full"
+                f" {full_old.rate:8.0f} heartbeats/s (errors {bare_old.errors + full_old.errors});"
+                f" server CPU per answer, llhttp / hand-written: bare"
+                f" {per_answer(bare):.4f} / {per_answer(bare_old):.4f} ms ="
+                f" {per_answer(bare) / per_answer(bare_old):.2f}, full"
+                f" {per_answer(full):.4f} / {per_answer(full_old):.4f} ms ="
+                f" {parser_ratios[-1]:.2f} (goal <= 1)\n"
                 f"  full-signed (for information): {signed.rate:8.0f} heartbeats/s accepted"
                 f" {signed.ok}, refused {signed.refused}, errors {signed.errors}"
                 f" (server CPU {1000 * signed.server_cpu / max(signed.ok, 1):.3f} ms a heartbeat),"
                 f" {signed.rate / bare.rate:.2f} of bare\n"
                 f"  ratio full/bare: {ratio:.2f} (goal >= 0.5);"
-                f" full/auth (the database's share): {auth_ratios[-1]:.2f}\n"
+                f" full/auth (the database's share): {auth_ratios[-1]:.2f};"
+                f" full/bare of what this machine's CPU sustains at each mode's CPU per answer"
+                f" (server, PostgreSQL, load): {cpu_ratios[-1]:.2f}\n"
                 f"  headroom for {args.agents} agents every {TARGET_INTERVAL:g}s"
                 f" ({need:.0f}/s): {full.rate / need:.1f}x (goal >= 10x)\n"
                 f"  per accepted heartbeat: {full.commits / per:.3f} DB transactions,"
@@ -681,10 +784,15 @@ def main() -> None:
             )
         need = args.agents / TARGET_INTERVAL
         report("heartbeat", "full/bare", median(ratios), ">= 0.5")
+        report("heartbeat", "full/bare of CPU-bound capacity", median(cpu_ratios), ">= 0.5")
+        report("heartbeat", "server CPU per heartbeat, llhttp / hand-written",
+               median(parser_ratios), "<= 1")  # fmt: skip
         report("heartbeat", "headroom at 10 s", median(rates) / need, ">= 10")
         if args.rounds > 1:
             print(
-                f"median over {args.rounds} rounds: ratio full/bare {median(ratios):.2f},"
+                f"median over {args.rounds} rounds: ratio full/bare {median(ratios):.2f}"
+                f" (of CPU-bound capacity {median(cpu_ratios):.2f}),"
+                f" server CPU per heartbeat llhttp / hand-written {median(parser_ratios):.2f},"
                 f" full/auth {median(auth_ratios):.2f},"
                 f" headroom {median(rates) / (args.agents / TARGET_INTERVAL):.1f}x,"
                 f" CPU-bound headroom of this machine alone"
