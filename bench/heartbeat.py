@@ -131,6 +131,10 @@ def _authenticated(sessions: SessionKeys) -> Handler:
     return handler
 
 
+#: The environment variable that sets the servers' group commit window, seconds
+#: (default: the server's).
+BATCH_WINDOW = "HEARTBEAT_BENCH_BATCH_WINDOW"
+
 #: A mode's suffix: the same on the hand-written parser (`bench.http1_handwritten`).
 HANDWRITTEN = "-handwritten"
 
@@ -141,7 +145,12 @@ async def _serve(mode: str, listen: str, url: str, secret: bytes) -> None:
     if mode.endswith(HANDWRITTEN):
         http1_handwritten.install()
         mode = mode.removesuffix(HANDWRITTEN)
-    config = AgentServerConfig(listen=listen, reuse_port=True, agent_session_secret=secret)
+    config = AgentServerConfig(
+        listen=listen,
+        reuse_port=True,
+        agent_session_secret=secret,
+        batch_window=float(os.environ.get(BATCH_WINDOW, AgentServerConfig.batch_window)),
+    )
     if mode in ("bare", "auth"):
         handler = _bare if mode == "bare" else _authenticated(SessionKeys(secret))
         await serve_app(ConnectUnary({protocol.HEARTBEAT_PATH: handler}, config.limits), config)

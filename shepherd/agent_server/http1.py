@@ -441,7 +441,6 @@ class _Connection:
         ready = self.ready
         with self.scope:
             while True:
-                self.waited = False
                 while ready:
                     request = ready.popleft()
                     self.reading = False
@@ -454,7 +453,8 @@ class _Connection:
                     if not request.keep_alive:
                         return
                     if self.fd is not None and not self.waited:
-                        await trio.lowlevel.checkpoint()  # see the class's docstring
+                        # Its bytes were read without a wait: see the class's docstring.
+                        await trio.lowlevel.checkpoint()
                     self.waited = False
                     if self.in_message:  # the next one's bytes came meanwhile: its time starts
                         self.reading = True
