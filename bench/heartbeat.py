@@ -95,9 +95,14 @@ from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from common.numbers import parse_decimal
 from shepherd.agent import protocol
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, http1, run_agent_server
-from shepherd.agent_server.connect import Handler, Limits
+from shepherd.agent_server.connect import ConnectError, Handler, Limits
 from shepherd.agent_server.server import serve_app, tune_gc
-from shepherd.agent_server.service import DEFAULT_FRESHNESS, authenticate, session_response
+from shepherd.agent_server.service import (
+    DEFAULT_FRESHNESS,
+    HeartbeatService,
+    authenticate,
+    session_response,
+)
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret
 from shepherd.agent_server.workers import default_workers, reserve_port
 from shepherd.proto.agent_callback import (
@@ -156,7 +161,101 @@ async def _serve(mode: str, listen: str, url: str, secret: bytes) -> None:
         await serve_app(ConnectUnary({protocol.HEARTBEAT_PATH: handler}, config.limits), config)
         return
     async with bmdb.open_connection(url) as conn:
-        await run_agent_server(conn, config)
+        if mode == "full-relay":
+            await _serve_relay(conn, config, secret)
+        else:
+            await run_agent_server(conn, config)
+
+
+# --- a relay (measured, not adopted): one request, several agents' heartbeats ---
+
+#: The relay's method (this benchmark's own; no server serves it).
+RELAY_PATH = "/cloud.bmaas.server.api.AgentCallback/HeartbeatRelay"
+#: Agents' heartbeats per relayed request.
+RELAY_SIZE = 20
+
+
+def relay_body(entries: list[tuple[dict[str, str], bytes]]) -> bytes:
+    """A relayed request's body: each agent's heartbeat headers and body as
+    it would send them alone (its own time and MAC or signature), framed by
+    lengths (4 bytes each, big-endian)."""
+    out = bytearray()
+    for headers, body in entries:
+        head = "".join(f"{name}: {value}\n" for name, value in headers.items()).encode()
+        out += len(head).to_bytes(4, "big") + head + len(body).to_bytes(4, "big") + body
+    return bytes(out)
+
+
+def _relay_entries(body: bytes) -> list[tuple[dict[str, str], bytes]]:
+    entries = []
+    at = 0
+    while at < len(body):
+        size = int.from_bytes(body[at : at + 4], "big")
+        head = body[at + 4 : at + 4 + size].decode("latin-1")
+        at += 4 + size
+        size = int.from_bytes(body[at : at + 4], "big")
+        entries.append(
+            (
+                {
+                    name.lower(): value
+                    for name, _, value in (line.partition(": ") for line in head.splitlines())
+                },
+                body[at + 4 : at + 4 + size],
+            )
+        )
+        at += 4 + size
+    return entries
+
+
+def relay_accepted(answer: bytes) -> tuple[int, int]:
+    """(accepted, refused) entries of a relayed request's answer."""
+    accepted = refused = 0
+    at = 0
+    while at < len(answer):
+        ok = answer[at] == 0
+        accepted += ok
+        refused += not ok
+        at += 5 + int.from_bytes(answer[at + 1 : at + 5], "big")
+    return accepted, refused
+
+
+def _relay(service: HeartbeatService) -> Handler:
+    """Each entry handled as the Heartbeat method handles a request (its own
+    authentication, group commit with all others); the answer is each
+    entry's outcome (0 and its answer, or 1 and the Connect code), in order."""
+
+    async def handler(headers: Mapping[str, str], body: bytes) -> bytes:
+        entries = _relay_entries(body)
+        answers = [b""] * len(entries)
+
+        async def one(index: int, headers: dict[str, str], body: bytes) -> None:
+            try:
+                answer = b"\x00" + await service.heartbeat(headers, body)
+            except ConnectError as exc:
+                answer = b"\x01" + exc.code.encode()
+            answers[index] = answer[:1] + (len(answer) - 1).to_bytes(4, "big") + answer[1:]
+
+        async with trio.open_nursery() as nursery:
+            for index, (entry_headers, entry_body) in enumerate(entries):
+                nursery.start_soon(one, index, entry_headers, entry_body)
+        return b"".join(answers)
+
+    return handler
+
+
+async def _serve_relay(conn: bmdb.Connection, config: AgentServerConfig, secret: bytes) -> None:
+    """The real service (without its BMDB session) with the relay beside Heartbeat."""
+    service = HeartbeatService(
+        conn,
+        db_slots=config.db_slots,
+        queue_timeout=config.queue_timeout,
+        batch_window=config.batch_window,
+        sessions=SessionKeys(secret),
+    )
+    routes = {protocol.HEARTBEAT_PATH: service.heartbeat, RELAY_PATH: _relay(service)}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        await serve_app(ConnectUnary(routes, config.limits), config)
 
 
 async def _serve_until_sigint(mode: str, listen: str, url: str, secret: bytes) -> None:
@@ -181,6 +280,9 @@ class Load:
     ok: int = 0
     refused: int = 0
     errors: int = 0
+    #: Its requests are relayed (`RELAY_PATH`): ``ok`` and ``refused`` count
+    #: their entries.
+    relay: bool = False
 
 
 def _request(machine_id: str, time_ns: int, auth: dict[str, str]) -> bytes:
@@ -255,6 +357,37 @@ def make_load(agents: list[Agent], sessions: list[AgentSession] | None, per_agen
             for (mid, _, _), session in zip(agents, sessions, strict=True)
         ]
     )
+
+
+def make_relay_load(
+    port: int, agents: list[Agent], sessions: list[AgentSession], per_agent: int
+) -> Load:
+    """As `make_load` with sessions, each `RELAY_SIZE` agents' heartbeats relayed
+    together: one connection per relay, each request one heartbeat of each."""
+    now = time.time_ns()
+    requests = []
+    for first in range(0, len(agents), RELAY_SIZE):
+        group = list(zip(agents[first : first + RELAY_SIZE], sessions[first:], strict=False))
+        queue = []
+        for i in range(per_agent):
+            entries = []
+            for (mid, _, _), session in group:
+                time_ns = now + i
+                mac = protocol.session_mac(session.key, _message(mid, time_ns))
+                headers = {
+                    protocol.HEADER_TIME: str(time_ns),
+                    protocol.HEADER_SESSION: base64.b64encode(session.token).decode(),
+                    protocol.HEADER_MAC: base64.b64encode(mac).decode(),
+                }
+                entries.append((headers, bytes(HeartbeatRequest(machine_id=mid))))
+            body = relay_body(entries)
+            head = (
+                f"POST {RELAY_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                f"Content-Type: application/proto\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            queue.append(head.encode() + body)
+        requests.append(queue)
+    return Load(requests, relay=True)
 
 
 class _Agent:
@@ -344,10 +477,14 @@ def run_load(port: int, load: Load, seconds: float, answers: list[bytes] | None 
             head, body, agent_.buffer = answer
             if answers is not None:
                 answers[agent_.index] = body
-            if head.startswith(b"http/1.1 200"):
-                load.ok += 1
-            else:
+            if not head.startswith(b"http/1.1 200"):
                 load.refused += 1
+            elif load.relay:
+                accepted, refused = relay_accepted(body)
+                load.ok += accepted
+                load.refused += refused
+            else:
+                load.ok += 1
             agent_.next += 1
             if b"connection: close" in head or agent_.next >= len(agent_.queue):
                 drop(agent_, error=False)
@@ -381,7 +518,11 @@ def _client(mode: str, port: int, seconds: float, agents_file: Path) -> None:
     # Enough requests that no agent runs out within the time, at up to
     # PER_PROCESS_RATE answers/s for this process.
     per_agent = int(seconds * PER_PROCESS_RATE / len(agents)) + 2
-    load = make_load(agents, sessions, per_agent)
+    if mode == "full-relay":
+        assert sessions is not None
+        load = make_relay_load(port, agents, sessions, per_agent)
+    else:
+        load = make_load(agents, sessions, per_agent)
     print("ready", flush=True)
     sys.stdin.readline()
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -735,7 +876,8 @@ def main() -> None:
             full = run("full")
             full_old = run("full" + HANDWRITTEN)
             signed = run("full-signed")
-            parser_ratios.append(per_answer(full) / per_answer(full_old))
+            relay = run("full-relay")
+            parser_ratios.append(per_answer(full) / max(per_answer(full_old), 1e-9))
             ratio = full.rate / bare.rate
             auth_ratios.append(full.rate / auth.rate)
             ratios.append(ratio)
@@ -765,13 +907,20 @@ def main() -> None:
                 f" {full_old.rate:8.0f} heartbeats/s (errors {bare_old.errors + full_old.errors});"
                 f" server CPU per answer, llhttp / hand-written: bare"
                 f" {per_answer(bare):.4f} / {per_answer(bare_old):.4f} ms ="
-                f" {per_answer(bare) / per_answer(bare_old):.2f}, full"
+                f" {per_answer(bare) / max(per_answer(bare_old), 1e-9):.2f}, full"
                 f" {per_answer(full):.4f} / {per_answer(full_old):.4f} ms ="
                 f" {parser_ratios[-1]:.2f} (goal <= 1)\n"
                 f"  full-signed (for information): {signed.rate:8.0f} heartbeats/s accepted"
                 f" {signed.ok}, refused {signed.refused}, errors {signed.errors}"
                 f" (server CPU {1000 * signed.server_cpu / max(signed.ok, 1):.3f} ms a heartbeat),"
                 f" {signed.rate / bare.rate:.2f} of bare\n"
+                f"  relayed, {RELAY_SIZE} agents' heartbeats a request (measured, not adopted):"
+                f" {relay.rate:8.0f} heartbeats/s accepted {relay.ok}, refused {relay.refused},"
+                f" errors {relay.errors}; per heartbeat server CPU"
+                f" {1000 * relay.server_cpu / max(relay.ok, 1):.3f} ms, PostgreSQL"
+                f" {1000 * relay.db_cpu / max(relay.ok, 1):.3f} ms, load"
+                f" {1000 * relay.client_cpu / max(relay.ok, 1):.3f} ms;"
+                f" {relay.rate / full.rate:.2f} times full's rate\n"
                 f"  ratio full/bare: {ratio:.2f} (goal >= 0.5);"
                 f" full/auth (the database's share): {auth_ratios[-1]:.2f};"
                 f" full/bare of what this machine's CPU sustains at each mode's CPU per answer"
