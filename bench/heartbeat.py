@@ -562,8 +562,8 @@ def parse_microseconds(count: int) -> tuple[float, float]:
         end = buffer.find(b"\r\n\r\n")
         head = bytes(buffer[:end])
         del buffer[: end + 4]
-        method, path, version, headers = http1_handwritten._parse_head(head)
-        http1_handwritten._keep_alive(version, headers.get("connection", ""))
+        method, path, version, headers = http1_handwritten.parse_head(head)
+        http1_handwritten.keeps_alive(version, headers.get("connection", ""))
         app.check(method, path, headers)
         length = parse_decimal(headers["content-length"], max_digits=12)
         bytes(buffer[:length])

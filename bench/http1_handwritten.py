@@ -98,8 +98,8 @@ class HandwrittenConnection(http1._Connection):
             raise _refuse(ConnectError("resource_exhausted", "request head too large", 431))
         head = bytes(buffer[:end])
         del buffer[: end + 4]
-        method, path, version, headers = _parse_head(head)
-        keep_alive = _keep_alive(version, headers.get("connection", ""))
+        method, path, version, headers = parse_head(head)
+        keep_alive = keeps_alive(version, headers.get("connection", ""))
         try:
             handler = self.app.check(method, path, headers)
         except ConnectError as exc:
@@ -196,10 +196,6 @@ def _clean(text: bytes) -> bool:
 def parse_head(head: bytes) -> tuple[str, str, bytes, dict[str, str]]:
     """(method, path, version, headers by lower-case name) of a request head
     (without its final empty line); `_Close` with a 400 or 505 if malformed."""
-    return _parse_head(head)
-
-
-def _parse_head(head: bytes) -> tuple[str, str, bytes, dict[str, str]]:
     if not _clean(head):
         raise _refuse(ConnectError("invalid_argument", "control character in request head"))
     lines = head.split(b"\r\n")
@@ -229,7 +225,8 @@ def _parse_head(head: bytes) -> tuple[str, str, bytes, dict[str, str]]:
     return method.decode("latin-1"), path, version, headers
 
 
-def _keep_alive(version: bytes, connection: str) -> bool:
+def keeps_alive(version: bytes, connection: str) -> bool:
+    """Whether a request of ``version`` with ``connection`` keeps its connection."""
     tokens = {t.strip() for t in connection.lower().split(",")} if connection else set()
     if version == b"HTTP/1.1":
         return "close" not in tokens
