@@ -25,7 +25,9 @@ own agent key), every ``--silent-every``-th silent for an hour, and
    refused, e.g. queued past the server's 5 s, is not sent again before
    the agent's next turn, where the agent would retry after a second) and
    the *capacity* (every connection back to back for
-   ``--seconds``); the ratio full/bare of capacities (goal >= 0.5). With the
+   ``--seconds``); the ratio full/bare of capacities (goal >= 0.5), and of
+   what this machine's cores sustain at each one's CPU per answer (server,
+   PostgreSQL and load: a ratio the machine's other work moves less). With the
    real server also the *hold*: every agent every ``--interval`` for
    ``--seconds``, an open loop. It is *held* if at most 1% of the
    heartbeats due are unanswered at its end and 99% were answered within a
@@ -81,6 +83,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -185,7 +188,44 @@ def _line(name: str, result: LoadResult, interval: float | None = None) -> str:
     )
 
 
-def _bare(url: str, fleet: Fleet, args: argparse.Namespace) -> LoadResult:
+@dataclass(frozen=True)
+class Capacity:
+    """A capacity phase (every connection back to back) and its CPU seconds."""
+
+    result: LoadResult
+    server_cpu: float
+    db_cpu: float
+
+    def per_machine(self) -> float:
+        """Answers/s this machine's cores sustain at this phase's CPU per
+        accepted answer of server, PostgreSQL and load together."""
+        cpu = self.server_cpu + self.db_cpu + self.result.cpu
+        return len(os.sched_getaffinity(0)) * self.result.accepted / max(cpu, 1e-9)
+
+    def line(self) -> str:
+        beats = max(self.result.accepted, 1)
+        return (
+            f"    per answer: server CPU {1000 * self.server_cpu / beats:.3f} ms, PostgreSQL CPU"
+            f" {1000 * self.db_cpu / beats:.3f} ms, load CPU {1000 * self.result.cpu / beats:.3f}"
+            f" ms: this machine's cores would sustain {self.per_machine():.0f}/s"
+            f" (load average {_load_average()})"
+        )
+
+
+def _capacity(
+    name: str, server: LocalPostgres, processes: list[subprocess.Popen[bytes]], load: FleetLoad,
+    seconds: float,
+) -> Capacity:  # fmt: skip
+    cpu = _Cpu(server, [p.pid for p in processes])
+    cpu.start()
+    closed = load.phase(0, seconds)
+    server_cpu, db_cpu, _ = cpu.stop()
+    capacity = Capacity(closed, server_cpu, db_cpu)
+    print(_line(name, closed) + "\n" + capacity.line(), flush=True)
+    return capacity
+
+
+def _bare(server: LocalPostgres, url: str, fleet: Fleet, args: argparse.Namespace) -> Capacity:
     processes, port = start_servers("bare", url, args.workers)
     try:
         with FleetLoad(
@@ -194,9 +234,7 @@ def _bare(url: str, fleet: Fleet, args: argparse.Namespace) -> LoadResult:
         ) as load:  # fmt: skip
             up = load.phase(args.bringup, args.bringup, drain=600)
             print(_line("bare, bring-up", up, args.bringup), flush=True)
-            closed = load.phase(0, args.seconds)
-            print(_line("bare, capacity", closed), flush=True)
-            return closed
+            return _capacity("bare, capacity", server, processes, load, args.seconds)
     finally:
         stop_servers(processes)
 
@@ -246,17 +284,16 @@ def _recoverer_only(url: str, fleet: Fleet, args: argparse.Namespace) -> None:
 
 def _full(
     server: LocalPostgres, url: str, fleet: Fleet, args: argparse.Namespace, *, recoverer: bool
-) -> tuple[LoadResult, LoadResult]:
+) -> tuple[Capacity, LoadResult]:
     """The real server: bring-up, capacity, hold (and the search), then the
     recoverer if asked for. Returns (capacity, hold at --interval)."""
     agents = fleet.size - fleet.silent_count()
     need = agents / args.interval
     try:
         with _brought_up(url, fleet, args) as (processes, load):
-            cpu = _Cpu(server, [p.pid for p in processes])
             # Right after the bring-up, as with the bare endpoint: the same state.
-            closed = load.phase(0, args.seconds)
-            print(_line("full, capacity", closed), flush=True)
+            closed = _capacity("full, capacity", server, processes, load, args.seconds)
+            cpu = _Cpu(server, [p.pid for p in processes])
             wal0 = _lsn(url)
             cpu.start()
             hold = load.phase(args.interval, args.seconds)
@@ -550,11 +587,17 @@ def _heartbeats(
         f" processes, {args.load_processes} load processes, {args.connections} connections",
         flush=True,
     )
-    bare = _bare(url, fleet, args)
+    bare = _bare(server, url, fleet, args)
     full, _ = _full(server, url, fleet, args, recoverer=recoverer)
-    ratio = full.rate() / max(bare.rate(), 1e-9)
-    print(f"  capacity full/bare at {fleet.size} machines: {ratio:.2f} (goal >= 0.5)")
+    ratio = full.result.rate() / max(bare.result.rate(), 1e-9)
+    cpu_ratio = full.per_machine() / max(bare.per_machine(), 1e-9)
+    print(
+        f"  capacity full/bare at {fleet.size} machines: {ratio:.2f} (goal >= 0.5); of what this"
+        f" machine's cores sustain at each one's CPU per answer: {cpu_ratio:.2f}"
+        f" (load average {_load_average()})"
+    )
     report("fleet_scale", "heartbeat capacity full / bare", ratio, ">= 0.5")
+    report("fleet_scale", "heartbeat CPU-bound capacity full / bare", cpu_ratio, ">= 0.5")
 
 
 def main() -> None:
