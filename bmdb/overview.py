@@ -185,8 +185,11 @@ def state_prefilter(state: State | None) -> str:
     Why: the ``state`` filter compares the computed state, so a page of
     failed machines read machines in order, each with all its joins, until
     it had 101 failed ones (about 257 ms at 100,000 machines). "failed" is
-    an active backoff: a semi-join on work_backoff (its primary key leads
-    with machine_id) finds those without reading the rest. The other
+    an active backoff: a semi-join on work_backoff finds those without
+    reading the rest, from either side as PostgreSQL's statistics favour:
+    the active backoffs by their end (index ``work_backoff_until``,
+    migration 0009) when they are few, the machines in order with a probe
+    of work_backoff's primary key each when they are many. The other
     states are most of the fleet or cheap to find in order, so they need
     none. Keep this beside `STATE_SQL`: a state added there that is rare
     wants its condition here."""
@@ -213,6 +216,9 @@ def _compose(conditions: Sequence[str], limit: str, prefilter: str = "true") -> 
         # not every machine in the state.
         machines = f"""(SELECT m.* FROM machines m WHERE {after} AND {prefilter}
                        ORDER BY m.machine_created_at, m.machine_id {limit})"""
+        # Those are the state's machines already: asked again below, the
+        # condition would be a second semi-join over the same backoffs.
+        prefilter = "true"
     return f"""
 SELECT * FROM (
     SELECT m.machine_id, m.machine_created_at, p.provider, p.provider_id, p.provider_address,
