@@ -15,8 +15,11 @@ import html
 from html.parser import HTMLParser
 
 import pytest
+import trio
 
+import bmdb
 from console import asgi, cluster
+from console.counts import CountsCache
 from console.render import ENV, NAV, Page, render
 from metropolis.owner import NodeRow
 from metropolis.proto import management as m
@@ -155,3 +158,30 @@ def test_cluster_pages_show_what_the_cluster_says_as_text() -> None:
 def test_an_error_page_says_what_was_asked_for_as_text() -> None:
     document = render(asgi._error("Not found", f"No page at /{EVIL}."))
     _inert(document, shown=1)
+
+
+async def test_a_page_that_fails_to_render_is_a_500_page_and_logged(
+    bmdb_conn: bmdb.Connection, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A template bug (here: a page without the value its template shows)
+    answers 500 with the error page, and the traceback goes to the log."""
+
+    class Broken(asgi.App):
+        async def _respond(self, scope: asgi.Scope) -> tuple[int, Page]:
+            return 200, Page("error.html", "Broken")
+
+    sent: list[asgi.Message] = []
+
+    async def send(message: asgi.Message) -> None:
+        sent.append(message)
+
+    async def receive() -> asgi.Message:
+        raise AssertionError("a GET has no body to read")
+
+    app = Broken(bmdb_conn, CountsCache(bmdb_conn, nursery))
+    scope = {"type": "http", "method": "GET", "path": "/broken", "query_string": b""}
+    await app(scope, receive, send)
+    assert sent[0]["status"] == 500
+    body = sent[1]["body"].decode()
+    assert "<h1>Internal error</h1>" in body and "See the server&#39;s log." in body
+    assert "'text' is undefined" in caplog.text and "rendering GET /broken failed" in caplog.text
