@@ -185,8 +185,11 @@ def state_prefilter(state: State | None) -> str:
     Why: the ``state`` filter compares the computed state, so a page of
     failed machines read machines in order, each with all its joins, until
     it had 101 failed ones (about 257 ms at 100,000 machines). "failed" is
-    an active backoff: a semi-join on work_backoff (its primary key leads
-    with machine_id) finds those without reading the rest. The other
+    an active backoff: a semi-join on work_backoff finds those without
+    reading the rest, from either side as PostgreSQL's statistics favour:
+    the active backoffs by their end (index ``work_backoff_until``,
+    migration 0009) when they are few, the machines in order with a probe
+    of work_backoff's primary key each when they are many. The other
     states are most of the fleet or cheap to find in order, so they need
     none. Keep this beside `STATE_SQL`: a state added there that is rare
     wants its condition here."""
@@ -213,6 +216,9 @@ def _compose(conditions: Sequence[str], limit: str, prefilter: str = "true") -> 
         # not every machine in the state.
         machines = f"""(SELECT m.* FROM machines m WHERE {after} AND {prefilter}
                        ORDER BY m.machine_created_at, m.machine_id {limit})"""
+        # Those are the state's machines already: asked again below, the
+        # condition would be a second semi-join over the same backoffs.
+        prefilter = "true"
     return f"""
 SELECT * FROM (
     SELECT m.machine_id, m.machine_created_at, p.provider, p.provider_id, p.provider_address,
@@ -423,31 +429,39 @@ def _iso(at: datetime.datetime | None) -> str | None:
     return at.isoformat() if at else None
 
 
+# The enums of a row, by their text in the database: a page decodes 101
+# rows, and calling an enum class costs ten times a dict lookup.
+_STATES = {str(s): s for s in State}
+_INSTALL_STATES = {str(s): s for s in InstallState}
+_PROVIDERS = {str(p): p for p in Provider}
+_PROCESSES = {str(p): p for p in Process}
+
+
 def _machine_state(r: Row) -> MachineState:
     return MachineState(
         machine_id=r[0],
         created_at=r[1],
-        provider=Provider(r[2]) if r[2] else None,
+        provider=_PROVIDERS[r[2]] if r[2] else None,
         provider_id=r[3],
         address=r[4],
         provider_status=r[5],
         agent_started_at=r[6],
         agent_heartbeat_at=r[7],
-        backoff_process=Process(r[8]) if r[8] else None,
+        backoff_process=_PROCESSES[r[8]] if r[8] else None,
         backoff_until=r[9],
         backoff_cause=r[10],
         failed_at=r[11],
-        failed_process=Process(r[12]) if r[12] else None,
+        failed_process=_PROCESSES[r[12]] if r[12] else None,
         failed_cause=r[13],
-        work=tuple(Process(w) for w in r[14]),
-        state=State(r[15]),
+        work=tuple(_PROCESSES[w] for w in r[14]),
+        state=_STATES[r[15]],
         install_generation=r[16],
-        install_state=InstallState(r[17]) if r[17] else None,
+        install_state=_INSTALL_STATES[r[17]] if r[17] else None,
         install_cause=r[18],
         node_id=None if r[19] is None else node_id(bytes(r[19])),
         hold=None if r[20] is None else Hold(r[20], r[21], r[22]),
         decommission=r[23],
-        was_install_state=InstallState(r[24]) if r[24] else None,
+        was_install_state=_INSTALL_STATES[r[24]] if r[24] else None,
     )
 
 
