@@ -97,7 +97,7 @@ text-align:left;vertical-align:top;white-space:pre-wrap}th{background:#f3f3f6}
 .filters a{margin-right:8px}.filters a.on{font-weight:bold;text-decoration:none}
 code,.mono{font-family:ui-monospace,monospace}.state-healthy{color:#2a7}
 .state-backoff{color:#b00;font-weight:bold}.leader{color:#26a}
-.state-install-failed{color:#b00;font-weight:bold}.state-installed{color:#2a7}
+.state-install-failed,.state-install-lost{color:#b00;font-weight:bold}.state-installed{color:#2a7}
 .state-installing{color:#59d}
 """
 
