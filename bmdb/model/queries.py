@@ -592,7 +592,7 @@ class Queries:
                SET generation = EXCLUDED.generation,
                    os_installation_report_raw = EXCLUDED.os_installation_report_raw,
                    success = NULL, cause = NULL, node_public_key = NULL,
-                   reported_at = now()""",
+                   reported_at = now(), checked_at = NULL, lost_cause = NULL""",
             (as_uuid(machine_id), int(generation), bytes(report)),
         )
 
@@ -654,7 +654,9 @@ class Queries:
                    success = EXCLUDED.success,
                    cause = EXCLUDED.cause,
                    node_public_key = EXCLUDED.node_public_key,
-                   reported_at = EXCLUDED.reported_at
+                   reported_at = EXCLUDED.reported_at,
+                   checked_at = NULL,
+                   lost_cause = NULL
                RETURNING 1""",
             (
                 bytes(raw),
