@@ -48,6 +48,8 @@ SERIAL_GROUPS = {
     "tests/shepherd/nspawn/test_fleet.py": "nspawn-fleet",
     # The Shepherd's whole path on one fleet: install, reboot, wipe in turn.
     "tests/shepherd/nspawn/test_real_path.py": "nspawn-real-path",
+    # Power cuts, then refusals, each on the state the one before left.
+    "tests/shepherd/nspawn/test_real_faults.py": "nspawn-real-faults",
     # Checks that these groups reach xdist at all.
     "tests/test_xdist_groups.py": "group-check",
 }

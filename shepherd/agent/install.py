@@ -840,8 +840,10 @@ class Installer:
                 self._finish(g, None, key=key, error="")
             return
         if self._state["status"] != "node-started" or not isinstance(disk, str):
-            for folder in loopback_disks(self.agent_dir).values():
-                _remove_parts(folder)  # the interrupted download's, if any
+            # The interrupted download's, if any: into a loopback disk, or
+            # beside the agent for a real disk.
+            for folder in [*loopback_disks(self.agent_dir).values(), self.agent_dir]:
+                _remove_parts(folder)
             self._finish(
                 g,
                 None,
