@@ -50,6 +50,9 @@ SERIAL_GROUPS = {
     "tests/shepherd/nspawn/test_real_path.py": "nspawn-real-path",
     # Power cuts, then refusals, each on the state the one before left.
     "tests/shepherd/nspawn/test_real_faults.py": "nspawn-real-faults",
+    # Claims network slots and loop devices as the modules above do; its
+    # own group so that it waits for neither.
+    "tests/shepherd/nspawn/test_real_demo.py": "nspawn-real-demo",
     # Checks that these groups reach xdist at all.
     "tests/test_xdist_groups.py": "group-check",
 }

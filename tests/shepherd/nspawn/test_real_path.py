@@ -205,15 +205,17 @@ async def test_two_installed_nodes_become_etcd_voters(rig: RealThread) -> None:
 
 
 async def _consensus_member_back(
-    rig: RealThread, index: int, before: NodeRow, member: Member
+    rig: RealThread, index: int, before: NodeRow, member: Member, down_at: float
 ) -> None:
-    """The node of machine ``index`` is back: same id and roles, its etcd
-    member the same (not added again: its data came back) and a voter."""
+    """The node of machine ``index`` is back: a heartbeat since ``down_at``
+    (trio time; the curator's health alone lags), same id and roles, its
+    etcd member the same (not added again: its data came back) and a voter."""
     address = rig.fleet.machines.address(index)
 
     async def back() -> bool:
         row = (await nodes(rig)).get(address)
-        return healthy(row) and row is not None and row.since_heartbeat is not None
+        beat = row.since_heartbeat if row is not None else None
+        return healthy(row) and beat is not None and beat < trio.current_time() - down_at
 
     await until(back)
     row = (await nodes(rig))[address]
@@ -262,10 +264,11 @@ async def test_a_reboot_from_inside_brings_node_roles_etcd_and_agent_back(
     agent = await _agent_started(rig, 0)
     checked = (await installation(rig.bmdb_url, real.ids[0])).checked_at  # type: ignore[union-attr]
     boots = machine.boots
+    down_at = trio.current_time()
     await rig.sh(0, "systemctl reboot", check=False)
     await until(lambda: _later(machine.boots, boots))
     await trio.to_thread.run_sync(rig.wait_ssh, 0)
-    await _consensus_member_back(rig, 0, before, member)
+    await _consensus_member_back(rig, 0, before, member, down_at)
     await _agent_back(rig, 0, agent, checked)
 
 
@@ -285,10 +288,11 @@ async def test_a_power_reset_through_the_bmc_brings_node_and_agent_back_and_it_v
     machine = real.machines.machines[0]
     boots = machine.boots
     async with RedfishClient() as redfish:
+        down_at = trio.current_time()
         await redfish.reset(real.machines.system_url(0), credentials, "ForceRestart")
         await until(lambda: _later(machine.boots, boots))
         await trio.to_thread.run_sync(rig.wait_ssh, 0)
-        await _consensus_member_back(rig, 0, before, member)
+        await _consensus_member_back(rig, 0, before, member, down_at)
         await _agent_back(rig, 0, agent, checked)
         # It votes: with machine 1's member off, the first node and this one
         # are two of three voters, and etcd still takes a write.
