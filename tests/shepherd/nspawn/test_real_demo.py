@@ -89,3 +89,13 @@ def test_ctrl_c_during_an_install_stops_every_machine_and_detaches_every_loop_de
             os.killpg(demo.pid, signal.SIGKILL)
             demo.wait()
         subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def test_real_machines_take_none_of_the_loopback_demos_knobs() -> None:
+    for knob in (["--broken", "1"], ["--takeover-only"], ["--stay"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "shepherd.demo", "--real-machines", *knob],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "--real-machines takes no --broken, --takeover-only, --web or --stay" in done.stderr
