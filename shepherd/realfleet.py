@@ -166,6 +166,7 @@ async def open_real_fleet(
     disk_size: int | Sequence[int] = 256 << 20,
     heartbeat_interval: float = 1.0,
     approve: bool = True,
+    approve_interval: float = 0.5,
     decommission: bool = True,
     within: float = 180.0,
 ) -> AsyncIterator[RealFleet]:
@@ -229,7 +230,7 @@ async def open_real_fleet(
             )  # fmt: skip
             start_control_loop(nursery, conn, decommissioner, parallelism=2, limiter=limiter)
         if approve:
-            nursery.start_soon(run_approver, first.access, conn, 0.5)
+            nursery.start_soon(run_approver, first.access, conn, approve_interval)
         real = RealFleet(
             folder=folder,
             machines=machines,

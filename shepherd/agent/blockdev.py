@@ -585,13 +585,16 @@ def wipe_device(device: str) -> list[str]:
     readable. That takes the device's write time; a discard, little."""
     name = sys_name(os.stat(device).st_rdev)
     done = []
+    nodes = []
     for part in child_partitions(name):
         node = f"/dev/{part}"
         if not os.path.exists(node):
             devno = _devno(_read(f"/sys/class/block/{part}/dev"))
             os.mknod(node, 0o600 | stat.S_IFBLK, devno)
-        _run(["wipefs", "-a", "-q", node])
-        done.append(f"wipefs -a {node}: done")
+        nodes.append(node)
+    if nodes:  # one wipefs for them all: it fails as a whole, naming the node
+        _run(["wipefs", "-a", "-q", *nodes])
+        done += [f"wipefs -a {node}: done" for node in nodes]
     _run(["wipefs", "-a", "-q", device])
     done.append(f"wipefs -a {device} (the partition table): done")
     size = int(_read(f"/sys/class/block/{name}/size")) * 512
