@@ -35,3 +35,12 @@ def test_the_unit_refuses_what_systemd_would_read_otherwise() -> None:
     for bad in ("/root/my agent", "/root/100%", "/root/$HOME", '/root/"x"'):
         with pytest.raises(AgentError, match="cannot put"):
             unit_text(bad, [])
+
+
+def test_without_systemd_the_unit_is_refused_so_the_agent_runs_detached(tmp_path: object) -> None:
+    from shepherd.agent.unit import install_unit
+
+    if os.path.isdir("/run/systemd/system"):
+        pytest.skip("this host runs systemd: the unit would be installed for real")
+    with pytest.raises(AgentError, match="systemd does not run this machine"):
+        install_unit("/root/agent", b"init", [], "/nonexistent")
