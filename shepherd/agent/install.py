@@ -23,9 +23,11 @@ path that must never write an unverified image.
 One install, in order (`install`)::
 
     check the request     root_device one of the loopback disks (`disks`), or
-                          a real block device by its kernel name (``sdb``,
-                          ``loop3``) that `blockdev.check_device` accepts;
-                          bounds and shapes a request must keep
+                          a real disk as the hardware report names it (its
+                          serial number, or its kernel name without one:
+                          `disks.real_disks`; else a node /dev/<name>) that
+                          `blockdev.check_device` accepts; bounds and shapes
+                          a request must keep
     download, verify      {scheme}://{host}/images/sha256/{hex} into a
                           temporary file in the disk folder (`download`: TLS
                           verified against the CA from TakeoverInit, bounded,
@@ -47,7 +49,9 @@ second node would fight the first for the fixed ports.
 
 A real block device is installed by `blockdev.install_device` (GPT, image
 on system A read back, boot record, data partition, the boot entry last),
-after the download into a temporary file beside the agent. Then, as
+after the download into a temporary file beside the agent; a node an
+earlier install of this agent runs from the disk is stopped first (its
+data partition is not refused as mounted: `blockdev.stop_installed`). Then, as
 `Settings.after_install` says: "start" (``systemctl daemon-reload``, start
 ``metropolis-node.service`` and wait for its key in /run/metropolis),
 "reboot" (``systemctl reboot``; the agent that starts after the reboot
@@ -56,6 +60,14 @@ node was installed but not started, as an error: no key is known). "node
 started" is recorded before the boot entry is written: from then on a
 restarted agent waits for the key instead of calling the generation
 interrupted.
+
+After a successful install onto a real disk, `Installer.pending_report`
+also reports, unasked, what the agent finds of it (`Installer._check`: the
+boot record read back off the device at each heartbeat): once after the
+agent starts (a reboot: the installed generation is still there), and
+whenever that changes (the disk emptied or written over: the generation is
+gone, with the cause). The server stores it beside the report
+(`Queries.record_installation_check`; the machine shows install-lost).
 """
 
 from __future__ import annotations
