@@ -3,7 +3,7 @@
     python -m bmdb [--url URL] migrate            apply pending schema migrations
     python -m bmdb [--url URL] machines [--state S] [--provider P] [--limit N] [--json]
         S: failed, unprovided, needs-agent-start, started, heartbeating, silent,
-           or an installation state: installing, installed, install-failed
+           or an installation state: installing, installed, install-failed, install-lost
     python -m bmdb [--url URL] machine MACHINE_ID [--json]
     python -m bmdb [--url URL] history MACHINE_ID
     python -m bmdb [--url URL] sessions

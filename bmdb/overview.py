@@ -29,6 +29,8 @@ generation g and the report stored on it::
     installing       no report on g yet (none, or one on an older generation)
     installed        the agent reported success on g (the node's id shown)
     install-failed   the agent reported an error on g (its cause shown)
+    install-lost     installed, then the agent found g gone from its disk
+                     (emptied or written over since; the cause shown)
 
 The two are separate columns because they answer separate questions (is the
 agent alive; is the OS on the machine); a ``state`` filter takes the names
@@ -71,7 +73,12 @@ from bmdb.model import (
     as_uuid,
     node_id,
 )
-from bmdb.model.queries import INSTALL_STATE_SQL, INSTALLATION_COLUMNS, installation_from_row
+from bmdb.model.queries import (
+    INSTALL_STATE_SQL,
+    INSTALLATION_COLUMNS,
+    INSTALLATION_WIDTH,
+    installation_from_row,
+)
 from bmdb.transaction import Isolation
 
 
@@ -231,7 +238,8 @@ SELECT * FROM (
            {STATE_SQL} AS state,
            oq.generation AS install_generation,
            {_LIVE_INSTALL_STATE_SQL} AS install_state,
-           CASE WHEN orp.generation = oq.generation THEN orp.cause END AS install_cause,
+           CASE WHEN orp.generation = oq.generation
+                THEN coalesce(orp.lost_cause, orp.cause) END AS install_cause,
            CASE WHEN orp.generation = oq.generation AND orp.success
                 THEN orp.node_public_key END AS node_public_key,
            hd.held_by, hd.held_at, hd.reason AS held_reason,
@@ -682,8 +690,8 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
         return None
     r = rows[0]
     extra = r[_SUMMARY_COLUMNS:]
-    installation = installation_from_row(extra[8:18]) if extra[7] else None
-    extra = extra[:7] + extra[18:]
+    installation = installation_from_row(extra[8 : 8 + INSTALLATION_WIDTH]) if extra[7] else None
+    extra = extra[:7] + extra[8 + INSTALLATION_WIDTH :]
     return MachineDetail(
         summary=_machine_state(r[:_SUMMARY_COLUMNS]),
         location=extra[0],

@@ -3,7 +3,9 @@
 ``metropolis node bootstrap --root DIR --address HOST --owner-key-out FILE
 [--insecure-seal]`` creates a cluster with this node as its first member and
 keeps running; ``metropolis node run --root DIR`` restarts a node from its
-saved state (finishing a registration a crash interrupted); ``metropolis
+saved state (finishing a registration a crash interrupted; with
+``--announce-key FILE`` it writes the node's public key there first, as
+``register`` does); ``metropolis
 node register --root DIR --ticket HEX --cluster FILE --address HOST
 --insecure-seal`` joins an existing cluster (waiting for the owner's
 approval) and keeps running; ``--parameters FILE`` (a NodeParameters with
@@ -144,6 +146,12 @@ def _parser() -> argparse.ArgumentParser:
 
     run = actions.add_parser("run", help="restart a node from its saved state")
     run.add_argument("--root", type=Path, required=True, help="the node's data directory")
+    run.add_argument(
+        "--announce-key",
+        type=Path,
+        metavar="FILE",
+        help="write the node's Ed25519 public key (32 raw bytes) here before it starts",
+    )
     _register_deadline_flag(run, " (when finishing a saved registration)")
 
     rec = actions.add_parser(
@@ -605,6 +613,14 @@ def _announce(path: Path | None, public_key: bytes) -> None:
     log.info("announced %s in %s", identity.node_id(public_key), path)
 
 
+def _announce_saved(path: Path, saved: disk.SavedNode) -> None:
+    """``run --announce-key``: the saved node's key, registered or not yet."""
+    if saved.register is not None:
+        _announce(path, saved.register.node_public_key)
+    elif saved.credentials is not None:
+        _announce(path, saved.credentials.public_key)
+
+
 def _prepare_register(args: argparse.Namespace) -> Root:
     """Save settings and a register intent, or find the intent a crash left; the root.
 
@@ -712,7 +728,9 @@ def main(argv: list[str] | None = None) -> int:
                 trio.run(recover.recover, checked)
             else:
                 root = _root(args.root)
-            disk.load(root)  # fail before starting anything
+            saved = disk.load(root)  # fail before starting anything
+            if args.action == "run" and args.announce_key is not None:
+                _announce_saved(args.announce_key, saved)
             trio.run(
                 _run_node,
                 root,

@@ -478,6 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="longest pause of an agent whose heartbeats fail (default: 1m)",
     )
+    agent.add_argument(
+        "--agent-systemd-unit",
+        action="store_true",
+        help="run each heartbeating agent as a unit of its machine's systemd "
+        "(metropolis-agent.service), so that it comes back after a reboot and reports the "
+        "installed generation; a machine without systemd gets the detached agent and a warning",
+    )
 
     init = parser.add_argument_group("initializer")
     init.add_argument(
@@ -719,6 +726,7 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             ssh_exec_timeout=args.agent_ssh_exec_timeout,
             heartbeat_interval=args.agent_heartbeat_interval,
             heartbeat_backoff_cap=args.agent_heartbeat_backoff_cap,
+            systemd_unit=args.agent_systemd_unit,
         )
     except ValueError as exc:
         parser.error(str(exc))

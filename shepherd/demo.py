@@ -60,7 +60,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +74,7 @@ from common.cli import leaf_errors
 from common.commands import DEFAULT, commands_description
 from common.exitcodes import show_in_help
 from metropolis.errors import MetropolisError
+from shepherd import demo_real
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
@@ -129,6 +130,10 @@ logger = logging.getLogger("shepherd.demo")
 DEFAULT_MACHINES = 5
 DEFAULT_BROKEN = 2
 
+#: ``--timeout`` unless given; with ``--real-machines`` (machines boot, twice).
+DEFAULT_TIMEOUT = 180.0
+REAL_TIMEOUT = 400.0
+
 #: Where ``--web`` serves without a HOST:PORT.
 DEFAULT_WEB = "127.0.0.1:8080"
 
@@ -152,6 +157,7 @@ class Options:
 #: What the demo can do, as its ``--help`` starts (and the README lists).
 COMMANDS = (
     (DEFAULT, "the whole path: takeover, image, install, approval, a cluster; then stop"),
+    ("--real-machines", "the same on real Linux machines (nspawn, loop disks, a BMC); needs root"),
     ("--takeover-only", "stop after the takeover: each machine's outcome"),
     ("--stay", "then keep everything up and print commands to try, until Ctrl-C"),
     ("--web", "also serve the web UI and print its URL (implies --stay; --exit ends)"),
@@ -161,7 +167,8 @@ COMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m shepherd.demo",
-        usage="%(prog)s [--takeover-only] [--stay | --web [HOST:PORT] [--exit]] [options]",
+        usage="%(prog)s [--real-machines | --takeover-only] [--stay | --web [HOST:PORT] "
+        "[--exit]] [options]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=commands_description(
             COMMANDS,
@@ -174,22 +181,38 @@ def build_parser() -> argparse.ArgumentParser:
             "ConsensusMember. Prints what changes, then one table: machine, address, node "
             "id, roles, health. The default run takes about 30 s on 2 cores (the first one "
             "also builds the image, 10-30 s more). Needs Debian's postgresql (15) and "
-            "etcd-server packages. Ctrl-C stops everything.",
+            "etcd-server packages. Ctrl-C stops everything. With --real-machines the "
+            "machines are real Linux systems (systemd-nspawn, a loop-device disk each, a "
+            "Redfish BMC): the node is installed onto the disk, one consensus member is "
+            "power-reset through its BMC and comes back, one machine is decommissioned; "
+            "about 2 minutes, and Ctrl-C stops every machine and detaches every loop device.",
         ),
     )
     show_in_help(parser)
     parser.add_argument(
         "--machines",
         type=_positive,
-        default=DEFAULT_MACHINES,
+        default=None,
         help=f"fleet size (default {DEFAULT_MACHINES}: {DEFAULT_MACHINES - DEFAULT_BROKEN} "
-        f"become nodes); each installed node is a node process with its own etcd",
+        f"become nodes; with --real-machines {demo_real.DEFAULT_MACHINES}); each installed "
+        "node is a node process with its own etcd",
     )
     parser.add_argument(
         "--broken",
         type=_non_negative,
-        default=DEFAULT_BROKEN,
-        help=f"how many machines refuse our key (default {DEFAULT_BROKEN})",
+        default=None,
+        help=f"how many machines refuse our key (default {DEFAULT_BROKEN}; none with "
+        "--real-machines)",
+    )
+    parser.add_argument(
+        "--real-machines",
+        action="store_true",
+        help="the machines are real Linux systems: systemd-nspawn Debian 12 machines, each "
+        "with its own NIC on a bridge, a loop-device disk and power through a Redfish BMC; "
+        "the node is installed onto the disk and runs under the machine's systemd; one "
+        "consensus member is power-reset through its BMC and comes back, one machine is "
+        "decommissioned (its disk wiped). Needs root, systemd-nspawn and mmdebstrap (the "
+        "first run builds the machines' root, about 95 s)",
     )
     parser.add_argument(
         "--parallelism", type=_positive, default=4, help="initializer workers (default 4)"
@@ -197,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=180.0,
-        help="give up after SECONDS, printing the table as it is (default 180)",
+        default=None,
+        help=f"give up after SECONDS, printing the table as it is (default {DEFAULT_TIMEOUT:g}; "
+        f"{REAL_TIMEOUT:g} with --real-machines)",
     )
     parser.add_argument(
         "--takeover-only",
@@ -279,7 +303,11 @@ def _non_negative(text: str) -> int:
 SHUTDOWN_BOUND = 45.0
 
 
-async def run_interruptible(options: Options, postgres: LocalPostgres) -> bool | None:
+async def run_interruptible(
+    options: Options,
+    postgres: LocalPostgres,
+    body: Callable[[Options, LocalPostgres], Awaitable[bool]] | None = None,
+) -> bool | None:
     """`run_demo`, ended in order by a Ctrl-C: None if it was interrupted.
 
     SIGINT is taken as an event here, not as Trio's KeyboardInterrupt: a
@@ -302,7 +330,7 @@ async def run_interruptible(options: Options, postgres: LocalPostgres) -> bool |
                     return
 
             nursery.start_soon(on_interrupt)
-            result = await run_demo(options, postgres)
+            result = await (body or run_demo)(options, postgres)
             nursery.cancel_scope.cancel()
     # Set only if run_demo finished: an interrupted run leaves it None.
     return result
@@ -497,6 +525,28 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
     return finished
 
 
+async def run_real_machines(options: Options, postgres: LocalPostgres) -> bool:
+    """``--real-machines`` (`shepherd.demo_real`): the path, then the table."""
+    started = trio.current_time()
+    try:
+        ok, table = await demo_real.run_real(
+            demo_real.RealOptions(
+                machines=options.machines,
+                deadline=started + options.timeout,
+                workdir=options.workdir,
+                bmdb_url=postgres.url("bmdb"),
+                image_cache=options.image_cache or default_image_cache(),
+                etcd=options.etcd,
+            )
+        )
+    finally:
+        with trio.CancelScope(shield=True):
+            await reap(options.workdir)
+    sys.stdout.write(table + "\n")
+    logger.info("the run took %.1f s", trio.current_time() - started)
+    return ok
+
+
 async def _stay(table: str, commands: str) -> None:
     """Print ``table`` and ``commands``, then wait until cancelled (Ctrl-C,
     SIGTERM): the servers of the run stay up meanwhile."""
@@ -528,6 +578,21 @@ def _node_of(table: str, machine: str) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.real_machines:
+        if args.broken or args.takeover_only or args.web is not None or args.stay:
+            build_parser().error(
+                "--real-machines takes no --broken, --takeover-only, --web or --stay"
+            )
+        args.broken = 0
+        args.machines = args.machines or demo_real.DEFAULT_MACHINES
+        args.timeout = args.timeout or REAL_TIMEOUT
+        why = demo_real.missing()
+        if why is not None:
+            sys.stderr.write(f"shepherd.demo: {why}\n")
+            return 2
+    args.machines = args.machines or DEFAULT_MACHINES
+    args.timeout = args.timeout or DEFAULT_TIMEOUT
+    args.broken = DEFAULT_BROKEN if args.broken is None else args.broken
     if args.broken > args.machines:
         build_parser().error("--broken cannot exceed --machines")
     logging.basicConfig(
@@ -571,7 +636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         postgres.start()
         postgres.create_database("bmdb")
         logger.info("BMDB at %s", postgres.url("bmdb"))
-        ok = trio.run(run_interruptible, options, postgres)
+        body = run_real_machines if args.real_machines else None
+        ok = trio.run(run_interruptible, options, postgres, body)
     except LocalPostgresError as exc:
         sys.stderr.write(f"shepherd.demo: {exc}\n")
         return 1

@@ -303,6 +303,8 @@ async def _install_states(conn: bmdb.Connection, machines: dict[str, Machine]) -
                 states[provider_id] = f"installed (generation {got.generation}), node {got.node_id}"
             elif got.state is InstallState.INSTALL_FAILED:
                 states[provider_id] = f"install failed: {got.cause}"
+            elif got.state is InstallState.INSTALL_LOST:
+                states[provider_id] = f"install lost: {got.lost_cause}"
             else:
                 states[provider_id] = f"installing generation {got.generation}"
         return states

@@ -33,8 +33,9 @@ What is checked, and where:
   list the root device; it has no provider address (the node's ``--address``); its
   current generation is installed (a success report on the latest
   request) or still installing (no report on it yet), unless
-  ``--reinstall``. A machine whose latest generation failed is installed
-  again without ``--reinstall``: a new generation is a new attempt. The
+  ``--reinstall``. A machine whose latest generation failed, or whose agent
+  has since found it gone from the disk (install-lost), is installed again
+  without ``--reinstall``: a new generation is a new attempt. The
   others get their request. One transaction, so that a count of machines
   by state means that many from one view of the fleet, and so that the run
   is written whole or not at all (a database error leaves nothing half

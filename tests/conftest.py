@@ -46,6 +46,13 @@ SERIAL_GROUPS = {
     # One fleet of machines for the module, whose tests build on each
     # other's state (a partition made, then read after a reboot).
     "tests/shepherd/nspawn/test_fleet.py": "nspawn-fleet",
+    # The Shepherd's whole path on one fleet: install, reboot, wipe in turn.
+    "tests/shepherd/nspawn/test_real_path.py": "nspawn-real-path",
+    # Power cuts, then refusals, each on the state the one before left.
+    "tests/shepherd/nspawn/test_real_faults.py": "nspawn-real-faults",
+    # Claims network slots and loop devices as the modules above do; its
+    # own group so that it waits for neither.
+    "tests/shepherd/nspawn/test_real_demo.py": "nspawn-real-demo",
     # Checks that these groups reach xdist at all.
     "tests/test_xdist_groups.py": "group-check",
 }

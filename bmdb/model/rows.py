@@ -88,6 +88,8 @@ class InstallState(enum.StrEnum):
     INSTALLED = "installed"
     #: The agent reported an error on the requested generation.
     INSTALL_FAILED = "install-failed"
+    #: Installed, but the agent has since found it gone from the disk.
+    INSTALL_LOST = "install-lost"
 
 
 #: The prefix of a Metropolis node id (metropolis.identity.NODE_ID_PREFIX;
@@ -120,14 +122,21 @@ class OSInstallation:
     cause: str | None
     node_public_key: bytes | None
     reported_at: datetime.datetime | None
+    #: Why the agent finds the installed generation gone (None: there, or
+    #: not checked); when it last reported on it after the install.
+    lost_cause: str | None = None
+    checked_at: datetime.datetime | None = None
 
     @property
     def state(self) -> InstallState:
         """Installed or failed once the report is on the requested
-        generation, installing until then."""
+        generation, installing until then; lost when installed and the
+        agent has found it gone since."""
         if self.report_generation != self.generation or self.success is None:
             return InstallState.INSTALLING
-        return InstallState.INSTALLED if self.success else InstallState.INSTALL_FAILED
+        if self.success:
+            return InstallState.INSTALLED if self.lost_cause is None else InstallState.INSTALL_LOST
+        return InstallState.INSTALL_FAILED
 
     @property
     def reported(self) -> bool:

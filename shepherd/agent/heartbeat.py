@@ -18,6 +18,7 @@ from .wire import (
     AgentSession,
     DecodeError,
     HwNode,
+    InstallationReport,
     TakeoverInit,
     decode_heartbeat_session,
     decode_installation_request,
@@ -105,6 +106,8 @@ class Heartbeater:
         #: Set to send the next heartbeat now (an install's outcome is ready).
         self.wake = threading.Event()
         self._malformed = ""
+        #: The installation report the last request carried.
+        self._installation: InstallationReport | None = None
         self._last_time_ns = 0
         #: The session requests are MACed with, if any, and when (time.monotonic())
         #: to stop using it and sign again, ahead of its end at the server.
@@ -132,6 +135,7 @@ class Heartbeater:
         is held and still in use, else signed."""
         report, warnings = self.report if self.report is not None else (None, None)
         installation = self.installer.pending_report() if self.installer is not None else None
+        self._installation = installation
         body = encode_heartbeat_request(self.init.machine_id, report, warnings, installation)
         # Strictly increasing, also when the clock steps back: the server
         # refuses a time not newer than the last it accepted.
@@ -252,6 +256,8 @@ class Heartbeater:
             log(f"ignoring an answer of over {MAX_ANSWER} bytes")
         else:
             self.accepted(answer)
+            if self.installer is not None and self._installation is not None:
+                self.installer.sent(self._installation)
             self.take_installation(answer)
         if self.report is not None:
             log("hardware report accepted")

@@ -35,7 +35,11 @@ installs and reports the outcome (``HeartbeatRequest.installation_report``)
 in a later heartbeat; a report is stored only if it is of the generation
 currently requested (an older or newer one is logged at INFO and ignored,
 the heartbeat itself accepted), and from then on the answers no longer
-carry the request. The request is read by the statement that writes the
+carry the request. A report on the current generation after its own was
+stored is what the agent finds of that install later (after its restart,
+or the disk emptied behind its back): stored beside the report when that
+is a success of the same node key (`Queries.record_installation_check`),
+ignored otherwise. The request is read by the statement that writes the
 heartbeats, so a group costs no more statements than before; a report
 costs one more, in the group's transaction. A stored request the agent
 could not read or would run under another generation (`request_refusal`:
@@ -639,8 +643,17 @@ async def _record_report(
     notes: list[str],
 ) -> bool:
     """Store ``report`` if it is of the pending request's generation (True);
-    else add why it is ignored to ``notes`` (False)."""
+    else, as what the agent finds of the generation it installed, if that is
+    the machine's current one and installed (`Queries.record_installation_check`:
+    still there, or gone); else add why it is ignored to ``notes`` (False)."""
     if report.generation != result.installation_generation:
+        checkable = (report.node_public_key is not None) != (report.cause is not None)
+        if checkable and await q.record_installation_check(
+            machine_id, report.generation, report.node_public_key, report.cause
+        ):
+            what = "still there" if report.success else f"gone: {report.cause}"
+            notes.append(f"machine {machine_id}: installation {report.generation} {what}")
+            return False
         pending = (
             f"generation {result.installation_generation} is requested"
             if result.installation_generation is not None
