@@ -61,7 +61,13 @@ from metropolis.rpc import auth, tls, wire
 from metropolis.rpc.limits import Limits
 from metropolis.rpc.method import STALE_OK_HEADER, Message, Method
 from metropolis.rpc.metrics import UNKNOWN_METHOD, RPCMetrics
-from metropolis.rpc.status import LeaderHint, RPCError, Status
+from metropolis.rpc.status import (
+    LEADER_ADDRESS_HEADER,
+    LEADER_NODE_HEADER,
+    LeaderHint,
+    RPCError,
+    Status,
+)
 from metropolis.rpc.transport import Closed, Connection, Data, End, Reset, StreamGone
 
 __all__ = ["CallContext", "Limits", "Server"]
@@ -72,8 +78,6 @@ Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
 
 _RESPONSE_HEADERS = [(":status", "200"), ("content-type", wire.CONTENT_TYPE)]
-LEADER_NODE_HEADER = "metropolis-leader-node-id"
-LEADER_ADDRESS_HEADER = "metropolis-leader-address"
 
 
 @dataclass(frozen=True)
