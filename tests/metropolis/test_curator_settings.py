@@ -134,3 +134,11 @@ def test_the_member_health_wait_flag_reaches_the_tuning(
     settings = node_settings(args)
     # Saved with the settings: test_roleserve.py's saved-setting test.
     assert settings.tuning == Tuning(20, 200, member_health_wait=wait)
+
+
+def test_the_parser_s_register_deadline_is_register_s_default() -> None:
+    """The parser writes the default down (it imports no node module): the same number."""
+    from metropolis.roleserve.register import DEFAULT_DEADLINE
+
+    args = cli._parser().parse_args(["node", "run", "--root", "r"])
+    assert args.register_deadline == cli.REGISTER_DEADLINE == DEFAULT_DEADLINE
