@@ -54,7 +54,7 @@ def _both_lists(path: Path) -> tuple[dict[str, str], dict[str, str]]:
                 assert isinstance(key, ast.Constant) and isinstance(value, ast.List)
                 for element in value.elts:
                     assert isinstance(element, ast.Constant)
-                    table[element.value] = key.value
+                    table[str(element.value)] = str(key.value)
     return typed, table
 
 
