@@ -22,7 +22,6 @@ from metropolis.localstorage import Root, atomic_write
 from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk, recover
-from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.roleserve.register import DEFAULT_DEADLINE, register
 from metropolis.roleserve.server import RoleServer
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
@@ -228,7 +227,12 @@ async def _run_node(
                 saved = disk.load(root)
             # An intent a crash left beside the credentials is done with.
             await trio.to_thread.run_sync(disk.drop_finished_intents, root)
-            metrics = NodeMetrics(metrics_listen) if metrics_listen else None
+            metrics = None
+            if metrics_listen:
+                # Imported only then: prometheus_client and the server.
+                from metropolis.roleserve.metrics import NodeMetrics
+
+                metrics = NodeMetrics(metrics_listen)
             server = RoleServer(root, saved, metrics=metrics, snapshots=snapshots)
 
             async def main(node: Node) -> None:
