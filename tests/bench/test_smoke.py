@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: What each benchmark prints in (or beside) its result table.
 PRINTS = {
     "bmdb_ha": "ratio patroni/single:",
+    "cli": "owner --root nodes",
     "cli_imports": "after/before",
     "bmdb_work": "a: ours/pgb",
     "consensus_start": "put via Client (time ratio)",

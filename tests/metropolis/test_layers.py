@@ -32,6 +32,8 @@ LAYERS = {
     # The node image's builder, which the CLI's 'image' command runs...
     "metropolis.image": 7,
     "metropolis.demo": 8,
+    # A loopback cluster of node processes, for benchmarks and tests.
+    "metropolis.localcluster": 8,
     # The CLI's commands, each imported by the CLI when it runs.
     "metropolis.cli": 8,
     "metropolis.__main__": 9,
