@@ -7,10 +7,11 @@ runs the whole node (etcd, the curator, the role server).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
-import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -21,13 +22,16 @@ from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root, atomic_write
 from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
-from metropolis.roleserve import disk, recover
-from metropolis.roleserve.register import DEFAULT_DEADLINE, register
-from metropolis.roleserve.server import RoleServer
+from metropolis.roleserve import disk
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
-from metropolis.supervisor import Node, supervise
+
+if TYPE_CHECKING:
+    from metropolis.roleserve.recover import Checked
 
 __all__ = ["check_socket_room", "node_settings", "run"]
+
+#: The module that runs a node (the role server and all it starts).
+_NODE_RUN = "metropolis.cli.noderun"
 
 log = logging.getLogger("metropolis.cli")
 
@@ -198,51 +202,6 @@ def _prepare_register(args: argparse.Namespace) -> Root:
     return root
 
 
-async def _run_node(
-    root: Root,
-    metrics_listen: str | None = None,
-    snapshots: tuple[Path, float, int] | None = None,
-    register_deadline: float = DEFAULT_DEADLINE,
-) -> None:
-    """Finish a saved registration if there is one, then run the node; until a signal.
-
-    ``metrics_listen``: serve the node's metrics there; ``snapshots``:
-    (folder, interval, keep) of scheduled etcd snapshots;
-    ``register_deadline``: how long the registration retries an outage of
-    every curator (:func:`~metropolis.roleserve.register.register`).
-    """
-    saved = disk.load(root)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def stop_on_signal() -> None:
-                async for signum in signals:
-                    log.info("%s: stopping", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    return
-
-            nursery.start_soon(stop_on_signal)
-            if saved.register is not None:
-                await register(root, saved.settings, saved.register, deadline=register_deadline)
-                saved = disk.load(root)
-            # An intent a crash left beside the credentials is done with.
-            await trio.to_thread.run_sync(disk.drop_finished_intents, root)
-            metrics = None
-            if metrics_listen:
-                # Imported only then: prometheus_client and the server.
-                from metropolis.roleserve.metrics import NodeMetrics
-
-                metrics = NodeMetrics(metrics_listen)
-            server = RoleServer(root, saved, metrics=metrics, snapshots=snapshots)
-
-            async def main(node: Node) -> None:
-                node.run("role", server.run)
-                node.signal_healthy()
-                await trio.sleep_forever()
-
-            nursery.start_soon(supervise, main)
-
-
 def _snapshots(args: argparse.Namespace, root: Root) -> tuple[Path, float, int] | None:
     """The scheduled snapshots' (folder, interval, keep), or None when off."""
     if args.snapshot_interval == 0:
@@ -262,15 +221,39 @@ def run(args: argparse.Namespace) -> None:
         root = _bootstrap(args)
     elif args.action == "recover":
         root = checked_root(args.root)
+        from metropolis.roleserve import recover
+
         checked = recover.check(root, args.snapshot)  # before anything changes
-        trio.run(recover.recover, checked)
+        trio.run(_recover, checked)
     else:
         root = checked_root(args.root)
     disk.load(root)  # fail before starting anything
+    from metropolis.cli.noderun import run_node
+
     trio.run(
-        _run_node,
+        run_node,
         root,
         args.metrics_listen,
         _snapshots(args, root),
-        getattr(args, "register_deadline", DEFAULT_DEADLINE),
+        # Only run and register have it: a registration is finished by them only.
+        getattr(args, "register_deadline", None),
     )
+
+
+async def _recover(checked: Checked) -> None:
+    """Restore the snapshot (:func:`~metropolis.roleserve.recover.recover`)
+    while the modules that run the node are imported in a thread.
+
+    The restore waits on etcdctl and a temporary etcd, each a process of its
+    own; the node's imports (a few hundred ms of CPU) need not wait for them
+    (issue 39: ``node recover`` against etcd's own restore). The thread
+    imports only modules the restore does not use.
+    """
+    from metropolis.roleserve.recover import recover
+
+    async def import_the_node() -> None:
+        await trio.to_thread.run_sync(importlib.import_module, _NODE_RUN)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(import_the_node)
+        await recover(checked)

@@ -52,7 +52,7 @@ from metropolis.consensus import peerpki
 from metropolis.consensus.client import Client
 from metropolis.consensus.config import CURATOR_NAMESPACE
 from metropolis.consensus.join import JoinCluster
-from metropolis.consensus.process import SOCKET_NAME, ProcessConfig, run_etcd
+from metropolis.consensus.process import SOCKET_NAME, ProcessConfig, Tuning, run_etcd
 from metropolis.consensus.restore import restore_data
 from metropolis.consensus.snapshot import SnapshotManifest, cluster_identity, verify_snapshot
 from metropolis.curator.rejoin import Recovery, prepare_restored
@@ -65,6 +65,11 @@ from metropolis.roleserve import disk
 __all__ = ["Checked", "RecoverError", "check", "recover"]
 
 _log = logging.getLogger("metropolis.roleserve.recover")
+
+#: The temporary etcd's raft timing: alone on this node, it elects itself
+#: after 1 to 5 ticks of 10 ms, where the node's own timing (etcd's default
+#: 100 ms ticks) would keep the recovery waiting up to half a second.
+_PREPARE_TUNING = Tuning(heartbeat_ms=10, election_ms=50)
 
 
 class RecoverError(MetropolisError):
@@ -154,7 +159,7 @@ async def recover(checked: Checked) -> Recovery:
             peer_tls=None,
             initial_cluster={node_id: peer_url},
             cluster_state="new",
-            tuning=settings.tuning,
+            tuning=_PREPARE_TUNING,
         )
         recovery = Recovery.now(
             node_id,
