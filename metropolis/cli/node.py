@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 __all__ = ["check_socket_room", "node_settings", "run"]
 
-#: The module that runs a node (the role server and all it starts).
-_NODE_RUN = "metropolis.cli.noderun"
+#: What ``node recover`` imports while etcdctl and the temporary etcd work:
+#: the temporary etcd's preparation, then what runs the node.
+_MEANWHILE = ("metropolis.roleserve.recoverprep", "metropolis.cli.noderun")
 
 log = logging.getLogger("metropolis.cli")
 
@@ -242,17 +243,24 @@ def run(args: argparse.Namespace) -> None:
 
 async def _recover(checked: Checked) -> None:
     """Restore the snapshot (:func:`~metropolis.roleserve.recover.recover`)
-    while the modules that run the node are imported in a thread.
+    while the modules of its temporary etcd and of the running node are
+    imported in a thread.
 
-    The restore waits on etcdctl and a temporary etcd, each a process of its
-    own; the node's imports (a few hundred ms of CPU) need not wait for them
-    (issue 39: ``node recover`` against etcd's own restore). The thread
-    imports only modules the restore does not use.
+    The restore waits on etcdctl, then on a temporary etcd, each a process
+    of its own; the imports (a few hundred ms of CPU) need not wait for
+    them (issue 39: ``node recover`` against etcd's own restore). The
+    restore takes the temporary etcd's module only after etcdctl is done
+    (Python's import lock makes it wait for the thread's import of it if
+    need be); nothing else is imported by both.
     """
     from metropolis.roleserve.recover import recover
 
+    def import_the_rest() -> None:
+        for name in _MEANWHILE:
+            importlib.import_module(name)
+
     async def import_the_node() -> None:
-        await trio.to_thread.run_sync(importlib.import_module, _NODE_RUN)
+        await trio.to_thread.run_sync(import_the_rest)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(import_the_node)
