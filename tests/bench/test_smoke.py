@@ -40,7 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PRINTS = {
     "bmdb_ha": "ratio patroni/single:",
     "cli": "owner --root nodes",
-    "cli_imports": "after/before",
     "bmdb_work": "a: ours/pgb",
     "consensus_start": "put via Client (time ratio)",
     "controlplane": "grant, n2 in its own process",
