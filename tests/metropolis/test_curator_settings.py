@@ -19,8 +19,8 @@ import pytest
 import trio
 
 import metropolis.__main__ as cli
-from metropolis.cli.node import node_settings
 from metropolis import pki
+from metropolis.cli.node import node_settings
 from metropolis.consensus.client import Client
 from metropolis.consensus.process import SOCKET_NAME, Tuning
 from metropolis.curator.election import DEFAULT_TTL, Leader
