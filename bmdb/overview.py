@@ -48,7 +48,6 @@ id, state or provider. Nothing here writes.
 from __future__ import annotations
 
 import datetime
-import enum
 import functools
 import json
 import uuid
@@ -79,43 +78,13 @@ from bmdb.model.queries import (
     INSTALLATION_WIDTH,
     installation_from_row,
 )
+
+# The state names live with the rows (the CLI parses them without the
+# driver); they are this module's words, so it offers them too.
+from bmdb.model.rows import STATE_FILTERS as STATE_FILTERS
+from bmdb.model.rows import State as State
+from bmdb.model.rows import parse_state_filter as parse_state_filter
 from bmdb.transaction import Isolation
-
-
-class State(enum.StrEnum):
-    """An operator-facing machine state (see the module docstring)."""
-
-    DECOMMISSIONED = "decommissioned"
-    FAILED = "failed"
-    UNPROVIDED = "unprovided"
-    NEEDS_AGENT_START = "needs-agent-start"
-    STARTED = "started"
-    HEARTBEATING = "heartbeating"
-    SILENT = "silent"
-
-    @classmethod
-    def parse(cls, value: str) -> State:
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(m.value for m in cls)
-            raise InvalidArgument(f"unknown state {value!r} (known: {known})") from None
-
-
-def parse_state_filter(value: str) -> State | InstallState:
-    """A ``state`` filter: a `State` or an `InstallState` by name;
-    `InvalidArgument` naming both kinds otherwise."""
-    for kind in (State, InstallState):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    known = ", ".join([*State, *InstallState])
-    raise InvalidArgument(f"unknown state {value!r} (known: {known})")
-
-
-#: Every name a ``state`` filter takes (for command-line choices).
-STATE_FILTERS = (*(str(s) for s in State), *(str(s) for s in InstallState))
 
 #: The state of machine ``m`` given its joined tags p, a, h, dcm and backoff b.
 STATE_SQL = """

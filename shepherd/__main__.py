@@ -1,8 +1,9 @@
 """Command-line entry point of the `shepherd` package: see :mod:`shepherd.cli`.
 
-``install`` is dispatched here, before :mod:`shepherd.cli` is imported: the
-control loops' modules (asyncssh, the providers, the metrics server) cost
-an ``install`` or ``install --help`` CPU it never uses
+``install`` is dispatched here, to `shepherd.install`; the control loops'
+command line is parsed here (`shepherd.arguments`) before :mod:`shepherd.cli`
+is imported: their modules (asyncssh, the providers, the metrics server)
+cost ``install``, ``--help`` and a usage error CPU they never use
 (tests/test_cli_imports.py bounds what each command imports).
 """
 
@@ -18,12 +19,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shepherd [install] ...``: `shepherd.install` or `shepherd.cli`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["install"]:
-        from shepherd.install import main as install_main
+        from shepherd.install_options import build_parser as install_parser
 
-        return install_main(argv[1:])
-    from shepherd.cli import main as cli_main
+        parser = install_parser()
+        parsed = parser.parse_args(argv[1:])
+        from shepherd.install import run_parsed as run_install
 
-    return cli_main(argv)
+        return run_install(parser, parsed)
+    from shepherd.arguments import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from shepherd.cli import run_parsed
+
+    return run_parsed(parser, args)
 
 
 if __name__ == "__main__":

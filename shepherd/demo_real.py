@@ -61,7 +61,6 @@ logger = logging.getLogger("shepherd.demo_real")
 REAL_DIR = "r"
 #: The tools a run needs, and the Debian packages that have them.
 TOOLS = {"systemd-nspawn": "systemd-container", "mmdebstrap": "mmdebstrap", "losetup": "mount"}
-DEFAULT_MACHINES = 3
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,6 @@ pytest_plugins = [
 #: worker, so that they run once).
 SERIAL_GROUPS = {
     "tests/shepherd/test_demo.py": "fixed-address",
-    # These run the demo's CLI for its --help and usage errors only; they
-    # name it, so they go with it (and its claim of block 0) to be safe.
-    "tests/test_cli_help.py": "fixed-address",
-    "tests/test_exit_codes.py": "fixed-address",
     "tests/bench/test_smoke.py": "bench-smoke",
     # One fleet of machines for the module, whose tests build on each
     # other's state (a partition made, then read after a reboot).
