@@ -17,7 +17,6 @@ owner's private key; the CLI makes a new owner key for every cluster.)
 from __future__ import annotations
 
 import base64
-import itertools
 import logging
 import time
 from collections.abc import Mapping
@@ -36,7 +35,8 @@ from metropolis.rpc.auth import KEY_HEADER, PROOF_WINDOW, SIGNATURE_HEADER, TIME
 from tests.metropolis.test_curator_api import Cluster, cluster
 
 ISSUED = "issued an owner certificate"
-_proofs = itertools.count()
+#: The date, in milliseconds, of the last proof `proof` made.
+_last_millis = 0
 
 
 async def escrow(
@@ -68,11 +68,19 @@ def proof(
 ) -> dict[str, str]:
     """A proof of possession of ``key`` for a call to ``path`` (a stream's covers b"").
 
-    Each a millisecond apart: two proofs of one key and call made within
-    the same millisecond are the same bytes, which the curator takes once.
+    Dated ``now``, or the clock's time but never the same millisecond as
+    the proof before: two proofs of one key and call dated alike are the
+    same bytes, which the curator takes once. (Subtracting a counter from
+    the clock is not enough: the clock can move on by just as much between
+    two calls.)
     """
-    shift = next(_proofs) / 1000
-    return sign_proof(key, path, b"", now=(time.time() if now is None else now) - shift)
+    global _last_millis
+    millis = int((time.time() if now is None else now) * 1000)
+    if now is None:
+        millis = max(millis, _last_millis + 1)
+        _last_millis = millis
+    # Half a millisecond in, so that sign_proof's truncation gives ``millis``.
+    return sign_proof(key, path, b"", now=(millis + 0.5) / 1000)
 
 
 async def refused(
