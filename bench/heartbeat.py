@@ -21,7 +21,14 @@ the same stack:
   each answered after its commit, in a PostgreSQL 15 of its own;
 - full-signed (for information): the same server with every request
   signed (Ed25519), as agents did before sessions and as each does once an
-  hour (and after a server restart) to get a new session.
+  hour (and after a server restart) to get a new session;
+- bare and full again on the hand-written HTTP/1.1 parser that llhttp
+  replaced (`bench.http1_handwritten`, swapped into the server processes):
+  the server's CPU per answer on llhttp over that on the old parser, the
+  measure the switch was decided on (goal <= 1). Before the servers, the
+  parsing of one heartbeat request alone is timed with both, in this
+  process (the transport's own parse path: callbacks, limits, the Connect
+  check; the old: its head parser, framing and body slicing).
 
 The load: ``--agents`` simulated agents, each with its own machine in the
 BMDB and its own Ed25519 key, sent like the real agent sends: each on its
@@ -41,7 +48,10 @@ With ``--pending`` every machine has an OS installation request stored and
 no report of it, so that each full-mode answer carries the request (read
 by the group's statement): the heartbeat path while a fleet installs.
 
-Prints answers/s of each mode, the ratio full/bare (goal >= 0.5), the
+Prints answers/s of each mode, the ratio full/bare (goal >= 0.5; and the
+same ratio of what this machine's cores sustain given each mode's CPU
+per answer of server, PostgreSQL and load, which the machine's other work
+moves less than wall-clock rates), the
 headroom over what ``--agents`` agents at a 10 s interval need (goal >=
 10x), and the cost per accepted heartbeat: database transactions, and CPU
 time of server, PostgreSQL (all its processes, from /proc) and load.
@@ -73,18 +83,26 @@ from statistics import median
 
 import psycopg
 import trio
+import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
+from bench import http1_handwritten
 from bench.ratios import report
 from bench.smoke import parse_args
 from bmdb import Provider, Queries
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
+from common.numbers import parse_decimal
 from shepherd.agent import protocol
-from shepherd.agent_server import AgentServerConfig, ConnectUnary, run_agent_server
-from shepherd.agent_server.connect import Handler
+from shepherd.agent_server import AgentServerConfig, ConnectUnary, http1, run_agent_server
+from shepherd.agent_server.connect import ConnectError, Handler, Limits
 from shepherd.agent_server.server import serve_app, tune_gc
-from shepherd.agent_server.service import DEFAULT_FRESHNESS, authenticate, session_response
+from shepherd.agent_server.service import (
+    DEFAULT_FRESHNESS,
+    HeartbeatService,
+    authenticate,
+    session_response,
+)
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret
 from shepherd.agent_server.workers import default_workers, reserve_port
 from shepherd.proto.agent_callback import (
@@ -118,16 +136,126 @@ def _authenticated(sessions: SessionKeys) -> Handler:
     return handler
 
 
+#: The environment variable that sets the servers' group commit window, seconds
+#: (default: the server's).
+BATCH_WINDOW = "HEARTBEAT_BENCH_BATCH_WINDOW"
+
+#: A mode's suffix: the same on the hand-written parser (`bench.http1_handwritten`).
+HANDWRITTEN = "-handwritten"
+
+
 async def _serve(mode: str, listen: str, url: str, secret: bytes) -> None:
     # One of --workers processes on the port, as `python -m shepherd.agent_server`
     # runs them: the same session secret in all.
-    config = AgentServerConfig(listen=listen, reuse_port=True, agent_session_secret=secret)
+    if mode.endswith(HANDWRITTEN):
+        http1_handwritten.install()
+        mode = mode.removesuffix(HANDWRITTEN)
+    config = AgentServerConfig(
+        listen=listen,
+        reuse_port=True,
+        agent_session_secret=secret,
+        batch_window=float(os.environ.get(BATCH_WINDOW, AgentServerConfig.batch_window)),
+    )
     if mode in ("bare", "auth"):
         handler = _bare if mode == "bare" else _authenticated(SessionKeys(secret))
         await serve_app(ConnectUnary({protocol.HEARTBEAT_PATH: handler}, config.limits), config)
         return
     async with bmdb.open_connection(url) as conn:
-        await run_agent_server(conn, config)
+        if mode == "full-relay":
+            await _serve_relay(conn, config, secret)
+        else:
+            await run_agent_server(conn, config)
+
+
+# --- a relay (measured, not adopted): one request, several agents' heartbeats ---
+
+#: The relay's method (this benchmark's own; no server serves it).
+RELAY_PATH = "/cloud.bmaas.server.api.AgentCallback/HeartbeatRelay"
+#: Agents' heartbeats per relayed request.
+RELAY_SIZE = 20
+
+
+def relay_body(entries: list[tuple[dict[str, str], bytes]]) -> bytes:
+    """A relayed request's body: each agent's heartbeat headers and body as
+    it would send them alone (its own time and MAC or signature), framed by
+    lengths (4 bytes each, big-endian)."""
+    out = bytearray()
+    for headers, body in entries:
+        head = "".join(f"{name}: {value}\n" for name, value in headers.items()).encode()
+        out += len(head).to_bytes(4, "big") + head + len(body).to_bytes(4, "big") + body
+    return bytes(out)
+
+
+def _relay_entries(body: bytes) -> list[tuple[dict[str, str], bytes]]:
+    entries = []
+    at = 0
+    while at < len(body):
+        size = int.from_bytes(body[at : at + 4], "big")
+        head = body[at + 4 : at + 4 + size].decode("latin-1")
+        at += 4 + size
+        size = int.from_bytes(body[at : at + 4], "big")
+        entries.append(
+            (
+                {
+                    name.lower(): value
+                    for name, _, value in (line.partition(": ") for line in head.splitlines())
+                },
+                body[at + 4 : at + 4 + size],
+            )
+        )
+        at += 4 + size
+    return entries
+
+
+def relay_accepted(answer: bytes) -> tuple[int, int]:
+    """(accepted, refused) entries of a relayed request's answer."""
+    accepted = refused = 0
+    at = 0
+    while at < len(answer):
+        ok = answer[at] == 0
+        accepted += ok
+        refused += not ok
+        at += 5 + int.from_bytes(answer[at + 1 : at + 5], "big")
+    return accepted, refused
+
+
+def _relay(service: HeartbeatService) -> Handler:
+    """Each entry handled as the Heartbeat method handles a request (its own
+    authentication, group commit with all others); the answer is each
+    entry's outcome (0 and its answer, or 1 and the Connect code), in order."""
+
+    async def handler(headers: Mapping[str, str], body: bytes) -> bytes:
+        entries = _relay_entries(body)
+        answers = [b""] * len(entries)
+
+        async def one(index: int, headers: dict[str, str], body: bytes) -> None:
+            try:
+                answer = b"\x00" + await service.heartbeat(headers, body)
+            except ConnectError as exc:
+                answer = b"\x01" + exc.code.encode()
+            answers[index] = answer[:1] + (len(answer) - 1).to_bytes(4, "big") + answer[1:]
+
+        async with trio.open_nursery() as nursery:
+            for index, (entry_headers, entry_body) in enumerate(entries):
+                nursery.start_soon(one, index, entry_headers, entry_body)
+        return b"".join(answers)
+
+    return handler
+
+
+async def _serve_relay(conn: bmdb.Connection, config: AgentServerConfig, secret: bytes) -> None:
+    """The real service (without its BMDB session) with the relay beside Heartbeat."""
+    service = HeartbeatService(
+        conn,
+        db_slots=config.db_slots,
+        queue_timeout=config.queue_timeout,
+        batch_window=config.batch_window,
+        sessions=SessionKeys(secret),
+    )
+    routes = {protocol.HEARTBEAT_PATH: service.heartbeat, RELAY_PATH: _relay(service)}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        await serve_app(ConnectUnary(routes, config.limits), config)
 
 
 async def _serve_until_sigint(mode: str, listen: str, url: str, secret: bytes) -> None:
@@ -152,6 +280,9 @@ class Load:
     ok: int = 0
     refused: int = 0
     errors: int = 0
+    #: Its requests are relayed (`RELAY_PATH`): ``ok`` and ``refused`` count
+    #: their entries.
+    relay: bool = False
 
 
 def _request(machine_id: str, time_ns: int, auth: dict[str, str]) -> bytes:
@@ -226,6 +357,37 @@ def make_load(agents: list[Agent], sessions: list[AgentSession] | None, per_agen
             for (mid, _, _), session in zip(agents, sessions, strict=True)
         ]
     )
+
+
+def make_relay_load(
+    port: int, agents: list[Agent], sessions: list[AgentSession], per_agent: int
+) -> Load:
+    """As `make_load` with sessions, each `RELAY_SIZE` agents' heartbeats relayed
+    together: one connection per relay, each request one heartbeat of each."""
+    now = time.time_ns()
+    requests = []
+    for first in range(0, len(agents), RELAY_SIZE):
+        group = list(zip(agents[first : first + RELAY_SIZE], sessions[first:], strict=False))
+        queue = []
+        for i in range(per_agent):
+            entries = []
+            for (mid, _, _), session in group:
+                time_ns = now + i
+                mac = protocol.session_mac(session.key, _message(mid, time_ns))
+                headers = {
+                    protocol.HEADER_TIME: str(time_ns),
+                    protocol.HEADER_SESSION: base64.b64encode(session.token).decode(),
+                    protocol.HEADER_MAC: base64.b64encode(mac).decode(),
+                }
+                entries.append((headers, bytes(HeartbeatRequest(machine_id=mid))))
+            body = relay_body(entries)
+            head = (
+                f"POST {RELAY_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                f"Content-Type: application/proto\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            queue.append(head.encode() + body)
+        requests.append(queue)
+    return Load(requests, relay=True)
 
 
 class _Agent:
@@ -315,10 +477,14 @@ def run_load(port: int, load: Load, seconds: float, answers: list[bytes] | None 
             head, body, agent_.buffer = answer
             if answers is not None:
                 answers[agent_.index] = body
-            if head.startswith(b"http/1.1 200"):
-                load.ok += 1
-            else:
+            if not head.startswith(b"http/1.1 200"):
                 load.refused += 1
+            elif load.relay:
+                accepted, refused = relay_accepted(body)
+                load.ok += accepted
+                load.refused += refused
+            else:
+                load.ok += 1
             agent_.next += 1
             if b"connection: close" in head or agent_.next >= len(agent_.queue):
                 drop(agent_, error=False)
@@ -352,7 +518,11 @@ def _client(mode: str, port: int, seconds: float, agents_file: Path) -> None:
     # Enough requests that no agent runs out within the time, at up to
     # PER_PROCESS_RATE answers/s for this process.
     per_agent = int(seconds * PER_PROCESS_RATE / len(agents)) + 2
-    load = make_load(agents, sessions, per_agent)
+    if mode == "full-relay":
+        assert sessions is not None
+        load = make_relay_load(port, agents, sessions, per_agent)
+    else:
+        load = make_load(agents, sessions, per_agent)
     print("ready", flush=True)
     sys.stdin.readline()
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -368,6 +538,59 @@ PER_PROCESS_RATE = 6000
 
 
 # --- measurements -----------------------------------------------------------
+
+
+def parse_microseconds(count: int) -> tuple[float, float]:
+    """CPU microseconds to parse one session heartbeat request, in this
+    process: (hand-written, llhttp), each the best of three runs of ``count``.
+
+    Each path goes from the request's bytes to what the handler is called
+    with: head, headers by name, the Connect check, framing and the body.
+    """
+    machine_id = "00000000-0000-4000-8000-000000000000"
+    data = session_request(machine_id, DUMMY_SESSION, time.time_ns())
+    app = ConnectUnary({protocol.HEARTBEAT_PATH: _bare}, Limits())
+    server = http1._Server(app, None, http1.Timeouts())
+    conn = http1._Connection(server, trio.testing.MemoryReceiveStream())  # type: ignore[arg-type]
+
+    def llhttp() -> None:
+        conn.feed(data)
+        conn.ready.popleft()
+
+    def handwritten() -> None:
+        buffer = bytearray(data)
+        end = buffer.find(b"\r\n\r\n")
+        head = bytes(buffer[:end])
+        del buffer[: end + 4]
+        method, path, version, headers = http1_handwritten.parse_head(head)
+        http1_handwritten.keeps_alive(version, headers.get("connection", ""))
+        app.check(method, path, headers)
+        length = parse_decimal(headers["content-length"], max_digits=12)
+        bytes(buffer[:length])
+        del buffer[:length]
+
+    best = []
+    for parse in (handwritten, llhttp):
+        times = []
+        for _ in range(3):
+            started = time.process_time()
+            for _ in range(count):
+                parse()
+            times.append((time.process_time() - started) / count * 1e6)
+        best.append(min(times))
+    return best[0], best[1]
+
+
+def per_answer(result: Result) -> float:
+    """Server CPU milliseconds per answer."""
+    return 1000 * result.server_cpu / max(result.ok + result.refused, 1)
+
+
+def machine_capacity(result: Result, cores: int) -> float:
+    """Answers/s this machine's ``cores`` sustain at ``result``'s CPU per
+    answer of server, PostgreSQL and load together."""
+    cpu = result.server_cpu + result.db_cpu + result.client_cpu
+    return cores * max(result.ok, 1) / max(cpu, 1e-9)
 
 
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
@@ -613,7 +836,12 @@ def main() -> None:
         action="store_true",
         help="every machine has a pending OS installation request (answers carry it)",
     )
-    args = parse_args(parser, {"agents": 4, "seconds": 0.2, "workers": 1, "clients": 1})
+    parser.add_argument(
+        "--parse-count", type=int, default=20000, help="requests parsed in the timing of parsing"
+    )
+    args = parse_args(
+        parser, {"agents": 4, "seconds": 0.2, "workers": 1, "clients": 1, "parse_count": 10}
+    )
 
     root = Path(tempfile.mkdtemp(prefix="heartbeat-bench-"))
     server = start_with_template(root)
@@ -628,12 +856,28 @@ def main() -> None:
             ]
             agents_files.append(root / f"agents-{index}.json")
             agents_files[-1].write_text(json.dumps(part))
+        old_us, new_us = parse_microseconds(args.parse_count)
+        print(
+            f"parsing one session heartbeat request (CPU, in this process): hand-written"
+            f" {old_us:.2f} us, llhttp {new_us:.2f} us: llhttp / hand-written"
+            f" {new_us / old_us:.2f}",
+            flush=True,
+        )
         ratios, rates, auth_ratios, capacities = [], [], [], []
+        cpu_ratios, parser_ratios = [], []
         for round_ in range(args.rounds):
-            bare = measure("bare", server, url, agents_files, args.seconds, args.workers)
-            auth = measure("auth", server, url, agents_files, args.seconds, args.workers)
-            full = measure("full", server, url, agents_files, args.seconds, args.workers)
-            signed = measure("full-signed", server, url, agents_files, args.seconds, args.workers)
+
+            def run(mode: str) -> Result:
+                return measure(mode, server, url, agents_files, args.seconds, args.workers)
+
+            bare = run("bare")
+            bare_old = run("bare" + HANDWRITTEN)
+            auth = run("auth")
+            full = run("full")
+            full_old = run("full" + HANDWRITTEN)
+            signed = run("full-signed")
+            relay = run("full-relay")
+            parser_ratios.append(per_answer(full) / max(per_answer(full_old), 1e-9))
             ratio = full.rate / bare.rate
             auth_ratios.append(full.rate / auth.rate)
             ratios.append(ratio)
@@ -647,6 +891,7 @@ def main() -> None:
             cores = len(os.sched_getaffinity(0))
             per_machine = cores * per / max(full.server_cpu + full.db_cpu + full.client_cpu, 1e-9)
             capacities.append(per_machine)
+            cpu_ratios.append(per_machine / machine_capacity(bare, cores))
             load_average = " ".join(Path("/proc/loadavg").read_text().split()[:3])
             print(
                 f"round {round_ + 1}: {args.agents} agents, {args.seconds:g}s each mode,"
@@ -658,12 +903,28 @@ def main() -> None:
                 f"  full: {full.rate:8.0f} heartbeats/s accepted {full.ok}, refused"
                 f" {full.refused}, errors {full.errors} (server CPU {full.server_cpu:.1f}s,"
                 f" PostgreSQL CPU {full.db_cpu:.1f}s, load CPU {full.client_cpu:.1f}s)\n"
+                f"  on the hand-written parser: bare {bare_old.rate:8.0f} answers/s, full"
+                f" {full_old.rate:8.0f} heartbeats/s (errors {bare_old.errors + full_old.errors});"
+                f" server CPU per answer, llhttp / hand-written: bare"
+                f" {per_answer(bare):.4f} / {per_answer(bare_old):.4f} ms ="
+                f" {per_answer(bare) / max(per_answer(bare_old), 1e-9):.2f}, full"
+                f" {per_answer(full):.4f} / {per_answer(full_old):.4f} ms ="
+                f" {parser_ratios[-1]:.2f} (goal <= 1)\n"
                 f"  full-signed (for information): {signed.rate:8.0f} heartbeats/s accepted"
                 f" {signed.ok}, refused {signed.refused}, errors {signed.errors}"
                 f" (server CPU {1000 * signed.server_cpu / max(signed.ok, 1):.3f} ms a heartbeat),"
                 f" {signed.rate / bare.rate:.2f} of bare\n"
+                f"  relayed, {RELAY_SIZE} agents' heartbeats a request (measured, not adopted):"
+                f" {relay.rate:8.0f} heartbeats/s accepted {relay.ok}, refused {relay.refused},"
+                f" errors {relay.errors}; per heartbeat server CPU"
+                f" {1000 * relay.server_cpu / max(relay.ok, 1):.3f} ms, PostgreSQL"
+                f" {1000 * relay.db_cpu / max(relay.ok, 1):.3f} ms, load"
+                f" {1000 * relay.client_cpu / max(relay.ok, 1):.3f} ms;"
+                f" {relay.rate / full.rate:.2f} times full's rate\n"
                 f"  ratio full/bare: {ratio:.2f} (goal >= 0.5);"
-                f" full/auth (the database's share): {auth_ratios[-1]:.2f}\n"
+                f" full/auth (the database's share): {auth_ratios[-1]:.2f};"
+                f" full/bare of what this machine's CPU sustains at each mode's CPU per answer"
+                f" (server, PostgreSQL, load): {cpu_ratios[-1]:.2f}\n"
                 f"  headroom for {args.agents} agents every {TARGET_INTERVAL:g}s"
                 f" ({need:.0f}/s): {full.rate / need:.1f}x (goal >= 10x)\n"
                 f"  per accepted heartbeat: {full.commits / per:.3f} DB transactions,"
@@ -681,10 +942,15 @@ def main() -> None:
             )
         need = args.agents / TARGET_INTERVAL
         report("heartbeat", "full/bare", median(ratios), ">= 0.5")
+        report("heartbeat", "full/bare of CPU-bound capacity", median(cpu_ratios), ">= 0.5")
+        report("heartbeat", "server CPU per heartbeat, llhttp / hand-written",
+               median(parser_ratios), "<= 1")  # fmt: skip
         report("heartbeat", "headroom at 10 s", median(rates) / need, ">= 10")
         if args.rounds > 1:
             print(
-                f"median over {args.rounds} rounds: ratio full/bare {median(ratios):.2f},"
+                f"median over {args.rounds} rounds: ratio full/bare {median(ratios):.2f}"
+                f" (of CPU-bound capacity {median(cpu_ratios):.2f}),"
+                f" server CPU per heartbeat llhttp / hand-written {median(parser_ratios):.2f},"
                 f" full/auth {median(auth_ratios):.2f},"
                 f" headroom {median(rates) / (args.agents / TARGET_INTERVAL):.1f}x,"
                 f" CPU-bound headroom of this machine alone"

@@ -2,6 +2,7 @@
 
     python -m bench.install [--machines 20] [--by-hand-parallelism N] [--timeout 900]
                             [--loopback-block B] [--smoke]
+    python -m bench.install --real-machines    (nspawn machines: bench.install_real)
 
 Both paths install the same node image (built first, timed) with the same
 NodeParameters onto ``--machines`` machines, each node on its own loopback
@@ -721,6 +722,12 @@ def main() -> int:
         help="machines on 127.B.0.2 on, the first node on 127.B.1.1 (default: %(default)s);"
         " runs in different blocks can share a host",
     )
+    parser.add_argument(
+        "--real-machines",
+        action="store_true",
+        help="on nspawn machines with loop disks instead (bench.install_real: install, reboot, "
+        "wipe); --machines and --by-hand-parallelism then default to 5",
+    )
     smoke = {
         "machines": 1,
         "by_hand_parallelism": 1,
@@ -729,6 +736,13 @@ def main() -> int:
         "approve_interval": 0.5,
     }
     args = parse_args(parser, smoke)
+    if args.real_machines:
+        from bench import install_real
+
+        for name in ("machines", "by_hand_parallelism"):
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, install_real.DEFAULT_MACHINES)
+        return install_real.run(args)
     if args.machines < 1:
         parser.error("--machines must be at least 1")
     if args.by_hand_parallelism < 1:

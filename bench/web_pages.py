@@ -8,7 +8,9 @@ over ``--requests`` sequential requests; **SQL alone** is the statements
 that page runs per request, each in a REPEATABLE READ transaction as the
 page runs it, through ``pgbench -M prepared`` against the same database
 (average latency, one client). The ratio server/SQL is the cost of
-everything that is not the database (goal <= 2 for the machines list).
+everything that is not the database (goal <= 2 for the machines list);
+the page of failed machines has a goal of its own, under 50 ms of server
+time at 100,000 machines (``--machines 100000``).
 
 The machine list's counts per state are not run per request: the UI takes
 them at most once per period and shares them (`console.counts`; 5 s, so
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import re
 import shutil
 import statistics
@@ -205,7 +208,10 @@ async def _measure(server: LocalPostgres, root: Path, requests: int) -> None:
         async with trio.open_nursery() as nursery:
             [base] = await nursery.start(serve, conn, "127.0.0.1:0")
             async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-                print(f"{len(everything)} machines, {requests} requests per page\n")
+                print(
+                    f"{len(everything)} machines, {requests} requests per page"
+                    f" (load average {_load_average()})\n"
+                )
                 header = (
                     f"{'page':<24} {'server ms':>10} {'wall ms':>8} {'SQL ms':>7} {'ratio':>6}"
                     f" {'first ms':>9}"
@@ -221,6 +227,8 @@ async def _measure(server: LocalPostgres, root: Path, requests: int) -> None:
                     )
                     goal = "<= 2" if name.startswith("machines") else ""
                     report("web_pages", f"{name}: server / SQL time", ratio, goal)
+                    if name == "machines, failed":
+                        report("web_pages", f"{name}: server ms / 50 ms", app_ms / 50, "< 1")
             nursery.cancel_scope.cancel()
 
         counts_ms = pgbench_ms(server, counts_sql(), requests, root)
@@ -231,6 +239,13 @@ async def _measure(server: LocalPostgres, root: Path, requests: int) -> None:
             f" (goal: under 100 ms of database time)"
         )
         report("web_pages", "fleet query DB ms / 100 ms budget", fleet_sql / 100, "< 1")
+        print(f"load average at the end: {_load_average()}")
+
+
+def _load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages (it is shared: the
+    ratios are what count)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:

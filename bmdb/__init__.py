@@ -64,13 +64,41 @@ bmdb`` is the command-line tool (migrate, machines, history, sessions,
 audit, and the actions: hold, release, retry-now, ...).
 """
 
-from bmdb._pg import Bounds
-from bmdb.backoff import Backoff
-from bmdb.connection import Connection, open_connection
-from bmdb.model import Process, Provider, ProviderStatus, Queries, WorkEvent
-from bmdb.session import Session
-from bmdb.transaction import Isolation, RetryPolicy, Stats
-from bmdb.work import Work
+from typing import TYPE_CHECKING
+
+from common.lazy import exports
+
+# Imported on first use (common.lazy): ``python -m bmdb --help`` and the
+# modules that need only the enums or the errors do not pay for psycopg.
+if TYPE_CHECKING:
+    from bmdb._pg import Bounds as Bounds
+    from bmdb.backoff import Backoff as Backoff
+    from bmdb.connection import Connection as Connection
+    from bmdb.connection import open_connection as open_connection
+    from bmdb.model.enums import Process as Process
+    from bmdb.model.enums import Provider as Provider
+    from bmdb.model.enums import ProviderStatus as ProviderStatus
+    from bmdb.model.enums import WorkEvent as WorkEvent
+    from bmdb.model.queries import Queries as Queries
+    from bmdb.session import Session as Session
+    from bmdb.transaction import Isolation as Isolation
+    from bmdb.transaction import RetryPolicy as RetryPolicy
+    from bmdb.transaction import Stats as Stats
+    from bmdb.work import Work as Work
+else:
+    __getattr__ = exports(
+        __name__,
+        {
+            "bmdb._pg": ["Bounds"],
+            "bmdb.backoff": ["Backoff"],
+            "bmdb.connection": ["Connection", "open_connection"],
+            "bmdb.model.enums": ["Process", "Provider", "ProviderStatus", "WorkEvent"],
+            "bmdb.model.queries": ["Queries"],
+            "bmdb.session": ["Session"],
+            "bmdb.transaction": ["Isolation", "RetryPolicy", "Stats"],
+            "bmdb.work": ["Work"],
+        },
+    )
 
 __all__ = [
     "Backoff",

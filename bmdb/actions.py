@@ -51,7 +51,6 @@ operator name or reason that is not one printable line) is
 from __future__ import annotations
 
 import base64
-import enum
 import hashlib
 import logging
 import math
@@ -65,6 +64,7 @@ from bmdb._pg import Row
 from bmdb.connection import Connection
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import AuditRecord, Process, Queries, as_uuid
+from bmdb.model.enums import Action as Action
 from bmdb.transaction import Isolation
 from common.backoff import ExponentialBackoff, Retrier
 
@@ -79,18 +79,6 @@ _UNPEND_TIMEOUT = 5.0
 
 #: Pauses between tries on a busy machine (``wait``).
 WAIT_BACKOFF = ExponentialBackoff(initial=0.1, maximum=2.0, multiplier=1.5)
-
-
-class Action(enum.StrEnum):
-    """An operator action (the CLI's subcommand names)."""
-
-    RETRY_NOW = "retry-now"
-    HOLD = "hold"
-    RELEASE = "release"
-    FORGET_HOST_KEY = "forget-host-key"
-    RECOVER_NOW = "recover-now"
-    FORGET_MACHINE = "forget-machine"
-    DECOMMISSION = "decommission"
 
 
 class ActionRefused(BMDBError):

@@ -73,7 +73,6 @@ __all__ = [
     "BackupError",
     "BackupResult",
     "RestoreResult",
-    "add_commands",
     "backup",
     "restore",
     "run_command",
@@ -341,24 +340,7 @@ async def restore(url: str | None, path: Path, *, allow_connections: bool = Fals
     raise BackupError("psql finished without the restore's last statement; check the database")
 
 
-def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``backup`` and ``restore`` to ``python -m bmdb``'s subcommands."""
-    out = commands.add_parser("backup", help="dump the BMDB into a file (pg_dump), checksummed")
-    out.add_argument("--out", type=Path, required=True, metavar="FILE", help="the backup file")
-    back = commands.add_parser(
-        "restore", help="restore a backup into an empty database; its sessions are dropped"
-    )
-    back.add_argument(
-        "--from", dest="source", type=Path, required=True, metavar="FILE", help="the backup file"
-    )
-    back.add_argument(
-        "--allow-connections",
-        action="store_true",
-        help="restore although other clients are connected to the database",
-    )
-
-
-#: The subcommands :func:`add_commands` adds.
+#: The subcommands :func:`run_command` runs (``python -m bmdb``'s parser adds them).
 COMMANDS = ("backup", "restore")
 
 

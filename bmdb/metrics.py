@@ -25,7 +25,7 @@ exports its last answer::
     bmdb_fleet_machines, bmdb_fleet_machines_provided,
     bmdb_fleet_machines_agent_started, bmdb_fleet_machines_heartbeating,
     bmdb_fleet_work_active{process}, bmdb_fleet_backoffs_active{process},
-    bmdb_fleet_machines_installation{state}   installing, installed, install-failed
+    bmdb_fleet_machines_installation{state}   installing, installed, install-failed, install-lost
                                               (tombstones not counted)
     bmdb_fleet_machines_decommissioned        tombstones (`bmdb.overview` state
                                               decommissioned)

@@ -29,6 +29,8 @@ generation g and the report stored on it::
     installing       no report on g yet (none, or one on an older generation)
     installed        the agent reported success on g (the node's id shown)
     install-failed   the agent reported an error on g (its cause shown)
+    install-lost     installed, then the agent found g gone from its disk
+                     (emptied or written over since; the cause shown)
 
 The two are separate columns because they answer separate questions (is the
 agent alive; is the OS on the machine); a ``state`` filter takes the names
@@ -46,7 +48,6 @@ id, state or provider. Nothing here writes.
 from __future__ import annotations
 
 import datetime
-import enum
 import functools
 import json
 import uuid
@@ -72,44 +73,19 @@ from bmdb.model import (
     as_uuid,
     node_id,
 )
-from bmdb.model.queries import INSTALL_STATE_SQL, INSTALLATION_COLUMNS, installation_from_row
+from bmdb.model.queries import (
+    INSTALL_STATE_SQL,
+    INSTALLATION_COLUMNS,
+    INSTALLATION_WIDTH,
+    installation_from_row,
+)
+
+# The state names live with the rows (the CLI parses them without the
+# driver); they are this module's words, so it offers them too.
+from bmdb.model.rows import STATE_FILTERS as STATE_FILTERS
+from bmdb.model.rows import State as State
+from bmdb.model.rows import parse_state_filter as parse_state_filter
 from bmdb.transaction import Isolation
-
-
-class State(enum.StrEnum):
-    """An operator-facing machine state (see the module docstring)."""
-
-    DECOMMISSIONED = "decommissioned"
-    FAILED = "failed"
-    UNPROVIDED = "unprovided"
-    NEEDS_AGENT_START = "needs-agent-start"
-    STARTED = "started"
-    HEARTBEATING = "heartbeating"
-    SILENT = "silent"
-
-    @classmethod
-    def parse(cls, value: str) -> State:
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(m.value for m in cls)
-            raise InvalidArgument(f"unknown state {value!r} (known: {known})") from None
-
-
-def parse_state_filter(value: str) -> State | InstallState:
-    """A ``state`` filter: a `State` or an `InstallState` by name;
-    `InvalidArgument` naming both kinds otherwise."""
-    for kind in (State, InstallState):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    known = ", ".join([*State, *InstallState])
-    raise InvalidArgument(f"unknown state {value!r} (known: {known})")
-
-
-#: Every name a ``state`` filter takes (for command-line choices).
-STATE_FILTERS = (*(str(s) for s in State), *(str(s) for s in InstallState))
 
 #: The state of machine ``m`` given its joined tags p, a, h, dcm and backoff b.
 STATE_SQL = """
@@ -162,7 +138,7 @@ _BACKOFF_HASHED = """
 """
 
 # The machine's row of the newest upgrade run that lists it (migration
-# 0009), probed by machine (few machines have any).
+# 0011), probed by machine (few machines have any).
 _LATEST_UPGRADE = """
     LEFT JOIN LATERAL (
         SELECT mu.state, mu.slot, mu.agent_slot, mu.running_digest
@@ -196,8 +172,11 @@ def state_prefilter(state: State | None) -> str:
     Why: the ``state`` filter compares the computed state, so a page of
     failed machines read machines in order, each with all its joins, until
     it had 101 failed ones (about 257 ms at 100,000 machines). "failed" is
-    an active backoff: a semi-join on work_backoff (its primary key leads
-    with machine_id) finds those without reading the rest. The other
+    an active backoff: a semi-join on work_backoff finds those without
+    reading the rest, from either side as PostgreSQL's statistics favour:
+    the active backoffs by their end (index ``work_backoff_until``,
+    migration 0009) when they are few, the machines in order with a probe
+    of work_backoff's primary key each when they are many. The other
     states are most of the fleet or cheap to find in order, so they need
     none. Keep this beside `STATE_SQL`: a state added there that is rare
     wants its condition here."""
@@ -224,6 +203,9 @@ def _compose(conditions: Sequence[str], limit: str, prefilter: str = "true") -> 
         # not every machine in the state.
         machines = f"""(SELECT m.* FROM machines m WHERE {after} AND {prefilter}
                        ORDER BY m.machine_created_at, m.machine_id {limit})"""
+        # Those are the state's machines already: asked again below, the
+        # condition would be a second semi-join over the same backoffs.
+        prefilter = "true"
     return f"""
 SELECT * FROM (
     SELECT m.machine_id, m.machine_created_at, p.provider, p.provider_id, p.provider_address,
@@ -236,7 +218,8 @@ SELECT * FROM (
            {STATE_SQL} AS state,
            oq.generation AS install_generation,
            {_LIVE_INSTALL_STATE_SQL} AS install_state,
-           CASE WHEN orp.generation = oq.generation THEN orp.cause END AS install_cause,
+           CASE WHEN orp.generation = oq.generation
+                THEN coalesce(orp.lost_cause, orp.cause) END AS install_cause,
            CASE WHEN orp.generation = oq.generation AND orp.success
                 THEN orp.node_public_key END AS node_public_key,
            hd.held_by, hd.held_at, hd.reason AS held_reason,
@@ -452,32 +435,41 @@ def _iso(at: datetime.datetime | None) -> str | None:
     return at.isoformat() if at else None
 
 
+# The enums of a row, by their text in the database: a page decodes 101
+# rows, and calling an enum class costs ten times a dict lookup.
+_STATES = {str(s): s for s in State}
+_INSTALL_STATES = {str(s): s for s in InstallState}
+_UPGRADE_STATES = {str(s): s for s in UpgradeState}
+_PROVIDERS = {str(p): p for p in Provider}
+_PROCESSES = {str(p): p for p in Process}
+
+
 def _machine_state(r: Row) -> MachineState:
     return MachineState(
         machine_id=r[0],
         created_at=r[1],
-        provider=Provider(r[2]) if r[2] else None,
+        provider=_PROVIDERS[r[2]] if r[2] else None,
         provider_id=r[3],
         address=r[4],
         provider_status=r[5],
         agent_started_at=r[6],
         agent_heartbeat_at=r[7],
-        backoff_process=Process(r[8]) if r[8] else None,
+        backoff_process=_PROCESSES[r[8]] if r[8] else None,
         backoff_until=r[9],
         backoff_cause=r[10],
         failed_at=r[11],
-        failed_process=Process(r[12]) if r[12] else None,
+        failed_process=_PROCESSES[r[12]] if r[12] else None,
         failed_cause=r[13],
-        work=tuple(Process(w) for w in r[14]),
-        state=State(r[15]),
+        work=tuple(_PROCESSES[w] for w in r[14]),
+        state=_STATES[r[15]],
         install_generation=r[16],
-        install_state=InstallState(r[17]) if r[17] else None,
+        install_state=_INSTALL_STATES[r[17]] if r[17] else None,
         install_cause=r[18],
         node_id=None if r[19] is None else node_id(bytes(r[19])),
         hold=None if r[20] is None else Hold(r[20], r[21], r[22]),
         decommission=r[23],
-        was_install_state=InstallState(r[24]) if r[24] else None,
-        upgrade_state=UpgradeState(r[25]) if r[25] else None,
+        was_install_state=_INSTALL_STATES[r[24]] if r[24] else None,
+        upgrade_state=_UPGRADE_STATES[r[25]] if r[25] else None,
         slot=r[26],
         image=r[27],
     )
@@ -700,8 +692,8 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
         return None
     r = rows[0]
     extra = r[_SUMMARY_COLUMNS:]
-    installation = installation_from_row(extra[8:18]) if extra[7] else None
-    extra = extra[:7] + extra[18:]
+    installation = installation_from_row(extra[8 : 8 + INSTALLATION_WIDTH]) if extra[7] else None
+    extra = extra[:7] + extra[8 + INSTALLATION_WIDTH :]
     return MachineDetail(
         summary=_machine_state(r[:_SUMMARY_COLUMNS]),
         location=extra[0],

@@ -36,11 +36,16 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from bmdb.connection import Connection
 from bmdb.errors import InvalidArgument
-from bmdb.model import Queries
-from bmdb.transaction import Isolation
+from bmdb.model.enums import Isolation
+
+if TYPE_CHECKING:
+    # Types only: the CLI reads this module's policy words (TABLES,
+    # DEFAULT_BATCH, parse_age) before it connects, without the driver.
+    from bmdb.connection import Connection
+    from bmdb.model import Queries
 
 logger = logging.getLogger("bmdb.retention")
 

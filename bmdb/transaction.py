@@ -25,7 +25,6 @@ have effects outside the transaction other than idempotent ones.
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 from collections import Counter
@@ -39,19 +38,12 @@ from bmdb import _pg, migrations
 from bmdb._pool import Pool
 from bmdb.errors import DatabaseUnavailable, TransactionFailed
 from bmdb.model import Queries
+from bmdb.model.enums import Isolation as Isolation
 from common.backoff import FULL_JITTER, ExponentialBackoff
 
 logger = logging.getLogger("bmdb.transaction")
 
 T = TypeVar("T")
-
-
-class Isolation(enum.StrEnum):
-    """Transaction isolation levels, as SQL spells them."""
-
-    SERIALIZABLE = "SERIALIZABLE"
-    REPEATABLE_READ = "REPEATABLE READ"
-    READ_COMMITTED = "READ COMMITTED"
 
 
 @dataclass(frozen=True, slots=True)

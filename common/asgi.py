@@ -1,8 +1,9 @@
 """What every one of our small ASGI apps answers alike.
 
-Our ASGI endpoints (the console's web UI, the metrics endpoint) are plain ASGI
-apps under hypercorn's Trio worker (the agent callback server is not one:
-it has its own HTTP/1.1 transport). None of them has anything to set up or
+Our ASGI endpoints (the console's web UI, the BMC emulator of the nspawn
+machines) are plain ASGI apps under hypercorn's Trio worker (the agent
+callback server and the metrics endpoint are not: each has its own
+HTTP/1.1 transport). None of them has anything to set up or
 tear down when the server starts or stops (their callers open the BMDB
 connection around the server), but hypercorn still speaks the lifespan
 protocol to them, so they answer it here.

@@ -23,8 +23,6 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-import trio
-
 from common.exitcodes import ExitCode
 
 __all__ = ["BROKEN_PIPE_STATUS", "leaf_errors", "run_main"]
@@ -106,7 +104,10 @@ def _report(
     labels: Sequence[tuple[type[BaseException], str]],
 ) -> None:
     # Cancelled is what sibling tasks see when another one fails: noise
-    # next to the error that caused it.
+    # next to the error that caused it. Imported here, on the error path:
+    # a command that needs no Trio (--help) does not import it for this.
+    import trio
+
     real = [leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)] or leaves
     for leaf in real:
         if isinstance(leaf, known):

@@ -5,8 +5,8 @@ It sits above the packages it shows: it reads the BMDB through `bmdb` and
 asks the cluster through `metropolis.owner`, and neither imports it
 (`tests/test_package_layers.py` checks the direction).
 
-Server-rendered HTML, no JavaScript, served by hypercorn's Trio worker in
-the same Trio run as the BMDB connection::
+Server-rendered HTML (Jinja2 templates, autoescaped), no JavaScript, served
+by hypercorn's Trio worker in the same Trio run as the BMDB connection::
 
     hypercorn (trio) ─ asgi.App ─ GET /machines?state=&provider=&after=
                                       overview.machines        (1 statement)
@@ -19,7 +19,8 @@ the same Trio run as the BMDB connection::
                                   GET /cluster, /cluster/node/ID[/tree]
                                       cluster.ClusterView      (1 or 2 RPCs, and
                                       overview.machines_of_nodes: 1 statement)
-                       pages.* render with render.* (everything escaped)
+                       each returns a render.Page; asgi renders its template
+                       (templates/*.html, every value escaped)
 
 Nothing writes to the BMDB and nothing secret is shown (agent keys are
 public keys; hardware reports are shown by size only). The cluster half
@@ -27,11 +28,14 @@ public keys; hardware reports are shown by size only). The cluster half
 server, as the cluster's owner, when it is given the owner's files: one UI
 and one navigation for the fleet and the cluster it runs.
 
-Modules: `render` (HTML building blocks, escaping, the SVG charts), `pages`
-(one function per BMDB page), `counts` (the machine list's counts per
-state, taken at most once per period and shared by requests), `cluster` (the cluster pages), `asgi`
-(routing, errors, headers), `server` (hypercorn under Trio), `errors` (the
-console's error tree), `__main__` (the command).
+Modules: `render` (the Jinja2 environment: the templates in ``templates/``,
+compiled once, autoescaped, and the texts they compute), `charts` (the SVG
+charts' geometry), `pages` (one function per BMDB page), `audit` (the
+audit page), `guidance` (the first page's next step), `counts` (the
+machine list's counts per state, taken at most once per period and shared
+by requests), `cluster` (the cluster pages), `asgi` (routing, errors,
+headers), `server` (hypercorn under Trio), `errors` (the console's error
+tree), `__main__` (the command).
 
 A machine asked to install an OS shows its installation state with its
 generation (``installed@2``) in the list (filterable by installation

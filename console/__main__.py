@@ -15,77 +15,21 @@ line on stderr, with exit status 1 (see :mod:`common.cli`).
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
-import signal
 from pathlib import Path
 
-import trio
-
-import bmdb
 from bmdb.cli import add_url_option
 from bmdb.errors import BMDBError
 from common.cli import run_main
 from common.exitcodes import show_in_help
 from common.listen import listen_address
-from console.counts import DEFAULT_PERIOD
 from console.errors import ConsoleError
 from metropolis.errors import MetropolisError
 
-#: Database connections of the web UI: pages are served concurrently.
-WEB_CONNECTIONS = 8
-
-
-async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
-    """Serve the web UI (and metrics, if asked) until SIGINT or SIGTERM."""
-    # Imported here: hypercorn and prometheus_client only when serving.
-    from prometheus_client import CollectorRegistry
-
-    from bmdb.metrics import ConnectionCollector, FleetGauges
-    from common.metrics import serve_metrics
-    from console.cluster import ClusterView
-    from console.server import serve
-
-    cluster = None
-    if args.cluster_owner_root is not None:
-        from metropolis.localstorage import Root
-        from metropolis.owner import load_owner, load_owner_key
-
-        # Read once, before serving: a wrong path is a start-up error, not
-        # a page. Reaching the curators is left to each page.
-        access = load_owner(
-            Root(args.cluster_owner_root.resolve()), load_owner_key(args.cluster_owner_key)
-        )
-        cluster = ClusterView(access)
-
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            if args.metrics_listen:
-                registry = CollectorRegistry()
-                fleet = FleetGauges(conn, args.metrics_fleet_period)
-                # The label dashboards know this connection by, kept from
-                # when the UI was `bmdb web`.
-                registry.register(ConnectionCollector(conn, "bmdb-web"))
-                registry.register(fleet)
-                metrics = await nursery.start(serve_metrics, registry, args.metrics_listen)
-                print(f"metrics on {metrics[0]}/metrics", flush=True)
-                await nursery.start(fleet.run)
-            urls = await nursery.start(
-                functools.partial(
-                    serve, conn, args.listen, cluster=cluster, counts_period=args.counts_period
-                )
-            )
-            print(f"serving on {' '.join(urls)}", flush=True)
-            async for _ in signals:
-                nursery.cancel_scope.cancel()
-                break
-    return "stopped"
-
-
-async def _command(args: argparse.Namespace) -> str:
-    # The web UI answers several browsers at once.
-    async with bmdb.open_connection(args.url, max_connections=WEB_CONNECTIONS) as conn:
-        return await _web(conn, args)
+#: ``--counts-period``'s default, seconds: `console.counts.DEFAULT_PERIOD`
+#: (a test holds them equal), written here so that parsing imports nothing
+#: of the server.
+COUNTS_PERIOD = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     web.add_argument(
         "--counts-period",
         type=float,
-        default=DEFAULT_PERIOD,
+        default=COUNTS_PERIOD,
         metavar="SECONDS",
         help="how long the machine list's counts per state are reused before they are"
         " taken again (each take reads the whole fleet; default: %(default)s)",
@@ -149,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def body() -> int:
-        print(trio.run(_command, args))
+        # Imported now that the options are good: --help imports none of it.
+        import trio
+
+        from console.web_command import run
+
+        print(trio.run(run, args))
         return 0
 
     # MetropolisError: the cluster owner's files (--cluster-owner-*).

@@ -25,7 +25,7 @@ from console import pages
 from console.cluster import ClusterView
 from console.counts import CountsCache
 from console.errors import NotFound
-from console.render import Html, esc, page
+from console.render import Page, render
 
 logger = logging.getLogger("console")
 
@@ -90,10 +90,13 @@ class App:
         if scope["type"] != "http":
             return
         started = time.perf_counter()
-        status, body = await self._respond(scope)
-        if status == 200 and await self._on_standby():
-            note = f'<p class="dim" id="standby">{esc(STANDBY_NOTE)}</p>'
-            body = Html(body.replace("<main>", "<main>" + note, 1))
+        status, page = await self._respond(scope)
+        standby = STANDBY_NOTE if status == 200 and await self._on_standby() else None
+        try:
+            body = render(page, standby=standby)
+        except Exception:
+            logger.exception("rendering GET %s failed", scope["path"])
+            status, body = 500, render(_error("Internal error", "See the server's log."))
         elapsed_ms = (time.perf_counter() - started) * 1000
         headers = [*_HEADERS, (b"server-timing", f"app;dur={elapsed_ms:.3f}".encode())]
         data = body.encode()
@@ -103,7 +106,7 @@ class App:
             {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else data}
         )
 
-    async def _respond(self, scope: Scope) -> tuple[int, Html]:
+    async def _respond(self, scope: Scope) -> tuple[int, Page]:
         if scope["method"] not in ("GET", "HEAD"):
             return 405, _error("Method not allowed", "This UI is read-only.")
         path: str = scope["path"]
@@ -142,7 +145,7 @@ class App:
             logger.exception("GET %s failed", path)
             return 500, _error("Internal error", "See the server's log.")
 
-    async def _cluster(self, path: str) -> tuple[int, Html]:
+    async def _cluster(self, path: str) -> tuple[int, Page]:
         if self.cluster is None:
             return 200, cluster_pages.disabled()
         if path == "/cluster":
@@ -168,5 +171,5 @@ def _int(text: str | None, default: int) -> int:
     return value
 
 
-def _error(title: str, text: str) -> Html:
-    return page(title, Html(f"<p>{esc(text)}</p>"))
+def _error(title: str, text: str) -> Page:
+    return Page("error.html", title, {"text": text})

@@ -4,17 +4,18 @@ Two fleets leave a first page with nothing to click: an empty one (the
 next step is a command that adds machines, which the read-only UI cannot
 do) and one where every machine failed (the next step is the cause they
 share, and the list of the failed ones). Any other fleet gets no text.
+This module decides which; ``templates/machines.html`` says it.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from bmdb.overview import MachineState, State, StateCounts
-from console.render import Html, esc, link, url
 
-__all__ = ["ADD_MACHINES", "next_step"]
+__all__ = ["ADD_MACHINES", "NextStep", "next_step"]
 
 #: The command that brings a provider's machines into the BMDB (README).
 ADD_MACHINES = (
@@ -22,31 +23,33 @@ ADD_MACHINES = (
 )
 
 
-def next_step(counts: StateCounts | None, rows: Sequence[MachineState]) -> Html:
-    """A paragraph for the unfiltered first page: on an empty fleet the
+@dataclass(frozen=True)
+class NextStep:
+    """The next step on the first page: on an empty fleet (``failed`` 0)
+    the command `ADD_MACHINES`; else every one of ``failed`` machines
+    failed, ``sharing`` of the ``shown`` ones with ``cause`` (None if none
+    of them has a cause)."""
+
+    failed: int = 0
+    cause: str | None = None
+    sharing: int = 0
+    shown: int = 0
+
+
+def next_step(counts: StateCounts | None, rows: Sequence[MachineState]) -> NextStep | None:
+    """The next step for the unfiltered first page: on an empty fleet the
     command that adds machines; when every machine counted failed, the
-    cause most of ``rows`` (the page's machines) share and a link to the
-    failed ones; empty markup otherwise, and without ``counts``."""
+    cause most of ``rows`` (the page's machines) share; None otherwise,
+    and without ``counts``."""
     if counts is None:
-        return Html("")
+        return None
     if counts.total == 0:
-        return Html(
-            '<p id="next-step">No machines yet. The Shepherd adds every machine its provider'
-            f" lists: <code>{esc(ADD_MACHINES)}</code> (the README's machines file format;"
-            " <code>bin/demo --web</code> shows a whole fleet on this machine).</p>"
-        )
+        return NextStep()
     failed = counts.by_state.get(State.FAILED, 0)
     if failed != counts.total:
-        return Html("")
+        return None
     causes = collections.Counter(m.cause for m in rows if m.cause)
-    said = ""
-    if causes:
-        cause, n = causes.most_common(1)[0]
-        said = f" {n} of the {len(rows)} shown failed with: <q>{esc(cause)}</q>."
-    return Html(
-        f'<p id="next-step" class="state-failed">Every machine failed ({failed}).{said}'
-        " Fix that cause (the machine's page has its history), then"
-        " <code>python -m bmdb retry-now MACHINE --reason ...</code> ends its backoff; "
-        + link(url("/machines", {"state": State.FAILED}), "the failed machines")
-        + "</p>"
-    )
+    if not causes:
+        return NextStep(failed=failed, shown=len(rows))
+    cause, n = causes.most_common(1)[0]
+    return NextStep(failed=failed, cause=cause, sharing=n, shown=len(rows))

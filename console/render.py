@@ -1,79 +1,61 @@
-"""HTML building blocks for the web UI. Every text from the database goes
-through `esc`; markup is only ever built here from escaped parts.
+"""The web UI's pages as Jinja2 templates (``console/templates``), compiled once
+and autoescaped.
 
-`Html` marks strings that are already markup, so that helpers escape
-everything else they are given and never escape twice.
+Markup is written only in the templates. Everything a page function hands
+them (texts from the database, ids, errors, parameters) is data, and every
+``{{ ... }}`` escapes it: markupsafe's escape of ``& < > " '``, so a text
+is inert in element content and in a quoted attribute alike. Nothing in
+Python returns markup, so nothing can skip the escape by being mistaken for
+it.
+
+A page function returns a `Page` (its template, title, footer and the data
+the template shows); the ASGI app renders it with `render`, adding what
+every page shows (the navigation, the standby note). The filters and
+globals registered here compute texts (relative times, URLs, durations),
+never markup.
+
+The templates are compiled to Python functions when this module is
+imported and kept for the life of the process (`auto_reload` off: they
+ship with the package and do not change under a running server).
 """
 
 from __future__ import annotations
 
 import datetime
-import html
-import re
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlencode
 
+import jinja2
 
-class Html(str):
-    """A string of markup, safe to emit as is."""
-
-    __slots__ = ()
+__all__ = ["ENV", "Page", "ago", "duration", "render", "time_left", "url"]
 
 
-# The characters `html.escape` replaces (quote=True): a text without any is
-# its own escape, and one search is cheaper than escape's five replaces (a
-# machine list page escapes about 1,900 texts).
-_SPECIAL = re.compile("[&<>\"']")
+@dataclass(frozen=True)
+class Page:
+    """A page to render: ``template`` (a file in ``console/templates``) with
+    ``context``; ``title`` heads it (and names the browser tab), ``footer``
+    closes it."""
 
-
-def esc(value: object) -> Html:
-    """``value`` as text in HTML (quotes too, so it is safe in attributes)."""
-    if isinstance(value, Html):
-        return value
-    text = "" if value is None else str(value)
-    if _SPECIAL.search(text) is None:
-        return Html(text)
-    return Html(html.escape(text, quote=True))
-
-
-def join(parts: Iterable[object]) -> Html:
-    return Html("".join(esc(p) for p in parts))
-
-
-def link(href: str, text: object, **attrs: str) -> Html:
-    extra = "".join(f' {k}="{esc(v)}"' for k, v in attrs.items())
-    return Html(f'<a href="{esc(href)}"{extra}>{esc(text)}</a>')
+    template: str
+    title: str
+    context: Mapping[str, Any] = field(default_factory=dict)
+    footer: str = ""
 
 
 def url(path: str, params: Mapping[str, object | None]) -> str:
     """``path`` with the non-empty ``params`` as a query string."""
-    query = urlencode({k: str(v) for k, v in params.items() if v not in (None, "")})
+    return _url(path, tuple((k, str(v)) for k, v in params.items() if v not in (None, "")))
+
+
+@functools.lru_cache(maxsize=1024)
+def _url(path: str, params: tuple[tuple[str, str], ...]) -> str:
+    # Cached: the machine list links 16 filters, the same ones page after
+    # page, and urlencode costs more than the rest of the page's links.
+    query = urlencode(params)
     return f"{path}?{query}" if query else path
-
-
-def table(header: Sequence[str], rows: Iterable[Sequence[object]], *, empty: str = "none") -> Html:
-    head = "".join(f"<th>{esc(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows)
-    if not body:
-        body = f'<tr><td colspan="{len(header)}" class="dim">{esc(empty)}</td></tr>'
-    return Html(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
-
-
-def fields(items: Sequence[tuple[str, object]]) -> Html:
-    """A two-column table of name, value."""
-    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in items)
-    return Html(f'<table class="fields">{rows}</table>')
-
-
-def ago(at: datetime.datetime | None, now: datetime.datetime) -> Html:
-    """A time as "3m ago" / "in 5m", the exact time on hover."""
-    if at is None:
-        return Html('<span class="dim">-</span>')
-    seconds = (at - now).total_seconds()
-    text = duration(abs(seconds))
-    rel = f"in {text}" if seconds > 0 else f"{text} ago"
-    exact = esc(at.isoformat())
-    return Html(f'<time datetime="{exact}" title="{exact}">{rel}</time>')
 
 
 def duration(seconds: float) -> str:
@@ -87,20 +69,24 @@ def duration(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-_STYLE = """
-body{font:13px/1.35 system-ui,sans-serif;margin:0;color:#111}
-header{background:#223;color:#fff;padding:4px 10px}header a{color:#fff;margin-right:14px}
-main{padding:6px 10px}h1{font-size:16px;margin:6px 0}h2{font-size:14px;margin:12px 0 4px}
-table{border-collapse:collapse}td,th{border-bottom:1px solid #ddd;padding:1px 6px;
-text-align:left;vertical-align:top;white-space:pre-wrap}th{background:#f3f3f6}
-.fields th{width:14em}.dim{color:#888}.state-failed{color:#b00;font-weight:bold}
-.filters a{margin-right:8px}.filters a.on{font-weight:bold;text-decoration:none}
-code,.mono{font-family:ui-monospace,monospace}.state-healthy{color:#2a7}
-.state-backoff{color:#b00;font-weight:bold}.leader{color:#26a}
-.state-install-failed{color:#b00;font-weight:bold}.state-installed{color:#2a7}
-.state-installing{color:#59d}
-"""
+def ago(at: datetime.datetime, now: datetime.datetime) -> str:
+    """A time relative to ``now``: "3m00s ago" or "in 5m00s"."""
+    seconds = (at - now).total_seconds()
+    text = duration(abs(seconds))
+    return f"in {text}" if seconds > 0 else f"{text} ago"
 
+
+def iso(at: datetime.datetime) -> str:
+    """A time as ISO 8601, as HTML's ``<time datetime>`` takes it."""
+    return at.isoformat()
+
+
+def time_left(until: datetime.datetime, now: datetime.datetime) -> str:
+    """How long from ``now`` until ``until``: "5m00s", "0s" once past."""
+    return duration(max(0.0, (until - now).total_seconds()))
+
+
+#: The pages' links in the header of every page.
 NAV = (
     ("/machines", "Machines"),
     ("/sessions", "Sessions"),
@@ -108,75 +94,34 @@ NAV = (
     ("/cluster", "Cluster"),
 )
 
+ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("console", "templates"),
+    # Every template is HTML: escape every value, whatever the file's name.
+    autoescape=True,
+    # A name a template misspells is an error (a 500 and a failing test),
+    # not an empty string on the page.
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    auto_reload=False,
+    # Every template stays compiled: there are a dozen.
+    cache_size=-1,
+)
+ENV.filters["ago"] = ago
+ENV.filters["iso"] = iso
+ENV.filters["duration"] = duration
+ENV.filters["time_left"] = time_left
+ENV.globals.update(NAV=NAV)
 
-def page(title: str, body: Html, *, footer: str = "") -> Html:
-    nav = "".join(link(href, text) for href, text in NAV)
-    return Html(
-        "<!doctype html><html><head><meta charset=utf-8>"
-        f"<title>{esc(title)} - BMDB</title><style>{_STYLE}</style></head>"
-        f"<body><header>{nav}</header><main><h1>{esc(title)}</h1>{body}"
-        f'<p class="dim">{esc(footer)}</p></main></body></html>'
+# Compiled now, once: the first request of each page pays nothing for it,
+# and a template that does not compile fails the import (and every test).
+_TEMPLATES = {name: ENV.get_template(name) for name in ENV.list_templates()}
+
+
+def render(page: Page, *, standby: str | None = None) -> str:
+    """``page`` as an HTML document; ``standby``: a note that the page was
+    read from a standby, shown above its title. Raises what the template
+    raises (a bug: `jinja2.TemplateError`, or the error of a value it reads)."""
+    return _TEMPLATES[page.template].render(
+        page.context, title=page.title, footer=page.footer, standby=standby
     )
-
-
-#: Colours of the chart series (by name), fixed so charts read alike.
-COLOURS = {
-    "Finished": "#2a7",
-    "Failed": "#c33",
-    "Canceled": "#999",
-    "failed": "#c33",
-    "unprovided": "#bbb",
-    "needs-agent-start": "#e90",
-    "started": "#59d",
-    "heartbeating": "#2a7",
-    "silent": "#737",
-    "decommissioned": "#555",
-}
-
-
-def stacked_bar(counts: Sequence[tuple[str, int]], *, width: int = 600) -> Html:
-    """One horizontal bar split by ``counts`` (name, count), with a legend."""
-    total = sum(c for _, c in counts) or 1
-    x = 0.0
-    rects = []
-    for name, count in counts:
-        w = width * count / total
-        rects.append(
-            f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="14" '
-            f'fill="{COLOURS.get(name, "#555")}"><title>{esc(name)}: {count}</title></rect>'
-        )
-        x += w
-    legend = " ".join(
-        f'<span style="color:{COLOURS.get(n, "#555")}">&#9632;</span> {esc(n)} {c}'
-        for n, c in counts
-    )
-    svg = f'<svg width="{width}" height="14" role="img">{"".join(rects)}</svg>'
-    return Html(f"<div>{svg}</div><div>{legend}</div>")
-
-
-def columns(
-    buckets: Sequence[str], series: Mapping[str, Sequence[int]], *, height: int = 80
-) -> Html:
-    """Stacked columns, one per bucket (e.g. hour), one colour per series."""
-    peak = max((sum(v[i] for v in series.values()) for i in range(len(buckets))), default=0)
-    scale = height / (peak or 1)
-    bar = 14
-    parts = []
-    for i, bucket in enumerate(buckets):
-        y = float(height)
-        for name, values in series.items():
-            h = values[i] * scale
-            if h:
-                y -= h
-                parts.append(
-                    f'<rect x="{i * (bar + 2)}" y="{y:.1f}" width="{bar}" height="{h:.1f}" '
-                    f'fill="{COLOURS.get(name, "#555")}"><title>{esc(bucket)} {esc(name)}: '
-                    f"{values[i]}</title></rect>"
-                )
-    width = max(1, len(buckets)) * (bar + 2)
-    legend = " ".join(
-        f'<span style="color:{COLOURS.get(n, "#555")}">&#9632;</span> {esc(n)} {sum(v)}'
-        for n, v in series.items()
-    )
-    svg = f'<svg width="{width}" height="{height}" role="img">{"".join(parts)}</svg>'
-    return Html(f"<div>{svg}</div><div>{legend} (peak {peak}/h)</div>")

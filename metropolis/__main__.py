@@ -3,7 +3,9 @@
 ``metropolis node bootstrap --root DIR --address HOST --owner-key-out FILE
 [--insecure-seal]`` creates a cluster with this node as its first member and
 keeps running; ``metropolis node run --root DIR`` restarts a node from its
-saved state (finishing a registration a crash interrupted); ``metropolis
+saved state (finishing a registration a crash interrupted; with
+``--announce-key FILE`` it writes the node's public key there first, as
+``register`` does); ``metropolis
 node register --root DIR --ticket HEX --cluster FILE --address HOST
 --insecure-seal`` joins an existing cluster (waiting for the owner's
 approval) and keeps running; ``--parameters FILE`` (a NodeParameters with
@@ -51,6 +53,12 @@ folder or file in it, a folder above it) is refused with one line naming
 the path, its mode and the fix; no mode is changed. A damaged file in the
 root is refused the same way (:class:`~metropolis.localstorage.CorruptFile`).
 Errors of the package are logged as one line and exit with status 2.
+
+This module parses the command line and nothing more: each command's
+modules are imported when it runs (:mod:`metropolis.cli.node`,
+:mod:`metropolis.cli.owner`), so that ``--help`` and a usage error import
+no protocol stack (``tests/test_cli_imports.py`` bounds what each command
+imports).
 """
 
 from __future__ import annotations
@@ -58,51 +66,26 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-
-import trio
 
 from common.exitcodes import ExitCode, show_in_help
 from common.listen import listen_address
-from metropolis import identity, pki
-from metropolis.consensus.client import Client
-from metropolis.consensus.config import CURATOR_NAMESPACE
-from metropolis.consensus.process import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
-from metropolis.consensus.snapshot import cluster_identity, manifest_path, take_snapshot
-from metropolis.curator.rejoin import read_recoveries
 from metropolis.errors import MetropolisError
-from metropolis.localstorage import Root, atomic_write
-from metropolis.owner import (
-    Change,
-    NodeNotFinished,
-    Owner,
-    OwnerAccess,
-    describe_change,
-    format_table,
-    format_tree,
-    load_owner,
-    load_owner_from_cluster,
-    load_owner_key,
-)
-from metropolis.proto import parameters
-from metropolis.proto.management import GetClusterInfoResponse
-from metropolis.roleserve import disk, recover
-from metropolis.roleserve.bootinfo import (
-    ANNOUNCE_HEALTHY_ENV,
-    BOOT_INFO_ENV,
-    RunningImageSource,
-)
-from metropolis.roleserve.metrics import NodeMetrics
-from metropolis.roleserve.register import DEFAULT_DEADLINE, register
-from metropolis.roleserve.server import RoleServer
-from metropolis.roleserve.values import BootstrapData, RegisterIntent
-from metropolis.supervisor import Node, supervise
 
 log = logging.getLogger("metropolis.cli")
+
+#: ``--register-deadline``'s default, seconds: the same as
+#: :data:`metropolis.roleserve.register.DEFAULT_DEADLINE` (a test holds
+#: them equal), written here so that parsing imports no node module.
+REGISTER_DEADLINE = 300.0
+
+#: The environment variables that give ``--boot-info`` and
+#: ``--announce-healthy`` their defaults: the same as
+#: :mod:`metropolis.roleserve.bootinfo`'s (a test holds them equal),
+#: written here for the same reason.
+BOOT_INFO_ENV = "METROPOLIS_BOOT_INFO"
+ANNOUNCE_HEALTHY_ENV = "METROPOLIS_ANNOUNCE_HEALTHY"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -155,6 +138,12 @@ def _parser() -> argparse.ArgumentParser:
 
     run = actions.add_parser("run", help="restart a node from its saved state")
     run.add_argument("--root", type=Path, required=True, help="the node's data directory")
+    run.add_argument(
+        "--announce-key",
+        type=Path,
+        metavar="FILE",
+        help="write the node's Ed25519 public key (32 raw bytes) here before it starts",
+    )
     _register_deadline_flag(run, " (when finishing a saved registration)")
 
     rec = actions.add_parser(
@@ -307,52 +296,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _root(path: Path) -> Root:
-    """The node root at ``path``, checked (:meth:`Root.check`) if anything is there.
-
-    The folders above are resolved, the root itself is not: a symlink
-    given as ``--root`` is refused by the check, not followed. A missing
-    root is left to the command (bootstrap creates it, run refuses it).
-    """
-    root = _resolved(path)
-    if os.path.lexists(root.path):
-        root.check()
-    return root
-
-
-def _resolved(path: Path) -> Root:
-    """The node root at ``path`` with the folders above it resolved (not checked)."""
-    absolute = Path(os.path.abspath(path))
-    return Root(absolute.parent.resolve() / absolute.name)
-
-
-def _check_socket_room(path: Path) -> None:
-    """`NodeRootError` if etcd's client socket under the root ``path`` names
-    would be longer than a UNIX socket path may be.
-
-    Checked before anything is written: etcd would otherwise fail to
-    listen only once the node starts its control plane, with a message
-    far from its cause.
-    """
-    socket = _resolved(path).ephemeral.consensus / SOCKET_NAME
-    size = len(os.fsencode(socket))
-    if size > SOCKET_PATH_MAX:
-        raise disk.NodeRootError(
-            f"--root {path}: too long by {size - SOCKET_PATH_MAX} bytes: etcd's client socket "
-            f"would be {socket} ({size} bytes; a UNIX socket path has at most "
-            f"{SOCKET_PATH_MAX}); use a shorter root"
-        )
-
-
 def _register_deadline_flag(command: argparse.ArgumentParser, when: str) -> None:
     command.add_argument(
         "--register-deadline",
         type=_positive_seconds,
-        default=DEFAULT_DEADLINE,
+        default=REGISTER_DEADLINE,
         metavar="SECONDS",
         help=f"while registering{when}, retry with backoff (each retry logged) as long as no "
         f"curator answers, for up to SECONDS in a row, then give up (default "
-        f"{DEFAULT_DEADLINE:g}); a refusal (wrong ticket: PERMISSION_DENIED) ends it at once; "
+        f"{REGISTER_DEADLINE:g}); a refusal (wrong ticket: PERMISSION_DENIED) ends it at once; "
         "the wait for the owner's approval is not bounded (not saved)",
     )
 
@@ -373,366 +325,6 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _settings(args: argparse.Namespace) -> disk.NodeSettings:
-    """The settings ``bootstrap`` and ``register`` take from their options."""
-    try:
-        heartbeat, election = (int(x) for x in args.raft_tuning.split(","))
-    except ValueError:
-        raise MetropolisError(
-            f"--raft-tuning {args.raft_tuning!r}: want HEARTBEAT_MS,ELECTION_MS"
-        ) from None
-    try:
-        tuning = Tuning(heartbeat, election, member_health_wait=args.member_health_wait == "on")
-        return _node_settings(args, tuning)
-    except ValueError as e:  # NodeSettings refuses values out of range
-        raise MetropolisError(str(e)) from None
-
-
-def _node_settings(args: argparse.Namespace, tuning: Tuning) -> disk.NodeSettings:
-    return disk.NodeSettings(
-        address=args.address,
-        peer_port=args.peer_port,
-        curator_port=args.curator_port,
-        debug_port=args.debug_port,
-        tuning=tuning,
-        insecure_seal=True,
-        status_interval=args.status_interval,
-        curator_lease_ttl=args.curator_lease_ttl,
-    )
-
-
-def _bootstrap(args: argparse.Namespace) -> Root:
-    if not args.insecure_seal:
-        raise MetropolisError("no TPM support: pass --insecure-seal to store secrets in plain text")
-    settings = _settings(args)
-    root = _root(args.root)
-    if root.path.exists() and any(root.path.iterdir()):
-        raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
-    owner = pki.generate_key()
-    data = BootstrapData.generate(pki.public_key_bytes(owner))
-    args.owner_key_out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.owner_key_out.resolve(), pki.encode_private_key(owner))
-    disk.save_settings_and_intent(root, settings, data)
-    log.info("bootstrap intent saved in %s; owner key in %s", root.path, args.owner_key_out)
-    return root
-
-
-def _onoff(value: str | None) -> bool | None:
-    return None if value is None else value == "on"
-
-
-#: What a call that takes a while is waiting for, said after :data:`_PATIENCE` seconds.
-_WAITS = {
-    "consensus-on": (
-        "waiting for the curator to add the node to etcd (etcd admits a new member "
-        "only once its leader is connected to every peer; this can take a while)"
-    ),
-    "consensus-off": "waiting for the curator to remove the node's etcd member",
-    "delete": "waiting for the curator to remove the node's etcd member and revoke it",
-    "any": "still waiting for the curators (a leader may be being elected)",
-}
-_PATIENCE = 1.0
-
-
-@asynccontextmanager
-async def _saying_waits(what: str) -> AsyncIterator[None]:
-    """Run the block; if it takes over :data:`_PATIENCE` s, say on stderr what it waits for."""
-    async with trio.open_nursery() as nursery:
-
-        async def tell() -> None:
-            await trio.sleep(_PATIENCE)
-            sys.stderr.write(_WAITS[what] + "...\n")
-            sys.stderr.flush()
-
-        nursery.start_soon(tell)
-        try:
-            yield
-        finally:
-            nursery.cancel_scope.cancel()
-
-
-def _owner_access(args: argparse.Namespace) -> OwnerAccess:
-    key = load_owner_key(args.owner_key)
-    if args.cluster is not None:
-        return load_owner_from_cluster(args.cluster, key, args.curator_port)
-    return load_owner(_root(args.root), key)
-
-
-async def _owner(args: argparse.Namespace) -> None:
-    access = _owner_access(args)
-    async with _saying_waits("any"):
-        await access.tls_context()  # the escrow, unless the root keeps a certificate
-    async with access.open() as owner:
-        await _owner_call(args, owner)
-
-
-async def _owner_call(args: argparse.Namespace, owner: Owner) -> None:
-    out = sys.stdout.write
-    if args.action == "nodes":
-        async with _saying_waits("any"):
-            rows = await owner.nodes()
-        out(format_table(rows) + "\n")
-    elif args.action == "approve":
-        async with _saying_waits("any"):
-            row = await owner.approve(args.node)
-            after = await owner.current(row)
-        # A NEW node has pushed no status yet, so usually no address.
-        address = row.address or "none reported yet"
-        out(f"approved {row.node_id} (address {address})\n")
-        if after is not None:
-            out(describe_change(Change(row, after)) + "\n")
-    elif args.action == "set-roles":
-        consensus = _onoff(args.consensus_member)
-        what = "any" if consensus is None else ("consensus-on" if consensus else "consensus-off")
-        async with _saying_waits(what):
-            change = await owner.set_roles(
-                args.node,
-                consensus_member=consensus,
-                kubernetes_controller=_onoff(args.kubernetes_controller),
-            )
-        out(describe_change(change) + "\n")
-    elif args.action == "delete":
-        async with _saying_waits("delete"):
-            change = await owner.delete(args.node, force=args.force)
-        out(describe_change(change) + "\n")
-    elif args.action == "tree":
-        tree = await owner.supervision_tree(await owner.row(args.node))
-        out(format_tree(tree) + "\n")
-    elif args.action == "ticket":
-        out((await owner.ticket()).hex() + "\n")
-    elif args.action == "snapshot":
-        if args.root is None:
-            raise MetropolisError("snapshot needs --root: the node whose etcd member it reads")
-        # The owner key must be the cluster's: the curators answer it.
-        await owner.info()
-        out(await _snapshot(_root(args.root), args.out) + "\n")
-    elif args.action == "recoveries":
-        if args.root is None:
-            raise MetropolisError("recoveries needs --root: the node whose etcd member it reads")
-        await owner.info()
-        out(await _recoveries(_root(args.root)) + "\n")
-    else:
-        info = await owner.info()
-        if args.out is not None:
-            atomic_write(args.out.resolve(), bytes(info))
-        directory = info.cluster_directory
-        for node in directory.nodes if directory else []:
-            hosts = ",".join(a.host for a in node.addresses)
-            out(f"{identity.node_id(node.public_key)} {hosts}\n")
-
-
-def _local_etcd(root: Root) -> Path:
-    """The client socket of the etcd member on the node of ``root``; refused if none runs."""
-    socket = root.ephemeral.consensus / SOCKET_NAME
-    if not socket.exists():
-        raise MetropolisError(
-            f"no etcd member runs on the node of {root.path}: give the root of a node"
-            " with ConsensusMember"
-        )
-    return socket
-
-
-async def _recoveries(root: Root) -> str:
-    """The recoveries recorded in the cluster, one line each (oldest first)."""
-    async with Client(_local_etcd(root)) as client:
-        found = await read_recoveries(client.namespaced(CURATOR_NAMESPACE))
-    if not found:
-        return "no recovery from a snapshot"
-    return "\n".join(
-        f"{r.at} {r.node_id} recovered from snapshot revision {r.snapshot_revision}"
-        f" (taken {r.snapshot_taken_at} on {r.snapshot_node_id}, sha256 {r.snapshot_sha256});"
-        f" rejoining: {', '.join(r.rejoining) or 'none'}"
-        for r in found
-    )
-
-
-async def _snapshot(root: Root, out: Path) -> str:
-    """Snapshot the etcd member of the node at ``root`` into ``out``; one line on it."""
-    socket = _local_etcd(root)
-    saved = await trio.to_thread.run_sync(disk.load, root)
-    assert saved.credentials is not None  # the owner call above needs them
-    made = await take_snapshot(
-        socket,
-        out,
-        cluster_ca_sha256=cluster_identity(saved.credentials.ca_certificate),
-        node_id=saved.credentials.node_id,
-    )
-    return (
-        f"snapshot {out}: revision {made.revision}, {made.size} bytes, sha256 {made.sha256}"
-        f" (manifest {manifest_path(out)})"
-    )
-
-
-def _fresh(root: Root) -> bool:
-    """Whether ``root`` holds nothing but an interrupted start of a registration.
-
-    Empty directories of the layout and settings alone are left by a crash
-    before the register intent was saved: nothing reached the cluster, so
-    registering again may start over.
-    """
-    for directory, _, files in os.walk(root.path):
-        for name in files:
-            if Path(directory, name) != disk.settings_path(root):
-                return False
-    return True
-
-
-def _check_register_source(args: argparse.Namespace) -> None:
-    """Refuse, before anything is read or written, a command line that names
-    the cluster twice (``--parameters`` and ``--ticket``/``--directory``) or
-    not at all."""
-    legacy = args.ticket is not None or args.cluster is not None
-    if args.parameters is not None and legacy:
-        raise MetropolisError(
-            "--parameters replaces --ticket and --directory: give one or the other"
-        )
-    if args.parameters is None and (args.ticket is None or args.cluster is None):
-        raise MetropolisError("give --parameters FILE, or both --ticket HEX and --directory FILE")
-
-
-def _register_source(args: argparse.Namespace) -> tuple[bytes, GetClusterInfoResponse]:
-    """Ticket and cluster (CA, directory) from ``--parameters`` or ``--ticket``/``--directory``.
-
-    Both files are read strictly (:mod:`metropolis.proto.parameters`):
-    anything but the exact encoding, with a usable CA and directory, is
-    one :class:`~metropolis.proto.parameters.NodeParametersError` naming
-    the file.
-    """
-    if args.parameters is not None:
-        params = parameters.read(args.parameters)
-        register = params.cluster_register
-        assert register is not None  # read() accepts only cluster_register
-        # No call the cluster offers a node that is not a member yet (nor
-        # one that is, short of reading etcd as a consensus member) names
-        # the cluster's owner, so the key cannot be checked against the
-        # cluster here: it is logged, for the operator to compare.
-        log.info(
-            "parameters %s: owner public key %s (not checked: the cluster does "
-            "not tell a registering node its owner)",
-            args.parameters,
-            register.owner_public_key.hex(),
-        )
-        return register.register_ticket, parameters.cluster_info(params)
-    try:
-        ticket = bytes.fromhex(args.ticket)
-    except ValueError as e:
-        raise MetropolisError(f"--ticket: not hex ({e})") from e
-    if not ticket:
-        raise MetropolisError("--ticket: empty")
-    return ticket, parameters.read_cluster_info(args.cluster)
-
-
-def _announce(path: Path | None, public_key: bytes) -> None:
-    """Write the node's public key to ``path`` (``--announce-key``), if given.
-
-    Atomically (temp file, fsync, rename, directory fsync) and mode 0644: a
-    reader (the installing agent) sees no file or the whole key, never
-    part of it, and may be another user. The key is public.
-    """
-    if path is None:
-        return
-    try:
-        atomic_write(Path(os.path.abspath(path)), public_key, 0o644)
-    except OSError as e:
-        raise MetropolisError(f"--announce-key {path}: cannot write: {e.strerror or e}") from e
-    log.info("announced %s in %s", identity.node_id(public_key), path)
-
-
-def _prepare_register(args: argparse.Namespace) -> Root:
-    """Save settings and a register intent, or find the intent a crash left; the root.
-
-    Either way the node's public key is announced (``--announce-key``)
-    once it is on disk and before the cluster is called.
-    """
-    _check_register_source(args)
-    if not args.insecure_seal:
-        raise MetropolisError("no TPM support: pass --insecure-seal to store secrets in plain text")
-    settings = _settings(args)
-    root = _root(args.root)
-    if disk.register_path(root).exists():
-        log.info("resuming the registration saved in %s (with its keys and ticket)", root.path)
-        saved = disk.load(root)
-        if saved.register is not None:
-            _announce(args.announce_key, saved.register.node_public_key)
-        elif saved.credentials is not None:
-            # Committed; only the intent's removal was left to do.
-            _announce(args.announce_key, saved.credentials.public_key)
-        return root
-    if root.path.exists() and not _fresh(root):
-        raise disk.NodeRootError(f"{root.path} is not empty; use 'run' for an existing node")
-    ticket, cluster = _register_source(args)
-    intent = RegisterIntent.generate(ticket, cluster)
-    disk.save_register_intent(root, settings, intent)
-    _announce(args.announce_key, intent.node_public_key)
-    return root
-
-
-async def _run_node(
-    root: Root,
-    metrics_listen: str | None = None,
-    snapshots: tuple[Path, float, int] | None = None,
-    register_deadline: float = DEFAULT_DEADLINE,
-    boot_info: Path | None = None,
-    announce_healthy: Path | None = None,
-) -> None:
-    """Finish a saved registration if there is one, then run the node; until a signal.
-
-    ``metrics_listen``: serve the node's metrics there; ``snapshots``:
-    (folder, interval, keep) of scheduled etcd snapshots;
-    ``register_deadline``: how long the registration retries an outage of
-    every curator (:func:`~metropolis.roleserve.register.register`);
-    ``boot_info``, ``announce_healthy``: what the boot chose, and where to
-    say the node came up healthy (:mod:`metropolis.roleserve.bootinfo`,
-    :mod:`metropolis.roleserve.bootcheck`).
-    """
-    saved = disk.load(root)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def stop_on_signal() -> None:
-                async for signum in signals:
-                    log.info("%s: stopping", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    return
-
-            nursery.start_soon(stop_on_signal)
-            if saved.register is not None:
-                await register(root, saved.settings, saved.register, deadline=register_deadline)
-                saved = disk.load(root)
-            # An intent a crash left beside the credentials is done with.
-            await trio.to_thread.run_sync(disk.drop_finished_intents, root)
-            metrics = NodeMetrics(metrics_listen) if metrics_listen else None
-            server = RoleServer(
-                root,
-                saved,
-                metrics=metrics,
-                snapshots=snapshots,
-                running=RunningImageSource(_absolute(boot_info)),
-                announce_healthy=_absolute(announce_healthy),
-            )
-
-            async def main(node: Node) -> None:
-                node.run("role", server.run)
-                node.signal_healthy()
-                await trio.sleep_forever()
-
-            nursery.start_soon(supervise, main)
-
-
-def _absolute(path: Path | None) -> Path | None:
-    return None if path is None else Path(os.path.abspath(path))
-
-
-def _snapshots(args: argparse.Namespace, root: Root) -> tuple[Path, float, int] | None:
-    """The scheduled snapshots' (folder, interval, keep), or None when off."""
-    if args.snapshot_interval == 0:
-        return None
-    if args.snapshot_interval < 0 or args.snapshot_keep < 1:
-        raise MetropolisError("--snapshot-interval must be positive, --snapshot-keep at least 1")
-    folder = args.snapshot_dir or root.data.path / "snapshots"
-    return Path(os.path.abspath(folder)), args.snapshot_interval, args.snapshot_keep
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["image"]:
@@ -748,32 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "owner":
-            trio.run(_owner, args)
+            import trio
+
+            from metropolis.cli import owner
+
+            trio.run(owner.run, args)
         else:
-            _check_socket_room(args.root)
-            if args.action == "register":
-                root = _prepare_register(args)
-            elif args.action == "bootstrap":
-                root = _bootstrap(args)
-            elif args.action == "recover":
-                root = _root(args.root)
-                checked = recover.check(root, args.snapshot)  # before anything changes
-                trio.run(recover.recover, checked)
-            else:
-                root = _root(args.root)
-            disk.load(root)  # fail before starting anything
-            trio.run(
-                _run_node,
-                root,
-                args.metrics_listen,
-                _snapshots(args, root),
-                getattr(args, "register_deadline", DEFAULT_DEADLINE),
-                args.boot_info,
-                args.announce_healthy,
-            )
+            from metropolis.cli import node
+
+            node.run(args)
     except MetropolisError as e:
         log.error("%s", e)
-        return ExitCode.TRY_AGAIN if isinstance(e, NodeNotFinished) else 2
+        return ExitCode.TRY_AGAIN if _not_yet(e) else 2
     except BaseExceptionGroup as group:
         # Errors from inside the node's nursery (a refused registration):
         # one line each, like any other error of ours, not a traceback.
@@ -784,6 +362,13 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s", error)
         return 2
     return 0
+
+
+def _not_yet(error: MetropolisError) -> bool:
+    """Whether ``error`` means "try again" (a node still bootstrapping)."""
+    # Only the owner's commands raise it, and they imported its module.
+    owner = sys.modules.get("metropolis.owner")
+    return owner is not None and isinstance(error, owner.NodeNotFinished)
 
 
 def _leaves(group: BaseExceptionGroup[MetropolisError]) -> list[BaseException]:

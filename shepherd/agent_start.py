@@ -83,6 +83,17 @@ class AgentConfig:
     install_download_deadline: float | None = None
     install_backoff_start: float | None = None
     install_backoff_cap: float | None = None
+    #: A real disk's partition sizes in MiB (boot, each system slot, the
+    #: data partition's least), None for the agent's (Monogon's sizes).
+    install_layout: tuple[int, int, int] | None = None
+    #: After a real install: "start" the node's unit (the agent's default),
+    #: "reboot" the machine, or "none".
+    install_after: str | None = None
+    #: Run the heartbeating agent as a unit of the machine's systemd, so
+    #: that it comes back after a reboot (`shepherd.agent.unit`), instead of
+    #: a daemon detached from the SSH session. For machines whose init is
+    #: systemd; on others the agent falls back to the daemon (and warns).
+    systemd_unit: bool = False
 
     def __post_init__(self) -> None:
         # The seed's New() checks, so a misconfigured initializer fails at start.
@@ -107,6 +118,16 @@ class AgentConfig:
         for flag, value in self._install_flags():
             if not 0 < value < float("inf"):
                 raise ValueError(f"agent {flag} must be positive, got {value!r}")
+        if self.install_layout is not None and (
+            len(self.install_layout) != 3 or min(self.install_layout) < 1
+        ):
+            raise ValueError(
+                f"agent install layout must be 3 positive MiB sizes, got {self.install_layout!r}"
+            )
+        if self.install_after not in (None, "start", "reboot", "none"):
+            raise ValueError(
+                f"agent install_after must be start, reboot or none, got {self.install_after!r}"
+            )
 
     def _install_flags(self) -> list[tuple[str, float]]:
         flags = [
@@ -125,6 +146,12 @@ class AgentConfig:
                 f" --heartbeat-backoff-cap {self.heartbeat_backoff_cap:g}"
             )
             command += "".join(f" {flag} {value!r}" for flag, value in self._install_flags())
+            if self.install_layout is not None:
+                command += " --install-layout " + ",".join(map(str, self.install_layout))
+            if self.install_after is not None:
+                command += f" --install-after {self.install_after}"
+            if self.systemd_unit:
+                command += " --systemd-unit"
         return command
 
 

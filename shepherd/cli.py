@@ -58,34 +58,24 @@ machines to install the node image (see `shepherd.install`); so is
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
-import datetime
 import hashlib
 import logging
 import os
-import re
 import signal
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import trio
 import trio_asyncio
-from cryptography import x509
 from prometheus_client import CollectorRegistry
 
 import bmdb
 from bmdb.errors import BMDBError
 from bmdb.metrics import DEFAULT_FLEET_PERIOD, ConnectionCollector, FleetGauges
 from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
-from bmdb.retention import RetentionPolicy, parse_age
+from bmdb.retention import RetentionPolicy
 from common.cli import run_main
-from common.commands import DEFAULT, commands_description
-from common.exitcodes import show_in_help
-from common.listen import listen_address
 from common.metrics import serve_metrics
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root
@@ -94,13 +84,15 @@ from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_start import AgentConfig
 from shepherd.approver import DEFAULT_INTERVAL as APPROVE_INTERVAL
 from shepherd.approver import run_approver
+from shepherd.arguments import COMMANDS as COMMANDS
+from shepherd.arguments import build_parser as build_parser
 from shepherd.control_loop import LoopStats, start_control_loop
 from shepherd.decommissioner import Decommissioner
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
 from shepherd.metrics import LoopCollector
 from shepherd.providers import Provider, ProviderError
-from shepherd.providers.equinix.client import DEFAULT_API_URL, EquinixClient
+from shepherd.providers.equinix.client import EquinixClient
 from shepherd.providers.equinix.provider import (
     EquinixConfig,
     EquinixConfigError,
@@ -111,7 +103,7 @@ from shepherd.providers.static import StaticFileError, StaticProvider
 from shepherd.provisioner import Provisioner, ProvisionerConfig
 from shepherd.pruner import DEFAULT_INTERVAL as PRUNE_INTERVAL
 from shepherd.pruner import Pruner, PrunerConfig
-from shepherd.rate_limit import Rate, RateLimiter, parse_duration
+from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.recoverer import Recoverer
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey, SSHKeyError, load_or_create_ssh_key
@@ -119,10 +111,6 @@ from shepherd.updater import Updater, UpdaterConfig
 from shepherd.upgrader import UPGRADE_WORKERS, Upgrader
 
 logger = logging.getLogger("shepherd.cli")
-
-T = TypeVar("T")
-
-_PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n(.*?)-----END \1-----", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -172,445 +160,6 @@ class RecovererOptions:
     parallelism: int = 1
     first_heartbeat_timeout: float = AGENT_FIRST_HEARTBEAT_TIMEOUT
     heartbeat_timeout: float = AGENT_HEARTBEAT_TIMEOUT
-
-
-def _arg_type(name: str, parse: Callable[[str], T]) -> Callable[[str], T]:
-    """Turn a parser raising ValueError/OSError into an argparse type with a clear message."""
-
-    def convert(text: str) -> T:
-        try:
-            return parse(text)
-        except (ValueError, OSError) as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from exc
-
-    convert.__name__ = name  # argparse uses it in "invalid <name> value" messages
-    return convert
-
-
-#: Largest CA certificate file accepted; a certificate chain is kilobytes.
-MAX_CERTIFICATE_FILE = 1 << 20
-
-
-def _read_file(path: str, limit: int | None = None) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(-1 if limit is None else limit + 1)
-    except OSError as exc:
-        raise ValueError(f"could not read {path}: {exc.strerror}") from exc
-    if limit is not None and len(data) > limit:
-        raise ValueError(f"{path}: larger than {limit // (1 << 20)} MiB; refusing it")
-    return data
-
-
-def pem_certificate_der(path: str) -> bytes:
-    """The DER bytes of the first PEM block of ``path``, which must be a certificate."""
-    data = _read_file(path, MAX_CERTIFICATE_FILE)
-    match = _PEM_BLOCK.search(data)
-    if match is None:
-        raise ValueError(f"{path}: no PEM block found")
-    if match.group(1) != b"CERTIFICATE":
-        raise ValueError(f"{path}: not a certificate (PEM block is {match.group(1).decode()!r})")
-    try:
-        der = base64.b64decode(match.group(2), validate=False)
-        x509.load_der_x509_certificate(der)
-    except (ValueError, binascii.Error) as exc:
-        raise ValueError(f"{path}: invalid certificate: {exc}") from exc
-    return der
-
-
-def _positive_duration(text: str) -> float:
-    seconds = parse_duration(text)
-    if seconds <= 0:
-        raise ValueError(f"duration must be positive, got {text!r}")
-    return seconds
-
-
-def _age(text: str) -> datetime.timedelta:
-    try:
-        return parse_age(text)
-    except BMDBError as exc:
-        raise ValueError(str(exc)) from exc
-
-
-def _parallelism(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be at least 1, got {value}")
-    return value
-
-
-def _ca_bundle(path: str) -> str:
-    pem_certificate_der(path)  # readable, and a certificate
-    return path
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(f"must not be negative, got {value}")
-    return value
-
-
-def _nonempty_file(path: str) -> bytes:
-    data = _read_file(path)
-    if not data:
-        raise ValueError(f"{path} is empty")
-    return data
-
-
-#: What ``python -m shepherd`` can do, as its ``--help`` starts (and the README lists).
-COMMANDS = (
-    (DEFAULT, "run the control loops: takeover, provisioning, recovery, decommission, upgrade"),
-    ("install", "ask machines to install the node image (its own --help)"),
-    ("upgrade", "move installed machines to a new image, A/B, quorum kept (its own --help)"),
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shepherd",
-        usage="%(prog)s [install ...] --bmdb-url URL --provider {static,equinix} [options]",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=commands_description(
-            COMMANDS,
-            "Without a command the Shepherd runs its control loops on the BMDB at --bmdb-url"
-            " and the machines of --provider until SIGINT/SIGTERM: the options below are"
-            " theirs. 'python -m shepherd install --help' gives install's own.",
-        ),
-        epilog="'python -m shepherd install --help': ask machines to install the node image.",
-    )
-    show_in_help(parser)
-    db = parser.add_argument_group("BMDB")
-    db.add_argument(
-        "--bmdb-url", required=True, metavar="URL", help="libpq URL of the BMDB (already migrated)"
-    )
-
-    prov = parser.add_argument_group("provider")
-    prov.add_argument(
-        "--provider", required=True, choices=["static", "equinix"], help="machine provider"
-    )
-    prov.add_argument(
-        "--static-machines-path",
-        metavar="PATH",
-        help="TOML file listing the machines (required with --provider static)",
-    )
-    prov.add_argument(
-        "--static-bmc-credentials-path",
-        type=Path,
-        metavar="PATH",
-        help="TOML file of Redfish BMC credentials ([default], [machine.ID]); "
-        "else SHEPHERD_BMC_USERNAME / SHEPHERD_BMC_PASSWORD",
-    )
-
-    prov.add_argument(
-        "--static-bmc-ca-certificate-path",
-        type=_arg_type("certificate", _ca_bundle),
-        default=None,
-        metavar="PATH",
-        help="PEM CA certificate(s) BMCs' HTTPS certificates are checked against "
-        "(default: system CAs)",
-    )
-
-    eq = parser.add_argument_group("Equinix Metal (--provider equinix)")
-    eq.add_argument(
-        "--equinix-project-id", default="", metavar="UUID", help="project to manage devices in"
-    )
-    eq.add_argument(
-        "--equinix-ssh-key-label",
-        default="shepherd-FIXME",
-        metavar="LABEL",
-        help="label of the Shepherd's SSH key in the project (default: %(default)s, "
-        "refused: set it)",
-    )
-    eq.add_argument(
-        "--equinix-device-prefix",
-        default="shepherd-FIXME-",
-        metavar="PREFIX",
-        help="hostname prefix of the devices the Shepherd manages (default: %(default)s, "
-        "refused: set it)",
-    )
-    eq.add_argument(
-        "--equinix-api-url",
-        default=DEFAULT_API_URL,
-        metavar="URL",
-        help="API base URL (default: %(default)s)",
-    )
-    eq.add_argument(
-        "--equinix-api-token",
-        default=None,
-        metavar="TOKEN",
-        help="API token (default: $METAL_AUTH_TOKEN; prefer the environment)",
-    )
-    eq.add_argument(
-        "--equinix-api-parallelism",
-        type=_arg_type("count", _parallelism),
-        default=4,
-        metavar="N",
-        help="API requests in flight at once (default: 4)",
-    )
-
-    provision = parser.add_argument_group("provisioner")
-    provision.add_argument(
-        "--provisioner-os",
-        default="ubuntu_20_04",
-        metavar="SLUG",
-        help="OS deployed on new Equinix devices (default: %(default)s)",
-    )
-    provision.add_argument(
-        "--provisioner-max-machines",
-        type=_arg_type("count", _count),
-        default=50,
-        metavar="N",
-        help="stop creating machines at this many; 0 for no limit (default: 50)",
-    )
-    provision.add_argument(
-        "--provisioner-reservation-chunk-size",
-        type=_arg_type("count", _parallelism),
-        default=20,
-        metavar="N",
-        help="machines created per reconciliation at most (default: 20)",
-    )
-    provision.add_argument(
-        "--provisioner-device-creation-rate",
-        type=_arg_type("rate", Rate.parse),
-        default=Rate.parse("5s,1"),
-        metavar="DURATION,BURST",
-        help="rate limit of device creation (default: 5s,1)",
-    )
-    provision.add_argument(
-        "--provisioner-reconciler-rate",
-        type=_arg_type("rate", Rate.parse),
-        default=Rate.parse("1m,1"),
-        metavar="DURATION,BURST",
-        help="rate limit of reconciliations (default: 1m,1)",
-    )
-    provision.add_argument(
-        "--provisioner-assimilate",
-        action="store_true",
-        help="add devices under the prefix that the BMDB lacks, instead of reporting them",
-    )
-
-    update = parser.add_argument_group("updater")
-    update.add_argument(
-        "--updater-enable",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="refresh provided machines' address, location and status (default: on)",
-    )
-    update.add_argument(
-        "--updater-iteration-rate",
-        type=_arg_type("duration", _positive_duration),
-        default=60.0,
-        metavar="DURATION",
-        help="at most one updater pass per DURATION (default: 1m)",
-    )
-    update.add_argument(
-        "--updater-settled-interval",
-        type=_arg_type("duration", _positive_duration),
-        default=1800.0,
-        metavar="DURATION",
-        help="how often a Running machine whose state did not change is asked again (default: 30m)",
-    )
-    update.add_argument(
-        "--updater-batch-size",
-        type=_arg_type("count", _parallelism),
-        default=50,
-        metavar="N",
-        help="machines refreshed at once and written in one transaction (default: 50)",
-    )
-
-    ssh = parser.add_argument_group("SSH")
-    ssh.add_argument(
-        "--ssh-key-path",
-        required=True,
-        type=Path,
-        metavar="PATH",
-        help="the Shepherd's Ed25519 SSH key; generated there (0600) if missing",
-    )
-
-    agent = parser.add_argument_group("agent")
-    agent.add_argument(
-        "--agent-executable-path",
-        type=_arg_type("file", _nonempty_file),
-        default=None,
-        metavar="PATH",
-        help="agent to upload (default: the bundled agent, a zipapp)",
-    )
-    agent.add_argument(
-        "--agent-target-path",
-        default="/root/agent",
-        metavar="PATH",
-        help="where the agent is uploaded to and run from (default: %(default)s)",
-    )
-    agent.add_argument(
-        "--agent-endpoint",
-        required=True,
-        metavar="ADDRESS",
-        help="the agent callback server the agents heartbeat to: https://HOST:PORT or "
-        "HOST:PORT (HTTPS), or http://HOST:PORT (plain, e.g. behind a TLS proxy)",
-    )
-    agent.add_argument(
-        "--agent-endpoint-ca-certificate-path",
-        type=_arg_type("certificate", pem_certificate_der),
-        default=b"",
-        metavar="PATH",
-        help="PEM X.509 CA certificate of the endpoint (default: system CAs)",
-    )
-    agent.add_argument(
-        "--agent-ssh-connect-timeout",
-        type=_arg_type("duration", _positive_duration),
-        default=2.0,
-        metavar="DURATION",
-        help="bound on TCP connect + SSH handshake, e.g. 2s (default: 2s)",
-    )
-    agent.add_argument(
-        "--agent-ssh-exec-timeout",
-        type=_arg_type("duration", _positive_duration),
-        default=60.0,
-        metavar="DURATION",
-        help="bound on dial + upload + run, e.g. 60s (default: 60s)",
-    )
-
-    agent.add_argument(
-        "--agent-heartbeat-interval",
-        type=_arg_type("duration", _positive_duration),
-        default=10.0,
-        metavar="DURATION",
-        help="how often agents heartbeat to the endpoint (default: 10s)",
-    )
-    agent.add_argument(
-        "--agent-heartbeat-backoff-cap",
-        type=_arg_type("duration", _positive_duration),
-        default=60.0,
-        metavar="DURATION",
-        help="longest pause of an agent whose heartbeats fail (default: 1m)",
-    )
-
-    init = parser.add_argument_group("initializer")
-    init.add_argument(
-        "--initializer-db-query-rate",
-        type=_arg_type("rate", Rate.parse),
-        default=Rate.parse("250ms,8"),
-        metavar="DURATION,BURST",
-        help="rate limit of BMDB queries: one token per DURATION, bucket of BURST "
-        "(default: 250ms,8)",
-    )
-    init.add_argument(
-        "--initializer-parallelism",
-        type=_arg_type("count", _parallelism),
-        default=1,
-        metavar="N",
-        help="machines worked on at once (default: 1)",
-    )
-    metrics = parser.add_argument_group("metrics")
-    metrics.add_argument(
-        "--metrics-listen",
-        type=_arg_type("address", listen_address),
-        default=None,
-        metavar="HOST:PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
-    )
-    metrics.add_argument(
-        "--metrics-fleet-period",
-        type=_arg_type("duration", _positive_duration),
-        default=DEFAULT_FLEET_PERIOD,
-        metavar="DURATION",
-        help="how often the fleet gauges are queried (default: 15s)",
-    )
-
-    rec = parser.add_argument_group("recoverer")
-    rec.add_argument(
-        "--recoverer-db-query-rate",
-        type=_arg_type("rate", Rate.parse),
-        default=Rate.parse("250ms,8"),
-        metavar="DURATION,BURST",
-        help="rate limit of the recoverer's BMDB queries (default: 250ms,8)",
-    )
-    rec.add_argument(
-        "--recoverer-parallelism",
-        type=_arg_type("count", _parallelism),
-        default=1,
-        metavar="N",
-        help="machines recovered at once (default: 1)",
-    )
-    rec.add_argument(
-        "--recovery-first-heartbeat-timeout",
-        type=_arg_type("duration", _positive_duration),
-        default=AGENT_FIRST_HEARTBEAT_TIMEOUT,
-        metavar="DURATION",
-        help="recover a started agent that never heartbeated for this long (default: 30m)",
-    )
-    rec.add_argument(
-        "--recovery-heartbeat-timeout",
-        type=_arg_type("duration", _positive_duration),
-        default=AGENT_HEARTBEAT_TIMEOUT,
-        metavar="DURATION",
-        help="recover an agent whose last heartbeat is older than this (default: 10m)",
-    )
-    _add_approver_arguments(parser)
-    _add_retention_arguments(parser)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    return parser
-
-
-def _add_approver_arguments(parser: argparse.ArgumentParser) -> None:
-    approve = parser.add_argument_group(
-        "cluster owner (the approver, --approve-installed; the decommissioner removes nodes)"
-    )
-    approve.add_argument(
-        "--approve-installed",
-        action="store_true",
-        help="approve the cluster's NEW nodes that a machine's agent reported installing",
-    )
-    approve.add_argument(
-        "--cluster-owner-root",
-        type=Path,
-        metavar="DIR",
-        help="a cluster node's root with the owner certificate ('metropolis owner --root')",
-    )
-    approve.add_argument(
-        "--cluster-owner-info",
-        type=Path,
-        metavar="FILE",
-        help="instead of a root: the cluster file 'metropolis owner info --out' writes",
-    )
-    approve.add_argument(
-        "--cluster-owner-key",
-        type=Path,
-        metavar="FILE",
-        help="the cluster owner's private key ('metropolis owner --owner-key')",
-    )
-    approve.add_argument(
-        "--approve-interval",
-        type=_arg_type("duration", _positive_duration),
-        default=APPROVE_INTERVAL,
-        metavar="DURATION",
-        help=f"time between two approver rounds (default: {APPROVE_INTERVAL:g}s)",
-    )
-
-
-def _add_retention_arguments(parser: argparse.ArgumentParser) -> None:
-    retain = parser.add_argument_group(
-        "retention (the pruner: off unless both --retention-keep-* options are given)"
-    )
-    retain.add_argument(
-        "--retention-keep-last",
-        type=_arg_type("count", _count),
-        metavar="N",
-        help="keep each machine's newest N work history and audit records, whatever their age",
-    )
-    retain.add_argument(
-        "--retention-keep-newer-than",
-        type=_arg_type("age", _age),
-        metavar="AGE",
-        help="keep every record newer than AGE: a number and s, m, h or d (e.g. 90d)",
-    )
-    retain.add_argument(
-        "--retention-interval",
-        type=_arg_type("duration", _positive_duration),
-        metavar="DURATION",
-        help=f"time between two prunes (default: {PRUNE_INTERVAL:g}s)",
-    )
 
 
 def _pruner_config(
@@ -726,6 +275,7 @@ def validate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             ssh_exec_timeout=args.agent_ssh_exec_timeout,
             heartbeat_interval=args.agent_heartbeat_interval,
             heartbeat_backoff_cap=args.agent_heartbeat_backoff_cap,
+            systemd_unit=args.agent_systemd_unit,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -892,12 +442,9 @@ async def run(options: Options) -> None:
                 await options.equinix_client.aclose()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["install"]:
-        return _install(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Validate ``args`` (parsed by ``parser``: `build_parser`) and run the
+    loops until SIGINT/SIGTERM; the exit status (2 for a bad option)."""
     # Logging first: validation generates a missing SSH key, and says so.
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -922,11 +469,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         known=(BMDBError, ShepherdError),
         labels=[(ProviderError, options.provider.type)],
     )
-
-
-def _install(argv: Sequence[str]) -> int:
-    """``python -m shepherd install``: its own command line (`shepherd.install`),
-    imported only when asked for."""
-    from shepherd.install import main as install_main
-
-    return install_main(argv)

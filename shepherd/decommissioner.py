@@ -24,7 +24,9 @@ process is offered the machine::
         provider.get_machine(id)          ──ProviderError──▶ fail (backoff)
         ssh <address> '<agent> --wipe'    ──SSH error, agent error──▶ fail
           the agent stops itself and the installed nodes, empties the
-          loopback disks, removes its key, prints what it did (JSON)
+          loopback disks, wipes an installed real disk, removes its key,
+          prints what it did (JSON, a real disk's steps each with its
+          outcome, which the stored report lists)
         record_wipe(report)               one transaction of its own
       not released yet:
         a node not removed yet            an install report stored after the
@@ -77,6 +79,9 @@ logger = logging.getLogger("shepherd.decommissioner")
 
 #: A failed step is tried again after 1 minute, growing by x2 up to 1 hour.
 DEFAULT_BACKOFF = Backoff(initial=60, maximum=3600, exponent=2)
+
+#: Bound on the stored wipe report's length (the BMDB takes 4096 characters).
+WIPE_REPORT_LIMIT = 3000
 
 #: Bound on the SSH session of a wipe (connect, run, stop the node).
 DEFAULT_WIPE_TIMEOUT = 120.0
@@ -261,11 +266,16 @@ class Decommissioner:
                 f"wipe: the agent gave no report (exit status {result.exit_status}): "
                 f"{printable(stderr or stdout)[:500]}"
             )
+        steps = report.get("steps")
+        steps = steps if isinstance(steps, list) else []  # an older agent's has none
         if report["errors"] or result.exit_status != 0:
             raise ProcessingFailed(
                 f"wipe failed: {printable('; '.join(map(str, report['errors'])))}"
+                + (f" (steps: {printable('; '.join(map(str, steps)))})" if steps else "")
             )
         return printable(
             f"stopped {len(report['stopped'])} process(es), removed {len(report['wiped'])} "
             f"path(s): {', '.join(map(str, report['wiped']))}"
+            + (f"; {'; '.join(map(str, steps))}" if steps else ""),
+            WIPE_REPORT_LIMIT,
         )

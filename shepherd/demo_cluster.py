@@ -30,6 +30,8 @@ from metropolis.owner import NodeRow
 from metropolis.proto import parameters
 from shepherd.agent_server.images import ImageServerConfig, serve_images
 from shepherd.approver import run_approver
+from shepherd.demo import CONSENSUS_GRANTS as CONSENSUS_GRANTS
+from shepherd.demo import FIRST_NODE_ADDRESS as FIRST_NODE_ADDRESS
 from shepherd.demo_takeover import Outcome, Progress, outcomes, watch_takeover
 from shepherd.demo_workdir import STOP_GRACE
 from shepherd.errors import ShepherdError
@@ -38,14 +40,6 @@ from shepherd.localcluster import FirstNode
 from shepherd.localfleet import DISK
 
 logger = logging.getLogger("shepherd.demo_cluster")
-
-
-#: The first node's address: not 127.0.0.1 (the Shepherd's servers) nor a
-#: machine's 127.0.0.N; it uses the nodes' fixed ports, as installed nodes do.
-FIRST_NODE_ADDRESS = "127.0.1.1"
-
-#: How many installed nodes are granted ConsensusMember (fewer if fewer).
-CONSENSUS_GRANTS = 2
 
 
 class DemoFailed(ShepherdError):
@@ -303,6 +297,8 @@ async def _install_states(conn: bmdb.Connection, machines: dict[str, Machine]) -
                 states[provider_id] = f"installed (generation {got.generation}), node {got.node_id}"
             elif got.state is InstallState.INSTALL_FAILED:
                 states[provider_id] = f"install failed: {got.cause}"
+            elif got.state is InstallState.INSTALL_LOST:
+                states[provider_id] = f"install lost: {got.lost_cause}"
             else:
                 states[provider_id] = f"installing generation {got.generation}"
         return states

@@ -130,6 +130,7 @@ _DEMO_ENTRIES = (
     "web.log",
     "machines.toml",
     "shepherd_ed25519",
+    "r",  # --real-machines (shepherd.demo_real.REAL_DIR)
 )
 
 

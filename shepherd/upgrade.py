@@ -39,11 +39,9 @@ import argparse
 import getpass
 import logging
 import ssl
-import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
@@ -58,11 +56,11 @@ from bmdb.model import (
     UpgradeRun,
 )
 from common.cli import run_main
-from common.exitcodes import show_in_help
 from common.text import printable
 from metropolis.errors import MetropolisError
 from shepherd.errors import ShepherdError
 from shepherd.install import ImageRef, check_image, image_from_server, image_from_url
+from shepherd.upgrade_options import DEFAULT_HEALTH_TIMEOUT
 from shepherd.upgrade_plan import phase
 
 if TYPE_CHECKING:  # the owner's client is imported only when credentials are given
@@ -70,8 +68,6 @@ if TYPE_CHECKING:  # the owner's client is imported only when credentials are gi
 
 logger = logging.getLogger("shepherd.upgrade")
 
-DEFAULT_HEALTH_TIMEOUT = 300
-MIN_HEALTH_TIMEOUT, MAX_HEALTH_TIMEOUT = 5, 86400
 PHASES = ("workers", "consensus", "leader")
 
 
@@ -335,111 +331,10 @@ async def run(options: Options) -> int:
         return await start(conn, options)
 
 
-EXAMPLES = """\
-examples:
-  # every installed machine, one at a time, each node given 5 minutes
-  python -m shepherd upgrade --bmdb-url postgresql:///bmdb --all \\
-      --image-server https://bmaas.example:7443 --image-digest sha256:<64 hex> \\
-      --cluster-owner-info cluster.pb --cluster-owner-key owner.pem --wait
-
-  python -m shepherd upgrade --bmdb-url postgresql:///bmdb --status
-  python -m shepherd upgrade --bmdb-url postgresql:///bmdb --stop --reason "bad image"
-
-Exit status: 0 done (with --wait: every machine upgraded), 1 refused or (with
---wait) stopped at a machine that went back or failed, 2 for a bad option.
-"""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shepherd upgrade",
-        description="Move installed machines to a new node image, A/B, a few at a time and\n"
-        "consensus members one by one, keeping the cluster's quorum; the Shepherd's\n"
-        "upgrader does the work (it needs the cluster owner's credentials).",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    show_in_help(parser)
-    parser.add_argument("--bmdb-url", required=True, metavar="URL", help="libpq URL of the BMDB")
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument("--status", action="store_true", help="show the latest run and its machines")
-    what.add_argument("--stop", action="store_true", help="stop the running run (needs --reason)")
-    choose_ = parser.add_argument_group("machines (--machines or --all)")
-    choose_.add_argument(
-        "--machines",
-        action="append",
-        default=[],
-        type=_uuids,
-        metavar="ID[,ID...]",
-        help="machine ids (as 'python -m bmdb machines' lists them); repeat or comma-separate",
-    )
-    choose_.add_argument("--all", action="store_true", help="every installed machine")
-    image = parser.add_argument_group("image (--image-url, or --image-server with --image-digest)")
-    image.add_argument("--image-url", metavar="URL", help="https://HOST:PORT/images/sha256/<hex>")
-    image.add_argument(
-        "--image-server", metavar="URL", help="https://HOST:PORT of the image server"
-    )
-    image.add_argument("--image-digest", metavar="sha256:HEX", help="the new image's SHA-256")
-    image.add_argument("--image-server-ca", type=Path, metavar="FILE", help="PEM CA of the server")
-    image.add_argument(
-        "--insecure-plain-http", action="store_true", help="allow an http:// image server"
-    )
-    parser.add_argument(
-        "--max-unavailable",
-        type=_count,
-        default=1,
-        metavar="N",
-        help="nodes down at once at most, counting those the cluster already sees unhealthy "
-        "(default 1; consensus members always go one at a time)",
-    )
-    parser.add_argument(
-        "--health-timeout",
-        type=_seconds,
-        default=DEFAULT_HEALTH_TIMEOUT,
-        metavar="S",
-        help="seconds a node on its new slot has, from its boot, to be healthy in the cluster "
-        f"before its machine goes back (default {DEFAULT_HEALTH_TIMEOUT})",
-    )
-    owner = parser.add_argument_group("cluster owner (to order the run from the cluster's view)")
-    owner.add_argument("--cluster-owner-root", type=Path, metavar="DIR")
-    owner.add_argument("--cluster-owner-info", type=Path, metavar="FILE")
-    owner.add_argument("--cluster-owner-key", type=Path, metavar="FILE")
-    parser.add_argument("--operator", help="who asks, for the audit log (default: the OS user)")
-    parser.add_argument("--reason", default="", help="why, for the audit log")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
-    parser.add_argument("--wait", action="store_true", help="follow the run until it ends")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    return parser
-
-
-def _uuids(text: str) -> list[uuid.UUID]:
-    try:
-        return [uuid.UUID(part) for part in text.split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not machine ids (UUIDs): {text[:100]!r}") from None
-
-
-def _count(text: str) -> int:
-    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 1000:
-        raise argparse.ArgumentTypeError(f"want a count from 1 to 1000, got {text[:100]!r}")
-    return int(text)
-
-
-def _seconds(text: str) -> int:
-    if not text.isascii() or not text.isdigit():
-        raise argparse.ArgumentTypeError(f"want whole seconds, got {text[:100]!r}")
-    value = int(text)
-    if not MIN_HEALTH_TIMEOUT <= value <= MAX_HEALTH_TIMEOUT:
-        raise argparse.ArgumentTypeError(
-            f"want {MIN_HEALTH_TIMEOUT} to {MAX_HEALTH_TIMEOUT} seconds, got {value}"
-        )
-    return value
-
-
-def parse_options(argv: Sequence[str]) -> Options:
-    """Parse and check the command line; exit with status 2 on any problem."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Options:
+    """Check ``args`` (parsed by ``parser``: `shepherd.upgrade_options.build_parser`)
+    together, load the image server's CA and the owner's credentials; exit
+    with status 2 on any problem."""
     operator = args.operator
     if operator is None:
         try:
@@ -511,9 +406,9 @@ def parse_options(argv: Sequence[str]) -> Options:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m shepherd upgrade ARGS`` (``argv`` without ``upgrade``)."""
-    options = parse_options(sys.argv[2:] if argv is None else argv)
+def run_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Check ``args`` (parsed by ``parser``) and run; the exit status."""
+    options = check_options(parser, args)
     logging.basicConfig(
         level=logging.DEBUG if options.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

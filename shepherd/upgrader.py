@@ -30,7 +30,7 @@ process ``ShepherdUpgrade``; ``python -m shepherd upgrade`` creates the run
         past the deadline            ──▶ failed ("no healthy node on ... within"),
                                          the run stops
 
-Every state is in the BMDB (``machine_upgrade``, migration 0009) before the
+Every state is in the BMDB (``machine_upgrade``, migration 0011) before the
 step that depends on it, so a Shepherd killed anywhere resumes where it was:
 a requested machine is picked up first and its outcome waited for (its
 request's time, stored, bounds the wait); a pending one is gated again. The

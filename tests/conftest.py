@@ -38,14 +38,19 @@ pytest_plugins = [
 #: worker, so that they run once).
 SERIAL_GROUPS = {
     "tests/shepherd/test_demo.py": "fixed-address",
-    # These run the demo's CLI for its --help and usage errors only; they
-    # name it, so they go with it (and its claim of block 0) to be safe.
-    "tests/test_cli_help.py": "fixed-address",
-    "tests/test_exit_codes.py": "fixed-address",
     "tests/bench/test_smoke.py": "bench-smoke",
     # One fleet of machines for the module, whose tests build on each
     # other's state (a partition made, then read after a reboot).
     "tests/shepherd/nspawn/test_fleet.py": "nspawn-fleet",
+    # The Shepherd's whole path on one fleet: install, reboot, wipe in turn.
+    "tests/shepherd/nspawn/test_real_path.py": "nspawn-real-path",
+    # Power cuts, then refusals, each on the state the one before left.
+    "tests/shepherd/nspawn/test_real_faults.py": "nspawn-real-faults",
+    # Claims network slots and loop devices as the modules above do; its
+    # own group so that it waits for neither.
+    "tests/shepherd/nspawn/test_real_demo.py": "nspawn-real-demo",
+    # One machine for the module, its A/B boots in order.
+    "tests/shepherd/nspawn/test_ab_boots.py": "nspawn-ab-boots",
     # Checks that these groups reach xdist at all.
     "tests/test_xdist_groups.py": "group-check",
 }

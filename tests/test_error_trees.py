@@ -53,6 +53,7 @@ ALLOWED_MISUSE = {
     StopAsyncIteration: "the async iterator protocol",
     StopIteration: "the iterator protocol",
     ProcessLookupError: "no such process to signal, as os.kill says (test helpers)",
+    AttributeError: "no such attribute: the protocol of a module's __getattr__ (common.lazy)",
     # Not a builtin, but Trio's own convention for the same kind of misuse:
     # two tasks using something that serves one at a time (as trio streams do).
     trio.BusyResourceError: "two tasks in a one-task call (Trio's convention)",

@@ -1,36 +1,78 @@
 """The BMDB's data model: SQL enum mirrors, row records and `Queries`."""
 
-from bmdb.model.enums import Process, Provider, ProviderStatus, WorkEvent
-from bmdb.model.queries import (
-    AGENT_FIRST_HEARTBEAT_TIMEOUT,
-    AGENT_HEARTBEAT_TIMEOUT,
-    MAX_INSTALLATION_TEXT,
-    SOURCING_WINDOW,
-    AgentHeartbeat,
-    HeartbeatOutcome,
-    Queries,
-    as_uuid,
-)
-from bmdb.model.rows import (
-    AgentStarted,
-    AuditRecord,
-    DecommissionTarget,
-    HistoryEvent,
-    Hold,
-    InstallationTarget,
-    InstallState,
-    MachineProvided,
-    MachineSummary,
-    MachineUpgrade,
-    OSInstallation,
-    SessionInfo,
-    UpgradePlanEntry,
-    UpgradeRun,
-    UpgradeState,
-    UpgradeTarget,
-    WorkInfo,
-    node_id,
-)
+from typing import TYPE_CHECKING
+
+from common.lazy import exports
+
+# Imported on first use (common.lazy): the enums and rows need no driver.
+if TYPE_CHECKING:
+    from bmdb.model.enums import Process as Process
+    from bmdb.model.enums import Provider as Provider
+    from bmdb.model.enums import ProviderStatus as ProviderStatus
+    from bmdb.model.enums import WorkEvent as WorkEvent
+    from bmdb.model.queries import AGENT_FIRST_HEARTBEAT_TIMEOUT as AGENT_FIRST_HEARTBEAT_TIMEOUT
+    from bmdb.model.queries import AGENT_HEARTBEAT_TIMEOUT as AGENT_HEARTBEAT_TIMEOUT
+    from bmdb.model.queries import MAX_INSTALLATION_TEXT as MAX_INSTALLATION_TEXT
+    from bmdb.model.queries import SOURCING_WINDOW as SOURCING_WINDOW
+    from bmdb.model.queries import AgentHeartbeat as AgentHeartbeat
+    from bmdb.model.queries import HeartbeatOutcome as HeartbeatOutcome
+    from bmdb.model.queries import Queries as Queries
+    from bmdb.model.queries import as_uuid as as_uuid
+    from bmdb.model.rows import AgentStarted as AgentStarted
+    from bmdb.model.rows import AuditRecord as AuditRecord
+    from bmdb.model.rows import DecommissionTarget as DecommissionTarget
+    from bmdb.model.rows import HistoryEvent as HistoryEvent
+    from bmdb.model.rows import Hold as Hold
+    from bmdb.model.rows import InstallationTarget as InstallationTarget
+    from bmdb.model.rows import InstallState as InstallState
+    from bmdb.model.rows import MachineProvided as MachineProvided
+    from bmdb.model.rows import MachineSummary as MachineSummary
+    from bmdb.model.rows import MachineUpgrade as MachineUpgrade
+    from bmdb.model.rows import OSInstallation as OSInstallation
+    from bmdb.model.rows import SessionInfo as SessionInfo
+    from bmdb.model.rows import UpgradePlanEntry as UpgradePlanEntry
+    from bmdb.model.rows import UpgradeRun as UpgradeRun
+    from bmdb.model.rows import UpgradeState as UpgradeState
+    from bmdb.model.rows import UpgradeTarget as UpgradeTarget
+    from bmdb.model.rows import WorkInfo as WorkInfo
+    from bmdb.model.rows import node_id as node_id
+else:
+    __getattr__ = exports(
+        __name__,
+        {
+            "bmdb.model.enums": ["Process", "Provider", "ProviderStatus", "WorkEvent"],
+            "bmdb.model.queries": [
+                "AGENT_FIRST_HEARTBEAT_TIMEOUT",
+                "AGENT_HEARTBEAT_TIMEOUT",
+                "MAX_INSTALLATION_TEXT",
+                "SOURCING_WINDOW",
+                "AgentHeartbeat",
+                "HeartbeatOutcome",
+                "Queries",
+                "as_uuid",
+            ],
+            "bmdb.model.rows": [
+                "AgentStarted",
+                "AuditRecord",
+                "DecommissionTarget",
+                "HistoryEvent",
+                "Hold",
+                "InstallationTarget",
+                "InstallState",
+                "MachineProvided",
+                "MachineSummary",
+                "MachineUpgrade",
+                "OSInstallation",
+                "SessionInfo",
+                "UpgradePlanEntry",
+                "UpgradeRun",
+                "UpgradeState",
+                "UpgradeTarget",
+                "WorkInfo",
+                "node_id",
+            ],
+        },
+    )
 
 __all__ = [
     "AGENT_FIRST_HEARTBEAT_TIMEOUT",

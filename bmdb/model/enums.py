@@ -1,7 +1,10 @@
-"""Python mirrors of the SQL enum types (see migrations/0001_initial.sql).
+"""Python mirrors of the SQL enum types (see migrations/0001_initial.sql), and
+of SQL's other fixed words the BMDB uses: the audit log's actions
+(`Action`) and the isolation levels (`Isolation`).
 
 Each member's value is the SQL label, so a member can be passed to a query
-as is. Converting an unknown string raises `InvalidArgument`.
+as is. Converting an unknown string raises `InvalidArgument`. Nothing here
+needs the driver: the CLI parses these names before it connects.
 """
 
 from __future__ import annotations
@@ -59,3 +62,23 @@ class WorkEvent(_SQLEnum):
     FINISHED = "Finished"
     FAILED = "Failed"
     CANCELED = "Canceled"
+
+
+class Action(enum.StrEnum):
+    """An operator action (the CLI's subcommand names)."""
+
+    RETRY_NOW = "retry-now"
+    HOLD = "hold"
+    RELEASE = "release"
+    FORGET_HOST_KEY = "forget-host-key"
+    RECOVER_NOW = "recover-now"
+    FORGET_MACHINE = "forget-machine"
+    DECOMMISSION = "decommission"
+
+
+class Isolation(enum.StrEnum):
+    """Transaction isolation levels, as SQL spells them."""
+
+    SERIALIZABLE = "SERIALIZABLE"
+    REPEATABLE_READ = "REPEATABLE READ"
+    READ_COMMITTED = "READ COMMITTED"

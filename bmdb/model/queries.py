@@ -235,7 +235,7 @@ def _agent_recovery(
 # decommissioned gets the generation (a report on it is still stored: the
 # decommissioner must learn of a node the install started) but not the
 # request: its agent is never sent an install from then on. The same for a
-# machine's requested upgrade (machine_upgrade, migration 0009), probed by
+# machine's requested upgrade (machine_upgrade, migration 0011), probed by
 # its partial unique index: carried while the upgrader has not ended it.
 _RECORD_HEARTBEATS = """
     WITH req AS (
@@ -588,9 +588,9 @@ class Queries:
             machine_id=r[0],
             address=r[1],
             hardware_report=None if r[2] is None else bytes(r[2]),
-            installation=installation_from_row(r[4:14]) if r[3] else None,
-            held=r[14],
-            decommissioned=r[15],
+            installation=installation_from_row(r[4 : 4 + INSTALLATION_WIDTH]) if r[3] else None,
+            held=r[4 + INSTALLATION_WIDTH],
+            decommissioned=r[5 + INSTALLATION_WIDTH],
         )
 
     async def set_os_installation_report(
@@ -608,7 +608,7 @@ class Queries:
                SET generation = EXCLUDED.generation,
                    os_installation_report_raw = EXCLUDED.os_installation_report_raw,
                    success = NULL, cause = NULL, node_public_key = NULL,
-                   reported_at = now()""",
+                   reported_at = now(), checked_at = NULL, lost_cause = NULL""",
             (as_uuid(machine_id), int(generation), bytes(report)),
         )
 
@@ -670,7 +670,9 @@ class Queries:
                    success = EXCLUDED.success,
                    cause = EXCLUDED.cause,
                    node_public_key = EXCLUDED.node_public_key,
-                   reported_at = EXCLUDED.reported_at
+                   reported_at = EXCLUDED.reported_at,
+                   checked_at = NULL,
+                   lost_cause = NULL
                RETURNING 1""",
             (
                 bytes(raw),
@@ -679,6 +681,50 @@ class Queries:
                 None if node_public_key is None else bytes(node_public_key),
                 as_uuid(machine_id),
                 generation,
+            ),
+        )
+        return bool(rows)
+
+    async def record_installation_check(
+        self,
+        machine_id: uuid.UUID | str,
+        generation: int,
+        node_public_key: bytes | None,
+        lost_cause: str | None,
+    ) -> bool:
+        """Store what an agent found of the generation it installed, reported
+        unasked after the install's own report (migration 0010): still there
+        (``node_public_key``, the node's key again) or gone (``lost_cause``,
+        exactly one of the two). Stored only on the machine's current
+        generation, and only if its report is a success of that same key
+        (a check cannot turn a failed install into an installed one, nor
+        name another node); returns whether it was stored. `InvalidArgument`
+        for neither or both, a key that is not 32 bytes, a cause PostgreSQL
+        cannot store or over `MAX_INSTALLATION_TEXT` characters."""
+        if not isinstance(generation, int) or not 0 < generation < 2**63:
+            raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
+        if (node_public_key is None) == (lost_cause is None):
+            raise InvalidArgument("an installation check is a node key or a cause, not both")
+        if node_public_key is not None and len(node_public_key) != 32:
+            raise InvalidArgument(
+                f"node public key is {len(node_public_key)} bytes, want 32 (raw Ed25519)"
+            )
+        if lost_cause is not None:
+            _check_text("cause", lost_cause)
+        rows = await self.execute(
+            """UPDATE machine_os_installation_report o
+               SET checked_at = now(), lost_cause = %s
+               FROM machine_os_installation_request r
+               WHERE o.machine_id = %s AND o.generation = %s AND o.success
+                 AND r.machine_id = o.machine_id AND r.generation = o.generation
+                 AND (%s::bytea IS NULL OR o.node_public_key = %s::bytea)
+               RETURNING 1""",
+            (
+                lost_cause,
+                as_uuid(machine_id),
+                generation,
+                None if node_public_key is None else bytes(node_public_key),
+                None if node_public_key is None else bytes(node_public_key),
             ),
         )
         return bool(rows)
@@ -950,7 +996,7 @@ class Queries:
             (as_uuid(machine_id), bytes(key)),
         )
 
-    # Rolling upgrades (migration 0009).
+    # Rolling upgrades (migration 0011).
 
     async def running_upgrade_run(self) -> records.UpgradeRun | None:
         """The run not finished yet, if any (there is at most one); locked
@@ -1451,6 +1497,7 @@ INSTALL_STATE_SQL = """
     CASE WHEN oq.machine_id IS NULL THEN NULL
          WHEN orp.generation IS DISTINCT FROM oq.generation OR orp.success IS NULL
               THEN 'installing'
+         WHEN orp.success AND orp.lost_cause IS NOT NULL THEN 'install-lost'
          WHEN orp.success THEN 'installed'
          ELSE 'install-failed' END
 """
@@ -1458,8 +1505,11 @@ INSTALL_STATE_SQL = """
 #: The columns `installation_from_row` reads, of request ``oq`` and report ``orp``.
 INSTALLATION_COLUMNS = """
     oq.generation, oq.root_device, oq.image_digest, oq.node_address, oq.requested_at,
-    orp.generation, orp.success, orp.cause, orp.node_public_key, orp.reported_at
+    orp.generation, orp.success, orp.cause, orp.node_public_key, orp.reported_at,
+    orp.lost_cause, orp.checked_at
 """
+#: How many they are.
+INSTALLATION_WIDTH = 12
 
 
 def installation_from_row(r: Sequence[Any]) -> records.OSInstallation:
@@ -1475,6 +1525,8 @@ def installation_from_row(r: Sequence[Any]) -> records.OSInstallation:
         cause=r[7],
         node_public_key=None if r[8] is None else bytes(r[8]),
         reported_at=r[9],
+        lost_cause=r[10],
+        checked_at=r[11],
     )
 
 

@@ -7,6 +7,7 @@ import enum
 import uuid
 from dataclasses import dataclass
 
+from bmdb.errors import InvalidArgument
 from bmdb.model.enums import Process, Provider, ProviderStatus, WorkEvent
 
 
@@ -88,6 +89,45 @@ class InstallState(enum.StrEnum):
     INSTALLED = "installed"
     #: The agent reported an error on the requested generation.
     INSTALL_FAILED = "install-failed"
+    #: Installed, but the agent has since found it gone from the disk.
+    INSTALL_LOST = "install-lost"
+
+
+class State(enum.StrEnum):
+    """An operator-facing machine state (what each means: `bmdb.overview`, which
+    computes it in SQL)."""
+
+    DECOMMISSIONED = "decommissioned"
+    FAILED = "failed"
+    UNPROVIDED = "unprovided"
+    NEEDS_AGENT_START = "needs-agent-start"
+    STARTED = "started"
+    HEARTBEATING = "heartbeating"
+    SILENT = "silent"
+
+    @classmethod
+    def parse(cls, value: str) -> State:
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise InvalidArgument(f"unknown state {value!r} (known: {known})") from None
+
+
+def parse_state_filter(value: str) -> State | InstallState:
+    """A ``state`` filter: a `State` or an `InstallState` by name;
+    `InvalidArgument` naming both kinds otherwise."""
+    for kind in (State, InstallState):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    known = ", ".join([*State, *InstallState])
+    raise InvalidArgument(f"unknown state {value!r} (known: {known})")
+
+
+#: Every name a ``state`` filter takes (for command-line choices).
+STATE_FILTERS = (*(str(s) for s in State), *(str(s) for s in InstallState))
 
 
 #: The prefix of a Metropolis node id (metropolis.identity.NODE_ID_PREFIX;
@@ -120,14 +160,21 @@ class OSInstallation:
     cause: str | None
     node_public_key: bytes | None
     reported_at: datetime.datetime | None
+    #: Why the agent finds the installed generation gone (None: there, or
+    #: not checked); when it last reported on it after the install.
+    lost_cause: str | None = None
+    checked_at: datetime.datetime | None = None
 
     @property
     def state(self) -> InstallState:
         """Installed or failed once the report is on the requested
-        generation, installing until then."""
+        generation, installing until then; lost when installed and the
+        agent has found it gone since."""
         if self.report_generation != self.generation or self.success is None:
             return InstallState.INSTALLING
-        return InstallState.INSTALLED if self.success else InstallState.INSTALL_FAILED
+        if self.success:
+            return InstallState.INSTALLED if self.lost_cause is None else InstallState.INSTALL_LOST
+        return InstallState.INSTALL_FAILED
 
     @property
     def reported(self) -> bool:

@@ -15,10 +15,28 @@
 
 # The package's public face: what the node's other packages use of it.
 # Re-exported (``X as X``) so that each name is defined once, in its module.
-from metropolis.consensus.config import Config as Config
-from metropolis.consensus.join import ExistingNode as ExistingNode
-from metropolis.consensus.join import JoinCluster as JoinCluster
-from metropolis.consensus.membership import NotRunning as NotRunning
-from metropolis.consensus.membership import Status as Status
-from metropolis.consensus.service import Service as Service
-from metropolis.errors import ConsensusError as ConsensusError
+from typing import TYPE_CHECKING
+
+from common.lazy import exports
+
+# Imported on first use (common.lazy): a module that needs one part of
+# consensus (its client, the process's constants) does not import it all.
+if TYPE_CHECKING:
+    from metropolis.consensus.config import Config as Config
+    from metropolis.consensus.join import ExistingNode as ExistingNode
+    from metropolis.consensus.join import JoinCluster as JoinCluster
+    from metropolis.consensus.membership import NotRunning as NotRunning
+    from metropolis.consensus.membership import Status as Status
+    from metropolis.consensus.service import Service as Service
+    from metropolis.errors import ConsensusError as ConsensusError
+else:
+    __getattr__ = exports(
+        __name__,
+        {
+            "metropolis.consensus.config": ["Config"],
+            "metropolis.consensus.join": ["ExistingNode", "JoinCluster"],
+            "metropolis.consensus.membership": ["NotRunning", "Status"],
+            "metropolis.consensus.service": ["Service"],
+            "metropolis.errors": ["ConsensusError"],
+        },
+    )

@@ -44,6 +44,7 @@ from typing import Literal
 import trio
 
 from metropolis.consensus.client import Client, EndpointStatus, EtcdError, check_socket_path
+from metropolis.consensus.settings import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
 from metropolis.errors import ConsensusError
 
 __all__ = [
@@ -56,13 +57,6 @@ __all__ = [
     "Tuning",
     "run_etcd",
 ]
-
-#: The client socket's file name inside the working directory.
-SOCKET_NAME = "client.sock:0"
-
-#: The longest client socket path etcd can listen on: ``sun_path`` has 108
-#: bytes, and Go wants one of them for the terminating NUL.
-SOCKET_PATH_MAX = 107
 
 #: Names the etcd binary to run. A node image's entry point
 #: (`metropolis.image.entry`) sets it to the etcd the image bundles; unset
@@ -117,23 +111,6 @@ class PeerTLS:
     #: Re-read by etcd on every new peer connection; its signature is *not*
     #: checked, so only the owner may be able to write it.
     crl: Path
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """Raft timing and etcd's membership health wait. Defaults are etcd's;
-    loopback tests can go 5x faster."""
-
-    heartbeat_ms: int = 100
-    election_ms: int = 1000
-    #: etcd's member health wait (``--strict-reconfig-check``): while True,
-    #: etcd refuses a membership change until every voter has been connected
-    #: for its health window (5 s, fixed in etcd) and a removal that would
-    #: leave too few connected voters, so that a change cannot cost the
-    #: quorum. False lets changes through at once: for tests on one
-    #: machine, whose members connect over loopback, never for a real
-    #: cluster.
-    member_health_wait: bool = True
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,21 @@ Everything here works on the etcd view that consensus gives the curator
 (``namespaced/curator/``); every key it uses is defined in :mod:`.state`.
 """
 
-from metropolis.curator.state import CuratorError
+from typing import TYPE_CHECKING
+
+from common.lazy import exports
+
+# Imported on first use (common.lazy): a module of the curator does not
+# import its state module (and etcd's client) through this package.
+if TYPE_CHECKING:
+    from metropolis.curator.state import CuratorError as CuratorError
+else:
+    __getattr__ = exports(
+        __name__,
+        {
+            "metropolis.curator.state": ["CuratorError"],
+        },
+    )
+
 
 __all__ = ["CuratorError"]

@@ -56,6 +56,7 @@ from metropolis.consensus.client import (
     RangeResult,
     TxnResult,
 )
+from metropolis.curator.settings import DEFAULT_TTL
 from metropolis.curator.state import LEADER_KEY, CuratorError, consensus_removal_key
 from metropolis.event import Value
 from metropolis.proto.curator import LeaderElectionValue
@@ -70,8 +71,6 @@ __all__ = [
     "run_election",
 ]
 
-#: Seconds a dead leader can block the election (Monogon's default).
-DEFAULT_TTL = 10
 #: Waits between attempts to open a watch while etcd is unavailable (it
 #: restarts; the curator is restarted on the new consensus status).
 WATCH_RETRY = ExponentialBackoff(initial=0.5, maximum=4.0, jitter=(0.75, 1.25))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -47,8 +48,13 @@ from metropolis.curator.rpcerrors import unavailable_consensus
 from metropolis.curator.server import CuratorServer
 from metropolis.event import ReadOnlyValue, Value, Watcher
 from metropolis.identity import NodeCredentials
-from metropolis.rpc import RPCMetrics, Server, server_context
+from metropolis.rpc import Server, server_context
 from metropolis.supervisor import Node, RestartRequested
+
+if TYPE_CHECKING:
+    # Given only with --metrics-listen (a node without does not import
+    # prometheus_client): named for types.
+    from metropolis.rpc.metrics import RPCMetrics
 
 __all__ = ["ETCD_GONE_GRACE", "Curator"]
 

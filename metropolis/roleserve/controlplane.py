@@ -58,6 +58,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 from cryptography import x509
@@ -102,8 +103,13 @@ from metropolis.roleserve.startup import (
     reduce,
 )
 from metropolis.roleserve.values import BootstrapData, ClusterMembership, join_key_bytes
-from metropolis.rpc import RPCMetrics, client_context, server_context
+from metropolis.rpc import client_context, server_context
 from metropolis.supervisor import Node, Scope
+
+if TYPE_CHECKING:
+    # Given only with --metrics-listen (a node without does not import
+    # prometheus_client): named for types.
+    from metropolis.rpc.metrics import RPCMetrics
 
 __all__ = ["CRASH_ENV", "ControlPlaneWorker"]
 

@@ -28,6 +28,7 @@ which retries after its backoff.
 from __future__ import annotations
 
 import datetime
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -38,13 +39,17 @@ from metropolis.roleserve.values import ClusterMembership
 from metropolis.rpc import (
     CallContext,
     Leadership,
-    RPCMetrics,
     Server,
     ServerSecurity,
     methods,
     server_context,
 )
 from metropolis.supervisor import Node, RunnableInfo
+
+if TYPE_CHECKING:
+    # Given only with --metrics-listen (a node without does not import
+    # prometheus_client): named for types.
+    from metropolis.rpc.metrics import RPCMetrics
 
 __all__ = ["DebugService", "supervision_tree"]
 

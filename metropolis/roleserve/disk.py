@@ -55,9 +55,9 @@ from pathlib import Path
 from typing import Any
 
 from metropolis import pki
-from metropolis.consensus.process import Tuning
+from metropolis.consensus.settings import Tuning
 from metropolis.crashpoint import crash_point
-from metropolis.curator.election import DEFAULT_TTL
+from metropolis.curator.settings import DEFAULT_TTL
 from metropolis.errors import MetropolisError
 from metropolis.identity import CredentialsError, NodeCredentials
 from metropolis.localstorage import (

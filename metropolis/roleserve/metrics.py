@@ -1,7 +1,7 @@
 """The node's Prometheus metrics, served at ``http://HOST:PORT/metrics``.
 
 ``node bootstrap|register|run --metrics-listen HOST:PORT`` serves them
-(plain HTTP/1.1 and h2c, :mod:`common.metrics`); without it nothing
+(plain HTTP/1.1, :mod:`common.metrics`); without it nothing
 listens. Not on the debug port: that port speaks gRPC over mutual TLS
 and admits only the owner, so a scraper would need the owner's
 certificate (the cluster's master credential) and the gRPC server a plain

@@ -16,7 +16,7 @@ left::
       │       peer certificate (the stored one, or a new one), its record
       │       with ConsensusMember for the restored member, rejoin marks for
       │       the other members, the recovery's record
-      │       (:func:`~metropolis.curator.rejoin.prepare_restored`); stopped
+      │       (:mod:`.recoverprep`, imported while etcdctl runs); stopped
     swap ─ peer PKI, CRL and roles written, the old etcd data (if any)
            deleted and the restored data renamed into its place
 
@@ -44,23 +44,23 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from metropolis import pki
-from metropolis.consensus import peerpki
-from metropolis.consensus.client import Client
-from metropolis.consensus.config import CURATOR_NAMESPACE
-from metropolis.consensus.join import JoinCluster
-from metropolis.consensus.process import SOCKET_NAME, ProcessConfig, run_etcd
 from metropolis.consensus.restore import restore_data
+from metropolis.consensus.settings import SOCKET_NAME
 from metropolis.consensus.snapshot import SnapshotManifest, cluster_identity, verify_snapshot
-from metropolis.curator.rejoin import Recovery, prepare_restored
 from metropolis.errors import MetropolisError
 from metropolis.identity import NodeCredentials
 from metropolis.localstorage import Root, atomic_write, fsync_directory
-from metropolis.proto.common import NodeRoles
 from metropolis.roleserve import disk
+
+if TYPE_CHECKING:
+    from metropolis.consensus.join import JoinCluster
+    from metropolis.curator.rejoin import Recovery
+    from metropolis.proto.common import NodeRoles
 
 __all__ = ["Checked", "RecoverError", "check", "recover"]
 
@@ -137,7 +137,6 @@ async def recover(checked: Checked) -> Recovery:
     """
     root, settings, credentials = checked.root, checked.settings, checked.credentials
     node_id = credentials.node_id
-    manifest = checked.manifest
     await trio.to_thread.run_sync(root.create)
     work = root.data.path / "recover"
     await trio.to_thread.run_sync(_fresh_folder, work)
@@ -146,31 +145,12 @@ async def recover(checked: Checked) -> Recovery:
         peer_url = f"https://{settings.peer_address}"
         _log.info("restoring %s with etcdctl", checked.snapshot)
         await restore_data(checked.snapshot, restored, name=node_id, peer_url=peer_url)
-        process = ProcessConfig(
-            name=node_id,
-            data_dir=restored,
-            working_dir=work / "run",
-            peer_address=settings.peer_address,
-            peer_tls=None,
-            initial_cluster={node_id: peer_url},
-            cluster_state="new",
-            tuning=settings.tuning,
-        )
-        recovery = Recovery.now(
-            node_id,
-            revision=manifest.revision,
-            taken_at=manifest.taken_at,
-            snapshot_node_id=manifest.node_id,
-            sha256=manifest.sha256,
-        )
-        async with trio.open_nursery() as nursery:
-            await nursery.start(run_etcd, process, logging.getLogger(f"{_log.name}.etcd"))
-            async with Client(process.socket_path) as client:
-                join = await _own_join(client, credentials, settings.peer_address)
-                roles, recovery = await prepare_restored(
-                    client.namespaced(CURATOR_NAMESPACE), recovery, join.to_proto()
-                )
-            nursery.cancel_scope.cancel()
+        # Imported only now, while etcdctl ran: the temporary etcd's modules
+        # (etcd's client, the curator's records) are the larger part of
+        # this module's; the command imports them meanwhile, in a thread.
+        from metropolis.roleserve.recoverprep import prepare
+
+        join, roles, recovery = await prepare(checked, restored, work)
         await trio.to_thread.run_sync(_swap, root, credentials, join, roles, restored, work)
     finally:
         with trio.CancelScope(shield=True):
@@ -186,21 +166,6 @@ async def recover(checked: Checked) -> Recovery:
         ", ".join(recovery.rejoining) or "none",
     )
     return recovery
-
-
-async def _own_join(client: Client, credentials: NodeCredentials, peer_address: str) -> JoinCluster:
-    """This node's join data for its restored member: the peer CA, CRL and its certificate."""
-    kv = client.namespaced(peerpki.NAMESPACE)
-    node = await peerpki.load_for_node(kv, credentials.node_id)
-    certificate = await peerpki.reuse_or_issue(
-        kv,
-        node.ca,
-        credentials.public_key,
-        peerpki.peer_hosts(peer_address),
-        node.crl,
-        node.stored_certificate,
-    )
-    return JoinCluster(node.ca.certificate, certificate, node.crl, ())
 
 
 def _fresh_folder(path: Path) -> None:

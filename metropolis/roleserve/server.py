@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -36,11 +37,15 @@ from metropolis.roleserve.bootinfo import RunningImageSource
 from metropolis.roleserve.controlplane import ControlPlaneWorker
 from metropolis.roleserve.debugservice import DebugService
 from metropolis.roleserve.directory import DirectoryUpdate
-from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.roleserve.rolefetch import RoleFetch
 from metropolis.roleserve.snapshots import SnapshotSchedule
 from metropolis.roleserve.statuspush import StatusPush
 from metropolis.roleserve.values import BootstrapData, ClusterMembership
+
+if TYPE_CHECKING:
+    # Given only with --metrics-listen: a node without does not import
+    # prometheus_client and the metrics server.
+    from metropolis.roleserve.metrics import NodeMetrics
 from metropolis.supervisor import Node
 
 __all__ = ["RoleServer"]

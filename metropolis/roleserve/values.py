@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import pki
-from metropolis.consensus.service import Service as ConsensusService
-from metropolis.curator.service import Curator
 from metropolis.identity import NodeCredentials
 from metropolis.proto.common import ClusterDirectory, NodeRoles
 from metropolis.proto.management import GetClusterInfoResponse
+
+if TYPE_CHECKING:
+    # Only named in the role server's value (the running services): the
+    # node's disk and the owner's commands read this module without them.
+    from metropolis.consensus.service import Service as ConsensusService
+    from metropolis.curator.service import Curator
 
 __all__ = [
     "BootstrapData",

@@ -77,21 +77,64 @@ Cancellation semantics are stated in :mod:`~metropolis.rpc.server` and
 :class:`~metropolis.errors.MetropolisError`).
 """
 
-from metropolis.rpc.auth import Leadership, Peer, PeerKind, ServerSecurity, sign_proof
-from metropolis.rpc.channel import Channel, ChannelClosed, StreamCall
-from metropolis.rpc.client import (
-    CURATOR_PORT,
-    Client,
-    Endpoint,
-    endpoints_from_directory,
-    open_client,
-)
-from metropolis.rpc.limits import Limits
-from metropolis.rpc.method import Access, Method
-from metropolis.rpc.metrics import RPCMetrics
-from metropolis.rpc.server import CallContext, Server
-from metropolis.rpc.status import LeaderHint, RPCError, Status
-from metropolis.rpc.tls import client_context, server_context
+from typing import TYPE_CHECKING
+
+from common.lazy import exports
+
+# Imported on first use (common.lazy): a client (the owner's commands) does
+# not import the server and its metrics.
+if TYPE_CHECKING:
+    from metropolis.rpc.auth import Leadership as Leadership
+    from metropolis.rpc.auth import Peer as Peer
+    from metropolis.rpc.auth import PeerKind as PeerKind
+    from metropolis.rpc.auth import ServerSecurity as ServerSecurity
+    from metropolis.rpc.auth import sign_proof as sign_proof
+    from metropolis.rpc.channel import Channel as Channel
+    from metropolis.rpc.channel import ChannelClosed as ChannelClosed
+    from metropolis.rpc.channel import StreamCall as StreamCall
+    from metropolis.rpc.client import CURATOR_PORT as CURATOR_PORT
+    from metropolis.rpc.client import Client as Client
+    from metropolis.rpc.client import Endpoint as Endpoint
+    from metropolis.rpc.client import endpoints_from_directory as endpoints_from_directory
+    from metropolis.rpc.client import open_client as open_client
+    from metropolis.rpc.limits import Limits as Limits
+    from metropolis.rpc.method import Access as Access
+    from metropolis.rpc.method import Method as Method
+    from metropolis.rpc.metrics import RPCMetrics as RPCMetrics
+    from metropolis.rpc.server import CallContext as CallContext
+    from metropolis.rpc.server import Server as Server
+    from metropolis.rpc.status import LeaderHint as LeaderHint
+    from metropolis.rpc.status import RPCError as RPCError
+    from metropolis.rpc.status import Status as Status
+    from metropolis.rpc.tls import client_context as client_context
+    from metropolis.rpc.tls import server_context as server_context
+else:
+    __getattr__ = exports(
+        __name__,
+        {
+            "metropolis.rpc.auth": [
+                "Leadership",
+                "Peer",
+                "PeerKind",
+                "ServerSecurity",
+                "sign_proof",
+            ],
+            "metropolis.rpc.channel": ["Channel", "ChannelClosed", "StreamCall"],
+            "metropolis.rpc.client": [
+                "CURATOR_PORT",
+                "Client",
+                "Endpoint",
+                "endpoints_from_directory",
+                "open_client",
+            ],
+            "metropolis.rpc.limits": ["Limits"],
+            "metropolis.rpc.method": ["Access", "Method"],
+            "metropolis.rpc.metrics": ["RPCMetrics"],
+            "metropolis.rpc.server": ["CallContext", "Server"],
+            "metropolis.rpc.status": ["LeaderHint", "RPCError", "Status"],
+            "metropolis.rpc.tls": ["client_context", "server_context"],
+        },
+    )
 
 __all__ = [
     "CURATOR_PORT",

@@ -51,8 +51,13 @@ from common.protobuf import parse_checked
 from metropolis.errors import MetropolisError
 from metropolis.rpc import wire
 from metropolis.rpc.method import Message
-from metropolis.rpc.server import LEADER_ADDRESS_HEADER, LEADER_NODE_HEADER
-from metropolis.rpc.status import LeaderHint, RPCError, Status
+from metropolis.rpc.status import (
+    LEADER_ADDRESS_HEADER,
+    LEADER_NODE_HEADER,
+    LeaderHint,
+    RPCError,
+    Status,
+)
 from metropolis.rpc.transport import (
     Closed,
     Connection,

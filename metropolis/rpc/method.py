@@ -12,11 +12,15 @@ import enum
 from dataclasses import dataclass
 from typing import Generic, Protocol, Self, TypeVar
 
-__all__ = ["STALE_OK_HEADER", "Access", "Message", "Method"]
+__all__ = ["STALE_OK_HEADER", "UNKNOWN_METHOD", "Access", "Message", "Method"]
 
 #: Request metadata by which a caller of a ``stale_ok`` method accepts a
 #: follower's answer (value ``1``), for when no curator leads.
 STALE_OK_HEADER = "metropolis-stale-ok"
+
+#: The method name of a call to a path that no handler serves (its label
+#: in :mod:`metropolis.rpc.metrics`).
+UNKNOWN_METHOD = "unknown"
 
 
 class Message(Protocol):

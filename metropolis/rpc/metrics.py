@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from metropolis.rpc.method import UNKNOWN_METHOD
+
 __all__ = ["BUCKETS", "UNKNOWN_METHOD", "RPCMetrics"]
 
 #: Upper bounds (seconds) of the latency histogram's buckets; +Inf is added.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-#: The method label of a call to a path that no handler serves.
-UNKNOWN_METHOD = "unknown"
 
 
 @dataclass

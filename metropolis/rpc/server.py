@@ -49,7 +49,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import betterproto2
 import h2.errors
@@ -59,10 +59,20 @@ from cryptography import x509
 from common.protobuf import parse_checked
 from metropolis.rpc import auth, tls, wire
 from metropolis.rpc.limits import Limits
-from metropolis.rpc.method import STALE_OK_HEADER, Message, Method
-from metropolis.rpc.metrics import UNKNOWN_METHOD, RPCMetrics
-from metropolis.rpc.status import LeaderHint, RPCError, Status
+from metropolis.rpc.method import STALE_OK_HEADER, UNKNOWN_METHOD, Message, Method
+from metropolis.rpc.status import (
+    LEADER_ADDRESS_HEADER,
+    LEADER_NODE_HEADER,
+    LeaderHint,
+    RPCError,
+    Status,
+)
 from metropolis.rpc.transport import Closed, Connection, Data, End, Reset, StreamGone
+
+if TYPE_CHECKING:
+    # Counted only when given one: a server without metrics (a node without
+    # --metrics-listen) does not import prometheus_client.
+    from metropolis.rpc.metrics import RPCMetrics
 
 __all__ = ["CallContext", "Limits", "Server"]
 
@@ -72,8 +82,6 @@ Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
 
 _RESPONSE_HEADERS = [(":status", "200"), ("content-type", wire.CONTENT_TYPE)]
-LEADER_NODE_HEADER = "metropolis-leader-node-id"
-LEADER_ADDRESS_HEADER = "metropolis-leader-address"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from metropolis.errors import MetropolisError
 
-__all__ = ["LeaderHint", "RPCError", "Status"]
+__all__ = ["LEADER_ADDRESS_HEADER", "LEADER_NODE_HEADER", "LeaderHint", "RPCError", "Status"]
 
 
 class Status(enum.IntEnum):
@@ -46,6 +46,11 @@ class LeaderHint:
 
     node_id: str
     address: str = ""
+
+
+#: The trailers a follower names the leader in (:class:`LeaderHint`).
+LEADER_NODE_HEADER = "metropolis-leader-node-id"
+LEADER_ADDRESS_HEADER = "metropolis-leader-address"
 
 
 class RPCError(MetropolisError):

@@ -56,6 +56,8 @@ from .keyfile import load_or_create_seed
 from .wire import DecodeError, TakeoverInit, encode_error, encode_success, iter_fields
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .heartbeat import Heartbeater
     from .install import Settings
 
@@ -65,7 +67,7 @@ def _beside(suffix: str) -> str:
     return os.path.abspath(sys.argv[0]) + suffix
 
 
-def take_over(init_bytes: bytes, key_file: str) -> bytes:
+def take_over(init_bytes: bytes, key_file: str, more_warnings: Sequence[str] = ()) -> bytes:
     """Run one takeover exchange and return the encoded TakeoverResponse."""
     try:
         init = TakeoverInit.decode(init_bytes)
@@ -73,7 +75,7 @@ def take_over(init_bytes: bytes, key_file: str) -> bytes:
         return encode_error(f"malformed TakeoverInit on stdin: {exc}")
     if not init.bmaas_endpoint:
         return encode_error("TakeoverInit has an empty bmaas_endpoint")
-    warnings: list[str] = []
+    warnings: list[str] = list(more_warnings)
     try:
         seed = load_or_create_seed(key_file, warnings)
     except AgentError as exc:
@@ -88,44 +90,94 @@ INSTALL_FLAGS = {
     "--install-backoff-cap": "backoff_cap",
 }
 
+USAGE = (
+    "usage: agent [--heartbeat-interval S] [--heartbeat-backoff-cap S] "
+    "[--install-download-deadline S] [--install-backoff-start S] [--install-backoff-cap S] "
+    "[--install-layout BOOT,SYSTEM,DATA] [--install-after start|reboot|none] "
+    "[--systemd-unit] [--init-file PATH]"
+)
 
-def _parse_args(argv: list[str]) -> tuple[float | None, float, dict[str, float]]:
-    """``[--heartbeat-interval S] [--heartbeat-backoff-cap S] [--install-* S ...]``:
-    the interval, the cap, and the install settings given (`INSTALL_FLAGS`)."""
-    interval: float | None = None
-    cap = 60.0
-    install: dict[str, float] = {}
+
+class Options:
+    """The command line (`parse_args`)."""
+
+    def __init__(self) -> None:
+        self.interval: float | None = None
+        self.cap = 60.0
+        #: `install.Settings` fields given, in seconds (`INSTALL_FLAGS`).
+        self.install: dict[str, float] = {}
+        #: ``--install-layout``: a real disk's partition sizes in MiB.
+        self.layout: tuple[int, int, int] | None = None
+        self.after_install: str | None = None
+        #: Run as a unit of the machine's systemd (`unit`).
+        self.systemd_unit = False
+        #: The unit's own start: TakeoverInit from this file, not stdin.
+        self.init_file: str | None = None
+        #: The flags a unit passes on (all but ``--systemd-unit``, ``--init-file``).
+        self.unit_flags: list[str] = []
+
+
+def parse_args(argv: list[str]) -> Options:
+    """The options of ``argv``; AgentError (`USAGE`) or ValueError if bad."""
+    options = Options()
     args = list(argv)
     while args:
         flag = args.pop(0)
-        known = flag in ("--heartbeat-interval", "--heartbeat-backoff-cap") or flag in INSTALL_FLAGS
+        if flag == "--systemd-unit":
+            options.systemd_unit = True
+            continue
+        seconds = (
+            flag in ("--heartbeat-interval", "--heartbeat-backoff-cap") or flag in INSTALL_FLAGS
+        )
+        known = seconds or flag in ("--install-layout", "--install-after", "--init-file")
         if not known or not args:
-            raise AgentError(
-                "usage: agent [--heartbeat-interval S] [--heartbeat-backoff-cap S] "
-                "[--install-download-deadline S] [--install-backoff-start S] "
-                f"[--install-backoff-cap S], got {flag!r}"
-            )
-        value = float(args.pop(0))
+            raise AgentError(f"{USAGE}, got {flag!r}")
+        text = args.pop(0)
+        if flag == "--init-file":
+            options.init_file = text
+            continue
+        options.unit_flags += [flag, text]
+        if flag == "--install-after":
+            if text not in ("start", "reboot", "none"):
+                raise AgentError(f"--install-after must be start, reboot or none, got {text!r}")
+            options.after_install = text
+            continue
+        if flag == "--install-layout":
+            sizes = tuple(int(x) for x in text.split(","))
+            if len(sizes) != 3 or min(sizes) < 1:
+                raise AgentError(f"--install-layout wants three positive MiB sizes, got {text!r}")
+            options.layout = (sizes[0], sizes[1], sizes[2])
+            continue
+        value = float(text)
         if not 0 < value < float("inf"):
             raise AgentError(f"{flag} must be positive")
         if flag == "--heartbeat-interval":
-            interval = value
+            options.interval = value
         elif flag == "--heartbeat-backoff-cap":
-            cap = value
+            options.cap = value
         else:
-            install[INSTALL_FLAGS[flag]] = value
-    return interval, cap, install
+            options.install[INSTALL_FLAGS[flag]] = value
+    return options
 
 
-def _install_settings(defaults: Settings, given: dict[str, float]) -> Settings:
-    """``defaults`` with the bounds the command line gave."""
+def _install_settings(defaults: Settings, options: Options) -> Settings:
+    """``defaults`` with what the command line gave."""
     import dataclasses  # not on the takeover's path
 
+    from . import blockdev
+
+    given = options.install
+    layout = defaults.layout
+    if options.layout is not None:
+        boot, system, data = options.layout
+        layout = blockdev.Layout(boot_mib=boot, system_mib=system, data_min_mib=data)
     return dataclasses.replace(
         defaults,
         download_deadline=given.get("download_deadline", defaults.download_deadline),
         backoff_start=given.get("backoff_start", defaults.backoff_start),
         backoff_cap=given.get("backoff_cap", defaults.backoff_cap),
+        layout=layout,
+        after_install=options.after_install or defaults.after_install,
     )
 
 
@@ -135,14 +187,22 @@ def main() -> int:
 
         return wipe(sys.argv[0])
     try:
-        interval, cap, install_settings = _parse_args(sys.argv[1:])
+        options = parse_args(sys.argv[1:])
     except (AgentError, ValueError) as exc:
         sys.stderr.write(f"agent: {exc}\n")
         return 2
-    init_bytes = sys.stdin.buffer.read()
+    if options.init_file is not None:
+        try:
+            with open(options.init_file, "rb") as f:
+                init_bytes = f.read(1 << 20)
+        except OSError as exc:
+            sys.stderr.write(f"agent: --init-file: {exc}\n")
+            return 1
+    else:
+        init_bytes = sys.stdin.buffer.read()
     response = take_over(init_bytes, _beside(".key"))
     heartbeater: Heartbeater | None = None
-    if interval is not None and iter_fields(response)[0][0] == 1:  # success
+    if options.interval is not None and iter_fields(response)[0][0] == 1:  # success
         from .heartbeat import Heartbeater  # the heartbeat's path only
 
         try:
@@ -150,29 +210,62 @@ def main() -> int:
             heartbeater = Heartbeater(
                 TakeoverInit.decode(init_bytes),
                 load_or_create_seed(_beside(".key"), warnings),
-                interval=interval,
-                backoff_cap=cap,
+                interval=options.interval,
+                backoff_cap=options.cap,
             )
         except AgentError as exc:
             response = encode_error(str(exc))
+    if options.init_file is not None:  # systemd's start of the unit: no one to answer
+        if heartbeater is None:
+            sys.stderr.write(f"agent: cannot heartbeat with {options.init_file}\n")
+            return 1
+        return _heartbeat(heartbeater, options)
+    if heartbeater is not None and options.systemd_unit:
+        from . import unit
+
+        try:
+            unit.install_unit(
+                os.path.abspath(sys.argv[0]), init_bytes, options.unit_flags, _systemd_root()
+            )
+        except AgentError as exc:
+            response = take_over(
+                init_bytes, _beside(".key"), [f"{exc}: the agent runs detached instead"]
+            )
+        else:
+            sys.stdout.buffer.write(response)
+            sys.stdout.buffer.flush()
+            return 0
     sys.stdout.buffer.write(response)
     sys.stdout.buffer.flush()
     if heartbeater is None:
         return 0
-    from .daemon import detach, log, replace_running_agent
-    from .hwreport import collect_hardware_report
+    from .daemon import detach
 
     if not detach(_beside(".log")):
         return 0
+    return _heartbeat(heartbeater, options)
+
+
+def _systemd_root() -> str:
+    from .blockdev import Target
+
+    return Target().systemd_root
+
+
+def _heartbeat(heartbeater: Heartbeater, options: Options) -> int:
+    """Heartbeat (and install) until killed; the daemon's and the unit's."""
+    from .daemon import log, replace_running_agent
+    from .hwreport import collect_hardware_report
+
     try:
         replace_running_agent(_beside(".pid"))
-        log(f"heartbeating to {heartbeater.init.bmaas_endpoint} every {interval:g}s")
+        log(f"heartbeating to {heartbeater.init.bmaas_endpoint} every {options.interval:g}s")
         agent = os.path.abspath(sys.argv[0])
         heartbeater.report = collect_hardware_report(os.path.dirname(agent))
         # After the takeover's answer: not on its path.
         from .install import Installer, Settings
 
-        settings = _install_settings(Settings(), install_settings)
+        settings = _install_settings(Settings(), options)
         heartbeater.installer = Installer(
             agent,
             endpoint_scheme=heartbeater.scheme,

@@ -18,7 +18,11 @@ a device smaller than the layout.
 
 One install (`install_device`), each step a crash point (`crash_point`,
 ``METROPOLIS_TEST_CRASH_AT`` as in metropolis/crashpoint.py, which the
-agent bundle cannot import):
+agent bundle cannot import) and a pause point (`PAUSE_DIR`, where a test
+cuts the machine's power), and one more halfway through the image write.
+A disk that an earlier install left running is stopped first
+(`stop_installed`: its node unit stopped, its data unmounted, its boot
+entry removed):
 
     partition   a GPT written by sfdisk: boot, system A, system B, data, of
                 fixed type GUIDs and the sizes of `Layout`; PARTUUIDs read back
@@ -27,8 +31,11 @@ agent bundle cannot import):
                 A/B upgrade is one write of the other slot, no filesystem to
                 repair), then read back from the device and its SHA-256 checked
     boot record on the boot partition, raw and length-prefixed (MAGIC, JSON
-                header with the image's size, digest and the PARTUUIDs, the
-                NodeParameters): python3 reads it at boot with no extra package
+                header with the generation, the image's size and digest and
+                the PARTUUIDs, the NodeParameters): python3 reads it at boot
+                with no extra package; the agent reads its header back at
+                each heartbeat (`read_installed`) to tell that the install is
+                still there
     data        mkfs.ext4 of the data partition, the node's root
     boot entry  LAST: the helpers `bootprep` and `abslots` and four units in
                 the systemd root (the boot check of `abslots` among them), then
@@ -39,6 +46,9 @@ agent bundle cannot import):
 A/B upgrades (slot B written, tried once, kept or given up) are
 `abslots`'s and `shepherd.agent.upgrade`'s; the install only writes the
 pieces every boot runs.
+
+The wipe (`wipe_device`): see its docstring; each step is reported with
+its outcome.
 """
 
 from __future__ import annotations
@@ -66,6 +76,12 @@ TYPE_SYSTEM = "7E5F4C1A-2B6D-4E1F-9A3C-6D0B5E8F1A21"
 TYPE_DATA = "3A9C7B52-1E4D-4F60-8B2A-5C7D9E0F1B34"
 NAMES = ("boot", "system-a", "system-b", "data")
 
+#: Tests stop an install at a step (to cut the machine's power there) with
+#: a file ``pause-<step>`` here: on the machine's /run, a tmpfs, so a reboot
+#: forgets it. The installer then makes ``paused-<step>`` and waits until
+#: ``pause-<step>`` is gone. No machine in service has this folder.
+PAUSE_DIR = "/run/metropolis-test"
+
 MAGIC = b"MONOTRIO-BOOT1\n"
 HELPER = "bootprep.py"
 #: Helpers copied beside it (`bootprep` imports them).
@@ -73,6 +89,11 @@ HELPER_MODULES = ("abslots.py",)
 PREPARE_UNIT = "metropolis-prepare.service"
 NODE_UNIT = "metropolis-node.service"
 RUN = "/run/metropolis"
+#: The node's root folder under the data partition's mount point.
+NODE_ROOT = "metropolis"
+#: Where the node image's zipapp unpacks its packages (on the root
+#: filesystem: the data partition is the node's, sized for its data only).
+SHIV_ROOT = "/var/cache/metropolis/shiv"
 _MOUNT_POINT = re.compile(r"(/[A-Za-z0-9_]+)+")
 
 
@@ -85,11 +106,20 @@ class DeviceFailed(AgentError):
 
 
 def crash_point(step: str) -> None:
-    """SIGKILL this process here if ``METROPOLIS_TEST_CRASH_AT`` names ``step``."""
+    """SIGKILL this process here if ``METROPOLIS_TEST_CRASH_AT`` names ``step``;
+    wait here while ``PAUSE_DIR/pause-<step>`` exists (`PAUSE_DIR`)."""
     if os.environ.get(CRASH_ENV) == step:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+    pause = os.path.join(PAUSE_DIR, f"pause-{step}")
+    if os.path.exists(pause):
+        import time
+
+        with open(os.path.join(PAUSE_DIR, f"paused-{step}"), "w"):
+            pass
+        while os.path.exists(pause):
+            time.sleep(0.05)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +201,10 @@ def child_partitions(name: str) -> list[str]:
     return [child for _, child in sorted(found)]
 
 
-def check_device(root_device: str, layout: Layout) -> str:
-    """The path of the device to install on, or DeviceRefused with the cause."""
+def check_device(root_device: str, layout: Layout, *, own_mount: str | None = None) -> str:
+    """The path of the device to install on, or DeviceRefused with the cause.
+    ``own_mount``: a mount there is an earlier install's data partition, which
+    the install stops first (`stop_installed`), so it is not refused here."""
     path = device_path(root_device)
     try:
         st = os.stat(path)
@@ -191,7 +223,7 @@ def check_device(root_device: str, layout: Layout) -> str:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if len(fields) > 4 and _devno(fields[2]) in devnos:
+            if len(fields) > 4 and _devno(fields[2]) in devnos and fields[4] != own_mount:
                 raise DeviceRefused(f"root device {path} is mounted: {fields[4]}")
     for held in [name, *parts]:
         holders = os.listdir(f"/sys/class/block/{held}/holders")
@@ -212,17 +244,26 @@ def partition_nodes(device: str) -> list[str]:
     subprocess.run(["partx", "-u", device], capture_output=True, check=False)
     if not child_partitions(name):
         subprocess.run(["partx", "-a", device], capture_output=True, check=False)
-    nodes = []
-    for part in child_partitions(name):
-        node = f"/dev/{part}"
-        devno = _devno(_read(f"/sys/class/block/{part}/dev"))
-        try:
-            if os.stat(node).st_rdev != devno:
-                raise DeviceFailed(f"{node} exists but is not partition {part}")
-        except FileNotFoundError:
-            os.mknod(node, 0o600 | stat.S_IFBLK, devno)
-        nodes.append(node)
-    return nodes
+    return [partition_node(part) for part in child_partitions(name)]
+
+
+def partition_node(part: str) -> str:
+    """``/dev/<part>``, made from /sys/class/block/<part>/dev, or made again
+    when it names another device number: a partition table written anew
+    gives a loop device's partitions new (dynamic) numbers, and a node made
+    for the old table would reach some other partition."""
+    node = f"/dev/{part}"
+    devno = _devno(_read(f"/sys/class/block/{part}/dev"))
+    try:
+        if os.stat(node).st_rdev == devno:
+            return node
+        if not stat.S_ISBLK(os.stat(node).st_mode):
+            raise DeviceFailed(f"{node} exists but is not a block device")
+        os.unlink(node)
+    except FileNotFoundError:
+        pass
+    os.mknod(node, 0o600 | stat.S_IFBLK, devno)
+    return node
 
 
 def read_table(device: str) -> dict[str, object]:
@@ -278,8 +319,14 @@ def write_image(image: str, node: str, digest: str) -> int:
     if size > int(_read(f"/sys/class/block/{os.path.basename(node)}/size")) * 512:
         raise DeviceFailed(f"the image of {size} bytes does not fit {node}")
     with open(image, "rb") as src, open(node, "r+b") as dst:
+        written = 0
         while chunk := src.read(MIB):
             dst.write(chunk)
+            if written < size // 2 <= written + len(chunk):
+                dst.flush()
+                os.fsync(dst.fileno())
+                crash_point("image-half")  # a test cuts the power here: half an image
+            written += len(chunk)
         dst.flush()
         os.fsync(dst.fileno())
     back = sha256_of(node, size)
@@ -323,9 +370,27 @@ def mount_unit_name(mount_point: str) -> str:
 
 
 def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, str]:
-    """The unit files of the boot entry, by name."""
+    """The unit files of the boot entry, by name.
+
+    The node unit registers the node at its first start (``node register``,
+    which makes the node's root) and runs it from its saved state at every
+    later one (``node run``: after a reboot, and after a crash that left a
+    registration half done, which ``run`` finishes); both announce the
+    node's key in /run/metropolis for the agent. ``node_address`` is an IP
+    address or host name (`install.check_request`), so it needs no quoting.
+    """
     mount = mount_unit_name(target.mount_point)
     helper = os.path.join(target.helper_dir, HELPER)
+    root = os.path.join(target.mount_point, NODE_ROOT)
+    node = f"{target.python} {RUN}/image.pyz node"
+    announce = f"--announce-key {RUN}/node.key.pub"
+    register = (
+        f"{node} register --parameters {RUN}/node-parameters.pb --root {root} "
+        f"--address {node_address} --insecure-seal {announce}"
+    )
+    start = (
+        f"if [ -d {root} ]; then exec {node} run --root {root} {announce}; else exec {register}; fi"
+    )
     return {
         PREPARE_UNIT: (
             "[Unit]\nDescription=Metropolis: partition nodes, image and parameters from disk\n"
@@ -343,11 +408,10 @@ def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, st
             "[Unit]\nDescription=Metropolis node\n"
             f"Requires={mount}\nAfter={mount} network-online.target\n\n"
             "[Service]\nRestart=always\nRestartSec=2\n"
+            f"Environment=SHIV_ROOT={SHIV_ROOT}\n"
             f"Environment=METROPOLIS_BOOT_INFO={RUN}/{abslots.BOOT_INFO} "
             f"METROPOLIS_ANNOUNCE_HEALTHY={RUN}/{abslots.HEALTHY}\n"
-            f"ExecStart={target.python} {RUN}/image.pyz node register "
-            f"--parameters {RUN}/node-parameters.pb --root {target.mount_point}/metropolis "
-            f"--address {node_address} --insecure-seal --announce-key {RUN}/node.key.pub\n\n"
+            f"ExecStart=/bin/sh -c '{start}'\n\n"
             "[Install]\nWantedBy=multi-user.target\n"
         ),
         abslots.CHECK_UNIT: abslots.check_unit(target.python, helper, boot_partuuid),
@@ -433,9 +497,11 @@ def install_device(
     *,
     layout: Layout,
     target: Target,
+    generation: int = 0,
     step: Callable[[str], None] = lambda _: None,
 ) -> Installed:
     """Install onto ``device`` (checked by `check_device`): see the module's steps.
+    ``generation`` goes into the boot record (`read_installed` checks it).
     Raises DeviceFailed with the cause; a failure leaves no boot entry."""
     crash_point("partition")
     parts = partition(device, layout)
@@ -445,6 +511,7 @@ def install_device(
     step(f"image {size} bytes, SHA-256 read back")
     crash_point("boot-record")
     header: dict[str, object] = {
+        "generation": generation,
         "image_bytes": size,
         "image_sha256": digest,
         **dict(zip(("boot", "system_a", "system_b", "data"), parts.partuuids, strict=True)),
@@ -461,45 +528,130 @@ def install_device(
     return Installed(parts, size, written)
 
 
+def _systemctl(*args: str) -> str | None:
+    """Run ``systemctl ARGS``; None if it worked, else why not. Nothing on a
+    machine whose init is not systemd (no /run/systemd/system)."""
+    if not os.path.isdir("/run/systemd/system"):
+        return "systemd does not run this machine"
+    try:
+        done = subprocess.run(["systemctl", *args], capture_output=True, check=False, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"systemctl {' '.join(args)}: {exc}"
+    if done.returncode != 0:
+        err = done.stderr.decode(errors="replace").strip()[-300:]
+        return f"systemctl {' '.join(args)} failed (status {done.returncode}): {err}"
+    return None
+
+
+def stop_installed(target: Target) -> list[str]:
+    """Stop the node an earlier install's boot entry in ``target`` runs and
+    unmount its data partition, then remove the boot entry: what a new
+    install onto the same disk does first (the new one writes its own).
+    The steps done; nothing when there is no boot entry."""
+    if not os.path.exists(os.path.join(target.systemd_root, NODE_UNIT)):
+        return []
+    units_ = [NODE_UNIT, mount_unit_name(target.mount_point), PREPARE_UNIT]
+    why = _systemctl("stop", *units_)
+    if why is not None and os.path.isdir("/run/systemd/system"):
+        raise DeviceFailed(f"cannot stop the installed node: {why}")
+    removed = remove_boot_entry(target)
+    _systemctl("daemon-reload")
+    return [f"stopped {', '.join(units_)}", *(f"removed {p}" for p in removed)]
+
+
+def _read_direct(device: str, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` (both multiples of 4096) of ``device``,
+    read with O_DIRECT: from the device, never from a page cache that a
+    write through another node (a partition, the backing file) left stale."""
+    import mmap
+
+    buffer = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT wants
+    fd = os.open(device, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    try:
+        got = os.preadv(fd, [buffer], offset)
+        return bytes(buffer[:got])
+    finally:
+        os.close(fd)
+        buffer.close()
+
+
+def read_installed(device: str) -> dict[str, object]:
+    """The header of the boot record on ``device``'s first partition, read
+    off the device (`_read_direct`); DeviceFailed saying what is missing
+    (a disk emptied, wiped or written over since the install)."""
+    name = sys_name(os.stat(device).st_rdev)
+    parts = child_partitions(name)
+    if not parts:
+        raise DeviceFailed(f"{device} has no partition")
+    start = int(_read(f"/sys/class/block/{parts[0]}/start")) * 512
+    data = _read_direct(device, start, 64 * 1024)
+    if not data.startswith(MAGIC):
+        raise DeviceFailed(f"{device} holds no boot record")
+    (n,) = struct.unpack(">Q", data[len(MAGIC) : len(MAGIC) + 8])
+    blob = data[len(MAGIC) + 8 : len(MAGIC) + 8 + n]
+    try:
+        header = json.loads(blob)
+    except ValueError as exc:
+        raise DeviceFailed(f"the boot record on {device} does not decode: {exc}") from exc
+    if len(blob) != n or not isinstance(header, dict):
+        raise DeviceFailed(f"the boot record on {device} does not decode")
+    return header
+
+
 # --- the wipe
 
 
-def _zero(node: str, offset: int, length: int) -> None:
-    with open(node, "r+b") as f:
-        f.seek(offset)
-        f.write(b"\0" * length)
-        f.flush()
-        os.fsync(f.fileno())
+def _zeroes_at(device: str, offset: int, length: int) -> bool:
+    return _read_direct(device, offset, length).count(0) == length
 
 
 def wipe_device(device: str) -> list[str]:
-    """Wipe ``device`` for real; the steps done, each read back. DeviceFailed
-    names the step that did not hold."""
+    """Wipe ``device`` for real; the steps done, each "what: outcome", the
+    last one the read-back. DeviceFailed names the step that did not hold.
+
+    Each partition's signatures, then the table's (``wipefs -a``), then the
+    whole device: ``blkdiscard``; where the device refuses a discard, or a
+    discard leaves its first MiB unzeroed (discard need not zero), a zero-out
+    of the whole device (``blkdiscard -z``: the kernel writes zeroes where
+    the device has no command for it), so nothing of the node's data stays
+    readable. That takes the device's write time; a discard, little."""
     name = sys_name(os.stat(device).st_rdev)
     done = []
-    for node in [f"/dev/{p}" for p in child_partitions(name)]:
-        size = int(_read(f"/sys/class/block/{os.path.basename(node)}/size")) * 512
-        if os.path.exists(node):
-            _run(["wipefs", "-a", "-q", node])
-            n = min(MIB, size)
-            _zero(node, 0, n)
-            _zero(node, size - n, n)
-            done.append(f"wipefs and zeroes of the first and last MiB of {node}")
+    nodes = []
+    for part in child_partitions(name):
+        node = f"/dev/{part}"
+        if not os.path.exists(node):
+            devno = _devno(_read(f"/sys/class/block/{part}/dev"))
+            os.mknod(node, 0o600 | stat.S_IFBLK, devno)
+        nodes.append(node)
+    if nodes:  # one wipefs for them all: it fails as a whole, naming the node
+        _run(["wipefs", "-a", "-q", *nodes])
+        done += [f"wipefs -a {node}: done" for node in nodes]
     _run(["wipefs", "-a", "-q", device])
-    done.append(f"wipefs of {device}")
+    done.append(f"wipefs -a {device} (the partition table): done")
+    size = int(_read(f"/sys/class/block/{name}/size")) * 512
     discard = subprocess.run(["blkdiscard", "-f", device], capture_output=True, check=False)
-    if discard.returncode == 0:
-        done.append(f"blkdiscard of {device}")
+    first = min(MIB, size) // 4096 * 4096
+    if discard.returncode == 0 and _zeroes_at(device, 0, first):
+        done.append(f"blkdiscard {device}: done")
     else:
-        size = int(_read(f"/sys/class/block/{name}/size")) * 512
-        _zero(device, 0, min(MIB, size))
-        _zero(device, size - min(MIB, size), min(MIB, size))
-        done.append(f"zeroes of the first and last MiB of {device} (no discard)")
+        why = (
+            discard.stderr.decode(errors="replace").strip()[-200:]
+            if discard.returncode != 0
+            else "the discarded blocks do not read back as zeroes"
+        )
+        done.append(f"blkdiscard {device}: not enough ({why})")
+        _run(["blkdiscard", "-f", "-z", device])
+        done.append(f"blkdiscard -z {device} (zeroes over all {size} bytes): done")
     subprocess.run(["partx", "-d", device], capture_output=True, check=False)
     left = _run(["wipefs", "--noheadings", device]).strip()
     if left:
         raise DeviceFailed(f"{device} still shows signatures after the wipe: {left}")
     if child_partitions(name):
         raise DeviceFailed(f"the kernel still shows partitions of {device} after the wipe")
-    done.append(f"read back: no signature, no partition on {device}")
+    if not (
+        _zeroes_at(device, 0, first) and _zeroes_at(device, size // 4096 * 4096 - first, first)
+    ):
+        raise DeviceFailed(f"{device} does not read back as zeroes after the wipe")
+    done.append(f"read back {device}: no signature, no partition, zeroes at both ends")
     return done

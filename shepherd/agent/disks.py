@@ -1,4 +1,17 @@
-"""Loopback disks: folders that stand for a machine's disks.
+"""The machine's disks and the names an installation request gives them.
+
+Real disks (`real_disks`): every whole block device of /sys/block that this
+system can open (``/dev/<name>`` is a block node of its number: in a
+container /sys lists the host's disks too, but /dev has only its own) and
+that is a disk: one with a ``device`` (a controller's disk), or a loop
+device with a backing file (a file standing for a disk, as the nspawn test
+machines have). RAM disks, zram, device mapper and unbacked loop devices
+are not disks to install on. The hardware report lists each by its serial
+number; a disk without one (a loop device, some virtual disks) by its
+kernel name instead, since a request must be able to name it: that name is
+a request's ``root_device`` (`resolve_real`).
+
+Loopback disks: folders that stand for a machine's disks.
 
 On a loopback machine (`shepherd.localfleet`, tests) a disk is a folder
 ``<agent dir>/disks/<name>/`` beside the agent (``/root/disks/disk0/`` for
@@ -14,9 +27,12 @@ from a request can never reach outside the ``disks`` folder.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
+
+from .files import read_text
 
 #: BlockDevice.vendor and .device_model of a loopback disk (its marker).
 LOOPBACK_VENDOR = "monotrio"
@@ -49,3 +65,52 @@ def loopback_disks(agent_dir: str) -> dict[str, str]:
         if is_dir and valid_name(name):
             disks[name] = path
     return disks
+
+
+@dataclasses.dataclass(frozen=True)
+class RealDisk:
+    """A whole block device: its kernel name and the name the report gives it."""
+
+    #: ``sda``, ``loop3``: the name in /sys/block and /dev.
+    kernel_name: str
+    #: Its serial number, or its kernel name when it has none.
+    name: str
+    serial: str
+
+
+def _openable(name: str) -> bool:
+    """Whether /dev/<name> is the block node of /sys/block/<name>."""
+    numbers = read_text(f"/sys/block/{name}/dev")
+    try:
+        st = os.stat(f"/dev/{name}")
+        major, minor = (int(x) for x in (numbers or "").split(":"))
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISBLK(st.st_mode) and st.st_rdev == os.makedev(major, minor)
+
+
+def real_disks() -> list[RealDisk]:
+    """The machine's real disks (see the module), in /sys/block order."""
+    try:
+        names = sorted(os.listdir("/sys/block"))
+    except OSError:
+        return []
+    disks = []
+    for name in names:
+        base = f"/sys/block/{name}"
+        is_disk = os.path.exists(f"{base}/device") or bool(read_text(f"{base}/loop/backing_file"))
+        if not is_disk or not valid_name(name) or not _openable(name):
+            continue
+        serial = read_text(f"{base}/device/serial") or read_text(f"{base}/serial") or ""
+        disks.append(RealDisk(name, serial or name, serial))
+    return disks
+
+
+def resolve_real(name: str, disks: list[RealDisk]) -> str | None:
+    """The kernel name of the one real disk a request's ``name`` means, or
+    None: a disk the report names so (its serial, or its kernel name when it
+    has no serial); ValueError if two disks carry that name."""
+    found = [d.kernel_name for d in disks if d.name == name]
+    if len(found) > 1:
+        raise ValueError(f"root device {name!r} names {len(found)} disks: {', '.join(found)}")
+    return found[0] if found else None

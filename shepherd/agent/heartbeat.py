@@ -18,6 +18,7 @@ from .wire import (
     AgentSession,
     DecodeError,
     HwNode,
+    InstallationReport,
     TakeoverInit,
     decode_heartbeat_session,
     decode_installation_request,
@@ -37,7 +38,9 @@ if TYPE_CHECKING:
 # on the takeover's critical path, and they would about double the agent's
 # start-up time.
 
-#: Bound on one heartbeat exchange (connect, TLS, request, response), seconds.
+#: Bound on one heartbeat exchange (connect, TLS, request, the whole
+#: answer), seconds: each step gets what remains of it, and an answer
+#: trickled in a byte at a time is given up when it runs out.
 REQUEST_TIMEOUT = 15.0
 #: Bound on an answer's size: room for an installation request with the
 #: largest node parameters the installer takes (`install.MAX_NODE_PARAMETERS`),
@@ -108,6 +111,8 @@ class Heartbeater:
         self.wake = threading.Event()
         self._malformed = ""
         self._malformed_upgrade = ""
+        #: The installation report the last request carried.
+        self._installation: InstallationReport | None = None
         self._last_time_ns = 0
         #: The session requests are MACed with, if any, and when (time.monotonic())
         #: to stop using it and sign again, ahead of its end at the server.
@@ -135,6 +140,7 @@ class Heartbeater:
         is held and still in use, else signed."""
         report, warnings = self.report if self.report is not None else (None, None)
         installation = self.installer.pending_report() if self.installer is not None else None
+        self._installation = installation
         upgrade = self.upgrader.pending_report() if self.upgrader is not None else None
         body = encode_heartbeat_request(
             self.init.machine_id, report, warnings, installation, upgrade
@@ -208,13 +214,9 @@ class Heartbeater:
         self.upgrader.on_answer(request)
 
     def _connect(self) -> http.client.HTTPConnection:
-        import http.client
+        from .deadline import connection
 
-        if self.context is not None:
-            return http.client.HTTPSConnection(
-                self.host, self.port, timeout=REQUEST_TIMEOUT, context=self.context
-            )
-        return http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT)
+        return connection(self.host, self.port, self.context)
 
     def beat(self) -> None:
         """Send one heartbeat; raise OSError, HTTPException or AgentError on failure.
@@ -224,9 +226,14 @@ class Heartbeater:
         TCP and TLS handshake per heartbeat. A kept connection the server
         closed meanwhile is replaced once, with a new request. A session
         the server refuses (expired, or made before the server restarted)
-        is dropped and the heartbeat sent again at once, signed.
+        is dropped and the heartbeat sent again at once, signed. Each
+        exchange must complete within `REQUEST_TIMEOUT` (`deadline`). An
+        answer that is not a ``200`` of ``application/proto`` (a proxy's
+        page, say) fails the heartbeat, and its connection is closed.
         """
         import http.client
+
+        from .deadline import start_exchange
 
         reconnected = resigned = False
         while True:
@@ -236,6 +243,7 @@ class Heartbeater:
             conn = self._conn
             body, headers = self.request()
             try:
+                start_exchange(conn, REQUEST_TIMEOUT)
                 conn.request("POST", protocol.HEARTBEAT_PATH, body=body, headers=headers)
                 response = conn.getresponse()
                 answer = response.read(MAX_ANSWER + 1)
@@ -246,23 +254,33 @@ class Heartbeater:
                     reconnected = True
                     continue
                 raise
-            if response.will_close or len(answer) > MAX_ANSWER:
+            content_type = response.getheader("Content-Type") or ""
+            ours = response.status == 200 and _is_proto(content_type)
+            if response.will_close or len(answer) > MAX_ANSWER or not ours:
+                # Not an answer of ours: nothing more is read on this connection.
                 conn.close()
                 self._conn = None
             if response.status == 401 and protocol.HEADER_SESSION in headers and not resigned:
-                text = answer[:300].decode("utf-8", errors="replace")
-                log(f"session refused, signing again: {text}")
+                log(f"session refused, signing again: {_quoted(answer)}")
                 self.session = None
                 resigned = True
                 continue
             break
         if response.status != 200:
-            text = answer[:300].decode("utf-8", errors="replace")
-            raise AgentError(f"heartbeat refused: HTTP {response.status}: {text}")
+            raise AgentError(f"heartbeat refused: HTTP {response.status}: {_quoted(answer)}")
+        if not ours:
+            # A proxy's or a portal's page is no heartbeat answer: the
+            # heartbeat (and the report it carries) did not reach the server.
+            kind = _quoted(content_type.encode("latin-1", errors="replace"))
+            raise AgentError(
+                f"heartbeat answer of type '{kind}', not application/proto: {_quoted(answer)}"
+            )
         if len(answer) > MAX_ANSWER:
             log(f"ignoring an answer of over {MAX_ANSWER} bytes")
         else:
             self.accepted(answer)
+            if self.installer is not None and self._installation is not None:
+                self.installer.sent(self._installation)
             self.take_installation(answer)
             self.take_upgrade(answer)
         if self.report is not None:
@@ -293,3 +311,15 @@ class Heartbeater:
             failing = False
             delay = 0.0
             self.wake.wait(self.interval)  # or sooner, when an install's outcome is ready
+
+
+def _is_proto(content_type: str) -> bool:
+    """Whether a Content-Type is Connect's for a unary answer (application/proto)."""
+    return content_type.split(";")[0].strip().lower() == "application/proto"
+
+
+def _quoted(text: bytes) -> str:
+    """The start of a server's text, fit for one log line: control and
+    formatting characters escaped (a server must not write lines of its own
+    into the agent's log, nor move a terminal's cursor)."""
+    return repr(text[:300].decode("utf-8", errors="replace"))[1:-1]

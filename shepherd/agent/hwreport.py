@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .disks import LOOPBACK_MODEL, LOOPBACK_VENDOR, loopback_disks
+from .disks import LOOPBACK_MODEL, LOOPBACK_VENDOR, loopback_disks, real_disks
 from .files import read_int, read_text
 from .wire import (
     EFI_SUPPORT_ENABLED,
@@ -81,16 +81,12 @@ def _memory(node: HwNode, warnings: list[str]) -> None:
 
 
 def _block_devices() -> list[HwBlockDevice]:
-    """Disks with a backing device (loop, ram, zram, dm-... have none)."""
+    """The real disks (`disks.real_disks`); one without a serial number is
+    named by its kernel name there, the name a request gives it."""
     devices = []
-    try:
-        names = sorted(os.listdir("/sys/block"))
-    except OSError:
-        return []
-    for name in names:
+    for disk in real_disks():
+        name = disk.kernel_name
         base = f"/sys/block/{name}"
-        if not os.path.exists(f"{base}/device"):
-            continue
         protocol = PROTOCOL_UNKNOWN
         if name.startswith("nvme"):
             protocol = PROTOCOL_NVME
@@ -103,9 +99,7 @@ def _block_devices() -> list[HwBlockDevice]:
             HwBlockDevice(
                 vendor=read_text(f"{base}/device/vendor") or "",
                 device_model=read_text(f"{base}/device/model") or "",
-                serial_number=read_text(f"{base}/device/serial")
-                or read_text(f"{base}/serial")
-                or "",
+                serial_number=disk.name,
                 wwn=wwid.encode("utf-8"),
                 rotational=read_text(f"{base}/queue/rotational") == "1",
                 capacity_bytes=(read_int(f"{base}/size") or 0) * 512,
@@ -139,17 +133,34 @@ def _loopback_devices(agent_dir: str) -> list[HwBlockDevice]:
     return devices
 
 
+#: Virtual links that are not a machine's NIC (ARPHRD_ETHER all the same).
+_NOT_NICS = ("bridge", "bonding", "tun_flags", "team")
+
+
+def _nic_names(names: list[str]) -> list[str]:
+    """The NICs among the interfaces: those with a backing device; on a
+    machine with none (a container: its NIC is one end of a veth pair), its
+    Ethernet links instead, but for bridges, bonds, teams and tun/tap."""
+    physical = [n for n in names if os.path.exists(f"/sys/class/net/{n}/device")]
+    if physical:
+        return physical
+    return [
+        n
+        for n in names
+        if read_text(f"/sys/class/net/{n}/type") == "1"  # ARPHRD_ETHER
+        and not any(os.path.exists(f"/sys/class/net/{n}/{m}") for m in _NOT_NICS)
+    ]
+
+
 def _network_interfaces() -> list[HwNetworkInterface]:
-    """Interfaces with a backing device (physical NICs), with their MACs."""
+    """The NICs (`_nic_names`), with their MACs."""
     nics = []
     try:
         names = sorted(os.listdir("/sys/class/net"))
     except OSError:
         return []
-    for name in names:
+    for name in _nic_names(names):
         base = f"/sys/class/net/{name}"
-        if not os.path.exists(f"{base}/device"):
-            continue
         try:
             mac = bytes.fromhex((read_text(f"{base}/address") or "").replace(":", ""))
         except ValueError:

@@ -23,9 +23,11 @@ path that must never write an unverified image.
 One install, in order (`install`)::
 
     check the request     root_device one of the loopback disks (`disks`), or
-                          a real block device by its kernel name (``sdb``,
-                          ``loop3``) that `blockdev.check_device` accepts;
-                          bounds and shapes a request must keep
+                          a real disk as the hardware report names it (its
+                          serial number, or its kernel name without one:
+                          `disks.real_disks`; else a node /dev/<name>) that
+                          `blockdev.check_device` accepts; bounds and shapes
+                          a request must keep
     download, verify      {scheme}://{host}/images/sha256/{hex} into a
                           temporary file in the disk folder (`download`: TLS
                           verified against the CA from TakeoverInit, bounded,
@@ -47,7 +49,9 @@ second node would fight the first for the fixed ports.
 
 A real block device is installed by `blockdev.install_device` (GPT, image
 on system A read back, boot record, data partition, the boot entry last),
-after the download into a temporary file beside the agent. Then, as
+after the download into a temporary file beside the agent; a node an
+earlier install of this agent runs from the disk is stopped first (its
+data partition is not refused as mounted: `blockdev.stop_installed`). Then, as
 `Settings.after_install` says: "start" (``systemctl daemon-reload``, start
 ``metropolis-node.service`` and wait for its key in /run/metropolis),
 "reboot" (``systemctl reboot``; the agent that starts after the reboot
@@ -56,6 +60,14 @@ node was installed but not started, as an error: no key is known). "node
 started" is recorded before the boot entry is written: from then on a
 restarted agent waits for the key instead of calling the generation
 interrupted.
+
+After a successful install onto a real disk, `Installer.pending_report`
+also reports, unasked, what the agent finds of it (`Installer._check`: the
+boot record read back off the device at each heartbeat): once after the
+agent starts (a reboot: the installed generation is still there), and
+whenever that changes (the disk emptied or written over: the generation is
+gone, with the cause). The server stores it beside the report
+(`Queries.record_installation_check`; the machine shows install-lost).
 """
 
 from __future__ import annotations
@@ -75,7 +87,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import blockdev
 from .daemon import log
-from .disks import loopback_disks, valid_name
+from .disks import loopback_disks, real_disks, resolve_real, valid_name
 from .download import PART_PREFIX, PART_SUFFIX, DownloadFailed, Limits, Source, download
 from .errors import AgentError
 from .wire import InstallationReport, InstallationRequest, OSImageRef
@@ -180,14 +192,45 @@ def _valid_address(text: str) -> bool:
     return True
 
 
+def _has_boot_entry(target: blockdev.Target) -> bool:
+    return os.path.exists(os.path.join(target.systemd_root, blockdev.NODE_UNIT))
+
+
+def real_device_name(name: str, loopback: dict[str, str]) -> str:
+    """The kernel name of the device a request's ``root_device`` names, when
+    it is no loopback disk: the real disk the hardware report names so
+    (`disks.real_disks`), else a node ``/dev/<name>`` (which
+    `blockdev.check_device` then judges: a character device, a partition,
+    a RAM disk are refused there). InstallFailed if it names nothing."""
+    real = real_disks()
+    try:
+        found = resolve_real(name, real)
+    except ValueError as exc:
+        raise InstallFailed(str(exc)) from exc
+    if found is not None:
+        return found
+    if valid_name(name) and os.path.lexists(f"/dev/{name}"):
+        return name
+    listed = ", ".join(loopback) or "none"
+    named = ", ".join(d.name for d in real) or "none"
+    raise InstallFailed(
+        f"root device {name!r} is not one of this machine's loopback disks ({listed}) "
+        f"nor of its real disks ({named})"
+    )
+
+
 def check_request(
     request: InstallationRequest,
     disks: dict[str, str],
     endpoint_scheme: str,
     layout: blockdev.Layout | None = None,
     work_dir: str = "",
+    target: blockdev.Target | None = None,
 ) -> Plan:
-    """The plan of a request, or InstallFailed with the cause it is refused for."""
+    """The plan of a request, or InstallFailed with the cause it is refused for.
+    ``target``: where this agent's installs put their boot entry; a device
+    one of them runs from (its data mounted there) is not refused as
+    mounted, since the install stops that node first."""
     m = request.metropolis
     if m is None:
         raise InstallFailed("the request holds no Metropolis installation")
@@ -200,18 +243,15 @@ def check_request(
         )
     name = m.root_device
     device = ""
-    if name not in disks and valid_name(name) and os.path.exists(f"/sys/block/{name}"):
+    if name not in disks:
+        kernel_name = real_device_name(name, disks)
         if layout is None:
             raise InstallFailed(f"root device {name}: {BLOCK_DEVICE_REFUSAL}")
+        own = target.mount_point if target is not None and _has_boot_entry(target) else None
         try:
-            device = blockdev.check_device(name, layout)
+            device = blockdev.check_device(kernel_name, layout, own_mount=own)
         except blockdev.DeviceRefused as exc:
             raise InstallFailed(str(exc)) from exc
-    elif name not in disks:
-        listed = ", ".join(disks) or "none"
-        raise InstallFailed(
-            f"root device {name!r} is not one of this machine's loopback disks ({listed})"
-        )
     if not _valid_address(m.node_address):
         raise InstallFailed(f"node_address {m.node_address!r} is not an IP address or host name")
     image = m.os_image
@@ -515,6 +555,14 @@ def install_device(
     key_path = os.path.join(blockdev.RUN, "node.key.pub")
     try:
         progress("writing")
+        stopped = blockdev.stop_installed(settings.target)
+        if stopped:
+            step("stopped the earlier install: " + "; ".join(stopped))
+        _remove(key_path)  # an earlier node's, if any: the new node announces its own
+        try:  # again: an earlier install's data was not refused as mounted
+            blockdev.check_device(plan.device, settings.layout)
+        except blockdev.DeviceRefused as exc:
+            raise InstallFailed(str(exc)) from exc
 
         def boot_step(what: str) -> None:
             step(what)
@@ -529,6 +577,7 @@ def install_device(
             plan.node_address,
             layout=settings.layout,
             target=settings.target,
+            generation=plan.generation,
             step=boot_step,
         )
     except blockdev.DeviceFailed as exc:
@@ -616,6 +665,9 @@ class Installer:
         self._carried: int | None = None
         self._worker: threading.Thread | None = None
         self._told: set[tuple[int, str]] = set()
+        #: What the last accepted heartbeat said of the installed generation:
+        #: "" installed, else the error; None before any (`_check`).
+        self._checked: str | None = None
         self._load()
 
     def _load(self) -> None:
@@ -685,16 +737,50 @@ class Installer:
 
     def pending_report(self) -> InstallationReport | None:
         """The report the next heartbeat carries: the outcome of the generation
-        the server still asks for, once there is one."""
+        the server still asks for, once there is one; when it asks for none,
+        what `_check` finds of the generation installed on a real disk."""
         with self._lock:
+            state = self._state
             if self._carried is None:
-                return None
+                return None if self._broken is not None else self._check(state)
             if self._broken is not None:
                 return InstallationReport(self._carried, error=self._broken)
-            state = self._state
             if state is None or state["status"] != "done" or state["generation"] != self._carried:
                 return None
             return _report(state)
+
+    def _check(self, state: dict[str, Any] | None) -> InstallationReport | None:
+        """The installed generation's report, sent unasked when it differs
+        from the last one a heartbeat carried: after the agent starts (the
+        Shepherd learns it is back and what it finds), and when the disk no
+        longer holds the generation (emptied, wiped or written over by
+        someone else: an error saying so). Only for a successful install on
+        a real disk: its boot record is read back off the device."""
+        if state is None or state["status"] != "done" or state.get("node_public_key") is None:
+            return None
+        device = state.get("device")
+        if not isinstance(device, str) or not device:
+            return None
+        g = int(state["generation"])
+        try:
+            found = blockdev.read_installed(device).get("generation")
+            if found != g:
+                raise blockdev.DeviceFailed(f"its boot record is of generation {found!r}")
+            outcome = ""
+        except (OSError, blockdev.DeviceFailed) as exc:
+            outcome = f"generation {g} is gone from {device}: {exc}"
+        if outcome == self._checked:
+            return None
+        if outcome:
+            self._tell(g, outcome)
+            return InstallationReport(g, error=outcome[:MAX_ERROR])
+        return _report(state)
+
+    def sent(self, report: InstallationReport) -> None:
+        """A heartbeat that carried ``report`` was accepted: `_check` sends it
+        again only when what it finds differs."""
+        with self._lock:
+            self._checked = "" if report.node_public_key is not None else (report.error or "")
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the running install, if any (tests)."""
@@ -741,6 +827,7 @@ class Installer:
                 self.endpoint_scheme,
                 layout=self.settings.layout,
                 work_dir=self.agent_dir,
+                target=self.settings.target,
             )
             context = self._context() if plan.scheme == "https" else None
 
@@ -783,8 +870,10 @@ class Installer:
                 self._finish(g, None, key=key, error="")
             return
         if self._state["status"] != "node-started" or not isinstance(disk, str):
-            for folder in loopback_disks(self.agent_dir).values():
-                _remove_parts(folder)  # the interrupted download's, if any
+            # The interrupted download's, if any: into a loopback disk, or
+            # beside the agent for a real disk.
+            for folder in [*loopback_disks(self.agent_dir).values(), self.agent_dir]:
+                _remove_parts(folder)
             self._finish(
                 g,
                 None,

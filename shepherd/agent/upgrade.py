@@ -153,29 +153,13 @@ class DeviceDisk:
 
 
 def partition_nodes(device: str) -> list[str]:
-    """The /dev nodes of ``device``'s partitions as the kernel knows them now,
-    each made (or made again, when it names other numbers) from
-    /sys/class/block: no udev needed, and no re-read of the table. (A re-read,
-    ``partx -u``, of a disk whose data partition is mounted may give the other
-    partitions new minor numbers; the install's `blockdev.partition_nodes`
-    runs on a disk nothing uses.)"""
-    import stat
-
+    """The /dev nodes of ``device``'s partitions as the kernel knows them now
+    (`blockdev.partition_node`): no udev needed, and no re-read of the table.
+    (A re-read, ``partx -u``, of a disk whose data partition is mounted may
+    give the other partitions new minor numbers; the install's
+    `blockdev.partition_nodes` runs on a disk nothing uses.)"""
     name = blockdev.sys_name(os.stat(device).st_rdev)
-    nodes = []
-    for part in blockdev.child_partitions(name):
-        node = f"/dev/{part}"
-        with open(f"/sys/class/block/{part}/dev") as f:
-            major, minor = (int(x) for x in f.read().split(":"))
-        devno = os.makedev(major, minor)
-        try:
-            if os.stat(node).st_rdev != devno:
-                os.unlink(node)
-                raise FileNotFoundError(node)
-        except FileNotFoundError:
-            os.mknod(node, 0o600 | stat.S_IFBLK, devno)
-        nodes.append(node)
-    return nodes
+    return [blockdev.partition_node(part) for part in blockdev.child_partitions(name)]
 
 
 def open_device(device: str) -> DeviceDisk:

@@ -3,6 +3,9 @@
 The Shepherd's decommissioner runs the uploaded agent once more, over SSH,
 with ``--wipe`` (nothing on stdin). In order:
 
+    stop the agent's unit          if the takeover made one (`unit`): stopped,
+                                   removed with its saved TakeoverInit, so
+                                   that systemd does not start it again
     stop the heartbeating agent    its pid file names it; only a process
                                    whose command line names this agent file
                                    is signalled (as `daemon.replace_running_agent`)
@@ -12,17 +15,19 @@ with ``--wipe`` (nothing on stdin). In order:
     empty each loopback disk       everything an install wrote in the folder
                                    that stands for the disk (the folder stays:
                                    it is the disk)
-    wipe the installed real disk   the device the install state names: the node
-                                   unit stopped (``systemctl stop``, if there is
-                                   a systemctl), the boot entry removed (enable
-                                   symlink first), then `blockdev.wipe_device`:
-                                   wipefs and zeroes of each partition's first
-                                   and last MiB, wipefs of the table, blkdiscard
-                                   (zeroes where unsupported), read back
+    wipe the installed real disk   the device the install state names: the node's
+                                   units stopped, its data unmounted, the boot
+                                   entry removed (enable symlink first:
+                                   `blockdev.stop_installed`), then
+                                   `blockdev.wipe_device`: wipefs of each
+                                   partition, then of the table, blkdiscard
+                                   (a zero-out of the whole device where a
+                                   discard does not zero it), read back
     remove the agent's own files   its key, pid file and install state
 
 and prints one JSON object on stdout: ``{"wiped": [paths], "stopped":
-[pids], "errors": [lines]}``. The exit status is 0 when nothing failed, 1
+[pids], "errors": [lines], "steps": ["what: outcome", ...]}`` (``steps``:
+the unit's and the disk's, each with its outcome). The exit status is 0 when nothing failed, 1
 otherwise (the report still says what was done). The agent's log and the
 agent file itself stay: the log tells what happened, and the file is what
 ran. Running it again on a wiped machine wipes nothing and succeeds.
@@ -38,7 +43,7 @@ import signal
 import sys
 import time
 
-from . import blockdev
+from . import blockdev, unit
 from .disks import loopback_disks
 from .files import read_int, read_text
 from .install import node_running
@@ -101,28 +106,40 @@ def _installed_device(agent: str) -> str | None:
     return device if isinstance(device, str) and device else None
 
 
-def _wipe_device(device: str, target: blockdev.Target, wiped: list[str], errors: list[str]) -> None:
-    if shutil.which("systemctl") and os.path.isdir("/run/systemd/system"):
-        import subprocess
-
-        subprocess.run(["systemctl", "stop", blockdev.NODE_UNIT], capture_output=True, check=False)
+def _wipe_device(device: str, target: blockdev.Target, steps: list[str], errors: list[str]) -> None:
     try:
-        wiped.extend(blockdev.remove_boot_entry(target))
-    except OSError as exc:
-        errors.append(f"cannot remove the boot entry: {exc}")
+        stopped = blockdev.stop_installed(target)
+        steps.extend(f"{step}: done" for step in stopped)
+        if not stopped:  # a unit half written (a cut install) is still removed
+            steps.extend(f"removed {p}: done" for p in blockdev.remove_boot_entry(target))
+    except (OSError, blockdev.DeviceFailed) as exc:
+        errors.append(f"cannot stop the installed node: {exc}")
+        steps.append(f"stop the installed node: failed: {exc}")
+        return  # its data is mounted: wiping under it would fail half way
     try:
-        wiped.extend(blockdev.wipe_device(device))
+        steps.extend(blockdev.wipe_device(device))
     except (OSError, blockdev.DeviceFailed) as exc:
         errors.append(f"cannot wipe {device}: {exc}")
+        steps.append(f"wipe {device}: failed: {exc}")
 
 
 def wipe(agent: str, target: blockdev.Target | None = None) -> dict[str, list[object]]:
     """Wipe what the agent at path ``agent`` and its installs wrote; the report.
     ``target``: where a real install's boot entry is (`blockdev.Target` by default)."""
     agent = os.path.abspath(agent)
+    target = target or blockdev.Target()
     wiped: list[str] = []
     stopped: list[int] = []
     errors: list[str] = []
+    steps: list[str] = []
+    # systemd would start the agent again if it were only signalled.
+    removed, unit_errors = unit.remove_unit(agent, target.systemd_root)
+    if removed or unit_errors:
+        steps.append(
+            f"stopped and removed {unit.AGENT_UNIT}: " + ("; ".join(unit_errors) or "done")
+        )
+    wiped.extend(removed)
+    errors.extend(unit_errors)
     running = read_int(agent + ".pid")
     if running and running != os.getpid():
         cmdline = (read_text(f"/proc/{running}/cmdline") or "").split("\0")
@@ -136,10 +153,15 @@ def wipe(agent: str, target: blockdev.Target | None = None) -> dict[str, list[ob
             _remove(os.path.join(disk, name), wiped, errors)
     device = _installed_device(agent)
     if device is not None:
-        _wipe_device(device, target or blockdev.Target(), wiped, errors)
+        _wipe_device(device, target, steps, errors)
     for suffix in OWN_FILES:
         _remove(agent + suffix, wiped, errors)
-    return {"wiped": list(wiped), "stopped": list(stopped), "errors": list(errors)}
+    return {
+        "wiped": list(wiped),
+        "stopped": list(stopped),
+        "errors": list(errors),
+        "steps": list(steps),
+    }
 
 
 def main(agent: str) -> int:

@@ -21,9 +21,28 @@ Heartbeat answers also carry a machine's pending OS installation request,
 and heartbeats its agent's report on it (see `service`).
 """
 
-from shepherd.agent_server.connect import ConnectError, ConnectUnary, Limits
-from shepherd.agent_server.server import AgentServerConfig, run_agent_server
-from shepherd.agent_server.service import HeartbeatService
+from typing import TYPE_CHECKING
+
+from common.lazy import exports
+
+# Imported on first use (common.lazy).
+if TYPE_CHECKING:
+    from shepherd.agent_server.connect import ConnectError as ConnectError
+    from shepherd.agent_server.connect import ConnectUnary as ConnectUnary
+    from shepherd.agent_server.connect import Limits as Limits
+    from shepherd.agent_server.server import AgentServerConfig as AgentServerConfig
+    from shepherd.agent_server.server import run_agent_server as run_agent_server
+    from shepherd.agent_server.service import HeartbeatService as HeartbeatService
+else:
+    __getattr__ = exports(
+        __name__,
+        {
+            "shepherd.agent_server.connect": ["ConnectError", "ConnectUnary", "Limits"],
+            "shepherd.agent_server.server": ["AgentServerConfig", "run_agent_server"],
+            "shepherd.agent_server.service": ["HeartbeatService"],
+        },
+    )
+
 
 __all__ = [
     "AgentServerConfig",

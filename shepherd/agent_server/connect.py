@@ -74,6 +74,8 @@ class Limits:
     body_timeout: float = 10.0
     #: Largest accepted request head (request line and headers), bytes.
     max_head: int = 16 * 1024
+    #: Most header lines in a request head (an agent sends about ten).
+    max_headers: int = 100
 
 
 class ConnectUnary:

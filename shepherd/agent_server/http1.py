@@ -1,29 +1,25 @@
 """A lean HTTP/1.1 server on Trio for the agent callback's unary Connect calls.
 
-The parser is this module's own, not h11 (or a server built on it, such
-as hypercorn, which served this endpoint first). This endpoint needs a
-small part of HTTP/1.1: one method, small bodies, answers whose length is
-known, no upgrades and no streaming, and it is the hot path of every
-agent's heartbeat, which costs the server little else once sessions
-spare the signature check. Under ``bench/heartbeat.py``, h11's general
-machinery (its event objects, the state machine it steps several times per
-request, the validation of every header it parses and of those of the
-answer it writes) added nearly as much server CPU per heartbeat as all of
-the heartbeat's path costs with this parser, far more than this project
-lets a library cost over its own code; hypercorn's ASGI machinery on top
-of h11 cost more still. So the parser stays, and is strict instead:
-it takes only what RFC 9112 allows a server to take and refuses the rest
-(mostly with a 400), in particular what request smuggling and crashes are
-made of.
+Requests are parsed by llhttp (Node.js's HTTP/1.1 parser, through
+``httptools``, as uvicorn parses them), a strict parser made against
+request smuggling; this module decides, on llhttp's callbacks, what a
+parser cannot decide for this endpoint. Not h11 (or a server built on it,
+such as hypercorn, which served this endpoint first): under
+``bench/heartbeat.py`` its general machinery (event objects, a state
+machine stepped several times per request, validation of every header of
+the request and of the answer) cost nearly as much server CPU per
+heartbeat as all the rest of the heartbeat's path. Neither the
+hand-written parser that replaced h11: llhttp parses a heartbeat in less
+than half its time (``bench.heartbeat`` keeps it as the baseline,
+`bench.http1_handwritten`), and refuses more of what smuggling is made of.
 
 What it speaks::
 
     request line   METHOD SP target SP HTTP/1.1 (or HTTP/1.0), target's query
-                   ignored; the method a token
-    headers        name: value, by lower-case name, the name a token (so no
-                   obsolete line folding, no space before the colon); the last
-                   of repeated ones wins, but repeated Content-Length must
-                   agree and Transfer-Encoding may come once
+                   ignored; a method llhttp knows (others: 400)
+    headers        name: value, by lower-case name, trailing whitespace
+                   stripped; the last of repeated ones wins, but
+                   Content-Length and Transfer-Encoding may come once each
     body           Content-Length (ASCII digits only, `common.numbers`), or
                    Transfer-Encoding: chunked (trailers ignored), not both;
                    Expect: 100-continue answered before the body is read
@@ -32,13 +28,23 @@ What it speaks::
     keep-alive     HTTP/1.1 unless "Connection: close"; HTTP/1.0 only when asked
     pipelining     requests on one connection are answered in order, one at a time
 
-No control character may appear in a head or a chunk line but HTAB and the
-CRLF line ends: a bare CR or LF is a line end to some parsers and not to
-others, and a proxy in front would read other headers than this server.
-Anything else (a malformed head, a head larger than ``Limits.max_head``, a
-body larger than ``Limits.max_body``) is answered with a Connect error (see
-`shepherd.agent_server.connect`) and the connection closed, since its
-remaining bytes cannot be trusted.
+What llhttp refuses (a 400, and the connection closed, since its remaining
+bytes cannot be trusted): a control character in a head but HTAB (NUL, a
+bare CR or LF: some parsers take those for line ends and others not, so
+that a proxy in front would read other headers than this server), obsolete
+line folding, a header name that is not a token, a Content-Length that is
+not digits, overflows 64 bits or comes twice (even with one value),
+Transfer-Encoding with Content-Length or twice, chunk framing that is not
+CRLF-terminated hex, an unknown method or malformed request line, data after
+a request that closes the connection (`tests/shepherd/test_llhttp_edges.py`
+pins these). What this module refuses the same way, on llhttp's callbacks:
+a version other than 1.0 and 1.1 (505), a Transfer-Encoding other than
+``chunked`` alone, a Content-Length of more than 12 digits, an upgrade; a
+head of more than ``Limits.max_head`` bytes or ``Limits.max_headers``
+header lines (431) and a body larger than ``Limits.max_body`` (429, before
+it is read when its length is declared). Other refusals are the Connect
+layer's (see `shepherd.agent_server.connect`), from the head alone, before
+the body is read.
 
 No connection's bytes can end the server: an exception out of one
 connection that is not the client going away (a bug, then) is logged (a
@@ -66,6 +72,7 @@ connection (a request being handled is cancelled with it).
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import math
@@ -76,11 +83,12 @@ import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+import httptools
 import trio
 
 from common.backoff import ExponentialBackoff, Retrier
 from common.numbers import parse_decimal
-from shepherd.agent_server.connect import ConnectError, ConnectUnary, error_answer
+from shepherd.agent_server.connect import ConnectError, ConnectUnary, Handler, error_answer
 from shepherd.errors import ShepherdError
 
 logger = logging.getLogger("shepherd.agent_server.http1")
@@ -103,18 +111,8 @@ _REASONS = {
 }
 
 _RECEIVE = 65536
-_HEX = b"0123456789abcdefABCDEF"
 #: Most digits of a Content-Length (a terabyte; any allowed body has fewer).
 _LENGTH_DIGITS = 12
-#: Control characters other than HTAB, CR and LF: no line of a request
-#: head or of chunked framing may hold one (nor a CR or LF outside a CRLF
-#: line end, which some parsers take for a line end and others not, so
-#: that a proxy in front and this server would read different headers).
-_CONTROL = bytes([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])
-#: RFC 9110's token characters: a method, a header name.
-_TOKEN = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-#: The headers that say where a request's body ends.
-_FRAMING = ("content-length", "transfer-encoding")
 
 
 @dataclass(frozen=True)
@@ -343,8 +341,16 @@ def _peer(tcp: trio.SocketStream) -> str:
 
 
 class _Connection:
-    """One connection's state: its stream, unread bytes, its cancel scope,
-    and the deadline of its current phase (kept by `_Server.watchdog`).
+    """One connection's state: its stream, its llhttp parser and the request
+    being parsed, the requests parsed and not yet answered, its cancel
+    scope, and the deadline of its current phase (kept by `_Server.watchdog`).
+
+    The parser's callbacks (the ``on_*`` methods) run inside
+    ``feed_data``, which cannot wait: they judge and collect, and `serve`
+    answers the requests they completed, in order. A callback's refusal
+    (or a bug) stops the parser; `serve` then answers the requests
+    completed before it and ends the connection with the refusal (or
+    the 500), so that pipelined answers keep their order.
 
     A plain TCP connection (``fd`` given, the stream's socket) is read and
     written on its socket directly, waiting through Trio only when the
@@ -365,7 +371,6 @@ class _Connection:
         self.fd = fd
         #: Whether the connection waited for its socket since this was last reset.
         self.waited = False
-        self.buffer = bytearray()
         self.scope = trio.CancelScope()
         #: When the current phase (idle, reading, answering) must be over (Trio time).
         self.deadline = math.inf
@@ -373,6 +378,33 @@ class _Connection:
         self.reading = False
         #: While an answer is being sent: no other answer can follow it.
         self.sending = False
+        self.parser = httptools.HttpRequestParser(self)
+        #: Parsed requests not yet answered, oldest first.
+        self.ready: collections.deque[_Request] = collections.deque()
+        #: What ended the parsing (a refusal, or a bug's exception); after
+        #: the requests in `ready`, it ends the connection.
+        self.failure: Exception | None = None
+        # The request being parsed.
+        self.in_message = False
+        self.in_head = False
+        self.url = b""
+        #: Its header lines as llhttp gave them (then its trailers).
+        self.raw: list[tuple[bytes, bytes]] = []
+        self.headers: dict[str, str] = {}
+        #: Bytes fed while it was incomplete, after the read it began in
+        #: (-1: it began in the read being fed).
+        self.fed = 0
+        #: Bytes in the read being fed.
+        self.feeding = 0
+        #: Most bytes a request may span: its head, its body and chunked
+        #: framing for it (as many bytes again).
+        self.max_request = self.limits.max_head + 2 * self.limits.max_body + _RECEIVE
+        self.handler: Handler | None = None
+        self.keep_alive = True
+        self.body_parts: list[bytes] = []
+        self.body_size = 0
+        #: A "100 Continue" is owed before this request's body is read.
+        self.continue_due = False
 
     async def receive_some(self) -> bytes | bytearray:
         """The next bytes from the client (empty at the end of the stream);
@@ -405,38 +437,49 @@ class _Connection:
             except OSError as exc:
                 raise trio.BrokenResourceError(f"send failed: {exc}") from exc
 
-    async def receive(self) -> None:
-        """More bytes into the buffer; `_Close` at the end of the stream."""
-        data = await self.receive_some()
-        if not data:
-            raise _Close()
-        self.buffer += data
-
     async def serve(self) -> None:
-        buffer = self.buffer
+        ready = self.ready
         with self.scope:
             while True:
-                self.reading = False
-                self.waited = False
-                if not buffer:
-                    self.deadline = trio.current_time() + self.timeouts.keep_alive
-                    data = await self.receive_some()
-                    if not data:
-                        return  # closed between requests: the normal end
-                    buffer += data
-                self.reading = True
-                self.deadline = trio.current_time() + self.limits.body_timeout
-                try:
-                    keep_alive = await self.request()
-                except _Close as close:
-                    if close.answer is not None:
+                while ready:
+                    request = ready.popleft()
+                    self.reading = False
+                    self.deadline = math.inf  # handling is not the client's to time out
+                    status, content_type, answer = await self.app.call(
+                        request.handler, request.headers, request.body
+                    )
+                    self.deadline = trio.current_time() + self.timeouts.send
+                    await self.answer(status, content_type, answer, keep_alive=request.keep_alive)
+                    if not request.keep_alive:
+                        return
+                    if self.fd is not None and not self.waited:
+                        # Its bytes were read without a wait: see the class's docstring.
+                        await trio.lowlevel.checkpoint()
+                    self.waited = False
+                    if self.in_message:  # the next one's bytes came meanwhile: its time starts
+                        self.reading = True
+                        self.deadline = trio.current_time() + self.limits.body_timeout
+                failure = self.failure
+                if failure is not None:
+                    if not isinstance(failure, _Close):
+                        raise failure  # a bug: see `_Server.connection`
+                    if failure.answer is not None:
                         self.deadline = trio.current_time() + self.timeouts.send
-                        await self.answer(*close.answer, keep_alive=False)
+                        await self.answer(*failure.answer, keep_alive=False)
                     return
-                if not keep_alive:
-                    return
-                if self.fd is not None and not self.waited:
-                    await trio.lowlevel.checkpoint()  # see the class's docstring
+                if not self.in_message:
+                    self.reading = False
+                    self.deadline = trio.current_time() + self.timeouts.keep_alive
+                elif not self.reading:  # its first bytes came in the last read
+                    self.reading = True
+                    self.deadline = trio.current_time() + self.limits.body_timeout
+                if self.continue_due:
+                    self.continue_due = False
+                    await self.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+                data = await self.receive_some()
+                if not data:
+                    return  # closed: between requests the normal end, else nothing to answer
+                self.feed(data)
         if self.scope.cancelled_caught and self.reading:
             # In the middle of a request: tell the client why it is cut off.
             with trio.move_on_after(self.timeouts.send):
@@ -447,105 +490,120 @@ class _Connection:
                 )
                 await self.answer(*error_answer(exc), keep_alive=False)
 
-    async def request(self) -> bool:
-        """Read, handle and answer one request; keep the connection alive?"""
-        buffer = self.buffer
-        max_head = self.limits.max_head
-        end = buffer.find(b"\r\n\r\n")
-        while end < 0:
-            if len(buffer) > max_head:
-                raise _refuse(ConnectError("resource_exhausted", "request head too large", 431))
-            searched = max(0, len(buffer) - 3)
-            await self.receive()
-            end = buffer.find(b"\r\n\r\n", searched)
-        if end > max_head:
-            raise _refuse(ConnectError("resource_exhausted", "request head too large", 431))
-        head = bytes(buffer[:end])
-        del buffer[: end + 4]
-        method, path, version, headers = _parse_head(head)
-        keep_alive = _keep_alive(version, headers.get("connection", ""))
+    def feed(self, data: bytes | bytearray) -> None:
+        """Parse ``data``: complete requests go to `ready`, a refusal or a
+        bug's exception to `failure` (which ends the parsing)."""
+        self.feeding = len(data)
         try:
-            handler = self.app.check(method, path, headers)
-        except ConnectError as exc:
-            raise _refuse(exc) from None
-        body = await self.body(headers)
-        # The request is in: its handling is not the client's to time out.
-        self.reading = False
-        self.deadline = math.inf
-        status, content_type, answer = await self.app.call(handler, headers, body)
-        self.deadline = trio.current_time() + self.timeouts.send
-        await self.answer(status, content_type, answer, keep_alive=keep_alive)
-        return keep_alive
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            # One of our callbacks raised (a refusal, or a bug): that is the failure.
+            cause = exc.__context__
+            self.failure = cause if isinstance(cause, Exception) else exc
+            return
+        except httptools.HttpParserUpgrade:
+            self.failure = _refuse(ConnectError("invalid_argument", "upgrades are not supported"))
+            return
+        except httptools.HttpParserError as exc:
+            self.failure = _refuse(ConnectError("invalid_argument", f"malformed request: {exc}"))
+            return
+        if self.in_message:
+            # What llhttp and httptools hold of an incomplete request (a
+            # header's value so far, trailers) is bounded by counting the
+            # reads it spans: all of each read after the first is its bytes.
+            if self.fed < 0:
+                self.fed = 0  # it began in this read
+            else:
+                self.fed += len(data)
+                if self.in_head and self.fed > self.limits.max_head:
+                    self.failure = _head_too_large()
+                elif self.fed > self.max_request:
+                    self.failure = _refuse(_body_too_large(self.limits.max_body))
 
-    async def body(self, headers: dict[str, str]) -> bytes:
-        """The request body, at most ``Limits.max_body`` bytes."""
-        limit = self.limits.max_body
-        too_large = ConnectError("resource_exhausted", f"request body larger than {limit} bytes")
-        expect = headers.get("expect", "").lower() == "100-continue"
+    # --- llhttp's callbacks (they run inside `feed`) ---
+
+    def on_message_begin(self) -> None:
+        self.in_message = self.in_head = True
+        self.url = b""
+        self.raw = []
+        self.fed = -1
+        self.body_parts = []
+        self.body_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        if len(self.url) > self.limits.max_head:
+            raise _head_too_large()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # Collected only: judged once the head is complete (its size is
+        # bounded by `feed` meanwhile). A chunked body's trailers come here
+        # too, after the head, and are dropped with the request.
+        self.raw.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        raw = self.raw
+        self.raw = []
+        limits = self.limits
+        if len(raw) > limits.max_headers or (
+            # A head that began in this read, no longer than the limit, is within it.
+            (self.fed >= 0 or self.feeding > limits.max_head)
+            and _REQUEST_LINE + len(self.url) + sum([len(n) + len(v) + 4 for n, v in raw])
+            > limits.max_head
+        ):
+            raise _head_too_large()
+        parser = self.parser
+        if parser.get_http_version() not in _VERSIONS:
+            raise _refuse(ConnectError("unimplemented", "HTTP/1.1 only", 505))
+        if parser.should_upgrade():
+            raise _refuse(ConnectError("invalid_argument", "upgrades are not supported"))
+        # The last of repeated headers wins (llhttp refused repeated framing
+        # headers); llhttp strips the whitespace before a value, not after it.
+        headers = {n.decode("latin-1").lower(): v.decode("latin-1").rstrip(" \t") for n, v in raw}
+        self.headers = headers
+        limit = limits.max_body
         encoding = headers.get("transfer-encoding")
         if encoding is not None:
-            if encoding.lower() != "chunked" or "content-length" in headers:
+            # llhttp refused it beside a Content-Length, and twice.
+            if encoding.lower() != "chunked":
                 raise _refuse(ConnectError("invalid_argument", "unsupported transfer-encoding"))
-            if expect:
-                await self.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-            return await self.chunked(limit, too_large)
-        declared = headers.get("content-length")
+            declared = None
+        else:
+            text = headers.get("content-length")
+            try:
+                declared = (
+                    0
+                    if text is None
+                    else parse_decimal(text, max_digits=_LENGTH_DIGITS, what="content-length")
+                )
+            except ValueError as exc:
+                raise _refuse(ConnectError("invalid_argument", str(exc))) from None
+            if declared > limit:
+                raise _refuse(_body_too_large(limit))
+        path = self.url.split(b"?", 1)[0].decode("latin-1")
         try:
-            length = (
-                0
-                if declared is None
-                else parse_decimal(declared, max_digits=_LENGTH_DIGITS, what="content-length")
-            )
-        except ValueError as exc:
-            raise _refuse(ConnectError("invalid_argument", str(exc))) from None
-        if length > limit:
-            raise _refuse(too_large)
-        if expect and len(self.buffer) < length:
-            await self.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-        while len(self.buffer) < length:
-            await self.receive()
-        body = bytes(self.buffer[:length])
-        del self.buffer[:length]
-        return body
+            self.handler = self.app.check(parser.get_method().decode("latin-1"), path, headers)
+        except ConnectError as exc:
+            raise _refuse(exc) from None
+        self.keep_alive = parser.should_keep_alive()
+        if declared != 0 and "expect" in headers:
+            self.continue_due = headers["expect"].lower() == "100-continue"
 
-    async def chunked(self, limit: int, too_large: ConnectError) -> bytes:
-        """A chunked body, at most ``limit`` bytes; trailers skipped."""
-        buffer = self.buffer
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            size_text = (await self.line()).split(b";", 1)[0].strip(b" \t")
-            if not size_text or len(size_text) > 8 or size_text.strip(_HEX):
-                raise _refuse(ConnectError("invalid_argument", "malformed chunk size"))
-            length = int(size_text, 16)
-            if length == 0:
-                while await self.line():  # trailers, up to the empty line
-                    pass
-                return b"".join(chunks)
-            size += length
-            if size > limit:
-                raise _refuse(too_large)
-            while len(buffer) < length + 2:
-                await self.receive()
-            if buffer[length : length + 2] != b"\r\n":
-                raise _refuse(ConnectError("invalid_argument", "malformed chunked body"))
-            chunks.append(bytes(buffer[:length]))
-            del buffer[: length + 2]
+    def on_body(self, data: bytes) -> None:
+        self.body_size += len(data)
+        if self.body_size > self.limits.max_body:
+            raise _refuse(_body_too_large(self.limits.max_body))
+        self.body_parts.append(data)
 
-    async def line(self) -> bytes:
-        """One CRLF-terminated line of a chunked body (at most 1 KiB)."""
-        buffer = self.buffer
-        while (end := buffer.find(b"\r\n")) < 0:
-            if len(buffer) > 1024:
-                raise _refuse(ConnectError("invalid_argument", "malformed chunked body"))
-            await self.receive()
-        if end > 1024:
-            raise _refuse(ConnectError("invalid_argument", "malformed chunked body"))
-        text = bytes(buffer[:end])
-        if not _clean(text):
-            raise _refuse(ConnectError("invalid_argument", "control character in chunked body"))
-        del buffer[: end + 2]
-        return text
+    def on_message_complete(self) -> None:
+        self.in_message = False
+        self.continue_due = False  # the body is here already
+        parts = self.body_parts
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        assert self.handler is not None  # on_headers_complete set it, or refused
+        self.ready.append(_Request(self.handler, self.headers, body, self.keep_alive))
+        self.handler = None
 
     async def answer(
         self, status: int, content_type: bytes, body: bytes, *, keep_alive: bool
@@ -576,59 +634,26 @@ class _Connection:
                 pass
 
 
-def _clean(text: bytes) -> bool:
-    """No control character in ``text`` but HTAB and CRLF pairs (counted in C,
-    cheaper than a regular expression over the head)."""
-    crs = text.count(b"\r")
-    return (
-        len(text.translate(None, _CONTROL)) == len(text)
-        and crs == text.count(b"\n")
-        and crs == text.count(b"\r\n")
-    )
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A parsed request, judged by its head, waiting for its turn."""
+
+    handler: Handler
+    #: By lower-case name.
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
 
 
-def _parse_head(head: bytes) -> tuple[str, str, bytes, dict[str, str]]:
-    """(method, path, version, headers by lower-case name) of a request head.
-
-    `_Close` with a 400 if it is not well-formed (see the module's
-    docstring), a 505 for a version other than 1.0 and 1.1.
-    """
-    if not _clean(head):
-        raise _refuse(ConnectError("invalid_argument", "control character in request head"))
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3:
-        raise _refuse(ConnectError("invalid_argument", "malformed request line"))
-    method, target, version = parts
-    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        raise _refuse(ConnectError("unimplemented", "HTTP/1.1 only", 505))
-    if not method or method.translate(None, _TOKEN) or not target:
-        raise _refuse(ConnectError("invalid_argument", "malformed request line"))
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        # A name is a token: no space before the colon, no obsolete line folding.
-        if not colon or not name or name.translate(None, _TOKEN):
-            raise _refuse(ConnectError("invalid_argument", "malformed header line"))
-        key = name.decode("latin-1").lower()
-        text = value.strip(b" \t").decode("latin-1")
-        # RFC 9112 6.3: with a proxy in front that took the other one, the
-        # two would disagree on where the body ends, and a request could be
-        # smuggled in it. Repeated Content-Length must agree; a second
-        # Transfer-Encoding would be a second coding.
-        if (
-            key in headers
-            and key in _FRAMING
-            and (key == "transfer-encoding" or headers[key] != text)
-        ):
-            raise _refuse(ConnectError("invalid_argument", f"conflicting {key} headers"))
-        headers[key] = text
-    path = target.split(b"?", 1)[0].decode("latin-1")
-    return method.decode("latin-1"), path, version, headers
+#: What a request line adds to its target in the head's size ("POST ",
+#: " HTTP/1.1", CRLF), and the empty line that ends the head.
+_REQUEST_LINE = 18
+_VERSIONS = ("1.1", "1.0")
 
 
-def _keep_alive(version: bytes, connection: str) -> bool:
-    tokens = {t.strip() for t in connection.lower().split(",")} if connection else set()
-    if version == b"HTTP/1.1":
-        return "close" not in tokens
-    return "keep-alive" in tokens
+def _head_too_large() -> _Close:
+    return _refuse(ConnectError("resource_exhausted", "request head too large", 431))
+
+
+def _body_too_large(limit: int) -> ConnectError:
+    return ConnectError("resource_exhausted", f"request body larger than {limit} bytes")

@@ -35,7 +35,11 @@ installs and reports the outcome (``HeartbeatRequest.installation_report``)
 in a later heartbeat; a report is stored only if it is of the generation
 currently requested (an older or newer one is logged at INFO and ignored,
 the heartbeat itself accepted), and from then on the answers no longer
-carry the request. The request is read by the statement that writes the
+carry the request. A report on the current generation after its own was
+stored is what the agent finds of that install later (after its restart,
+or the disk emptied behind its back): stored beside the report when that
+is a success of the same node key (`Queries.record_installation_check`),
+ignored otherwise. The request is read by the statement that writes the
 heartbeats, so a group costs no more statements than before; a report
 costs one more, in the group's transaction. A stored request the agent
 could not read or would run under another generation (`request_refusal`:
@@ -44,12 +48,14 @@ row's) is never carried: the server stores an error report on the row's
 generation in its place, with the cause, so the views show the install
 failed and why, and a new generation can be asked for. A report's error
 cause is a machine's text: made `common.text.printable` before it is
-stored or logged. A report that is malformed (no result, generation not positive, a
-node public key that is neither empty nor 32 bytes) refuses the heartbeat
-with invalid_argument, writing nothing. A machine an operator asked to
-decommission is carried no request from then on (a report on the pending
-generation is still stored, so that the decommissioner learns of the node
-an install already under way started).
+stored or logged; a report is stored as built again from its checked
+fields, without fields this server does not know. A report that is
+malformed (no result, generation not positive, a node public key that is
+neither empty nor 32 bytes) refuses the heartbeat with invalid_argument,
+writing nothing. A machine an operator asked to decommission is carried
+no request from then on (a report on the pending generation is still
+stored, so that the decommissioner learns of the node an install already
+under way started).
 
 A signed heartbeat, once written, is answered with a new session
 (`shepherd.agent_server.session`), with which the agent then MACs its
@@ -143,6 +149,7 @@ from shepherd.proto.agent_callback import (
     HeartbeatResponse,
     OsInstallationReport,
     OsInstallationReportError,
+    OsInstallationReportSuccess,
     OsInstallationRequest,
     UpgradeReportState,
 )
@@ -181,7 +188,9 @@ class InstallationReport:
     """An agent's OSInstallationReport, checked and made safe to store."""
 
     generation: int
-    #: The report encoded again by betterproto2, with the cause as in `cause`.
+    #: The report as stored: built again from its checked fields alone (the
+    #: cause as in `cause`), so that fields this server does not know, which
+    #: an agent could make as large as its request, are not stored.
     raw: bytes
     success: bool
     #: Why it failed (`common.text.printable`); None for a success.
@@ -302,7 +311,10 @@ def installation_report(report: OsInstallationReport) -> InstallationReport:
             raise ConnectError(
                 "invalid_argument", "installation report: node public key not 32 bytes"
             )
-        return InstallationReport(generation, bytes(report), True, None, key or None)
+        safe = OsInstallationReport(
+            generation=generation, success=OsInstallationReportSuccess(node_public_key=key)
+        )
+        return InstallationReport(generation, bytes(safe), True, None, key or None)
     if report.error is not None:
         cause = printable(report.error.error)
         safe = OsInstallationReport(
@@ -715,8 +727,17 @@ async def _record_report(
     notes: list[str],
 ) -> bool:
     """Store ``report`` if it is of the pending request's generation (True);
-    else add why it is ignored to ``notes`` (False)."""
+    else, as what the agent finds of the generation it installed, if that is
+    the machine's current one and installed (`Queries.record_installation_check`:
+    still there, or gone); else add why it is ignored to ``notes`` (False)."""
     if report.generation != result.installation_generation:
+        checkable = (report.node_public_key is not None) != (report.cause is not None)
+        if checkable and await q.record_installation_check(
+            machine_id, report.generation, report.node_public_key, report.cause
+        ):
+            what = "still there" if report.success else f"gone: {report.cause}"
+            notes.append(f"machine {machine_id}: installation {report.generation} {what}")
+            return False
         pending = (
             f"generation {result.installation_generation} is requested"
             if result.installation_generation is not None

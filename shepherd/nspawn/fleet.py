@@ -79,15 +79,19 @@ async def open_fleet(
     *,
     count: int,
     authorized_keys: Sequence[str],
-    disk_size: int = DEFAULT_DISK_SIZE,
+    disk_size: int | Sequence[int] = DEFAULT_DISK_SIZE,
     cache: Path | None = None,
     boot: bool = True,
     boot_timeout: float = 120.0,
     shutdown_timeout: float = 30.0,
 ) -> AsyncIterator[Fleet]:
-    """Run ``count`` machines under ``folder`` for the duration of the block."""
+    """Run ``count`` machines under ``folder`` for the duration of the block.
+    ``disk_size``: bytes of every machine's disk, or one size per machine."""
     if count < 1:
         raise ValueError(f"a fleet needs at least one machine, not {count}")
+    sizes = [disk_size] * count if isinstance(disk_size, int) else list(disk_size)
+    if len(sizes) != count:
+        raise ValueError(f"{len(sizes)} disk sizes for {count} machines")
     image = await trio.to_thread.run_sync(ensure_root, cache)
     network = await trio.to_thread.run_sync(claim_network)
     fleet = Fleet(image, network, [], [], bmc_password=secrets.token_urlsafe(16))
@@ -98,7 +102,7 @@ async def open_fleet(
                 mfolder = folder / f"machine-{index}"
                 mfolder.mkdir(parents=True, exist_ok=True)
                 disk = await trio.to_thread.run_sync(
-                    LoopDisk.create, mfolder / "disk.img", disk_size
+                    LoopDisk.create, mfolder / "disk.img", sizes[index]
                 )
                 fleet.disks.append(disk)
                 spec = MachineSpec(

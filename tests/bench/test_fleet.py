@@ -91,3 +91,26 @@ def test_every_agent_heartbeats_with_its_own_key(bmdb_url: str, server_port: int
     assert sorted(reports) == sorted(FLEET.machine_id(i) for i in HEARTBEATING)
     for index in HEARTBEATING:  # each its own report, as its agent sent it
         assert f"FS{index:08d}".encode() in bytes(reports[FLEET.machine_id(index)])
+
+
+def test_session_requests_are_the_agents_bytes() -> None:
+    """The load's cut-once session heartbeats are byte for byte what the
+    agent's header code and codec make."""
+    from bench.fleet import SessionRequests
+    from shepherd.agent import protocol, wire
+    from shepherd.agent.heartbeat import request_headers
+
+    machine_id = FLEET.machine_id(1)
+    session = wire.AgentSession(bytes(range(32)), bytes(range(32, 64)), 3600)
+    requests = SessionRequests(machine_id, session, 8443)
+    for time_ns in (1, 1_796_560_974_097_670_110):
+        body = wire.encode_heartbeat_request(machine_id, None)
+        headers = request_headers(
+            machine_id, body, time_ns, session, public_key=b"", sign=lambda m: b""
+        )
+        head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+        expected = (
+            f"POST {protocol.HEARTBEAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1:8443\r\n"
+            f"Accept-Encoding: identity\r\nContent-Length: {len(body)}\r\n{head}\r\n"
+        ).encode() + body
+        assert requests.request(time_ns) == expected

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: What each benchmark prints in (or beside) its result table.
 PRINTS = {
     "bmdb_ha": "ratio patroni/single:",
-    "cli_imports": "after/before",
+    "cli": "owner --root nodes",
     "bmdb_work": "a: ours/pgb",
     "consensus_start": "put via Client (time ratio)",
     "controlplane": "grant, n2 in its own process",

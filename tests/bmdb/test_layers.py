@@ -31,6 +31,10 @@ LAYERS = {
     "bmdb.actions": 7,
     # Retention of the work history and the audit log.
     "bmdb.retention": 7,
+    # Backup and restore (pg_dump, psql).
+    "bmdb.backup": 7,
+    # The CLI's commands (bmdb.cli.views, bmdb.cli.operate), each imported
+    # by bmdb.__main__ when it runs.
     "bmdb.cli": 8,
     "bmdb": 8,
     "bmdb.__main__": 9,

@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 import bmdb
+from bmdb import overview
 from bmdb.errors import InvalidArgument
 from bmdb.model import InstallState, OSInstallation, Queries, node_id
 from tests.bmdb.helpers import add_provided_machines
@@ -147,3 +148,80 @@ async def test_raw_only_rows_show_as_installing(bmdb_conn: bmdb.Connection) -> N
     assert got is not None
     assert (got.generation, got.root_device, got.report_generation) == (1, None, 1)
     assert got.state is InstallState.INSTALLING and not got.reported
+
+
+async def test_a_check_lands_only_on_an_installed_current_generation_of_the_same_key(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """What an agent finds of its install later (migration 0010): stored
+    beside a success of the current generation and the same node key only."""
+    [mid, failed] = await add_provided_machines(bmdb_conn, 2)
+    other = bytes(range(1, 33))
+
+    async def setup(q: Queries) -> None:
+        await _request(q, mid, 1)
+        await q.record_os_installation_report(mid, 1, b"ok", True, None, KEY)
+        await _request(q, failed, 1)
+        await q.record_os_installation_report(failed, 1, b"err", False, "disk full", None)
+
+    await bmdb_conn.transact(setup)
+
+    async def checks(q: Queries) -> list[bool]:
+        return [
+            await q.record_installation_check(mid, 2, KEY, None),  # not its generation
+            await q.record_installation_check(mid, 1, other, None),  # another node's key
+            await q.record_installation_check(failed, 1, KEY, None),  # a failed install
+            await q.record_installation_check(failed, 1, None, "gone"),
+            await q.record_installation_check(mid, 1, KEY, None),  # still there
+        ]
+
+    assert await bmdb_conn.transact(checks) == [False, False, False, False, True]
+    got = await _installation(bmdb_conn, mid)
+    assert got is not None and got.state is InstallState.INSTALLED and got.checked_at is not None
+    assert (await _installation(bmdb_conn, failed)).state is InstallState.INSTALL_FAILED  # type: ignore[union-attr]
+
+    async def lost(q: Queries) -> bool:
+        return await q.record_installation_check(mid, 1, None, "gone from /dev/sdb: no record")
+
+    assert await bmdb_conn.transact(lost)
+    got = await _installation(bmdb_conn, mid)
+    assert got is not None and got.state is InstallState.INSTALL_LOST
+    assert got.lost_cause == "gone from /dev/sdb: no record"
+    assert got.node_public_key == KEY  # the node is still known: a decommission removes it
+    listed = await overview.machines(bmdb_conn, state="install-lost")
+    assert [m.machine_id for m in listed] == [mid]
+    assert listed[0].install_cause == "gone from /dev/sdb: no record"
+
+    # Found again: installed. A new request's report clears what a check said.
+    async def found(q: Queries) -> bool:
+        return await q.record_installation_check(mid, 1, KEY, None)
+
+    assert await bmdb_conn.transact(found)
+    assert (await _installation(bmdb_conn, mid)).state is InstallState.INSTALLED  # type: ignore[union-attr]
+    await bmdb_conn.transact(lost)
+
+    async def again(q: Queries) -> bool:
+        await _request(q, mid, 2)
+        return await q.record_os_installation_report(mid, 2, b"ok", True, None, other)
+
+    assert await bmdb_conn.transact(again)
+    got = await _installation(bmdb_conn, mid)
+    assert got is not None and got.state is InstallState.INSTALLED
+    assert (got.lost_cause, got.checked_at) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("key", "cause", "why"),
+    [(None, None, "not both"), (KEY, "x", "not both"), (b"short", None, "want 32"),
+     (None, "a\x00b", "NUL")],
+)  # fmt: skip
+async def test_malformed_checks_are_refused(
+    bmdb_conn: bmdb.Connection, key: bytes | None, cause: str | None, why: str
+) -> None:
+    [mid] = await add_provided_machines(bmdb_conn, 1)
+
+    async def fn(q: Queries) -> bool:
+        return await q.record_installation_check(mid, 1, key, cause)
+
+    with pytest.raises(InvalidArgument, match=why):
+        await bmdb_conn.transact(fn)

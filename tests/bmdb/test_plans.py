@@ -290,3 +290,63 @@ def test_failed_machines_page_is_served_by_an_index(fleets: dict[int, str]) -> N
     # The machines are walked in order with one backoff probe each until a
     # page is found: 50 per failed machine here, whatever the fleet's size.
     _check_flat(fleets, sql, params, 50 * 101 // 4, _HISTORY)
+
+
+# Half the fleet failed once and its backoff ended long ago (the rows stay
+# until the process next finishes there), the fleet's own backoffs ended
+# too, and the 30 newest machines are failing now. Committed and vacuumed,
+# as a fleet is: rewritten within the explained transaction, the ended
+# backoffs' old index entries would still be live to it.
+_FEW_FAILED = (
+    """
+UPDATE work_backoff SET until = now() - interval '1 hour';
+INSERT INTO work_backoff (machine_id, process, until, cause, last_interval_seconds)
+SELECT machine_id, 'ShepherdRecovery', now() - interval '2 hours', 'ended', 60 FROM machines
+WHERE get_byte(uuid_send(machine_id), 15) % 2 = 0
+ON CONFLICT DO NOTHING;
+INSERT INTO work_backoff (machine_id, process, until, cause, last_interval_seconds)
+SELECT machine_id, 'ShepherdAgentStart', now() + interval '1 hour', 'failing', 3600
+FROM machines ORDER BY machine_created_at DESC LIMIT 30
+ON CONFLICT (machine_id, process) DO UPDATE SET until = EXCLUDED.until;"""
+    + _HISTORY
+)
+
+
+@pytest.fixture(scope="module")
+def few_failed(fleets: dict[int, str], postgres_server: LocalPostgres) -> Iterator[dict[int, str]]:
+    """The fleets, copied, with `_FEW_FAILED` committed: libpq URLs by size."""
+    names = {n: f"plans_few_failed_{n}" for n in fleets}
+    for n, name in names.items():
+        postgres_server.admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        postgres_server.admin(f"CREATE DATABASE {name} TEMPLATE plans_{n}")
+        with psycopg.connect(postgres_server.url(name), autocommit=True) as conn:
+            for statement in _FEW_FAILED.split(";\n"):
+                conn.execute(statement.encode())
+            conn.execute("VACUUM ANALYZE")
+    yield {n: postgres_server.url(name) for n, name in names.items()}
+    for name in names.values():
+        postgres_server.admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_a_few_failed_machines_are_found_by_their_backoffs_end(
+    few_failed: dict[int, str],
+) -> None:
+    """``/machines?state=failed`` when few machines fail now among many old
+    failures: the active backoffs come from migration 0009's index on their
+    end, not from reading every backoff row nor from walking the fleet in
+    order (the failing machines are the newest: a walk would read them all)."""
+    params = overview.machines_params(limit=101, state="failed")
+    sql = overview.machines_sql(params)
+    plan = _explain(few_failed[LARGE], sql, params)
+    assert plan["Actual Rows"] == 30
+    indexes = {node.get("Index Name") for node in _nodes(plan)}
+    assert "work_backoff_until" in indexes, indexes
+    # A row per machine and process that failed there, kept until the
+    # process next finishes: a table that grows with the fleet.
+    assert not [
+        node
+        for node in _nodes(plan)
+        if node["Node Type"] == "Seq Scan" and node["Relation Name"] == "work_backoff"
+    ]
+    # The page's 30 machines and their joins, at 1,000 machines as at 100,000.
+    _check_flat(few_failed, sql, params, 101)

@@ -20,6 +20,7 @@ from bmdb.model import InstallState, node_id
 from bmdb.overview import State
 from console import pages
 from console.counts import CountsCache
+from console.render import render
 from tests.bmdb.helpers import add_provided_machines
 from tests.bmdb.test_cli import cli
 
@@ -125,10 +126,12 @@ async def test_a_tombstone_reads_as_decommissioned_in_every_view(
     # The web UI: the list filtered on the state, its filter link and count.
     async with trio.open_nursery() as nursery:
         cache = CountsCache(bmdb_conn, nursery)
-        html = await pages.machines(
-            bmdb_conn, cache, state="decommissioned", provider=None, after=None
+        html = render(
+            await pages.machines(
+                bmdb_conn, cache, state="decommissioned", provider=None, after=None
+            )
         )
     assert str(dead) in html and str(live) not in html and "was " in html
     assert "decommissioned (1)" in html and "installed (1)" in html
-    html = await pages.machine(bmdb_conn, str(dead))
+    html = render(await pages.machine(bmdb_conn, str(dead)))
     assert "decommissioned" in html and "removed" in html and "Running" not in html

@@ -20,6 +20,7 @@ import trio
 
 import metropolis.__main__ as cli
 from metropolis import pki
+from metropolis.cli.node import node_settings
 from metropolis.consensus.client import Client
 from metropolis.consensus.process import SOCKET_NAME, Tuning
 from metropolis.curator.election import DEFAULT_TTL, Leader
@@ -130,6 +131,14 @@ def test_the_member_health_wait_flag_reaches_the_tuning(
     common = ["--root", "r", "--address", "127.0.0.9", "--insecure-seal", "--raft-tuning", "20,200"]
     own = ["--owner-key-out", "o.pem"] if action == "bootstrap" else ["--ticket", "00"]
     args = cli._parser().parse_args(["node", action, *common, *own, *flag])
-    settings = cli._settings(args)
+    settings = node_settings(args)
     # Saved with the settings: test_roleserve.py's saved-setting test.
     assert settings.tuning == Tuning(20, 200, member_health_wait=wait)
+
+
+def test_the_parser_s_register_deadline_is_register_s_default() -> None:
+    """The parser writes the default down (it imports no node module): the same number."""
+    from metropolis.roleserve.register import DEFAULT_DEADLINE
+
+    args = cli._parser().parse_args(["node", "run", "--root", "r"])
+    assert args.register_deadline == cli.REGISTER_DEADLINE == DEFAULT_DEADLINE

@@ -384,7 +384,11 @@ async def test_membership_changes_at_once_are_all_answered(
             else:
                 outcomes.append("done")
 
-        for port in range(1, 6):
+        # Rounds until raft has dropped a change (most rounds here; fewer
+        # on a loaded machine, where the two proposals spread out).
+        for port in range(1, 26):
+            if "timed out" in outcomes:
+                break
             learner = await client.member_add([f"https://127.0.0.2:{port}"])
             # Well below BOUND: without etcd's deadline a dropped change waits
             # for the client's timeout (BOUND), and this fails.
@@ -398,7 +402,7 @@ async def test_membership_changes_at_once_are_all_answered(
                 if member.is_learner:
                     await client.member_remove(member.id)
     # The race is real: raft dropped at least one change (nine rounds in ten
-    # here); each such change timed out instead of hanging.
+    # on a quiet machine); each such change timed out instead of hanging.
     assert "timed out" in outcomes, outcomes
 
 

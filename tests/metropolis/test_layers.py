@@ -32,10 +32,14 @@ LAYERS = {
     # The node image's builder, which the CLI's 'image' command runs...
     "metropolis.image": 7,
     "metropolis.demo": 8,
-    "metropolis.__main__": 8,
-    "metropolis": 8,
+    # A loopback cluster of node processes, for benchmarks and tests.
+    "metropolis.localcluster": 8,
+    # The CLI's commands, each imported by the CLI when it runs.
+    "metropolis.cli": 8,
+    "metropolis.__main__": 9,
+    "metropolis": 9,
     # ... and the image's entry point, which runs the CLI.
-    "metropolis.image.entry": 9,
+    "metropolis.image.entry": 10,
 }
 
 #: Two units of one layer that may import each other (a known pair).

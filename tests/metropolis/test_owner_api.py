@@ -12,7 +12,7 @@ import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-import metropolis.__main__ as cli
+import metropolis.cli.owner as owner_cli
 from metropolis import identity, pki
 from metropolis.curator.state import CRL_KEY, join_key_key, read_node
 from metropolis.owner import Change, NodeRow, _sort_key, describe_change, escrow_certificate
@@ -229,11 +229,11 @@ def test_curator_column_tells_a_dead_curator_and_rows_sort_by_address() -> None:
 async def test_a_slow_owner_call_says_what_it_waits_for(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "_PATIENCE", 0.05)
-    async with cli._saying_waits("consensus-on"):
+    monkeypatch.setattr(owner_cli, "_PATIENCE", 0.05)
+    async with owner_cli.saying_waits("consensus-on"):
         await trio.sleep(0.3)
     said = capsys.readouterr().err
     assert "etcd admits a new member only once its leader is connected to every peer" in said
-    async with cli._saying_waits("consensus-on"):
+    async with owner_cli.saying_waits("consensus-on"):
         pass
     assert capsys.readouterr().err == ""

@@ -28,12 +28,21 @@ from metropolis.proto.common import (
     NodeStatusRunningImage,
     NodeStatusRunningImageSlot,
 )
+from metropolis.roleserve import bootinfo
 from metropolis.roleserve.bootcheck import announcement, healthy
 from metropolis.roleserve.bootinfo import BootInfoError, RunningImageSource, parse_boot_info
 from tests.metropolis.test_node_cli import BOUND, LEADS, NodeProcess, bootstrap_args
 
 HEX = "ab" * 32
 OTHER = "cd" * 32
+
+
+def test_the_parser_names_the_node_s_environment_variables() -> None:
+    """The command line's copies (it imports no node module) are the node's names."""
+    from metropolis import __main__ as cli
+
+    assert cli.BOOT_INFO_ENV == bootinfo.BOOT_INFO_ENV
+    assert cli.ANNOUNCE_HEALTHY_ENV == bootinfo.ANNOUNCE_HEALTHY_ENV
 
 
 def _info(**fields: object) -> bytes:

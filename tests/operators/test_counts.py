@@ -375,3 +375,11 @@ async def test_serve_raises_a_bind_error_as_itself(
     taken = (await web(5)).removeprefix("http://")
     with pytest.raises(OSError):
         await serve(bmdb_conn, taken)
+
+
+def test_the_console_parser_s_counts_period_is_the_counts_default() -> None:
+    """``python -m console`` writes the default down (its parser imports no server)."""
+    import console.__main__ as cli
+    from console.counts import DEFAULT_PERIOD
+
+    assert cli.COUNTS_PERIOD == DEFAULT_PERIOD

@@ -121,12 +121,20 @@ def kill_agent(target: Path) -> None:
 
 
 def start_agent_process(
-    target: Path, machine_id: str, endpoint: str, *, interval: float, cap: float, ca: bytes = b""
+    target: Path,
+    machine_id: str,
+    endpoint: str,
+    *,
+    interval: float,
+    cap: float,
+    ca: bytes = b"",
+    zipapp: bytes | None = None,
 ) -> bytes:
-    """Install the agent at ``target`` and run it as the initializer would,
-    without SSH; return its public key. The agent detaches and heartbeats."""
+    """Install the agent (``zipapp``, the real one by default) at ``target``
+    and run it as the initializer would, without SSH; return its public
+    key. The agent detaches and heartbeats."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(agent_zipapp())
+    target.write_bytes(agent_zipapp() if zipapp is None else zipapp)
     target.chmod(0o755)
     init = wire.TakeoverInit(machine_id, endpoint, ca)
     done = subprocess.run(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.agent import blockdev, install
+from shepherd.agent import blockdev, install, wire
 from shepherd.agent.blockdev import Layout, Target
 from shepherd.agent.install import Installer, Settings
 from tests.shepherd.agent_install import request, serve_images, stand_in_image
@@ -238,7 +238,9 @@ def test_wipe_reads_back_nothing_left(loop: Callable[[int], str], tmp_path: Path
         device, str(image), digest, secret, "198.18.0.7", layout=SMALL, target=_target(tmp_path)
     )
     steps = blockdev.wipe_device(device)
-    assert steps[-1].startswith("read back: no signature")
+    assert steps[-1].startswith(f"read back {device}: no signature, no partition, zeroes")
+    assert f"wipefs -a {device}p4: done" in steps
+    assert f"blkdiscard {device}: done" in steps  # a loop device discards (punches holes)
     with open(device, "rb") as f:
         everything = f.read()
     assert b"EFI PART" not in everything  # neither GPT header
@@ -320,13 +322,60 @@ def test_agent_wipe_wipes_the_installed_device(loop: Callable[[int], str], tmp_p
     )
     report = wipe(str(agent), target)
     assert report["errors"] == []
-    assert (
-        str(tmp_path / "systemd" / "multi-user.target.wants" / blockdev.NODE_UNIT)
-        in report["wiped"]
-    )
-    assert any(str(w).startswith("read back: no signature") for w in report["wiped"])
+    link = tmp_path / "systemd" / "multi-user.target.wants" / blockdev.NODE_UNIT
+    assert f"removed {link}: done" in report["steps"]
+    assert any(str(w).startswith(f"read back {device}: no signature") for w in report["steps"])
     assert [p.name for p in (tmp_path / "systemd").iterdir()] == ["multi-user.target.wants"]
     with open(device, "rb") as f:
         everything = f.read()
     assert b"secret-params" not in everything and b"EFI PART" not in everything
     assert not (tmp_path / "agent.install.json").exists()
+
+
+def test_the_installer_reports_what_it_finds_of_its_install(
+    loop: Callable[[int], str], tmp_path: Path
+) -> None:
+    """Unasked, after a start and whenever it changes: the installed
+    generation still on the device (its key again), or gone, with the cause."""
+    device = loop(40)
+    image, digest = _image(tmp_path)
+    target = _target(tmp_path)
+    (tmp_path / "systemd").mkdir()
+    blockdev.install_device(
+        device, str(image), digest, b"p", "198.18.0.7", layout=SMALL, target=target, generation=3
+    )
+    key = bytes(range(32))
+    state = {"generation": 3, "status": "done", "device": device, "node_public_key": key.hex()}
+    (tmp_path / "agent.install.json").write_text(json.dumps(state))
+    installer = Installer(
+        str(tmp_path / "agent"),
+        endpoint_scheme="http",
+        ca_certificate=b"",
+        settings=Settings(layout=SMALL, target=target),
+    )
+    installer.on_answer(None)  # the server asks for no installation
+    there = installer.pending_report()
+    assert there == wire.InstallationReport(3, node_public_key=key)
+    assert there is not None
+    installer.sent(there)
+    assert installer.pending_report() is None  # said once
+    # Emptied behind its back: zeroes over the boot partition's start.
+    with open(device, "r+b") as f:
+        f.seek(blockdev.MIB)
+        f.write(bytes(blockdev.MIB))
+        f.flush()
+        os.fsync(f.fileno())
+    gone = installer.pending_report()
+    assert gone == wire.InstallationReport(
+        3, error=f"generation 3 is gone from {device}: {device} holds no boot record"
+    )
+    assert gone is not None
+    installer.sent(gone)
+    assert installer.pending_report() is None
+    # Another generation's install there is not this one.
+    blockdev.install_device(
+        device, str(image), digest, b"p", "198.18.0.7", layout=SMALL, target=target, generation=4
+    )
+    other = installer.pending_report()
+    assert other is not None and other.error is not None
+    assert other.error.endswith("its boot record is of generation 4")

@@ -31,13 +31,14 @@ from typing import cast
 import httpx
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bmdb
 from common.net import free_loopback_port
 from shepherd.agent import protocol as agent
-from shepherd.agent_server import AgentServerConfig, ConnectUnary, Limits, run_agent_server
+from shepherd.agent_server import AgentServerConfig, ConnectUnary, Limits, http1, run_agent_server
 from shepherd.agent_server.connect import Handler
 from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, split_listen
 from shepherd.agent_server.server import port_of
@@ -270,10 +271,12 @@ def test_differing_content_lengths_are_a_400(echo_server: ThreadServer) -> None:
         ]
         answers = exchange(echo_server.port, request(headers, b"pingX"))
         assert statuses(answers) == [400], (first, second, answers)
-    # The same length twice is one length.
+    # The same length twice too: llhttp refuses any repeated Content-Length
+    # (RFC 9112 6.3 lets a recipient refuse it or take the one value).
     headers = [(b"Content-Type", b"application/proto"), (b"Content-Length", b"4")] * 2
     answers = exchange(echo_server.port, request(headers, b"ping"))
-    assert [(a.status, a.body) for a in answers] == [(200, b"ping")]
+    assert statuses(answers) == [400], answers
+    assert b"connection: close" in answers[-1].head.lower()
     # A second Transfer-Encoding would be a second coding.
     headers = [(b"Content-Type", b"application/proto")] + [(b"Transfer-Encoding", b"chunked")] * 2
     assert statuses(exchange(echo_server.port, request(headers, b"4\r\nping\r\n0\r\n\r\n"))) == [
@@ -579,3 +582,184 @@ async def test_real_server_survives_a_non_ascii_content_length(
         if server.returncode is None:
             server.kill()
             await server.wait()
+
+
+# --- llhttp's edge cases: each a clear 400, the connection closed -----------
+
+_TOKENS = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=12).map(
+    lambda t: b"X-" + t.encode()
+)
+_VALUES = st.text(alphabet=" !#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[]^_`az{|}~",
+                  max_size=20).map(lambda t: t.strip().encode())  # fmt: skip
+_DIGITS = st.integers(0, 4096).map(lambda n: b"%d" % n)
+benign_lines = st.lists(st.tuples(_TOKENS, _VALUES).map(lambda h: h[0] + b": " + h[1] + b"\r\n"),
+                        max_size=4).map(b"".join)  # fmt: skip
+
+
+def _with_byte(value: bytes, byte: bytes, at: int) -> bytes:
+    at %= len(value) + 1
+    return value[:at] + byte + value[at:]
+
+
+#: Header lines (CRLF-terminated) that llhttp refuses, by kind.
+edge_cases = st.one_of(
+    # obs-fold: a line continued by one starting with a space or tab.
+    st.tuples(_TOKENS, _VALUES, st.sampled_from([b" ", b"\t"]), _VALUES).map(
+        lambda t: t[0] + b": " + t[1] + b"\r\n" + t[2] + t[3] + b"\r\n"
+    ),
+    # A bare LF or CR inside or at the end of a line.
+    st.tuples(_TOKENS, _VALUES, st.sampled_from([b"\n", b"\r"]), st.integers(0, 40)).map(
+        lambda t: t[0] + b": " + _with_byte(t[1] + b"a", t[2], t[3]) + b"\r\n"
+    ),
+    st.tuples(_TOKENS, _VALUES).map(lambda t: t[0] + b": " + t[1] + b"\n"),
+    # Content-Length twice, with the same value or another.
+    st.tuples(_DIGITS, _DIGITS, st.booleans()).map(
+        lambda t: b"Content-Length: %s\r\nContent-Length: %s\r\n" % (t[0], t[0] if t[2] else t[1])
+    ),
+    # A Content-Length of more digits than any body the server takes, or than 64 bits.
+    st.integers(13, 40).flatmap(
+        lambda n: st.text(alphabet="0123456789", min_size=n, max_size=n).map(
+            lambda d: b"Content-Length: 9" + d.encode() + b"\r\n"
+        )
+    ),
+    # Transfer-Encoding with Content-Length, in either order.
+    st.tuples(_DIGITS, st.booleans()).map(
+        lambda t: (
+            (b"Transfer-Encoding: chunked\r\nContent-Length: %s\r\n" % t[0])
+            if t[1]
+            else (b"Content-Length: %s\r\nTransfer-Encoding: chunked\r\n" % t[0])
+        )
+    ),
+    # A NUL in a name or in a value.
+    st.tuples(_TOKENS, _VALUES, st.integers(0, 40), st.booleans()).map(
+        lambda t: (
+            (_with_byte(t[0], b"\x00", t[2]) + b": " + t[1] + b"\r\n")
+            if t[3]
+            else (t[0] + b": " + _with_byte(t[1], b"\x00", t[2]) + b"\r\n")
+        )
+    ),
+)
+
+
+@HOSTILE
+@given(
+    edge=edge_cases,
+    before=benign_lines,
+    after=benign_lines,
+    body=st.binary(max_size=64),
+    pipelined=st.booleans(),
+)
+def test_llhttp_edge_cases_are_a_clear_400_and_the_connection_closed(
+    echo_server: ThreadServer,
+    edge: bytes,
+    before: bytes,
+    after: bytes,
+    body: bytes,
+    pipelined: bool,
+) -> None:
+    """obs-fold, bare LF and CR, repeated and huge Content-Length,
+    Transfer-Encoding with Content-Length, NUL: refused with a 400 whose
+    body says why, the connection closed after it (a good request
+    pipelined before it answered first), and the server serves on."""
+    bad = (
+        b"POST " + PATH.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/proto\r\n"
+        + before + edge + after + b"\r\n" + body
+    )  # fmt: skip
+    good = good_request(b"ping")
+    answers = exchange(echo_server.port, good + bad if pipelined else bad)
+    expected = [200, 400] if pipelined else [400]
+    assert statuses(answers) == expected, (edge, answers)
+    last = answers[-1]
+    assert b"connection: close" in last.head.lower()
+    assert json.loads(last.body)["code"] == "invalid_argument", last.body
+    assert_serves(echo_server)
+
+
+def _connection() -> http1._Connection:
+    """A connection of `serve_http1`'s, fed by hand (no socket)."""
+    server = http1._Server(ConnectUnary({PATH: _echo}, LIMITS), None, Timeouts())
+    return http1._Connection(server, trio.testing.MemoryReceiveStream())  # type: ignore[arg-type]
+
+
+def _refused_with(connection: http1._Connection) -> int:
+    failure = connection.failure
+    assert isinstance(failure, http1._Close) and failure.answer is not None, failure
+    return failure.answer[0]
+
+
+def test_a_head_over_the_limit_across_reads_is_a_431() -> None:
+    """A header value that never ends, a read at a time: refused once the
+    reads after the first pass ``max_head`` (llhttp itself bounds no head,
+    and httptools gathers a value's pieces until it ends)."""
+    connection = _connection()
+    connection.feed(b"POST " + PATH.encode() + b" HTTP/1.1\r\nX-Long: ")
+    piece = b"a" * 1000
+    for _ in range(LIMITS.max_head // len(piece)):
+        connection.feed(piece)
+        assert connection.failure is None
+    connection.feed(piece)
+    assert _refused_with(connection) == 431
+    assert not connection.ready
+
+
+def test_a_head_over_the_limit_in_one_read_is_a_431(echo_server: ThreadServer) -> None:
+    padding = [(b"X-Pad%d" % i, b"p" * 1000) for i in range(LIMITS.max_head // 1000)]
+    answers = exchange(echo_server.port, request(padding))
+    assert statuses(answers) == [431]
+    assert b"connection: close" in answers[0].head.lower()
+
+
+def test_trailers_that_never_end_are_refused() -> None:
+    """A chunked body's trailers are dropped, and bounded with the request:
+    its reads may span at most its head, twice its body and one read more."""
+    connection = _connection()
+    connection.feed(
+        request([(b"Content-Type", b"application/proto"), (b"Transfer-Encoding", b"chunked")])
+        + b"4\r\nping\r\n0\r\nX-Trailer: "
+    )
+    piece = b"t" * 4096
+    for _ in range(connection.max_request // len(piece)):
+        connection.feed(piece)
+        assert connection.failure is None
+    connection.feed(piece)
+    assert _refused_with(connection) == 429
+
+
+def test_too_many_header_lines_are_a_431(echo_server: ThreadServer) -> None:
+    framing = [(b"Content-Type", b"application/proto"), (b"Content-Length", b"0")]
+    lines = [(b"X-N%d" % i, b"1") for i in range(LIMITS.max_headers - 3)]
+    answers = exchange(echo_server.port, request(lines + framing))  # with Host: the limit
+    assert statuses(answers) == [200]
+    answers = exchange(echo_server.port, request([*lines, (b"X-One-More", b"1"), *framing]))
+    assert statuses(answers) == [431]
+
+
+def test_pipelined_answers_keep_their_order_up_to_a_refusal(echo_server: ThreadServer) -> None:
+    """Requests parsed in one read are answered in order; a malformed one
+    after them is answered last, and ends the connection."""
+    good = [good_request(b"%d" % i) for i in range(5)]
+    answers = exchange(echo_server.port, b"".join(good) + b"POST / HTTP/1.1\r\nX: a\x00\r\n\r\n")
+    assert [(a.status, a.body) for a in answers[:5]] == [(200, b"%d" % i) for i in range(5)]
+    assert statuses(answers[5:]) == [400]
+
+
+def test_expect_100_continue_is_answered_before_the_body(echo_server: ThreadServer) -> None:
+    with socket.create_connection(("127.0.0.1", echo_server.port), timeout=30) as sock:
+        sock.sendall(
+            request(
+                [
+                    (b"Content-Type", b"application/proto"),
+                    (b"Content-Length", b"4"),
+                    (b"Expect", b"100-continue"),
+                ]
+            )
+        )
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            interim += sock.recv(65536)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(b"ping")
+        answer = b""
+        while not answer.endswith(b"ping"):
+            answer += sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")

@@ -23,6 +23,7 @@ import trio
 import bmdb
 from bmdb import Isolation, Queries
 from bmdb.actions import act
+from bmdb.model import InstallState, OSInstallation
 from common.protobuf import parse_checked
 from common.text import printable
 from shepherd.agent import ed25519, protocol, wire
@@ -332,3 +333,35 @@ async def test_a_decommissioning_machine_is_carried_no_request(
     assert carried(await leaving.beat(success(1, key))) is None
     stored = await stored_report(bmdb_conn, leaving.machine_id)
     assert stored is not None and stored[0] == 1
+
+
+async def test_what_the_agent_finds_of_its_install_later_is_stored_beside_the_report(
+    bmdb_conn: bmdb.Connection, url: str
+) -> None:
+    """Unasked reports on the installed generation (an agent back after a
+    reboot, a disk emptied behind its back): stored as a check when they are
+    of that generation's node, ignored otherwise; the report stays."""
+    agent = await new_agent(bmdb_conn, url)
+    await store_request(bmdb_conn, agent.machine_id, 1)
+    key = bytes(range(32))
+    await agent.beat(success(1, key))
+    stored = await stored_report(bmdb_conn, agent.machine_id)
+
+    async def installation() -> OSInstallation:
+        got = await bmdb_conn.transact(lambda q: q.os_installation(agent.machine_id))
+        assert got is not None
+        return got
+
+    await agent.beat(success(1, bytes(32)))  # another node's key: ignored
+    await agent.beat(failure(2, "gone"))  # not its generation: ignored
+    got = await installation()
+    assert (got.state, got.checked_at) == (InstallState.INSTALLED, None)
+    await agent.beat(success(1, key))  # back after a reboot, still there
+    got = await installation()
+    assert got.state is InstallState.INSTALLED and got.checked_at is not None
+    cause = "generation 1 is gone from /dev/sdb: /dev/sdb holds no boot record\x1b[2J"
+    await agent.beat(failure(1, cause))
+    got = await installation()
+    assert got.state is InstallState.INSTALL_LOST and got.lost_cause == printable(cause)
+    assert got.node_public_key == key
+    assert await stored_report(bmdb_conn, agent.machine_id) == stored  # the report itself stays

@@ -127,7 +127,8 @@ def test_install_bounds_reach_the_agents_settings() -> None:
     line, which the agent turns into its install settings."""
     import shlex
 
-    from shepherd.agent.__main__ import _install_settings, _parse_args
+    from shepherd.agent.__main__ import _install_settings, parse_args
+    from shepherd.agent.blockdev import Layout
     from shepherd.agent.install import Settings
 
     config = AgentConfig(
@@ -144,9 +145,10 @@ def test_install_bounds_reach_the_agents_settings() -> None:
     )
     argv = shlex.split(config.command())
     assert argv[0] == "/root/agent"
-    interval, cap, given = _parse_args(argv[1:])
-    assert (interval, cap) == (0.5, 60.0)
-    settings = _install_settings(Settings(), given)
+    options = parse_args(argv[1:])
+    assert (options.interval, options.cap) == (0.5, 60.0)
+    assert not options.systemd_unit
+    settings = _install_settings(Settings(), options)
     assert (settings.download_deadline, settings.backoff_start, settings.backoff_cap) == (
         3.0,
         0.25,
@@ -156,12 +158,29 @@ def test_install_bounds_reach_the_agents_settings() -> None:
     # Unset, the agent is not told: its own defaults hold.
     plain = AgentConfig(**{**config.__dict__, "install_download_deadline": None})
     assert "--install-download-deadline" not in plain.command()
-    assert _install_settings(Settings(), {}) == Settings()
+    assert _install_settings(Settings(), parse_args([])) == Settings()
+    # A real disk's layout, what follows an install, and the unit.
+    real = AgentConfig(
+        **{
+            **config.__dict__,
+            "install_layout": (4, 24, 160),
+            "install_after": "reboot",
+            "systemd_unit": True,
+        }
+    )
+    options = parse_args(shlex.split(real.command())[1:])
+    assert options.systemd_unit
+    settings = _install_settings(Settings(), options)
+    assert settings.layout == Layout(boot_mib=4, system_mib=24, data_min_mib=160)
+    assert settings.after_install == "reboot"
+    # The unit passes on every flag but its own.
+    assert "--systemd-unit" not in options.unit_flags
+    assert parse_args(options.unit_flags).layout == (4, 24, 160)
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
 def test_install_bounds_must_be_positive(value: float) -> None:
-    from shepherd.agent.__main__ import _parse_args
+    from shepherd.agent.__main__ import parse_args
     from shepherd.agent.errors import AgentError
 
     good = {
@@ -175,9 +194,9 @@ def test_install_bounds_must_be_positive(value: float) -> None:
     with pytest.raises(ValueError, match="install-backoff-cap must be positive"):
         AgentConfig(**good, install_backoff_cap=value)  # type: ignore[arg-type]
     with pytest.raises(AgentError, match="must be positive"):
-        _parse_args(["--install-backoff-start", repr(value)])
+        parse_args(["--install-backoff-start", repr(value)])
     with pytest.raises(AgentError, match="usage"):
-        _parse_args(["--install-nonsense", "1"])
+        parse_args(["--install-nonsense", "1"])
 
 
 async def test_upload_failure_is_its_own_cause(

@@ -58,7 +58,7 @@ def test_wipe_stops_only_its_own_processes_and_is_idempotent(tmp_path: Path) -> 
         assert (tmp_path / "agent.log").read_text() == "what happened\n"
         assert agent.exists()
         # Nothing left to wipe: an empty report, and success.
-        assert wipe(str(agent)) == {"wiped": [], "stopped": [], "errors": []}
+        assert wipe(str(agent)) == {"wiped": [], "stopped": [], "errors": [], "steps": []}
     finally:
         for p in (node, stranger):
             if p.poll() is None:

@@ -392,3 +392,27 @@ def test_retention_options(files: dict[str, Path], capsys: pytest.CaptureFixture
             parse_options(_argv(files, *flags))
         assert exited.value.code == 2
         assert error in capsys.readouterr().err
+
+
+def test_the_parser_s_defaults_are_the_loops_own() -> None:
+    """`shepherd.arguments` writes down the defaults of modules it does not
+    import (so that --help imports none of them): the same values."""
+    from bmdb.metrics import DEFAULT_FLEET_PERIOD
+    from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
+    from shepherd import arguments
+    from shepherd.approver import DEFAULT_INTERVAL as APPROVE_INTERVAL
+    from shepherd.providers.equinix.client import DEFAULT_API_URL
+    from shepherd.pruner import DEFAULT_INTERVAL as PRUNE_INTERVAL
+
+    assert arguments.DEFAULTS == {
+        "equinix_api_url": DEFAULT_API_URL,
+        "metrics_fleet_period": DEFAULT_FLEET_PERIOD,
+        "recovery_first_heartbeat_timeout": AGENT_FIRST_HEARTBEAT_TIMEOUT,
+        "recovery_heartbeat_timeout": AGENT_HEARTBEAT_TIMEOUT,
+        "approve_interval": APPROVE_INTERVAL,
+    }
+    assert arguments.PRUNE_INTERVAL == PRUNE_INTERVAL
+    args = arguments.build_parser().parse_args(
+        ["--bmdb-url", "u", "--provider", "static", "--ssh-key-path", "k", "--agent-endpoint", "e"]
+    )
+    assert {name: getattr(args, name) for name in arguments.DEFAULTS} == arguments.DEFAULTS

@@ -1,0 +1,24 @@
+-- The active backoffs, found by an index (issue 37).
+--
+-- A machine is "failed" while one of its backoffs has not ended
+-- (`bmdb.overview.STATE_SQL`: until > now()). work_backoff keeps a row per
+-- machine and process until the process next finishes there, so most of
+-- its rows are backoffs that ended long ago, and without an index on
+-- `until` the active ones were found by reading them all: the web UI's
+-- /machines?state=failed either read every backoff row or walked the fleet
+-- in order, a backoff probe per machine, until it had a page of failed ones
+-- (every machine, when few or none had failed).
+--
+-- With this index the failed page reads the active backoffs' index entries
+-- and their machines; PostgreSQL still walks the fleet in order instead
+-- where its statistics say failed machines are common enough for that to
+-- find a page sooner (tests/bmdb/test_plans.py checks both).
+--
+-- What it costs: a backoff set, lengthened or ended early (a failure, an
+-- operator's retry-now) changes `until`, so that update writes an entry in
+-- this index and one in the primary key (it can no longer be a HOT update);
+-- a backoff cleared by a finished run deletes its entries. Backoffs are
+-- written once per failure, not per heartbeat: heartbeats write
+-- machine_agent_heartbeat only, whose updates stay HOT
+-- (tests/bmdb/test_heartbeat_hot.py).
+CREATE INDEX work_backoff_until ON work_backoff (until, machine_id);

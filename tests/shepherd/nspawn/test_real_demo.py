@@ -1,0 +1,101 @@
+"""``bin/demo --real-machines``: Ctrl-C in the middle of an install stops every
+machine and detaches every loop device.
+
+The demo runs as an operator runs it, in a session of its own (as a
+terminal's foreground job), and gets SIGINT in its process group once its
+machine is asked to install. It ends with its one line and exit status
+130, and leaves nothing: no process under its folder, no loop device of
+its disks, no namespace or bridge, no mount, the folder itself removed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from tests.fixtures.image import IMAGE_CACHE
+from tests.fixtures.install_rig import processes_under
+from tests.shepherd.nspawn.fleet_thread import skip_unless_possible
+
+BOUND = 300
+
+
+def _namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def _loop_files() -> set[str]:
+    found = set()
+    for backing in Path("/sys/class/block").glob("loop*/loop/backing_file"):
+        found.add(backing.read_text().strip())
+    return found
+
+
+def test_ctrl_c_during_an_install_stops_every_machine_and_detaches_every_loop_device(
+    node_image: Path,
+) -> None:
+    skip_unless_possible()
+    assert node_image.parent.parent == IMAGE_CACHE  # the demo reuses this build
+    base = Path(tempfile.mkdtemp(prefix="rd-", dir="/tmp"))
+    base.chmod(0o711)  # PostgreSQL runs as its own user below it
+    workdir = base / "w"
+    demo = subprocess.Popen(
+        [
+            sys.executable, "-m", "shepherd.demo", "--real-machines", "--machines", "1",
+            "--workdir", str(workdir), "--image-cache", str(IMAGE_CACHE),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    asked = threading.Event()
+
+    def read() -> None:
+        assert demo.stderr is not None
+        for line in demo.stderr:
+            lines.append(line)
+            if "progress: install requested" in line:
+                asked.set()
+        asked.set()  # it ended: the test fails below, with its output
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert asked.wait(BOUND) and demo.poll() is None, "".join(lines[-30:])
+        during = [f for f in _loop_files() if f.startswith(str(workdir))]
+        assert len(during) == 1, "".join(lines[-30:])  # its machine's disk, attached
+        os.killpg(demo.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+        assert demo.wait(BOUND) == 130, "".join(lines[-30:])
+        reader.join(10)
+        assert re.search(
+            r"interrupted; the nodes, the fleet, the Shepherd and PostgreSQL", lines[-1]
+        )
+        assert not [f for f in _loop_files() if f.startswith(str(workdir))]
+        slot = next(m for m in map(re.compile(r"network slot (\d+):").search, lines) if m)[1]
+        assert not Path(f"/sys/class/net/mtbr{slot}").exists()  # its bridge
+        assert not [n for n in _namespaces() if n.startswith(f"mt{slot}-")]
+        assert processes_under(workdir) == []
+        mounts = Path("/proc/mounts").read_text()
+        assert str(workdir) not in mounts
+        assert not workdir.exists()
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def test_real_machines_take_none_of_the_loopback_demos_knobs() -> None:
+    for knob in (["--broken", "1"], ["--takeover-only"], ["--stay"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "shepherd.demo", "--real-machines", *knob],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "--real-machines takes no --broken, --takeover-only, --web or --stay" in done.stderr
