@@ -144,6 +144,8 @@ class Target:
     helper_dir: str = "/usr/local/lib/metropolis"
     mount_point: str = "/var/lib/metropolis"
     python: str = "/usr/bin/python3"
+    #: Where the node's image unpacks (`SHIV_ROOT`).
+    shiv_root: str = SHIV_ROOT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,7 +410,7 @@ def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, st
             "[Unit]\nDescription=Metropolis node\n"
             f"Requires={mount}\nAfter={mount} network-online.target\n\n"
             "[Service]\nRestart=always\nRestartSec=2\n"
-            f"Environment=SHIV_ROOT={SHIV_ROOT}\n"
+            f"Environment=SHIV_ROOT={target.shiv_root}\n"
             f"Environment=METROPOLIS_BOOT_INFO={RUN}/{abslots.BOOT_INFO} "
             f"METROPOLIS_ANNOUNCE_HEALTHY={RUN}/{abslots.HEALTHY}\n"
             f"ExecStart=/bin/sh -c '{start}'\n\n"

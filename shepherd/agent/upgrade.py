@@ -19,10 +19,13 @@ One upgrade::
                           loopback disk with an installed node
     download, verify      beside the agent (real disk) or in the disk's
                           folder, its SHA-256 checked before any use
-    stage                 real disk (`stage_device`): the inactive slot
-                            written raw, read back; the helpers and the boot
-                            check refreshed; the slot state points at it for
-                            the next boot only
+    stage                 real disk: the new image started once for its
+                            --help, unpacked into the node unit's shiv cache
+                            while the old node serves (`prewarm_device`);
+                            then `stage_device`: the inactive slot written
+                            raw, read back; the helpers and the boot check
+                            refreshed; the slot state points at it for the
+                            next boot only
                           loopback disk (`stage_folder`): the inactive slot's
                             file (``image.pyz`` is A, ``image-b.pyz`` B), the
                             slot state in ``slots.json``
@@ -210,6 +213,37 @@ def stage_device(
     except (OSError, blockdev.DeviceFailed, SlotError) as exc:
         raise UpgradeFailed(f"staging slot {slot} of {disk.device}: {exc}") from exc
     return slot
+
+
+def prewarm_device(image: str, target: blockdev.Target, *, timeout: float = 300.0) -> None:
+    """Start ``image`` once for its ``--help`` as the node unit will run it
+    (named ``image.pyz``, with the unit's ``SHIV_ROOT``), while the old node
+    still serves: a new image unpacks its packages into that cache and
+    compiles them at its first start (shiv names the cache folder by the
+    file's name and the image's build id), seconds that would otherwise fall
+    inside the node's downtime after the reboot. Best effort: a failure here
+    is the boot's to find."""
+    import shutil
+    import tempfile
+
+    folder = ""
+    try:
+        folder = tempfile.mkdtemp(prefix=".prewarm-", dir=os.path.dirname(image))
+        link = os.path.join(folder, IMAGE)
+        os.link(image, link)
+        subprocess.run(
+            [target.python, link, "node", "--help"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env={**os.environ, "SHIV_ROOT": target.shiv_root},
+            timeout=timeout,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        log(f"prewarming the new image: {exc}")
+    finally:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def refresh_boot_entry(target: blockdev.Target, boot_partuuid: str) -> None:
@@ -621,6 +655,7 @@ class Upgrader:
                 raise UpgradeFailed(str(exc)) from exc
             try:
                 if device:
+                    prewarm_device(tmp, self.settings.target)
                     slot = stage_device(
                         open_device(device), tmp, digest, timeout, self.settings.target
                     )

@@ -155,7 +155,11 @@ class Disk:
         self.device = device
         self.folder = folder
         self.run = folder / "run"
-        self.target = Target(systemd_root=str(folder / "systemd"), helper_dir=str(folder / "lib"))
+        self.target = Target(
+            systemd_root=str(folder / "systemd"),
+            helper_dir=str(folder / "lib"),
+            shiv_root=str(folder / "shiv"),
+        )
         (folder / "systemd").mkdir()
         self.images: dict[str, bytes] = {}
         image = self.image("installed")
