@@ -27,11 +27,9 @@ the agents.
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 import uuid
-import zipfile
 from pathlib import Path
 
 import trio
@@ -43,7 +41,7 @@ from metropolis.owner import NodeRow
 from shepherd.approver import run_approver
 from shepherd.ssh_key import SSHKey
 from shepherd.upgrader import Upgrader
-from tests.fixtures.image import image_variant
+from tests.fixtures.image import broken_image, image_variant
 from tests.fixtures.install_rig import (
     Cluster,
     Rig,
@@ -57,23 +55,6 @@ from tests.fixtures.install_rig import (
 
 BOUND = 400.0
 HEALTH_TIMEOUT = 60
-
-
-def broken_image(out: Path) -> Path:
-    """A node image whose node cannot start (it exits at once, saying so)."""
-    import hashlib
-
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr(
-            "__main__.py",
-            "import sys\nsys.stderr.write('broken image: this node cannot start\\n')\n"
-            "sys.exit(3)\n",
-        )
-    data = buffer.getvalue()
-    path = out / f"{hashlib.sha256(data).hexdigest()}.pyz"
-    path.write_bytes(data)
-    return path
 
 
 def _images(folder: Path, node_image: Path) -> tuple[Path, Path, Path]:
