@@ -1,14 +1,17 @@
 """A rolling upgrade of a cluster against the same nodes' plain restarts, one at a time.
 
+    python -m bench.upgrade --real-machines [--machines 5] [--consensus 3] [--timeout 900]
     python -m bench.upgrade [--machines 5] [--consensus 2] [--timeout 900]
                             [--loopback-block B] [--smoke]
 
-ON THE LOOPBACK FLEET (the issue asks for real machines: their install path
-is another branch's work; see the README's "Upgrades"). A cluster is
-bootstrapped on 127.B.1.1; ``--machines`` loopback machines are taken over,
-installed and approved by the product (not timed: setup), the first
-``--consensus`` of them granted ConsensusMember (etcd then has that many
-voters plus the first node). Then, timed:
+``--real-machines``: on nspawn machines, against their plain reboots, and a
+leader election measured in the same run (`bench.upgrade_real`: the
+issue's benchmark). Without it, ON THE LOOPBACK FLEET, a quicker proxy
+(and the smoke run): a cluster is bootstrapped on 127.B.1.1; ``--machines``
+loopback machines are taken over, installed and approved by the product
+(not timed: setup), the first ``--consensus`` of them granted
+ConsensusMember (etcd then has that many voters plus the first node).
+Then, timed:
 
 - floor: each machine's node restarted once, one after the other, from the
   image it runs (the loopback stand-in for a plain reboot: SIGTERM, then
@@ -20,12 +23,13 @@ voters plus the first node). Then, timed:
   image (the same node in other bytes), the Shepherd's upgrader (its
   control loop, in this process) moves them, until the run is finished.
 
-Meanwhile a writer changes the first node's roles through the curator
-(``UpdateNodeRoles``, a leader-guarded etcd transaction) every 100 ms; the
-longest time between two accepted writes is printed for both phases,
-against the curator's lease TTL (10 s by default), the bound of one leader
-election (a curator leader that dies blocks writes at most that long). The
-leader here is the first node, which no phase restarts.
+Meanwhile a writer (`writer`) changes the first node's roles through the
+curator (``UpdateNodeRoles``, a leader-guarded etcd transaction) every 100
+ms and reads each write back; the longest time between two accepted writes
+and the longest refusal are printed for both phases, against the curator's
+lease TTL (10 s by default), the bound of one leader election (a curator
+leader that dies blocks writes at most that long). The leader here is the
+first node, which no phase restarts.
 
 Prints both times and the ratio upgrade / floor (goal <= 1.5).
 """
@@ -52,7 +56,6 @@ from bench.install import (
     HEARTBEAT_INTERVAL,
     POLL,
     TAKEOVER_PARALLELISM,
-    Cluster,
     bootstrap,
     healthy,
     node_parameters,
@@ -64,10 +67,12 @@ from bench.ratios import report
 from bench.smoke import parse_args
 from bmdb.localserver import LocalPostgres
 from bmdb.model import Queries, UpgradeState
+from metropolis.errors import MetropolisError
 from metropolis.image.build import default_etcd
 from metropolis.image.cache import ensure_image
+from metropolis.owner import OwnerAccess
 from metropolis.proto import management as m
-from metropolis.rpc import RPCError, methods
+from metropolis.rpc import methods
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.images import ImageServerConfig, serve_images
@@ -101,39 +106,77 @@ LEASE_TTL = 10.0
 
 @dataclass
 class Writes:
-    """Accepted writes through the curator, and the longest gap between two."""
+    """Writes through the curator: accepted, failed, lost; per phase the
+    longest gap between two accepted writes and the longest refusal (from a
+    failed write to the next accepted one)."""
 
     accepted: int = 0
     refused: int = 0
     last: float | None = None
     gaps: dict[str, float] = field(default_factory=dict)
+    refusals: dict[str, float] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
     phase: str = "setup"
+    #: The value of the last accepted write (None after a failed one: unknown).
+    expected: bool | None = None
+    _refused_since: float | None = None
 
-    def ok(self, now: float) -> None:
+    def ok(self, now: float, value: bool) -> None:
         if self.last is not None:
             gap = now - self.last
             self.gaps[self.phase] = max(self.gaps.get(self.phase, 0.0), gap)
+        if self._refused_since is not None:
+            refusal = now - self._refused_since
+            self.refusals[self.phase] = max(self.refusals.get(self.phase, 0.0), refusal)
+            self._refused_since = None
         self.last = now
         self.accepted += 1
+        self.expected = value
+
+    def failed(self, now: float) -> None:
+        self.refused += 1
+        self.expected = None
+        if self._refused_since is None:
+            self._refused_since = now
+
+    def read_back(self, seen: bool) -> None:
+        if self.expected is not None and seen != self.expected:
+            self.lost.append(f"write #{self.accepted} ({self.expected}) read back as {seen}")
+
+    def last_ok_after(self, at: float) -> bool:
+        return self.last is not None and self.last > at
+
+    def longest_refusal(self, phase: str) -> float:
+        return self.refusals.get(phase, 0.0)
 
 
-async def writer(cluster: Cluster, first: str, writes: Writes) -> None:
-    """Toggle the first node's KubernetesController role every 100 ms, forever."""
+async def writer(access: OwnerAccess, key: bytes, writes: Writes) -> None:
+    """Toggle the KubernetesController role of the node of ``key`` every 100 ms
+    through the curators, reading each write back, forever."""
     on = False
     while True:
         try:
-            async with cluster.access.open() as owner:
-                key = next(r.public_key for r in await owner.nodes() if r.address == first)
+            async with access.open() as owner:
                 while True:
                     on = not on
-                    await owner.client.unary(
-                        methods.UPDATE_NODE_ROLES,
-                        m.UpdateNodeRolesRequest(pubkey=key, kubernetes_controller=on),
-                    )
-                    writes.ok(trio.current_time())
+                    with trio.fail_after(LEASE_TTL):
+                        await owner.client.unary(
+                            methods.UPDATE_NODE_ROLES,
+                            m.UpdateNodeRolesRequest(pubkey=key, kubernetes_controller=on),
+                        )
+                    writes.ok(trio.current_time(), on)
+                    try:
+                        with trio.fail_after(LEASE_TTL):
+                            rows = await owner.nodes()
+                    except (MetropolisError, OSError, trio.TooSlowError):
+                        pass  # a read that fails refuses no write
+                    else:
+                        row = next((r for r in rows if r.public_key == key), None)
+                        if row is not None:
+                            writes.read_back("KubernetesController" in row.roles)
                     await trio.sleep(0.1)
-        except (RPCError, StopIteration, OSError) as e:
-            writes.refused += 1
+        except (MetropolisError, OSError, trio.TooSlowError) as e:
+            writes.failed(trio.current_time())
             say(f"writer: refused ({e}); again")
             await trio.sleep(0.1)
 
@@ -271,7 +314,8 @@ async def main_async(args: argparse.Namespace, work: Path) -> int:
                         break
                     await trio.sleep(POLL)
             say("installed; consensus members voting; measuring")
-            nursery.start_soon(writer, cluster, first, writes)
+            first_key = (await nodes_by_address(cluster))[first].public_key
+            nursery.start_soon(writer, cluster.access, first_key, writes)
             while writes.accepted < 3:  # noqa: ASYNC110 (the writer's progress)
                 await trio.sleep(POLL)
 
@@ -380,7 +424,18 @@ async def main_async(args: argparse.Namespace, work: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--machines", type=int, default=5)
-    parser.add_argument("--consensus", type=int, default=2, help="machines made members")
+    parser.add_argument(
+        "--consensus",
+        type=int,
+        default=2,
+        help="machines made members (default 2; 3 with --real-machines, whose first node "
+        "then gives its role up)",
+    )
+    parser.add_argument(
+        "--real-machines",
+        action="store_true",
+        help="on nspawn machines, against plain reboots (bench.upgrade_real); needs root",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="per phase, seconds")
     parser.add_argument(
         "--heartbeat-interval",
@@ -399,6 +454,16 @@ def main() -> int:
     args = parse_args(
         parser, {"machines": 1, "consensus": 0, "timeout": 240.0, "heartbeat_interval": 1.0}
     )
+    if args.real_machines:
+        from bench import upgrade_real
+
+        if args.consensus == parser.get_default("consensus"):
+            args.consensus = upgrade_real.DEFAULT_CONSENSUS
+        if args.heartbeat_interval == parser.get_default("heartbeat_interval"):
+            args.heartbeat_interval = upgrade_real.HEARTBEAT_INTERVAL
+        if not 1 <= args.consensus <= args.machines:
+            parser.error("want 1 <= --consensus <= --machines")
+        return upgrade_real.run(args)
     if args.machines < 1 or not 0 <= args.consensus <= args.machines:
         parser.error("want --machines >= 1 and 0 <= --consensus <= --machines")
     if not 0 <= args.loopback_block < LOOPBACK_BLOCKS:
