@@ -166,8 +166,22 @@ class Options:
     verbose: bool = False
 
 
-async def start(conn: bmdb.Connection, options: Options) -> int:
-    """Check the image, choose the machines, write the run; print the plan."""
+@dataclass(frozen=True)
+class Planned:
+    """What `create_run` did: each machine's choice, the run written (None on
+    a dry run), and whether the cluster's view ordered it."""
+
+    choices: list[Choice]
+    run: UpgradeRun | None
+    ordered: bool
+
+
+async def create_run(conn: bmdb.Connection, options: Options) -> Planned:
+    """Check the image, choose the machines, write the run (unless a dry run)
+    and its audit records in one SERIALIZABLE transaction. UpgradeError
+    (nothing written) when the image server lacks the image, the cluster
+    does not answer, or another run is not finished; no run either (and no
+    error) when no machine is left (each choice says why)."""
     assert options.image is not None and options.ssl_context is not None
     await check_image(options.image, options.ssl_context)
     cluster = None
@@ -213,6 +227,17 @@ async def start(conn: bmdb.Connection, options: Options) -> int:
         choices, run = await conn.transact(body, isolation=bmdb.Isolation.SERIALIZABLE)
     except InvalidArgument as exc:
         raise UpgradeError(str(exc)) from exc
+    return Planned(choices, run, cluster is not None)
+
+
+async def start(conn: bmdb.Connection, options: Options) -> int:
+    """`create_run`, then print the plan (and with ``--wait`` follow the run)."""
+    planned = await create_run(conn, options)
+    choices, run, digest = (
+        planned.choices,
+        planned.run,
+        options.image.digest if options.image else "",
+    )
     for c in choices:
         if c.entry is not None:
             print(
@@ -222,16 +247,16 @@ async def start(conn: bmdb.Connection, options: Options) -> int:
             )
         else:
             print(printable(f"left out {c.machine_id}: {c.left_out}"))
-    planned = sum(c.entry is not None for c in choices)
-    if not planned:
+    count = sum(c.entry is not None for c in choices)
+    if not count:
         raise UpgradeError("no machine to upgrade")
     if run is None:
-        print(f"{planned} machine(s) would be upgraded to {digest} (dry run: nothing written)")
+        print(f"{count} machine(s) would be upgraded to {digest} (dry run: nothing written)")
         return 0
     print(
-        f"upgrade run {run.run_id}: {planned} machine(s) to {digest}, at most "
+        f"upgrade run {run.run_id}: {count} machine(s) to {digest}, at most "
         f"{run.max_unavailable} at a time, {run.health_timeout} s for each node to be healthy"
-        + ("" if cluster is not None else " (order: the Shepherd's upgrader sets it)")
+        + ("" if planned.ordered else " (order: the Shepherd's upgrader sets it)")
     )
     if not options.wait:
         print(
