@@ -97,7 +97,7 @@ from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
-from shepherd.upgrade import choose
+from shepherd.upgrade import ask_writes, choose
 from shepherd.upgrader import Upgrader
 
 #: The curator's default lease TTL: the bound of one leader election.
@@ -362,6 +362,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> int:
                     requested_by="bench",
                     machines=entries,
                 )
+                await ask_writes(q, run, entries)  # as `shepherd upgrade` does
                 return run.run_id
 
             run_id = await conn.transact(create, isolation=bmdb.Isolation.SERIALIZABLE)

@@ -62,7 +62,7 @@ from shepherd.demo_cluster import default_image_cache, node_image
 from shepherd.install import image_from_server
 from shepherd.providers.redfish import Credentials, RedfishClient
 from shepherd.realfleet import RealFleet, open_real_fleet
-from shepherd.upgrade import choose
+from shepherd.upgrade import ask_writes, choose
 
 DEFAULT_MACHINES = 5
 DEFAULT_CONSENSUS = 3
@@ -195,14 +195,16 @@ async def upgrade_all(
 
     async def create(q: Queries) -> uuid.UUID:
         chosen = await choose(q, real.ids, digest, view)
+        entries = [c.entry for c in chosen if c.entry is not None]
         run = await q.create_upgrade_run(
             image_digest=digest,
             os_image=bytes(image.message()),
             max_unavailable=1,
             health_timeout=HEALTH_TIMEOUT,
             requested_by="bench",
-            machines=[c.entry for c in chosen if c.entry is not None],
+            machines=entries,
         )
+        await ask_writes(q, run, entries)  # as `shepherd upgrade` does
         return run.run_id
 
     run_id = await real.conn.transact(create, isolation=bmdb.Isolation.SERIALIZABLE)

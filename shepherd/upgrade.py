@@ -60,6 +60,7 @@ from common.text import printable
 from metropolis.errors import MetropolisError
 from shepherd.errors import ShepherdError
 from shepherd.install import ImageRef, check_image, image_from_server, image_from_url
+from shepherd.proto.agent_callback import UpgradeRequest
 from shepherd.upgrade_options import DEFAULT_HEALTH_TIMEOUT
 from shepherd.upgrade_plan import phase
 
@@ -166,6 +167,35 @@ class Options:
     verbose: bool = False
 
 
+def write_request(
+    run: UpgradeRun, root_device: str, generation: int, *, activate: bool = False
+) -> bytes:
+    """The serialized UpgradeRequest of ``run`` for a machine: write the image
+    to the inactive slot, and with ``activate`` try it at once."""
+    return bytes(
+        UpgradeRequest(
+            generation=generation,
+            os_image=run.os_image,
+            health_timeout_seconds=run.health_timeout,
+            root_device=root_device,
+            activate=activate,
+        )
+    )
+
+
+async def ask_writes(q: Queries, run: UpgradeRun, entries: Sequence[UpgradePlanEntry]) -> None:
+    """Ask every machine of the new ``run`` (``entries``, as it was created
+    with) to write the image to its inactive slot now, all at once: a write
+    takes no node down, so the per-node downtime the upgrader causes later
+    (one machine at a time: activate, reboot, health) excludes the download
+    and the write. Each machine gets its next generation; the upgrader
+    activates that same generation."""
+    for entry in entries:
+        generation = await q.next_upgrade_generation(entry.machine_id)
+        request = write_request(run, entry.root_device, generation)
+        await q.write_upgrade(run.run_id, entry.machine_id, generation, request)
+
+
 @dataclass(frozen=True)
 class Planned:
     """What `create_run` did: each machine's choice, the run written (None on
@@ -221,6 +251,7 @@ async def create_run(conn: bmdb.Connection, options: Options) -> Planned:
                 options.reason,
                 f"run {run.run_id}: to {digest}, {PHASES[entry.phase]} #{entry.position + 1}",
             )
+        await ask_writes(q, run, entries)
         return choices, run
 
     try:

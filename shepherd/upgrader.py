@@ -2,13 +2,20 @@
 
 A control loop processor (see :mod:`shepherd.control_loop`) under the BMDB
 process ``ShepherdUpgrade``; ``python -m shepherd upgrade`` creates the run
-(:mod:`shepherd.upgrade`). One machine at a time per worker::
+(:mod:`shepherd.upgrade`) and asks every machine of it to write the image to
+its inactive slot at once (``ask_writes``: a request without ``activate``;
+no node goes down for it). One machine at a time per worker::
 
     source (in the claiming transaction)
       machines_for_upgrade(1)        requested ones first (a worker died while
                                      upgrading them), then pending ones of the
                                      lowest phase, while the run has room
     handle
+      pending: the run's writes      a machine's agent says FAILED ──▶ failed,
+                                       the run stops (no node went down)
+                                     not all WRITTEN ──▶ fail "waiting: ..."
+                                       (retried), or past `stage_allowance`
+                                       from the run's start: failed, stops
       owner.nodes()                  the cluster's view; the machine's node by
                                      the key of its installation report
       pending:
@@ -18,8 +25,10 @@ process ``ShepherdUpgrade``; ``python -m shepherd upgrade`` creates the run
                                               retried: the cause is in the views)
                                      REFUSE ──▶ failed, the run stops
         request_upgrade(generation)  one transaction, the run row locked: its
-                                     UpgradeRequest is carried to the agent
-                                     from now on (the machine is "down")
+                                     UpgradeRequest, the written generation
+                                     with activate, is carried to the agent
+                                     from now on (the machine is "down": it
+                                     points its next boot at the slot, reboots)
       requested: wait, polling       every `poll` seconds, until the deadline
         the agent says FAILED        ──▶ failed (nothing changed), the run stops
         the node went back / the     ──▶ rolled-back, with the cause, the run stops
@@ -61,7 +70,7 @@ from common.text import printable
 from metropolis.errors import MetropolisError
 from metropolis.owner import NodeRow, OwnerAccess
 from shepherd.control_loop import ProcessingFailed
-from shepherd.proto.agent_callback import UpgradeRequest
+from shepherd.upgrade import write_request
 from shepherd.upgrade_plan import Verdict, gate, phase, upgraded, went_back
 
 logger = logging.getLogger("shepherd.upgrader")
@@ -112,6 +121,10 @@ class Upgrader:
 
     async def handle(self, work: Work, task: UpgradeTarget) -> None:
         run, machine = task.run, task.machine
+        if machine.state is UpgradeState.PENDING:
+            # Before anything else (the cluster's view included): no node
+            # goes down while a machine of the run may still fail its write.
+            await self._writes_done(work, run, machine)
         if self.owner is None:
             raise ProcessingFailed(
                 "no owner credentials to see the cluster (start the Shepherd with "
@@ -132,6 +145,42 @@ class Upgrader:
                 return
             await self._start(work, run, machine, row, rows)
         await self._await_outcome(work, run, machine.machine_id, was_voter=row.etcd == "voter")
+
+    async def _writes_done(self, work: Work, run: UpgradeRun, machine: MachineUpgrade) -> None:
+        """Return once every pending machine of the run that was asked to
+        write the image (`shepherd.upgrade.ask_writes`) reported it written.
+        A write that failed stops the run with its cause before any node
+        goes down; writes not reported within `stage_allowance` of the run's
+        start stop it too; else the machine waits (retried)."""
+
+        async def look(q: Queries) -> tuple[list[MachineUpgrade], float | None]:
+            members = await q.upgrade_machines(run.run_id)
+            return [m for m, _ in members], await q.upgrade_run_age(run.run_id)
+
+        members, age = await work.transact(look)
+        asked = [m for m in members if m.state is UpgradeState.PENDING and m.generation is not None]
+        failed = [m for m in asked if m.agent_state == "failed"]
+        if failed:
+            broken = failed[0]
+            detail = f"writing the image: the agent: {broken.agent_detail or 'no detail'}"
+            if broken.machine_id != machine.machine_id:
+                await self._stop(work, run, broken, UpgradeState.FAILED, detail, own=machine)
+            await self._stop(work, run, machine, UpgradeState.FAILED, detail)
+        writing = [m for m in asked if m.agent_state != "written"]
+        if not writing:
+            return
+        if age is not None and age >= self.stage_allowance:
+            late = writing[0]
+            detail = (
+                f"no report of its write of the image within {self.stage_allowance:g} s "
+                f"(the agent: {late.agent_state or 'no report'})"
+            )
+            if late.machine_id != machine.machine_id:
+                await self._stop(work, run, late, UpgradeState.FAILED, detail, own=machine)
+            await self._stop(work, run, machine, UpgradeState.FAILED, detail)
+        why = f"waiting: {len(writing)} machine(s) of the run still writing the image"
+        await work.transact(lambda q: q.note_upgrade(run.run_id, machine.machine_id, why))
+        raise ProcessingFailed(why, self.wait_backoff)
 
     async def _nodes(self) -> list[NodeRow]:
         assert self.owner is not None
@@ -193,15 +242,9 @@ class Upgrader:
             raise ProcessingFailed(why, self.wait_backoff)
 
         async def request(q: Queries) -> str | None:
-            generation = await q.next_upgrade_generation(machine.machine_id)
-            raw = bytes(
-                UpgradeRequest(
-                    generation=generation,
-                    os_image=run.os_image,
-                    health_timeout_seconds=run.health_timeout,
-                    root_device=machine.root_device,
-                )
-            )
+            # The generation whose write the run asked for, if it did.
+            generation = machine.generation or await q.next_upgrade_generation(machine.machine_id)
+            raw = write_request(run, machine.root_device, generation, activate=True)
             return await q.request_upgrade(run.run_id, machine.machine_id, generation, raw)
 
         why_not = await work.transact(request)
@@ -294,9 +337,13 @@ class Upgrader:
         state: UpgradeState,
         detail: str,
         row: NodeRow | None = None,
+        *,
+        own: MachineUpgrade | None = None,
     ) -> NoReturn:
         """The machine's upgrade ended otherwise (``state``): recorded, the run
-        stops with the cause, and the work fails with it (its history says why)."""
+        stops with the cause, and the work fails with it (its history says why).
+        With ``own``: the work is on that other machine of the run, which stays
+        pending; its history names the machine that stopped the run."""
         detail = printable(detail)
 
         async def apply(q: Queries) -> None:
@@ -314,6 +361,11 @@ class Upgrader:
             "machine %s: upgrade %s: %s; upgrade run %s stopped", machine.machine_id, state,
             detail, run.run_id,
         )  # fmt: skip
+        if own is not None:
+            raise ProcessingFailed(
+                f"upgrade run stopped: machine {machine.machine_id} {state}: {detail}",
+                self.backoff,
+            )
         raise ProcessingFailed(f"upgrade {state}: {detail}", self.backoff)
 
 

@@ -17,7 +17,8 @@ then has three voters: the first node and those two). The tests then:
 * upgrade the worker to an image whose node cannot start: its agent goes
   back to the old slot by itself, the run stops at it with that cause, the
   node is healthy on the old image and says it went back, and the members
-  were never asked.
+  (which wrote the image at the run's start, as every machine does) were
+  never activated.
 
 The real-disk half of the A/B machine (slots on a block device, bootprep,
 the boot check) is tested on loop devices in
@@ -282,9 +283,11 @@ async def test_an_image_that_cannot_start_goes_back_and_stops_the_run(
                 assert run is not None and run.stop_cause is not None
                 by_id = {m.machine_id: m for m in machines}
                 assert by_id[rig.ids[2]].state is UpgradeState.ROLLED_BACK
-                # The members were never asked, and the cluster is untouched.
+                # The members wrote the image at the run's start but were
+                # never activated, and the cluster is untouched.
                 assert all(by_id[m].state is UpgradeState.PENDING for m in rig.ids[:2])
-                assert all(by_id[m].generation is None for m in rig.ids[:2])
+                assert all(by_id[m].requested_at is None for m in rig.ids[:2])
+                assert all(by_id[m].agent_state == "written" for m in rig.ids[:2])
 
                 async def back_and_healthy() -> bool:
                     row = {r.address: r for r in await cluster.nodes()}[worker_host]

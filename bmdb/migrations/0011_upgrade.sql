@@ -2,10 +2,13 @@
 -- new node image, one machine at a time or a few, in the order the Shepherd's
 -- upgrader keeps (non-consensus nodes, then consensus members one at a time,
 -- the leader's node last), under the process ShepherdUpgrade. `python -m
--- shepherd upgrade` creates the run (audited); the upgrader claims machines
--- as work, writes each one's UpgradeRequest, which the agent callback server
--- carries to the agent in its heartbeat answers while the machine's row is
--- 'requested', and records each agent's UpgradeReport on it.
+-- shepherd upgrade` creates the run (audited) and asks every machine of it
+-- to write the new image to its inactive slot at once (an UpgradeRequest
+-- without activate: no node goes down); the upgrader claims machines as work
+-- and activates them in order (the same generation, with activate): the
+-- agent callback server carries a machine's request in its heartbeat answers
+-- while its row is 'requested', or 'pending' with a request in a running
+-- run, and records each agent's UpgradeReport on it.
 ALTER TYPE process ADD VALUE 'ShepherdUpgrade';
 
 CREATE TABLE upgrade_run (
@@ -44,7 +47,8 @@ CREATE TABLE machine_upgrade (
     root_device text NOT NULL CHECK (root_device <> ''),
     from_digest text,
     -- The machine's upgrade generation (one more than its last, over all
-    -- runs) and its UpgradeRequest, once requested.
+    -- runs) and its UpgradeRequest: set when its write is asked (pending),
+    -- the request replaced by one that activates when it is requested.
     generation bigint,
     request_raw bytea,
     requested_at timestamptz,
@@ -60,10 +64,13 @@ CREATE TABLE machine_upgrade (
     agent_reported_at timestamptz,
     updated_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (run_id, machine_id),
-    CHECK ((state = 'pending') = (generation IS NULL)),
+    CHECK (state = 'pending' OR generation IS NOT NULL),
     CHECK ((generation IS NULL) = (request_raw IS NULL))
 );
--- The heartbeat statement's probe (a machine has at most one requested row).
+-- A machine has at most one requested row.
 CREATE UNIQUE INDEX machine_upgrade_requested ON machine_upgrade (machine_id)
     WHERE state = 'requested';
+-- The heartbeat statement's probe: the rows whose request may be carried.
+CREATE INDEX machine_upgrade_carried ON machine_upgrade (machine_id)
+    WHERE request_raw IS NOT NULL AND state IN ('pending', 'requested');
 CREATE INDEX machine_upgrade_machine ON machine_upgrade (machine_id, generation);

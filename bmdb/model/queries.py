@@ -235,8 +235,9 @@ def _agent_recovery(
 # decommissioned gets the generation (a report on it is still stored: the
 # decommissioner must learn of a node the install started) but not the
 # request: its agent is never sent an install from then on. The same for a
-# machine's requested upgrade (machine_upgrade, migration 0011), probed by
-# its partial unique index: carried while the upgrader has not ended it.
+# machine's upgrade request (machine_upgrade, migration 0011), probed by its
+# partial index: a requested one (the upgrader activated it) carried until
+# the upgrader ends it, else a pending one of the running run (its write).
 _RECORD_HEARTBEATS = """
     WITH req AS (
         SELECT * FROM unnest(
@@ -288,7 +289,14 @@ _RECORD_HEARTBEATS = """
                 THEN u.request_raw END
     FROM req r
     JOIN beat b ON b.machine_id = r.machine_id
-    JOIN machine_upgrade u ON u.machine_id = r.machine_id AND u.state = 'requested'
+    JOIN LATERAL (
+        SELECT mu.generation, mu.request_raw FROM machine_upgrade mu
+        WHERE mu.machine_id = r.machine_id
+          AND mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
+          AND (mu.state = 'requested'
+               OR EXISTS (SELECT 1 FROM upgrade_run ur
+                          WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))
+        ORDER BY mu.state = 'requested' DESC LIMIT 1) u ON true
 """
 
 
@@ -1099,6 +1107,15 @@ class Queries:
         )
         return _upgrade_run(rows[0]) if rows else None
 
+    async def upgrade_run_age(self, run_id: uuid.UUID | str) -> float | None:
+        """Seconds since the run was made, by the database's clock (None: no such run)."""
+        rows = await self.execute(
+            """SELECT extract(epoch FROM now() - requested_at)::float8
+               FROM upgrade_run WHERE run_id = %s""",
+            (as_uuid(run_id),),
+        )
+        return float(rows[0][0]) if rows else None
+
     async def upgrade_machines(
         self, run_id: uuid.UUID | str
     ) -> list[tuple[records.MachineUpgrade, bytes | None]]:
@@ -1198,6 +1215,29 @@ class Queries:
             (as_uuid(machine_id),),
         )
         return int(rows[0][0])
+
+    async def write_upgrade(
+        self,
+        run_id: uuid.UUID | str,
+        machine_id: uuid.UUID | str,
+        generation: int,
+        request: bytes,
+    ) -> bool:
+        """Ask the pending machine of the running run to write the new image
+        to its inactive slot: its agent is carried ``request`` (of
+        ``generation``, not activating) while the run runs; the machine stays
+        pending (it takes no node down). Whether it was pending without one."""
+        rows = await self.execute(
+            """UPDATE machine_upgrade mu
+               SET generation = %s, request_raw = %s, updated_at = now()
+               FROM upgrade_run r
+               WHERE r.run_id = mu.run_id AND r.finished_at IS NULL
+                 AND mu.run_id = %s AND mu.machine_id = %s
+                 AND mu.state = 'pending' AND mu.generation IS NULL
+               RETURNING 1""",
+            (generation, bytes(request), as_uuid(run_id), as_uuid(machine_id)),
+        )
+        return bool(rows)
 
     async def request_upgrade(
         self,
@@ -1323,8 +1363,8 @@ class Queries:
         detail: str,
         slot: str,
     ) -> bool:
-        """Store an agent's UpgradeReport on the machine's requested upgrade;
-        only if ``generation`` is the one requested (else nothing: False)."""
+        """Store an agent's UpgradeReport on the machine's upgrade of
+        ``generation``, requested or (its write) pending; else nothing: False."""
         if not isinstance(generation, int) or not 0 < generation < 2**63:
             raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
         for name, value in (("state", state), ("detail", detail), ("slot", slot)):
@@ -1333,7 +1373,7 @@ class Queries:
             """UPDATE machine_upgrade
                SET agent_state = %s, agent_detail = %s, agent_slot = %s,
                    agent_reported_at = now(), updated_at = now()
-               WHERE machine_id = %s AND state = 'requested' AND generation = %s
+               WHERE machine_id = %s AND state IN ('pending', 'requested') AND generation = %s
                RETURNING 1""",
             (state, detail, slot, as_uuid(machine_id), generation),
         )

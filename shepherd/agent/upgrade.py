@@ -8,8 +8,15 @@ generation once, in a worker thread, records it in ``<agent>.upgrade.json``
 before any side effect (a generation is never run twice, across restarts
 too), and says what the next heartbeat reports (`Upgrader.pending_report`)
 for as long as the server carries that generation. Unlike an install, an
-upgrade reports as it goes: STAGED, then COMMITTED or ROLLED_BACK (FAILED
-when nothing changed on the machine).
+upgrade reports as it goes: WRITTEN, STAGED, then COMMITTED or ROLLED_BACK
+(FAILED when nothing changed on the machine).
+
+A request without ``activate`` only writes: the image on the inactive slot,
+read back, reported WRITTEN, and nothing points at it (the node keeps
+serving; a Shepherd asks every machine of a run for this at once). The
+same generation carried later with ``activate`` stages the written slot
+(read back again, not written again) and reboots. A request of a new
+generation with ``activate`` does both in a row.
 
 One upgrade::
 
@@ -29,24 +36,30 @@ One upgrade::
                           loopback disk (`stage_folder`): the inactive slot's
                             file (``image.pyz`` is A, ``image-b.pyz`` B), the
                             slot state in ``slots.json``
+                          split in two: `write_device` / `write_folder`
+                            (report WRITTEN; stop here until activated),
+                            `activate_device` / `activate_folder` (the slot
+                            read back, the slot state pointed at it)
     report STAGED         recorded first (the report survives a restart)
     then                  real disk: ``systemctl reboot`` (``after_stage``);
                             the boot tries the slot and the boot check keeps
                             it or goes back. An agent that runs after the
                             reboot reads the outcome off the disk's slot state
                             and reports it
-                          loopback disk (`LoopbackBoots`): the agent starts
-                            the new image once for its --help (it unpacks
-                            while the old node serves), then plays the
+                          loopback disk (`LoopbackBoots`): the agent started
+                            the new image once for its --help at the write
+                            (it unpacks while the old node serves); plays the
                             boots: stops the node, lets `abslots.boot`
                             choose, starts the node from the chosen slot
                             (``node run``), and runs the check: healthy in
                             time -> COMMITTED; else (or the node exits) it
                             "reboots" -> the boot goes back -> ROLLED_BACK
 
-An agent that finds an upgrade begun but not staged reports FAILED
+An agent that finds an upgrade begun but not written reports FAILED
 ("interrupted"), after looking at the disk: a crash after the slot state
-was written but before the agent recorded it counts as staged. A loopback
+was written but before the agent recorded it counts as staged. One that
+finds it written waits for the activation again (or stages it, if the
+slot state says the activation's write happened). A loopback
 upgrade interrupted after staging is played on from the boot: the node is
 stopped (if it runs) and booted again, which goes back when the try was
 already consumed, as a real boot does.
@@ -92,6 +105,7 @@ from .wire import (
     UPGRADE_FAILED,
     UPGRADE_ROLLED_BACK,
     UPGRADE_STAGED,
+    UPGRADE_WRITTEN,
     UpgradeReport,
     UpgradeRequest,
 )
@@ -186,17 +200,14 @@ def open_device(device: str) -> DeviceDisk:
     return DeviceDisk(device, nodes, header, record + len(params))
 
 
-def stage_device(
-    disk: DeviceDisk,
-    image: str,
-    digest: str,
-    health_timeout: float,
-    target: blockdev.Target,
-) -> str:
-    """Write ``image`` (hex SHA-256 ``digest``) to the inactive slot of ``disk``
-    and point the next boot at it, once; the slot. UpgradeFailed (nothing
-    pointed at) if a try is under way, the write fails or reads back wrong.
-    Steps and crash points as `abslots` draws them."""
+def write_device(
+    disk: DeviceDisk, image: str, digest: str, target: blockdev.Target
+) -> tuple[str, int]:
+    """Write ``image`` (hex SHA-256 ``digest``) to the inactive slot of ``disk``,
+    read it back, and refresh the helpers and the boot check: (the slot, the
+    image's size). Nothing points at the slot yet: no boot runs it, so this
+    may happen on every machine of a run at once. UpgradeFailed if a try is
+    under way, the write fails or reads back wrong."""
     state = disk.state()
     if state.next is not None:
         raise UpgradeFailed(f"a try of slot {state.next} is staged or under way on {disk.device}")
@@ -207,11 +218,46 @@ def stage_device(
         size = blockdev.write_image(image, node, digest)
         abslots.crash_point("upgrade-helpers")
         refresh_boot_entry(target, str(disk.header["boot"]))
+    except (OSError, blockdev.DeviceFailed, SlotError) as exc:
+        raise UpgradeFailed(f"writing slot {slot} of {disk.device}: {exc}") from exc
+    return slot, size
+
+
+def activate_device(
+    disk: DeviceDisk, slot: str, digest: str, size: int, health_timeout: float
+) -> None:
+    """Point the next boot of ``disk`` at ``slot``, once (`abslots.stage`),
+    after reading the slot back: it must still hold ``size`` bytes of SHA-256
+    ``digest``. UpgradeFailed (nothing pointed at) otherwise, or if a try is
+    under way, or the slot is the active one now."""
+    state = disk.state()
+    if state.next is not None:
+        raise UpgradeFailed(f"a try of slot {state.next} is staged or under way on {disk.device}")
+    if slot != abslots.other(state.active):
+        raise UpgradeFailed(f"slot {slot} of {disk.device} is the active slot now")
+    node = disk.nodes[1] if slot == "a" else disk.nodes[2]
+    try:
+        back = blockdev.sha256_of(node, size)
+        if back != digest:
+            raise UpgradeFailed(f"slot {slot} of {disk.device} holds SHA-256 {back}, not {digest}")
         abslots.crash_point("upgrade-state")
         disk.store.write(abslots.stage(state, SlotImage(digest, size), health_timeout))
         abslots.crash_point("upgrade-staged")
     except (OSError, blockdev.DeviceFailed, SlotError) as exc:
         raise UpgradeFailed(f"staging slot {slot} of {disk.device}: {exc}") from exc
+
+
+def stage_device(
+    disk: DeviceDisk,
+    image: str,
+    digest: str,
+    health_timeout: float,
+    target: blockdev.Target,
+) -> str:
+    """`write_device`, then `activate_device`: the slot, tried at the next boot.
+    Steps and crash points as `abslots` draws them."""
+    slot, size = write_device(disk, image, digest, target)
+    activate_device(disk, slot, digest, size, health_timeout)
     return slot
 
 
@@ -289,9 +335,9 @@ def device_outcome(state: abslots.SlotState, digest: str) -> tuple[int, str]:
 # --- a loopback disk
 
 
-def stage_folder(disk: str, image: str, digest: str, health_timeout: float) -> str:
-    """`stage_device` for a loopback disk: ``image`` (a downloaded file in
-    ``disk``) becomes the inactive slot's file; the slot."""
+def write_folder(disk: str, image: str, digest: str) -> tuple[str, int]:
+    """`write_device` for a loopback disk: ``image`` (a downloaded file in
+    ``disk``) becomes the inactive slot's file; (the slot, its size)."""
     store = abslots.FolderStore(disk)
     state = store.read() or folder_installed(disk)
     if state.next is not None:
@@ -300,12 +346,35 @@ def stage_folder(disk: str, image: str, digest: str, health_timeout: float) -> s
     size = os.path.getsize(image)
     abslots.crash_point("upgrade-image")
     os.replace(image, slot_file(disk, slot))
+    return slot, size
+
+
+def activate_folder(disk: str, slot: str, digest: str, size: int, health_timeout: float) -> None:
+    """`activate_device` for a loopback disk."""
+    store = abslots.FolderStore(disk)
+    state = store.read() or folder_installed(disk)
+    if state.next is not None:
+        raise UpgradeFailed(f"a try of slot {state.next} is staged or under way on {disk}")
+    if slot != abslots.other(state.active):
+        raise UpgradeFailed(f"slot {slot} of {disk} is the active slot now")
+    path = slot_file(disk, slot)
+    try:
+        if os.path.getsize(path) != size or _sha256(path) != digest:
+            raise UpgradeFailed(f"the file of slot {slot} of {disk} is not {digest[:12]}")
+    except OSError as exc:
+        raise UpgradeFailed(f"slot {slot} of {disk}: {exc.strerror}") from exc
     abslots.crash_point("upgrade-state")
     try:
         store.write(abslots.stage(state, SlotImage(digest, size), health_timeout))
     except SlotError as exc:
         raise UpgradeFailed(str(exc)) from exc
     abslots.crash_point("upgrade-staged")
+
+
+def stage_folder(disk: str, image: str, digest: str, health_timeout: float) -> str:
+    """`write_folder`, then `activate_folder`: the slot."""
+    slot, size = write_folder(disk, image, digest)
+    activate_folder(disk, slot, digest, size, health_timeout)
     return slot
 
 
@@ -471,6 +540,10 @@ class Upgrader:
         self._broken: str | None = None
         self._carried: int | None = None
         self._worker: threading.Thread | None = None
+        #: A worker thread runs (the write, or the activation and boots).
+        self._busy = False
+        #: The request of the current generation said activate.
+        self._activate_asked = False
         self._told: set[tuple[int, str]] = set()
         self._settled_at = 0.0
         self._load()
@@ -483,7 +556,7 @@ class Upgrader:
                 state = json.loads(f.read(64 * 1024))
             if not isinstance(state, dict) or not isinstance(state.get("generation"), int):
                 raise ValueError("no generation in it")
-            if state.get("status") not in ("started", "staged", "done"):
+            if state.get("status") not in ("started", "written", "staged", "done"):
                 raise ValueError(f"unknown status {state.get('status')!r}")
         except FileNotFoundError:
             return
@@ -492,9 +565,28 @@ class Upgrader:
             log(self._broken)
             return
         self._state = state
-        if state["status"] == "started" or (state["status"] == "staged" and state.get("disk")):
-            self._worker = threading.Thread(target=self._resume, name="upgrade", daemon=True)
-            self._worker.start()
+        if state["status"] in ("started", "written") or (
+            state["status"] == "staged" and state.get("disk")
+        ):
+            self._spawn(self._resume)
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        """Run ``target`` in the worker thread (the caller holds the lock, or
+        nothing else runs yet); `_busy` until it returns."""
+
+        def body() -> None:
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    # Not if a worker of its own took over (a write's worker
+                    # ends before the activation asked later starts one).
+                    if self._worker is threading.current_thread():
+                        self._busy = False
+
+        self._busy = True
+        self._worker = threading.Thread(target=body, name="upgrade", daemon=True)
+        self._worker.start()
 
     def _save(self, state: dict[str, Any]) -> None:
         write_atomically(self.state_file, json.dumps(state).encode() + b"\n")
@@ -523,7 +615,9 @@ class Upgrader:
         return int(self._state["generation"]) if self._state is not None else 0
 
     def on_answer(self, request: UpgradeRequest | None) -> None:
-        """Take the upgrade request an accepted heartbeat's answer carried."""
+        """Take the upgrade request an accepted heartbeat's answer carried: a
+        new generation is written (and activated, if the request says so);
+        the written generation is activated once a request of it says so."""
         with self._lock:
             self._carried = None if request is None else request.generation
             if request is None or self._broken is not None:
@@ -532,11 +626,18 @@ class Upgrader:
             if g <= 0:
                 self._tell(g, f"ignoring upgrade of generation {g}: generations start at 1")
                 return
-            if g <= self.generation:
-                if g < self.generation:
-                    self._tell(g, f"ignoring upgrade of generation {g}: {self.generation} is newer")
+            if g < self.generation:
+                self._tell(g, f"ignoring upgrade of generation {g}: {self.generation} is newer")
                 return
-            if self._worker is not None and self._worker.is_alive():
+            if g == self.generation:
+                assert self._state is not None
+                if request.activate and not self._activate_asked:
+                    self._activate_asked = True
+                    if self._state["status"] == "written" and not self._busy:
+                        log(f"upgrade generation {g}: activating the written slot")
+                        self._spawn(self._activate)
+                return
+            if self._busy:
                 self._tell(g, f"upgrade of generation {g} waits for the one running now")
                 return
             try:
@@ -545,11 +646,9 @@ class Upgrader:
                 self._broken = f"cannot record upgrade state in {self.state_file}: {exc}"
                 log(f"{self._broken}; not upgrading")
                 return
+            self._activate_asked = request.activate
             log(f"upgrade generation {g}: starting")
-            self._worker = threading.Thread(
-                target=self._run, args=(request,), name="upgrade", daemon=True
-            )
-            self._worker.start()
+            self._spawn(self._run, request)
 
     def pending_report(self) -> UpgradeReport | None:
         """The report the next heartbeat carries for the generation the server asks for."""
@@ -595,6 +694,7 @@ class Upgrader:
             UPGRADE_COMMITTED: "committed",
             UPGRADE_ROLLED_BACK: "rolled back",
             UPGRADE_FAILED: "failed",
+            UPGRADE_WRITTEN: "written",
         }
         log(f"upgrade generation {g}: {names.get(state, state)}: {detail}")
 
@@ -637,10 +737,12 @@ class Upgrader:
         return ssl.create_default_context(cadata=self.ca_certificate or None)
 
     def _run(self, request: UpgradeRequest) -> None:
+        """Download, prewarm and write the new image to the inactive slot
+        (WRITTEN); then activate it if asked already."""
         g = request.generation
         try:
             source, digest, timeout, device, disk = self._plan(request)
-            self._record(digest=digest, device=device, disk=disk)
+            self._record(digest=digest, device=device, disk=disk, timeout=timeout)
             context = self._context() if source.scheme == "https" else None
             try:
                 tmp = download(
@@ -656,20 +758,21 @@ class Upgrader:
             try:
                 if device:
                     prewarm_device(tmp, self.settings.target)
-                    slot = stage_device(
-                        open_device(device), tmp, digest, timeout, self.settings.target
+                    slot, size = write_device(
+                        open_device(device), tmp, digest, self.settings.target
                     )
                 else:
-                    slot = stage_folder(disk, tmp, digest, timeout)
+                    slot, size = write_folder(disk, tmp, digest)
+                    LoopbackBoots(disk, self.settings.python).prewarm(slot)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-            self._record(slot=slot)
+            self._record(slot=slot, size=size)
             self._report(
-                UPGRADE_STAGED,
-                f"slot {slot} holds {digest[:12]}, tried at the next boot",
+                UPGRADE_WRITTEN,
+                f"slot {slot} holds {digest[:12]}, read back; tried once activated",
                 slot,
-                status="staged",
+                status="written",
             )
         except UpgradeFailed as exc:
             self._report(UPGRADE_FAILED, str(exc), status="done")
@@ -677,6 +780,42 @@ class Upgrader:
         except Exception as exc:  # an agent bug or a local failure: reported, not fatal
             self._report(UPGRADE_FAILED, f"upgrade failed: {exc!r}", status="done")
             return
+        self._activate_if_asked()
+
+    def _activate_if_asked(self) -> None:
+        """The written slot: activated now if a request asked so already;
+        else the worker is done, and an activation asked from now on starts
+        one (`on_answer`): decided under the lock, so none is missed."""
+        with self._lock:
+            go = self._activate_asked
+            if not go:
+                self._busy = False
+        if go:
+            self._activate()
+
+    def _activate(self) -> None:
+        """Point the next boot at the written slot (STAGED), then reboot (a
+        real disk) or play the boots (a loopback disk)."""
+        assert self._state is not None
+        state = self._state
+        digest, slot = str(state.get("digest", "")), str(state.get("slot", ""))
+        device, disk = str(state.get("device") or ""), str(state.get("disk") or "")
+        size, timeout = int(state.get("size", 0)), float(state.get("timeout", 0))
+        try:
+            if device:
+                activate_device(open_device(device), slot, digest, size, timeout)
+            else:
+                activate_folder(disk, slot, digest, size, timeout)
+        except UpgradeFailed as exc:
+            self._report(UPGRADE_FAILED, str(exc), slot, status="done")
+            return
+        except Exception as exc:  # an agent bug or a local failure: reported, not fatal
+            self._report(UPGRADE_FAILED, f"upgrade failed: {exc!r}", slot, status="done")
+            return
+        self._report(
+            UPGRADE_STAGED, f"slot {slot} holds {digest[:12]}, tried at the next boot", slot,
+            status="staged",
+        )  # fmt: skip
         self._after_staged()
 
     def _after_staged(self) -> None:
@@ -694,8 +833,6 @@ class Upgrader:
         digest = str(self._state.get("digest", ""))
         try:
             boots = LoopbackBoots(disk, self.settings.python, stop_timeout=self.stop_timeout)
-            if slot:
-                boots.prewarm(slot)
             state, detail = boots.settle(digest)
         except (OSError, SlotError, AgentError) as exc:
             self._report(
@@ -718,26 +855,34 @@ class Upgrader:
         if state != UPGRADE_STAGED:
             self._report(state, detail, slot, status="done")
 
+    def _pointed_at(self, device: str, disk: str, digest: str) -> bool:
+        """Whether the disk's slot state names a try (or its outcome) of
+        ``digest``: the activation's state write happened, whatever the agent
+        recorded before it stopped (the slot state is written first)."""
+        try:
+            if device:
+                got, _ = device_outcome(open_device(device).state(), digest)
+                return got != UPGRADE_FAILED
+            if disk:
+                stored = abslots.FolderStore(disk).read()
+                return stored is not None and device_outcome(stored, digest)[0] != UPGRADE_FAILED
+        except (UpgradeFailed, SlotError, OSError) as exc:
+            log(f"upgrade generation {self.generation}: cannot read the slot state: {exc}")
+        return False
+
     def _resume(self) -> None:
         """Finish what an earlier run of the agent left."""
         assert self._state is not None
         g, digest = self.generation, str(self._state.get("digest", ""))
         device, disk = str(self._state.get("device") or ""), str(self._state.get("disk") or "")
-        if self._state["status"] == "started":
-            # Staged after all? The slot state is written before the agent's.
-            staged = False
-            try:
-                if device:
-                    got, _ = device_outcome(open_device(device).state(), digest)
-                    staged = got != UPGRADE_FAILED
-                elif disk:
-                    stored = abslots.FolderStore(disk).read()
-                    staged = stored is not None and device_outcome(stored, digest)[0] != (
-                        UPGRADE_FAILED
-                    )
-            except (UpgradeFailed, SlotError, OSError) as exc:
-                log(f"upgrade generation {g}: cannot read the slot state: {exc}")
-            if not staged:
+        if self._state["status"] == "written":
+            # Activated after all? The slot state is written before the agent's.
+            if not self._pointed_at(device, disk, digest):
+                self._activate_if_asked()  # written, not pointed at yet
+                return
+            self._report(UPGRADE_STAGED, "staged before the agent restarted", status="staged")
+        elif self._state["status"] == "started":
+            if not self._pointed_at(device, disk, digest):
                 if disk:
                     with contextlib.suppress(OSError):
                         # The node may have been stopped by nothing (staging

@@ -318,6 +318,7 @@ class InstallationReport:
 
 #: UpgradeReport.State values.
 UPGRADE_STAGED, UPGRADE_COMMITTED, UPGRADE_ROLLED_BACK, UPGRADE_FAILED = 1, 2, 3, 4
+UPGRADE_WRITTEN = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,6 +467,12 @@ class UpgradeRequest:
     os_image: OSImageRef | None = None
     health_timeout_seconds: int = 0
     root_device: str = ""
+    #: Try the written slot now (else only write it).
+    activate: bool = False
+
+
+def _as_bool(number: int, wire_type: int, value: bytes | int) -> bool:
+    return _as_int64(number, wire_type, value) != 0
 
 
 def decode_upgrade_request(data: bytes) -> UpgradeRequest | None:
@@ -479,7 +486,7 @@ def decode_upgrade_request(data: bytes) -> UpgradeRequest | None:
             continue
         if request is not None:
             raise DecodeError("upgrade_request twice")
-        generation, timeout, device = 0, 0, ""
+        generation, timeout, device, activate = 0, 0, "", False
         image: OSImageRef | None = None
         for inner, inner_type, inner_value in iter_fields(_as_len(number, wire_type, value)):
             if inner == 1:
@@ -492,7 +499,9 @@ def decode_upgrade_request(data: bytes) -> UpgradeRequest | None:
                 timeout = _as_int64(inner, inner_type, inner_value)
             elif inner == 4:
                 device = _as_str(inner, inner_type, inner_value)
-        request = UpgradeRequest(generation, image, timeout, device)
+            elif inner == 5:
+                activate = _as_bool(inner, inner_type, inner_value)
+        request = UpgradeRequest(generation, image, timeout, device, activate)
     return request
 
 

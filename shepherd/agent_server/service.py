@@ -215,6 +215,7 @@ _UPGRADE_STATES = {
     UpgradeReportState.COMMITTED: "committed",
     UpgradeReportState.ROLLED_BACK: "rolled-back",
     UpgradeReportState.FAILED: "failed",
+    UpgradeReportState.WRITTEN: "written",
 }
 
 

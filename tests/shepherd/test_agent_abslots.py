@@ -440,8 +440,11 @@ def test_the_agent_stages_a_request_and_reads_the_outcome_off_the_disk(
     loop: Callable[[int], str], tmp_path: Path
 ) -> None:
     """The agent's Upgrader on a real disk: the request's image downloaded
-    (TLS, digest checked), staged, reported STAGED; after the boots, an
-    agent started anew reports what the slot state says (COMMITTED)."""
+    (TLS, digest checked) and written to the inactive slot, reported WRITTEN,
+    and not booted (a boot now runs slot A); an agent started anew (a
+    restart between the two) activates it when the request says so,
+    reported STAGED; after the boots, an agent started anew reports what the
+    slot state says (COMMITTED)."""
     from shepherd.agent import wire
     from shepherd.agent.install import Settings
     from tests.shepherd.agent_install import serve_images
@@ -479,14 +482,26 @@ def test_the_agent_stages_a_request_and_reads_the_outcome_off_the_disk(
         assert report is not None and report.state == wire.UPGRADE_FAILED
         assert "not the device this agent installed" in report.detail
         assert server.ranges == []  # refused before any download
-        request = wire.UpgradeRequest(2, image, 5, name)
-        first.on_answer(request)
+        write = wire.UpgradeRequest(2, image, 5, name)
+        first.on_answer(write)
         first.join(60)
-        first.on_answer(request)
+        first.on_answer(write)
         report = first.pending_report()
     assert report is not None
-    assert (report.generation, report.state, report.slot) == (2, wire.UPGRADE_STAGED, "b")
+    assert (report.generation, report.state, report.slot) == (2, wire.UPGRADE_WRITTEN, "b")
     assert blockdev.sha256_of(f"{disk.device}p3", len(data)) == digest
+    _ok(disk.boot())  # written, not pointed at: the old slot boots, no try
+    assert (disk.booted()["slot"], disk.booted()["trial"]) == ("a", False)
+    request = wire.UpgradeRequest(2, image, 5, name, activate=True)
+    restarted = upgrader()
+    restarted.join(60)
+    restarted.on_answer(request)
+    restarted.join(60)
+    restarted.on_answer(request)
+    report = restarted.pending_report()
+    assert report is not None
+    assert (report.generation, report.state, report.slot) == (2, wire.UPGRADE_STAGED, "b")
+    assert len(server.ranges) == 1  # one download: the activation wrote nothing again
     _ok(disk.boot())
     info = disk.booted()
     assert (info["slot"], info["trial"]) == ("b", True)

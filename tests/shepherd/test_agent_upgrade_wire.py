@@ -59,6 +59,7 @@ int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
     image=st.none() | st.tuples(text, text, text, text, text),
     timeout=int64,
     device=text,
+    activate=st.booleans(),
     with_install=st.booleans(),
 )
 def test_agent_reads_the_upgrade_request_google_writes(
@@ -68,6 +69,7 @@ def test_agent_reads_the_upgrade_request_google_writes(
     image: tuple[str, str, str, str, str] | None,
     timeout: int,
     device: str,
+    activate: bool,
     with_install: bool,
 ) -> None:
     theirs = callback.HeartbeatResponse()
@@ -75,6 +77,7 @@ def test_agent_reads_the_upgrade_request_google_writes(
     theirs.upgrade_request.generation = generation
     theirs.upgrade_request.health_timeout_seconds = timeout
     theirs.upgrade_request.root_device = device
+    theirs.upgrade_request.activate = activate
     if with_install:
         theirs.installation_request.generation = 7
     expected_image = None
@@ -86,7 +89,7 @@ def test_agent_reads_the_upgrade_request_google_writes(
         expected_image = wire.OSImageRef(*image)
     encoded = theirs.SerializeToString()
     got = wire.decode_upgrade_request(encoded)
-    assert got == wire.UpgradeRequest(generation, expected_image, timeout, device)
+    assert got == wire.UpgradeRequest(generation, expected_image, timeout, device, activate)
     # Both requests in one answer: each is read on its own.
     install = wire.decode_installation_request(encoded)
     assert (install is not None) == with_install
@@ -113,6 +116,7 @@ def _request(inner: bytes) -> bytes:
         (_request(b"\x12\x02\x0a\x05"), "past end"),  # os_image cut inside
         (_request(b"") + _request(b""), "upgrade_request twice"),
         (_request(b"\x1a\x01x"), "want varint"),  # the timeout as bytes
+        (_request(b"\x2a\x01\x01"), "want varint"),  # activate as bytes
     ],
 )
 def test_malformed_upgrade_requests_are_decode_errors(data: bytes, cause: str) -> None:
@@ -123,7 +127,7 @@ def test_malformed_upgrade_requests_are_decode_errors(data: bytes, cause: str) -
 @settings(max_examples=150, deadline=None)
 @given(
     generation=int64,
-    state=st.integers(min_value=0, max_value=4),
+    state=st.integers(min_value=0, max_value=5),
     detail=text,
     slot=st.sampled_from(["", "a", "b"]),
     machine_id=text,

@@ -15,14 +15,15 @@ at its first start as a new release does) and a broken one whose node
 exits at once. The tests build on each other, in file order (one xdist
 group):
 
-* a run to the broken image: the first worker writes its other slot, boots
-  it once, its node never comes up, the boot check gives up and reboots, the
-  old slot boots; the run stops with that cause, nothing else was asked, the
-  node says which image it went back from and why;
+* a run to the broken image: every machine writes its other slot at the
+  run's start, the first worker is activated and boots it once, its node
+  never comes up, the boot check gives up and reboots, the old slot boots;
+  the run stops with that cause, no other machine was activated, the node
+  says which image it went back from and why;
 * a run to the second image, its power cut through the BMC halfway through
   the slot write (`blockdev.PAUSE_DIR`'s ``image-half``): the old slot
   boots (the new one was never pointed at), the agent reports the
-  generation interrupted, the run stops saying so;
+  generation interrupted, the run stops saying so before any activation;
 * the whole cluster moved to the second image while a client writes
   through the curators (`Writer`), with the Shepherd killed (SIGKILL) while
   a consensus member is being upgraded and started again: every machine
@@ -342,9 +343,12 @@ async def test_an_image_whose_node_cannot_start_goes_back_and_stops_the_run(
     assert index in WORKERS  # workers go first
     assert run.stop_cause is not None and str(back[0].machine_id) in run.stop_cause
     assert "rolled-back" in out and "not confirmed healthy" in out, out
-    # Nothing else was asked: the other worker and the members wait.
+    # Every machine wrote the image at the run's start (the broken node
+    # only fails to start), but no other went down: the other worker and
+    # the members wait, written, never activated.
     assert {mu.state for mu in machines if mu is not back[0]} == {UpgradeState.PENDING}
-    assert all(mu.generation is None for mu in machines if mu is not back[0])
+    assert all(mu.requested_at is None for mu in machines if mu is not back[0])
+    assert {mu.agent_state for mu in machines if mu is not back[0]} == {"written"}
     # The node is back on slot A, healthy, and says which image it left and why.
     address = real.machines.address(index)
 
@@ -394,6 +398,7 @@ async def test_a_power_cut_in_the_middle_of_the_slot_write_boots_the_old_slot(
     _, machines = await run_state(rig.bmdb_url)
     (mu,) = machines
     assert mu.state is UpgradeState.FAILED and mu.agent_state == "failed", mu
+    assert mu.requested_at is None, mu  # the write failed: never activated
 
     async def old_slot_healthy() -> bool:
         row = by_address(await rows_of(upgrades.owner)).get(address)

@@ -63,6 +63,12 @@ class UpgradeReportState(betterproto2.Enum):
     write failed; detail says why.
     """
 
+    WRITTEN = 5
+    """
+    The new image is on the inactive slot and read back, but not tried:
+    the agent waits for the request to say activate (no node went down).
+    """
+
     @classmethod
     def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
         return {
@@ -71,6 +77,7 @@ class UpgradeReportState(betterproto2.Enum):
             2: "STATE_COMMITTED",
             3: "STATE_ROLLED_BACK",
             4: "STATE_FAILED",
+            5: "STATE_WRITTEN",
         }
 
     @classmethod
@@ -81,6 +88,7 @@ class UpgradeReportState(betterproto2.Enum):
             "STATE_COMMITTED": 2,
             "STATE_ROLLED_BACK": 3,
             "STATE_FAILED": 4,
+            "STATE_WRITTEN": 5,
         }
 
 
@@ -384,6 +392,15 @@ class UpgradeRequest(betterproto2.Message):
     root_device: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
     """
     The installed disk, as the installation request named it.
+    """
+
+    activate: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+    """
+    Try the new image: point the next boot at the written slot, once, and
+    reboot. Without it the agent only writes the image to the inactive slot
+    and reads it back (STATE_WRITTEN), which takes no node down: a Shepherd
+    writes every machine of a run at once and activates them one at a time,
+    each with the same generation.
     """
 
 
