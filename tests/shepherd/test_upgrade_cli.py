@@ -14,6 +14,7 @@ import trio
 
 import bmdb
 from bmdb.model import Queries
+from shepherd.proto.agent_callback import UpgradeRequest
 from tests.bmdb.helpers import add_provided_machines
 from tests.shepherd.test_install import SHA, _serve
 
@@ -116,6 +117,16 @@ async def test_a_run_is_planned_written_audited_and_stopped(
         lambda q: q.execute("SELECT action, machine_id, reason FROM audit_log ORDER BY id")
     )
     assert [tuple(r) for r in audit] == [("upgrade", None, "CVE fix"), ("upgrade", a, "CVE fix")]
+    # The machine is asked to write the image now (no activate: no node
+    # goes down), and stays pending until the upgrader activates it.
+    [(row, _)] = await bmdb_conn.transact(lambda q: q.upgrade_machines(run.run_id))
+    raw = await bmdb_conn.transact(
+        lambda q: q.execute("SELECT request_raw FROM machine_upgrade WHERE machine_id = %s", (a,))
+    )
+    asked = UpgradeRequest.parse(bytes(raw[0][0]))
+    assert (row.state, row.generation, row.requested_at) == ("pending", 1, None)
+    assert (asked.generation, asked.activate, asked.root_device) == (1, False, "disk0")
+    assert asked.os_image == run.os_image and run.os_image  # the image the run names
     # One run at a time.
     code, out, err = await upgrade("--bmdb-url", bmdb_url, "--all", *_image(image_server))
     assert code == 1 and "is not finished: one run at a time" in err, (code, out, err)
