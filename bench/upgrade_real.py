@@ -208,18 +208,38 @@ async def upgrade_all(
         return run.run_id
 
     run_id = await real.conn.transact(create, isolation=bmdb.Isolation.SERIALIZABLE)
+    # Where the time goes: when each machine was first seen written (its
+    # agent's report), activated (requested) and done, from the command.
+    seen: dict[tuple[uuid.UUID, str], float] = {}
     with trio.fail_after(args.timeout):
         while True:
             run = await real.conn.transact(lambda q: q.upgrade_run(run_id))
             assert run is not None
+            now = trio.current_time() - began
+            for m, _ in await real.conn.transact(lambda q: q.upgrade_machines(run_id)):
+                for step, reached in (
+                    ("written", m.agent_state is not None),
+                    ("activated", m.requested_at is not None),
+                    ("done", m.state.final),
+                ):
+                    if reached:
+                        seen.setdefault((m.machine_id, step), now)
             if run.finished_at is not None:
                 break
             await trio.sleep(POLL)
     took = trio.current_time() - began
     machines = await real.conn.transact(lambda q: q.upgrade_machines(run_id))
+
+    def timeline(mid: uuid.UUID) -> str:
+        at = {step: seen.get((mid, step)) for step in ("written", "activated", "done")}
+        said = ", ".join(f"{step} +{t:.1f}s" for step, t in at.items() if t is not None)
+        if at["activated"] is not None and at["done"] is not None:
+            said += f" (down {at['done'] - at['activated']:.1f}s)"
+        return said
+
     lines = "\n".join(
         f"  {real.provider_id(real.ids.index(m.machine_id))}: {m.state} "
-        f"(phase {m.phase}) {m.detail or ''}"
+        f"(phase {m.phase}) {m.detail or ''}; {timeline(m.machine_id)}"
         for m, _ in machines
     )
     if run.stop_cause or any(m.state is not UpgradeState.UPGRADED for m, _ in machines):

@@ -13,9 +13,10 @@ no node goes down for it). One machine at a time per worker::
     handle
       pending: the run's writes      a machine's agent says FAILED ──▶ failed,
                                        the run stops (no node went down)
-                                     not all WRITTEN ──▶ fail "waiting: ..."
-                                       (retried), or past `stage_allowance`
-                                       from the run's start: failed, stops
+                                     not all WRITTEN ──▶ wait, polling (the
+                                       detail says "waiting: ..."); past
+                                       `stage_allowance` from the run's
+                                       start: failed, the run stops
       owner.nodes()                  the cluster's view; the machine's node by
                                      the key of its installation report
       pending:
@@ -148,39 +149,49 @@ class Upgrader:
 
     async def _writes_done(self, work: Work, run: UpgradeRun, machine: MachineUpgrade) -> None:
         """Return once every pending machine of the run that was asked to
-        write the image (`shepherd.upgrade.ask_writes`) reported it written.
-        A write that failed stops the run with its cause before any node
-        goes down; writes not reported within `stage_allowance` of the run's
-        start stop it too; else the machine waits (retried)."""
+        write the image (`shepherd.upgrade.ask_writes`) reported it written,
+        looking every `poll` seconds (holding the machine's work: the reports
+        come within the writes' time, a backoff would only add to it). A
+        write that failed stops the run with its cause before any node goes
+        down; writes not reported within `stage_allowance` of the run's
+        start stop it too."""
 
         async def look(q: Queries) -> tuple[list[MachineUpgrade], float | None]:
             members = await q.upgrade_machines(run.run_id)
             return [m for m, _ in members], await q.upgrade_run_age(run.run_id)
 
-        members, age = await work.transact(look)
-        asked = [m for m in members if m.state is UpgradeState.PENDING and m.generation is not None]
-        failed = [m for m in asked if m.agent_state == "failed"]
-        if failed:
-            broken = failed[0]
-            detail = f"writing the image: the agent: {broken.agent_detail or 'no detail'}"
-            if broken.machine_id != machine.machine_id:
-                await self._stop(work, run, broken, UpgradeState.FAILED, detail, own=machine)
-            await self._stop(work, run, machine, UpgradeState.FAILED, detail)
-        writing = [m for m in asked if m.agent_state != "written"]
-        if not writing:
-            return
-        if age is not None and age >= self.stage_allowance:
-            late = writing[0]
-            detail = (
-                f"no report of its write of the image within {self.stage_allowance:g} s "
-                f"(the agent: {late.agent_state or 'no report'})"
-            )
-            if late.machine_id != machine.machine_id:
-                await self._stop(work, run, late, UpgradeState.FAILED, detail, own=machine)
-            await self._stop(work, run, machine, UpgradeState.FAILED, detail)
-        why = f"waiting: {len(writing)} machine(s) of the run still writing the image"
-        await work.transact(lambda q: q.note_upgrade(run.run_id, machine.machine_id, why))
-        raise ProcessingFailed(why, self.wait_backoff)
+        noted = ""
+        while True:
+            members, age = await work.transact(look)
+            if age is None:
+                raise ProcessingFailed(f"upgrade run {run.run_id} is gone")
+            asked = [
+                m for m in members if m.state is UpgradeState.PENDING and m.generation is not None
+            ]
+            failed = [m for m in asked if m.agent_state == "failed"]
+            if failed:
+                broken = failed[0]
+                detail = f"writing the image: the agent: {broken.agent_detail or 'no detail'}"
+                if broken.machine_id != machine.machine_id:
+                    await self._stop(work, run, broken, UpgradeState.FAILED, detail, own=machine)
+                await self._stop(work, run, machine, UpgradeState.FAILED, detail)
+            writing = [m for m in asked if m.agent_state != "written"]
+            if not writing:
+                return
+            if age >= self.stage_allowance:
+                late = writing[0]
+                detail = (
+                    f"no report of its write of the image within {self.stage_allowance:g} s "
+                    f"(the agent: {late.agent_state or 'no report'})"
+                )
+                if late.machine_id != machine.machine_id:
+                    await self._stop(work, run, late, UpgradeState.FAILED, detail, own=machine)
+                await self._stop(work, run, machine, UpgradeState.FAILED, detail)
+            why = f"waiting: {len(writing)} machine(s) of the run still writing the image"
+            if why != noted:
+                await _note(work, run, machine, why)
+                noted = why
+            await trio.sleep(self.poll)
 
     async def _nodes(self) -> list[NodeRow]:
         assert self.owner is not None
@@ -367,6 +378,10 @@ class Upgrader:
                 self.backoff,
             )
         raise ProcessingFailed(f"upgrade {state}: {detail}", self.backoff)
+
+
+async def _note(work: Work, run: UpgradeRun, machine: MachineUpgrade, detail: str) -> None:
+    await work.transact(lambda q: q.note_upgrade(run.run_id, machine.machine_id, detail))
 
 
 def _by_key(rows: list[NodeRow], key: bytes) -> NodeRow | None:
