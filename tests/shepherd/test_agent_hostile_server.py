@@ -453,3 +453,17 @@ def test_a_session_token_or_key_over_its_bound_is_refused_and_heartbeats_stay_si
     agent.server.then(reply(200, b""))
     assert agent.beat() is None
     assert agent.server.wait_for(count + 1).header(protocol.HEADER_SESSION) is not None
+
+
+def test_the_agent_frames_every_request_with_a_content_length(agent: Agent) -> None:
+    """What lets the callback server refuse chunked bodies
+    (`shepherd.agent_server.http1`): the agent's requests, signed or with a
+    session, with a hardware report or without, carry a Content-Length that
+    is their body's length, and no Transfer-Encoding."""
+    agent.server.then(reply(200, session_answer()), reply(200, b""))
+    assert agent.beat() is None  # signed, with the report
+    assert agent.beat() is None  # with the session, no report
+    for sent in agent.server.wait_for(1), agent.server.wait_for(2):
+        assert sent.header("Transfer-Encoding") is None
+        assert sent.header("Content-Length") == str(len(sent.body)), sent.head
+    assert agent.server.requests[1].header(protocol.HEADER_SESSION) is not None
