@@ -23,7 +23,8 @@ by hypercorn's Trio worker in the same Trio run as the BMDB connection::
                        (templates/*.html, every value escaped)
 
 Nothing writes to the BMDB and nothing secret is shown (agent keys are
-public keys; hardware reports are shown by size only). The cluster half
+public keys; a hardware report shows what the agent found, its CPUs,
+memory, disks and NICs, decoded by `common.hwreport`). The cluster half
 (nodes, roles, leader, a node's supervision tree) is served by the same
 server, as the cluster's owner, when it is given the owner's files: one UI
 and one navigation for the fleet and the cluster it runs.
