@@ -29,23 +29,18 @@ import httpx
 import pytest
 import trio
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import bmdb
 from bmdb import Backoff, Process, Provider, Queries
+from tests.common.test_metrics_hostile import MEMORY_BOUND, PIPELINED, raw, requests
+from tests.common.test_metrics_hostile import Server as ServerProcess
 from tests.shepherd.test_agent_server_hostile import HOSTILE, exchange, statuses
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: What the server may grow by while it holds the probes' connections.
-MEMORY_BOUND = 48 * 1024 * 1024
-#: Page requests a stalled client sends: their answers are more than the
-#: kernel buffers.
-PIPELINED = 6
-#: The server's limits (`common.httpserver.HTTPLimits`' defaults): how long
-#: a probe waits for the server to give up on a client, generously.
+#: How long a probe waits for the server to give up on a client
+#: (`common.httpserver.HTTPLimits`' 10 s), generously.
 GIVE_UP = 60.0
-
 
 #: A failure cause of 320 kB: the machine's page, which shows it thrice, is
 #: about a megabyte, so that a few of them fill the kernel's buffers
@@ -75,39 +70,14 @@ async def _huge_machine(url: str) -> uuid.UUID:
 
 
 @dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    url: str
-    log: Path
-    machine: uuid.UUID
+class Server(ServerProcess):
+    """The console's process, and the machine whose page is large."""
 
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
+    machine: uuid.UUID
 
     @property
     def huge_page(self) -> bytes:
         return f"/machine/{self.machine}".encode()
-
-    def rss(self) -> int:
-        """Resident memory of the server process, bytes."""
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
-
-    def wait_for_log(self, text: str, count: int) -> None:
-        """Until the server's log holds ``text`` ``count`` times (bounded, generously)."""
-        deadline = time.monotonic() + GIVE_UP
-        while time.monotonic() < deadline:
-            if self.log.read_text().count(text) >= count:
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"{text!r} not {count} times in the server's log")
-
-    def assert_no_errors(self) -> None:
-        text = self.log.read_text()
-        assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
 
 
 def start_console(url: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -152,20 +122,6 @@ def assert_serves(server: Server) -> None:
     response = httpx.get(server.url + "/machines", timeout=60)
     assert response.status_code == 200, response
     assert response.text.rstrip().endswith("</html>")
-
-
-def raw(port: int, data: bytes) -> bytes:
-    """Send ``data`` on a new connection and read until the server closes it."""
-    received = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=GIVE_UP) as sock:
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            sock.sendall(data)
-        try:
-            while chunk := sock.recv(65536):
-                received += chunk
-        except ConnectionResetError:
-            pass
-    return received
 
 
 def test_a_megabyte_request_line_is_refused(server: Server) -> None:
@@ -248,43 +204,10 @@ def test_clients_that_read_nothing_are_cut_off(server: Server) -> None:
 
 @settings(HOSTILE, max_examples=60)
 @given(
-    data=st.one_of(
-        st.binary(max_size=1500),
-        st.tuples(
-            st.sampled_from([b"GET", b"HEAD", b"POST", b"OPTIONS", b"G\x00T", b""]),
-            st.one_of(
-                st.sampled_from(
-                    [b"/machines", b"/machines?state=%FF", b"/machine/x", b"*", b"/", b"/audit"]
-                ),
-                st.binary(max_size=80),
-            ),
-            st.lists(
-                st.tuples(
-                    st.one_of(
-                        st.sampled_from(
-                            [b"Content-Length", b"Transfer-Encoding", b"Connection", b"Host"]
-                        ),
-                        st.binary(min_size=1, max_size=20),
-                    ),
-                    st.one_of(
-                        st.sampled_from([b"chunked", b"close", b"-1", b"3", b"\xff"]),
-                        st.binary(max_size=60),
-                    ),
-                ),
-                max_size=6,
-            ),
-            st.binary(max_size=40),
-        ).map(
-            lambda r: (
-                r[0]
-                + b" "
-                + r[1]
-                + b" HTTP/1.1\r\nHost: x\r\n"
-                + b"".join(n + b": " + v + b"\r\n" for n, v in r[2])
-                + b"\r\n"
-                + r[3]
-            )
-        ),
+    data=requests(
+        [b"/machines", b"/machines?state=%FF", b"/machine/x", b"*", b"/", b"/audit"],
+        [b"Content-Length", b"Transfer-Encoding", b"Connection", b"Host"],
+        [b"chunked", b"close", b"-1", b"3", b"\xff"],
     )
 )
 def test_arbitrary_requests_are_answered_or_closed(server: Server, data: bytes) -> None:
