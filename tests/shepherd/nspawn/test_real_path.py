@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
 from bmdb.model import InstallState, OSInstallation, Queries
+from common import hwreport
 from metropolis.consensus.client import Client, Member
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.owner import NodeRow
@@ -145,6 +146,18 @@ async def test_each_machine_reports_its_own_nic_and_loop_disk(rig: RealThread) -
             assert {d.serial_number: d.capacity_bytes for d in report.block_device} == {
                 disk.name: disk.size
             }
+            # Readable by the operator: the disk by the name --root-device
+            # takes, the NIC by its MAC (`common.hwreport`).
+            shown = json.loads(
+                await cli("bmdb", "--url", rig.bmdb_url, "machine", "--json", str(machine_id))
+            )["hardware_report"]
+            assert [(d["name"], d["capacity_bytes"]) for d in shown["disks"]] == [
+                (disk.name, disk.size)
+            ]
+            assert [n["mac"] for n in shown["nics"]] == [link.mac]
+            text = await cli("bmdb", "--url", rig.bmdb_url, "machine", str(machine_id))
+            assert f"{disk.name}: {hwreport.size(disk.size)}," in text, text
+            assert f"nic:                     {link.mac}: " in text, text
 
 
 async def test_shepherd_install_makes_nodes_that_run_under_the_machines_systemd(
