@@ -87,7 +87,8 @@ BMDB_MACHINES = (
 #: nodes' own texts (a rollback's cause); no etcd client, curator,
 #: supervisor, RPC server or metrics.
 OWNER_NODES = (
-    f"{PARSING} common.backoff common.crashpoint common.numbers common.protobuf common.text"
+    f"{PARSING} common.backoff common.crashpoint common.numbers common.protobuf"
+    " common.protowire common.text"
     " metropolis metropolis.errors metropolis.cli metropolis.cli.owner metropolis.cli.root"
     " metropolis.owner metropolis.pki metropolis.identity metropolis.localstorage"
     " metropolis.crashpoint metropolis.proto.* metropolis.roleserve metropolis.roleserve.disk"
