@@ -18,9 +18,10 @@ through a Redfish BMC; the Shepherd's path is `shepherd.realfleet`'s::
                   write with the other member's machine powered off)
     upgrade       with --upgrade: every machine moved to a second release of
                   the image (`metropolis.image.variant`) by the Shepherd's
-                  upgrader (`shepherd.upgrader`): the worker first, then the
-                  members one at a time; each writes its other slot, boots it
-                  once, and keeps it when its node is healthy
+                  upgrader (`shepherd.upgrader`): every machine writes its
+                  other slot at once (no node goes down for it), then the
+                  worker, then the members one at a time, boots it once and
+                  keeps it when its node is healthy
     decommission  the last machine: its node removed from the cluster, its
                   disk wiped (each step reported), released
     table         machine, address, disk, install, node, roles, health, etcd,
@@ -273,8 +274,9 @@ async def _upgrade(real: RealFleet, image: Path) -> bool:
         return False
     names = {m: real.provider_id(i) for i, m in enumerate(real.ids)}
     progress(
-        "upgrade requested (shepherd upgrade --all): %d machines to sha256:%s, the worker "
-        "first, then the consensus members one at a time",
+        "upgrade requested (shepherd upgrade --all): %d machines to sha256:%s, each writing "
+        "it to its other slot at once, then booted into it: the worker first, then the "
+        "consensus members one at a time",
         len(real.ids), _hex(image)[:12],
     )  # fmt: skip
     run_id = planned.run.run_id
