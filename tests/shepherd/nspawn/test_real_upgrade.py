@@ -102,6 +102,13 @@ class Upgrades:
     access: OwnerAccess | None = None
     shepherd: subprocess.Popen[bytes] | None = None
     shepherds: int = 0
+    #: The first test made the cluster and started the second Shepherd.
+    ready: bool = False
+
+    def require(self) -> None:
+        """Fail at once, not at a bound, when the first test did not finish."""
+        if not self.ready:
+            pytest.fail("the module's cluster is not set up: its first test failed")
 
     @property
     def owner(self) -> OwnerAccess:
@@ -181,7 +188,10 @@ async def until(check: Callable[[], Awaitable[bool]], within: float = BOUND) -> 
 
 
 async def cli(*argv: str, ok: tuple[int, ...] = (0,)) -> str:
-    done = await trio.run_process(list(argv), capture_stdout=True, capture_stderr=True, check=False)
+    with trio.fail_after(RUN_BOUND):  # --wait follows a run until it ends
+        done = await trio.run_process(
+            list(argv), capture_stdout=True, capture_stderr=True, check=False
+        )
     out = done.stdout.decode() + done.stderr.decode()
     assert done.returncode in ok, (argv, done.returncode, out)
     return out
@@ -280,12 +290,21 @@ async def test_five_machines_make_three_members_and_two_workers(upgrades: Upgrad
     # The members' curators, as the owner reaches them once the first node
     # gives its role up (its curator stops with it).
     members = [rows[addresses[i]] for i in MEMBERS]
-    async with real.first.access.open() as owner:
-        info = await owner.info()
-    assert info.cluster_directory is not None
-    info.cluster_directory.nodes = [
-        n for n in info.cluster_directory.nodes if n.public_key in {r.public_key for r in members}
-    ]
+    keys = {r.public_key for r in members}
+    info = None
+
+    async def curators_listed() -> bool:
+        # A member's curator joins the cluster directory once it runs,
+        # which may be after its etcd votes.
+        nonlocal info
+        async with real.first.access.open() as owner:
+            info = await owner.info()
+        directory = info.cluster_directory
+        return directory is not None and keys <= {n.public_key for n in directory.nodes}
+
+    await until(curators_listed)
+    assert info is not None and info.cluster_directory is not None
+    info.cluster_directory.nodes = [n for n in info.cluster_directory.nodes if n.public_key in keys]
     assert len(info.cluster_directory.nodes) == len(MEMBERS)
     upgrades.info = real.folder / "members.pb"
     upgrades.info.write_bytes(bytes(info))
@@ -293,7 +312,9 @@ async def test_five_machines_make_three_members_and_two_workers(upgrades: Upgrad
         real.first.access, endpoints=endpoints_from_directory(info.cluster_directory)
     )
     first = by_address(await rows_of(real.first.access))[real.first.address]
-    async with real.first.access.open() as owner:
+    # Through the members' curators: the first node's stops as it gives its
+    # role up, and set_roles reads the table back after its write.
+    async with upgrades.owner.open() as owner:
         await owner.set_roles(first.node_id, consensus_member=False)
 
     async def three_voters_on_machines() -> bool:
@@ -312,6 +333,7 @@ async def test_five_machines_make_three_members_and_two_workers(upgrades: Upgrad
 
     await until(three_voters_on_machines)
     upgrades.start_shepherd()
+    upgrades.ready = True
     # Every node runs the session's image from slot A, permanent.
     for row in await rows_of(upgrades.owner):
         if row.address in addresses:
@@ -325,6 +347,7 @@ async def test_five_machines_make_three_members_and_two_workers(upgrades: Upgrad
 async def test_an_image_whose_node_cannot_start_goes_back_and_stops_the_run(
     upgrades: Upgrades,
 ) -> None:
+    upgrades.require()
     rig, images = upgrades.rig, upgrades.images
     real = rig.fleet
     broken = Images.digest(images.broken)
@@ -374,6 +397,7 @@ async def test_an_image_whose_node_cannot_start_goes_back_and_stops_the_run(
 async def test_a_power_cut_in_the_middle_of_the_slot_write_boots_the_old_slot(
     upgrades: Upgrades,
 ) -> None:
+    upgrades.require()
     rig, images = upgrades.rig, upgrades.images
     real = rig.fleet
     index = WORKERS[1]
@@ -449,6 +473,9 @@ class Writer:
             try:
                 async with self.access.open() as owner:
                     while True:
+                        # Unknown while a write is in flight (it may be
+                        # applied and its answer lost to a cancellation).
+                        self.expected = None
                         with trio.fail_after(DEFAULT_TTL):
                             await owner.client.unary(
                                 methods.UPDATE_NODE_ROLES,
@@ -535,6 +562,7 @@ async def running(*tasks: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
 async def test_the_cluster_is_upgraded_under_writes_through_a_shepherd_killed_mid_run(
     upgrades: Upgrades,
 ) -> None:
+    upgrades.require()
     rig, images = upgrades.rig, upgrades.images
     real = rig.fleet
     second = Images.digest(images.second)
@@ -583,7 +611,9 @@ async def test_the_cluster_is_upgraded_under_writes_through_a_shepherd_killed_mi
         assert watch.most_requested == 1
         upgrades.start_shepherd()
         run = await run_ended(rig.bmdb_url)
-        await writer.check_once()
+    # The writer stopped (read back while it still wrote, the next write
+    # could land between the read and the value it expects).
+    await writer.check_once()
     assert killed_at is not None
     assert run.stop_cause is None, run.stop_cause
     _, machines = await run_state(rig.bmdb_url)
