@@ -85,6 +85,7 @@ OWNER_NODES = (
     f"{PARSING} common.backoff common.crashpoint common.numbers common.protobuf common.protowire"
     " metropolis metropolis.errors metropolis.cli metropolis.cli.owner metropolis.cli.root"
     " metropolis.owner metropolis.pki metropolis.identity metropolis.localstorage"
+    " metropolis.localstorage.* common.durable"
     " metropolis.crashpoint metropolis.proto.* metropolis.roleserve metropolis.roleserve.disk"
     " metropolis.roleserve.values metropolis.consensus metropolis.consensus.settings"
     " metropolis.curator metropolis.curator.settings metropolis.rpc metropolis.rpc.auth"
