@@ -86,8 +86,8 @@ import trio
 
 from bmdb.connection import migrate
 from bmdb.localserver import (
-    TEMPLATE_DB,
     LocalPostgresError,
+    add_template,
     find_postgres_bin,
     server_user,
 )
@@ -669,12 +669,7 @@ def start_with_template(root: Path, **timings: int) -> LocalPatroni:
     cluster = LocalPatroni(root, **timings)
     cluster.create()
     cluster.start()
-    try:
-        cluster.admin(f"CREATE DATABASE {TEMPLATE_DB}")
-        trio.run(migrate, cluster.url(TEMPLATE_DB))
-    except BaseException:
-        cluster.stop()
-        raise
+    add_template(cluster)
     return cluster
 
 
