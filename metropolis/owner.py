@@ -47,9 +47,8 @@ from metropolis.errors import MetropolisError
 from metropolis.localstorage import LocalStorageError, Root
 from metropolis.proto import aaa, parameters
 from metropolis.proto import management as m
-from metropolis.proto.common import NodeState, NodeStatusRunningImageSlot
+from metropolis.proto.common import NodeState, NodeStatusRunningImageSlot, role_names
 from metropolis.roleserve import disk
-from metropolis.roleserve.values import role_names
 from metropolis.rpc import (
     CURATOR_PORT,
     Client,
