@@ -33,8 +33,8 @@ from pathlib import Path
 
 import trio
 
+from common.durable import atomic_write
 from metropolis.event import ReadOnlyValue
-from metropolis.localstorage import atomic_write
 from metropolis.proto import curator_api as c
 from metropolis.proto.common import NodeRoles, NodeStatusRunningImageSlot
 from metropolis.supervisor import Node
