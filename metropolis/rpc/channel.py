@@ -51,6 +51,7 @@ from common.protobuf import parse_checked
 from metropolis.errors import MetropolisError
 from metropolis.rpc import wire
 from metropolis.rpc.method import Message
+from metropolis.rpc.pipe import Pipe
 from metropolis.rpc.status import (
     LEADER_ADDRESS_HEADER,
     LEADER_NODE_HEADER,
@@ -149,16 +150,20 @@ def call_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
 
 
 async def start_connection(
-    nursery: trio.Nursery, stream: trio.abc.Stream, keepalive: tuple[float, float] | None
+    nursery: trio.Nursery, stream: trio.abc.Stream | Pipe, keepalive: tuple[float, float] | None
 ) -> Connection:
     """Run a client HTTP/2 connection on ``stream`` (its reader in ``nursery``).
+
+    ``stream``: a :class:`~metropolis.rpc.pipe.Pipe` (TLS handshaken), or a
+    byte stream that carries HTTP/2 as it is.
 
     Returns once the server's SETTINGS arrived. Raises
     :class:`~metropolis.rpc.transport.StreamGone` if the connection closed
     during set-up (UNAUTHENTICATED if that was a TLS refusal of our
     certificate). ``keepalive`` is (interval, timeout) of PINGs, or None.
     """
-    conn = Connection(stream, client_side=True)
+    pipe = stream if isinstance(stream, Pipe) else Pipe(stream)
+    conn = Connection(pipe, client_side=True)
     nursery.start_soon(conn.run)
     try:
         # In TLS 1.3 the server judges our certificate only after our
@@ -560,6 +565,11 @@ class Channel:
             raise ChannelClosed()
         if self._nursery is None:
             raise RuntimeError("a Channel must be used inside its async with block")
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            # The common case, without the lock's scheduling round.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return conn
         async with self._lock:
             if self._conn is not None and not self._conn.closed:
                 return self._conn
