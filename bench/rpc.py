@@ -238,8 +238,10 @@ async def _bridged_figures(calls: int, stream: int) -> tuple[float, float]:
 
 async def _ours_figures(calls: int, stream: int) -> tuple[float, float]:
     server_ctx, client_ctx = _contexts()
+    # The curator's hooks answer from memory (see ServerSecurity).
+    owner_key = pki.public_key_bytes(OWNER_KEY)
     security = ServerSecurity(
-        owner_key=lambda: pki.public_key_bytes(OWNER_KEY),
+        owner_key=lambda: owner_key,
         crl=lambda: None,
         leadership=lambda: Leadership(is_leader=True),
     )

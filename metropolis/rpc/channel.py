@@ -37,6 +37,7 @@ Leaving the channel's block closes the connection (GOAWAY).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -140,13 +141,40 @@ def request_payload(request: Message | None) -> bytes | None:
     return payload
 
 
-def call_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
-    """The call's metadata, with the caller's Trio deadline as ``grpc-timeout``."""
-    extra = dict(metadata or {})
-    deadline = trio.current_effective_deadline()
-    if deadline != float("inf") and "grpc-timeout" not in extra:
-        extra["grpc-timeout"] = wire.encode_timeout(deadline - trio.current_time())
+def call_metadata(metadata: Mapping[str, str] | None, *, deadline: bool = True) -> dict[str, str]:
+    """The call's metadata, with the caller's Trio deadline as ``grpc-timeout``
+    (unless ``deadline`` is False).
+
+    Keys are sent in lower case. Raises INTERNAL for metadata that is not
+    gRPC's (a key of other characters than letters, digits, ``-``, ``_``
+    and ``.``, one that HTTP/2 or the request itself reserves, a value that
+    is not printable ASCII or starts or ends with a space): the transport
+    sends headers as they are.
+    """
+    # Lower case, as gRPC's runtimes send every key (HTTP/2 requires it).
+    extra = {key.lower(): value for key, value in (metadata or {}).items()}
+    for key, value in extra.items():
+        if (
+            not _METADATA_KEY.fullmatch(key)
+            or key in _RESERVED_KEYS
+            or not _METADATA_VALUE.fullmatch(value)
+        ):
+            raise RPCError(Status.INTERNAL, f"metadata {key!r}: {value!r} cannot be sent")
+    if deadline:
+        effective = trio.current_effective_deadline()
+        if effective != float("inf") and "grpc-timeout" not in extra:
+            extra["grpc-timeout"] = wire.encode_timeout(effective - trio.current_time())
     return extra
+
+
+#: gRPC's metadata keys (PROTOCOL-HTTP2.md: Header-Name) and values (ASCII-Value).
+_METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
+_METADATA_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?)?")
+#: Keys the request carries itself, or that HTTP/2 forbids (RFC 9113 8.2.2).
+_RESERVED_KEYS = frozenset(
+    {"content-type", "te", "user-agent", "host"}
+    | {"connection", "proxy-connection", "keep-alive", "transfer-encoding", "upgrade"}
+)
 
 
 async def start_connection(
@@ -531,7 +559,7 @@ class Channel:
         send_deadline: bool = True,
     ) -> StreamCall[Resp]:
         payload = request_payload(request)
-        extra = call_metadata(metadata) if send_deadline else dict(metadata or {})
+        extra = call_metadata(metadata, deadline=send_deadline)
         for attempt in (1, 2):
             conn = await self._connection()
             call = StreamCall(

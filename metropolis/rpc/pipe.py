@@ -200,7 +200,10 @@ class Pipe:
             self._plain.clear()
             self._plain_size = 0
             self._encrypt(data)
-        self._take_ciphertext()
+            self._take_ciphertext()
+            self._progress.unpark_all()  # what is buffered shrank, or stayed
+        else:
+            self._take_ciphertext()
 
     def _send_now(self, data: bytes) -> None:
         if not self._buffer and self._fd >= 0:

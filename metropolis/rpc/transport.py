@@ -46,11 +46,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import ssl
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import h2.config
 import h2.connection
@@ -60,6 +61,7 @@ import h2.exceptions
 import h2.settings
 import h2.stream
 import h2.utilities
+import hpack
 import hyperframe.frame
 import trio
 
@@ -280,6 +282,44 @@ class _FrameGuard:
                 self._block = None
 
 
+class _HeaderEncoder(hpack.Encoder):
+    """HPACK without the dynamic table, so that each header's bytes are computed once.
+
+    hpack's encoder searches and updates its table for every header of
+    every block (a tenth of a unary call's CPU, both ends). Encoding every
+    header as a literal that is never indexed (or as its static-table
+    index) makes its bytes a function of the header alone, cached here:
+    a block is a join of cached pieces. Literals are not Huffman-coded,
+    which also spares the peer's decoder. The table size updates h2 asks
+    for are still sent (hpack's own code).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pieces: dict[tuple[str, str], bytes] = {}
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        pieces = self._pieces
+        block = []
+        if self.header_table.resized:
+            block.append(self._encode_table_size_change())
+            self.header_table.resized = False
+        for header in headers:
+            piece = pieces.get(header)
+            if piece is None:
+                name, value = (h if isinstance(h, bytes) else h.encode() for h in header)
+                piece = self.add((name, value), sensitive=True, huffman=False)
+                if len(pieces) >= _HEADER_PIECES:
+                    pieces.clear()  # bounded: per-call values (deadlines, proofs) come and go
+                pieces[header] = piece
+            block.append(piece)
+        return b"".join(block)
+
+
+#: Headers whose encoding a connection keeps.
+_HEADER_PIECES = 512
+
+
 class _H2Connection(h2.connection.H2Connection):
     """h2, refusing a stream beyond our MAX_CONCURRENT_STREAMS as a stream error.
 
@@ -291,7 +331,38 @@ class _H2Connection(h2.connection.H2Connection):
     this uses three of h2's internals (its HPACK decoder, the highest stream
     ID and the record of how closed streams closed), which
     tests/metropolis/test_rpc_bounds.py pins.
+
+    Also h2's dispatch of a received frame (:meth:`_receive_frame`) without
+    its trace call, whose argument h2 computes first: ``repr(frame)``, which
+    serialises a DATA frame's payload again, for every frame received.
+    tests/metropolis/test_rpc_transport.py holds the copy to h2's code.
     """
+
+    def _receive_frame(self, frame: Any) -> Any:
+        # h2 4.x's H2Connection._receive_frame, less its trace line.
+        try:
+            frames, events = self._frame_dispatch_table[frame.__class__](frame)
+        except h2.exceptions.StreamClosedError as e:
+            if self._stream_is_closed_by_reset(e.stream_id):
+                f = hyperframe.frame.RstStreamFrame(e.stream_id)
+                f.error_code = e.error_code
+                self._prepare_for_sending([f])
+                events = e._events
+            else:
+                raise
+        except h2.exceptions.StreamIDTooLowError as e:
+            if self._stream_is_closed_by_reset(e.stream_id):
+                f = hyperframe.frame.RstStreamFrame(e.stream_id)
+                f.error_code = h2.errors.ErrorCodes.STREAM_CLOSED
+                self._prepare_for_sending([f])
+                events = []
+            elif self._stream_is_closed_by_end(e.stream_id):
+                raise h2.exceptions.StreamClosedError(e.stream_id) from e
+            else:
+                raise
+        else:
+            self._prepare_for_sending(frames)
+        return events
 
     def _receive_headers_frame(self, frame: Any) -> Any:
         try:
@@ -337,10 +408,18 @@ class Connection:
         # them for the whole connection, raising out of receive_data on one
         # bad byte, which ends every stream (or, for a decoding error, our
         # reader). _header_dict does both per stream (see _refuse).
+        # Outbound headers are ours, built correct (metadata a caller passes
+        # is checked where it enters, see channel.call_metadata): h2 would
+        # check and normalise each again, for every block sent.
         config = h2.config.H2Configuration(
-            client_side=client_side, header_encoding=None, validate_inbound_headers=False
+            client_side=client_side,
+            header_encoding=None,
+            validate_inbound_headers=False,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
         )
         self._h2 = _H2Connection(config)
+        self._h2.encoder = _HeaderEncoder()
         self._h2.local_settings = h2.settings.Settings(
             client=client_side,
             initial_values={
@@ -857,7 +936,7 @@ _REQUEST = _flags(False, False)
 
 
 def _header_dict(
-    headers: Iterable[tuple[bytes, bytes]], flags: h2.utilities.HeaderValidationFlags
+    headers: list[tuple[bytes, bytes]], flags: h2.utilities.HeaderValidationFlags
 ) -> dict[str, str] | None:
     """One header block, checked as h2 would (RFC 9113 8.2) and decoded as UTF-8.
 
@@ -865,12 +944,76 @@ def _header_dict(
     metadata is ASCII; UTF-8 is what h2 decoded for us before. Repeated
     metadata keys keep their first value: nothing we read is multi-valued.
     """
+    quick = _plain_header_dict(headers, flags)
+    if quick is not _UNSURE:
+        return cast("dict[str, str] | None", quick)
     out: dict[str, str] = {}
     try:
         for name, value in h2.utilities.validate_headers(headers, flags):
             out.setdefault(name.decode(), value.decode())
     except (h2.exceptions.ProtocolError, UnicodeDecodeError):
         return None
+    return out
+
+
+_UNSURE = object()
+#: Characters of a field name (RFC 9113 8.2.1: no controls, space, upper case or colon).
+_NAME = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+")
+#: A field value: no NUL, CR or LF, no space or tab at either end.
+_VALUE = re.compile(rb"(?:[^\x00\n\r \t](?:[^\x00\n\r]*[^\x00\n\r \t])?)?")
+#: The pseudo-header fields of a plain request, of a response, of trailers.
+_PSEUDO_REQUEST = frozenset([b":method", b":scheme", b":path", b":authority"])
+_PSEUDO_RESPONSE = frozenset([b":status"])
+_PSEUDO_NONE: frozenset[bytes] = frozenset()
+#: Fields whose rules h2's own check applies (host against :authority, te's value).
+_SPECIAL = h2.utilities.CONNECTION_HEADERS | {b"host"}
+
+
+def _plain_header_dict(
+    headers: list[tuple[bytes, bytes]], flags: h2.utilities.HeaderValidationFlags
+) -> dict[str, str] | object | None:
+    """:func:`_header_dict` in one pass, for the blocks gRPC peers send.
+
+    Accepts only blocks that h2's check (``validate_headers``) accepts:
+    exactly the pseudo-header fields of a plain request (or of a response,
+    or none in trailers), first and once each, a non-empty ``:path`` and no
+    CONNECT; field names and values within RFC 9113 8.2.1; ``te`` only as
+    ``trailers``; no ``host`` or connection-specific field. Anything else
+    is :data:`_UNSURE`, for h2's check to decide: its generators cost
+    several times this pass, on every block.
+    """
+    if flags.is_trailer:
+        pseudo = _PSEUDO_NONE
+    elif flags.is_response_header:
+        pseudo = _PSEUDO_RESPONSE
+    else:
+        pseudo = _PSEUDO_REQUEST
+    out: dict[str, str] = {}
+    seen = 0
+    regular = False
+    try:
+        for name, value in headers:
+            if not _VALUE.fullmatch(value):
+                return _UNSURE
+            if name[:1] == b":":
+                key = name.decode()
+                if regular or name not in pseudo or key in out:
+                    return _UNSURE
+                seen += 1
+                out[key] = value.decode()
+                continue
+            if not _NAME.fullmatch(name) or name in _SPECIAL:
+                return _UNSURE
+            if name == b"te" and value.lower() != b"trailers":
+                return _UNSURE
+            regular = True
+            out.setdefault(name.decode(), value.decode())
+    except UnicodeDecodeError:
+        return None  # well-formed, as h2 would find, but not UTF-8
+    if seen != len(pseudo):
+        return _UNSURE
+    if pseudo is _PSEUDO_REQUEST and (out[":method"] == "CONNECT" or not out[":path"]):
+        return _UNSURE
     return out
 
 
