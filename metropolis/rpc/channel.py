@@ -416,10 +416,12 @@ class StreamCall(Generic[Resp]):
         """Cancel the call on the server if it has not finished; forget it. Shielded."""
         if self._sid is None:
             return
+        if self._finished:
+            self._conn.forget(self._sid)  # nothing to send: the common case, at once
+            return
         with trio.CancelScope(shield=True):
-            if not self._finished:
-                self._finished = True
-                await self._conn.reset(self._sid)
+            self._finished = True
+            await self._conn.reset(self._sid)
             self._conn.forget(self._sid)
 
 

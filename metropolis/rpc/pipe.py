@@ -151,17 +151,20 @@ class Pipe:
         """Bytes written that the socket has not taken yet."""
         return len(self._buffer) + self._plain_size
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, *, burst: bool = True) -> None:
         """Send ``data`` after everything written before; never waits.
 
         The first write of a burst goes to the socket at once; later ones
         wait for the flusher, which runs when the writer yields, so that a
         stream's messages written in a row leave in one TLS record and one
-        ``send`` (see :meth:`new_round`). Raises ``trio.BrokenResourceError``
-        if the pipe is broken (or ``ClosedResourceError`` if closed).
+        ``send`` (see :meth:`new_round`). ``burst`` False: a write that
+        neither waits for a burst nor starts one (an answer to the peer's
+        control frames, written as they are read). Raises
+        ``trio.BrokenResourceError`` if the pipe is broken (or
+        ``ClosedResourceError`` if closed).
         """
         self._check()
-        if self._burst or self._buffer or self._plain:
+        if (self._burst and burst) or self._buffer or self._plain:
             self._burst += 1
             if self._tls is not None:
                 self._plain.append(data)
@@ -170,7 +173,8 @@ class Pipe:
                 self._buffer += data
             self._wake_flusher()
             return
-        self._burst = 1
+        if burst:
+            self._burst = 1
         if self._tls is not None:
             self._encrypt(data)
             data = self._out.read()
@@ -377,7 +381,9 @@ class Pipe:
     # --- state -----------------------------------------------------------------
 
     def _check(self) -> None:
-        if self._closed:
+        # A socket closed behind our back would free its descriptor's
+        # number for the next socket opened: never write to it again.
+        if self._closed or (self._socket is not None and self._socket.fileno() < 0):
             raise trio.ClosedResourceError("pipe closed")
         if self._broken is not None:
             raise trio.BrokenResourceError(f"pipe broken: {self._broken!r}") from self._broken

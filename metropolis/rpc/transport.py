@@ -320,6 +320,37 @@ class _HeaderEncoder(hpack.Encoder):
 _HEADER_PIECES = 512
 
 
+class _HeaderDecoder(hpack.Decoder):
+    """hpack's decoder, remembering the blocks that neither read nor change its dynamic table.
+
+    Such a block (static-table indices and literals that are not indexed,
+    as :class:`_HeaderEncoder` writes, and gRPC sends the same few blocks
+    on every call) decodes to the same headers whenever the table is
+    empty and its size limit the same, and leaves it so: those blocks are
+    decoded once. Anything else (a peer that indexes, as Go's and grpcio's
+    encoders do; a table size update) is decoded every time, by hpack.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._blocks: dict[tuple[int, bytes], list[tuple[bytes, bytes]]] = {}
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        table = self.header_table
+        pristine = raw and not table.dynamic_entries and not (data[:1] and data[0] & 0xE0 == 0x20)
+        key = (table.maxsize, data)
+        if pristine:
+            known = self._blocks.get(key)
+            if known is not None:
+                return list(known)
+        headers = super().decode(data, raw)
+        if pristine and not table.dynamic_entries:
+            if len(self._blocks) >= _HEADER_PIECES:
+                self._blocks.clear()
+            self._blocks[key] = list(headers)
+        return headers
+
+
 class _H2Connection(h2.connection.H2Connection):
     """h2, refusing a stream beyond our MAX_CONCURRENT_STREAMS as a stream error.
 
@@ -420,6 +451,10 @@ class Connection:
         )
         self._h2 = _H2Connection(config)
         self._h2.encoder = _HeaderEncoder()
+        decoder = _HeaderDecoder()
+        decoder.max_header_list_size = self._h2.decoder.max_header_list_size
+        decoder.max_allowed_table_size = self._h2.decoder.max_allowed_table_size
+        self._h2.decoder = decoder
         self._h2.local_settings = h2.settings.Settings(
             client=client_side,
             initial_values={
@@ -468,18 +503,21 @@ class Connection:
         self._commit()
         await self._paced()
 
-    def _commit(self) -> None:
+    def _commit(self, *, burst: bool = True) -> None:
         """Hand what h2 has queued to the pipe, in order; never waits.
 
         Called right after every change to h2's state, with no await in
         between, so that frames leave in the order h2 produced them (which
-        HPACK's shared state needs) without a lock.
+        HPACK's shared state needs) without a lock. ``burst``: see
+        :meth:`~metropolis.rpc.pipe.Pipe.write` (False for the reader's
+        answers to control frames, so that the caller's next request after
+        a PING, as Go's servers send with their answers, still goes at once).
         """
         data = self._h2.data_to_send()
         if not data:
             return
         try:
-            self.pipe.write(data)
+            self.pipe.write(data, burst=burst)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             self._fail(e)
             raise StreamGone("connection broken") from e
@@ -596,7 +634,7 @@ class Connection:
             for event in events:
                 self._dispatch(event)
             # ACKs, WINDOW_UPDATEs, RST_STREAMs of refused streams.
-            self._commit()
+            self._commit(burst=False)
 
     async def _watchdog(self, reader: trio.CancelScope) -> None:
         """Stop the reader (``reader``) when a frame stalls or the connection idles.
@@ -965,8 +1003,10 @@ _VALUE = re.compile(rb"(?:[^\x00\n\r \t](?:[^\x00\n\r]*[^\x00\n\r \t])?)?")
 _PSEUDO_REQUEST = frozenset([b":method", b":scheme", b":path", b":authority"])
 _PSEUDO_RESPONSE = frozenset([b":status"])
 _PSEUDO_NONE: frozenset[bytes] = frozenset()
-#: Fields whose rules h2's own check applies (host against :authority, te's value).
+#: Fields whose rules h2's own check applies (host against :authority).
 _SPECIAL = h2.utilities.CONNECTION_HEADERS | {b"host"}
+#: Regular fields that passed the checks, decoded (the same few come with every call).
+_FIELDS: dict[tuple[bytes, bytes], tuple[str, str]] = {}
 
 
 def _plain_header_dict(
@@ -991,23 +1031,29 @@ def _plain_header_dict(
     out: dict[str, str] = {}
     seen = 0
     regular = False
+    fields = _FIELDS
     try:
-        for name, value in headers:
-            if not _VALUE.fullmatch(value):
-                return _UNSURE
+        for header in headers:
+            name, value = header
             if name[:1] == b":":
                 key = name.decode()
-                if regular or name not in pseudo or key in out:
+                if regular or name not in pseudo or key in out or not _VALUE.fullmatch(value):
                     return _UNSURE
                 seen += 1
                 out[key] = value.decode()
                 continue
-            if not _NAME.fullmatch(name) or name in _SPECIAL:
-                return _UNSURE
-            if name == b"te" and value.lower() != b"trailers":
-                return _UNSURE
+            field = fields.get(header)
+            if field is None:
+                if not _VALUE.fullmatch(value) or not _NAME.fullmatch(name) or name in _SPECIAL:
+                    return _UNSURE
+                if name == b"te" and value.lower() != b"trailers":
+                    return _UNSURE
+                field = (name.decode(), value.decode())
+                if len(fields) >= _HEADER_PIECES:
+                    fields.clear()
+                fields[header] = field
             regular = True
-            out.setdefault(name.decode(), value.decode())
+            out.setdefault(*field)
     except UnicodeDecodeError:
         return None  # well-formed, as h2 would find, but not UTF-8
     if seen != len(pseudo):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import io
 import re
+import socket
 import textwrap
 import tokenize
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,7 +32,7 @@ import pytest
 import trio
 import trio.lowlevel
 import trio.testing
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from metropolis import pki
@@ -196,6 +197,39 @@ async def test_a_pipe_over_a_stream_that_is_not_a_socket() -> None:
             nursery.cancel_scope.cancel()
 
 
+async def test_a_socket_closed_behind_the_pipes_back_is_never_written_again() -> None:
+    # Closing the socket frees its descriptor's number: the next socket
+    # opened may get it, and a write through the pipe's remembered number
+    # would land in that stranger's connection.
+    a, b = socket.socketpair()
+    pipe = Pipe(trio.SocketStream(trio.socket.from_stdlib_socket(a)))
+    number = a.fileno()
+    a.close()
+    c, d = socket.socketpair()
+    with c, d, b:
+        assert number in (c.fileno(), d.fileno())  # the number was reused, as it is by Linux
+        with pytest.raises(trio.ClosedResourceError):
+            pipe.write(b"secret")
+        for sock in (c, d):
+            with pytest.raises(BlockingIOError):
+                sock.recv(100, socket.MSG_DONTWAIT)
+
+
+async def test_an_answer_to_control_frames_does_not_hold_back_the_next_write() -> None:
+    a, b = socket.socketpair()
+    pipe = Pipe(trio.SocketStream(trio.socket.from_stdlib_socket(a)))
+    with b:
+        pipe.write(b"ack", burst=False)  # the reader answering a PING
+        pipe.write(b"request")  # starts a burst: leaves at once, no flusher runs
+        assert b.recv(100, socket.MSG_DONTWAIT) == b"ackrequest"
+        pipe.write(b"more")  # within the burst: waits for the flusher
+        with pytest.raises(BlockingIOError):
+            b.recv(100, socket.MSG_DONTWAIT)
+        await pipe.flush()
+        assert b.recv(100, socket.MSG_DONTWAIT) == b"more"
+        await pipe.aclose()
+
+
 # --- header blocks ---------------------------------------------------------------------
 
 
@@ -319,6 +353,48 @@ def test_header_blocks_decode_to_what_was_encoded_and_announce_table_changes() -
     assert resized != first
     assert decoder.decode(resized, raw=True) == [(n.encode(), v.encode()) for n, v in headers]
     assert decoder.header_table_size == 0
+
+
+_header_lists = st.lists(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["content-type", ":status", "x-a", "grpc-status", "x-b"]),
+            st.sampled_from(["0", "200", "application/grpc", "x" * 40, "ü"]),
+        ),
+        max_size=5,
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@given(
+    blocks=_header_lists,
+    indexing=st.booleans(),
+    sizes=st.lists(st.sampled_from([None, 0, 64, 4096]), min_size=12, max_size=12),
+)
+@example(
+    # A block remembered while the table could hold nothing must not stand
+    # for the same bytes once it can: then they add to the table.
+    blocks=[[(":status", "200")], [("x-a", "0")], [(":status", "200")], [("x-a", "0")]],
+    indexing=True,
+    sizes=[0, None, 4096, *[None] * 9],
+)
+@settings(max_examples=300, deadline=None)
+def test_remembered_header_blocks_decode_as_hpack_decodes_them(
+    blocks: list[list[tuple[str, str]]], indexing: bool, sizes: list[int | None]
+) -> None:
+    # A peer that indexes (hpack's own encoder, as Go's) or ours, shrinking
+    # and growing its table now and then: our decoder must agree with
+    # hpack's on every block, remembered or not.
+    encoder = hpack.Encoder() if indexing else transport._HeaderEncoder()
+    ours, theirs = transport._HeaderDecoder(), hpack.Decoder()
+    for block, size in zip(blocks * 2, sizes * 2, strict=False):
+        if size is not None:
+            encoder.header_table_size = size
+        data = encoder.encode(block)
+        assert ours.decode(data, raw=True) == theirs.decode(data, raw=True)
+        assert ours.header_table_size == theirs.header_table_size
 
 
 def _tokens(source: str) -> list[str]:
