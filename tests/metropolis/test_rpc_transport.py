@@ -508,7 +508,15 @@ async def test_messages_written_in_a_row_leave_while_the_handler_waits(
 
 @pytest.mark.parametrize(
     "metadata",
-    [{"x/key": "x"}, {"x-value": "a\nb"}, {"te": "gzip"}, {"x-space": " lead"}, {"": "x"}],
+    [
+        {"x/key": "x"},
+        {"x-value": "a\nb"},
+        {"x-nul": "a\x00b"},
+        {"te": "gzip"},
+        {"x-space": " lead"},
+        {"x-tab": "trail\t"},
+        {"": "x"},
+    ],
 )
 async def test_metadata_http2_cannot_carry_is_refused_before_sending(
     cluster: ClusterPKI, metadata: dict[str, str]
