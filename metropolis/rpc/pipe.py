@@ -24,8 +24,9 @@ its writes are buffered and sent by :meth:`flush` with ``send_all``.
 
 Only one task may call :meth:`receive_some` at a time (the connection's
 reader); any number may call :meth:`write`. Errors: a broken or closed
-connection is ``trio.BrokenResourceError`` (or ``ClosedResourceError``) from
-any method, the TLS error that caused it as its ``__cause__``; a peer that
+connection is :class:`PipeBroken` (or :class:`PipeClosed`), which are
+``trio.BrokenResourceError`` (and ``ClosedResourceError``), from any
+method, the TLS error that caused it as its ``__cause__``; a peer that
 has read nothing for ``send_timeout`` seconds while bytes wait for it is
 :class:`TimeoutError` from :meth:`flush` (and the pipe is broken after).
 """
@@ -38,7 +39,20 @@ import ssl
 
 import trio
 
-__all__ = ["Pipe"]
+from metropolis.errors import MetropolisError
+
+__all__ = ["Pipe", "PipeBroken", "PipeClosed"]
+
+
+class PipeBroken(MetropolisError, trio.BrokenResourceError):
+    """The connection broke (the cause is the TLS or socket error); Trio's
+    ``BrokenResourceError``, as a stream's callers expect."""
+
+
+class PipeClosed(MetropolisError, trio.ClosedResourceError):
+    """The pipe was closed (by :meth:`Pipe.aclose`, or its socket behind its back);
+    Trio's ``ClosedResourceError``."""
+
 
 _READ_SIZE = 65536
 #: Back-pressure: writers wait while more than this waits for the socket.
@@ -124,7 +138,7 @@ class Pipe:
                 with trio.move_on_after(1), contextlib.suppress(trio.BrokenResourceError):
                     await self.flush()
                 self._break(e)
-                raise trio.BrokenResourceError(f"TLS handshake failed: {e}") from e
+                raise PipeBroken(f"TLS handshake failed: {e}") from e
         self._take_ciphertext()
         await self.flush()
 
@@ -195,7 +209,7 @@ class Pipe:
             self._tls.write(data)
         except ssl.SSLError as e:
             self._break(e)
-            raise trio.BrokenResourceError(f"TLS failed: {e}") from e
+            raise PipeBroken(f"TLS failed: {e}") from e
 
     def _gather(self) -> None:
         """Encrypt what writes gathered, into the send buffer."""
@@ -217,7 +231,7 @@ class Pipe:
                 sent = 0
             except OSError as e:
                 self._break(e)
-                raise trio.BrokenResourceError(f"socket failed: {e}") from e
+                raise PipeBroken(f"socket failed: {e}") from e
             if sent == len(data):
                 return
             data = data[sent:]
@@ -280,7 +294,7 @@ class Pipe:
                 sent = 0
             except OSError as e:
                 self._break(e)
-                raise trio.BrokenResourceError(f"socket failed: {e}") from e
+                raise PipeBroken(f"socket failed: {e}") from e
             if sent:
                 del self._buffer[:sent]
                 self._progress.unpark_all()
@@ -333,7 +347,7 @@ class Pipe:
                 if self._ragged_eof_ok and isinstance(e, ssl.SSLEOFError):
                     return b""
                 self._break(e)
-                raise trio.BrokenResourceError(f"TLS failed: {e}") from e
+                raise PipeBroken(f"TLS failed: {e}") from e
             else:
                 # Reading may have produced TLS's own answers (a KeyUpdate).
                 self._take_ciphertext()
@@ -359,7 +373,7 @@ class Pipe:
             return None
         except OSError as e:
             self._break(e)
-            raise trio.BrokenResourceError(f"socket failed: {e}") from e
+            raise PipeBroken(f"socket failed: {e}") from e
 
     async def _receive_raw(self) -> bytes:
         if self._fd < 0:
@@ -384,9 +398,9 @@ class Pipe:
         # A socket closed behind our back would free its descriptor's
         # number for the next socket opened: never write to it again.
         if self._closed or (self._socket is not None and self._socket.fileno() < 0):
-            raise trio.ClosedResourceError("pipe closed")
+            raise PipeClosed("pipe closed")
         if self._broken is not None:
-            raise trio.BrokenResourceError(f"pipe broken: {self._broken!r}") from self._broken
+            raise PipeBroken(f"pipe broken: {self._broken!r}") from self._broken
 
     def _break(self, failure: BaseException) -> None:
         if self._broken is None:
