@@ -60,6 +60,7 @@ from metropolis.rpc.status import (
     RPCError,
     Status,
 )
+from metropolis.rpc.tls import peer_refused_certificate
 from metropolis.rpc.transport import (
     Closed,
     Connection,
@@ -68,7 +69,6 @@ from metropolis.rpc.transport import (
     Headers,
     Reset,
     StreamGone,
-    peer_refused_certificate,
 )
 
 __all__ = [
@@ -171,7 +171,7 @@ def call_metadata(metadata: Mapping[str, str] | None, *, deadline: bool = True) 
 
 
 #: gRPC's metadata keys (PROTOCOL-HTTP2.md: Header-Name), and the values
-#: HTTP/2 carries (RFC 9113 8.2.1; the server's check, transport._VALUE).
+#: HTTP/2 carries (RFC 9113 8.2.1; the server's check, headerblocks._VALUE).
 _METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 _METADATA_VALUE = re.compile(r"(?:[^\x00\n\r \t](?:[^\x00\n\r]*[^\x00\n\r \t])?)?")
 #: Keys the request carries itself, or that HTTP/2 forbids (RFC 9113 8.2.2).

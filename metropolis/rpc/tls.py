@@ -51,6 +51,7 @@ __all__ = [
     "check_server_key",
     "client_context",
     "peer_certificate",
+    "peer_refused_certificate",
     "server_context",
     "server_context_for",
 ]
@@ -169,3 +170,23 @@ def check_server_key(stream: _HasPeerCertificate, expected: bytes | None) -> Non
     )
     if got != expected:
         raise RPCError(Status.UNAVAILABLE, "curator's key is not the one the directory lists")
+
+
+def peer_refused_certificate(failure: BaseException | None) -> str | None:
+    """If ``failure`` is the server refusing our client certificate, say why.
+
+    In TLS 1.3 the client finishes its handshake before the server has
+    checked the client certificate, so a refusal arrives as an alert on the
+    first read; ``ssl`` reports it as an ``SSLError`` whose reason names the
+    alert (``TLSV1_ALERT_UNKNOWN_CA``, ``SSLV3_ALERT_CERTIFICATE_EXPIRED``…).
+    """
+    seen: set[int] = set()
+    while failure is not None and id(failure) not in seen:
+        seen.add(id(failure))
+        if isinstance(failure, ssl.SSLError):
+            reason = failure.reason or ""
+            if "ALERT" in reason and ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason):
+                return reason
+            return None
+        failure = failure.__cause__ or failure.__context__
+    return None

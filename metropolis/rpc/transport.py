@@ -22,9 +22,10 @@ and hands each HTTP/2 stream's events to whoever owns that stream:
   :data:`~metropolis.rpc.pipe.HIGH_WATER` bytes the peer has not read.
 
 Bounds (:class:`~metropolis.rpc.limits.Limits`): the reader follows frame
-boundaries itself (:class:`_FrameGuard`), ahead of h2, which would buffer a
-frame of any announced length until it is whole. A frame header announcing
-more than ``max_frame_size``, or a header block beyond ``max_header_block``,
+boundaries itself (:class:`~metropolis.rpc.frameguard.FrameGuard`), ahead
+of h2, which would buffer a frame of any announced length until it is
+whole. A frame header announcing more than ``max_frame_size``, or a header
+block beyond ``max_header_block``,
 closes the connection at once; a frame, header block or (server side) the
 client preface that does not arrive whole within ``frame_timeout`` closes
 it too. On the server, a connection without an open stream for
@@ -32,7 +33,10 @@ it too. On the server, a connection without an open stream for
 ``max_concurrent_streams`` is refused with RST_STREAM REFUSED_STREAM (h2
 alone would end the whole connection). Header blocks are checked and
 decoded here, per stream: one that is malformed (RFC 9113 8.2) or not
-UTF-8 resets that stream (PROTOCOL_ERROR) and nothing else.
+UTF-8 resets that stream (PROTOCOL_ERROR) and nothing else
+(:mod:`~metropolis.rpc.headerblocks`; h2 itself with our two changes is
+:class:`~metropolis.rpc.h2conn.H2Connection`, the stream events and their
+queue :mod:`~metropolis.rpc.streams`).
 
 Cancellation: a writer cancelled while waiting for window or a stream slot
 sends nothing more; what it wrote before is sent whole (writes never wait,
@@ -46,12 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
-import ssl
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
 
 import h2.config
 import h2.connection
@@ -61,15 +60,43 @@ import h2.exceptions
 import h2.settings
 import h2.stream
 import h2.utilities
-import hpack
-import hyperframe.frame
 import trio
 
-from metropolis.errors import MetropolisError
+from metropolis.rpc.frameguard import FrameGuard, FrameViolation
+from metropolis.rpc.h2conn import H2Connection
+from metropolis.rpc.headerblocks import (
+    REQUEST_FLAGS,
+    HeaderDecoder,
+    HeaderEncoder,
+    header_dict,
+    validation_flags,
+)
 from metropolis.rpc.limits import Limits
 from metropolis.rpc.pipe import HIGH_WATER, Pipe
+from metropolis.rpc.streams import (
+    END,
+    Closed,
+    Data,
+    End,
+    Headers,
+    Outgoing,
+    RequestCallback,
+    Reset,
+    StreamEvent,
+    StreamGone,
+    StreamQueue,
+)
 
-__all__ = ["Closed", "Connection", "Data", "End", "Headers", "Reset", "StreamEvent"]
+__all__ = [
+    "Closed",
+    "Connection",
+    "Data",
+    "End",
+    "Headers",
+    "Reset",
+    "StreamEvent",
+    "StreamGone",
+]
 
 _log = logging.getLogger("metropolis.rpc.transport")
 
@@ -81,340 +108,8 @@ WINDOW = 1 << 20
 #: h2's bound on a decoded header list (it refuses more: a connection error).
 _MAX_HEADER_LIST = h2.connection.H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE
 _PREFACE = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-
-
-@dataclass(frozen=True)
-class Headers:
-    """Response headers (client side) or trailers (either side, ``trailers=True``)."""
-
-    headers: dict[str, str]
-    trailers: bool = False
-
-
-@dataclass(frozen=True)
-class Data:
-    data: bytes
-
-
-@dataclass(frozen=True)
-class End:
-    """The peer half-closed the stream: nothing more will arrive."""
-
-
-_END = End()
-
-
-@dataclass(frozen=True)
-class Reset:
-    """The peer reset the stream (RST_STREAM) with an HTTP/2 error code."""
-
-    code: int
-
-
-@dataclass(frozen=True)
-class Closed:
-    """The connection ended; ``failure`` says why, if it broke."""
-
-    failure: BaseException | None
-
-
-StreamEvent = Headers | Data | End | Reset | Closed
-
-#: Called by the reader (server side) for every new request stream, with the
-#: stream ID and its request headers. It must not block: it starts a task.
-RequestCallback = Callable[[int, dict[str, str]], None]
-
-
-class StreamGone(MetropolisError):
-    """The stream was reset or the connection closed while we were writing to it.
-
-    Internal: server and client turn it into their own outcome.
-    """
-
-
-@dataclass
-class _Outgoing:
-    """What remains to be sent of one :meth:`Connection.send`."""
-
-    headers: list[tuple[str, str]] | None
-    data: memoryview
-    trailers: list[tuple[str, str]] | None
-    end_after_data: bool
-    done: bool = False
-
-
 #: Writes in a row before a writer yields anyway (see Connection._paced).
 _WRITES_PER_YIELD = 16
-#: Events taken at once from a stream before :meth:`_Stream.get` yields anyway.
-_READY_TAKES = 16
-
-
-class _Stream:
-    """One stream's received events, queued for the one task that reads them.
-
-    Lighter than a memory channel (a unary call makes two streams' worth):
-    :meth:`get` waits only when nothing is queued. When something is, it is
-    a checkpoint without a scheduling round (cancellation is still seen),
-    except every :data:`_READY_TAKES`-th time, so that a stream whose events
-    keep coming still lets other tasks run and its deadline fire.
-    """
-
-    __slots__ = ("_events", "_gone", "_on_gone", "_ready_takes", "_waiter")
-
-    def __init__(self) -> None:
-        self._events: deque[tuple[StreamEvent, int]] = deque()
-        self._waiter: trio.lowlevel.Task | None = None
-        self._on_gone: Callable[[], None] | None = None
-        self._gone = False
-        self._ready_takes = 0
-
-    def put(self, event: StreamEvent, size: int) -> None:
-        self._events.append((event, size))
-        if isinstance(event, Reset | Closed) and not self._gone:
-            self._gone = True
-            if self._on_gone is not None:
-                self._on_gone()
-        if self._waiter is not None:
-            trio.lowlevel.reschedule(self._waiter)
-            self._waiter = None
-
-    async def get(self) -> tuple[StreamEvent, int]:
-        if self._events:
-            self._ready_takes += 1
-            if self._ready_takes >= _READY_TAKES:
-                self._ready_takes = 0
-                await trio.lowlevel.checkpoint()
-            else:
-                await trio.lowlevel.checkpoint_if_cancelled()
-        else:
-            self._ready_takes = 0
-            if self._waiter is not None:
-                raise trio.BusyResourceError("another task is reading this stream")
-            self._waiter = trio.lowlevel.current_task()
-            await trio.lowlevel.wait_task_rescheduled(self._abort)
-        return self._events.popleft()
-
-    def _abort(self, _: object) -> trio.lowlevel.Abort:
-        self._waiter = None
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    def watch(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once the stream is reset or the connection ends (maybe now)."""
-        if self._gone:
-            callback()
-        else:
-            self._on_gone = callback
-
-
-class FrameViolation(MetropolisError):
-    """The peer broke a frame bound (:class:`_FrameGuard`); the connection must end."""
-
-    def __init__(self, message: str, code: h2.errors.ErrorCodes) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-_HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x1, 0x5, 0x9
-_END_HEADERS = 0x4
-
-
-class _FrameGuard:
-    """Follows frame boundaries in the received bytes, ahead of h2.
-
-    h2 buffers a frame until it is whole and only then checks its length
-    against SETTINGS_MAX_FRAME_SIZE, so a peer announcing a 16 MiB frame
-    could make it hold 16 MiB; and it accepts 64 CONTINUATIONs (1 MiB) of
-    one header block. This reads only the 9-byte frame headers: it refuses
-    an oversized frame as soon as its header is in, bounds a header block,
-    and says whether a frame (or header block, or the client preface) is
-    under way, for the frame timeout. h2 still parses and checks everything.
-    """
-
-    def __init__(self, *, preface: int, max_frame: int, max_block: int) -> None:
-        self._skip = preface  # bytes to pass before the first frame header
-        self._header = bytearray()
-        self._remaining = 0  # payload bytes of the current frame still to come
-        self._block: int | None = None  # bytes of an unfinished header block
-        self._max_frame = max_frame
-        self._max_block = max_block
-
-    @property
-    def partial(self) -> bool:
-        """Whether the peer owes the rest of something it started."""
-        return bool(self._skip or self._header or self._remaining or self._block is not None)
-
-    def feed(self, data: bytes | bytearray) -> None:
-        """Account for ``data``; :class:`FrameViolation` if it breaks a bound."""
-        view = memoryview(data)
-        while view:
-            if self._skip or self._remaining:
-                take = min(len(view), self._skip or self._remaining)
-                if self._skip:
-                    self._skip -= take
-                else:
-                    self._remaining -= take
-                view = view[take:]
-                continue
-            take = min(len(view), 9 - len(self._header))
-            self._header += view[:take]
-            view = view[take:]
-            if len(self._header) == 9:
-                self._frame_header(bytes(self._header))
-                self._header.clear()
-
-    def _frame_header(self, header: bytes) -> None:
-        length = int.from_bytes(header[:3], "big")
-        kind, flags = header[3], header[4]
-        if length > self._max_frame:
-            raise FrameViolation(
-                f"frame of {length} bytes exceeds {self._max_frame}",
-                h2.errors.ErrorCodes.FRAME_SIZE_ERROR,
-            )
-        self._remaining = length
-        if kind in (_HEADERS, _PUSH_PROMISE) or (kind == _CONTINUATION and self._block is not None):
-            self._block = (self._block or 0) + length
-            if self._block > self._max_block:
-                raise FrameViolation(
-                    f"header block exceeds {self._max_block} bytes",
-                    h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
-                )
-            if flags & _END_HEADERS:
-                self._block = None
-
-
-class _HeaderEncoder(hpack.Encoder):
-    """HPACK without the dynamic table, so that each header's bytes are computed once.
-
-    hpack's encoder searches and updates its table for every header of
-    every block (a tenth of a unary call's CPU, both ends). Encoding every
-    header as a literal that is never indexed (or as its static-table
-    index) makes its bytes a function of the header alone, cached here:
-    a block is a join of cached pieces. Literals are not Huffman-coded,
-    which also spares the peer's decoder. The table size updates h2 asks
-    for are still sent (hpack's own code).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._pieces: dict[tuple[str, str], bytes] = {}
-
-    def encode(self, headers: Any, huffman: bool = True) -> bytes:
-        pieces = self._pieces
-        block = []
-        if self.header_table.resized:
-            block.append(self._encode_table_size_change())
-            self.header_table.resized = False
-        for header in headers:
-            piece = pieces.get(header)
-            if piece is None:
-                name, value = (h if isinstance(h, bytes) else h.encode() for h in header)
-                piece = self.add((name, value), sensitive=True, huffman=False)
-                if len(pieces) >= _HEADER_PIECES:
-                    pieces.clear()  # bounded: per-call values (deadlines, proofs) come and go
-                pieces[header] = piece
-            block.append(piece)
-        return b"".join(block)
-
-
-#: Headers whose encoding a connection keeps.
-_HEADER_PIECES = 512
-
-
-class _HeaderDecoder(hpack.Decoder):
-    """hpack's decoder, remembering the blocks that neither read nor change its dynamic table.
-
-    Such a block (static-table indices and literals that are not indexed,
-    as :class:`_HeaderEncoder` writes, and gRPC sends the same few blocks
-    on every call) decodes to the same headers whenever the table is
-    empty and its size limit the same, and leaves it so: those blocks are
-    decoded once. Anything else (a peer that indexes, as Go's and grpcio's
-    encoders do; a table size update) is decoded every time, by hpack.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._blocks: dict[tuple[int, bytes], list[tuple[bytes, bytes]]] = {}
-
-    def decode(self, data: bytes, raw: bool = False) -> Any:
-        table = self.header_table
-        pristine = raw and not table.dynamic_entries and not (data[:1] and data[0] & 0xE0 == 0x20)
-        key = (table.maxsize, data)
-        if pristine:
-            known = self._blocks.get(key)
-            if known is not None:
-                return list(known)
-        headers = super().decode(data, raw)
-        if pristine and not table.dynamic_entries:
-            if len(self._blocks) >= _HEADER_PIECES:
-                self._blocks.clear()
-            self._blocks[key] = list(headers)
-        return headers
-
-
-class _H2Connection(h2.connection.H2Connection):
-    """h2, refusing a stream beyond our MAX_CONCURRENT_STREAMS as a stream error.
-
-    h2 raises :class:`h2.exceptions.TooManyStreamsError` for it, a
-    connection error that ends every stream of the connection. RFC 9113
-    5.1.2 allows a stream error instead, which is what Go's servers send:
-    RST_STREAM REFUSED_STREAM (the caller may retry it). h2 checks the limit
-    before it changes any state, so the frame can be handled here instead;
-    this uses three of h2's internals (its HPACK decoder, the highest stream
-    ID and the record of how closed streams closed), which
-    tests/metropolis/test_rpc_bounds.py pins.
-
-    Also h2's dispatch of a received frame (:meth:`_receive_frame`) without
-    its trace call, whose argument h2 computes first: ``repr(frame)``, which
-    serialises a DATA frame's payload again, for every frame received.
-    tests/metropolis/test_rpc_transport.py holds the copy to h2's code.
-    """
-
-    def _receive_frame(self, frame: Any) -> Any:
-        # h2 4.x's H2Connection._receive_frame, less its trace line.
-        try:
-            frames, events = self._frame_dispatch_table[frame.__class__](frame)
-        except h2.exceptions.StreamClosedError as e:
-            if self._stream_is_closed_by_reset(e.stream_id):
-                f = hyperframe.frame.RstStreamFrame(e.stream_id)
-                f.error_code = e.error_code
-                self._prepare_for_sending([f])
-                events = e._events
-            else:
-                raise
-        except h2.exceptions.StreamIDTooLowError as e:
-            if self._stream_is_closed_by_reset(e.stream_id):
-                f = hyperframe.frame.RstStreamFrame(e.stream_id)
-                f.error_code = h2.errors.ErrorCodes.STREAM_CLOSED
-                self._prepare_for_sending([f])
-                events = []
-            elif self._stream_is_closed_by_end(e.stream_id):
-                raise h2.exceptions.StreamClosedError(e.stream_id) from e
-            else:
-                raise
-        else:
-            self._prepare_for_sending(frames)
-        return events
-
-    def _receive_headers_frame(self, frame: Any) -> Any:
-        try:
-            return super()._receive_headers_frame(frame)
-        except h2.exceptions.TooManyStreamsError:
-            sid = frame.stream_id
-            if sid % 2 == 0 or sid <= self.highest_inbound_stream_id:
-                raise
-        # Every header block must pass through the HPACK decoder, refused or
-        # not, or its dynamic table falls out of step with the peer's.
-        try:
-            self.decoder.decode(frame.data, raw=True)
-        except Exception as e:  # hpack raises several types, as h2 knows
-            raise h2.exceptions.ProtocolError(f"Error decoding header block: {e}") from e
-        self.highest_inbound_stream_id = sid
-        # DATA still arriving for it is then answered like that of any stream
-        # we reset (its window credited, RST_STREAM STREAM_CLOSED).
-        self._closed_streams[sid] = h2.stream.StreamClosedBy.SEND_RST_STREAM
-        refusal = hyperframe.frame.RstStreamFrame(sid)
-        refusal.error_code = h2.errors.ErrorCodes.REFUSED_STREAM
-        return [refusal], []
 
 
 class Connection:
@@ -438,7 +133,7 @@ class Connection:
         # Headers stay bytes and unchecked in h2: it would decode and check
         # them for the whole connection, raising out of receive_data on one
         # bad byte, which ends every stream (or, for a decoding error, our
-        # reader). _header_dict does both per stream (see _refuse).
+        # reader). header_dict does both per stream (see _refuse).
         # Outbound headers are ours, built correct (metadata a caller passes
         # is checked where it enters, see channel.call_metadata): h2 would
         # check and normalise each again, for every block sent.
@@ -449,9 +144,9 @@ class Connection:
             validate_outbound_headers=False,
             normalize_outbound_headers=False,
         )
-        self._h2 = _H2Connection(config)
-        self._h2.encoder = _HeaderEncoder()
-        decoder = _HeaderDecoder()
+        self._h2 = H2Connection(config)
+        self._h2.encoder = HeaderEncoder()
+        decoder = HeaderDecoder()
         decoder.max_header_list_size = self._h2.decoder.max_header_list_size
         decoder.max_allowed_table_size = self._h2.decoder.max_allowed_table_size
         self._h2.decoder = decoder
@@ -463,20 +158,20 @@ class Connection:
                 h2.settings.SettingCodes.MAX_FRAME_SIZE: limits.max_frame_size,
             },
         )
-        self._guard = _FrameGuard(
+        self._guard = FrameGuard(
             preface=0 if client_side else _PREFACE,
             max_frame=limits.max_frame_size,
             max_block=limits.max_header_block,
         )
         self._limits = limits
         self._idle_timeout = float("inf") if client_side else limits.idle_timeout
-        #: When the peer started what it still owes (see _FrameGuard.partial).
+        #: When the peer started what it still owes (see FrameGuard.partial).
         self._partial_since: float | None = None
         #: When the last stream ended (None while a stream is open).
         self._idle_since: float | None = None
         self._watch_scope: trio.CancelScope | None = None
         self._on_request = on_request
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, StreamQueue] = {}
         self._window_changed = trio.Event()
         #: Set once the connection can carry no new streams (GOAWAY, EOF, error).
         self.closed = False
@@ -679,21 +374,21 @@ class Connection:
         match event:
             case h2.events.RequestReceived(stream_id=sid, headers=raw):
                 assert self._on_request is not None, "a client received a request"
-                headers = _header_dict(raw, _REQUEST)
+                headers = header_dict(raw, REQUEST_FLAGS)
                 if sid is None or headers is None:
                     self._refuse(sid, "malformed request headers")
                     return
-                self._streams[sid] = _Stream()
+                self._streams[sid] = StreamQueue()
                 self._idle_since = None
                 self._on_request(sid, headers)
                 if event.stream_ended is not None:
-                    self._deliver(sid, _END)
+                    self._deliver(sid, END)
             case (
                 h2.events.ResponseReceived(stream_id=sid, headers=raw)
                 | h2.events.TrailersReceived(stream_id=sid, headers=raw)
             ):
                 trailers = isinstance(event, h2.events.TrailersReceived)
-                headers = _header_dict(raw, _flags(self._h2.config.client_side, trailers))
+                headers = header_dict(raw, validation_flags(self._h2.config.client_side, trailers))
                 if headers is None:
                     self._refuse(sid, "malformed response headers")
                     self._deliver(sid, Reset(h2.errors.ErrorCodes.PROTOCOL_ERROR))
@@ -706,7 +401,7 @@ class Connection:
                 elif size:
                     self._acknowledge(sid, size)
             case h2.events.StreamEnded(stream_id=sid):
-                self._deliver(sid, _END)
+                self._deliver(sid, END)
                 self._wake_writers()
             case h2.events.StreamReset(stream_id=sid, error_code=code):
                 self._deliver(sid, Reset(int(code or 0)))
@@ -788,7 +483,7 @@ class Connection:
         does not raise here: read its answer with :meth:`receive`.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        out = _Outgoing(None, memoryview(body or b""), None, end_after_data=body is not None)
+        out = Outgoing(None, memoryview(body or b""), None, end_after_data=body is not None)
         while True:
             # At the peer's MAX_CONCURRENT_STREAMS, wait for one of ours to
             # end rather than have h2 refuse (or the server reset) the stream.
@@ -802,7 +497,7 @@ class Connection:
             self._h2.send_headers(sid, headers)
         except h2.exceptions.ProtocolError as e:
             raise StreamGone("connection closed") from e
-        self._streams[sid] = _Stream()
+        self._streams[sid] = StreamQueue()
         try:
             self._queue(sid, out)
             self._commit()
@@ -842,10 +537,10 @@ class Connection:
         raises :class:`StreamGone` if the stream or connection is gone.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        out = _Outgoing(headers, memoryview(data), trailers, end_stream and trailers is None)
+        out = Outgoing(headers, memoryview(data), trailers, end_stream and trailers is None)
         await self._send_rest(sid, out)
 
-    async def _send_rest(self, sid: int, out: _Outgoing) -> None:
+    async def _send_rest(self, sid: int, out: Outgoing) -> None:
         while True:
             if self.closed and self.failure is not None:
                 raise StreamGone("connection broken")
@@ -857,7 +552,7 @@ class Connection:
             changed = self._window_changed
             await changed.wait()
 
-    def _queue(self, sid: int, out: _Outgoing) -> None:
+    def _queue(self, sid: int, out: Outgoing) -> None:
         """Hand h2 as much of ``out`` as flow control allows."""
         try:
             if out.headers is not None:
@@ -959,125 +654,3 @@ class Connection:
                         pass
             self._fail(self.failure)
             await self.pipe.aclose()
-
-
-def _flags(client_side: bool, trailers: bool) -> h2.utilities.HeaderValidationFlags:
-    return h2.utilities.HeaderValidationFlags(
-        is_client=client_side,
-        is_trailer=trailers,
-        is_response_header=client_side and not trailers,
-        is_push_promise=False,
-    )
-
-
-_REQUEST = _flags(False, False)
-
-
-def _header_dict(
-    headers: list[tuple[bytes, bytes]], flags: h2.utilities.HeaderValidationFlags
-) -> dict[str, str] | None:
-    """One header block, checked as h2 would (RFC 9113 8.2) and decoded as UTF-8.
-
-    None if it is malformed: a stream error, not the connection's. gRPC
-    metadata is ASCII; UTF-8 is what h2 decoded for us before. Repeated
-    metadata keys keep their first value: nothing we read is multi-valued.
-    """
-    quick = _plain_header_dict(headers, flags)
-    if quick is not _UNSURE:
-        return cast("dict[str, str] | None", quick)
-    out: dict[str, str] = {}
-    try:
-        for name, value in h2.utilities.validate_headers(headers, flags):
-            out.setdefault(name.decode(), value.decode())
-    except (h2.exceptions.ProtocolError, UnicodeDecodeError):
-        return None
-    return out
-
-
-_UNSURE = object()
-#: Characters of a field name (RFC 9113 8.2.1: no controls, space, upper case or colon).
-_NAME = re.compile(rb"[\x21-\x39\x3b-\x40\x5b-\x7e]+")
-#: A field value: no NUL, CR or LF, no space or tab at either end.
-_VALUE = re.compile(rb"(?:[^\x00\n\r \t](?:[^\x00\n\r]*[^\x00\n\r \t])?)?")
-#: The pseudo-header fields of a plain request, of a response, of trailers.
-_PSEUDO_REQUEST = frozenset([b":method", b":scheme", b":path", b":authority"])
-_PSEUDO_RESPONSE = frozenset([b":status"])
-_PSEUDO_NONE: frozenset[bytes] = frozenset()
-#: Fields whose rules h2's own check applies (host against :authority).
-_SPECIAL = h2.utilities.CONNECTION_HEADERS | {b"host"}
-#: Regular fields that passed the checks, decoded (the same few come with every call).
-_FIELDS: dict[tuple[bytes, bytes], tuple[str, str]] = {}
-
-
-def _plain_header_dict(
-    headers: list[tuple[bytes, bytes]], flags: h2.utilities.HeaderValidationFlags
-) -> dict[str, str] | object | None:
-    """:func:`_header_dict` in one pass, for the blocks gRPC peers send.
-
-    Accepts only blocks that h2's check (``validate_headers``) accepts:
-    exactly the pseudo-header fields of a plain request (or of a response,
-    or none in trailers), first and once each, a non-empty ``:path`` and no
-    CONNECT; field names and values within RFC 9113 8.2.1; ``te`` only as
-    ``trailers``; no ``host`` or connection-specific field. Anything else
-    is :data:`_UNSURE`, for h2's check to decide: its generators cost
-    several times this pass, on every block.
-    """
-    if flags.is_trailer:
-        pseudo = _PSEUDO_NONE
-    elif flags.is_response_header:
-        pseudo = _PSEUDO_RESPONSE
-    else:
-        pseudo = _PSEUDO_REQUEST
-    out: dict[str, str] = {}
-    seen = 0
-    regular = False
-    fields = _FIELDS
-    try:
-        for header in headers:
-            name, value = header
-            if name[:1] == b":":
-                key = name.decode()
-                if regular or name not in pseudo or key in out or not _VALUE.fullmatch(value):
-                    return _UNSURE
-                seen += 1
-                out[key] = value.decode()
-                continue
-            field = fields.get(header)
-            if field is None:
-                if not _VALUE.fullmatch(value) or not _NAME.fullmatch(name) or name in _SPECIAL:
-                    return _UNSURE
-                if name == b"te" and value.lower() != b"trailers":
-                    return _UNSURE
-                field = (name.decode(), value.decode())
-                if len(fields) >= _HEADER_PIECES:
-                    fields.clear()
-                fields[header] = field
-            regular = True
-            out.setdefault(*field)
-    except UnicodeDecodeError:
-        return None  # well-formed, as h2 would find, but not UTF-8
-    if seen != len(pseudo):
-        return _UNSURE
-    if pseudo is _PSEUDO_REQUEST and (out[":method"] == "CONNECT" or not out[":path"]):
-        return _UNSURE
-    return out
-
-
-def peer_refused_certificate(failure: BaseException | None) -> str | None:
-    """If ``failure`` is the server refusing our client certificate, say why.
-
-    In TLS 1.3 the client finishes its handshake before the server has
-    checked the client certificate, so a refusal arrives as an alert on the
-    first read; ``ssl`` reports it as an ``SSLError`` whose reason names the
-    alert (``TLSV1_ALERT_UNKNOWN_CA``, ``SSLV3_ALERT_CERTIFICATE_EXPIRED``…).
-    """
-    seen: set[int] = set()
-    while failure is not None and id(failure) not in seen:
-        seen.add(id(failure))
-        if isinstance(failure, ssl.SSLError):
-            reason = failure.reason or ""
-            if "ALERT" in reason and ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason):
-                return reason
-            return None
-        failure = failure.__cause__ or failure.__context__
-    return None

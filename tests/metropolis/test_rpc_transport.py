@@ -48,9 +48,10 @@ from metropolis.rpc import (
     ServerSecurity,
     Status,
     client_context,
+    h2conn,
+    headerblocks,
     open_client,
     server_context,
-    transport,
 )
 from metropolis.rpc.pipe import HIGH_WATER, Pipe
 from tests.fixtures.rpc import ClusterPKI
@@ -324,7 +325,7 @@ def test_the_one_pass_header_check_decides_as_h2_does(
         is_response_header=kind == "response",
         is_push_promise=False,
     )
-    assert transport._header_dict(block, flags) == _h2_header_dict(block, flags)
+    assert headerblocks.header_dict(block, flags) == _h2_header_dict(block, flags)
 
 
 def test_the_one_pass_header_check_takes_the_blocks_grpc_sends() -> None:
@@ -333,13 +334,13 @@ def test_the_one_pass_header_check_takes_the_blocks_grpc_sends() -> None:
     response = h2.utilities.HeaderValidationFlags(True, False, True, False)
     trailers = h2.utilities.HeaderValidationFlags(True, True, False, False)
     for block, flags in ((_REQUEST, request), (_RESPONSE, response), (_TRAILERS, trailers)):
-        quick = transport._plain_header_dict(block, flags)
+        quick = headerblocks.plain_header_dict(block, flags)
         assert isinstance(quick, dict)
         assert quick == _h2_header_dict(block, flags)
 
 
 def test_header_blocks_decode_to_what_was_encoded_and_announce_table_changes() -> None:
-    encoder = transport._HeaderEncoder()
+    encoder = headerblocks.HeaderEncoder()
     decoder = hpack.Decoder()
     headers = [(n.decode(), v.decode()) for n, v in _REQUEST] + [("x-extra", "ünïcode")]
     first = encoder.encode(headers)
@@ -387,8 +388,8 @@ def test_remembered_header_blocks_decode_as_hpack_decodes_them(
     # A peer that indexes (hpack's own encoder, as Go's) or ours, shrinking
     # and growing its table now and then: our decoder must agree with
     # hpack's on every block, remembered or not.
-    encoder = hpack.Encoder() if indexing else transport._HeaderEncoder()
-    ours, theirs = transport._HeaderDecoder(), hpack.Decoder()
+    encoder = hpack.Encoder() if indexing else headerblocks.HeaderEncoder()
+    ours, theirs = headerblocks.HeaderDecoder(), hpack.Decoder()
     for block, size in zip(blocks * 2, sizes * 2, strict=False):
         if size is not None:
             encoder.header_table_size = size
@@ -412,7 +413,7 @@ def _tokens(source: str) -> list[str]:
 
 
 def test_the_frame_dispatch_is_h2s_without_its_trace() -> None:
-    ours = inspect.getsource(transport._H2Connection._receive_frame)
+    ours = inspect.getsource(h2conn.H2Connection._receive_frame)
     theirs = inspect.getsource(h2.connection.H2Connection._receive_frame)
     theirs = re.sub(r"\n\s*events: list\[Event\]\n", "\n", theirs)
     theirs = re.sub(r"\n\s*self\.config\.logger\.trace\(.*\)\n", "\n", theirs)
