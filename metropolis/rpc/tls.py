@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 import os
 import ssl
+from typing import Any, Protocol
 
-import trio
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
@@ -51,6 +51,7 @@ __all__ = [
     "check_server_key",
     "client_context",
     "peer_certificate",
+    "peer_refused_certificate",
     "server_context",
     "server_context_for",
 ]
@@ -147,13 +148,17 @@ def _client_context(
     return context
 
 
-def peer_certificate(stream: trio.SSLStream[trio.SocketStream]) -> x509.Certificate | None:
+class _HasPeerCertificate(Protocol):
+    def getpeercert(self, binary_form: bool = ...) -> Any: ...
+
+
+def peer_certificate(stream: _HasPeerCertificate) -> x509.Certificate | None:
     """The certificate the peer presented (already verified by the handshake), if any."""
     der = stream.getpeercert(binary_form=True)
     return None if der is None else x509.load_der_x509_certificate(der)
 
 
-def check_server_key(stream: trio.SSLStream[trio.SocketStream], expected: bytes | None) -> None:
+def check_server_key(stream: _HasPeerCertificate, expected: bytes | None) -> None:
     """Raise UNAVAILABLE if the server's key is not ``expected`` (None: any CA-issued key)."""
     if expected is None:
         return
@@ -165,3 +170,23 @@ def check_server_key(stream: trio.SSLStream[trio.SocketStream], expected: bytes 
     )
     if got != expected:
         raise RPCError(Status.UNAVAILABLE, "curator's key is not the one the directory lists")
+
+
+def peer_refused_certificate(failure: BaseException | None) -> str | None:
+    """If ``failure`` is the server refusing our client certificate, say why.
+
+    In TLS 1.3 the client finishes its handshake before the server has
+    checked the client certificate, so a refusal arrives as an alert on the
+    first read; ``ssl`` reports it as an ``SSLError`` whose reason names the
+    alert (``TLSV1_ALERT_UNKNOWN_CA``, ``SSLV3_ALERT_CERTIFICATE_EXPIRED``…).
+    """
+    seen: set[int] = set()
+    while failure is not None and id(failure) not in seen:
+        seen.add(id(failure))
+        if isinstance(failure, ssl.SSLError):
+            reason = failure.reason or ""
+            if "ALERT" in reason and ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason):
+                return reason
+            return None
+        failure = failure.__cause__ or failure.__context__
+    return None

@@ -1,27 +1,31 @@
-"""One HTTP/2 connection over a Trio byte stream (TLS or not), shared by server and client.
+"""One HTTP/2 connection over a :class:`~metropolis.rpc.pipe.Pipe`, shared by server and client.
 
 The sans-IO ``h2`` library keeps the protocol state; this class moves bytes
 and hands each HTTP/2 stream's events to whoever owns that stream:
 
 - :meth:`Connection.run` is the one reader. It feeds received bytes to
-  ``h2``, routes events into per-stream queues, and flushes what ``h2``
-  wants to send (SETTINGS acks, PINGs, WINDOW_UPDATEs). It returns when the
-  peer closes, and raises nothing for a broken connection: it records why
-  (:attr:`Connection.failure`) and wakes every stream so that their owners
-  fail instead of hanging.
-- Writers (:meth:`open_stream`, :meth:`send`, :meth:`reset`) take one lock
-  around "mutate h2 state, send its output", so frames leave in the order
-  h2 produced them; a unary answer (headers, message, trailers) or request
-  leaves in one write.
+  ``h2``, routes events into per-stream queues, and writes what ``h2``
+  wants to send (SETTINGS acks, PINGs, WINDOW_UPDATEs); beside it, the
+  pipe's flusher sends what the socket could not take at once. It returns
+  when the peer closes, and raises nothing for a broken connection: it
+  records why (:attr:`Connection.failure`) and wakes every stream so that
+  their owners fail instead of hanging.
+- Writers (:meth:`open_stream`, :meth:`send`, :meth:`reset`) change h2's
+  state and hand its output to the pipe with no await in between, so
+  frames leave in the order h2 produced them (HPACK's state depends on
+  it) without a lock; a unary answer (headers, message, trailers) or
+  request leaves in one write.
 - Flow control is honoured both ways: :meth:`send` waits for window,
   and received DATA is acknowledged only when its owner takes it out of the
   queue (:meth:`receive`), so a slow consumer slows the peer down instead of
-  growing a buffer.
+  growing a buffer. A writer also waits while the pipe holds more than
+  :data:`~metropolis.rpc.pipe.HIGH_WATER` bytes the peer has not read.
 
 Bounds (:class:`~metropolis.rpc.limits.Limits`): the reader follows frame
-boundaries itself (:class:`_FrameGuard`), ahead of h2, which would buffer a
-frame of any announced length until it is whole. A frame header announcing
-more than ``max_frame_size``, or a header block beyond ``max_header_block``,
+boundaries itself (:class:`~metropolis.rpc.frameguard.FrameGuard`), ahead
+of h2, which would buffer a frame of any announced length until it is
+whole. A frame header announcing more than ``max_frame_size``, or a header
+block beyond ``max_header_block``,
 closes the connection at once; a frame, header block or (server side) the
 client preface that does not arrive whole within ``frame_timeout`` closes
 it too. On the server, a connection without an open stream for
@@ -29,25 +33,24 @@ it too. On the server, a connection without an open stream for
 ``max_concurrent_streams`` is refused with RST_STREAM REFUSED_STREAM (h2
 alone would end the whole connection). Header blocks are checked and
 decoded here, per stream: one that is malformed (RFC 9113 8.2) or not
-UTF-8 resets that stream (PROTOCOL_ERROR) and nothing else.
+UTF-8 resets that stream (PROTOCOL_ERROR) and nothing else
+(:mod:`~metropolis.rpc.headerblocks`; h2 itself with our two changes is
+:class:`~metropolis.rpc.h2conn.H2Connection`, the stream events and their
+queue :mod:`~metropolis.rpc.streams`).
 
-Cancellation: a writer cancelled while waiting for the lock or for window
-sends nothing. Once bytes go out, the send is shielded (for at most
-``_SEND_TIMEOUT``), because Trio cannot un-send half a TLS record and a
-torn record would break every stream on the connection; so cancelling one
-call never harms the others. A peer that stops reading for that long
-breaks the connection: every stream on it fails, and the client treats
-that as UNAVAILABLE and reconnects.
+Cancellation: a writer cancelled while waiting for window or a stream slot
+sends nothing more; what it wrote before is sent whole (writes never wait,
+so no cancellation tears a TLS record, which would break every stream on
+the connection). A peer that reads nothing for the pipe's send timeout
+while bytes wait for it breaks the connection: every stream on it fails,
+and the client treats that as UNAVAILABLE and reconnects.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import ssl
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
 import h2.config
 import h2.connection
@@ -57,17 +60,46 @@ import h2.exceptions
 import h2.settings
 import h2.stream
 import h2.utilities
-import hyperframe.frame
 import trio
 
-from metropolis.errors import MetropolisError
+from metropolis.rpc.frameguard import FrameGuard, FrameViolation
+from metropolis.rpc.h2conn import H2Connection
+from metropolis.rpc.headerblocks import (
+    REQUEST_FLAGS,
+    HeaderDecoder,
+    HeaderEncoder,
+    header_dict,
+    validation_flags,
+)
 from metropolis.rpc.limits import Limits
+from metropolis.rpc.pipe import HIGH_WATER, Pipe
+from metropolis.rpc.streams import (
+    END,
+    Closed,
+    Data,
+    End,
+    Headers,
+    Outgoing,
+    RequestCallback,
+    Reset,
+    StreamEvent,
+    StreamGone,
+    StreamQueue,
+)
 
-__all__ = ["Closed", "Connection", "Data", "End", "Headers", "Reset", "StreamEvent"]
+__all__ = [
+    "Closed",
+    "Connection",
+    "Data",
+    "End",
+    "Headers",
+    "Reset",
+    "StreamEvent",
+    "StreamGone",
+]
 
 _log = logging.getLogger("metropolis.rpc.transport")
 
-_READ_SIZE = 65536
 #: Receive window, per stream and (plus HTTP/2's initial 64 KiB) per
 #: connection. Larger than h2's 64 KiB default so one Watch update never
 #: waits for a WINDOW_UPDATE round trip; still bounded, so a stuck reader
@@ -76,205 +108,12 @@ WINDOW = 1 << 20
 #: h2's bound on a decoded header list (it refuses more: a connection error).
 _MAX_HEADER_LIST = h2.connection.H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE
 _PREFACE = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-_SEND_TIMEOUT = 10.0
-
-
-@dataclass(frozen=True)
-class Headers:
-    """Response headers (client side) or trailers (either side, ``trailers=True``)."""
-
-    headers: dict[str, str]
-    trailers: bool = False
-
-
-@dataclass(frozen=True)
-class Data:
-    data: bytes
-
-
-@dataclass(frozen=True)
-class End:
-    """The peer half-closed the stream: nothing more will arrive."""
-
-
-@dataclass(frozen=True)
-class Reset:
-    """The peer reset the stream (RST_STREAM) with an HTTP/2 error code."""
-
-    code: int
-
-
-@dataclass(frozen=True)
-class Closed:
-    """The connection ended; ``failure`` says why, if it broke."""
-
-    failure: BaseException | None
-
-
-StreamEvent = Headers | Data | End | Reset | Closed
-
-#: Called by the reader (server side) for every new request stream, with the
-#: stream ID and its request headers. It must not block: it starts a task.
-RequestCallback = Callable[[int, dict[str, str]], None]
-
-
-class StreamGone(MetropolisError):
-    """The stream was reset or the connection closed while we were writing to it.
-
-    Internal: server and client turn it into their own outcome.
-    """
-
-
-class _FastLock:
-    """``async with`` a Trio lock without a scheduling round when it is free.
-
-    ``trio.Lock`` always yields to the scheduler on acquire; every write
-    here goes on to ``send_all``, which checkpoints anyway, so taking a free
-    lock at once saves one scheduler round per frame written.
-    """
-
-    def __init__(self, lock: trio.Lock) -> None:
-        self._lock = lock
-
-    async def __aenter__(self) -> None:
-        try:
-            self._lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self._lock.acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
-@dataclass
-class _Outgoing:
-    """What remains to be sent of one :meth:`Connection.send`."""
-
-    headers: list[tuple[str, str]] | None
-    data: memoryview
-    trailers: list[tuple[str, str]] | None
-    end_after_data: bool
-    done: bool = False
-
-
-class _Stream:
-    def __init__(self) -> None:
-        self.send, self.receive = trio.open_memory_channel[tuple[StreamEvent, int]](float("inf"))
-
-
-class FrameViolation(MetropolisError):
-    """The peer broke a frame bound (:class:`_FrameGuard`); the connection must end."""
-
-    def __init__(self, message: str, code: h2.errors.ErrorCodes) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-_HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x1, 0x5, 0x9
-_END_HEADERS = 0x4
-
-
-class _FrameGuard:
-    """Follows frame boundaries in the received bytes, ahead of h2.
-
-    h2 buffers a frame until it is whole and only then checks its length
-    against SETTINGS_MAX_FRAME_SIZE, so a peer announcing a 16 MiB frame
-    could make it hold 16 MiB; and it accepts 64 CONTINUATIONs (1 MiB) of
-    one header block. This reads only the 9-byte frame headers: it refuses
-    an oversized frame as soon as its header is in, bounds a header block,
-    and says whether a frame (or header block, or the client preface) is
-    under way, for the frame timeout. h2 still parses and checks everything.
-    """
-
-    def __init__(self, *, preface: int, max_frame: int, max_block: int) -> None:
-        self._skip = preface  # bytes to pass before the first frame header
-        self._header = bytearray()
-        self._remaining = 0  # payload bytes of the current frame still to come
-        self._block: int | None = None  # bytes of an unfinished header block
-        self._max_frame = max_frame
-        self._max_block = max_block
-
-    @property
-    def partial(self) -> bool:
-        """Whether the peer owes the rest of something it started."""
-        return bool(self._skip or self._header or self._remaining or self._block is not None)
-
-    def feed(self, data: bytes | bytearray) -> None:
-        """Account for ``data``; :class:`FrameViolation` if it breaks a bound."""
-        view = memoryview(data)
-        while view:
-            if self._skip or self._remaining:
-                take = min(len(view), self._skip or self._remaining)
-                if self._skip:
-                    self._skip -= take
-                else:
-                    self._remaining -= take
-                view = view[take:]
-                continue
-            take = min(len(view), 9 - len(self._header))
-            self._header += view[:take]
-            view = view[take:]
-            if len(self._header) == 9:
-                self._frame_header(bytes(self._header))
-                self._header.clear()
-
-    def _frame_header(self, header: bytes) -> None:
-        length = int.from_bytes(header[:3], "big")
-        kind, flags = header[3], header[4]
-        if length > self._max_frame:
-            raise FrameViolation(
-                f"frame of {length} bytes exceeds {self._max_frame}",
-                h2.errors.ErrorCodes.FRAME_SIZE_ERROR,
-            )
-        self._remaining = length
-        if kind in (_HEADERS, _PUSH_PROMISE) or (kind == _CONTINUATION and self._block is not None):
-            self._block = (self._block or 0) + length
-            if self._block > self._max_block:
-                raise FrameViolation(
-                    f"header block exceeds {self._max_block} bytes",
-                    h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
-                )
-            if flags & _END_HEADERS:
-                self._block = None
-
-
-class _H2Connection(h2.connection.H2Connection):
-    """h2, refusing a stream beyond our MAX_CONCURRENT_STREAMS as a stream error.
-
-    h2 raises :class:`h2.exceptions.TooManyStreamsError` for it, a
-    connection error that ends every stream of the connection. RFC 9113
-    5.1.2 allows a stream error instead, which is what Go's servers send:
-    RST_STREAM REFUSED_STREAM (the caller may retry it). h2 checks the limit
-    before it changes any state, so the frame can be handled here instead;
-    this uses three of h2's internals (its HPACK decoder, the highest stream
-    ID and the record of how closed streams closed), which
-    tests/metropolis/test_rpc_bounds.py pins.
-    """
-
-    def _receive_headers_frame(self, frame: Any) -> Any:
-        try:
-            return super()._receive_headers_frame(frame)
-        except h2.exceptions.TooManyStreamsError:
-            sid = frame.stream_id
-            if sid % 2 == 0 or sid <= self.highest_inbound_stream_id:
-                raise
-        # Every header block must pass through the HPACK decoder, refused or
-        # not, or its dynamic table falls out of step with the peer's.
-        try:
-            self.decoder.decode(frame.data, raw=True)
-        except Exception as e:  # hpack raises several types, as h2 knows
-            raise h2.exceptions.ProtocolError(f"Error decoding header block: {e}") from e
-        self.highest_inbound_stream_id = sid
-        # DATA still arriving for it is then answered like that of any stream
-        # we reset (its window credited, RST_STREAM STREAM_CLOSED).
-        self._closed_streams[sid] = h2.stream.StreamClosedBy.SEND_RST_STREAM
-        refusal = hyperframe.frame.RstStreamFrame(sid)
-        refusal.error_code = h2.errors.ErrorCodes.REFUSED_STREAM
-        return [refusal], []
+#: Writes in a row before a writer yields anyway (see Connection._paced).
+_WRITES_PER_YIELD = 16
 
 
 class Connection:
-    """An HTTP/2 connection over ``stream`` (TLS already handshaken, ALPN h2).
+    """An HTTP/2 connection over ``pipe`` (TLS already handshaken, ALPN h2).
 
     ``on_request`` is required on the server side (``client_side=False``).
     ``limits`` bounds what the peer may make us hold (the module docstring
@@ -283,22 +122,34 @@ class Connection:
 
     def __init__(
         self,
-        stream: trio.abc.Stream,
+        pipe: Pipe,
         *,
         client_side: bool,
         on_request: RequestCallback | None = None,
         limits: Limits | None = None,
     ) -> None:
-        self.stream = stream
+        self.pipe = pipe
         limits = limits or Limits()
         # Headers stay bytes and unchecked in h2: it would decode and check
         # them for the whole connection, raising out of receive_data on one
         # bad byte, which ends every stream (or, for a decoding error, our
-        # reader). _header_dict does both per stream (see _refuse).
+        # reader). header_dict does both per stream (see _refuse).
+        # Outbound headers are ours, built correct (metadata a caller passes
+        # is checked where it enters, see channel.call_metadata): h2 would
+        # check and normalise each again, for every block sent.
         config = h2.config.H2Configuration(
-            client_side=client_side, header_encoding=None, validate_inbound_headers=False
+            client_side=client_side,
+            header_encoding=None,
+            validate_inbound_headers=False,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
         )
-        self._h2 = _H2Connection(config)
+        self._h2 = H2Connection(config)
+        self._h2.encoder = HeaderEncoder()
+        decoder = HeaderDecoder()
+        decoder.max_header_list_size = self._h2.decoder.max_header_list_size
+        decoder.max_allowed_table_size = self._h2.decoder.max_allowed_table_size
+        self._h2.decoder = decoder
         self._h2.local_settings = h2.settings.Settings(
             client=client_side,
             initial_values={
@@ -307,22 +158,20 @@ class Connection:
                 h2.settings.SettingCodes.MAX_FRAME_SIZE: limits.max_frame_size,
             },
         )
-        self._guard = _FrameGuard(
+        self._guard = FrameGuard(
             preface=0 if client_side else _PREFACE,
             max_frame=limits.max_frame_size,
             max_block=limits.max_header_block,
         )
         self._limits = limits
         self._idle_timeout = float("inf") if client_side else limits.idle_timeout
-        #: When the peer started what it still owes (see _FrameGuard.partial).
+        #: When the peer started what it still owes (see FrameGuard.partial).
         self._partial_since: float | None = None
         #: When the last stream ended (None while a stream is open).
         self._idle_since: float | None = None
         self._watch_scope: trio.CancelScope | None = None
         self._on_request = on_request
-        self._lock = trio.Lock()
-        self._locked = _FastLock(self._lock)
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, StreamQueue] = {}
         self._window_changed = trio.Event()
         #: Set once the connection can carry no new streams (GOAWAY, EOF, error).
         self.closed = False
@@ -337,59 +186,67 @@ class Connection:
         self.goaway_last_stream: int | None = None
         self._pings: dict[bytes, trio.Event] = {}
         self._ping_counter = 0
+        #: Writes since a writer last yielded (see _paced).
+        self._writes = 0
 
     async def start(self) -> None:
         """Send our connection preface and SETTINGS."""
-        async with self._locked:
-            self._h2.initiate_connection()
-            self._h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW})
-            self._h2.increment_flow_control_window(WINDOW)
-            await self._flush()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._h2.initiate_connection()
+        self._h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW})
+        self._h2.increment_flow_control_window(WINDOW)
+        self._commit()
+        await self._paced()
 
-    async def _flush(self) -> None:
-        """Send what h2 has queued. The caller holds the lock."""
-        await self._send_raw(self._h2.data_to_send())
+    def _commit(self, *, burst: bool = True) -> None:
+        """Hand what h2 has queued to the pipe, in order; never waits.
 
-    async def _send_control(self) -> None:
-        """Send control frames h2 queued by itself (ACKs, WINDOW_UPDATE), if any.
-
-        Without the lock unless there is something to send: this runs for
-        every read and every message taken, and almost always finds nothing
-        (h2 batches window updates). Draining outside the lock is safe
-        because writers drain inside it right after each change, so at any
-        await point h2's queue holds only control frames, whose order does
-        not matter, never HEADERS (whose HPACK state would).
+        Called right after every change to h2's state, with no await in
+        between, so that frames leave in the order h2 produced them (which
+        HPACK's shared state needs) without a lock. ``burst``: see
+        :meth:`~metropolis.rpc.pipe.Pipe.write` (False for the reader's
+        answers to control frames, so that the caller's next request after
+        a PING, as Go's servers send with their answers, still goes at once).
         """
         data = self._h2.data_to_send()
-        if data:
-            async with self._locked:
-                await self._send_raw(data)
-
-    async def _send_raw(self, data: bytes) -> None:
         if not data:
             return
-        # Shielded: a caller cancelled in the middle of send_all would leave
-        # half a TLS record behind and break the connection for every other
-        # stream on it. Bounded instead, so a peer that stops reading breaks
-        # only this connection.
-        with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + _SEND_TIMEOUT
+        try:
+            self.pipe.write(data, burst=burst)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            self._fail(e)
+            raise StreamGone("connection broken") from e
+
+    async def _paced(self) -> None:
+        """After a write: wait while the peer is behind; now and then, yield.
+
+        Writes never wait for the socket; this is where a writer does, if
+        much is buffered (:data:`~metropolis.rpc.pipe.HIGH_WATER`).
+        Otherwise every :data:`_WRITES_PER_YIELD`-th write yields, so that
+        a stream's messages are gathered into few socket writes while other
+        tasks still run between them. The yield is shielded from
+        cancellation: what was written is gone, and the caller must not
+        take a cancellation for a failure to send.
+        """
+        if self.pipe.buffered > HIGH_WATER:
             try:
-                await self.stream.send_all(data)
+                await self.pipe.drained()
             except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
                 self._fail(e)
                 raise StreamGone("connection broken") from e
-        if scope.cancelled_caught:
-            self._fail(TimeoutError(f"peer did not read for {_SEND_TIMEOUT} s"))
-            raise StreamGone("connection stalled")
+            return
+        self._writes += 1
+        if self._writes >= _WRITES_PER_YIELD:
+            self._writes = 0
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     def _fail(self, failure: BaseException | None) -> None:
         self.settled.set()
         if not self.closed:
             self.closed = True
             self.failure = failure
-        for stream in self._streams.values():
-            stream.send.send_nowait((Closed(self.failure), 0))
+        for sid in list(self._streams):
+            self._deliver(sid, Closed(self.failure))
         self._window_changed.set()
 
     # --- reading ---------------------------------------------------------------
@@ -397,7 +254,8 @@ class Connection:
     async def run(self) -> None:
         """Read and dispatch until the connection ends (see the module docstring).
 
-        Never raises for anything the peer sends: a protocol error, a broken
+        Also sends what writers left for the socket to take later. Never
+        raises for anything the peer sends: a protocol error, a broken
         bound or a stalled frame end the connection (recorded in
         :attr:`failure`), an idle timeout ends it cleanly. Cancellation
         propagates.
@@ -413,6 +271,7 @@ class Connection:
             async with trio.open_nursery() as nursery:
                 with trio.CancelScope() as reader:
                     nursery.start_soon(self._watchdog, reader)
+                    nursery.start_soon(self._flusher, reader)
                     try:
                         await self._read()
                     except Exception as e:
@@ -441,11 +300,22 @@ class Connection:
         else:
             self._fail(self.failure)
 
+    async def _flusher(self, reader: trio.CancelScope) -> None:
+        """Send what the socket could not take at once; stop the reader if sending fails."""
+        try:
+            await self.pipe.run_flusher()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, TimeoutError) as e:
+            if isinstance(e, TimeoutError):
+                _log.warning("peer stopped reading: %s; closing the connection", e)
+            self._fail(e)
+            reader.cancel()
+
     async def _read(self) -> None:
         while True:
-            data = await self.stream.receive_some(_READ_SIZE)
+            data = await self.pipe.receive_some()
             if not data:
                 return
+            self.pipe.new_round()
             self._guard.feed(data)
             if not self._guard.partial:
                 self._partial_since = None
@@ -458,7 +328,8 @@ class Connection:
             events = self._h2.receive_data(data)
             for event in events:
                 self._dispatch(event)
-            await self._send_control()
+            # ACKs, WINDOW_UPDATEs, RST_STREAMs of refused streams.
+            self._commit(burst=False)
 
     async def _watchdog(self, reader: trio.CancelScope) -> None:
         """Stop the reader (``reader``) when a frame stalls or the connection idles.
@@ -491,31 +362,33 @@ class Connection:
 
     async def _say_goodbye(self) -> None:
         """Send the GOAWAY h2 queued for a protocol error, briefly, best effort."""
-        data = self._h2.data_to_send()
-        if data:
-            with trio.move_on_after(1), contextlib.suppress(StreamGone):
-                async with self._locked:
-                    await self._send_raw(data)
+        with contextlib.suppress(StreamGone):
+            self._commit()
+        with (
+            trio.move_on_after(1),
+            contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, TimeoutError),
+        ):
+            await self.pipe.flush()
 
     def _dispatch(self, event: h2.events.Event) -> None:
         match event:
             case h2.events.RequestReceived(stream_id=sid, headers=raw):
                 assert self._on_request is not None, "a client received a request"
-                headers = _header_dict(raw, _REQUEST)
+                headers = header_dict(raw, REQUEST_FLAGS)
                 if sid is None or headers is None:
                     self._refuse(sid, "malformed request headers")
                     return
-                self._streams[sid] = _Stream()
+                self._streams[sid] = StreamQueue()
                 self._idle_since = None
                 self._on_request(sid, headers)
                 if event.stream_ended is not None:
-                    self._deliver(sid, End())
+                    self._deliver(sid, END)
             case (
                 h2.events.ResponseReceived(stream_id=sid, headers=raw)
                 | h2.events.TrailersReceived(stream_id=sid, headers=raw)
             ):
                 trailers = isinstance(event, h2.events.TrailersReceived)
-                headers = _header_dict(raw, _flags(self._h2.config.client_side, trailers))
+                headers = header_dict(raw, validation_flags(self._h2.config.client_side, trailers))
                 if headers is None:
                     self._refuse(sid, "malformed response headers")
                     self._deliver(sid, Reset(h2.errors.ErrorCodes.PROTOCOL_ERROR))
@@ -524,11 +397,11 @@ class Connection:
             case h2.events.DataReceived(stream_id=sid, data=data):
                 size = event.flow_controlled_length or 0
                 if sid in self._streams:
-                    self._streams[sid].send.send_nowait((Data(data), size))
+                    self._deliver(sid, Data(data), size)
                 elif size:
                     self._acknowledge(sid, size)
             case h2.events.StreamEnded(stream_id=sid):
-                self._deliver(sid, End())
+                self._deliver(sid, END)
                 self._wake_writers()
             case h2.events.StreamReset(stream_id=sid, error_code=code):
                 self._deliver(sid, Reset(int(code or 0)))
@@ -564,9 +437,10 @@ class Connection:
         self._window_changed.set()
         self._window_changed = trio.Event()
 
-    def _deliver(self, sid: int | None, event: StreamEvent) -> None:
-        if sid is not None and sid in self._streams:
-            self._streams[sid].send.send_nowait((event, 0))
+    def _deliver(self, sid: int | None, event: StreamEvent, size: int = 0) -> None:
+        stream = self._streams.get(sid) if sid is not None else None
+        if stream is not None:
+            stream.put(event, size)
 
     def _acknowledge(self, sid: int, size: int) -> None:
         # A gone stream raises; h2 has credited the connection window anyway.
@@ -574,12 +448,27 @@ class Connection:
             self._h2.acknowledge_received_data(size, sid)
 
     async def receive(self, sid: int) -> StreamEvent:
-        """The next event of stream ``sid``; DATA is acknowledged as it is taken."""
-        event, size = await self._streams[sid].receive.receive()
+        """The next event of stream ``sid``; DATA is acknowledged as it is taken.
+
+        A checkpoint; it waits only if no event has arrived. One task at a
+        time may receive from a stream.
+        """
+        event, size = await self._streams[sid].get()
         if size:
             self._acknowledge(sid, size)
-            await self._send_control()
+            with contextlib.suppress(StreamGone):
+                self._commit()
         return event
+
+    def on_gone(self, sid: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (at once, or from the reader) when stream ``sid``
+        is reset by the peer or the connection ends.
+
+        For an owner that does not read the stream's events any more but
+        must know that its peer left (a server's handler, once the request
+        is in). Events already received count too.
+        """
+        self._streams[sid].watch(callback)
 
     # --- writing ---------------------------------------------------------------
 
@@ -593,7 +482,8 @@ class Connection:
         breaks; a server that resets the stream before taking the whole body
         does not raise here: read its answer with :meth:`receive`.
         """
-        out = _Outgoing(None, memoryview(body or b""), None, end_after_data=body is not None)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        out = Outgoing(None, memoryview(body or b""), None, end_after_data=body is not None)
         while True:
             # At the peer's MAX_CONCURRENT_STREAMS, wait for one of ours to
             # end rather than have h2 refuse (or the server reset) the stream.
@@ -602,21 +492,19 @@ class Connection:
             if self._h2.open_outbound_streams < self._h2.remote_settings.max_concurrent_streams:
                 break
             await self._window_changed.wait()
-        async with self._locked:
-            if self.closed:
-                raise StreamGone("connection closed")
-            try:
-                sid = self._h2.get_next_available_stream_id()
-                self._h2.send_headers(sid, headers)
-            except h2.exceptions.ProtocolError as e:
-                raise StreamGone("connection closed") from e
-            self._streams[sid] = _Stream()
-            try:
-                self._queue(sid, out)
-                await self._flush()
-            except BaseException:
-                self.forget(sid)
-                raise
+        try:
+            sid = self._h2.get_next_available_stream_id()
+            self._h2.send_headers(sid, headers)
+        except h2.exceptions.ProtocolError as e:
+            raise StreamGone("connection closed") from e
+        self._streams[sid] = StreamQueue()
+        try:
+            self._queue(sid, out)
+            self._commit()
+            await self._paced()
+        except BaseException:
+            self.forget(sid)
+            raise
         if not out.done:
             try:
                 await self._send_rest(sid, out)
@@ -648,23 +536,24 @@ class Connection:
         write unless flow control makes us wait for window in between;
         raises :class:`StreamGone` if the stream or connection is gone.
         """
-        out = _Outgoing(headers, memoryview(data), trailers, end_stream and trailers is None)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        out = Outgoing(headers, memoryview(data), trailers, end_stream and trailers is None)
         await self._send_rest(sid, out)
 
-    async def _send_rest(self, sid: int, out: _Outgoing) -> None:
+    async def _send_rest(self, sid: int, out: Outgoing) -> None:
         while True:
-            async with self._locked:
-                if self.closed and self.failure is not None:
-                    raise StreamGone("connection broken")
-                self._queue(sid, out)
-                await self._flush()
-                if out.done:
-                    return
-                changed = self._window_changed
+            if self.closed and self.failure is not None:
+                raise StreamGone("connection broken")
+            self._queue(sid, out)
+            self._commit()
+            if out.done:
+                await self._paced()
+                return
+            changed = self._window_changed
             await changed.wait()
 
-    def _queue(self, sid: int, out: _Outgoing) -> None:
-        """Hand h2 as much of ``out`` as flow control allows (caller holds the lock)."""
+    def _queue(self, sid: int, out: Outgoing) -> None:
+        """Hand h2 as much of ``out`` as flow control allows."""
         try:
             if out.headers is not None:
                 last = out.end_after_data and not out.data
@@ -696,13 +585,14 @@ class Connection:
 
     async def reset(self, sid: int, code: int = h2.errors.ErrorCodes.CANCEL) -> None:
         """Reset stream ``sid`` if it is still open; never raises for a gone stream."""
-        async with self._locked:
-            try:
-                self._h2.reset_stream(sid, code)
-            except h2.exceptions.ProtocolError:
-                return  # the stream or the whole connection is already closed
-            with contextlib.suppress(StreamGone):
-                await self._flush()
+        try:
+            self._h2.reset_stream(sid, code)
+        except h2.exceptions.ProtocolError:
+            await trio.lowlevel.checkpoint()
+            return  # the stream or the whole connection is already closed
+        with contextlib.suppress(StreamGone):
+            self._commit()
+            await self._paced()
 
     async def keepalive(self, interval: float, answer_within: float) -> None:
         """PING the peer every ``interval`` s; break the connection if an answer
@@ -717,24 +607,20 @@ class Connection:
             self._ping_counter += 1
             data = self._ping_counter.to_bytes(8, "big")
             answered = self._pings[data] = trio.Event()
-            async with self._locked:
-                if self.closed:
-                    return
-                try:
-                    self._h2.ping(data)
-                except h2.exceptions.ProtocolError:
-                    return
-                try:
-                    await self._flush()
-                except StreamGone:
-                    return
+            if self.closed:
+                return
+            try:
+                self._h2.ping(data)
+                self._commit()
+            except (h2.exceptions.ProtocolError, StreamGone):
+                return
             with trio.move_on_after(answer_within):
                 await answered.wait()
             if not answered.is_set():
                 _log.warning("peer did not answer a PING within %s s; dropping it", answer_within)
                 self._pings.pop(data, None)
                 self._fail(TimeoutError(f"no PING answer within {answer_within} s"))
-                await trio.aclose_forcefully(self.stream)
+                await self.pipe.aclose()
                 return
 
     def forget(self, sid: int) -> None:
@@ -750,65 +636,21 @@ class Connection:
             self._idle_since = trio.current_time()
 
     async def aclose(self) -> None:
-        """Say GOAWAY (best effort, briefly) and close the TLS stream. Shielded."""
+        """Say GOAWAY (best effort, briefly) and close the connection. Shielded."""
         with trio.CancelScope(shield=True):
             if self.failure is None:
                 with trio.move_on_after(1):
-                    async with self._locked:
-                        try:
-                            self._h2.close_connection()
-                            await self._flush()
-                        except (StreamGone, h2.exceptions.ProtocolError):
-                            pass
+                    try:
+                        self._h2.close_connection()
+                        self._commit()
+                        await self.pipe.flush()
+                    except (
+                        StreamGone,
+                        h2.exceptions.ProtocolError,
+                        trio.BrokenResourceError,
+                        trio.ClosedResourceError,
+                        TimeoutError,
+                    ):
+                        pass
             self._fail(self.failure)
-            await trio.aclose_forcefully(self.stream)
-
-
-def _flags(client_side: bool, trailers: bool) -> h2.utilities.HeaderValidationFlags:
-    return h2.utilities.HeaderValidationFlags(
-        is_client=client_side,
-        is_trailer=trailers,
-        is_response_header=client_side and not trailers,
-        is_push_promise=False,
-    )
-
-
-_REQUEST = _flags(False, False)
-
-
-def _header_dict(
-    headers: Iterable[tuple[bytes, bytes]], flags: h2.utilities.HeaderValidationFlags
-) -> dict[str, str] | None:
-    """One header block, checked as h2 would (RFC 9113 8.2) and decoded as UTF-8.
-
-    None if it is malformed: a stream error, not the connection's. gRPC
-    metadata is ASCII; UTF-8 is what h2 decoded for us before. Repeated
-    metadata keys keep their first value: nothing we read is multi-valued.
-    """
-    out: dict[str, str] = {}
-    try:
-        for name, value in h2.utilities.validate_headers(headers, flags):
-            out.setdefault(name.decode(), value.decode())
-    except (h2.exceptions.ProtocolError, UnicodeDecodeError):
-        return None
-    return out
-
-
-def peer_refused_certificate(failure: BaseException | None) -> str | None:
-    """If ``failure`` is the server refusing our client certificate, say why.
-
-    In TLS 1.3 the client finishes its handshake before the server has
-    checked the client certificate, so a refusal arrives as an alert on the
-    first read; ``ssl`` reports it as an ``SSLError`` whose reason names the
-    alert (``TLSV1_ALERT_UNKNOWN_CA``, ``SSLV3_ALERT_CERTIFICATE_EXPIRED``…).
-    """
-    seen: set[int] = set()
-    while failure is not None and id(failure) not in seen:
-        seen.add(id(failure))
-        if isinstance(failure, ssl.SSLError):
-            reason = failure.reason or ""
-            if "ALERT" in reason and ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason):
-                return reason
-            return None
-        failure = failure.__cause__ or failure.__context__
-    return None
+            await self.pipe.aclose()
