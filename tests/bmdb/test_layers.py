@@ -18,6 +18,8 @@ LAYERS = {
     "bmdb.migrations": 2,
     "bmdb._pool": 2,
     "bmdb.transaction": 3,
+    # LISTEN on a connection of its own (the driver's), beside the pool.
+    "bmdb.notify": 3,
     "bmdb.work": 4,
     "bmdb.session": 5,
     "bmdb.connection": 6,
