@@ -611,15 +611,18 @@ class Queries:
         requested, and without the outcome: the views show such a report as
         not (yet) telling anything (installing). For tests and tools that
         need a report as it is; the agent callback server stores reports
-        with `record_os_installation_report`."""
+        with `record_os_installation_report`. Notifies as that does."""
         await self.execute(
-            """INSERT INTO machine_os_installation_report
-                   (machine_id, generation, os_installation_report_raw) VALUES (%s, %s, %s)
-               ON CONFLICT (machine_id) DO UPDATE
-               SET generation = EXCLUDED.generation,
-                   os_installation_report_raw = EXCLUDED.os_installation_report_raw,
-                   success = NULL, cause = NULL, node_public_key = NULL,
-                   reported_at = now(), checked_at = NULL, lost_cause = NULL""",
+            f"""WITH w AS (
+                   INSERT INTO machine_os_installation_report
+                       (machine_id, generation, os_installation_report_raw) VALUES (%s, %s, %s)
+                   ON CONFLICT (machine_id) DO UPDATE
+                   SET generation = EXCLUDED.generation,
+                       os_installation_report_raw = EXCLUDED.os_installation_report_raw,
+                       success = NULL, cause = NULL, node_public_key = NULL,
+                       reported_at = now(), checked_at = NULL, lost_cause = NULL
+                   RETURNING machine_id)
+               SELECT pg_notify('{channels.INSTALL_REPORT}', machine_id::text) FROM w""",
             (as_uuid(machine_id), int(generation), bytes(report)),
         )
 

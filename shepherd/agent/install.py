@@ -764,6 +764,11 @@ class Installer:
         with self._lock:
             self._checked = "" if report.node_public_key is not None else (report.error or "")
 
+    def busy(self) -> bool:
+        """Whether an install runs now (its outcome is not recorded yet)."""
+        worker = self._worker
+        return worker is not None and worker.is_alive()
+
     def join(self, timeout: float | None = None) -> None:
         """Wait for the running install, if any (tests)."""
         worker = self._worker
