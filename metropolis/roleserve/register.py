@@ -94,6 +94,7 @@ def approval_asks(poll: float) -> ExponentialBackoff:
         raise ValueError(f"register poll must be a positive number of seconds, got {poll!r}")
     return ExponentialBackoff(min(APPROVAL_POLL, poll), poll)
 
+
 #: Statuses that say no curator took the call (or it broke): worth retrying.
 _TRANSIENT = frozenset({Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED})
 
