@@ -53,7 +53,7 @@ import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bmdb._pg import Row
 from bmdb.connection import Connection
@@ -78,6 +78,9 @@ from bmdb.model.queries import (
     INSTALLATION_WIDTH,
     installation_from_row,
 )
+
+if TYPE_CHECKING:
+    from common.hwreport import HardwareReport
 
 # The state names live with the rows (the CLI parses them without the
 # driver); they are this module's words, so it offers them too.
@@ -580,6 +583,19 @@ class MachineDetail:
     recovery_requested_at: datetime.datetime | None = None
     #: How far a requested decommission got, in one line; None if none was.
     decommission: str | None = None
+    #: The stored hardware report decoded (`common.hwreport`); None without
+    #: one, or when it does not decode.
+    hardware: HardwareReport | None = None
+    #: Why a stored report is not in `hardware`: it does not decode (old,
+    #: cut short, hostile), or is larger than `MAX_HARDWARE_REPORT`.
+    hardware_unreadable: str | None = None
+
+
+#: Largest stored hardware report read and decoded, bytes: four times the
+#: largest heartbeat the agent callback server takes (256 KiB), so that a
+#: report any server stored is read, and a row written otherwise cannot make
+#: a page read a gigabyte.
+MAX_HARDWARE_REPORT = 1024 * 1024
 
 
 # One machine: its `machines_sql` line and every other tag, its work and
@@ -610,7 +626,9 @@ SELECT v.*, p.provider_location, a.agent_public_key, octet_length(r.hardware_rep
                  THEN 'node ' || dc.node_id || ' at ' || dc.node_removed_at || ': '
                       || dc.node_removal || '; not wiped yet'
             ELSE 'requested by ' || dc.requested_by || ' at ' || dc.requested_at
-                 || ' (' || dc.reason || '), not wiped yet' END
+                 || ' (' || dc.reason || '), not wiped yet' END,
+       CASE WHEN octet_length(r.hardware_report_raw) <= %(max_report)s
+            THEN r.hardware_report_raw END
 FROM ({_machines_sql((False,) * len(_FILTERS), None)}) v
 LEFT JOIN machine_provided p ON p.machine_id = v.machine_id
 LEFT JOIN machine_agent_started a ON a.machine_id = v.machine_id
@@ -643,7 +661,7 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
     """Everything about one machine (two statements, one snapshot), or None
     if there is no such machine. `InvalidArgument` if ``machine_id`` is not a UUID."""
     mid = as_uuid(machine_id)
-    params = {"machine": mid}
+    params = {"machine": mid, "max_report": MAX_HARDWARE_REPORT}
 
     audit_params = {"machine": mid, "before": None, "limit": MAX_AUDIT}
 
@@ -661,6 +679,7 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
     extra = r[_SUMMARY_COLUMNS:]
     installation = installation_from_row(extra[8 : 8 + INSTALLATION_WIDTH]) if extra[7] else None
     extra = extra[:7] + extra[8 + INSTALLATION_WIDTH :]
+    hardware, unreadable = _hardware(extra[2], extra[13])
     return MachineDetail(
         summary=_machine_state(r[:_SUMMARY_COLUMNS]),
         location=extra[0],
@@ -692,7 +711,24 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
         recovery_requested_by=extra[10],
         recovery_requested_at=extra[11],
         decommission=extra[12],
+        hardware=hardware,
+        hardware_unreadable=unreadable,
     )
+
+
+def _hardware(size: int | None, raw: bytes | None) -> tuple[HardwareReport | None, str | None]:
+    """A stored report of ``size`` bytes (``raw`` if read) decoded, or why not."""
+    # Imported here: only a machine's detail decodes a report.
+    from common.hwreport import decode
+
+    if size is None:
+        return None, None
+    if raw is None:
+        return None, f"{size} bytes, over the {MAX_HARDWARE_REPORT} this view reads"
+    try:
+        return decode(bytes(raw)), None
+    except ValueError as exc:
+        return None, f"{exc} ({size} bytes)"
 
 
 #: The most audit records one call returns (a machine's page shows its newest).

@@ -39,6 +39,8 @@ from typing import TypeVar
 
 import betterproto2
 
+from common.protowire import varint as _varint
+
 __all__ = ["checked_fields", "parse_checked", "parse_strict"]
 
 _M = TypeVar("_M", bound=betterproto2.Message)
@@ -112,21 +114,6 @@ def checked_fields(cls: type[betterproto2.Message], data: bytes) -> dict[str, by
     out: dict[str, bytes | int] = {}
     _walk(cls, data, cls.__name__, 0, skip_unknown=True, out=out)
     return out
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = 0
-    for shift in range(0, 70, 7):
-        if pos >= len(data):
-            raise ValueError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            if result >= 1 << 64:
-                raise ValueError("varint over 64 bits")
-            return result, pos
-    raise ValueError("varint longer than 10 bytes")
 
 
 _PLAIN, _STRING, _MESSAGE = 0, 1, 2

@@ -6,9 +6,11 @@ asks the cluster through `metropolis.owner`, and neither imports it
 (`tests/test_package_layers.py` checks the direction).
 
 Server-rendered HTML (Jinja2 templates, autoescaped), no JavaScript, served
-by hypercorn's Trio worker in the same Trio run as the BMDB connection::
+by the bounded HTTP/1.1 transport of the metrics endpoint (`common.httpserver`:
+head timeout, a deadline on each answer, a cap on connections) in the same
+Trio run as the BMDB connection::
 
-    hypercorn (trio) ─ asgi.App ─ GET /machines?state=&provider=&after=
+    common.httpserver ─ asgi.App ─ GET /machines?state=&provider=&after=
                                       overview.machines        (1 statement)
                                       counts.CountsCache       (overview.state_counts:
                                         at most once per 5 s, shared, in its nursery)
@@ -23,7 +25,8 @@ by hypercorn's Trio worker in the same Trio run as the BMDB connection::
                        (templates/*.html, every value escaped)
 
 Nothing writes to the BMDB and nothing secret is shown (agent keys are
-public keys; hardware reports are shown by size only). The cluster half
+public keys; a hardware report shows what the agent found, its CPUs,
+memory, disks and NICs, decoded by `common.hwreport`). The cluster half
 (nodes, roles, leader, a node's supervision tree) is served by the same
 server, as the cluster's owner, when it is given the owner's files: one UI
 and one navigation for the fleet and the cluster it runs.
@@ -34,7 +37,7 @@ charts' geometry), `pages` (one function per BMDB page), `audit` (the
 audit page), `guidance` (the first page's next step), `counts` (the
 machine list's counts per state, taken at most once per period and shared
 by requests), `cluster` (the cluster pages), `asgi` (routing, errors,
-headers), `server` (hypercorn under Trio), `errors` (the console's error
+headers), `server` (the app on `common.httpserver`), `errors` (the console's error
 tree), `__main__` (the command).
 
 A machine asked to install an OS shows its installation state with its

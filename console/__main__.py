@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     web = commands.add_parser("web", help="serve the read-only web UI until SIGINT/SIGTERM")
     web.add_argument(
-        "--listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="(default: %(default)s)"
+        "--listen",
+        type=listen_address,
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        help="(default: %(default)s)",
     )
     web.add_argument(
         "--metrics-listen",

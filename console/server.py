@@ -1,31 +1,24 @@
-"""Serving the web UI with hypercorn's Trio worker, inside the caller's Trio run."""
+"""Serving the web UI on the bounded HTTP/1.1 transport (`common.httpserver`,
+the metrics endpoint's), inside the caller's Trio run.
+
+Not hypercorn, which served it before: its sends are shielded and have no
+deadline, so a browser (or anything) that stopped reading held its
+connection for ever and made the console's shutdown (SIGTERM) hang, and it
+rendered pages for up to six pipelined requests of one connection at once;
+``tests/operators/test_console_hostile.py`` probes both.
+"""
 
 from __future__ import annotations
 
-import logging
-from typing import cast
-
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
-from hypercorn.typing import ASGIFramework
 
 from bmdb.connection import Connection
+from common.asgi import asgi_handler
 from common.cli import leaf_errors
+from common.httpserver import DEFAULT_LIMITS, HTTPLimits, serve_http
 from console.asgi import App
 from console.cluster import ClusterView
 from console.counts import DEFAULT_PERIOD, CountsCache
-
-logger = logging.getLogger("console")
-
-
-def _config(listen: str) -> Config:
-    config = Config()
-    config.bind = [listen]
-    # hypercorn's access log would go to stderr per request; ours is quiet.
-    config.accesslog = None
-    config.errorlog = logging.getLogger("console.hypercorn")
-    return config
 
 
 async def serve(
@@ -34,29 +27,30 @@ async def serve(
     *,
     cluster: ClusterView | None = None,
     counts_period: float = DEFAULT_PERIOD,
+    limits: HTTPLimits = DEFAULT_LIMITS,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the UI of ``conn`` on ``listen`` (``HOST:PORT``; port 0 picks
     one) until cancelled. ``task_status.started`` gets the bound addresses
     (``http://HOST:PORT``). ``cluster``: the cluster pages, if the owner's
     credentials were given. ``counts_period``: seconds the machine list's
-    counts per state are reused (`console.counts`). Raises OSError if the
-    address cannot be bound.
+    counts per state are reused (`console.counts`). ``limits``: what one
+    client may take of the server (`common.httpserver`). Raises OSError if
+    the address cannot be bound, ValueError if it is malformed.
 
-    The count queries run in a nursery of their own that lives exactly as
-    long as the server: cancelling `serve` cancels a query in flight too."""
+    Cancellation closes the listener and every connection at once, whatever
+    the clients do; the count queries run in a nursery of their own that
+    lives exactly as long as the server: a query in flight is cancelled too.
+    """
     try:
         async with trio.open_nursery() as nursery:
             counts = CountsCache(conn, nursery, period=counts_period)
-            # App types its scopes and messages as plain mappings; hypercorn's
-            # TypedDict unions say the same thing in more words.
-            app = cast(ASGIFramework, App(conn, counts, cluster))
-            await hypercorn_serve(app, _config(listen), mode="asgi", task_status=task_status)
-            nursery.cancel_scope.cancel()
+            handler = asgi_handler(App(conn, counts, cluster))
+            await serve_http(handler, listen, name="web UI", limits=limits, task_status=task_status)
     except BaseExceptionGroup as group:
         # The nursery wraps what the server raised: a bind error is the
         # caller's to read as itself.
         errors = leaf_errors(group)
-        if len(errors) == 1 and isinstance(errors[0], OSError):
+        if len(errors) == 1 and isinstance(errors[0], (OSError, ValueError)):
             raise errors[0] from None
         raise

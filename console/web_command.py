@@ -22,7 +22,7 @@ WEB_CONNECTIONS = 8
 
 async def _web(conn: bmdb.Connection, args: argparse.Namespace) -> str:
     """Serve the web UI (and metrics, if asked) until SIGINT or SIGTERM."""
-    # Imported here: hypercorn and prometheus_client only when serving.
+    # Imported here: the server and prometheus_client only when serving.
     from prometheus_client import CollectorRegistry
 
     from bmdb.metrics import ConnectionCollector, FleetGauges

@@ -82,7 +82,7 @@ BMDB_MACHINES = (
 #: ``owner nodes``: the owner's keys, TLS, the RPC client; no etcd client,
 #: curator, supervisor, RPC server or metrics.
 OWNER_NODES = (
-    f"{PARSING} common.backoff common.crashpoint common.numbers common.protobuf"
+    f"{PARSING} common.backoff common.crashpoint common.numbers common.protobuf common.protowire"
     " metropolis metropolis.errors metropolis.cli metropolis.cli.owner metropolis.cli.root"
     " metropolis.owner metropolis.pki metropolis.identity metropolis.localstorage"
     " metropolis.crashpoint metropolis.proto.* metropolis.roleserve metropolis.roleserve.disk"

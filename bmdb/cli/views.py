@@ -118,7 +118,7 @@ async def _machine(conn: Connection, args: argparse.Namespace) -> str:
         ("agent started", when(m.agent_started_at)),
         ("agent key", detail.agent_public_key.hex() if detail.agent_public_key else "-"),
         ("heartbeat", when(m.agent_heartbeat_at)),
-        ("hardware report", _size(detail.hardware_report_bytes)),
+        *_hardware_fields(detail),
         *_installation_fields(detail.installation),
         ("ssh host key", fingerprint(detail.ssh_host_key) if detail.ssh_host_key else "-"),
         ("ssh host key first seen", when(detail.ssh_host_key_first_seen)),
@@ -267,8 +267,21 @@ def _iso(at: datetime.datetime | None) -> str | None:
     return at.isoformat() if at else None
 
 
-def _size(n: int | None) -> str:
-    return "-" if n is None else f"{n} bytes"
+def _hardware_fields(d: overview.MachineDetail) -> list[tuple[str, str]]:
+    """The stored hardware report: its size, then what it says (`common.hwreport`)."""
+    if d.hardware_report_bytes is None:
+        return [("hardware report", "-")]
+    if d.hardware is None:
+        return [("hardware report", f"unreadable: {d.hardware_unreadable}")]
+    return [("hardware report", f"{d.hardware_report_bytes} bytes"), *d.hardware.lines()]
+
+
+def _hardware_json(d: overview.MachineDetail) -> dict[str, object] | None:
+    if d.hardware is not None:
+        return d.hardware.to_json()
+    if d.hardware_unreadable is not None:
+        return {"unreadable": d.hardware_unreadable}
+    return None
 
 
 def _generation(n: int | None) -> str:
@@ -280,6 +293,7 @@ def _detail_json(d: overview.MachineDetail) -> dict[str, object]:
         "location": d.location,
         "agent_public_key": d.agent_public_key.hex() if d.agent_public_key else None,
         "hardware_report_bytes": d.hardware_report_bytes,
+        "hardware_report": _hardware_json(d),
         "os_installation_request_generation": d.os_installation_request_generation,
         "os_installation_report_generation": d.os_installation_report_generation,
         "ssh_host_key": d.ssh_host_key.hex() if d.ssh_host_key else None,

@@ -239,7 +239,7 @@ def main() -> int:
         return 0
     from .daemon import detach
 
-    if not detach(_beside(".log")):
+    if not detach(_beside(".log"), _beside(".pid")):
         return 0
     return _heartbeat(heartbeater, options)
 

@@ -237,7 +237,12 @@ def check_device(root_device: str, layout: Layout, *, own_mount: str | None = No
 
 def partition_nodes(device: str) -> list[str]:
     """Make the kernel see ``device``'s partitions (``partx``) and make each
-    missing /dev node from /sys/class/block/<part>/dev: no udev needed."""
+    missing /dev node from /sys/class/block/<part>/dev: no udev needed.
+
+    A node that is there with another device number is one an earlier
+    table left (the kernel numbers partitions anew when it reads a table
+    again, and without udev nobody updates /dev): it is replaced. A /dev
+    entry of that name that is not a block device is refused."""
     name = sys_name(os.stat(device).st_rdev)
     subprocess.run(["partx", "-u", device], capture_output=True, check=False)
     if not child_partitions(name):
@@ -247,10 +252,18 @@ def partition_nodes(device: str) -> list[str]:
         node = f"/dev/{part}"
         devno = _devno(_read(f"/sys/class/block/{part}/dev"))
         try:
-            if os.stat(node).st_rdev != devno:
-                raise DeviceFailed(f"{node} exists but is not partition {part}")
+            found = os.lstat(node)
         except FileNotFoundError:
             os.mknod(node, 0o600 | stat.S_IFBLK, devno)
+        else:
+            if not stat.S_ISBLK(found.st_mode):
+                raise DeviceFailed(f"{node} exists but is not a block device")
+            if found.st_rdev != devno:
+                fresh = f"{node}.new"
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(fresh)
+                os.mknod(fresh, 0o600 | stat.S_IFBLK, devno)
+                os.replace(fresh, node)
         nodes.append(node)
     return nodes
 
@@ -520,6 +533,30 @@ def _systemctl(*args: str) -> str | None:
     return None
 
 
+def _states(names: list[str]) -> str:
+    """Each unit's state as systemd has it, e.g. "x.mount: failed/failed (exit-code)"."""
+    said = []
+    for name in names:
+        try:
+            done = subprocess.run(
+                ["systemctl", "show", "-p", "ActiveState,SubState,Result", name],
+                capture_output=True,
+                check=False,
+                timeout=30,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            said.append(f"{name}: {exc}")
+            continue
+        shown = dict(
+            line.partition("=")[::2] for line in done.stdout.decode(errors="replace").splitlines()
+        )
+        said.append(
+            f"{name}: {shown.get('ActiveState', '?')}/{shown.get('SubState', '?')}"
+            f" ({shown.get('Result', '?')})"
+        )
+    return "; ".join(said)
+
+
 def stop_installed(target: Target) -> list[str]:
     """Stop the node an earlier install's boot entry in ``target`` runs and
     unmount its data partition, then remove the boot entry: what a new
@@ -530,7 +567,15 @@ def stop_installed(target: Target) -> list[str]:
     units_ = [NODE_UNIT, mount_unit_name(target.mount_point), PREPARE_UNIT]
     why = _systemctl("stop", *units_)
     if why is not None and os.path.isdir("/run/systemd/system"):
-        raise DeviceFailed(f"cannot stop the installed node: {why}")
+        # A stop job fails when what it stops is in the middle of something
+        # else (the node restarting, its data partition still busy as it
+        # goes): kill what is left of the node, forget the failures, and
+        # stop once more; a second failure names each unit's state.
+        _systemctl("kill", "--signal=SIGKILL", NODE_UNIT)
+        _systemctl("reset-failed", *units_)
+        why = _systemctl("stop", *units_)
+        if why is not None:
+            raise DeviceFailed(f"cannot stop the installed node: {why} ({_states(units_)})")
     removed = remove_boot_entry(target)
     _systemctl("daemon-reload")
     return [f"stopped {', '.join(units_)}", *(f"removed {p}" for p in removed)]

@@ -42,18 +42,27 @@ def replace_running_agent(pid_file: str) -> None:
     os.replace(tmp, pid_file)
 
 
-def detach(log_file: str) -> bool:
+def detach(log_file: str, pid_file: str) -> bool:
     """Double-fork into a new session with stdio away from the SSH channel.
 
     Returns False in the original process (which then exits, ending the SSH
-    session) and True in the detached daemon.
+    session) and True in the detached daemon. The original process returns
+    only once the daemon has recorded its pid (`replace_running_agent`), or
+    died trying: whoever started the agent finds it by its pid file as soon
+    as the start has ended (to stop it, say), not some time later.
     """
     sys.stdout.flush()
     sys.stderr.flush()
+    recorded, record = os.pipe()
     child = os.fork()
     if child:
+        os.close(record)
         os.waitpid(child, 0)
+        with contextlib.suppress(OSError):
+            os.read(recorded, 1)  # end of file once the daemon closed its end
+        os.close(recorded)
         return False
+    os.close(recorded)
     os.setsid()
     if os.fork():
         os._exit(0)
@@ -65,4 +74,8 @@ def detach(log_file: str) -> bool:
     os.close(null)
     os.close(log)
     os.chdir("/")
+    try:
+        replace_running_agent(pid_file)
+    finally:
+        os.close(record)
     return True

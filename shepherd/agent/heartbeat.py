@@ -171,7 +171,10 @@ class Heartbeater:
 
         Used until 90% of its lifetime has passed (by this machine's
         monotonic clock, which the server's need not match closely), so that
-        it is renewed by a signed heartbeat before the server refuses it.
+        it is renewed by a signed heartbeat before the server refuses it. A
+        token or key over its bound (`protocol.MAX_SESSION_TOKEN`,
+        `protocol.MAX_SESSION_KEY`) is refused with a log line, and the
+        session held before stays.
         """
         try:
             session = decode_heartbeat_session(answer)
@@ -179,6 +182,18 @@ class Heartbeater:
             log(f"ignoring a malformed session: {exc}")
             return
         if session is None or not session.token or not session.key:
+            return
+        if len(session.token) > protocol.MAX_SESSION_TOKEN:
+            log(
+                f"ignoring a session token of {len(session.token)} bytes (over"
+                f" {protocol.MAX_SESSION_TOKEN}): heartbeats stay signed"
+            )
+            return
+        if len(session.key) > protocol.MAX_SESSION_KEY:
+            log(
+                f"ignoring a session key of {len(session.key)} bytes (over"
+                f" {protocol.MAX_SESSION_KEY}): heartbeats stay signed"
+            )
             return
         if 0 < session.lifetime_seconds < 2**62:
             self.session = session

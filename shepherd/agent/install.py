@@ -103,6 +103,9 @@ if TYPE_CHECKING:
 MAX_NODE_PARAMETERS = 1024 * 1024
 #: Bound on an error cause the agent reports.
 MAX_ERROR = 4000
+#: Messages about refused requests the installer remembers having logged
+#: (`Installer._tell`), so as not to log them at every heartbeat.
+TOLD_MAX = 64
 BLOCK_DEVICE_REFUSAL = (
     "installing onto a block device is not implemented: a real install would partition, "
     "write the image, add a boot entry and reboot"
@@ -688,7 +691,9 @@ class Installer:
         #: The generation the server's last answer carried.
         self._carried: int | None = None
         self._worker: threading.Thread | None = None
-        self._told: set[tuple[int, str]] = set()
+        #: What `_tell` logged lately, oldest first (a dict as an ordered
+        #: set), at most `TOLD_MAX` entries.
+        self._told: dict[tuple[int, str], None] = {}
         #: What the last accepted heartbeat said of the installed generation:
         #: "" installed, else the error; None before any (`_check`).
         self._checked: str | None = None
@@ -718,10 +723,20 @@ class Installer:
         self._state = state
 
     def _tell(self, generation: int, message: str) -> None:
-        """Log ``message`` once per generation (heartbeats repeat requests)."""
-        if (generation, message) not in self._told:
-            self._told.add((generation, message))
-            log(message)
+        """Log ``message`` once per generation (heartbeats repeat requests).
+
+        Remembers the last `TOLD_MAX` messages only: a server that asks for
+        one refused generation after another (each a new entry) cannot grow
+        the agent's memory; a message forgotten is logged again if asked
+        again, which a server repeating that many refusals has earned.
+        """
+        key = (generation, message)
+        if key in self._told:
+            return
+        self._told[key] = None
+        if len(self._told) > TOLD_MAX:
+            del self._told[next(iter(self._told))]
+        log(message)
 
     @property
     def generation(self) -> int:

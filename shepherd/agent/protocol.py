@@ -44,6 +44,14 @@ HEADER_MAC = "Monotrio-Agent-Mac"
 #: long poll of `shepherd.agent_server.service`). Not signed: it changes
 #: only when the agent hears, never what. Absent: answered at once.
 HEADER_HOLD = "Monotrio-Agent-Hold-Ms"
+#: Largest session token and session key an agent takes from a server, bytes.
+#: The server's are 89 and 32 bytes (`shepherd.agent_server.session`); the
+#: agent sends the token back in a header of every request, so one of any
+#: size (a hostile or broken server's megabyte) would make every request's
+#: head too large for any server to take. An agent given a larger one logs
+#: it, keeps no session and signs its heartbeats.
+MAX_SESSION_TOKEN = 1024
+MAX_SESSION_KEY = 64
 
 
 def signed_message(method: str, path: str, machine_id: str, time_ns: int, body: bytes) -> bytes:

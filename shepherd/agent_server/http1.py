@@ -20,8 +20,8 @@ What it speaks::
     headers        name: value, by lower-case name, trailing whitespace
                    stripped; the last of repeated ones wins, but
                    Content-Length and Transfer-Encoding may come once each
-    body           Content-Length (ASCII digits only, `common.numbers`), or
-                   Transfer-Encoding: chunked (trailers ignored), not both;
+    body           Content-Length (ASCII digits only, `common.numbers`), no
+                   Transfer-Encoding (see "Chunked bodies" below);
                    Expect: 100-continue answered before the body is read
     answer         status, Content-Type, Content-Length, body; Connection: close
                    when the connection ends after it
@@ -34,17 +34,26 @@ bare CR or LF: some parsers take those for line ends and others not, so
 that a proxy in front would read other headers than this server), obsolete
 line folding, a header name that is not a token, a Content-Length that is
 not digits, overflows 64 bits or comes twice (even with one value),
-Transfer-Encoding with Content-Length or twice, chunk framing that is not
-CRLF-terminated hex, an unknown method or malformed request line, data after
-a request that closes the connection (`tests/shepherd/test_llhttp_edges.py`
-pins these). What this module refuses the same way, on llhttp's callbacks:
-a version other than 1.0 and 1.1 (505), a Transfer-Encoding other than
-``chunked`` alone, a Content-Length of more than 12 digits, an upgrade; a
-head of more than ``Limits.max_head`` bytes or ``Limits.max_headers``
-header lines (431) and a body larger than ``Limits.max_body`` (429, before
-it is read when its length is declared). Other refusals are the Connect
-layer's (see `shepherd.agent_server.connect`), from the head alone, before
-the body is read.
+Transfer-Encoding with Content-Length or twice, an unknown method or
+malformed request line, data after a request that closes the connection
+(`tests/shepherd/test_llhttp_edges.py` pins these). What this module
+refuses the same way, on llhttp's callbacks: a version other than 1.0 and
+1.1 (505), a chunked body (411) and any other Transfer-Encoding (400), a
+Content-Length of more than 12 digits, an upgrade; a head of more than
+``Limits.max_head`` bytes or ``Limits.max_headers`` header lines (431) and
+a body larger than ``Limits.max_body`` (429, before it is read). Other
+refusals are the Connect layer's (see `shepherd.agent_server.connect`),
+from the head alone, before the body is read.
+
+Chunked bodies: refused with ``411 Length Required`` (RFC 9112 section 6.3
+lets a server refuse a body without a Content-Length), before any of the
+body is read. Agents are this server's only clients, and the agent
+(`shepherd.agent.heartbeat`, http.client given the body as bytes) always
+sends a Content-Length; so does the load generator of the benchmarks. The
+Connect protocol leaves framing to HTTP and does not ask for chunked
+requests. Refusing them means every body's size is known, and judged
+against ``Limits.max_body``, from the head alone; no chunk framing or
+trailers are parsed, two of the forms request smuggling is made of.
 
 No connection's bytes can end the server: an exception out of one
 connection that is not the client going away (a bug, then) is logged (a
@@ -101,6 +110,7 @@ _REASONS = {
     403: b"Forbidden",
     404: b"Not Found",
     408: b"Request Timeout",
+    411: b"Length Required",
     429: b"Too Many Requests",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
@@ -396,9 +406,8 @@ class _Connection:
         self.fed = 0
         #: Bytes in the read being fed.
         self.feeding = 0
-        #: Most bytes a request may span: its head, its body and chunked
-        #: framing for it (as many bytes again).
-        self.max_request = self.limits.max_head + 2 * self.limits.max_body + _RECEIVE
+        #: Most bytes a request may span: its head, its body and one read more.
+        self.max_request = self.limits.max_head + self.limits.max_body + _RECEIVE
         self.handler: Handler | None = None
         self.keep_alive = True
         self.body_parts: list[bytes] = []
@@ -537,8 +546,8 @@ class _Connection:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # Collected only: judged once the head is complete (its size is
-        # bounded by `feed` meanwhile). A chunked body's trailers come here
-        # too, after the head, and are dropped with the request.
+        # bounded by `feed` meanwhile). No trailers come here: a chunked
+        # body is refused at the end of its head.
         self.raw.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -565,22 +574,28 @@ class _Connection:
         limit = limits.max_body
         encoding = headers.get("transfer-encoding")
         if encoding is not None:
-            # llhttp refused it beside a Content-Length, and twice.
-            if encoding.lower() != "chunked":
-                raise _refuse(ConnectError("invalid_argument", "unsupported transfer-encoding"))
-            declared = None
-        else:
-            text = headers.get("content-length")
-            try:
-                declared = (
-                    0
-                    if text is None
-                    else parse_decimal(text, max_digits=_LENGTH_DIGITS, what="content-length")
+            # llhttp refused it beside a Content-Length, and twice. Chunked
+            # bodies: see the module's docstring.
+            if encoding.lower() == "chunked":
+                raise _refuse(
+                    ConnectError(
+                        "invalid_argument",
+                        "a chunked body is not accepted: send a Content-Length",
+                        411,
+                    )
                 )
-            except ValueError as exc:
-                raise _refuse(ConnectError("invalid_argument", str(exc))) from None
-            if declared > limit:
-                raise _refuse(_body_too_large(limit))
+            raise _refuse(ConnectError("invalid_argument", "unsupported transfer-encoding"))
+        text = headers.get("content-length")
+        try:
+            declared = (
+                0
+                if text is None
+                else parse_decimal(text, max_digits=_LENGTH_DIGITS, what="content-length")
+            )
+        except ValueError as exc:
+            raise _refuse(ConnectError("invalid_argument", str(exc))) from None
+        if declared > limit:
+            raise _refuse(_body_too_large(limit))
         path = self.url.split(b"?", 1)[0].decode("latin-1")
         try:
             self.handler = self.app.check(parser.get_method().decode("latin-1"), path, headers)

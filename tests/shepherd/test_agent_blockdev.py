@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -100,6 +101,34 @@ def test_a_mounted_partition_is_refused(loop: Callable[[int], str], tmp_path: Pa
     with pytest.raises(blockdev.DeviceRefused, match=r"is mounted: .*/mnt"):
         blockdev.check_device(device, SMALL)
     assert _digest(device) == before
+
+
+def test_a_stale_partition_node_is_made_anew(loop: Callable[[int], str]) -> None:
+    """Without udev, /dev keeps a partition node with the number of an
+    earlier table; the installer replaces it instead of refusing the disk."""
+    device = loop(32)
+    subprocess.run(
+        ["sfdisk", "-q", device], input=b"label: gpt\nsize=4MiB\nsize=4MiB\n", check=True
+    )
+    first, second = blockdev.partition_nodes(device)
+    # The first partition's node now names the second's device number.
+    os.unlink(first)
+    os.mknod(first, 0o600 | stat.S_IFBLK, os.stat(second).st_rdev)
+    assert blockdev.partition_nodes(device) == [first, second]
+    name = os.path.basename(first)
+    want = Path(f"/sys/class/block/{name}/dev").read_text().strip()
+    got = os.stat(first).st_rdev
+    assert f"{os.major(got)}:{os.minor(got)}" == want
+    # A /dev entry of that name that is no block device is not touched.
+    os.unlink(first)
+    Path(first).write_text("not a device")
+    try:
+        with pytest.raises(blockdev.DeviceFailed, match="not a block device"):
+            blockdev.partition_nodes(device)
+        assert Path(first).read_text() == "not a device"
+    finally:
+        os.unlink(first)
+        blockdev.partition_nodes(device)  # the node again, for the loop fixture's detach
 
 
 def test_the_device_of_the_running_system_is_refused() -> None:

@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shepherd.agent import heartbeat, wire
+from shepherd.agent import heartbeat, protocol, wire
 from shepherd.agent.errors import AgentError
 from shepherd.agent.heartbeat import MAX_ANSWER, Heartbeater
 from shepherd.agent.install import Installer
@@ -422,3 +422,48 @@ def test_the_real_agent_goes_on_through_hostile_answers(
 
 def has_hardware_report(received: Received) -> bool:
     return any(number == 2 for number, _, _ in wire.iter_fields(received.body))
+
+
+def test_a_session_token_or_key_over_its_bound_is_refused_and_heartbeats_stay_signed(
+    agent: Agent, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the bound, an agent took a token of any size and sent it back
+    in a header of every request: a megabyte's head, refused by every server."""
+    for answer, says in (
+        (session_answer(token=b"T" * (protocol.MAX_SESSION_TOKEN + 1)), "session token of 1025"),
+        (session_answer(token=b"T" * (1 << 20)), "session token of 1048576 bytes"),
+        (session_answer(key=b"K" * (protocol.MAX_SESSION_KEY + 1)), "session key of 65 bytes"),
+    ):
+        agent.server.then(reply(200, answer))
+        assert agent.beat() is None  # the heartbeat itself was accepted
+        assert agent.hb.session is None
+        assert says in capsys.readouterr().err
+        count = len(agent.server.requests)
+        agent.server.then(reply(200, b""))
+        assert agent.beat() is None
+        sent = agent.server.wait_for(count + 1)
+        assert sent.header(protocol.HEADER_SESSION) is None
+        assert sent.header(protocol.HEADER_SIGNATURE) is not None
+    # At the bounds: taken, and sent back.
+    token, key = b"T" * protocol.MAX_SESSION_TOKEN, b"K" * protocol.MAX_SESSION_KEY
+    agent.server.then(reply(200, session_answer(token=token, key=key)))
+    assert agent.beat() is None
+    assert agent.hb.session is not None and agent.hb.session.token == token
+    count = len(agent.server.requests)
+    agent.server.then(reply(200, b""))
+    assert agent.beat() is None
+    assert agent.server.wait_for(count + 1).header(protocol.HEADER_SESSION) is not None
+
+
+def test_the_agent_frames_every_request_with_a_content_length(agent: Agent) -> None:
+    """What lets the callback server refuse chunked bodies
+    (`shepherd.agent_server.http1`): the agent's requests, signed or with a
+    session, with a hardware report or without, carry a Content-Length that
+    is their body's length, and no Transfer-Encoding."""
+    agent.server.then(reply(200, session_answer()), reply(200, b""))
+    assert agent.beat() is None  # signed, with the report
+    assert agent.beat() is None  # with the session, no report
+    for sent in agent.server.wait_for(1), agent.server.wait_for(2):
+        assert sent.header("Transfer-Encoding") is None
+        assert sent.header("Content-Length") == str(len(sent.body)), sent.head
+    assert agent.server.requests[1].header(protocol.HEADER_SESSION) is not None

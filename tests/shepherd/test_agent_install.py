@@ -345,3 +345,31 @@ def test_a_generation_below_one_is_not_run(machine: Machine) -> None:
         assert run(installer, req) is None
     assert machine.server.ranges == [] and os.listdir(machine.disk) == []
     assert not Path(f"{machine.agent}.install.json").exists()
+
+
+def test_refused_generations_are_logged_once_and_remembered_within_a_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that asks for one refused generation after another (each
+    older than the one begun) grows the installer's memory by nothing past
+    a bound; one asked again at once is logged once."""
+    agent = tmp_path / "agent"
+    Path(f"{agent}.install.json").write_text(json.dumps({"generation": 10**9, "status": "done"}))
+    installer = Installer(str(agent), endpoint_scheme="https", ca_certificate=b"", settings=FAST)
+    digest = "sha256:" + "a" * 64
+
+    def ask(generation: int) -> None:
+        installer.on_answer(request(generation, host="127.0.0.1:9", digest=digest))
+
+    for _ in range(3):  # heartbeats repeat the request: one line
+        ask(5)
+    assert capsys.readouterr().err.count("ignoring request of generation 5:") == 1
+    for generation in range(1, 20 * install.TOLD_MAX):
+        ask(generation)
+    assert len(installer._told) <= install.TOLD_MAX  # before the bound: one entry each
+    # The last ones are remembered, the first forgotten: logged again if asked again.
+    capsys.readouterr()
+    ask(20 * install.TOLD_MAX - 1)
+    ask(1)
+    assert "generation 1:" in capsys.readouterr().err
+    assert installer.generation == 10**9  # nothing begun

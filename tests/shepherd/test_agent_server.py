@@ -427,23 +427,45 @@ def _raw(body: bytes, headers: dict[str, str], *, chunked: bool = False) -> byte
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def test_keep_alive_chunked_and_pipelined_requests(server: Server) -> None:
-    """Two requests on one connection (sent at once, the second chunked, as
-    other Connect clients may send it) are both answered and written."""
-    mid, seed = await started_machine(server.conn)
-    hb = heartbeater(server.url, str(mid), seed, report=False)
-    first, second = hb.request(), hb.request()
-    data = _raw(*first) + _raw(*second, chunked=True)
-    heads = await _exchange(port_of(server.url), data, 2)
-    assert [h.split(b"\r\n")[0] for h in heads] == [b"HTTP/1.1 200 OK"] * 2
-    assert not any(b"connection: close" in h.lower() for h in heads)
-    stored_time = await server.conn.transact(
+async def _stored_time(conn: bmdb.Connection, mid: uuid.UUID) -> int | None:
+    rows = await conn.transact(
         lambda q: q.execute(
             "SELECT agent_request_time_ns FROM machine_agent_heartbeat WHERE machine_id = %s",
             (mid,),
         )
     )
-    assert stored_time[0][0] == int(second[1][protocol.HEADER_TIME])
+    return rows[0][0] if rows else None
+
+
+async def test_keep_alive_and_pipelined_requests(server: Server) -> None:
+    """Two requests on one connection, sent at once, are both answered and written."""
+    mid, seed = await started_machine(server.conn)
+    hb = heartbeater(server.url, str(mid), seed, report=False)
+    first, second = hb.request(), hb.request()
+    heads = await _exchange(port_of(server.url), _raw(*first) + _raw(*second), 2)
+    assert [h.split(b"\r\n")[0] for h in heads] == [b"HTTP/1.1 200 OK"] * 2
+    assert not any(b"connection: close" in h.lower() for h in heads)
+    assert await _stored_time(server.conn, mid) == int(second[1][protocol.HEADER_TIME])
+
+
+async def test_a_chunked_body_is_refused_before_it_is_read(server: Server) -> None:
+    """Agents always send a Content-Length (`shepherd.agent_server.http1`,
+    "Chunked bodies"): a chunked heartbeat, even well signed, is a 411 with
+    the connection closed, nothing is written, and a request pipelined after
+    it is not read."""
+    mid, seed = await started_machine(server.conn)
+    hb = heartbeater(server.url, str(mid), seed, report=False)
+    first, second = hb.request(), hb.request()
+    heads = await _exchange(port_of(server.url), _raw(*first, chunked=True) + _raw(*second), 2)
+    assert len(heads) == 1
+    assert heads[0].startswith(b"HTTP/1.1 411 Length Required\r\n")
+    assert b"connection: close" in heads[0].lower()
+    assert await _stored_time(server.conn, mid) is None
+    # The agent's own request, as it sends it, is taken.
+    body, headers = hb.request()
+    (head,) = await _exchange(port_of(server.url), _raw(body, headers), 1)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert await _stored_time(server.conn, mid) == int(headers[protocol.HEADER_TIME])
 
 
 async def test_oversized_head_and_malformed_requests_close_the_connection(server: Server) -> None:

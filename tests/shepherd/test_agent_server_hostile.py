@@ -294,9 +294,6 @@ def test_control_characters_in_the_head_are_a_400(echo_server: ThreadServer) -> 
     for name in (b"X Note", b"X-Note\xb2", b"(x)"):
         answers = exchange(echo_server.port, request([(name, b"1")]))
         assert statuses(answers) == [400], (name, answers)
-    chunked = request([(b"Content-Type", b"application/proto"), (b"Transfer-Encoding", b"chunked")])
-    answers = exchange(echo_server.port, chunked + b"4\n\r\nping\r\n0\r\n\r\n")
-    assert statuses(answers) == [400], answers
 
 
 class _Buggy(ConnectUnary):
@@ -709,20 +706,35 @@ def test_a_head_over_the_limit_in_one_read_is_a_431(echo_server: ThreadServer) -
     assert b"connection: close" in answers[0].head.lower()
 
 
-def test_trailers_that_never_end_are_refused() -> None:
-    """A chunked body's trailers are dropped, and bounded with the request:
-    its reads may span at most its head, twice its body and one read more."""
-    connection = _connection()
-    connection.feed(
-        request([(b"Content-Type", b"application/proto"), (b"Transfer-Encoding", b"chunked")])
-        + b"4\r\nping\r\n0\r\nX-Trailer: "
-    )
-    piece = b"t" * 4096
-    for _ in range(connection.max_request // len(piece)):
-        connection.feed(piece)
-        assert connection.failure is None
-    connection.feed(piece)
-    assert _refused_with(connection) == 429
+def test_chunked_bodies_are_refused_before_their_framing_is_read(
+    echo_server: ThreadServer,
+) -> None:
+    """No chunked body is taken (`shepherd.agent_server.http1`, "Chunked
+    bodies"): 411 at the end of the head, whatever framing, trailers or
+    bytes follow (they are never parsed), the connection closed; other
+    codings are a 400. A request before it on the connection is answered."""
+    chunked = request([(b"Content-Type", b"application/proto"), (b"Transfer-Encoding", b"chunked")])
+    for framing in (
+        b"4\r\nping\r\n0\r\n\r\n",  # well formed
+        b"4\n\r\nping\r\n0\r\n\r\n",  # a bare LF in the framing
+        b"4\r\nping\r\n0\r\nX-Trailer: " + b"t" * 1000,  # trailers that do not end
+        b"fffffffffffffffffff\r\n",  # a chunk size over 64 bits
+        b"",
+    ):
+        answers = exchange(echo_server.port, chunked + framing)
+        assert statuses(answers) == [411], (framing[:40], answers)
+        assert b"connection: close" in answers[0].head.lower()
+        assert json.loads(answers[0].body)["code"] == "invalid_argument"
+    for coding in (b"Chunked", b"CHUNKED"):
+        headers = [(b"Content-Type", b"application/proto"), (b"Transfer-Encoding", coding)]
+        assert statuses(exchange(echo_server.port, request(headers, b"0\r\n\r\n"))) == [411]
+    for coding in (b"gzip", b"gzip, chunked", b"identity"):
+        headers = [(b"Content-Type", b"application/proto"), (b"Transfer-Encoding", coding)]
+        answers = exchange(echo_server.port, request(headers, b"0\r\n\r\n"))
+        assert statuses(answers) == [400], (coding, answers)
+    answers = exchange(echo_server.port, good_request(b"ping") + chunked + b"0\r\n\r\n")
+    assert statuses(answers) == [200, 411]
+    assert_serves(echo_server)
 
 
 def test_too_many_header_lines_are_a_431(echo_server: ThreadServer) -> None:
