@@ -161,7 +161,7 @@ def counts_sql(provider: object = None) -> list[str]:
 
 def machine_page_sql(machine_id: object) -> list[str]:
     """The statements of one machine's page, parameters written in."""
-    detail = {"machine": machine_id}
+    detail = {"machine": machine_id, "max_report": overview.MAX_HARDWARE_REPORT}
     audit = {"machine": machine_id, "before": None, "limit": overview.MAX_AUDIT}
     return [
         _bind(overview.DETAIL_SQL, detail),
