@@ -143,6 +143,7 @@ from bench import etcdswitch
 from bench.consensus_start import bare_etcd_start
 from bench.ratios import report
 from bench.smoke import parse_args
+from common.durable import atomic_write
 from common.net import free_loopback_port
 from metropolis import pki
 from metropolis.consensus import peerpki
@@ -151,7 +152,7 @@ from metropolis.consensus.localetcd import LOOPBACK_TUNING
 from metropolis.consensus.process import SOCKET_NAME, EtcdExited, PeerTLS, ProcessConfig, run_etcd
 from metropolis.curator.election import Leader
 from metropolis.identity import node_id
-from metropolis.localstorage import Root, atomic_write
+from metropolis.localstorage import Root
 from metropolis.owner import Owner, OwnerAccess, OwnerError, load_owner
 from metropolis.proto import management as m
 from metropolis.roleserve import disk

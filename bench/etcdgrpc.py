@@ -69,12 +69,12 @@ from metropolis.consensus.client import (
     TxnResult,
     WatchCompacted,
     WatchResponse,
-    _b,
-    _prefix_end,
     check_socket_path,
     keep_lease_alive,
 )
 from metropolis.consensus.client import Watch as _GatewayWatch
+from metropolis.consensus.etcdrecords import key_bytes as _b
+from metropolis.consensus.gateway import prefix_end as _prefix_end
 from metropolis.proto.gen import etcdserverpb as pb
 from metropolis.proto.gen import mvccpb
 from metropolis.rpc import wire

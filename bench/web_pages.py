@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -161,7 +162,7 @@ def counts_sql(provider: object = None) -> list[str]:
 
 def machine_page_sql(machine_id: object) -> list[str]:
     """The statements of one machine's page, parameters written in."""
-    detail = {"machine": machine_id, "max_report": overview.MAX_HARDWARE_REPORT}
+    detail = overview.detail_params(uuid.UUID(str(machine_id)))
     audit = {"machine": machine_id, "before": None, "limit": overview.MAX_AUDIT}
     return [
         _bind(overview.DETAIL_SQL, detail),

@@ -68,6 +68,7 @@ from typing import IO
 import trio
 
 from bmdb.errors import BMDBError
+from common.durable import publish_with_sidecar
 
 __all__ = [
     "BackupError",
@@ -173,24 +174,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: Path, out: Path, digest: str) -> None:
     """Make the archive and its checksum durable under their names."""
-    _fsync(tmp)
-    sums = checksum_path(out)
-    sums_tmp = sums.with_name(sums.name + ".tmp")
-    sums_tmp.write_text(f"{digest}  {out.name}\n")
-    _fsync(sums_tmp)
-    os.replace(tmp, out)
-    os.replace(sums_tmp, sums)
-    _fsync(out.parent)
+    sums = f"{digest}  {out.name}\n".encode()
+    publish_with_sidecar(tmp, out, checksum_path(out), sums, 0o644)
 
 
 async def backup(url: str | None, out: Path) -> BackupResult:

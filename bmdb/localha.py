@@ -77,7 +77,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +84,10 @@ import psycopg
 import trio
 
 from bmdb.connection import migrate
+from bmdb.localha_config import SCOPE, Member, haproxy_config, patroni_config
 from bmdb.localserver import (
-    TEMPLATE_DB,
     LocalPostgresError,
+    add_template,
     find_postgres_bin,
     server_user,
 )
@@ -99,15 +99,6 @@ __all__ = ["LocalPatroni", "Member", "find_haproxy", "find_patroni", "main", "st
 _START_TIMEOUT = 120.0
 #: Seconds allowed for one process to exit after SIGTERM before SIGKILL.
 _STOP_TIMEOUT = 30.0
-
-#: The cluster's name in Patroni (its key prefix in etcd).
-SCOPE = "bmdb"
-
-#: Seconds between two health checks of a member by the proxy; after
-#: `_CHECK_FALL` failed ones in a row it routes nothing to it and cuts the
-#: sessions it has open there.
-_CHECK_INTERVAL = 0.3
-_CHECK_FALL = 2
 
 
 def find_haproxy() -> str:
@@ -127,28 +118,6 @@ def find_patroni() -> tuple[str, str]:
             "patroni not found: install Debian's 'patroni' and 'python3-etcd' packages"
         )
     return patroni, patronictl
-
-
-@dataclass
-class Member:
-    """One Patroni member: its name, PostgreSQL port and REST API port."""
-
-    name: str
-    pg_port: int
-    api_port: int
-    root: Path
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def config(self) -> Path:
-        return self.root / "patroni.yml"
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / "patroni.log"
 
 
 class LocalPatroni:
@@ -239,38 +208,19 @@ class LocalPatroni:
         return self._etcd is not None
 
     def _proxy_config(self) -> str:
-        """HAProxy's configuration: a TCP listener per target, each member a
-        server checked on its REST API (Patroni's recommended template)."""
-        lines = [
-            "global",
-            "    maxconn 4000",
-            "defaults",
-            "    mode tcp",
-            "    timeout connect 2s",
-            # Pooled connections sit idle between transactions.
-            "    timeout client 1h",
-            "    timeout server 1h",
-            "    timeout check 1s",
-        ]
-        for name, port, check in (
-            ("primary", self.proxy_port, "/primary"),
-            ("replicas", self.standby_proxy_port, "/replica"),
-        ):
-            interval = f"{int(_CHECK_INTERVAL * 1000)}ms"
-            lines += [
-                f"listen {name}",
-                f"    bind 127.0.0.1:{port}",
-                "    option httpchk",
-                f"    http-check send meth GET uri {check}",
-                "    http-check expect status 200",
-                f"    default-server inter {interval} fastinter {interval} downinter {interval}"
-                f" rise 1 fall {_CHECK_FALL} on-marked-down shutdown-sessions",
-            ]
-            lines += [
-                f"    server {m.name} 127.0.0.1:{m.pg_port} check port {m.api_port}"
-                for m in self.members
-            ]
-        return "\n".join(lines) + "\n"
+        return haproxy_config(self.proxy_port, self.standby_proxy_port, self.members)
+
+    def _config(self, member: Member) -> dict[str, Any]:
+        passwords = {role: self._password(role) for role in ("postgres", "replicator")}
+        return patroni_config(
+            member,
+            etcd_port=self.etcd_port,
+            ttl=self.ttl,
+            loop_wait=self.loop_wait,
+            retry_timeout=self.retry_timeout,
+            bin_dir=self._bin,
+            passwords=passwords,
+        )
 
     # -- lifetime ------------------------------------------------------------
 
@@ -291,75 +241,6 @@ class LocalPatroni:
             if entry is not None:
                 for path in (member.root, member.config):
                     os.chown(path, entry.pw_uid, entry.pw_gid)
-
-    def _config(self, member: Member) -> dict[str, Any]:
-        # JSON is YAML: Patroni reads this file as its configuration.
-        return {
-            "scope": SCOPE,
-            "namespace": "/patroni/",
-            "name": member.name,
-            "log": {"level": "INFO", "dir": str(member.root), "file_num": 1},
-            "restapi": {
-                "listen": f"127.0.0.1:{member.api_port}",
-                "connect_address": f"127.0.0.1:{member.api_port}",
-            },
-            "etcd3": {"hosts": [f"127.0.0.1:{self.etcd_port}"]},
-            # Fencing where the host can: a watchdog that resets the machine
-            # when Patroni stops feeding it. "automatic": used if the host
-            # has /dev/watchdog, and Patroni runs on without one (the proxy
-            # is then the fence, module docstring).
-            "watchdog": {"mode": "automatic"},
-            "bootstrap": {
-                "dcs": {
-                    "ttl": self.ttl,
-                    "loop_wait": self.loop_wait,
-                    "retry_timeout": self.retry_timeout,
-                    "maximum_lag_on_failover": 1048576,
-                    # Fail over when the primary's postgres crashes, rather
-                    # than restart it in place and keep clients waiting.
-                    "master_start_timeout": 0,
-                    "synchronous_mode": True,
-                    "postgresql": {
-                        "use_pg_rewind": True,
-                        "use_slots": True,
-                        "remove_data_directory_on_rewind_failure": True,
-                        "remove_data_directory_on_diverged_timelines": True,
-                        "parameters": {
-                            "max_connections": 300,
-                            "shared_buffers": "64MB",
-                            "fsync": "off",
-                            # pg_rewind needs full pages and hint bits in WAL.
-                            "wal_log_hints": "on",
-                            "wal_keep_size": "128MB",
-                            "max_wal_senders": 10,
-                            "max_replication_slots": 10,
-                            "hot_standby": "on",
-                        },
-                    },
-                },
-                "initdb": [{"encoding": "UTF8"}, {"locale": "C"}],
-            },
-            "postgresql": {
-                "listen": f"127.0.0.1:{member.pg_port}",
-                "connect_address": f"127.0.0.1:{member.pg_port}",
-                "data_dir": str(member.data),
-                "bin_dir": str(self._bin),
-                "pgpass": str(member.root / "pgpass"),
-                "authentication": {
-                    "superuser": {"username": "postgres", "password": self._password("postgres")},
-                    "replication": {
-                        "username": "replicator",
-                        "password": self._password("replicator"),
-                    },
-                },
-                "parameters": {"unix_socket_directories": str(member.root)},
-                "pg_hba": [
-                    "local all all peer",
-                    "host replication replicator 127.0.0.1/32 scram-sha-256",
-                    "host all all 127.0.0.1/32 scram-sha-256",
-                ],
-            },
-        }
 
     def start(self) -> None:
         """Start etcd and every member; wait until a primary runs with a
@@ -669,12 +550,7 @@ def start_with_template(root: Path, **timings: int) -> LocalPatroni:
     cluster = LocalPatroni(root, **timings)
     cluster.create()
     cluster.start()
-    try:
-        cluster.admin(f"CREATE DATABASE {TEMPLATE_DB}")
-        trio.run(migrate, cluster.url(TEMPLATE_DB))
-    except BaseException:
-        cluster.stop()
-        raise
+    add_template(cluster)
     return cluster
 
 

@@ -33,6 +33,7 @@ import subprocess
 import time
 import urllib.parse
 from pathlib import Path
+from typing import Protocol
 
 import psycopg
 import trio
@@ -285,10 +286,22 @@ def start_with_template(root: Path) -> LocalPostgres:
     server = LocalPostgres(root)
     server.create()
     server.start()
+    add_template(server)
+    return server
+
+
+class _Server(Protocol):
+    def admin(self, sql: str) -> None: ...
+    def url(self, dbname: str) -> str: ...
+    def stop(self) -> None: ...
+
+
+def add_template(server: _Server) -> None:
+    """Create and migrate `TEMPLATE_DB` on a started ``server`` (a single
+    server or a Patroni cluster); on any failure stop the server and raise."""
     try:
         server.admin(f"CREATE DATABASE {TEMPLATE_DB}")
         trio.run(migrate, server.url(TEMPLATE_DB))
     except BaseException:
         server.stop()
         raise
-    return server

@@ -657,12 +657,16 @@ WHERE machine_id = %s ORDER BY id
 """
 
 
+def detail_params(machine_id: uuid.UUID) -> dict[str, object]:
+    """`DETAIL_SQL`'s parameters for one machine."""
+    return {"machine": machine_id, "max_report": MAX_HARDWARE_REPORT}
+
+
 async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetail | None:
     """Everything about one machine (two statements, one snapshot), or None
     if there is no such machine. `InvalidArgument` if ``machine_id`` is not a UUID."""
     mid = as_uuid(machine_id)
-    params = {"machine": mid, "max_report": MAX_HARDWARE_REPORT}
-
+    params = detail_params(mid)
     audit_params = {"machine": mid, "before": None, "limit": MAX_AUDIT}
 
     async def body(q: Queries) -> tuple[list[Row], list[Row], list[Row]]:

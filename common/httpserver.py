@@ -54,7 +54,7 @@ import h11
 import trio
 
 from common.backoff import ExponentialBackoff, Retrier
-from common.numbers import parse_decimal
+from common.listen import split_listen
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -62,6 +62,7 @@ __all__ = [
     "Handler",
     "Request",
     "Response",
+    "error_answer",
     "serve_http",
     "split_listen",
 ]
@@ -127,20 +128,25 @@ class Response:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def split_listen(listen: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError if malformed."""
-    host, sep, text = listen.rpartition(":")
+def error_answer(conn: h11.Connection, status: int, text: str) -> bytes:
+    """The bytes of a short plain-text error answer on ``conn``, which says
+    the connection closes after it; empty when no answer can be sent any
+    more (one was begun, or the request forbids a body, as a HEAD does)."""
+    if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        return b""
+    body = text.encode() + b"\n"
+    headers = [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", b"%d" % len(body)),
+        (b"connection", b"close"),
+    ]
     try:
-        if not sep:
-            raise ValueError("no port")
-        port = parse_decimal(text, max_digits=5, what="port")
-        if port > 65535:
-            raise ValueError(f"port {port} above 65535")
-    except ValueError as exc:
-        raise ValueError(f"{listen!r}: want HOST:PORT ({exc})") from None
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, port
+        data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
+        data += conn.send(h11.Data(data=body)) or b""
+        data += conn.send(h11.EndOfMessage()) or b""
+    except h11.LocalProtocolError:
+        return b""
+    return data
 
 
 async def _open_listener(host: str, port: int, backlog: int) -> trio.SocketListener:
@@ -276,20 +282,9 @@ class _Server:
     ) -> None:
         """A short error answer, after which the connection is closed (if an
         answer can still be sent on it)."""
-        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        data = error_answer(conn, status, text)
+        if not data:
             return
-        body = text.encode() + b"\n"
-        headers = [
-            (b"content-type", b"text/plain; charset=utf-8"),
-            (b"content-length", b"%d" % len(body)),
-            (b"connection", b"close"),
-        ]
-        try:
-            data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
-            data += conn.send(h11.Data(data=body)) or b""
-            data += conn.send(h11.EndOfMessage()) or b""
-        except h11.LocalProtocolError:
-            return  # e.g. after a HEAD: no body allowed; the connection closes anyway
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self._send(stream, data)
 

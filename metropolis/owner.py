@@ -46,9 +46,8 @@ from metropolis.errors import MetropolisError
 from metropolis.localstorage import LocalStorageError, Root
 from metropolis.proto import aaa, parameters
 from metropolis.proto import management as m
-from metropolis.proto.common import NodeState
+from metropolis.proto.common import NodeState, role_names
 from metropolis.roleserve import disk
-from metropolis.roleserve.values import role_names
 from metropolis.rpc import (
     CURATOR_PORT,
     Client,

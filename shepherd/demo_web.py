@@ -5,13 +5,13 @@ and (once there is one) the cluster, its URL logged as a progress line.
 from __future__ import annotations
 
 import logging
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import trio
 
+from common.processes import terminate
 from shepherd.demo_cluster import DemoFailed
 from shepherd.demo_workdir import STOP_GRACE
 from shepherd.localcluster import FirstNode
@@ -63,7 +63,7 @@ async def start_web(
             ready.set()
             await trio.sleep_forever()
         finally:
-            await _stop_process(process)
+            await terminate(process, STOP_GRACE)
 
     nursery.start_soon(serve)
     with trio.fail_after(60):
@@ -74,14 +74,3 @@ async def start_web(
     what = "the machines' pages" + (" and the cluster's nodes" if first is not None else "")
     logger.info("progress: web UI: %s (%s; open it in a browser)", " ".join(urls), what)
     return urls
-
-
-async def _stop_process(process: trio.Process) -> None:
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(STOP_GRACE):
-                await process.wait()
-        if process.returncode is None:
-            process.kill()
-            await process.wait()

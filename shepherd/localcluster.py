@@ -26,7 +26,6 @@ been stopped.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -37,6 +36,7 @@ from pathlib import Path
 import trio
 
 from common.backoff import ExponentialBackoff, Retrier
+from common.processes import terminate
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root
 from metropolis.owner import OwnerAccess, load_owner, load_owner_key
@@ -99,17 +99,6 @@ async def _ready(
         await retrier.sleep()
 
 
-async def _stop(process: trio.Process) -> None:
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(STOP_GRACE):
-                await process.wait()
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-
-
 @asynccontextmanager
 async def open_first_node(
     root: Path,
@@ -139,14 +128,14 @@ async def open_first_node(
         with trio.fail_after(ready_within):
             access, info = await _ready(Root(root), owner_key, process, log)
     except trio.TooSlowError:
-        await _stop(process)
+        await terminate(process, STOP_GRACE)
         raise LocalClusterError(
             f"the first node did not serve within {ready_within:g} s: {_tail(log)}"
         ) from None
     except BaseException:
-        await _stop(process)
+        await terminate(process, STOP_GRACE)
         raise
     try:
         yield FirstNode(Root(root), address, owner_key, access, info, process)
     finally:
-        await _stop(process)
+        await terminate(process, STOP_GRACE)

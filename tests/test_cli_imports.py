@@ -39,7 +39,7 @@ WIRE = "cryptography bcrypt h2 hpack hyperframe betterproto2 dateutil typing_ext
 WIRE += " grpclib multidict"
 
 #: What every command's parser may import of the project.
-PARSING = "common common.exitcodes common.lazy common.cli common.listen"
+PARSING = "common common.exitcodes common.lazy common.cli common.listen common.numbers"
 
 #: (argv after ``python -m``, what it may import: project modules and other
 #: packages, separated by spaces).
@@ -85,6 +85,7 @@ OWNER_NODES = (
     f"{PARSING} common.backoff common.crashpoint common.numbers common.protobuf common.protowire"
     " metropolis metropolis.errors metropolis.cli metropolis.cli.owner metropolis.cli.root"
     " metropolis.owner metropolis.pki metropolis.identity metropolis.localstorage"
+    " metropolis.localstorage.* common.durable"
     " metropolis.crashpoint metropolis.proto.* metropolis.roleserve metropolis.roleserve.disk"
     " metropolis.roleserve.values metropolis.consensus metropolis.consensus.settings"
     " metropolis.curator metropolis.curator.settings metropolis.rpc metropolis.rpc.auth"

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from common.durable import atomic_write
 from metropolis import identity, pki
 from metropolis.cli.root import checked_root, resolved_root
 from metropolis.consensus.settings import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
 from metropolis.errors import MetropolisError
-from metropolis.localstorage import Root, atomic_write
+from metropolis.localstorage import Root
 from metropolis.proto import parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.roleserve import disk

@@ -13,10 +13,10 @@ from contextlib import asynccontextmanager
 
 import trio
 
+from common.durable import atomic_write
 from metropolis import identity
 from metropolis.cli.root import checked_root
 from metropolis.errors import MetropolisError
-from metropolis.localstorage import atomic_write
 from metropolis.owner import (
     Change,
     Owner,

@@ -13,10 +13,10 @@ from pathlib import Path
 import trio
 
 from common.backoff import ExponentialBackoff, Retrier
+from common.durable import atomic_write
 from metropolis import pki
 from metropolis.consensus import peerpki
 from metropolis.consensus.client import KV, Client, EtcdUnavailable
-from metropolis.localstorage import atomic_write
 from metropolis.supervisor import Node
 
 __all__ = ["has_content", "sync_crl"]

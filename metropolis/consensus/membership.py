@@ -22,6 +22,7 @@ import trio
 from cryptography import x509
 
 from common.backoff import ExponentialBackoff, Retrier
+from common.durable import atomic_write
 from metropolis import identity, pki
 from metropolis.consensus import peerpki
 from metropolis.consensus.client import GRPC_NOT_FOUND, KV, Client, EtcdAPIError, Member
@@ -30,7 +31,6 @@ from metropolis.consensus.join import ExistingNode, JoinCluster
 from metropolis.consensus.promoter import LOOK, Nudge
 from metropolis.errors import ConsensusError
 from metropolis.gather import gather
-from metropolis.localstorage import atomic_write
 
 __all__ = ["NotRunning", "Status"]
 

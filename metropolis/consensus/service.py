@@ -64,6 +64,7 @@ from typing import TypeVar
 import trio
 from cryptography import x509
 
+from common.durable import atomic_write, make_durable
 from metropolis import identity, pki
 from metropolis.consensus import peerpki
 from metropolis.consensus.client import KV, Client, EndpointStatus
@@ -75,7 +76,6 @@ from metropolis.consensus.promoter import PEER_UP, Nudge, run_promoter, wait_vot
 from metropolis.consensus.removal import EtcdUntilRemoved
 from metropolis.errors import ConsensusError
 from metropolis.event import ReadOnlyValue, Value
-from metropolis.localstorage import atomic_write, make_durable
 from metropolis.supervisor import Node
 
 __all__ = ["Service"]

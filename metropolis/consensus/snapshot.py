@@ -37,6 +37,7 @@ import trio
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from common.durable import publish_with_sidecar
 from metropolis.consensus.unixhttp import TransportError, UnixHTTP
 from metropolis.errors import ConsensusError
 
@@ -107,26 +108,8 @@ def manifest_path(path: Path) -> Path:
     return path.with_name(path.name + MANIFEST_SUFFIX)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(data_tmp: Path, out: Path, manifest: SnapshotManifest) -> None:
-    meta = manifest_path(out)
-    meta_tmp = meta.with_name(meta.name + ".tmp")
-    fd = os.open(meta_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync(data_tmp)
-    os.replace(data_tmp, out)
-    os.replace(meta_tmp, meta)
-    _fsync(out.parent)
+    publish_with_sidecar(data_tmp, out, manifest_path(out), manifest.to_json(), 0o600)
 
 
 async def _status(http: UnixHTTP) -> dict[str, Any]:

@@ -42,12 +42,12 @@ from metropolis.curator.state import (
     join_key_key,
     node_key,
 )
-from metropolis.proto.common import NodeRoles
+from metropolis.proto.common import role_names
 from metropolis.proto.curator import Node
 from metropolis.rpc import RPCError
 from metropolis.rpc.status import Status
 
-__all__ = ["Deleted", "Deletion", "role_names_of"]
+__all__ = ["Deleted", "Deletion"]
 
 _log = logging.getLogger("metropolis.curator.deletion")
 
@@ -61,20 +61,6 @@ class Deleted:
     member_removed: bool
     #: Serial of the node certificate put on the CRL (None: it had none).
     revoked_serial: int | None
-
-
-def role_names_of(roles: NodeRoles | None) -> list[str]:
-    """The roles a record holds, by name."""
-    if roles is None:
-        return []
-    names = []
-    if roles.consensus_member is not None:
-        names.append("ConsensusMember")
-    if roles.kubernetes_controller is not None:
-        names.append("KubernetesController")
-    if roles.kubernetes_worker is not None:
-        names.append("KubernetesWorker")
-    return names
 
 
 class Deletion:
@@ -120,7 +106,7 @@ class Deletion:
             if found is None:
                 raise RPCError(Status.NOT_FOUND, f"no node {node_id}")
             record = found[0]
-            held = role_names_of(record.roles)
+            held = role_names(record.roles)
             if held and not bypass_roles:
                 raise RPCError(
                     Status.FAILED_PRECONDITION,

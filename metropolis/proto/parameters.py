@@ -22,9 +22,9 @@ from pathlib import Path
 
 from cryptography import x509
 
+from common.durable import atomic_write
 from common.protobuf import parse_strict
 from metropolis.errors import MetropolisError
-from metropolis.localstorage import atomic_write
 from metropolis.proto.common import ClusterDirectory
 from metropolis.proto.configuration import NodeParameters, NodeParametersClusterRegister
 from metropolis.proto.management import GetClusterInfoResponse

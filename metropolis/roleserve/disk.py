@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.durable import atomic_write, fsync_directory, make_durable
 from metropolis import pki
 from metropolis.consensus.settings import Tuning
 from metropolis.crashpoint import crash_point
@@ -65,10 +66,7 @@ from metropolis.localstorage import (
     LocalStorageError,
     PKIDirectory,
     Root,
-    atomic_write,
     checked_content,
-    fsync_directory,
-    make_durable,
     parse_checked,
     read_checked,
     write_checked,

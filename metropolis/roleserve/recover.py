@@ -48,13 +48,14 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from common.durable import atomic_write, fsync_directory
 from metropolis import pki
 from metropolis.consensus.restore import restore_data
 from metropolis.consensus.settings import SOCKET_NAME
 from metropolis.consensus.snapshot import SnapshotManifest, cluster_identity, verify_snapshot
 from metropolis.errors import MetropolisError
 from metropolis.identity import NodeCredentials
-from metropolis.localstorage import Root, atomic_write, fsync_directory
+from metropolis.localstorage import Root
 from metropolis.roleserve import disk
 
 if TYPE_CHECKING:

@@ -39,12 +39,12 @@ from metropolis.event import Closed, ReadOnlyValue, Value, Watcher
 from metropolis.identity import NodeCredentials
 from metropolis.localstorage import Root
 from metropolis.proto import curator_api as c
-from metropolis.proto.common import NodeRoles
+from metropolis.proto.common import NodeRoles, role_names
 from metropolis.roleserve import disk
 from metropolis.roleserve.curatorloss import follow_curators
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.startup import ControlPlaneStartup, has_control_plane
-from metropolis.roleserve.values import ClusterMembership, role_names
+from metropolis.roleserve.values import ClusterMembership
 from metropolis.rpc import Client, Endpoint, client_context, methods
 from metropolis.supervisor import Node
 

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import pki
 from metropolis.identity import NodeCredentials
-from metropolis.proto.common import ClusterDirectory, NodeRoles
+from metropolis.proto.common import ClusterDirectory
 from metropolis.proto.management import GetClusterInfoResponse
 
 if TYPE_CHECKING:
@@ -34,7 +34,6 @@ __all__ = [
     "ClusterMembership",
     "RegisterIntent",
     "join_key_bytes",
-    "role_names",
 ]
 
 
@@ -133,17 +132,3 @@ class ClusterMembership:
     def home(self) -> bool:
         """Whether the node can talk to its cluster: credentials and a directory."""
         return self.credentials is not None and self.remote_curators is not None
-
-
-def role_names(roles: NodeRoles | None) -> tuple[str, ...]:
-    """The roles a node has, by name (for tables and logs: no key material)."""
-    if roles is None:
-        return ()
-    names = []
-    if roles.consensus_member is not None:
-        names.append("ConsensusMember")
-    if roles.kubernetes_controller is not None:
-        names.append("KubernetesController")
-    if roles.kubernetes_worker is not None:
-        names.append("KubernetesWorker")
-    return tuple(names)

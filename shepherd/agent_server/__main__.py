@@ -40,8 +40,8 @@ import trio
 import bmdb
 from bmdb import Queries
 from bmdb.errors import BMDBError
+from common.listen import split_listen
 from shepherd.agent_server.connect import Limits
-from shepherd.agent_server.http1 import split_listen
 from shepherd.agent_server.images import ImageServerConfig, serve_images
 from shepherd.agent_server.server import AgentServerConfig, run_agent_server, tune_gc
 from shepherd.agent_server.session import new_secret

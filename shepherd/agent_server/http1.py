@@ -176,25 +176,6 @@ async def open_listener(
     return trio.SocketListener(sock)
 
 
-def split_listen(listen: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError if malformed.
-
-    The port is ASCII digits, 0 to 65535.
-    """
-    host, sep, text = listen.rpartition(":")
-    try:
-        if not sep:
-            raise ValueError("no port")
-        port = parse_decimal(text, max_digits=5, what="port")
-        if port > 65535:
-            raise ValueError(f"port {port} above 65535")
-    except ValueError as exc:
-        raise ValueError(f"{listen!r}: want HOST:PORT ({exc})") from None
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, port
-
-
 def url_of(listener: trio.SocketListener, tls: bool) -> str:
     """The URL a listener serves (``http://127.0.0.1:41234``, ``https://[::]:8443``)."""
     host, port = listener.socket.getsockname()[:2]

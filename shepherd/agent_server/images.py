@@ -56,12 +56,13 @@ import h11
 import trio
 
 from common.backoff import Retrier
+from common.httpserver import error_answer
+from common.listen import split_listen
 from common.numbers import parse_decimal
 from shepherd.agent_server.http1 import (
     ACCEPT_BACKOFF,
     accept_loop,
     open_listener,
-    split_listen,
     url_of,
 )
 from shepherd.errors import ShepherdError
@@ -264,20 +265,9 @@ class ImageServer:
     ) -> None:
         """Answer a short error and leave the connection to be closed (if an answer can
         still be sent on it)."""
-        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
-        body = text.encode() + b"\n"
-        headers = [
-            (b"content-type", b"text/plain; charset=utf-8"),
-            (b"content-length", b"%d" % len(body)),
-            (b"connection", b"close"),
-        ]
-        try:
-            await self._send(stream, conn.send(h11.Response(status_code=status, headers=headers)))
-            await self._send(stream, conn.send(h11.Data(data=body)))
-            await self._send(stream, conn.send(h11.EndOfMessage()))
-        except h11.LocalProtocolError:
-            pass  # e.g. a HEAD: no body allowed; the connection closes anyway
+        data = error_answer(conn, status, text)
+        if data:
+            await self._send(stream, data)
 
     async def _simple(
         self,

@@ -25,10 +25,11 @@ import trio
 from bmdb import Connection, Session
 from bmdb.errors import BMDBError
 from common.backoff import ExponentialBackoff, Retrier
+from common.listen import split_listen
 from common.numbers import parse_decimal
 from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.agent_server.connect import ConnectUnary, Limits
-from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, split_listen, url_of
+from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, url_of
 from shepherd.agent_server.service import DEFAULT_FRESHNESS, HeartbeatService
 from shepherd.agent_server.session import DEFAULT_LIFETIME, SessionKeys, new_secret
 

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 import trio
 
 from common.backoff import ExponentialBackoff, Retrier
-from shepherd.agent_server.http1 import split_listen
+from common.listen import split_listen
 
 logger = logging.getLogger("shepherd.agent_server.workers")
 

@@ -193,8 +193,13 @@ async def test_the_cli_says_when_it_reads_from_a_standby(
                     capture_stderr=True,
                     check=False,
                 )
-                # The standby may not have replayed the machine yet.
-                if done.returncode == 0 and str(machine) in done.stdout.decode():
+                # The standby may not have replayed the machine yet; and the
+                # proxy routes the replica listener to the primary until its
+                # check of a standby passes (on a loaded machine, moments
+                # after the cluster is healthy).
+                said = done.stdout.decode()
+                standby_seen = url != standby_url or STANDBY_NOTE in said
+                if done.returncode == 0 and str(machine) in said and standby_seen:
                     break
                 await trio.sleep(0.1)
         outputs[url] = done.stdout.decode()

@@ -20,9 +20,10 @@ import trio
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common import durable
 from common.backoff import ExponentialBackoff, Retrier
 from common.net import free_loopback_port
-from metropolis import identity, localstorage, pki
+from metropolis import identity, pki
 from metropolis.consensus import (
     Config,
     ConsensusError,
@@ -233,7 +234,7 @@ async def test_bootstrap_writes_beside_etcd_only_once_its_server_started(
 
     def make_durable(paths: list[Path]) -> None:
         seen.append(f"fsync after start: {server_started()}")
-        localstorage.make_durable(paths)
+        durable.make_durable(paths)
 
     monkeypatch.setattr(service_module, "make_durable", make_durable)
     service = Service(machine.config())

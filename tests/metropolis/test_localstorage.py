@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from common.durable import atomic_write
 from metropolis.localstorage import (
     CorruptFile,
     InsecureSealError,
     LocalStorageError,
     Root,
-    atomic_write,
     write_checked,
 )
 from metropolis.proto.common import (

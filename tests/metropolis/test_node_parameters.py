@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from common.durable import atomic_write
 from metropolis import pki
 from metropolis.errors import MetropolisError
-from metropolis.localstorage import atomic_write
 from metropolis.proto import common, configuration, parameters
 from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.proto.parameters import NodeParametersError

@@ -137,9 +137,13 @@ class HostileServer:
             self._script.put(answer)
 
     def clear(self) -> None:
-        """Forget the answers scripted and not given yet."""
+        """Forget the answers scripted and not given yet, and the requests
+        received: a test that shares the server with the module's others
+        counts its own requests from 1."""
         while not self._script.empty():
             self._script.get_nowait()
+        with self._arrived:
+            self.requests.clear()
 
     def wait_for(self, count: int, timeout: float = 60.0) -> Received:
         """The ``count``-th request (1-based), waiting for it (bounded)."""

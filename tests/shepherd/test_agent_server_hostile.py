@@ -36,11 +36,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bmdb
+from common.listen import split_listen
 from common.net import free_loopback_port
 from shepherd.agent import protocol as agent
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, Limits, http1, run_agent_server
 from shepherd.agent_server.connect import Handler
-from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, split_listen
+from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1
 from shepherd.agent_server.server import port_of
 from tests.shepherd.test_agent_server import heartbeater, started_machine
 
