@@ -25,6 +25,8 @@ LAYERS = {
     "bmdb.connection": 6,
     "bmdb.localserver": 7,
     "bmdb.localha": 8,
+    # The Patroni members' and HAProxy's configurations (pure functions).
+    "bmdb.localha_config": 7,
     # Operator views, and what shows them (metrics; the web UI is the
     # console's, above this package).
     "bmdb.overview": 7,
