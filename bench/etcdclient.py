@@ -133,6 +133,24 @@ def grant_ratio(client: str, runs: int) -> float:
     raise RuntimeError("bench.controlplane reported no grant ratio")
 
 
+#: A ratio this close to 1 is the machine's noise between rounds, not a difference.
+NOISE = 1.05
+
+
+def verdict(ratios: dict[str, float]) -> str:
+    """Which client the node should use, given grpc/gateway CPU ratios per operation."""
+    worst = max(ratios, key=lambda op: ratios[op])
+    if ratios[worst] <= NOISE:
+        return (
+            f"verdict: the native client is no slower (worst {worst}, {ratios[worst]:.2f}x):"
+            " the node may switch to it"
+        )
+    return (
+        f"verdict: the node keeps the JSON gateway: the native client costs "
+        f"{ratios[worst]:.2f}x its CPU per {worst}"
+    )
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e6:8.1f} us"
 
@@ -153,13 +171,15 @@ async def main(calls: int, events: int, rounds: int, grant_runs: int) -> None:
                     figures[name].setdefault("watch event", []).append(cpu)
             nursery.cancel_scope.cancel()
     print(f"{'Python CPU per operation':<28} {'gateway':>11} {'grpc':>11} {'grpc/gateway':>13}")
+    ratios: dict[str, float] = {}
     for op in figures["gateway"]:
         old, new = figures["gateway"][op], figures["grpc"][op]
-        ratio = statistics.median(n / o for n, o in zip(new, old, strict=True))
+        ratio = ratios[op] = statistics.median(n / o for n, o in zip(new, old, strict=True))
         print(
             f"{op:<28} {_ms(statistics.median(old))} {_ms(statistics.median(new))} {ratio:>13.2f}"
         )
         report("etcdclient", f"{op} CPU grpc/gateway", ratio, "<= 1")
+    print(verdict(ratios))
     if grant_runs:
         ratios = {name: grant_ratio(name, grant_runs) for name in CLIENTS}
         print(

@@ -90,7 +90,8 @@ OWNER_NODES = (
     " metropolis.roleserve.values metropolis.consensus metropolis.consensus.settings"
     " metropolis.curator metropolis.curator.settings metropolis.rpc metropolis.rpc.auth"
     " metropolis.rpc.channel metropolis.rpc.client metropolis.rpc.limits metropolis.rpc.method"
-    " metropolis.rpc.methods metropolis.rpc.status metropolis.rpc.tls metropolis.rpc.transport"
+    " metropolis.rpc.methods metropolis.rpc.pipe metropolis.rpc.status metropolis.rpc.tls"
+    " metropolis.rpc.transport"
     f" metropolis.rpc.wire {TRIO} {WIRE}"
 )
 

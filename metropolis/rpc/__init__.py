@@ -45,8 +45,10 @@ We weighed three stacks:
    speaks gRPC, but hypercorn does not hand the ASGI application the client
    certificate, and identity *is* the client certificate's key. Working
    around it means patching hypercorn internals.
-3. **gRPC framing on the sans-IO ``h2`` library over ``trio.SSLStream``**
-   (chosen). ``SSLStream.getpeercert()`` gives the client certificate per
+3. **gRPC framing on the sans-IO ``h2`` library over Trio's TLS**
+   (chosen; the TLS is now :mod:`~metropolis.rpc.pipe`'s memory-BIO
+   ``ssl.SSLObject``, cheaper per write than ``trio.SSLStream``). The TLS
+   object's ``getpeercert()`` gives the client certificate per
    connection; cancellation is plain Trio structured concurrency end to
    end: a handler is a Trio task in its connection's nursery, cancelled by
    the caller's RST_STREAM or by the connection ending, and a cancelled
@@ -59,7 +61,8 @@ We weighed three stacks:
 Speed: ``python -m bench.rpc`` measures the CPU time of server and client
 per unary call and per streamed message, Ed25519 mutual TLS on loopback,
 as ratios to grpclib on plain asyncio and to grpclib bridged through
-trio-asyncio, in the same run.
+trio-asyncio, in the same run (December 2026, load 1.8: unary 0.85x
+grpclib on asyncio, a streamed message 1.01x).
 
 Wiring a curator: a :class:`Server` with :func:`server_context` (the
 node's credentials) and a :class:`ServerSecurity` whose three hooks answer

@@ -37,6 +37,7 @@ Leaving the channel's block closes the connection (GOAWAY).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -51,6 +52,7 @@ from common.protobuf import parse_checked
 from metropolis.errors import MetropolisError
 from metropolis.rpc import wire
 from metropolis.rpc.method import Message
+from metropolis.rpc.pipe import Pipe
 from metropolis.rpc.status import (
     LEADER_ADDRESS_HEADER,
     LEADER_NODE_HEADER,
@@ -139,26 +141,61 @@ def request_payload(request: Message | None) -> bytes | None:
     return payload
 
 
-def call_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
-    """The call's metadata, with the caller's Trio deadline as ``grpc-timeout``."""
-    extra = dict(metadata or {})
-    deadline = trio.current_effective_deadline()
-    if deadline != float("inf") and "grpc-timeout" not in extra:
-        extra["grpc-timeout"] = wire.encode_timeout(deadline - trio.current_time())
+def call_metadata(metadata: Mapping[str, str] | None, *, deadline: bool = True) -> dict[str, str]:
+    """The call's metadata, with the caller's Trio deadline as ``grpc-timeout``
+    (unless ``deadline`` is False).
+
+    Keys are sent in lower case, values as UTF-8. Raises INTERNAL for
+    metadata that is not gRPC's or that HTTP/2 cannot carry (a key of other
+    characters than letters, digits, ``-``, ``_`` and ``.``, one that HTTP/2
+    or the request itself reserves, a value with NUL, CR or LF or that
+    starts or ends with a space or tab): the transport sends headers as
+    they are. A value outside ASCII is sent (HTTP/2 carries it; gRPC's
+    ASCII-Value rule is the server's to enforce, and hostile-input tests
+    send such values to see the server refuse them).
+    """
+    # Lower case, as gRPC's runtimes send every key (HTTP/2 requires it).
+    extra = {key.lower(): value for key, value in (metadata or {}).items()}
+    for key, value in extra.items():
+        if (
+            not _METADATA_KEY.fullmatch(key)
+            or key in _RESERVED_KEYS
+            or not _METADATA_VALUE.fullmatch(value)
+        ):
+            raise RPCError(Status.INTERNAL, f"metadata {key!r}: {value!r} cannot be sent")
+    if deadline:
+        effective = trio.current_effective_deadline()
+        if effective != float("inf") and "grpc-timeout" not in extra:
+            extra["grpc-timeout"] = wire.encode_timeout(effective - trio.current_time())
     return extra
 
 
+#: gRPC's metadata keys (PROTOCOL-HTTP2.md: Header-Name), and the values
+#: HTTP/2 carries (RFC 9113 8.2.1; the server's check, transport._VALUE).
+_METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
+_METADATA_VALUE = re.compile(r"(?:[^\x00\n\r \t](?:[^\x00\n\r]*[^\x00\n\r \t])?)?")
+#: Keys the request carries itself, or that HTTP/2 forbids (RFC 9113 8.2.2).
+_RESERVED_KEYS = frozenset(
+    {"content-type", "te", "user-agent", "host"}
+    | {"connection", "proxy-connection", "keep-alive", "transfer-encoding", "upgrade"}
+)
+
+
 async def start_connection(
-    nursery: trio.Nursery, stream: trio.abc.Stream, keepalive: tuple[float, float] | None
+    nursery: trio.Nursery, stream: trio.abc.Stream | Pipe, keepalive: tuple[float, float] | None
 ) -> Connection:
     """Run a client HTTP/2 connection on ``stream`` (its reader in ``nursery``).
+
+    ``stream``: a :class:`~metropolis.rpc.pipe.Pipe` (TLS handshaken), or a
+    byte stream that carries HTTP/2 as it is.
 
     Returns once the server's SETTINGS arrived. Raises
     :class:`~metropolis.rpc.transport.StreamGone` if the connection closed
     during set-up (UNAUTHENTICATED if that was a TLS refusal of our
     certificate). ``keepalive`` is (interval, timeout) of PINGs, or None.
     """
-    conn = Connection(stream, client_side=True)
+    pipe = stream if isinstance(stream, Pipe) else Pipe(stream)
+    conn = Connection(pipe, client_side=True)
     nursery.start_soon(conn.run)
     try:
         # In TLS 1.3 the server judges our certificate only after our
@@ -383,10 +420,12 @@ class StreamCall(Generic[Resp]):
         """Cancel the call on the server if it has not finished; forget it. Shielded."""
         if self._sid is None:
             return
+        if self._finished:
+            self._conn.forget(self._sid)  # nothing to send: the common case, at once
+            return
         with trio.CancelScope(shield=True):
-            if not self._finished:
-                self._finished = True
-                await self._conn.reset(self._sid)
+            self._finished = True
+            await self._conn.reset(self._sid)
             self._conn.forget(self._sid)
 
 
@@ -526,7 +565,7 @@ class Channel:
         send_deadline: bool = True,
     ) -> StreamCall[Resp]:
         payload = request_payload(request)
-        extra = call_metadata(metadata) if send_deadline else dict(metadata or {})
+        extra = call_metadata(metadata, deadline=send_deadline)
         for attempt in (1, 2):
             conn = await self._connection()
             call = StreamCall(
@@ -560,6 +599,11 @@ class Channel:
             raise ChannelClosed()
         if self._nursery is None:
             raise RuntimeError("a Channel must be used inside its async with block")
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            # The common case, without the lock's scheduling round.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return conn
         async with self._lock:
             if self._conn is not None and not self._conn.closed:
                 return self._conn

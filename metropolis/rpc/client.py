@@ -66,6 +66,7 @@ from metropolis.rpc.channel import (
     start_connection,
 )
 from metropolis.rpc.method import Access, Message, Method
+from metropolis.rpc.pipe import Pipe
 from metropolis.rpc.status import LeaderHint, RPCError, Status
 from metropolis.rpc.transport import Connection, StreamGone
 
@@ -356,6 +357,11 @@ class Client:
             self._current = (self._endpoints.index(endpoint) + 1) % len(self._endpoints)
 
     async def _connection(self) -> tuple[Connection, Endpoint]:
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            # The common case, without the lock's scheduling round.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return conn, self._endpoints[self._conn_endpoint]
         async with self._lock:
             if self._conn is not None and not self._conn.closed:
                 return self._conn, self._endpoints[self._conn_endpoint]
@@ -377,16 +383,16 @@ class Client:
 
     async def _connect(self, endpoint: Endpoint) -> Connection:
         tcp = await trio.open_tcp_stream(endpoint.host, endpoint.port)
-        stream = trio.SSLStream(tcp, self._ssl, server_hostname=endpoint.host)
+        pipe = Pipe(tcp, self._ssl, server_hostname=endpoint.host)
         try:
-            await stream.do_handshake()
-            if stream.selected_alpn_protocol() != "h2":
+            await pipe.handshake()
+            if pipe.selected_alpn_protocol() != "h2":
                 raise RPCError(Status.UNAVAILABLE, "server did not negotiate h2")
-            tls.check_server_key(stream, endpoint.public_key)
+            tls.check_server_key(pipe, endpoint.public_key)
         except BaseException:
-            await trio.aclose_forcefully(stream)
+            await pipe.aclose()
             raise
-        return await start_connection(self._nursery, stream, self._keepalive)
+        return await start_connection(self._nursery, pipe, self._keepalive)
 
     async def aclose(self) -> None:
         conn, self._conn = self._conn, None

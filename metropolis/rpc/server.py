@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import betterproto2
@@ -60,6 +60,7 @@ from common.protobuf import parse_checked
 from metropolis.rpc import auth, tls, wire
 from metropolis.rpc.limits import Limits
 from metropolis.rpc.method import STALE_OK_HEADER, UNKNOWN_METHOD, Message, Method
+from metropolis.rpc.pipe import Pipe
 from metropolis.rpc.status import (
     LEADER_ADDRESS_HEADER,
     LEADER_NODE_HEADER,
@@ -82,6 +83,7 @@ Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
 
 _RESPONSE_HEADERS = [(":status", "200"), ("content-type", wire.CONTENT_TYPE)]
+_OK_TRAILERS = [("grpc-status", "0")]
 
 
 @dataclass(frozen=True)
@@ -209,27 +211,27 @@ class Server:
             await trio.aclose_forcefully(tcp)
 
     async def _serve_connection(self, tcp: trio.SocketStream) -> None:
-        stream = trio.SSLStream(tcp, self._ssl, server_side=True, https_compatible=True)
+        pipe = Pipe(tcp, self._ssl, server_side=True, ragged_eof_ok=True)
         try:
             with trio.fail_after(self.limits.handshake_timeout):
-                await stream.do_handshake()
+                await pipe.handshake()
         except (trio.BrokenResourceError, trio.TooSlowError) as e:
+            # A refusal's alert has gone to the peer (see Pipe.handshake).
             _log.debug("TLS handshake failed: %r", e.__cause__ or e)
-            await _send_alert(stream)
-            await trio.aclose_forcefully(stream)
+            await pipe.aclose()
             return
-        if stream.selected_alpn_protocol() != "h2":
+        if pipe.selected_alpn_protocol() != "h2":
             _log.debug("peer did not negotiate h2")
-            await trio.aclose_forcefully(stream)
+            await pipe.aclose()
             return
-        certificate = tls.peer_certificate(stream)
+        certificate = tls.peer_certificate(pipe)
         budget = _ByteBudget(self.limits.max_request_buffer)
         async with trio.open_nursery() as nursery:
 
             def on_request(sid: int, headers: dict[str, str]) -> None:
                 nursery.start_soon(self._call, conn, sid, headers, certificate, budget)
 
-            conn = Connection(stream, client_side=False, on_request=on_request, limits=self.limits)
+            conn = Connection(pipe, client_side=False, on_request=on_request, limits=self.limits)
             try:
                 await conn.start()
                 await conn.run()
@@ -337,7 +339,7 @@ class Server:
                     request = _parse(route.method.request_type, raw)
                 context = CallContext(peer=peer, method=route.method, metadata=headers)
                 _log.debug("%s from %s %s", path, peer.kind.value, peer.node_id)
-                await call.run(route, request, context)
+                await call.run(route, request, context, deadline_scope)
             except RPCError as e:
                 await call.fail(e)
             except (StreamGone, trio.Cancelled):
@@ -401,25 +403,6 @@ class _ByteBudget:
             self._free += size
             self._released.set()
             self._released = trio.Event()
-
-
-async def _send_alert(stream: trio.SSLStream[trio.SocketStream]) -> None:
-    """Send the TLS alert OpenSSL wrote when it refused the handshake.
-
-    Trio's SSLStream marks itself broken on a handshake error without
-    sending what OpenSSL queued, which is the alert saying *why* (unknown
-    CA, expired certificate). Without it the client sees a bare EOF and
-    cannot tell a refusal from a crash. The queue is Trio's private
-    ``_outgoing`` BIO, so this degrades to sending nothing if that changes.
-    """
-    outgoing = getattr(stream, "_outgoing", None)
-    if not isinstance(outgoing, ssl.MemoryBIO):
-        return
-    data = outgoing.read()
-    if data:
-        with trio.move_on_after(1):
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                await stream.transport_stream.send_all(data)
 
 
 class _Call:
@@ -535,33 +518,75 @@ class _Call:
                         pass
         await self._watch_caller(handler_scope)
 
-    async def run(self, route: _Route, request: Message | None, context: CallContext) -> None:
+    async def run(
+        self,
+        route: _Route,
+        request: Message | None,
+        context: CallContext,
+        scope: trio.CancelScope,
+    ) -> None:
+        """Run the handler and answer its outcome; the handler's exception propagates.
+
+        ``scope`` (the call's, around this) is cancelled if the caller
+        leaves: the transport says so (one task per call, no watcher), or
+        a streaming handler's ``send`` finds the stream gone.
+        """
+        response: Message | None = None
+        if route.method.client_streaming:
+            await self._run_bidi(route, context)
+        else:
+            self.conn.on_gone(self.sid, partial(self._caller_left, scope))
+
+            async def send(message: Message) -> None:
+                await self._send_message(message, scope)
+
+            try:
+                if route.method.streaming:
+                    await route.handler(request, context, send)
+                else:
+                    response = await route.handler(request, context)
+            except Exception:
+                if self.gone:
+                    raise StreamGone("caller left") from None
+                raise
+        if self.gone:
+            raise StreamGone("caller left")
+        if response is not None:
+            # Unary: headers, the message and the OK trailers in one write.
+            self.headers_sent = self.done = True
+            self.code = Status.OK
+            await self.conn.send(
+                self.sid,
+                headers=_RESPONSE_HEADERS,
+                data=wire.frame(bytes(response)),
+                trailers=_OK_TRAILERS,
+            )
+            return
+        await self.finish(Status.OK, "")
+
+    def _caller_left(self, scope: trio.CancelScope) -> None:
+        # Once the answer is on its way, a caller leaving changes nothing.
+        if not self.done:
+            self.gone = True
+            scope.cancel()
+
+    async def _run_bidi(self, route: _Route, context: CallContext) -> None:
         # The handler's exception is carried out of the nursery by hand: a
         # nursery would wrap it in an ExceptionGroup.
         error: Exception | None = None
-        response: Message | None = None
         async with trio.open_nursery() as nursery:
             with trio.CancelScope() as handler_scope:
-                requests: trio.MemoryReceiveChannel[Message] | None = None
-                if route.method.client_streaming:
-                    send_requests, requests = trio.open_memory_channel[Message](0)
-                    nursery.start_soon(
-                        self._pump, handler_scope, send_requests, route.method.request_type
-                    )
-                else:
-                    nursery.start_soon(self._watch_caller, handler_scope)
+                send_requests, requests = trio.open_memory_channel[Message](0)
+                nursery.start_soon(
+                    self._pump, handler_scope, send_requests, route.method.request_type
+                )
                 try:
 
                     async def send(message: Message) -> None:
                         await self._send_message(message, handler_scope)
 
-                    if requests is not None:
-                        async with requests:
-                            await route.handler(requests, context, send)
-                    elif route.method.streaming:
-                        await route.handler(request, context, send)
-                    else:
-                        response = await route.handler(request, context)
+                    async with requests:
+                        await route.handler(requests, context, send)
                 except Exception as e:
                     error = e
                 finally:
@@ -572,18 +597,6 @@ class _Call:
             raise self.pump_error
         if error is not None:
             raise error
-        if response is not None:
-            # Unary: headers, the message and the OK trailers in one write.
-            self.headers_sent = self.done = True
-            self.code = Status.OK
-            await self.conn.send(
-                self.sid,
-                headers=_RESPONSE_HEADERS,
-                data=wire.frame(bytes(response)),
-                trailers=[("grpc-status", "0")],
-            )
-            return
-        await self.finish(Status.OK, "")
 
     async def _send_message(self, message: Message, handler_scope: trio.CancelScope) -> None:
         try:

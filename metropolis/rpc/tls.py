@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 import os
 import ssl
+from typing import Any, Protocol
 
-import trio
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
@@ -147,13 +147,17 @@ def _client_context(
     return context
 
 
-def peer_certificate(stream: trio.SSLStream[trio.SocketStream]) -> x509.Certificate | None:
+class _HasPeerCertificate(Protocol):
+    def getpeercert(self, binary_form: bool = ...) -> Any: ...
+
+
+def peer_certificate(stream: _HasPeerCertificate) -> x509.Certificate | None:
     """The certificate the peer presented (already verified by the handshake), if any."""
     der = stream.getpeercert(binary_form=True)
     return None if der is None else x509.load_der_x509_certificate(der)
 
 
-def check_server_key(stream: trio.SSLStream[trio.SocketStream], expected: bytes | None) -> None:
+def check_server_key(stream: _HasPeerCertificate, expected: bytes | None) -> None:
     """Raise UNAVAILABLE if the server's key is not ``expected`` (None: any CA-issued key)."""
     if expected is None:
         return

@@ -43,7 +43,7 @@ PRINTS = {
     "bmdb_work": "a: ours/pgb",
     "consensus_start": "put via Client (time ratio)",
     "controlplane": "grant, n2 in its own process",
-    "etcdclient": "watch event",
+    "etcdclient": "verdict: ",
     "grant_trace": "median ratio",
     "growth": "100,000 machines a day:",
     "fleet_scale": "capacity full/bare at",
