@@ -8,7 +8,13 @@ systemd-nspawn machine) no partition node appears in /dev by itself, so it:
     makes every missing partition node   /dev/<part> from /sys/class/block/<part>/dev
     finds the boot partition             by PARTUUID, with ``blkid`` (util-linux)
     reads the boot record                `blockdev.write_boot_record`'s layout
-    extracts the node image              from system A, its SHA-256 checked
+    unpacks the node image (`unpack`)    into /run (argument 2: `unpack.CACHE`),
+                                         from system A, its SHA-256 checked
+                                         first; unless it is there whole (the
+                                         agent unpacked it at install, for the
+                                         first boot); linked as
+                                         /run/metropolis/node, what the node
+                                         unit runs (the other images' removed)
     links /run/metropolis/data           to the data partition's node: the mount
                                          unit names that path, outside /dev, so
                                          systemd waits for no udev device unit
@@ -25,6 +31,11 @@ import os
 import struct
 import subprocess
 import sys
+
+try:
+    from . import unpack  # imported as shepherd.agent.bootprep
+except ImportError:  # run as a script, beside unpack.py
+    import unpack  # type: ignore[no-redef,import-not-found]
 
 RUN = "/run/metropolis"
 MAGIC = b"MONOTRIO-BOOT1\n"
@@ -63,14 +74,19 @@ def read_record(device: str) -> tuple[dict[str, object], bytes]:
         return header, f.read(m)
 
 
-def main(boot_partuuid: str) -> int:
-    make_nodes()
-    header, parameters = read_record(by_partuuid(boot_partuuid))
-    os.makedirs(RUN, mode=0o700, exist_ok=True)
-    size, want = int(str(header["image_bytes"])), str(header["image_sha256"])
+def symlink(target: str, path: str) -> None:
+    """``path`` made a symlink to ``target``, replacing what was there at once."""
+    tmp = f"{path}.tmp"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, path)
+
+
+def extract(device: str, size: int, want: str) -> None:
+    """The image on ``device`` to /run/metropolis/image.pyz, its SHA-256 checked."""
     digest = hashlib.sha256()
-    source = by_partuuid(str(header["system_a"]))
-    with open(source, "rb") as src, open(f"{RUN}/image.pyz.tmp", "wb") as dst:
+    with open(device, "rb") as src, open(f"{RUN}/image.pyz.tmp", "wb") as dst:
         left = size
         while left:
             chunk = src.read(min(left, 1 << 20))
@@ -82,6 +98,25 @@ def main(boot_partuuid: str) -> int:
     if digest.hexdigest() != want:
         raise SystemExit("bootprep: the image on system A does not match its SHA-256")
     os.replace(f"{RUN}/image.pyz.tmp", f"{RUN}/image.pyz")
+
+
+def main(boot_partuuid: str, cache: str = unpack.CACHE) -> int:
+    make_nodes()
+    header, parameters = read_record(by_partuuid(boot_partuuid))
+    os.makedirs(RUN, mode=0o700, exist_ok=True)
+    size, want = int(str(header["image_bytes"])), str(header["image_sha256"])
+    try:
+        folder = unpack.tree(want, cache)
+        # Whole already: the agent unpacked it at install, from the image
+        # it verified, moments ago (the first boot); else read it off the
+        # slot, check it, unpack it.
+        if not unpack.complete(folder):
+            extract(by_partuuid(str(header["system_a"])), size, want)
+            unpack.ensure(f"{RUN}/image.pyz", want, cache)
+        unpack.prune(cache, keep=want)
+    except (unpack.UnpackError, OSError) as exc:
+        raise SystemExit(f"bootprep: cannot unpack the image: {exc}") from None
+    symlink(folder, f"{RUN}/node")
     with open(f"{RUN}/node-parameters.pb", "wb") as f:
         f.write(parameters)
     link = f"{RUN}/data"
@@ -92,4 +127,4 @@ def main(boot_partuuid: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:3]))
