@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 import subprocess
 import sys
@@ -41,15 +42,35 @@ RUN = "/run/metropolis"
 MAGIC = b"MONOTRIO-BOOT1\n"
 
 
-def make_nodes() -> None:
-    for name in sorted(os.listdir("/sys/class/block")):
-        base = f"/sys/class/block/{name}"
-        path = f"/dev/{name}"
-        if not os.path.exists(f"{base}/partition") or os.path.exists(path):
+def make_nodes(sys_block: str = "/sys/class/block", dev: str = "/dev") -> None:
+    """A block node in ``dev`` for every partition the kernel lists.
+
+    A node that is there with another device number is one an earlier
+    table or loop device left (a machine's /dev outlives the loop device
+    bound into it, and the kernel hands the freed numbers to the next): it
+    is replaced, as `blockdev.partition_nodes` does. A non-block entry of
+    that name is refused."""
+    for name in sorted(os.listdir(sys_block)):
+        base = f"{sys_block}/{name}"
+        path = f"{dev}/{name}"
+        if not os.path.exists(f"{base}/partition"):
             continue
         with open(f"{base}/dev") as f:
             major, minor = (int(x) for x in f.read().split(":"))
-        os.mknod(path, 0o600 | 0o060000, os.makedev(major, minor))
+        devno = os.makedev(major, minor)
+        try:
+            found = os.lstat(path)
+        except FileNotFoundError:
+            os.mknod(path, 0o600 | stat.S_IFBLK, devno)
+            continue
+        if not stat.S_ISBLK(found.st_mode):
+            raise SystemExit(f"bootprep: {path} exists but is not a block device")
+        if found.st_rdev != devno:
+            fresh = f"{path}.new"
+            if os.path.lexists(fresh):
+                os.unlink(fresh)
+            os.mknod(fresh, 0o600 | stat.S_IFBLK, devno)
+            os.replace(fresh, path)
 
 
 def by_partuuid(partuuid: str) -> str:
