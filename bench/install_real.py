@@ -92,6 +92,8 @@ class Timing:
     failures: list[str] = field(default_factory=list)
     #: Where one machine's time went, in one line.
     detail: str = ""
+    #: Its boot helper's and node's journal, seconds since the request.
+    timeline: list[str] = field(default_factory=list)
 
     def mark(self, phase: str, at: float) -> None:
         self.phases.setdefault(phase, []).append(at)
@@ -105,7 +107,30 @@ class Timing:
         out += [f"  failed: {f}" for f in self.failures[:5]]
         if self.detail:
             out.append(f"  machine 0: {self.detail}")
+        if self.timeline:
+            out.append("  machine 0's boot helper and node (journal, s since the request):")
+            out += [f"    {line}" for line in self.timeline]
         return out
+
+
+#: Most journal lines of the timeline.
+_TIMELINE_LINES = 24
+
+
+def _timeline(journal: str, since: float) -> list[str]:
+    """``journalctl -o short-unix`` lines as "+T unit: message", T in seconds since ``since``."""
+    out = []
+    for line in journal.splitlines():
+        stamp, _, rest = line.partition(" ")
+        try:
+            at = float(stamp)
+        except ValueError:
+            continue
+        _host, _, message = rest.partition(" ")
+        out.append(f"+{at - since:6.2f} {message[:110]}")
+        if len(out) >= _TIMELINE_LINES:
+            break
+    return out
 
 
 def healthy(row: NodeRow | None) -> bool:
@@ -153,6 +178,7 @@ async def product(args: argparse.Namespace, work: Path, image: Path, url: str) -
     ) as real:
         say(f"product: {args.machines} machines taken over; installing")
         start = trio.current_time()
+        requested_at = time.time()
         await real.request(range(args.machines))
         timing.mark("requested", trio.current_time() - start)
         async with trio.open_nursery() as nursery:
@@ -175,6 +201,14 @@ async def product(args: argparse.Namespace, work: Path, image: Path, url: str) -
         log = await _ssh(real.ssh_key_file, real.machines.address(0), "cat /root/agent.log")
         steps = [line for line in log.splitlines() if "download+verify" in line]
         timing.detail = steps[-1].split("agent: ", 1)[-1] if steps else "(no agent log line)"
+        journal = await _ssh(
+            real.ssh_key_file,
+            real.machines.address(0),
+            f"journalctl -o short-unix --no-pager -u {blockdev.PREPARE_UNIT}"
+            f" -u {blockdev.NODE_UNIT}",
+            check=False,
+        )
+        timing.timeline = _timeline(journal, requested_at)
         if timing.total is not None:
             await reboots(args, real)
     return timing

@@ -334,6 +334,34 @@ class PgConnection:
                 " connection dropped, outcome unknown"
             )
 
+    def on_notify(self, callback: Callable[[str, str], None]) -> None:
+        """Call ``callback(channel, payload)`` for every notification this
+        connection receives (after ``LISTEN``), whenever it reads from the
+        server: in `wait_for_input`, and amid a statement's results. The
+        callback runs inside the read and must not block; nothing queues
+        notifications meanwhile (psycopg's backlog stays empty)."""
+
+        def handler(notify: psycopg.Notify) -> None:
+            callback(notify.channel, notify.payload)
+
+        self._conn.add_notify_handler(handler)
+
+    async def wait_for_input(self) -> None:
+        """Wait, with no statement running, until the server sends something,
+        and take it in: notifications go to the `on_notify` callbacks.
+
+        Raises `DatabaseUnavailable` if the connection is lost (the server
+        closed it, or restarted). Cancelled, it leaves the connection as it
+        was: nothing was sent, so there is nothing to cancel on the server.
+        """
+        if self._conn.closed:
+            raise DatabaseUnavailable("the BMDB connection is closed")
+        try:
+            await self._drive(generators.notifies(self._pgconn), on_cancel=_nothing_to_abort)
+        except psycopg.OperationalError as e:
+            await self.close()
+            raise DatabaseUnavailable(f"lost the BMDB connection: {_first_line(e)}") from e
+
     async def _drop(self, gen: Generator[Wait, Ready, Any], fileno: int, state: Wait) -> None:
         """What a cancelled `commit` does instead of `_abort`: close the
         connection and send nothing (a cancel would commit locally)."""
@@ -663,6 +691,10 @@ async def _terminate_backend(conninfo: str, pid: int) -> None:
             await observer.close()
     if scope.cancelled_caught:
         logger.warning("backend %d did not end within %s s", pid, TERMINATE_TIMEOUT)
+
+
+async def _nothing_to_abort(gen: Generator[Wait, Ready, Any], fileno: int, state: Wait) -> None:
+    """What a cancelled `PgConnection.wait_for_input` does: nothing (no statement runs)."""
 
 
 def _check(results: list[PGresult], encoding: str) -> None:

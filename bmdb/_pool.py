@@ -31,6 +31,16 @@ class Pool:
         self._idle: list[PgConnection] = []
         self._closed = False
 
+    @property
+    def conninfo(self) -> str:
+        """Where its connections go (with the password, if the URL has one)."""
+        return self._conninfo
+
+    @property
+    def bounds(self) -> Bounds:
+        """The bounds of its connections' statements and commits."""
+        return self._bounds
+
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[PgConnection]:
         """Borrow a connection for the duration of the block.

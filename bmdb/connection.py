@@ -9,9 +9,9 @@ conn.session(...)`` block.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from bmdb._pg import UNBOUNDED, Bounds
 from bmdb._pool import Pool
@@ -19,6 +19,9 @@ from bmdb.migrations import Migration
 from bmdb.model import Queries
 from bmdb.session import DEFAULT_INTERVAL, Session, collect_expired, open_session
 from bmdb.transaction import Isolation, RetryPolicy, Stats, Transactor
+
+if TYPE_CHECKING:
+    from bmdb.notify import Listener
 
 logger = logging.getLogger("bmdb.connection")
 
@@ -73,6 +76,30 @@ class Connection:
         """Run ``fn`` in a transaction outside any session (for tools and
         read-only listings). Retries like `Session.transact`."""
         return await self._tx.run(isolation, fn)
+
+    def listener(
+        self,
+        channels: Sequence[str],
+        on_notify: Callable[[str, str], None],
+        *,
+        on_listening: Callable[[], Awaitable[None]] | None = None,
+        ping_interval: float | None = None,
+    ) -> Listener:
+        """A `bmdb.notify.Listener` on ``channels`` (`bmdb.model.channels`)
+        of this BMDB, with a connection of its own (outside the pool) and
+        the pool's bounds; it listens while its ``run`` runs.
+        ``ping_interval``: `bmdb.notify.DEFAULT_PING_INTERVAL` unless given."""
+        from bmdb.notify import DEFAULT_PING_INTERVAL, Listener  # only where one listens
+
+        pool = self._tx.pool
+        return Listener(
+            pool.conninfo,
+            pool.bounds,
+            channels,
+            on_notify,
+            on_listening=on_listening,
+            ping_interval=DEFAULT_PING_INTERVAL if ping_interval is None else ping_interval,
+        )
 
     async def on_standby(self) -> bool:
         """True if this connection's transactions run on a standby (a server

@@ -115,6 +115,12 @@ class Transactor:
         #: Counters of transactions, retries and work claims.
         self.stats = Stats()
 
+    @property
+    def pool(self) -> Pool:
+        """Its connection pool (for what needs a connection of its own to the
+        same server, with the same bounds: `bmdb.notify.Listener`)."""
+        return self._pool
+
     async def run(
         self,
         isolation: Isolation,

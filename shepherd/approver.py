@@ -35,6 +35,18 @@ NEW any more), so a round may run any number of times, and two approvers
 at once approve nothing twice (the curator takes a second approval as a
 no-op).
 
+When: a round every ``interval`` seconds, and at once when an agent's
+report is stored (a notification, `bmdb.model.channels.INSTALL_REPORT`,
+heard by a `bmdb.notify.Listener`). The reported node announced its key
+before it calls the cluster, so a round at the report often finds it not
+registered yet: a machine whose report was heard is looked after in
+quick rounds (`QUICK_INTERVAL`, or twice the last round's time if
+longer, so that rounds take at most a third of the approver's time) until
+its node is approved or no longer NEW, its report names no node to
+approve, or `AWAIT_FOR` seconds passed; then the interval alone again.
+Notifications missed while the listener did not listen are covered by a
+round when it listens again, and by the interval's rounds.
+
 Errors of a round (curators unreachable: :class:`~metropolis.errors.MetropolisError`;
 the BMDB: :class:`~bmdb.errors.BMDBError`) are logged and retried with
 backoff (:mod:`common.backoff`) by :func:`run_approver`; it runs until
@@ -52,6 +64,7 @@ import trio
 
 import bmdb
 from bmdb.errors import BMDBError
+from bmdb.model import channels
 from common.backoff import FULL_JITTER, ExponentialBackoff, Retrier
 from common.protobuf import parse_checked
 from metropolis.errors import MetropolisError
@@ -59,7 +72,9 @@ from metropolis.owner import NodeRow, OwnerAccess
 from shepherd.proto.agent_callback import OsInstallationReport
 
 __all__ = [
+    "AWAIT_FOR",
     "DEFAULT_INTERVAL",
+    "QUICK_INTERVAL",
     "Approval",
     "Approver",
     "InstalledNode",
@@ -71,6 +86,10 @@ _log = logging.getLogger("shepherd.approver")
 
 #: Seconds between two rounds.
 DEFAULT_INTERVAL = 5.0
+#: Seconds between rounds while a reported machine's node is awaited.
+QUICK_INTERVAL = 0.25
+#: Seconds a reported machine's node is awaited in quick rounds.
+AWAIT_FOR = 120.0
 
 #: Waits after failed rounds: from 1 s up to a minute.
 _BACKOFF = ExponentialBackoff(initial=1.0, maximum=60.0, jitter=FULL_JITTER)
@@ -165,17 +184,49 @@ async def installed_nodes(conn: bmdb.Connection) -> dict[bytes, InstalledNode]:
 class Approver:
     """Approves the cluster's NEW nodes that the fleet installed (see the module)."""
 
-    def __init__(self, access: OwnerAccess, conn: bmdb.Connection) -> None:
+    def __init__(
+        self,
+        access: OwnerAccess,
+        conn: bmdb.Connection,
+        *,
+        quick_interval: float = QUICK_INTERVAL,
+        await_for: float = AWAIT_FOR,
+    ) -> None:
         self._access = access
         self._conn = conn
+        self.quick_interval = quick_interval
+        self.await_for = await_for
         #: Nodes already logged as not installed by us: each is logged once.
         self._refused: set[str] = set()
+        #: Machines whose report was heard, until when (Trio time) their
+        #: node is awaited in quick rounds.
+        self._awaited: dict[uuid.UUID, float] = {}
+        self._wake = trio.Event()
+        #: Rounds run (each attempt, failed ones too).
+        self.rounds = 0
+
+    def reported(self, channel: str, payload: str) -> None:
+        """A report on machine ``payload`` was stored (a notification): a
+        round now, and quick ones until its node is approved (see the module)."""
+        try:
+            machine_id = uuid.UUID(payload)
+        except ValueError:
+            _log.warning("ignoring a notification on %s of %r", channel, payload[:100])
+            return
+        self._awaited[machine_id] = trio.current_time() + self.await_for
+        self._wake.set()
+
+    async def caught_up(self) -> None:
+        """The listener listens (again): a round now, for what it missed."""
+        self._wake.set()
 
     async def round(self) -> list[Approval]:
         """List NEW nodes, approve those the fleet installed; what was approved."""
+        self.rounds += 1
         async with self._access.open() as owner:
-            new = [row for row in await owner.nodes() if row.state == "NEW"]
-            if not new:
+            rows = await owner.nodes()
+            new = [row for row in rows if row.state == "NEW"]
+            if not new and not self._awaited:
                 return []
             installed = await installed_nodes(self._conn)
             approved = []
@@ -194,7 +245,29 @@ class Approver:
                     machine.generation,
                 )
                 approved.append(approval)
+            self._settle(rows, installed, approved)
             return approved
+
+    def _settle(
+        self, rows: list[NodeRow], installed: dict[bytes, InstalledNode], approved: list[Approval]
+    ) -> None:
+        """Stop awaiting the machines whose node is approved or no longer
+        NEW, whose report names no node to approve, or awaited long enough."""
+        if not self._awaited:
+            return
+        now = trio.current_time()
+        states = {row.public_key: row.state for row in rows}
+        done = {a.machine.public_key for a in approved}
+        by_machine = {node.machine_id: node for node in installed.values()}
+        for machine_id, until in list(self._awaited.items()):
+            node = by_machine.get(machine_id)
+            if (
+                node is None
+                or until < now
+                or node.public_key in done
+                or states.get(node.public_key, "NEW") != "NEW"
+            ):
+                del self._awaited[machine_id]
 
     def _refuse(self, row: NodeRow) -> None:
         if row.node_id in self._refused:
@@ -208,10 +281,13 @@ class Approver:
         )
 
     async def run(self, interval: float = DEFAULT_INTERVAL) -> None:
-        """Run rounds every ``interval`` seconds until cancelled; failed rounds
-        are logged and retried with backoff."""
+        """Run rounds every ``interval`` seconds, and when woken (`reported`,
+        `caught_up`), until cancelled; failed rounds are logged and retried
+        with backoff. Listens to no notification itself: `serve` does."""
         retrier = Retrier(_BACKOFF, random.Random())
         while True:
+            self._wake = trio.Event()  # before the round: a report during it wakes the next
+            started = trio.current_time()
             try:
                 await self.round()
             except (MetropolisError, BMDBError) as e:
@@ -219,16 +295,31 @@ class Approver:
                 await retrier.sleep()
                 continue
             retrier.reset()
-            await trio.sleep(interval)
+            took = trio.current_time() - started
+            wait = max(self.quick_interval, 2 * took) if self._awaited else interval
+            with trio.move_on_after(wait):
+                await self._wake.wait()
+
+    async def serve(self, interval: float = DEFAULT_INTERVAL) -> None:
+        """`run`, woken by the reports stored (a listener on the BMDB's
+        `channels.INSTALL_REPORT`), until cancelled."""
+        listener = self._conn.listener(
+            [channels.INSTALL_REPORT], self.reported, on_listening=self.caught_up
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(listener.run)
+            await self.run(interval)
 
 
 async def run_approver(
     access: OwnerAccess, conn: bmdb.Connection, interval: float = DEFAULT_INTERVAL
 ) -> None:
-    """An :class:`Approver` on ``access`` and ``conn``, run until cancelled."""
+    """An :class:`Approver` on ``access`` and ``conn``, served until cancelled
+    (`Approver.serve`: every ``interval`` seconds, and when a report is stored)."""
     _log.info(
-        "approving installed nodes every %g s, through the curators at %s",
+        "approving installed nodes every %g s and when an agent reports one, through the"
+        " curators at %s",
         interval,
         ", ".join(e.address for e in access.endpoints),
     )
-    await Approver(access, conn).run(interval)
+    await Approver(access, conn).serve(interval)

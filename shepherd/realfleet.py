@@ -41,6 +41,7 @@ removed, `shepherd.nspawn.fleet`). Needs root, systemd-nspawn, mmdebstrap
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import uuid
@@ -166,11 +167,13 @@ class RealFleet:
 
     async def request(self, indexes: Sequence[int], *, reinstall: bool = False) -> list[Decision]:
         """Ask machines ``indexes`` to install onto their disk (each names
-        its own loop device), as ``shepherd install`` does."""
+        its own loop device), as ``shepherd install`` does: one ticket, a
+        request each."""
+        plan = await self.plan(reinstall=reinstall)
         decisions = []
         for index in indexes:
-            plan = await self.plan(reinstall=reinstall, root_device=self.root_device(index))
-            decisions += await install(self.conn, plan, machines=[self.ids[index]])
+            mine = dataclasses.replace(plan, root_device=self.root_device(index))
+            decisions += await install(self.conn, mine, machines=[self.ids[index]])
         return decisions
 
     async def installation(self, index: int) -> OSInstallation | None:

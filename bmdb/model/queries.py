@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from bmdb import _pg
 from bmdb._pg import Params, Row
 from bmdb.errors import InvalidArgument
+from bmdb.model import channels
 from bmdb.model import rows as records
 from bmdb.model.enums import Process, Provider, ProviderStatus, WorkEvent
 
@@ -300,6 +301,26 @@ _RECORD_HEARTBEATS = """
 """
 
 
+# A machine's pending request as `_RECORD_HEARTBEATS` reads it, alone.
+_AGENT_PENDING = """
+    SELECT q.generation,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
+                                 WHERE dc.machine_id = q.machine_id)
+                THEN q.os_installation_request_raw END
+    FROM machine_os_installation_request q
+    WHERE q.machine_id = %s
+      AND NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
+                      WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
+"""
+
+_MACHINES_WITH_AGENT_REQUESTS = """
+    SELECT q.machine_id FROM machine_os_installation_request q
+    WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
+                      WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
+      AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = q.machine_id)
+"""
+
+
 _FOR_PROCESS = f"""
     SELECT m.machine_id FROM machines m
     WHERE NOT {_LIVE_WORK}
@@ -517,7 +538,9 @@ class Queries:
         Written only if ``generation`` is newer than the stored request's
         (or none is stored): a request's generation never goes back, so an
         agent that saw generation g never sees another request named g.
-        Returns whether it was written. `InvalidArgument` for a generation
+        Returns whether it was written; written, a notification on
+        `channels.AGENT_REQUEST` names the machine when the transaction
+        commits. `InvalidArgument` for a generation
         below 1 or texts PostgreSQL cannot store (NUL) or over
         `MAX_INSTALLATION_TEXT` characters. ``shepherd install`` calls this,
         with every field; a field left out shows as unknown in the views.
@@ -532,20 +555,24 @@ class Queries:
         for name, value in texts.items():
             if value is not None:
                 _check_text(name, value)
+        # Written, the agent callback server is told (`channels.AGENT_REQUEST`):
+        # it answers the agent's held heartbeat with it at once.
         rows = await self.execute(
-            """INSERT INTO machine_os_installation_request AS r
-                   (machine_id, generation, os_installation_request_raw,
-                    root_device, image_digest, node_address, requested_at)
-               VALUES (%s, %s, %s, %s, %s, %s, now())
-               ON CONFLICT (machine_id) DO UPDATE
-               SET generation = EXCLUDED.generation,
-                   os_installation_request_raw = EXCLUDED.os_installation_request_raw,
-                   root_device = EXCLUDED.root_device,
-                   image_digest = EXCLUDED.image_digest,
-                   node_address = EXCLUDED.node_address,
-                   requested_at = EXCLUDED.requested_at
-               WHERE r.generation < EXCLUDED.generation
-               RETURNING 1""",
+            f"""WITH w AS (
+                   INSERT INTO machine_os_installation_request AS r
+                       (machine_id, generation, os_installation_request_raw,
+                        root_device, image_digest, node_address, requested_at)
+                   VALUES (%s, %s, %s, %s, %s, %s, now())
+                   ON CONFLICT (machine_id) DO UPDATE
+                   SET generation = EXCLUDED.generation,
+                       os_installation_request_raw = EXCLUDED.os_installation_request_raw,
+                       root_device = EXCLUDED.root_device,
+                       image_digest = EXCLUDED.image_digest,
+                       node_address = EXCLUDED.node_address,
+                       requested_at = EXCLUDED.requested_at
+                   WHERE r.generation < EXCLUDED.generation
+                   RETURNING machine_id)
+               SELECT pg_notify('{channels.AGENT_REQUEST}', machine_id::text) FROM w""",
             (
                 as_uuid(machine_id),
                 generation,
@@ -608,15 +635,18 @@ class Queries:
         requested, and without the outcome: the views show such a report as
         not (yet) telling anything (installing). For tests and tools that
         need a report as it is; the agent callback server stores reports
-        with `record_os_installation_report`."""
+        with `record_os_installation_report`. Notifies as that does."""
         await self.execute(
-            """INSERT INTO machine_os_installation_report
-                   (machine_id, generation, os_installation_report_raw) VALUES (%s, %s, %s)
-               ON CONFLICT (machine_id) DO UPDATE
-               SET generation = EXCLUDED.generation,
-                   os_installation_report_raw = EXCLUDED.os_installation_report_raw,
-                   success = NULL, cause = NULL, node_public_key = NULL,
-                   reported_at = now(), checked_at = NULL, lost_cause = NULL""",
+            f"""WITH w AS (
+                   INSERT INTO machine_os_installation_report
+                       (machine_id, generation, os_installation_report_raw) VALUES (%s, %s, %s)
+                   ON CONFLICT (machine_id) DO UPDATE
+                   SET generation = EXCLUDED.generation,
+                       os_installation_report_raw = EXCLUDED.os_installation_report_raw,
+                       success = NULL, cause = NULL, node_public_key = NULL,
+                       reported_at = now(), checked_at = NULL, lost_cause = NULL
+                   RETURNING machine_id)
+               SELECT pg_notify('{channels.INSTALL_REPORT}', machine_id::text) FROM w""",
             (as_uuid(machine_id), int(generation), bytes(report)),
         )
 
@@ -634,7 +664,9 @@ class Queries:
 
         Stored only if ``generation`` is the one currently requested of the
         machine (a report on an older request, or on one never made, is
-        dropped): returns whether it was stored. The request row is read
+        dropped): returns whether it was stored (a notification on
+        `channels.INSTALL_REPORT` then names the machine when the
+        transaction commits). The request row is read
         with FOR SHARE, so a new request written at the same time either
         waits for this statement or makes it store nothing. A second report
         on the same generation replaces the first (an agent that restarted
@@ -664,24 +696,27 @@ class Queries:
             if node_public_key is not None:
                 raise InvalidArgument("a failed installation report has no node public key")
             _check_text("cause", cause)
+        # Stored, the approver is told (`channels.INSTALL_REPORT`).
         rows = await self.execute(
-            """INSERT INTO machine_os_installation_report AS o
-                   (machine_id, generation, os_installation_report_raw,
-                    success, cause, node_public_key, reported_at)
-               SELECT r.machine_id, r.generation, %s, %s, %s, %s, now()
-               FROM machine_os_installation_request r
-               WHERE r.machine_id = %s AND r.generation = %s
-               FOR SHARE OF r
-               ON CONFLICT (machine_id) DO UPDATE
-               SET generation = EXCLUDED.generation,
-                   os_installation_report_raw = EXCLUDED.os_installation_report_raw,
-                   success = EXCLUDED.success,
-                   cause = EXCLUDED.cause,
-                   node_public_key = EXCLUDED.node_public_key,
-                   reported_at = EXCLUDED.reported_at,
-                   checked_at = NULL,
-                   lost_cause = NULL
-               RETURNING 1""",
+            f"""WITH w AS (
+                   INSERT INTO machine_os_installation_report AS o
+                       (machine_id, generation, os_installation_report_raw,
+                        success, cause, node_public_key, reported_at)
+                   SELECT r.machine_id, r.generation, %s, %s, %s, %s, now()
+                   FROM machine_os_installation_request r
+                   WHERE r.machine_id = %s AND r.generation = %s
+                   FOR SHARE OF r
+                   ON CONFLICT (machine_id) DO UPDATE
+                   SET generation = EXCLUDED.generation,
+                       os_installation_report_raw = EXCLUDED.os_installation_report_raw,
+                       success = EXCLUDED.success,
+                       cause = EXCLUDED.cause,
+                       node_public_key = EXCLUDED.node_public_key,
+                       reported_at = EXCLUDED.reported_at,
+                       checked_at = NULL,
+                       lost_cause = NULL
+                   RETURNING machine_id)
+               SELECT pg_notify('{channels.INSTALL_REPORT}', machine_id::text) FROM w""",
             (
                 bytes(raw),
                 bool(success),
@@ -826,6 +861,27 @@ class Queries:
                     HeartbeatOutcome.REPLAYED if authenticated else HeartbeatOutcome.UNKNOWN_AGENT
                 )
         return results
+
+    async def agent_pending(self, machine_id: uuid.UUID | str) -> HeartbeatResult:
+        """What an accepted heartbeat of the machine's agent would be answered
+        with now (`record_agent_heartbeats_pending`'s result for it), without
+        writing a heartbeat: for an answer held until a request appears."""
+        rows = await self.execute(_AGENT_PENDING, (as_uuid(machine_id),))
+        if not rows:
+            return _ACCEPTED
+        [(generation, request)] = rows
+        return HeartbeatResult(
+            HeartbeatOutcome.ACCEPTED,
+            None if request is None else bytes(request),
+            int(generation),
+        )
+
+    async def machines_with_agent_requests(self) -> set[uuid.UUID]:
+        """The machines whose agents have a request to carry (the pending OS
+        installation requests of machines not being decommissioned): what a
+        listener on `channels.AGENT_REQUEST` reads when it listens anew."""
+        rows = await self.execute(_MACHINES_WITH_AGENT_REQUESTS, ())
+        return {machine_id for (machine_id,) in rows}
 
     async def agent_heartbeat(self, machine_id: uuid.UUID | str) -> datetime.datetime | None:
         """When the machine's agent last heartbeated, or None."""

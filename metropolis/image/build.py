@@ -19,14 +19,22 @@ The steps::
       -> temp file in --out (fails early if --out is not writable)
       -> site-packages in a temp dir: metropolis, common, the distributions
          they import (contents.py), _bundle/etcd (0755) + manifest.json
-      -> python -m shiv --site-packages ... --reproducible --compile-pyc
+      -> their bytecode compiled (hash-based, unchecked) beside them
+      -> python -m shiv --site-packages ... --reproducible, then the bytecode
+         added to its zip (shiv leaves .pyc files out)
       -> SHA-256 of the file -> fsync -> rename to OUT/<sha256>.pyz -> fsync OUT
 
-``--compile-pyc`` compiles the bytecode at first start, into the cache: on
-the node's Python, and the cost is paid once instead of at every start.
-The entry point is :func:`metropolis.image.entry.main`. The image runs on
-the Python minor version that built it (compiled dependencies are built
-for it): Debian 12's 3.11 for this project.
+The bytecode is compiled here, once, and carried by the image (about a
+fifth more bytes), not at the node's first start: shiv's ``--compile-pyc``
+did it there, on the node's critical path, some seconds of CPU on a
+loaded machine, and each machine paid it. The files are hash-based and
+unchecked (PEP 552): they hold no timestamp (the build stays
+reproducible, and a file extracted later with another mtime still
+matches), and Python trusts them without reading the source, which is
+what an image that never changes wants. The entry point is
+:func:`metropolis.image.entry.main`. The image runs on the Python minor
+version that built it (compiled dependencies are built for it, and so is
+the bytecode): Debian 12's 3.11 for this project.
 
 Blocking (subprocesses, file I/O): a command-line tool's code, not for a
 Trio task.
@@ -43,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +143,52 @@ def _assemble(site_packages: Path, etcd: Path, version: str) -> tuple[str, ...]:
     return tuple(f"{d.metadata['Name']}=={d.version}" for d in dists)
 
 
+def _compile(site_packages: Path) -> None:
+    """Compile every module's bytecode beside it (see the module docstring).
+
+    Named as the image's own paths (``site-packages/...``), not this
+    temporary folder's, so the bytes do not depend on where it was built;
+    Python names the code by the file it imports it from anyway. A file
+    that does not compile (a package's Python 2 example) is left without
+    bytecode, as shiv's own compile leaves it.
+    """
+    # In a process of its own, isolated (-I): PYTHONPYCACHEPREFIX, where it
+    # is set (the test sessions set it), would send the files there
+    # instead of beside the modules; and workers fork, which this
+    # process's threads make unsafe.
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", _COMPILE, str(site_packages)],
+        capture_output=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        said = result.stderr.decode(errors="replace").strip().splitlines()
+        raise ImageError(f"compiling the bytecode failed: {said[-1] if said else ''}")
+
+
+_COMPILE = """
+import compileall, py_compile, sys
+compileall.compile_dir(
+    sys.argv[1], ddir="site-packages", quiet=2, workers=0, force=True,
+    invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+)
+"""
+
+
+def _add_bytecode(site_packages: Path, image: Path) -> None:
+    """Add the compiled bytecode to the zipapp shiv built (shiv leaves every
+    ``.pyc`` out), in a fixed order with shiv's fixed time, so that the
+    build stays reproducible."""
+    compiled = sorted(site_packages.rglob("*.pyc"), key=lambda p: str(p.relative_to(site_packages)))
+    with zipfile.ZipFile(image, "a", compression=zipfile.ZIP_DEFLATED) as archive:
+        stamp = archive.getinfo("environment.json").date_time
+        for path in compiled:
+            info = zipfile.ZipInfo(f"site-packages/{path.relative_to(site_packages)}", stamp)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, path.read_bytes())
+
+
 def _shiv(site_packages: Path, output: Path) -> None:
     argv = [
         sys.executable,
@@ -148,7 +203,6 @@ def _shiv(site_packages: Path, output: Path) -> None:
         "--python",
         "/usr/bin/env python3",
         "--reproducible",
-        "--compile-pyc",
     ]
     result = subprocess.run(argv, capture_output=True, check=False)
     if result.returncode != 0:
@@ -183,7 +237,9 @@ def build_image(out_dir: Path, etcd: Path | None = None) -> BuiltImage:
                 distributions = _assemble(site_packages, etcd, version)
             except OSError as exc:
                 raise ImageError(f"cannot assemble the image's files: {exc}") from None
+            _compile(site_packages)
             _shiv(site_packages, temp)
+            _add_bytecode(site_packages, temp)
         digest = hashlib.sha256()
         with temp.open("rb") as f:
             while chunk := f.read(_CHUNK):

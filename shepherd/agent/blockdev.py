@@ -37,10 +37,11 @@ entry removed):
                 each heartbeat (`read_installed`) to tell that the install is
                 still there
     data        mkfs.ext4 of the data partition, the node's root
-    boot entry  LAST: the helpers `bootprep` and `abslots` and four units in
-                the systemd root (the boot check of `abslots` among them), then
-                the enable symlinks. A cut before this step leaves no unit; a
-                cut inside it leaves unit files without the node's symlink of
+    boot entry  LAST: the helper `bootprep` (with `abslots` and `unpack`
+                beside it) and four units in the systemd root (the boot
+                check of `abslots` among them), then the enable symlinks. A
+                cut before this step leaves no unit; a cut inside it leaves
+                unit files without the node's symlink of
                 ``multi-user.target.wants``, which is written last of all.
 
 A/B upgrades (slot B written, tried once, kept or given up) are
@@ -64,7 +65,7 @@ import struct
 import subprocess
 from collections.abc import Callable
 
-from . import abslots
+from . import abslots, unpack
 from .errors import AgentError
 
 MIB = 1024 * 1024
@@ -84,16 +85,16 @@ PAUSE_DIR = "/run/metropolis-test"
 
 MAGIC = b"MONOTRIO-BOOT1\n"
 HELPER = "bootprep.py"
-#: Helpers copied beside it (`bootprep` imports them).
-HELPER_MODULES = ("abslots.py",)
+#: Copied beside the helper, which imports them (`abslots`, `unpack`).
+HELPER_MODULES = ("abslots.py", "unpack.py")
 PREPARE_UNIT = "metropolis-prepare.service"
 NODE_UNIT = "metropolis-node.service"
 RUN = "/run/metropolis"
+#: The unpacked node image the node unit runs (`unpack`), linked by the
+#: boot helper at each boot.
+NODE_LINK = f"{RUN}/node"
 #: The node's root folder under the data partition's mount point.
 NODE_ROOT = "metropolis"
-#: Where the node image's zipapp unpacks its packages (on the root
-#: filesystem: the data partition is the node's, sized for its data only).
-SHIV_ROOT = "/var/cache/metropolis/shiv"
 _MOUNT_POINT = re.compile(r"(/[A-Za-z0-9_]+)+")
 
 
@@ -144,8 +145,8 @@ class Target:
     helper_dir: str = "/usr/local/lib/metropolis"
     mount_point: str = "/var/lib/metropolis"
     python: str = "/usr/bin/python3"
-    #: Where the node's image unpacks (`SHIV_ROOT`).
-    shiv_root: str = SHIV_ROOT
+    #: Where the node image is unpacked (`unpack.CACHE`).
+    cache_dir: str = unpack.CACHE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,7 +395,7 @@ def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, st
     mount = mount_unit_name(target.mount_point)
     helper = os.path.join(target.helper_dir, HELPER)
     root = os.path.join(target.mount_point, NODE_ROOT)
-    node = f"{target.python} {RUN}/image.pyz node"
+    node = f"{target.python} {NODE_LINK} node"
     announce = f"--announce-key {RUN}/node.key.pub"
     register = (
         f"{node} register --parameters {RUN}/node-parameters.pb --root {root} "
@@ -408,7 +409,7 @@ def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, st
             "[Unit]\nDescription=Metropolis: partition nodes, image and parameters from disk\n"
             "DefaultDependencies=no\n\n"
             "[Service]\nType=oneshot\nRemainAfterExit=yes\n"
-            f"ExecStart={target.python} {helper} {boot_partuuid}\n"
+            f"ExecStart={target.python} {helper} {boot_partuuid} {target.cache_dir}\n"
         ),
         mount: (
             "[Unit]\nDescription=Metropolis: the node's data partition\n"
@@ -420,7 +421,6 @@ def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, st
             "[Unit]\nDescription=Metropolis node\n"
             f"Requires={mount}\nAfter={mount} network-online.target\n\n"
             "[Service]\nRestart=always\nRestartSec=2\n"
-            f"Environment=SHIV_ROOT={target.shiv_root}\n"
             f"Environment=METROPOLIS_BOOT_INFO={RUN}/{abslots.BOOT_INFO} "
             f"METROPOLIS_ANNOUNCE_HEALTHY={RUN}/{abslots.HEALTHY}\n"
             f"ExecStart=/bin/sh -c '{start}'\n\n"
@@ -445,9 +445,11 @@ def write_boot_entry(target: Target, boot_partuuid: str, node_address: str) -> l
     from importlib import resources
 
     os.makedirs(target.helper_dir, exist_ok=True)
-    for name in (*HELPER_MODULES, HELPER):
-        helper = resources.files(__package__).joinpath(name).read_bytes()
-        _write(os.path.join(target.helper_dir, name), helper, 0o755)
+    for name in HELPER_MODULES:
+        module = resources.files(__package__).joinpath(name).read_bytes()
+        _write(os.path.join(target.helper_dir, name), module)
+    helper = resources.files(__package__).joinpath(HELPER).read_bytes()
+    _write(os.path.join(target.helper_dir, HELPER), helper, 0o755)
     written = []
     for name, text in units(target, boot_partuuid, node_address).items():
         path = os.path.join(target.systemd_root, name)

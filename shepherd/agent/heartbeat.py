@@ -46,6 +46,9 @@ REQUEST_TIMEOUT = 15.0
 #: largest node parameters the installer takes (`install.MAX_NODE_PARAMETERS`),
 #: so that one too large is refused with that cause rather than cut.
 MAX_ANSWER = 2 * 1024 * 1024
+#: How much later than asked a held answer may come (the server answers
+#: those whose time is up every `shepherd.agent_server.service.HOLD_TICK`).
+HOLD_SLACK = 2.0
 
 
 def request_headers(
@@ -56,10 +59,13 @@ def request_headers(
     *,
     public_key: bytes,
     sign: Callable[[bytes], bytes],
+    hold: float = 0.0,
 ) -> dict[str, str]:
     """The headers of a heartbeat request with ``body`` sent at ``time_ns``:
     MACed with ``session`` if given, else signed with ``sign`` (the agent's
-    Ed25519 signature of a message, checked against ``public_key``).
+    Ed25519 signature of a message, checked against ``public_key``); with
+    ``hold`` seconds, asking the server to hold the answer that long while
+    it has nothing to answer (`protocol.HEADER_HOLD`).
 
     The agent's `Heartbeater` sends these; the fleet simulator
     (``bench/fleet.py``) sends the same for each of its simulated agents.
@@ -70,9 +76,11 @@ def request_headers(
     headers = {
         "Content-Type": "application/proto",
         "Connect-Protocol-Version": "1",
-        "Connect-Timeout-Ms": str(int(REQUEST_TIMEOUT * 1000)),
+        "Connect-Timeout-Ms": str(int((REQUEST_TIMEOUT + hold) * 1000)),
         protocol.HEADER_TIME: str(time_ns),
     }
+    if hold > 0:
+        headers[protocol.HEADER_HOLD] = str(int(hold * 1000))
     if session is not None:
         headers[protocol.HEADER_SESSION] = base64.b64encode(session.token).decode("ascii")
         mac = protocol.session_mac(session.key, message)
@@ -109,6 +117,9 @@ class Heartbeater:
 
         #: Set to send the next heartbeat now (an install's outcome is ready).
         self.wake = threading.Event()
+        #: The last accepted heartbeat was signed (answered at once, with a
+        #: session, even when it asked to be held).
+        self.signed_last = False
         self._malformed = ""
         self._malformed_upgrade = ""
         #: The installation report the last request carried.
@@ -135,9 +146,10 @@ class Heartbeater:
             except (ssl.SSLError, ValueError) as exc:
                 raise AgentError(f"cannot use ca_certificate: {exc}") from exc
 
-    def request(self) -> tuple[bytes, dict[str, str]]:
+    def request(self, hold: float = 0.0) -> tuple[bytes, dict[str, str]]:
         """The next request: body and headers, MACed with the session if one
-        is held and still in use, else signed."""
+        is held and still in use, else signed; asking the server to hold its
+        answer up to ``hold`` seconds while it has nothing to answer."""
         report, warnings = self.report if self.report is not None else (None, None)
         installation = self.installer.pending_report() if self.installer is not None else None
         self._installation = installation
@@ -158,6 +170,7 @@ class Heartbeater:
             self.session,
             public_key=self.public_key,
             sign=lambda message: ed25519_sign(self.seed, message),
+            hold=hold,
         )
         return body, headers
 
@@ -233,8 +246,17 @@ class Heartbeater:
 
         return connection(self.host, self.port, self.context)
 
-    def beat(self) -> None:
-        """Send one heartbeat; raise OSError, HTTPException or AgentError on failure.
+    def may_hold(self) -> bool:
+        """Whether the next heartbeat may ask to be held: not while an
+        install runs, whose outcome must go out as soon as it is ready
+        (`wake`), which a held exchange could not."""
+        return self.installer is None or not self.installer.busy()
+
+    def beat(self, hold: float = 0.0) -> None:
+        """Send one heartbeat, asking the server to hold its answer up to
+        ``hold`` seconds while it has nothing to answer (the long poll of
+        `protocol.HEADER_HOLD`); raise OSError, HTTPException or AgentError
+        on failure.
 
         The connection is kept for the next heartbeat (the server keeps idle
         connections longer than the interval), which spares both sides a
@@ -256,9 +278,10 @@ class Heartbeater:
             if self._conn is None:
                 self._conn = self._connect()
             conn = self._conn
-            body, headers = self.request()
+            body, headers = self.request(hold)
             try:
-                start_exchange(conn, REQUEST_TIMEOUT)
+                # The server answers a held heartbeat up to a sweep late.
+                start_exchange(conn, REQUEST_TIMEOUT + (hold + HOLD_SLACK if hold > 0 else 0.0))
                 conn.request("POST", protocol.HEARTBEAT_PATH, body=body, headers=headers)
                 response = conn.getresponse()
                 answer = response.read(MAX_ANSWER + 1)
@@ -294,6 +317,7 @@ class Heartbeater:
             log(f"ignoring an answer of over {MAX_ANSWER} bytes")
         else:
             self.accepted(answer)
+            self.signed_last = protocol.HEADER_SIGNATURE in headers
             if self.installer is not None and self._installation is not None:
                 self.installer.sent(self._installation)
             self.take_installation(answer)
@@ -304,7 +328,16 @@ class Heartbeater:
 
     def run(self) -> None:
         """Heartbeat forever: every ``interval`` while accepted, else with
-        exponential backoff (1 s doubling, jittered, up to ``backoff_cap``)."""
+        exponential backoff (1 s doubling, jittered, up to ``backoff_cap``).
+
+        Each heartbeat asks to be held up to ``interval`` (`may_hold`): a
+        server that holds it answers as soon as it has a request for this
+        machine, and the next heartbeat then goes out after what is left of
+        the interval since this one went out (none, when it was held the
+        whole interval); a server that answers at once gets one heartbeat
+        an interval, as without holding. A signed heartbeat, which the
+        server answers at once with a session, is followed at once by one
+        with that session, which it can hold."""
         import http.client
         import random
 
@@ -312,8 +345,10 @@ class Heartbeater:
         failing = False
         while True:
             self.wake.clear()  # before the request is made: a later outcome wakes the next
+            sent = time.monotonic()
+            hold = self.interval if self.may_hold() else 0.0
             try:
-                self.beat()
+                self.beat(hold)
             except (OSError, http.client.HTTPException, AgentError) as exc:
                 delay = min(self.backoff_cap, max(1.0, delay * 2)) if failing else 1.0
                 if not failing:
@@ -325,7 +360,11 @@ class Heartbeater:
                 log("heartbeats accepted again")
             failing = False
             delay = 0.0
-            self.wake.wait(self.interval)  # or sooner, when an install's outcome is ready
+            if hold and self.signed_last:
+                continue  # the server holds only the session's heartbeats: the next one
+            left = self.interval - (time.monotonic() - sent)
+            if left > 0:
+                self.wake.wait(left)  # or sooner, when an install's outcome is ready
 
 
 def _is_proto(content_type: str) -> bool:

@@ -49,8 +49,12 @@ second node would fight the first for the fixed ports.
 
 A real block device is installed by `blockdev.install_device` (GPT, image
 on system A read back, boot record, data partition, the boot entry last),
-after the download into a temporary file beside the agent; a node an
-earlier install of this agent runs from the disk is stopped first (its
+after the download into a temporary file beside the agent, which is
+unpacked meanwhile in a thread of its own into the machine's cache
+(`unpack`: the node then starts from files, not from its zip; joined
+before the boot entry; a failure left to the boot helper, which unpacks
+it itself); a node an earlier install of this agent runs from the disk is
+stopped first (its
 data partition is not refused as mounted: `blockdev.stop_installed`). Then, as
 `Settings.after_install` says: "start" (``systemctl daemon-reload``, start
 ``metropolis-node.service`` and wait for its key in /run/metropolis),
@@ -85,7 +89,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import blockdev
+from . import blockdev, unpack
 from .daemon import log
 from .disks import loopback_disks, real_disks, resolve_real, valid_name
 from .download import PART_PREFIX, PART_SUFFIX, DownloadFailed, Limits, Source, download
@@ -556,6 +560,9 @@ def install_device(
         raise InstallFailed(str(exc)) from exc
     step(f"download+verify of {os.path.getsize(tmp)} bytes")
     key_path = os.path.join(blockdev.RUN, "node.key.pub")
+    # Unpacked while the disk is written, so that the node starts from files
+    # as after a warm start (`unpack`); joined before the boot entry.
+    unpacking = _Unpacking(tmp, plan.digest, settings.target.cache_dir)
     try:
         progress("writing")
         stopped = blockdev.stop_installed(settings.target)
@@ -570,6 +577,8 @@ def install_device(
         def boot_step(what: str) -> None:
             step(what)
             if what == "data":  # the boot entry comes next: its node may start
+                waited = unpacking.join()
+                step(f"unpack {waited}, waited")
                 progress("node-started")
 
         blockdev.install_device(
@@ -586,6 +595,7 @@ def install_device(
     except blockdev.DeviceFailed as exc:
         raise InstallFailed(f"installing onto {plan.device}: {exc}") from exc
     finally:
+        unpacking.join()
         _remove(tmp)
         log(f"generation {plan.generation}: " + ", ".join(steps))
     if settings.after_install == "reboot":
@@ -604,6 +614,38 @@ def install_device(
                 f"{done.stderr.decode(errors='replace').strip()[-300:]}"
             )
     return await_device_key(key_path, settings.announce_timeout)
+
+
+class _Unpacking:
+    """`unpack.ensure` of a downloaded (verified) image in a thread of its own.
+
+    Its failure does not fail the install: the boot helper unpacks the
+    image itself when it finds no folder (a slower first start); why is
+    said in the install's log line.
+    """
+
+    def __init__(self, image: str, digest: str, cache: str) -> None:
+        self._started = time.monotonic()
+        self._took = 0.0
+        self._error = ""
+        self._thread = threading.Thread(
+            target=self._run, args=(image, digest, cache), name="unpack", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, image: str, digest: str, cache: str) -> None:
+        try:
+            unpack.ensure(image, digest, cache)
+        except (unpack.UnpackError, OSError) as exc:
+            self._error = str(exc)[:300]
+        self._took = time.monotonic() - self._started
+
+    def join(self) -> str:
+        """Wait until done; what happened, for the log line."""
+        self._thread.join()
+        if self._error:
+            return f"failed, the boot helper unpacks it: {self._error}"
+        return f"in {self._took:.2f}s"
 
 
 def await_device_key(path: str, timeout: float) -> bytes:
@@ -796,6 +838,11 @@ class Installer:
         again only when what it finds differs."""
         with self._lock:
             self._checked = "" if report.node_public_key is not None else (report.error or "")
+
+    def busy(self) -> bool:
+        """Whether an install runs now (its outcome is not recorded yet)."""
+        worker = self._worker
+        return worker is not None and worker.is_alive()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the running install, if any (tests)."""

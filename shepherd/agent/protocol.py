@@ -15,6 +15,11 @@ key over the same bytes instead of a signature, far cheaper for the server,
 until the session ends (its lifetime, or a refusal: the agent then signs
 again).
 
+Long poll: a heartbeat may ask the server to hold its answer while there
+is nothing to answer (`HEADER_HOLD`); the agent then sends its next one
+as soon as a held answer comes, so a request reaches it at once instead of
+at its next heartbeat, and heartbeats still come once an interval.
+
 Standard library only, like all of the agent: the server imports this
 module too, so that both sides take the names and the layout from one place.
 """
@@ -33,6 +38,12 @@ HEADER_SIGNATURE = "Monotrio-Agent-Signature"
 HEADER_SESSION = "Monotrio-Agent-Session"
 #: HMAC-SHA256 (base64) of signed_message under the session key.
 HEADER_MAC = "Monotrio-Agent-Mac"
+#: How long the server may hold the answer to this heartbeat, in
+#: milliseconds (ASCII digits), when it has no request for the agent: it
+#: answers as soon as one is written, or empty when the time is up (the
+#: long poll of `shepherd.agent_server.service`). Not signed: it changes
+#: only when the agent hears, never what. Absent: answered at once.
+HEADER_HOLD = "Monotrio-Agent-Hold-Ms"
 #: Largest session token and session key an agent takes from a server, bytes.
 #: The server's are 89 and 32 bytes (`shepherd.agent_server.session`); the
 #: agent sends the token back in a header of every request, so one of any

@@ -26,10 +26,7 @@ One upgrade::
                           loopback disk with an installed node
     download, verify      beside the agent (real disk) or in the disk's
                           folder, its SHA-256 checked before any use
-    stage                 real disk: the new image started once for its
-                            --help, unpacked into the node unit's shiv cache
-                            while the old node serves (`prewarm_device`);
-                            then `stage_device`: the inactive slot written
+    stage                 real disk: `stage_device`: the inactive slot written
                             raw, read back; the helpers and the boot check
                             refreshed; the slot state points at it for the
                             next boot only
@@ -42,8 +39,10 @@ One upgrade::
                             read back, the slot state pointed at it)
     report STAGED         recorded first (the report survives a restart)
     then                  real disk: ``systemctl reboot`` (``after_stage``);
-                            the boot tries the slot and the boot check keeps
-                            it or goes back. An agent that runs after the
+                            the boot tries the slot (``bootprep`` reads it
+                            off the slot and unpacks it into /run, which the
+                            reboot emptied) and the boot check keeps it or
+                            goes back. An agent that runs after the
                             reboot reads the outcome off the disk's slot state
                             and reports it
                           loopback disk (`LoopbackBoots`): the agent started
@@ -259,37 +258,6 @@ def stage_device(
     slot, size = write_device(disk, image, digest, target)
     activate_device(disk, slot, digest, size, health_timeout)
     return slot
-
-
-def prewarm_device(image: str, target: blockdev.Target, *, timeout: float = 300.0) -> None:
-    """Start ``image`` once for its ``--help`` as the node unit will run it
-    (named ``image.pyz``, with the unit's ``SHIV_ROOT``), while the old node
-    still serves: a new image unpacks its packages into that cache and
-    compiles them at its first start (shiv names the cache folder by the
-    file's name and the image's build id), seconds that would otherwise fall
-    inside the node's downtime after the reboot. Best effort: a failure here
-    is the boot's to find."""
-    import shutil
-    import tempfile
-
-    folder = ""
-    try:
-        folder = tempfile.mkdtemp(prefix=".prewarm-", dir=os.path.dirname(image))
-        link = os.path.join(folder, IMAGE)
-        os.link(image, link)
-        subprocess.run(
-            [target.python, link, "node", "--help"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            env={**os.environ, "SHIV_ROOT": target.shiv_root},
-            timeout=timeout,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        log(f"prewarming the new image: {exc}")
-    finally:
-        if folder:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def refresh_boot_entry(target: blockdev.Target, boot_partuuid: str) -> None:
@@ -737,7 +705,7 @@ class Upgrader:
         return ssl.create_default_context(cadata=self.ca_certificate or None)
 
     def _run(self, request: UpgradeRequest) -> None:
-        """Download, prewarm and write the new image to the inactive slot
+        """Download and write the new image to the inactive slot
         (WRITTEN); then activate it if asked already."""
         g = request.generation
         try:
@@ -757,7 +725,8 @@ class Upgrader:
                 raise UpgradeFailed(str(exc)) from exc
             try:
                 if device:
-                    prewarm_device(tmp, self.settings.target)
+                    # Nothing to unpack ahead here: the boot helper unpacks
+                    # the slot into /run, which the reboot empties.
                     slot, size = write_device(
                         open_device(device), tmp, digest, self.settings.target
                     )

@@ -105,6 +105,12 @@ class AgentServerConfig:
     agent_session_secret: bytes | None = field(default=None, repr=False)
     #: How long an agent session is valid, seconds.
     agent_session_lifetime: float = DEFAULT_LIFETIME
+    #: Longest hold of a heartbeat's answer that carries nothing, seconds
+    #: (the long poll of `shepherd.agent_server.service`; 0: none, and no
+    #: database connection to listen on).
+    max_hold: float = 30.0
+    #: Heartbeats held at once (per process), fewer than ``max_connections``.
+    max_held: int = 8000
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The server's TLS context, or None for plain HTTP; OSError/SSLError if unusable."""
@@ -206,6 +212,8 @@ async def run_agent_server(
         queue_timeout=config.queue_timeout,
         batch_window=config.batch_window,
         sessions=SessionKeys(secret, config.agent_session_lifetime),
+        max_hold=config.max_hold,
+        max_held=config.max_held,
     )
     app = ConnectUnary({HEARTBEAT_PATH: service.heartbeat}, config.limits)
     async with trio.open_nursery() as nursery:

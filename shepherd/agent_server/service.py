@@ -106,13 +106,61 @@ its CPU in the benchmark's profile.
 
 Verified public keys are cached by their bytes (bounded), which saves
 decoding the key, not checking: every signed request's signature is verified.
+
+Long poll: a request reaches its agent at once, not at the agent's next
+heartbeat. A heartbeat may ask to be held (`protocol.HEADER_HOLD`, the
+agent's interval); a session's heartbeat (not a signed one, which gets
+its session at once) is, once written, if its answer carries nothing,
+held until a request for its machine is written, then answered with it,
+or answered empty when its time is up (at most ``max_hold``); the agent
+sends its next heartbeat as soon as a held answer comes, so heartbeats
+still come once an interval and the liveness the BMDB records is as
+before::
+
+    heartbeat (hold h)  registered for its machine ----------+ notification (machine id)
+      written as above: carries a request? answer now        | marks it
+      else held: notified (during the write, or now) -> read the machine's request, answer it
+                 h passed (a sweep every HOLD_TICK)  -> answer empty; the agent's next
+                                                        heartbeat, at once, reads it
+                 a newer heartbeat of the machine holds -> answer empty
+
+The wake is PostgreSQL's LISTEN/NOTIFY (`bmdb.notify`): the transaction
+that writes a request notifies with the machine's id (`bmdb.model.channels`)
+and each server process listens on one connection of its own. Guarantees:
+
+- no request is lost when a notification is: the heartbeat is registered
+  before its write reads the request (a request committed after that
+  read notifies a registered heartbeat), each LISTEN (the first, and after
+  a lost connection: a server restarted, a failover) is followed by one
+  read of the machines with a request, which counts as their
+  notification, and a held answer that times out is followed at once by
+  the agent's next heartbeat, which reads it;
+- held heartbeats are bounded (``max_held`` per process; beyond it, and
+  while the server is not listening, heartbeats are answered at once and
+  the agent waits its interval as it did before);
+- only a heartbeat the database accepted is held or replaces another: a
+  client without the machine's agent key holds nothing; one with it holds
+  one connection at a time;
+- a server restart or failover closes held connections or answers them:
+  the agents send again (their usual retry), which reads what is pending.
+
+Cost when nothing is pending: no statement and no timer per held
+heartbeat (a heap entry, swept every `HOLD_TICK`), one connection per
+process; a heartbeat that asks no hold pays one header lookup.
+
+Why not simpler: polling faster multiplies the fleet's heartbeat writes;
+the Shepherd telling the agent over SSH needs a connection per machine it
+asks; a request pushed on the agent's kept-alive connection is what a long
+poll is, in HTTP/1.1, without a second protocol.
 """
 
 from __future__ import annotations
 
 import binascii
 import dataclasses
+import heapq
 import hmac
+import itertools
 import logging
 import time
 import uuid
@@ -125,7 +173,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
-from bmdb.model import MAX_INSTALLATION_TEXT, AgentHeartbeat, HeartbeatOutcome
+from bmdb.model import MAX_INSTALLATION_TEXT, AgentHeartbeat, HeartbeatOutcome, channels
 from bmdb.model.queries import HeartbeatResult
 from common.numbers import parse_decimal
 from common.protobuf import checked_fields, parse_checked
@@ -134,6 +182,7 @@ from metropolis.proto.configuration import OsImageRef
 from shepherd.agent import wire
 from shepherd.agent.heartbeat import MAX_ANSWER
 from shepherd.agent.protocol import (
+    HEADER_HOLD,
     HEADER_KEY,
     HEADER_MAC,
     HEADER_SESSION,
@@ -159,6 +208,11 @@ logger = logging.getLogger("shepherd.agent_server.service")
 
 #: Default bound on |agent clock - server clock| for a request to count as fresh.
 DEFAULT_FRESHNESS = 300.0
+
+#: How often held heartbeats whose time is up are answered, seconds: one
+#: is answered up to this much later than it asked (the agent's exchange
+#: bound allows for it).
+HOLD_TICK = 0.5
 
 _EMPTY_RESPONSE = bytes(HeartbeatResponse())
 
@@ -417,6 +471,7 @@ def authenticate(
 
 _TIME = HEADER_TIME.lower()
 _SESSION = HEADER_SESSION.lower()
+_HOLD = HEADER_HOLD.lower()
 
 
 def session_response(sessions: SessionKeys, beat: Heartbeat, now_ns: int) -> bytes:
@@ -475,6 +530,46 @@ class _Pending:
 _OVERLOADED = ConnectError("unavailable", "overloaded, try again later")
 
 
+@dataclass(eq=False, slots=True)
+class _Watch:
+    """A heartbeat that may be held, from before its write until answered.
+
+    Registered per machine before the heartbeat is queued, so that a
+    notification for the machine that comes while it is written is not
+    lost (`notified`); held, its task sleeps in
+    `trio.lowlevel.wait_task_rescheduled` until a notification, its time,
+    a newer heartbeat of the same machine, or cancellation.
+    """
+
+    machine_id: uuid.UUID
+    #: Seconds it may be held.
+    hold: float
+    task: trio.lowlevel.Task
+    #: A request for its machine was written since it was registered.
+    notified: bool = False
+    #: A newer heartbeat of the machine took its place.
+    superseded: bool = False
+    #: Sleeping until woken (only then may it be rescheduled).
+    held: bool = False
+
+
+@dataclass
+class HoldStats:
+    """Counters of held heartbeats (one service)."""
+
+    #: Heartbeats held (that waited for a request).
+    held: int = 0
+    #: Held ones answered because a request for their machine was written.
+    notified: int = 0
+    #: Held ones answered empty because their time was up.
+    timed_out: int = 0
+    #: Held ones answered empty because a newer heartbeat of the machine came.
+    superseded: int = 0
+    #: Heartbeats that asked to be held and were answered at once: the
+    #: bound on held heartbeats was reached, or the server was not listening.
+    not_held: int = 0
+
+
 class HeartbeatService:
     """The Heartbeat method, writing through ``conn`` in groups.
 
@@ -492,7 +587,14 @@ class HeartbeatService:
         max_batch: int = 512,
         clock: Callable[[], int] = time.time_ns,
         sessions: SessionKeys | None = None,
+        max_hold: float = 0.0,
+        max_held: int = 8000,
     ) -> None:
+        """``max_hold``: longest hold of an answer with nothing to carry,
+        seconds (0: none; see the module's "Long poll"); ``max_held``: most
+        heartbeats held at once."""
+        if max_hold < 0 or max_held < 0:
+            raise ValueError("max_hold and max_held must not be negative")
         self._conn = conn
         #: Issues and checks sessions; by default under a secret of this service's own.
         self.sessions = sessions if sessions is not None else SessionKeys(new_secret())
@@ -505,6 +607,19 @@ class HeartbeatService:
         # Insertion-ordered; a dict so that a timed-out member leaves in O(1).
         self._queue: dict[_Pending, None] = {}
         self._arrived = trio.Event()
+        self.max_hold = max_hold
+        self.max_held = max_held
+        #: The heartbeats that may be held, by machine (usually one each).
+        self._watches: dict[uuid.UUID, list[_Watch]] = {}
+        #: How many are held now.
+        self._held = 0
+        #: (deadline, order, watch) of held heartbeats; answered ones stay
+        #: until their deadline passes (cheaper than taking them out).
+        self._deadlines: list[tuple[float, int, _Watch]] = []
+        self._order = itertools.count()
+        #: Whether requests are heard (`run`'s listener): holds only then.
+        self._listening: Callable[[], bool] = lambda: False
+        self.hold_stats = HoldStats()
 
     async def heartbeat(self, headers: Mapping[str, str], body: bytes) -> bytes:
         """Handle one request (a `shepherd.agent_server.connect.Handler`).
@@ -516,40 +631,198 @@ class HeartbeatService:
         beat = authenticate(
             headers, body, now_ns=self._clock(), freshness=self.freshness, sessions=self.sessions
         )
-        pending = _Pending(beat, trio.current_time(), trio.lowlevel.current_task())
-        queue = self._queue
-        queue[pending] = None
-        self._arrived.set()
+        # Inline rather than a helper's frame: the common heartbeat asks no hold.
+        # A signed one is answered at once: it gets the session its agent
+        # MACs the next ones with (one after the agent starts, one an hour).
+        watch = None
+        if _HOLD in headers:
+            hold = self._hold_asked(headers, beat.signed)
+            if hold > 0:
+                watch = self._watch(beat.machine_id, hold)
+        try:
+            pending = _Pending(beat, trio.current_time(), trio.lowlevel.current_task())
+            queue = self._queue
+            queue[pending] = None
+            self._arrived.set()
 
-        def abort(_: object) -> trio.lowlevel.Abort:
-            if pending in queue:  # cancelled while queued: never written
-                del queue[pending]
+            def abort(_: object) -> trio.lowlevel.Abort:
+                if pending in queue:  # cancelled while queued: never written
+                    del queue[pending]
+                    return trio.lowlevel.Abort.SUCCEEDED
+                return trio.lowlevel.Abort.FAILED  # being written: its writer wakes it
+
+            # Woken by its group's writer, or by `_expire` (queued too long).
+            await trio.lowlevel.wait_task_rescheduled(abort)
+            result = pending.outcome
+            if isinstance(result, ConnectError):  # shared by the group: raise a copy
+                raise ConnectError(result.code, result.message)
+            assert result is not None  # woken with an outcome, always
+            outcome = result.outcome
+            if outcome is HeartbeatOutcome.UNKNOWN_AGENT:
+                logger.info("refused heartbeat: unknown machine %s or key", beat.machine_id)
+                raise ConnectError("unauthenticated", "machine id or public key unknown")
+            if outcome is HeartbeatOutcome.REPLAYED:
+                logger.warning("refused replayed heartbeat for %s", beat.machine_id)
+                raise ConnectError("unauthenticated", "replayed request")
+            logger.debug(
+                "heartbeat from %s%s",
+                beat.machine_id,
+                " with hardware report" if beat.hardware_report is not None else "",
+            )
+            if (
+                watch is not None
+                and result.installation_request is None
+                and result.upgrade_request is None
+            ):
+                result = await self._hold(watch)
+            response = (
+                session_response(self.sessions, beat, self._clock())
+                if beat.signed
+                else _EMPTY_RESPONSE
+            )
+            response = with_installation_request(response, result.installation_request)
+            return with_upgrade_request(response, result.upgrade_request)
+        finally:
+            if watch is not None:
+                self._unwatch(watch)
+
+    def _hold_asked(self, headers: Mapping[str, str], signed: bool) -> float:
+        """Seconds this heartbeat may be held: what it asks (`HEADER_HOLD`),
+        at most `max_hold`; 0 when it asks none, is signed, or may not be
+        held now (not listening, or `max_held` held already). `ConnectError`
+        if the header is malformed."""
+        text = headers[_HOLD]
+        try:
+            asked = parse_decimal(text, max_digits=9, what=HEADER_HOLD) / 1000
+        except ValueError as exc:
+            raise ConnectError("invalid_argument", str(exc)) from None
+        if asked <= 0 or self.max_hold <= 0 or signed:
+            return 0.0
+        if self._held >= self.max_held or not self._listening():
+            self.hold_stats.not_held += 1
+            return 0.0
+        return min(asked, self.max_hold)
+
+    def _watch(self, machine_id: uuid.UUID, hold: float) -> _Watch:
+        """Register a heartbeat that may be held, before it is written (so
+        that a notification meanwhile marks it). Not yet authenticated by
+        the database: it takes no other heartbeat's place until it holds."""
+        watch = _Watch(machine_id, hold, trio.lowlevel.current_task())
+        self._watches.setdefault(machine_id, []).append(watch)
+        return watch
+
+    def _unwatch(self, watch: _Watch) -> None:
+        watches = self._watches[watch.machine_id]
+        watches.remove(watch)
+        if not watches:
+            del self._watches[watch.machine_id]
+
+    def _wake(self, watch: _Watch) -> None:
+        watch.held = False
+        self._held -= 1
+        trio.lowlevel.reschedule(watch.task)
+
+    def notified(self, channel: str, payload: str) -> None:
+        """A notification (`bmdb.notify.Listener`'s ``on_notify``): a request
+        was written for machine ``payload``; its held heartbeat, if any,
+        reads it and answers. Payloads that are not machine ids are ignored."""
+        try:
+            machine_id = uuid.UUID(payload)
+        except ValueError:
+            logger.warning("ignoring a notification on %s of %r", channel, payload[:100])
+            return
+        for watch in self._watches.get(machine_id, ()):
+            watch.notified = True
+            if watch.held:
+                self.hold_stats.notified += 1
+                self._wake(watch)
+
+    async def catch_up(self) -> None:
+        """What the listener runs once it listens (again): every machine with
+        a request to carry counts as notified, since its notification may
+        have come while nobody listened. One statement."""
+        if not self._watches:
+            return
+        async with self._slots:
+            pending = await self._conn.transact(
+                lambda q: q.machines_with_agent_requests(), isolation=Isolation.READ_COMMITTED
+            )
+        for machine_id in pending:
+            self.notified(channels.AGENT_REQUEST, str(machine_id))
+
+    async def _hold(self, watch: _Watch) -> HeartbeatResult:
+        """Hold a written (so authenticated) heartbeat that carries nothing
+        until a request for its machine is written (then read it: the
+        answer), its time is up, or a newer heartbeat of its machine holds
+        (then nothing). Cancelled, it ends at once."""
+        if not watch.notified:
+            if self._held >= self.max_held:
+                self.hold_stats.not_held += 1
+                return _ACCEPTED
+            for other in self._watches[watch.machine_id]:
+                if other.held:  # an older one (the agent gave up on it): this one replaces it
+                    other.superseded = True
+                    self.hold_stats.superseded += 1
+                    self._wake(other)
+            self.hold_stats.held += 1
+            deadline = trio.current_time() + watch.hold
+            heapq.heappush(self._deadlines, (deadline, next(self._order), watch))
+            watch.held = True
+            self._held += 1
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                watch.held = False  # nobody reschedules it now
+                self._held -= 1
                 return trio.lowlevel.Abort.SUCCEEDED
-            return trio.lowlevel.Abort.FAILED  # being written: its writer wakes it
 
-        # Woken by its group's writer, or by `_expire` (queued too long).
-        await trio.lowlevel.wait_task_rescheduled(abort)
-        result = pending.outcome
-        if isinstance(result, ConnectError):  # shared by the group: raise a copy
-            raise ConnectError(result.code, result.message)
-        assert result is not None  # woken with an outcome, always
-        outcome = result.outcome
-        if outcome is HeartbeatOutcome.UNKNOWN_AGENT:
-            logger.info("refused heartbeat: unknown machine %s or key", beat.machine_id)
-            raise ConnectError("unauthenticated", "machine id or public key unknown")
-        if outcome is HeartbeatOutcome.REPLAYED:
-            logger.warning("refused replayed heartbeat for %s", beat.machine_id)
-            raise ConnectError("unauthenticated", "replayed request")
-        logger.debug(
-            "heartbeat from %s%s",
-            beat.machine_id,
-            " with hardware report" if beat.hardware_report is not None else "",
-        )
-        response = (
-            session_response(self.sessions, beat, self._clock()) if beat.signed else _EMPTY_RESPONSE
-        )
-        response = with_installation_request(response, result.installation_request)
-        return with_upgrade_request(response, result.upgrade_request)
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        if watch.notified and not watch.superseded:
+            return await self._read_pending(watch.machine_id)
+        return _ACCEPTED
+
+    async def _read_pending(self, machine_id: uuid.UUID) -> HeartbeatResult:
+        """The machine's request to carry, read anew (as its group's write
+        reads it, refusals stored the same way). A database that fails it
+        answers nothing: the agent's next heartbeat reads it again."""
+        notes: list[str] = []
+
+        async def body(q: Queries) -> HeartbeatResult:
+            notes.clear()  # a retried transaction starts over
+            result = await q.agent_pending(machine_id)
+            raw, generation = result.installation_request, result.installation_generation
+            if raw is not None and generation is not None:
+                why = request_refusal(raw, generation)
+                if why is not None:
+                    await _refuse_request(q, machine_id, generation, why, notes)
+                    # Refused: not carried (an upgrade stays).
+                    return dataclasses.replace(
+                        result, installation_request=None, installation_generation=None
+                    )
+            return result
+
+        try:
+            async with self._slots:
+                result = await self._conn.transact(body, isolation=Isolation.READ_COMMITTED)
+        except BMDBError as exc:
+            logger.warning(
+                "machine %s: request not read for its held heartbeat: %s", machine_id, exc
+            )
+            return _ACCEPTED
+        for note in notes:
+            logger.info("%s", note)
+        return result
+
+    async def _release_holds(self) -> None:
+        """Answer held heartbeats whose time is up, every `HOLD_TICK`, until cancelled."""
+        deadlines = self._deadlines
+        while True:
+            await trio.sleep(HOLD_TICK)
+            now = trio.current_time()
+            while deadlines and deadlines[0][0] <= now:
+                watch = heapq.heappop(deadlines)[2]
+                if watch.held:
+                    self.hold_stats.timed_out += 1
+                    self._wake(watch)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer: form groups from the queue and write them, until cancelled.
@@ -560,6 +833,13 @@ class HeartbeatService:
         """
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._expire)
+            if self.max_hold > 0:
+                nursery.start_soon(self._release_holds)
+                listener = self._conn.listener(
+                    [channels.AGENT_REQUEST], self.notified, on_listening=self.catch_up
+                )
+                self._listening = lambda: listener.listening
+                await nursery.start(listener.run)
             task_status.started()
             while True:
                 while not self._queue:
@@ -676,6 +956,9 @@ class HeartbeatService:
             self._slots.release()
             for pending, outcome in zip(group, outcomes, strict=True):
                 pending.wake(outcome)
+
+
+_ACCEPTED = HeartbeatResult(HeartbeatOutcome.ACCEPTED)
 
 
 def request_refusal(raw: bytes, generation: int) -> str | None:

@@ -18,11 +18,15 @@ LAYERS = {
     "bmdb.migrations": 2,
     "bmdb._pool": 2,
     "bmdb.transaction": 3,
+    # LISTEN on a connection of its own (the driver's), beside the pool.
+    "bmdb.notify": 3,
     "bmdb.work": 4,
     "bmdb.session": 5,
     "bmdb.connection": 6,
     "bmdb.localserver": 7,
     "bmdb.localha": 8,
+    # The Patroni members' and HAProxy's configurations (pure functions).
+    "bmdb.localha_config": 7,
     # Operator views, and what shows them (metrics; the web UI is the
     # console's, above this package).
     "bmdb.overview": 7,

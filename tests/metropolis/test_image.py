@@ -6,6 +6,7 @@ project's packages, with a PATH that has no etcd.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -69,6 +70,25 @@ def test_the_image_holds_the_node_and_not_the_fleet_half(image: Path) -> None:
     assert manifest.etcd_sha256 == _sha256(ETCD)
     assert manifest.python == python_tag()
     assert (etcd_info.external_attr >> 16) & 0o777 == 0o755
+
+
+def test_the_image_carries_its_bytecode_unchecked(image: Path) -> None:
+    """Every module of the image has its bytecode beside it, hash-based and
+    unchecked (PEP 552 flags 0b01), so that no first start compiles it."""
+    tag = sys.implementation.cache_tag
+    with zipfile.ZipFile(image) as archive:
+        names = set(archive.namelist())
+        sources = [
+            n for n in names if n.startswith("site-packages/metropolis/") and n.endswith(".py")
+        ]
+        assert sources
+        for source in sources:
+            folder, _, file = source.rpartition("/")
+            compiled = f"{folder}/__pycache__/{file[:-3]}.{tag}.pyc"
+            assert compiled in names, compiled
+        header = archive.read(f"site-packages/metropolis/image/__pycache__/entry.{tag}.pyc")[:8]
+    assert header[:4] == importlib.util.MAGIC_NUMBER
+    assert int.from_bytes(header[4:8], "little") == 0b01
 
 
 def test_it_runs_on_the_system_python_without_the_project(

@@ -1,10 +1,9 @@
-"""A second release of a built node image (`metropolis.image.variant`), and the
-agent's prewarm of a new image (`shepherd.agent.upgrade.prewarm_device`).
+"""A second release of a built node image (`metropolis.image.variant`).
 
 The variant runs on Debian's own python3 as the image does, under another
 name and digest, and unpacks into a shiv cache folder of its own (a new
-build id); the prewarm leaves that folder where the node unit will look
-for it, under the name the unit runs the image by.
+build id), and into a folder of its own beside the original's when the
+boot helper unpacks it (`shepherd.agent.unpack`), from which it runs.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ import pytest
 
 from metropolis.image.errors import ImageError
 from metropolis.image.variant import release_variant
-from shepherd.agent import blockdev
-from shepherd.agent.upgrade import prewarm_device
+from shepherd.agent import unpack
 
 
 def _build_id(image: Path) -> str:
@@ -69,17 +67,25 @@ def test_a_variant_of_what_is_no_shiv_image_is_refused(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.pyz"]
 
 
-def test_the_agent_prewarms_a_new_image_where_the_node_unit_runs_it(
+def test_a_variant_unpacks_beside_the_original_and_runs_from_its_folder(
     node_image: Path, tmp_path: Path
 ) -> None:
-    variant = release_variant(node_image, "prewarmed", tmp_path)
-    download = tmp_path / ".image-download.part"  # as the agent's download names it
-    download.write_bytes(variant.read_bytes())
-    target = blockdev.Target(shiv_root=str(tmp_path / "shiv"), python="/usr/bin/python3")
-    prewarm_device(str(download), target)
-    # The unit runs /run/metropolis/image.pyz: shiv's folder is named by that
-    # file name and the build id, whatever the download was called.
-    unpacked = tmp_path / "shiv" / f"image.pyz_{_build_id(variant)}"
-    assert (unpacked / "site-packages" / "metropolis").is_dir()
-    assert download.read_bytes() == variant.read_bytes()  # left as it was
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".prewarm-")) == []
+    variant = release_variant(node_image, "unpacked", tmp_path)
+    cache = tmp_path / "cache"
+    digests = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (node_image, variant)]
+    for image, digest in zip((node_image, variant), digests, strict=True):
+        unpack.ensure(str(image), digest, str(cache))
+    assert sorted(p.name for p in cache.iterdir()) == sorted(digests)
+    run = subprocess.run(
+        ["/usr/bin/python3", "-I", str(cache / digests[1]), "node", "--help"],
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "usage: metropolis node" in run.stdout
+    # The boot keeps the chosen image's folder alone.
+    unpack.prune(str(cache), keep=digests[1])
+    assert [p.name for p in cache.iterdir()] == [digests[1]]

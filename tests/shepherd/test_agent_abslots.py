@@ -14,17 +14,19 @@ The data partition is read back unchanged at the end of every scenario.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from shepherd.agent import abslots, blockdev, upgrade
+from shepherd.agent import abslots, blockdev, unpack, upgrade
 from shepherd.agent.abslots import SlotError, SlotImage, SlotState
 from shepherd.agent.blockdev import Layout, Target
 from tests.shepherd.agent_install import stand_in_image
@@ -158,7 +160,7 @@ class Disk:
         self.target = Target(
             systemd_root=str(folder / "systemd"),
             helper_dir=str(folder / "lib"),
-            shiv_root=str(folder / "shiv"),
+            cache_dir=str(folder / "run" / "images"),
         )
         (folder / "systemd").mkdir()
         self.images: dict[str, bytes] = {}
@@ -175,8 +177,10 @@ class Disk:
         self.partuuids = done.partitions.partuuids
         self.data_before = self.data()
 
-    def image(self, name: str, size: int = 0) -> Path:
-        data = stand_in_image(payload=name.encode(), size=size or 300_000 + len(self.images))
+    def image(self, name: str, size: int = 0, *, unpackable: bool = True) -> Path:
+        data = stand_in_image(
+            payload=name.encode(), size=size or 300_000 + len(self.images), unpackable=unpackable
+        )
         path = self.folder / f"{name}.pyz"
         path.write_bytes(data)
         self.images[hashlib.sha256(data).hexdigest()] = data
@@ -217,10 +221,10 @@ class Disk:
             f"sys.path.insert(0, {self.target.helper_dir!r})\n"
             "import bootprep\n"
             f"bootprep.RUN = {str(self.run)!r}\n"
-            "sys.exit(bootprep.main(sys.argv[1]))\n"
+            "sys.exit(bootprep.main(sys.argv[1], sys.argv[2]))\n"
         )
         return subprocess.run(
-            [sys.executable, "-c", script, self.partuuids[0]],
+            [sys.executable, "-c", script, self.partuuids[0], self.target.cache_dir],
             env={**os.environ, abslots.CRASH_ENV: crash},
             capture_output=True,
             check=False,
@@ -228,9 +232,18 @@ class Disk:
 
     def booted(self) -> dict[str, object]:
         info = json.loads((self.run / abslots.BOOT_INFO).read_bytes())
-        extracted = hashlib.sha256((self.run / "image.pyz").read_bytes()).hexdigest()
-        assert extracted == info["image_sha256"], "the extracted image is the one booted"
         assert isinstance(info, dict)
+        # The node runs the booted image unpacked: the link names its folder,
+        # whose files are the image's; no other image's folder is left.
+        cache = Path(self.target.cache_dir)
+        folder = cache / str(info["image_sha256"])
+        assert os.readlink(self.run / "node") == str(folder)
+        assert unpack.complete(str(folder))
+        payload = self.images[str(info["image_sha256"])]
+        with zipfile.ZipFile(io.BytesIO(payload)) as archive:
+            assert (folder / "site-packages" / "payload").read_bytes() == archive.read("payload")
+        assert [p.name for p in cache.iterdir()] == [folder.name]
+        assert not (self.run / "image.pyz.tmp").exists()
         return info
 
     def healthy(self, info: dict[str, object]) -> None:
@@ -323,6 +336,15 @@ def test_an_upgrade_is_tried_kept_and_a_bad_one_goes_back(
     assert (info["slot"], info["trial"]) == ("b", False)
     assert info["rolled_back_sha256"] == disk.sha(fourth)
     assert "does not match its SHA-256" in str(info["rollback_cause"])
+    # A try whose image reads back whole but does not unpack (no entry
+    # point): given up at once too, the old slot's folder linked.
+    fifth = disk.image("fifth", unpackable=False)
+    assert disk.stage(fifth).stdout.decode().strip() == "a"
+    _ok(disk.boot())
+    info = disk.booted()
+    assert (info["slot"], info["trial"]) == ("b", False)
+    assert info["rolled_back_sha256"] == disk.sha(fifth)
+    assert "not a shiv zipapp" in str(info["rollback_cause"]), info
     assert disk.data() == disk.data_before
 
 
@@ -468,8 +490,9 @@ def test_the_agent_stages_a_request_and_reads_the_outcome_off_the_disk(
         )
 
     with serve_images((tls.certfile, tls.keyfile)) as server:
-        data = stand_in_image(payload=b"second", size=250_000)
+        data = stand_in_image(payload=b"second", size=250_000, unpackable=True)
         digest = server.add(data)
+        disk.images[digest] = data  # what booting it must unpack
         image = wire.OSImageRef("https", f"127.0.0.1:{server.port}", "metropolis-node", "",
                                 f"sha256:{digest}")  # fmt: skip
         name = os.path.basename(disk.device)

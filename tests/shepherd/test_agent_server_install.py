@@ -61,7 +61,10 @@ class Agent:
     session: wire.AgentSession | None = None
     last_ns: int = 0
 
-    async def post(self, report: OsInstallationReport | None = None) -> tuple[int, bytes]:
+    async def post(
+        self, report: OsInstallationReport | None = None, *, hold: str | None = None
+    ) -> tuple[int, bytes]:
+        """One heartbeat; ``hold``: the value of its `protocol.HEADER_HOLD`, if any."""
         body = bytes(HeartbeatRequest(machine_id=str(self.machine_id), installation_report=report))
         now = max(time.time_ns(), self.last_ns + 1)
         self.last_ns = now
@@ -79,15 +82,19 @@ class Agent:
             headers[protocol.HEADER_SESSION] = base64.b64encode(self.session.token).decode()
             mac = protocol.session_mac(self.session.key, message)
             headers[protocol.HEADER_MAC] = base64.b64encode(mac).decode()
-        async with httpx.AsyncClient() as client:
+        if hold is not None:
+            headers[protocol.HEADER_HOLD] = hold
+        async with httpx.AsyncClient(timeout=None if hold is not None else 5.0) as client:
             response = await client.post(
                 self.url + protocol.HEARTBEAT_PATH, content=body, headers=headers
             )
         return response.status_code, response.content
 
-    async def beat(self, report: OsInstallationReport | None = None) -> bytes:
+    async def beat(
+        self, report: OsInstallationReport | None = None, *, hold: str | None = None
+    ) -> bytes:
         """One accepted heartbeat's answer (the session it carries is kept)."""
-        status, answer = await self.post(report)
+        status, answer = await self.post(report, hold=hold)
         assert status == 200, answer
         session = wire.decode_heartbeat_session(answer)
         if session is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import bmdb
 from bmdb import Provider, Queries
@@ -80,9 +81,9 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
             first.process.send_signal(signal.SIGTERM)
 
 
-async def _register(cluster: Cluster) -> bytes:
+async def _register(cluster: Cluster, key: Ed25519PrivateKey | None = None) -> bytes:
     """A new node registers (and stays NEW); its public key."""
-    key, join = pki.generate_key(), pki.generate_key()
+    key, join = key or pki.generate_key(), pki.generate_key()
     assert cluster.info.cluster_directory is not None
     endpoints = endpoints_from_directory(cluster.info.cluster_directory, cluster.curator_port)
     ca = pki.decode_certificate(cluster.info.ca_certificate)
@@ -328,3 +329,46 @@ async def test_a_decommissioning_machine_s_node_is_not_approved(
         approved = await Approver(cluster.access, bmdb_conn).round()
         assert [a.node_id for a in approved] == [identity.node_id(staying)]
         assert (await _states(cluster))[leaving] == "NEW"
+
+
+async def test_a_stored_report_wakes_the_approver(
+    cluster: Cluster, bmdb_conn: bmdb.Connection
+) -> None:
+    """With an interval longer than the test's bound, only the report's
+    notification can have the node approved: once registered before its
+    report, once after it (the node calls the cluster after it announced
+    its key, which its agent reports)."""
+    approver = Approver(cluster.access, bmdb_conn)
+    with trio.fail_after(BOUND):
+        first = await _register(cluster)
+        machine = await _machine(bmdb_conn, "first", 1, None, b"")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(approver.serve, 3600.0)
+            while approver.rounds < 1:  # noqa: ASYNC110 (the first round, before the report)
+                await trio.sleep(0.05)
+            await bmdb_conn.transact(
+                lambda q: q.record_os_installation_report(
+                    machine, 1, _success(1, first), True, None, first
+                )
+            )
+            while (await _states(cluster))[first] == "NEW":  # noqa: ASYNC110 (the curator's)
+                await trio.sleep(0.1)
+
+            # Reported first, registered after: the quick rounds find it.
+            second = pki.generate_key()
+            public = pki.public_key_bytes(second)
+            machine = await _machine(bmdb_conn, "second", 1, None, b"")
+            rounds = approver.rounds
+            await bmdb_conn.transact(
+                lambda q: q.record_os_installation_report(
+                    machine, 1, _success(1, public), True, None, public
+                )
+            )
+            # A round after the report's own has begun: the report was
+            # seen before the node registered.
+            while approver.rounds < rounds + 2:  # noqa: ASYNC110 (the approver's rounds)
+                await trio.sleep(0.05)
+            await _register(cluster, second)
+            while (await _states(cluster))[public] == "NEW":  # noqa: ASYNC110 (the curator's)
+                await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()

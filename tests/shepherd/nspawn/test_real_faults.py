@@ -110,7 +110,7 @@ async def no_node(rig: RealThread, index: int) -> None:
     """Nothing runs a node, and nothing would at the next boot."""
     units = await rig.sh(index, "ls /etc/systemd/system | grep metropolis-", check=False)
     assert units.stdout.split() == [AGENT_UNIT]  # the agent's only: no boot entry
-    running = await rig.sh(index, "pgrep -f image.pyz", check=False)
+    running = await rig.sh(index, f"pgrep -f '{blockdev.NODE_LINK} node'", check=False)
     assert running.returncode == 1, running.stdout
     state = await rig.sh(index, f"systemctl is-active {blockdev.NODE_UNIT}", check=False)
     assert state.stdout.strip() == "inactive"

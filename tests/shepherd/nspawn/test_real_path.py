@@ -404,7 +404,7 @@ async def test_decommission_wipes_the_disk_for_real(rig: RealThread) -> None:
     # And on the machine: no unit, no node, no agent.
     left = (await rig.sh(2, "ls /etc/systemd/system | grep metropolis", check=False)).stdout
     assert left == ""
-    assert (await rig.sh(2, "pgrep -f image.pyz", check=False)).returncode == 1
+    assert (await rig.sh(2, f"pgrep -f '{blockdev.NODE_LINK} node'", check=False)).returncode == 1
     assert (await rig.sh(2, "pgrep -f /root/agent", check=False)).returncode == 1
     assert (
         json.loads((await rig.sh(2, "lsblk -J -o NAME " + str(disk.device))).stdout)[
