@@ -313,12 +313,38 @@ _AGENT_PENDING = """
                       WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
 """
 
+# A machine's carried upgrade request as `_RECORD_HEARTBEATS` reads it, alone.
+_AGENT_PENDING_UPGRADE = """
+    SELECT mu.generation,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
+                                 WHERE dc.machine_id = mu.machine_id)
+                THEN mu.request_raw END
+    FROM machine_upgrade mu
+    WHERE mu.machine_id = %s
+      AND mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
+      AND (mu.state = 'requested'
+           OR EXISTS (SELECT 1 FROM upgrade_run ur
+                      WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))
+    ORDER BY mu.state = 'requested' DESC LIMIT 1
+"""
+
 _MACHINES_WITH_AGENT_REQUESTS = """
     SELECT q.machine_id FROM machine_os_installation_request q
     WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
                       WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
       AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = q.machine_id)
+    UNION
+    SELECT mu.machine_id FROM machine_upgrade mu
+    WHERE mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
+      AND (mu.state = 'requested'
+           OR EXISTS (SELECT 1 FROM upgrade_run ur
+                      WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))
+      AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = mu.machine_id)
 """
+
+# The agent callback server is told that a machine's agent has an upgrade
+# request to carry (`channels.AGENT_REQUEST`), as for an installation.
+_NOTIFY_AGENT_REQUEST = f"SELECT pg_notify('{channels.AGENT_REQUEST}', %s::text)"
 
 
 _FOR_PROCESS = f"""
@@ -866,19 +892,29 @@ class Queries:
         """What an accepted heartbeat of the machine's agent would be answered
         with now (`record_agent_heartbeats_pending`'s result for it), without
         writing a heartbeat: for an answer held until a request appears."""
+        result = _ACCEPTED
         rows = await self.execute(_AGENT_PENDING, (as_uuid(machine_id),))
-        if not rows:
-            return _ACCEPTED
-        [(generation, request)] = rows
-        return HeartbeatResult(
-            HeartbeatOutcome.ACCEPTED,
-            None if request is None else bytes(request),
-            int(generation),
-        )
+        if rows:
+            [(generation, request)] = rows
+            result = dataclasses.replace(
+                result,
+                installation_request=None if request is None else bytes(request),
+                installation_generation=int(generation),
+            )
+        rows = await self.execute(_AGENT_PENDING_UPGRADE, (as_uuid(machine_id),))
+        if rows:
+            [(generation, request)] = rows
+            result = dataclasses.replace(
+                result,
+                upgrade_request=None if request is None else bytes(request),
+                upgrade_generation=int(generation),
+            )
+        return result
 
     async def machines_with_agent_requests(self) -> set[uuid.UUID]:
         """The machines whose agents have a request to carry (the pending OS
-        installation requests of machines not being decommissioned): what a
+        installation and upgrade requests of machines not being
+        decommissioned): what a
         listener on `channels.AGENT_REQUEST` reads when it listens anew."""
         rows = await self.execute(_MACHINES_WITH_AGENT_REQUESTS, ())
         return {machine_id for (machine_id,) in rows}
@@ -1293,6 +1329,8 @@ class Queries:
                RETURNING 1""",
             (generation, bytes(request), as_uuid(run_id), as_uuid(machine_id)),
         )
+        if rows:
+            await self.execute(_NOTIFY_AGENT_REQUEST, (str(as_uuid(machine_id)),))
         return bool(rows)
 
     async def request_upgrade(
@@ -1329,6 +1367,7 @@ class Queries:
                WHERE run_id = %s AND machine_id = %s""",
             (generation, bytes(request), run.run_id, as_uuid(machine_id)),
         )
+        await self.execute(_NOTIFY_AGENT_REQUEST, (str(as_uuid(machine_id)),))
         return None
 
     async def set_upgrade_order(

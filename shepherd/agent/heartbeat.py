@@ -248,9 +248,11 @@ class Heartbeater:
 
     def may_hold(self) -> bool:
         """Whether the next heartbeat may ask to be held: not while an
-        install runs, whose outcome must go out as soon as it is ready
-        (`wake`), which a held exchange could not."""
-        return self.installer is None or not self.installer.busy()
+        install or an upgrade's step runs, whose outcome must go out as soon
+        as it is ready (`wake`), which a held exchange could not."""
+        if self.installer is not None and self.installer.busy():
+            return False
+        return self.upgrader is None or not self.upgrader.busy()
 
     def beat(self, hold: float = 0.0) -> None:
         """Send one heartbeat, asking the server to hold its answer up to

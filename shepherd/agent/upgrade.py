@@ -645,6 +645,11 @@ class Upgrader:
                 str(report.get("slot", "")),
             )
 
+    def busy(self) -> bool:
+        """Whether an upgrade's step runs now (it reports when it is done)."""
+        with self._lock:
+            return self._busy
+
     def join(self, timeout: float | None = None) -> None:
         """Wait for the running upgrade, if any (tests)."""
         worker = self._worker
