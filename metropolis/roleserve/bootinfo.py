@@ -5,11 +5,17 @@ the cluster itself (``owner nodes``, the console, the Shepherd's upgrade
 gate) says which image each node runs, not the machine's agent. Two
 sources, both optional:
 
-    the image       ``METROPOLIS_IMAGE``: the node image file this process
-                    runs from (:mod:`metropolis.image.entry` sets it to the
-                    zipapp's path). Its SHA-256 is computed once, from the
-                    file itself: the image's digest is its name, and what the
-                    node reports is what it runs, whatever anybody says.
+    the image       ``METROPOLIS_IMAGE``: the node image this process runs
+                    from (:mod:`metropolis.image.entry` sets it to
+                    ``sys.argv[0]``). A zipapp file: its SHA-256, computed
+                    once from the file itself: the image's digest is its
+                    name, and what the node reports is what it runs,
+                    whatever anybody says. A folder (the image unpacked into
+                    files, ``shepherd/agent/unpack.py``; an installed node
+                    runs from /run/metropolis/node, a link to it): the name
+                    of the folder the path resolves to, which is the SHA-256
+                    of the image it was unpacked from (checked before it was
+                    unpacked; hashing the files would say nothing more).
                     Absent (a node run from source): no digest.
     the boot info   ``--boot-info FILE`` (or ``METROPOLIS_BOOT_INFO``), the
                     JSON the boot wrote: ``bootprep`` on a real disk, the
@@ -37,6 +43,7 @@ Blocking reads (small files, a hash once): callers use a thread
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -121,7 +128,14 @@ def parse_boot_info(data: bytes) -> BootInfo:
     return BootInfo(str(slot), image, trial, rolled_back, cause)
 
 
-def _file_sha256(path: str) -> str:
+def _image_sha256(path: str) -> str:
+    """The SHA-256 of the image at ``path``, a zipapp or its unpacked folder
+    (see the module); OSError if it cannot be told."""
+    if os.path.isdir(path):
+        name = os.path.basename(os.path.realpath(path))
+        if not _HEX64.fullmatch(name):
+            raise OSError(errno.EINVAL, "a folder not named by an image's SHA-256")
+        return name
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -151,7 +165,7 @@ class RunningImageSource:
         """The running image now (blocking: a hash at the first call, a small read)."""
         if self._digest is None and self.image is not None:
             try:
-                self._digest = _file_sha256(self.image)
+                self._digest = _image_sha256(self.image)
             except OSError as e:
                 self._tell(f"cannot read the node image {self.image}: {e.strerror or e}")
                 self._digest = ""

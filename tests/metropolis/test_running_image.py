@@ -104,6 +104,26 @@ def test_the_image_file_is_the_truth_and_a_bad_boot_info_is_slot_none(tmp_path: 
     assert RunningImageSource(info, image=None).read_sync().digest == f"sha256:{HEX}"
 
 
+def test_an_unpacked_image_is_known_by_its_folder_s_name(tmp_path: Path) -> None:
+    """A node run from the image unpacked (``python3 /run/metropolis/node``,
+    a link to the folder named by the image's SHA-256) reports that digest,
+    not a boot info's; a folder of another name reports none of its own."""
+    digest = hashlib.sha256(b"the node image").hexdigest()
+    folder = tmp_path / "images" / digest
+    folder.mkdir(parents=True)
+    (folder / "__main__.py").write_text("")
+    link = tmp_path / "node"
+    link.symlink_to(folder)
+    info = tmp_path / "boot.json"
+    info.write_bytes(_info(slot="a", trial=False))  # names HEX, another image
+    got = RunningImageSource(info, image=str(link)).read_sync()
+    assert (got.digest, got.slot) == (f"sha256:{digest}", NodeStatusRunningImageSlot.A)
+    other = tmp_path / "not-a-digest"
+    other.mkdir()
+    assert RunningImageSource(info, image=str(other)).read_sync().digest == f"sha256:{HEX}"
+    assert RunningImageSource(None, image=str(other)).read_sync().digest == ""
+
+
 def _accepted(*, curator: bool, image: bool = True) -> c.UpdateNodeStatusRequest:
     return c.UpdateNodeStatusRequest(
         node_id="metropolis-x",
@@ -150,17 +170,25 @@ async def _owner_table(tmp_path: Path) -> list[list[str]]:
     ]
 
 
+@pytest.mark.parametrize("unpacked", [False, True], ids=["zipapp", "unpacked"])
 async def test_a_node_from_the_image_reports_its_digest_and_slot(
-    node_image: Path, tmp_path: Path
+    node_image: Path, tmp_path: Path, unpacked: bool
 ) -> None:
     digest = node_image.name.removesuffix(".pyz")
     info = tmp_path / "run" / "boot.json"
     info.parent.mkdir()
+    runs = str(node_image)
+    if unpacked:  # as an installed node runs it: the boot helper's link
+        from shepherd.agent import unpack
+
+        folder = unpack.ensure(str(node_image), digest, str(tmp_path / "run" / "images"))
+        (tmp_path / "run" / "node").symlink_to(folder)
+        runs = str(tmp_path / "run" / "node")
     info.write_bytes(_info(image_sha256=digest))
     healthy_file = tmp_path / "run" / "healthy.json"
     process = await trio.lowlevel.open_process(
         [
-            *(sys.executable, str(node_image), "node", *bootstrap_args(tmp_path)),
+            *(sys.executable, runs, "node", *bootstrap_args(tmp_path)),
             *("--status-interval", "0.3", "--boot-info", str(info)),
             *("--announce-healthy", str(healthy_file)),
         ],
