@@ -289,9 +289,13 @@ async def test_an_image_that_cannot_start_goes_back_and_stops_the_run(
                 assert all(by_id[m].requested_at is None for m in rig.ids[:2])
                 assert all(by_id[m].agent_state == "written" for m in rig.ids[:2])
 
+                # Waited for with its rollback: the status the node pushed
+                # before the upgrade (old image, HEALTHY until its heartbeat
+                # times out) says the same of image and health, and the run
+                # can stop before the node back on slot A has pushed.
                 async def back_and_healthy() -> bool:
                     row = {r.address: r for r in await cluster.nodes()}[worker_host]
-                    return row.health == "HEALTHY" and row.image == old
+                    return row.health == "HEALTHY" and row.image == old and bool(row.rolled_back)
 
                 await until(back_and_healthy, interval=0.3)
                 row = {r.address: r for r in await cluster.nodes()}[worker_host]
