@@ -4,8 +4,10 @@
 with a new shiv build id in its ``environment.json`` and a comment line
 naming ``label`` after its shebang, and names it by its own SHA-256. Shiv
 extracts an image's site-packages into a cache folder named by the build id,
-so the variant is unpacked (and its bytecode compiled) at its first start,
-as a new release is; its digest differs, which is what an upgrade moves.
+and an installed machine unpacks an image into a folder named by its digest
+(``shepherd/agent/unpack.py``), so the variant is unpacked anew at its first
+start, as a new release is; its digest differs, which is what an upgrade
+moves.
 For the demo's and the benchmark's upgrades, which need a second image
 without a second build (minutes of CPU).
 
