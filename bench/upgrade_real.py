@@ -19,8 +19,8 @@ a leader-guarded etcd transaction) every 100 ms and reads each write back
   owner's table shows it HEALTHY with a heartbeat after the reboot began.
   The sum of these.
 - upgrade: a run of every machine to a second release of the image
-  (`metropolis.image.variant`: a new shiv build, so it unpacks at its first
-  start as a new release does), written as ``shepherd upgrade`` writes it,
+  (`metropolis.image.variant`: another digest, so the boot unpacks it anew
+  as a new release), written as ``shepherd upgrade`` writes it,
   moved by the Shepherd's upgrader (its control loop, in this process, with
   the members' curators as the owner's way in), until the run is finished:
   every node on the new image, healthy, its slot permanent.

@@ -10,8 +10,8 @@ machines; machines 3 and 4 are workers. A second Shepherd, a process of
 its own (``python -m shepherd`` with the owner's credentials,
 `RealFleet.shepherd_argv`), runs the upgrader; each run is started with
 ``python -m shepherd upgrade``. The images: the session's, a second
-release of it (`metropolis.image.variant`: a new shiv build, so it unpacks
-at its first start as a new release does) and a broken one whose node
+release of it (`metropolis.image.variant`: another digest, so the boot
+unpacks it anew as a new release) and a broken one whose node
 exits at once. The tests build on each other, in file order (one xdist
 group):
 
