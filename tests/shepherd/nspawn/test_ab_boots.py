@@ -45,30 +45,39 @@ from shepherd.providers.base import PowerState
 from shepherd.providers.redfish import Credentials, RedfishClient
 from tests.shepherd.nspawn.fleet_thread import FleetThread, skip_unless_possible
 
-#: The stand-in node: announce healthy from the boot info (or exit, if bad).
+#: The stand-in node: announce healthy from the boot info (or exit, if
+#: bad). Its entry point, which the image unpacked into /run runs (as
+#: shiv's would): `image` packs it as a shiv zipapp's site-packages.
 STAND_IN = b"""\
-import json, os, sys, time, zipfile
-payload = zipfile.ZipFile(sys.argv[0]).read("payload")
-if payload.startswith(b"bad"):
-    sys.stderr.write("stand-in node: this image cannot start\\n")
-    sys.exit(3)
-info = json.load(open(os.environ["METROPOLIS_BOOT_INFO"]))
-out = os.environ["METROPOLIS_ANNOUNCE_HEALTHY"]
-with open(out + ".tmp", "w") as f:
-    json.dump({"slot": info["slot"], "image_sha256": info["image_sha256"]}, f)
-os.replace(out + ".tmp", out)
-while True:
-    time.sleep(60)
+import json, os, sys, time
+
+
+def main():
+    with open(os.path.join(os.path.dirname(__file__), "payload"), "rb") as f:
+        payload = f.read()
+    if payload.startswith(b"bad"):
+        sys.stderr.write("stand-in node: this image cannot start\\n")
+        return 3
+    info = json.load(open(os.environ["METROPOLIS_BOOT_INFO"]))
+    out = os.environ["METROPOLIS_ANNOUNCE_HEALTHY"]
+    with open(out + ".tmp", "w") as f:
+        json.dump({"slot": info["slot"], "image_sha256": info["image_sha256"]}, f)
+    os.replace(out + ".tmp", out)
+    while True:
+        time.sleep(60)
 """
 
 LAYOUT = "blockdev.Layout(boot_mib=8, system_mib=24, data_min_mib=64)"
 
 
 def image(payload: bytes) -> bytes:
+    """A stand-in node image laid out as a shiv zipapp (what the boot
+    unpacks): the entry point and the payload in its site-packages."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr("__main__.py", STAND_IN)
-        archive.writestr("payload", payload + b"\0" * 200_000)
+        archive.writestr("environment.json", json.dumps({"entry_point": "standin:main"}))
+        archive.writestr("site-packages/standin.py", STAND_IN)
+        archive.writestr("site-packages/payload", payload + b"\0" * 200_000)
     return buffer.getvalue()
 
 
