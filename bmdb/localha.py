@@ -35,7 +35,7 @@ mode: automatic``) is asked for as well: where the host has
 ``/dev/watchdog`` it resets a machine whose Patroni stops feeding it, the
 other half of the standard answer; this host has none, so it is the proxy
 alone here. The bound on a commit that still waits (a network cut the proxy
-cannot see) is the client's (`bmdb._pg.COMMIT_TIMEOUT`).
+cannot see) is the client's (`bmdb.pgbounds.COMMIT_TIMEOUT`).
 
 Replication is synchronous (``synchronous_mode: true``): the primary
 acknowledges a commit only once its synchronous standby has it, and Patroni
