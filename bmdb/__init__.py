@@ -89,7 +89,7 @@ else:
     __getattr__ = exports(
         __name__,
         {
-            "bmdb._pg": ["Bounds"],
+            "bmdb.pgbounds": ["Bounds"],
             "bmdb.backoff": ["Backoff"],
             "bmdb.connection": ["Connection", "open_connection"],
             "bmdb.model.enums": ["Process", "Provider", "ProviderStatus", "WorkEvent"],

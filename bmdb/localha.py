@@ -88,6 +88,7 @@ from bmdb.localha_config import SCOPE, Member, haproxy_config, patroni_config
 from bmdb.localserver import (
     LocalPostgresError,
     add_template,
+    create_database_sql,
     find_postgres_bin,
     server_user,
 )
@@ -504,10 +505,7 @@ class LocalPatroni:
 
     def create_database(self, name: str, *, template: str | None = None) -> str:
         """Create database ``name`` (optionally from ``template``); return its URL."""
-        sql = f'CREATE DATABASE "{name}"'
-        if template:
-            sql += f' TEMPLATE "{template}"'
-        self.admin(sql)
+        self.admin(create_database_sql(name, template))
         return self.url(name)
 
 
