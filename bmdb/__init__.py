@@ -71,7 +71,6 @@ from common.lazy import exports
 # Imported on first use (common.lazy): ``python -m bmdb --help`` and the
 # modules that need only the enums or the errors do not pay for psycopg.
 if TYPE_CHECKING:
-    from bmdb._pg import Bounds as Bounds
     from bmdb.backoff import Backoff as Backoff
     from bmdb.connection import Connection as Connection
     from bmdb.connection import open_connection as open_connection
@@ -80,6 +79,7 @@ if TYPE_CHECKING:
     from bmdb.model.enums import ProviderStatus as ProviderStatus
     from bmdb.model.enums import WorkEvent as WorkEvent
     from bmdb.model.queries import Queries as Queries
+    from bmdb.pgbounds import Bounds as Bounds
     from bmdb.session import Session as Session
     from bmdb.transaction import Isolation as Isolation
     from bmdb.transaction import RetryPolicy as RetryPolicy
@@ -89,7 +89,7 @@ else:
     __getattr__ = exports(
         __name__,
         {
-            "bmdb._pg": ["Bounds"],
+            "bmdb.pgbounds": ["Bounds"],
             "bmdb.backoff": ["Backoff"],
             "bmdb.connection": ["Connection", "open_connection"],
             "bmdb.model.enums": ["Process", "Provider", "ProviderStatus", "WorkEvent"],

@@ -84,19 +84,15 @@ Errors: a lost or unreachable server, and any `psycopg.Error` at connect (a
 malformed URL too), become `DatabaseUnavailable` with a one-line message
 from which the password is removed; errors reported by the server stay
 psycopg's (`psycopg.Error` subclasses) for the transaction layer and the
-migrations to classify with the helpers at the bottom (`as_bmdb_error`:
-one table, by SQLSTATE).
+migrations to classify with `bmdb.pgerrors` (`as_bmdb_error`: one table,
+by SQLSTATE).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-import re
-import urllib.parse
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
@@ -104,19 +100,17 @@ import psycopg.errors
 import trio
 from psycopg import adapt, capabilities, generators, pq
 from psycopg._queries import PostgresQuery
-from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq.abc import PGresult
 from psycopg.waiting import Ready, Wait
 
 from bmdb.errors import (
-    BMDBError,
     CommitOutcomeUnknown,
     DatabaseUnavailable,
-    InvalidArgument,
-    PermissionDenied,
-    SchemaConflict,
-    SchemaNotMigrated,
 )
+from bmdb.pgbounds import STATEMENT_GRACE, UNBOUNDED, Bounds, with_statement_timeout
+from bmdb.pgerrors import first_line as _first_line
+from bmdb.pgerrors import one_line as _one_line
+from bmdb.pgerrors import without_password as _without_password
 from common.text import printable
 
 logger = logging.getLogger("bmdb.pg")
@@ -159,54 +153,9 @@ TERMINATE_TIMEOUT = 5.0
 #: What `PgConnection._drive` runs when cancelled mid-statement.
 _OnCancel = Callable[[Generator[Wait, Ready, Any], int, Wait], Awaitable[None]]
 
-#: Default server-side bound on one statement (``statement_timeout``), seconds.
-STATEMENT_TIMEOUT = 30.0
-#: Seconds the client waits past ``statement_timeout`` for an answer before
-#: it takes the server for gone.
-STATEMENT_GRACE = 5.0
-#: Default client-side bound on one ``COMMIT``, seconds (module docstring).
-COMMIT_TIMEOUT = 10.0
-
 #: What a backend says when a wait for its synchronous standby was cut
 #: short: the transaction committed locally only (PostgreSQL's syncrep.c).
 _SYNCREP_CUT = "synchronous replication"
-
-
-@dataclass(frozen=True, slots=True)
-class Bounds:
-    """How long one statement and one commit may take, in seconds (None: no
-    bound). See the module docstring; `bmdb.open_connection` takes one."""
-
-    statement: float | None = STATEMENT_TIMEOUT
-    commit: float | None = COMMIT_TIMEOUT
-
-    def __post_init__(self) -> None:
-        for name in ("statement", "commit"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"the {name} bound must be positive or None, got {value!r}")
-
-
-#: No bound at all: migrations (an index built over a large fleet) and tools.
-UNBOUNDED = Bounds(statement=None, commit=None)
-
-
-def _with_statement_timeout(conninfo: str, seconds: float | None) -> dict[str, Any]:
-    """The ``options`` keyword that sets ``statement_timeout`` at connect,
-    keeping what ``conninfo`` (or ``PGOPTIONS``) already says; none when
-    there is no bound, when they set one already, or when ``conninfo`` does
-    not parse (connect then reports it)."""
-    if seconds is None:
-        return {}
-    try:
-        options = conninfo_to_dict(conninfo).get("options")
-    except psycopg.Error:
-        return {}
-    existing = str(options) if options is not None else os.environ.get("PGOPTIONS", "")
-    if "statement_timeout" in existing:
-        return {}
-    setting = f"-c statement_timeout={max(1, round(seconds * 1000))}"
-    return {"options": f"{existing} {setting}".strip()}
 
 
 class PgConnection:
@@ -266,7 +215,7 @@ class PgConnection:
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT,
             client_encoding="UTF8",
-            **_with_statement_timeout(conninfo, bounds.statement),
+            **with_statement_timeout(conninfo, bounds.statement),
         )
         try:
             conn = await trio.to_thread.run_sync(connect, abandon_on_cancel=True)
@@ -747,179 +696,3 @@ def _single(group: BaseExceptionGroup[BaseException]) -> BaseException:
             leaves.append(exc)
     errors = [e for e in leaves if not isinstance(e, trio.Cancelled)]
     return (errors or leaves)[0]
-
-
-def is_retryable(e: BaseException) -> bool:
-    """True for serialization failures and deadlocks: the transaction can be
-    run again from the start and may then succeed."""
-    return isinstance(e, psycopg.errors.SerializationFailure | psycopg.errors.DeadlockDetected)
-
-
-def is_undefined_object(e: BaseException) -> bool:
-    """True if the server does not know a table, type or function we used."""
-    return isinstance(
-        e,
-        psycopg.errors.UndefinedTable
-        | psycopg.errors.UndefinedObject
-        | psycopg.errors.UndefinedFunction
-        | psycopg.errors.UndefinedColumn,
-    )
-
-
-def is_bad_data(e: BaseException) -> bool:
-    """True for errors caused by the values a statement was given (constraint
-    violations, malformed input)."""
-    return isinstance(e, psycopg.errors.IntegrityError | psycopg.errors.DataError)
-
-
-def is_database_error(e: BaseException) -> bool:
-    """True for any error reported by psycopg."""
-    return isinstance(e, psycopg.Error)
-
-
-#: What a server error means to an operator, by SQLSTATE: the full code, or
-#: a prefix of it (the first two characters are its class). The BMDB error
-#: to raise, and its message: ``{message}`` is the server's, ``{role}`` the
-#: role connected. Codes not listed become a plain `BMDBError`.
-_BY_SQLSTATE: dict[str, tuple[type[BMDBError], str]] = {
-    # duplicate_table, duplicate_object (types, triggers), duplicate_function:
-    # the BMDB creates objects only in its migrations.
-    **dict.fromkeys(
-        ("42P07", "42710", "42723"),
-        (
-            SchemaConflict,
-            "{message}, and bmdb migrations did not create it:"
-            " use an empty database or schema for the BMDB",
-        ),
-    ),
-    "42501": (
-        PermissionDenied,
-        "{message}: grant {role} that privilege, or connect as a role that holds it",
-    ),
-    "25006": (BMDBError, "{message}: the server is read-only (a standby?); use the primary"),
-    "3D000": (DatabaseUnavailable, "{message}: create the database, or fix its name"),
-    "28": (DatabaseUnavailable, "{message}: check the user name and password"),
-    "08": (DatabaseUnavailable, "lost the BMDB connection: {message}"),
-    "57P": (DatabaseUnavailable, "{message}: the server is shutting down or restarting"),
-    "53": (BMDBError, "{message}: the server is out of disk, memory or connections"),
-    "55P03": (BMDBError, "{message}: another transaction holds the lock; try again"),
-    "57014": (BMDBError, "{message} (statement_timeout or an operator's cancel)"),
-}
-
-
-def as_bmdb_error(
-    e: BaseException, *, role: str | None = None, doing: str | None = None
-) -> BaseException | None:
-    """The one rule for what a psycopg error means to BMDB callers.
-
-    `BMDBError`s are returned as they are; constraint violations and
-    malformed values become `InvalidArgument`, unknown tables or types
-    `SchemaNotMigrated`; other server errors are read by SQLSTATE
-    (`_BY_SQLSTATE`: an object that exists already is a `SchemaConflict`, a
-    missing privilege `PermissionDenied` naming ``role``, a lost server
-    `DatabaseUnavailable`), the rest become a plain `BMDBError`. Each
-    message is one line: ``doing`` (what was being done, e.g. a
-    migration's name), the server's message, escaped
-    (`common.text.printable`: it quotes names from the database), and what
-    to do. Serialization failures and deadlocks (retried by the transaction
-    layer) and non-database exceptions give None.
-    """
-    if isinstance(e, BMDBError):
-        return e
-    if is_retryable(e) or not is_database_error(e):
-        return None
-    kind, text = _classify(e, role)
-    return kind(f"{doing}: {text}" if doing else text)
-
-
-def _classify(e: BaseException, role: str | None) -> tuple[type[BMDBError], str]:
-    """The BMDB error class for server error ``e``, and its message."""
-    message = printable(error_message(e))
-    if is_bad_data(e):
-        return InvalidArgument, message
-    if is_undefined_object(e):
-        return SchemaNotMigrated, f"{message}: run `python -m bmdb migrate`"
-    sqlstate = getattr(e, "sqlstate", None) or ""
-    for prefix in (sqlstate, sqlstate[:3], sqlstate[:2]):
-        if prefix and prefix in _BY_SQLSTATE:
-            kind, template = _BY_SQLSTATE[prefix]
-            who = f"role {printable(role)}" if role else "the role the BMDB connects as"
-            return kind, template.format(message=message, role=who)
-    suffix = f" (SQLSTATE {sqlstate})" if sqlstate else ""
-    return BMDBError, f"database error: {message}{suffix}"
-
-
-def error_message(e: BaseException) -> str:
-    """The server's primary message of a psycopg error, else ``str(e)``."""
-    if isinstance(e, psycopg.Error) and e.diag.message_primary:
-        return e.diag.message_primary
-    return _first_line(e)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _one_line(e: BaseException) -> str:
-    """All of ``str(e)`` on one line (libpq explains on indented lines)."""
-    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-    return text or type(e).__name__
-
-
-#: A password in a key/value conninfo: ``password=x`` or ``password='x y'``.
-_KV_PASSWORD = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)")
-#: A quoted span in an error message (libpq uses "", psycopg '').
-_QUOTED = re.compile(r'"[^"]*"|\'[^\']*\'')
-
-
-def _passwords(conninfo: str) -> set[str]:
-    """Every spelling of the password that ``conninfo`` may contain, also
-    when it is too malformed to parse (then by a looser reading)."""
-    found: set[str] = set()
-    try:
-        password = conninfo_to_dict(conninfo).get("password")
-    except psycopg.Error:
-        password = None
-    if isinstance(password, str):
-        found.add(password)
-    _, sep, rest = conninfo.partition("://")
-    if sep and "@" in rest:
-        # libpq ends the userinfo at the first "@"; a password holding a raw
-        # "@" runs to the last.
-        for userinfo in (rest.split("@", 1)[0], rest.rsplit("@", 1)[0]):
-            _, colon, secret = userinfo.partition(":")
-            if colon:
-                found.update((secret, urllib.parse.unquote(secret)))
-    for match in _KV_PASSWORD.finditer(conninfo):
-        value = match.group(1)
-        found.update((value, value.strip("'")))
-    return {p for p in found if p}
-
-
-def _without_password(text: str, conninfo: str) -> str:
-    """``text`` with the password of ``conninfo`` replaced by ``***``, and
-    every quoted span that shares a piece of it too (libpq and psycopg quote
-    the parts of a malformed URL they could not read, which may cut the
-    password: ``bob:p@ss@host`` reads as host ``ss@host``)."""
-    passwords = _passwords(conninfo)
-    if not passwords:
-        return text
-
-    def shares_a_piece(inner: str, password: str) -> bool:
-        if inner in password:
-            return True
-        return any(password[i : i + 3] in inner for i in range(len(password) - 2))
-
-    def whole(text: str) -> str:
-        for password in sorted(passwords, key=len, reverse=True):
-            text = text.replace(password, "***")
-        return text
-
-    def quoted(match: re.Match[str]) -> str:
-        quote, inner = match.group()[0], whole(match.group()[1:-1])
-        if inner and any(shares_a_piece(inner, p) for p in passwords):
-            inner = "***"
-        return quote + inner + quote
-
-    return whole(_QUOTED.sub(quoted, text))

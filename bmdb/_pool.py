@@ -14,8 +14,9 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from bmdb._pg import UNBOUNDED, Bounds, PgConnection
+from bmdb._pg import PgConnection
 from bmdb.errors import DatabaseUnavailable
+from bmdb.pgbounds import UNBOUNDED, Bounds
 
 
 class Pool:

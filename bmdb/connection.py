@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, TypeVar
 
-from bmdb._pg import UNBOUNDED, Bounds
 from bmdb._pool import Pool
 from bmdb.migrations import Migration
 from bmdb.model import Queries
+from bmdb.pgbounds import UNBOUNDED, Bounds
 from bmdb.session import DEFAULT_INTERVAL, Session, collect_expired, open_session
 from bmdb.transaction import Isolation, RetryPolicy, Stats, Transactor
 

@@ -23,7 +23,7 @@ is an expected outcome rather than a failure, and callers usually wait and
 try again.
 
 Database errors never escape as psycopg's own: the transaction layer and
-the migrations translate them by one rule (`bmdb._pg.as_bmdb_error`, by
+the migrations translate them by one rule (`bmdb.pgerrors.as_bmdb_error`, by
 SQLSTATE), into messages of one line that name the object and say what to
 do. Other exceptions a
 public function may raise are Python's own, for misuse (`ValueError` for a

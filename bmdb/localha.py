@@ -35,7 +35,7 @@ mode: automatic``) is asked for as well: where the host has
 ``/dev/watchdog`` it resets a machine whose Patroni stops feeding it, the
 other half of the standard answer; this host has none, so it is the proxy
 alone here. The bound on a commit that still waits (a network cut the proxy
-cannot see) is the client's (`bmdb._pg.COMMIT_TIMEOUT`).
+cannot see) is the client's (`bmdb.pgbounds.COMMIT_TIMEOUT`).
 
 Replication is synchronous (``synchronous_mode: true``): the primary
 acknowledges a commit only once its synchronous standby has it, and Patroni
@@ -88,6 +88,7 @@ from bmdb.localha_config import SCOPE, Member, haproxy_config, patroni_config
 from bmdb.localserver import (
     LocalPostgresError,
     add_template,
+    create_database_sql,
     find_postgres_bin,
     server_user,
 )
@@ -504,10 +505,7 @@ class LocalPatroni:
 
     def create_database(self, name: str, *, template: str | None = None) -> str:
         """Create database ``name`` (optionally from ``template``); return its URL."""
-        sql = f'CREATE DATABASE "{name}"'
-        if template:
-            sql += f' TEMPLATE "{template}"'
-        self.admin(sql)
+        self.admin(create_database_sql(name, template))
         return self.url(name)
 
 

@@ -196,10 +196,7 @@ class LocalPostgres:
 
     def create_database(self, name: str, *, template: str | None = None) -> str:
         """Create database ``name`` (optionally from ``template``); return its URL."""
-        sql = f'CREATE DATABASE "{name}"'
-        if template:
-            sql += f' TEMPLATE "{template}"'
-        self.admin(sql)
+        self.admin(create_database_sql(name, template))
         return self.url(name)
 
     def admin(self, sql: str, db: str = "postgres") -> None:
@@ -288,6 +285,14 @@ def start_with_template(root: Path) -> LocalPostgres:
     server.start()
     add_template(server)
     return server
+
+
+def create_database_sql(name: str, template: str | None = None) -> str:
+    """``CREATE DATABASE`` of ``name``, copied from ``template`` if given."""
+    sql = f'CREATE DATABASE "{name}"'
+    if template:
+        sql += f' TEMPLATE "{template}"'
+    return sql
 
 
 class _Server(Protocol):

@@ -44,9 +44,10 @@ from typing import NoReturn
 import psycopg
 import trio
 
-from bmdb import _pg
-from bmdb._pg import Bounds, PgConnection
+from bmdb import pgerrors
+from bmdb._pg import PgConnection
 from bmdb.errors import BMDBError
+from bmdb.pgbounds import Bounds
 from common.backoff import ExponentialBackoff, Retrier
 
 __all__ = ["DEFAULT_PING_INTERVAL", "DEFAULT_PING_TIMEOUT", "RECONNECT_BACKOFF", "Listener"]
@@ -177,6 +178,6 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, trio.TooSlowError):
         return "the server did not answer a ping in time"
     if isinstance(exc, psycopg.Error):
-        translated = _pg.as_bmdb_error(exc)
-        return str(translated) if translated is not None else _pg.error_message(exc)
+        translated = pgerrors.as_bmdb_error(exc)
+        return str(translated) if translated is not None else pgerrors.error_message(exc)
     return str(exc)

@@ -15,7 +15,7 @@ growing delay between attempts so that colliding transactions spread out::
                    TransactionFailed
 
 Any other exception rolls back and propagates: `BMDBError`s as they are,
-database errors translated by one rule (`bmdb._pg.as_bmdb_error`:
+database errors translated by one rule (`bmdb.pgerrors.as_bmdb_error`:
 constraint violations and malformed values as `InvalidArgument`, unknown
 tables as `SchemaNotMigrated`, the rest by SQLSTATE, e.g. a missing
 privilege as `PermissionDenied`). Cancellation rolls back (under a shield)
@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import trio
 
-from bmdb import _pg, migrations
+from bmdb import migrations, pgerrors
 from bmdb._pool import Pool
 from bmdb.errors import DatabaseUnavailable, TransactionFailed
 from bmdb.model import Queries
@@ -142,14 +142,14 @@ class Transactor:
             try:
                 result = await _attempt(self._pool, isolation, body, locking)
             except BaseException as e:
-                if not _pg.is_retryable(e):
-                    if isinstance(e, DatabaseUnavailable) or _pg.is_database_error(e):
+                if not pgerrors.is_retryable(e):
+                    if isinstance(e, DatabaseUnavailable) or pgerrors.is_database_error(e):
                         self.stats.failed += 1
-                    translated = _pg.as_bmdb_error(e)
+                    translated = pgerrors.as_bmdb_error(e)
                     if translated is not None and translated is not e:
                         raise translated from e
                     raise
-                logger.debug("attempt %d: %s, retrying", attempt, _pg.error_message(e))
+                logger.debug("attempt %d: %s, retrying", attempt, pgerrors.error_message(e))
             else:
                 self.stats.commits += 1
                 return result

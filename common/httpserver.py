@@ -46,7 +46,6 @@ import contextlib
 import errno
 import logging
 import random
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -55,6 +54,7 @@ import trio
 
 from common.backoff import ExponentialBackoff, Retrier
 from common.listen import split_listen
+from common.tcp import open_listener
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -147,21 +147,6 @@ def error_answer(conn: h11.Connection, status: int, text: str) -> bytes:
     except h11.LocalProtocolError:
         return b""
     return data
-
-
-async def _open_listener(host: str, port: int, backlog: int) -> trio.SocketListener:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = trio.socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6 and host in ("::", ""):
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        await sock.bind((host, port))
-        sock.listen(backlog)
-    except BaseException:
-        sock.close()
-        raise
-    return trio.SocketListener(sock)
 
 
 def _url(listener: trio.SocketListener) -> str:
@@ -325,7 +310,7 @@ async def serve_http(
     Cancellation closes the listener and every connection.
     """
     host, port = split_listen(listen)
-    listener = await _open_listener(host, port, limits.backlog)
+    listener = await open_listener(host, port, backlog=limits.backlog)
     server = _Server(handler, limits, name)
     retrier = Retrier(_ACCEPT_BACKOFF, rng if rng is not None else random.Random())
     try:

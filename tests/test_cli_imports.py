@@ -78,7 +78,8 @@ HELP: list[tuple[list[str], str]] = [
 #: metrics, nor anything of the node half.
 BMDB_MACHINES = (
     f"{PARSING} common.text common.sshkey common.backoff common.crashpoint"
-    " bmdb bmdb._pg bmdb._pool bmdb.backoff bmdb.cli bmdb.cli.cells bmdb.cli.views"
+    " bmdb bmdb._pg bmdb.pgerrors bmdb.pgbounds bmdb._pool bmdb.backoff bmdb.cli bmdb.cli.cells"
+    " bmdb.cli.views"
     " bmdb.connection bmdb.errors bmdb.migrations bmdb.model.* bmdb.overview bmdb.retention"
     f" bmdb.session bmdb.transaction bmdb.work {TRIO} psycopg psycopg_binary typing_extensions"
 )

@@ -18,7 +18,7 @@ a newer release: `check_schema` and `migrate` refuse it with `SchemaTooNew`
 rather than guess what the newer schema means. A database whose encoding
 is not UTF8 is refused by `migrate` before anything is written (the client
 always speaks UTF-8, see `bmdb._pg`). Every database error becomes
-a one-line `BMDBError` (`bmdb._pg.as_bmdb_error`) that names the migration
+a one-line `BMDBError` (`bmdb.pgerrors.as_bmdb_error`) that names the migration
 it came from: an object of ours that migrations did not create (another
 application's ``machines`` table, or a ``schema_migrations`` of another
 tool) is a `SchemaConflict`; a role that may not create in the schema is a
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Protocol
 
-from bmdb import _pg
+from bmdb import pgerrors
 from bmdb._pg import Params, Row
 from bmdb.errors import (
     BMDBError,
@@ -274,19 +274,20 @@ def _ident(name: str) -> str:
 @contextmanager
 def _translated(pg: Connection, doing: str | None = None) -> Iterator[None]:
     """Raise database errors from the block as `BMDBError`s (see
-    `bmdb._pg.as_bmdb_error`), saying what was being done."""
+    `bmdb.pgerrors.as_bmdb_error`), saying what was being done."""
     try:
         yield
     except Exception as e:
-        if _pg.is_retryable(e):
+        if pgerrors.is_retryable(e):
             # Migrations run outside the retrying transaction layer: a
             # deadlock with another client (an ALTER TABLE waiting on its
             # rows, say) ends the run, which can simply be started again.
             prefix = f"{doing}: " if doing else ""
             raise BMDBError(
-                f"{prefix}{printable(_pg.error_message(e))}: run `python -m bmdb migrate` again"
+                f"{prefix}{printable(pgerrors.error_message(e))}: "
+                "run `python -m bmdb migrate` again"
             ) from e
-        translated = _pg.as_bmdb_error(e, role=pg.user, doing=doing)
+        translated = pgerrors.as_bmdb_error(e, role=pg.user, doing=doing)
         if translated is None or translated is e:
             raise
         raise translated from e

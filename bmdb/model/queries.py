@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from bmdb import _pg
+from bmdb import pgerrors
 from bmdb._pg import Params, Row
 from bmdb.errors import InvalidArgument
 from bmdb.model import channels
@@ -428,13 +428,13 @@ class Queries:
         For the BMDB's own session and work statements, and for tools and
         tests that need a statement no method offers; prefer the methods.
         Database errors are raised as `BMDBError`s (see
-        `bmdb._pg.as_bmdb_error`), except serialization failures, which the
+        `bmdb.pgerrors.as_bmdb_error`), except serialization failures, which the
         surrounding transaction retries.
         """
         try:
             return await self._pg.execute(sql, params)
         except Exception as e:
-            translated = _pg.as_bmdb_error(e, role=self._pg.user)
+            translated = pgerrors.as_bmdb_error(e, role=self._pg.user)
             if translated is None or translated is e:
                 raise
             raise translated from e

@@ -87,7 +87,6 @@ import logging
 import math
 import os
 import random
-import socket
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -147,33 +146,6 @@ class _Close(ShepherdError):
 
 def _refuse(exc: ConnectError) -> _Close:
     return _Close(error_answer(exc))
-
-
-async def open_listener(
-    host: str, port: int, *, backlog: int, reuse_port: bool = False
-) -> trio.SocketListener:
-    """A listening TCP socket on ``host``:``port`` (port 0: any free one).
-
-    ``reuse_port`` sets SO_REUSEPORT, so that several processes can listen
-    on one port and the kernel spreads connections among them. Raises
-    OSError if the address cannot be bound.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = trio.socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6 and host in ("::", ""):
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        # Agents write small requests and wait for small answers: no Nagle delay.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await sock.bind((host, port))
-        sock.listen(backlog)
-    except BaseException:
-        sock.close()
-        raise
-    return trio.SocketListener(sock)
 
 
 def url_of(listener: trio.SocketListener, tls: bool) -> str:

@@ -59,10 +59,10 @@ from common.backoff import Retrier
 from common.httpserver import error_answer
 from common.listen import split_listen
 from common.numbers import parse_decimal
+from common.tcp import open_listener
 from shepherd.agent_server.http1 import (
     ACCEPT_BACKOFF,
     accept_loop,
-    open_listener,
     url_of,
 )
 from shepherd.errors import ShepherdError
@@ -178,7 +178,7 @@ class ImageServer:
         """Serve until cancelled; ``task_status`` gets the URL. OSError if it cannot bind."""
         host, port = split_listen(self.config.listen)
         listener = await open_listener(
-            host, port, backlog=self.config.backlog, reuse_port=self.config.reuse_port
+            host, port, backlog=self.config.backlog, reuse_port=self.config.reuse_port, nodelay=True
         )
         connections = trio.Semaphore(self.config.max_connections)
         retrier = Retrier(ACCEPT_BACKOFF, self._rng)

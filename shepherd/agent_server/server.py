@@ -27,9 +27,10 @@ from bmdb.errors import BMDBError
 from common.backoff import ExponentialBackoff, Retrier
 from common.listen import split_listen
 from common.numbers import parse_decimal
+from common.tcp import open_listener
 from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.agent_server.connect import ConnectUnary, Limits
-from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1, url_of
+from shepherd.agent_server.http1 import Timeouts, serve_http1, url_of
 from shepherd.agent_server.service import DEFAULT_FRESHNESS, HeartbeatService
 from shepherd.agent_server.session import DEFAULT_LIFETIME, SessionKeys, new_secret
 
@@ -133,7 +134,9 @@ async def serve_app(
     """
     context = config.ssl_context()
     host, port = split_listen(config.listen)
-    listener = await open_listener(host, port, backlog=config.backlog, reuse_port=config.reuse_port)
+    listener = await open_listener(
+        host, port, backlog=config.backlog, reuse_port=config.reuse_port, nodelay=True
+    )
     # Listening already: connections wait in the accept queue until served.
     task_status.started([url_of(listener, context is not None)])
     await serve_http1(

@@ -1,4 +1,4 @@
-"""No statement and no commit waits forever (`bmdb._pg.Bounds`), against a
+"""No statement and no commit waits forever (`bmdb.pgbounds.Bounds`), against a
 real PostgreSQL that is made to hang the way a fenced primary does.
 
 A private server whose ``synchronous_standby_names`` names a standby that
@@ -23,10 +23,11 @@ import trio
 
 import bmdb
 from bmdb import _pg
-from bmdb._pg import Bounds, PgConnection
+from bmdb._pg import PgConnection
 from bmdb.connection import migrate
 from bmdb.errors import CommitOutcomeUnknown, DatabaseUnavailable
 from bmdb.localserver import LocalPostgres
+from bmdb.pgbounds import Bounds
 
 #: A standby that never comes: commits that wait for it hang.
 NOBODY = "ALTER SYSTEM SET synchronous_standby_names = 'nobody'"

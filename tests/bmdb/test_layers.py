@@ -12,36 +12,39 @@ from tests.layering import package_modules, unit, upward
 #: modules of one package (bmdb.model, bmdb.migrations) share their layer.
 LAYERS = {
     "bmdb.errors": 0,
-    "bmdb._pg": 1,
-    "bmdb.backoff": 1,
-    "bmdb.model": 2,
-    "bmdb.migrations": 2,
-    "bmdb._pool": 2,
-    "bmdb.transaction": 3,
+    # psycopg's errors read for the BMDB; the statement and commit bounds.
+    "bmdb.pgerrors": 1,
+    "bmdb.pgbounds": 1,
+    "bmdb._pg": 2,
+    "bmdb.backoff": 2,
+    "bmdb.model": 3,
+    "bmdb.migrations": 3,
+    "bmdb._pool": 3,
+    "bmdb.transaction": 4,
     # LISTEN on a connection of its own (the driver's), beside the pool.
-    "bmdb.notify": 3,
-    "bmdb.work": 4,
-    "bmdb.session": 5,
-    "bmdb.connection": 6,
-    "bmdb.localserver": 7,
-    "bmdb.localha": 8,
+    "bmdb.notify": 4,
+    "bmdb.work": 5,
+    "bmdb.session": 6,
+    "bmdb.connection": 7,
+    "bmdb.localserver": 8,
+    "bmdb.localha": 9,
     # The Patroni members' and HAProxy's configurations (pure functions).
-    "bmdb.localha_config": 7,
+    "bmdb.localha_config": 8,
     # Operator views, and what shows them (metrics; the web UI is the
     # console's, above this package).
-    "bmdb.overview": 7,
-    "bmdb.metrics": 7,
+    "bmdb.overview": 8,
+    "bmdb.metrics": 8,
     # Operator actions (each with its audit record).
-    "bmdb.actions": 7,
+    "bmdb.actions": 8,
     # Retention of the work history and the audit log.
-    "bmdb.retention": 7,
+    "bmdb.retention": 8,
     # Backup and restore (pg_dump, psql).
-    "bmdb.backup": 7,
+    "bmdb.backup": 8,
     # The CLI's commands (bmdb.cli.views, bmdb.cli.operate), each imported
     # by bmdb.__main__ when it runs.
-    "bmdb.cli": 8,
-    "bmdb": 8,
-    "bmdb.__main__": 9,
+    "bmdb.cli": 9,
+    "bmdb": 9,
+    "bmdb.__main__": 10,
 }
 
 #: Read as source, not imported, so that the check works on any tree.

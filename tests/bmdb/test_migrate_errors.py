@@ -1,6 +1,6 @@
 """What ``python -m bmdb`` says when the database is not one it can use: one
 line on stderr that names the object and what to do, never a traceback; and
-the rule behind it (`bmdb._pg.as_bmdb_error`), on real server errors."""
+the rule behind it (`bmdb.pgerrors.as_bmdb_error`), on real server errors."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 import trio
 
 from bmdb import errors
-from bmdb._pg import PgConnection, as_bmdb_error
+from bmdb._pg import PgConnection
 from bmdb.localserver import LocalPostgres
+from bmdb.pgerrors import as_bmdb_error
 
 _names = itertools.count()
 

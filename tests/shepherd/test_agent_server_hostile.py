@@ -38,10 +38,11 @@ from hypothesis import strategies as st
 import bmdb
 from common.listen import split_listen
 from common.net import free_loopback_port
+from common.tcp import open_listener
 from shepherd.agent import protocol as agent
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, Limits, http1, run_agent_server
 from shepherd.agent_server.connect import Handler
-from shepherd.agent_server.http1 import Timeouts, open_listener, serve_http1
+from shepherd.agent_server.http1 import Timeouts, serve_http1
 from shepherd.agent_server.server import port_of
 from tests.shepherd.test_agent_server import heartbeater, started_machine
 
@@ -114,7 +115,7 @@ def _bare(app: ConnectUnary) -> Serve:
     """Serve ``app`` with `serve_http1` on a free loopback port."""
 
     async def serve(task_status: trio.TaskStatus[tuple[int, object]]) -> None:
-        listener = await open_listener("127.0.0.1", 0, backlog=128)
+        listener = await open_listener("127.0.0.1", 0, backlog=128, nodelay=True)
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 lambda task_status: serve_http1(
