@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("migrate", help="apply pending schema migrations")
     machines = commands.add_parser(
-        "machines", help="list machines: state, work, backoff end and last failure cause"
+        "machines",
+        help="list machines: state, work, backoff, upgrade, slot, image, last failure",
     )
     machines.add_argument("--limit", type=int, default=1000, help="at most this many (oldest)")
     machines.add_argument(

@@ -68,6 +68,7 @@ from bmdb.model import (
     Provider,
     Queries,
     SessionInfo,
+    UpgradeState,
     WorkEvent,
     as_uuid,
     node_id,
@@ -137,6 +138,16 @@ _BACKOFF_HASHED = """
     LEFT JOIN (
         SELECT DISTINCT ON (machine_id) machine_id, process, until, cause FROM work_backoff
         WHERE until > now() ORDER BY machine_id, until DESC) b ON b.machine_id = m.machine_id
+"""
+
+# The machine's row of the newest upgrade run that lists it (migration
+# 0011), probed by machine (few machines have any).
+_LATEST_UPGRADE = """
+    LEFT JOIN LATERAL (
+        SELECT mu.state, mu.slot, mu.agent_slot, mu.running_digest
+        FROM machine_upgrade mu JOIN upgrade_run ur ON ur.run_id = mu.run_id
+        WHERE mu.machine_id = m.machine_id
+        ORDER BY ur.requested_at DESC LIMIT 1) u ON true
 """
 
 # One page of machines in creation order, after the machine %(after)s (keyset
@@ -220,7 +231,10 @@ SELECT * FROM (
                 WHEN dcm.released_at IS NOT NULL THEN 'released'
                 WHEN dcm.wiped_at IS NOT NULL THEN 'wiped'
                 ELSE 'requested' END AS decommission,
-           {WAS_INSTALL_STATE_SQL} AS was_install_state
+           {WAS_INSTALL_STATE_SQL} AS was_install_state,
+           u.state AS upgrade_state,
+           coalesce(u.slot, u.agent_slot) AS slot,
+           coalesce(u.running_digest, oq.image_digest) AS image
     FROM {machines} m
     {_TAGS}
     LEFT JOIN machine_hold hd ON hd.machine_id = m.machine_id
@@ -231,6 +245,7 @@ SELECT * FROM (
         SELECT x.at, x.process, x.cause FROM work_history x
         WHERE x.machine_id = m.machine_id AND x.event = 'Failed'
         ORDER BY x.id DESC LIMIT 1) f ON true
+    {_LATEST_UPGRADE}
     WHERE {after}
       AND {provider}
       AND {prefilter}
@@ -330,6 +345,14 @@ class MachineState:
     #: A tombstone's installation state before it was decommissioned
     #: (``install_state`` is None then); None for any other machine.
     was_install_state: InstallState | None = None
+    #: Its state in the newest upgrade run that lists it, if any.
+    upgrade_state: UpgradeState | None = None
+    #: The disk slot its node runs from, as its last upgrade left it (the
+    #: cluster's view at its end, or its agent's report while it goes).
+    slot: str | None = None
+    #: The image it runs as far as the BMDB knows: the node's digest at the
+    #: end of its last upgrade, else the one its installation asked for.
+    image: str | None = None
 
     @property
     def cause(self) -> str | None:
@@ -365,6 +388,9 @@ class MachineState:
             "held_reason": self.hold and self.hold.reason,
             "decommission": self.decommission,
             "was_install_state": self.was_install_state and str(self.was_install_state),
+            "upgrade_state": self.upgrade_state and str(self.upgrade_state),
+            "slot": self.slot,
+            "image": self.image,
         }
 
     @classmethod
@@ -402,6 +428,9 @@ class MachineState:
             was_install_state=opt(InstallState, "was_install_state")
             if "was_install_state" in d
             else None,
+            upgrade_state=opt(UpgradeState, "upgrade_state") if "upgrade_state" in d else None,
+            slot=d.get("slot"),
+            image=d.get("image"),
         )
 
 
@@ -413,6 +442,7 @@ def _iso(at: datetime.datetime | None) -> str | None:
 # rows, and calling an enum class costs ten times a dict lookup.
 _STATES = {str(s): s for s in State}
 _INSTALL_STATES = {str(s): s for s in InstallState}
+_UPGRADE_STATES = {str(s): s for s in UpgradeState}
 _PROVIDERS = {str(p): p for p in Provider}
 _PROCESSES = {str(p): p for p in Process}
 
@@ -442,11 +472,14 @@ def _machine_state(r: Row) -> MachineState:
         hold=None if r[20] is None else Hold(r[20], r[21], r[22]),
         decommission=r[23],
         was_install_state=_INSTALL_STATES[r[24]] if r[24] else None,
+        upgrade_state=_UPGRADE_STATES[r[25]] if r[25] else None,
+        slot=r[26],
+        image=r[27],
     )
 
 
 #: How many columns of a row `_machine_state` reads.
-_SUMMARY_COLUMNS = 25
+_SUMMARY_COLUMNS = 28
 
 
 def machines_params(

@@ -146,7 +146,7 @@ async def machines(
 
 _MACHINE_COLUMNS = (
     "machine", "state", "install", "node", "provider", "provider id", "address", "heartbeat",
-    "work", "backoff ends", "cause",
+    "work", "backoff ends", "upgrade", "slot", "image", "cause",
 )  # fmt: skip
 
 

@@ -21,7 +21,13 @@ stops everything (etcd included) and exits 0. Each of the three takes
 ``/metrics`` (:mod:`metropolis.roleserve.metrics`), and ``--snapshot-interval
 SECONDS [--snapshot-keep N] [--snapshot-dir DIR]`` to snapshot the local
 etcd member on that schedule (:mod:`metropolis.roleserve.snapshots`);
-neither is saved. ``metropolis node recover --root DIR --snapshot FILE``
+neither is saved. ``--boot-info FILE`` (what the boot chose: the disk slot,
+the image, whether this boot is a one-shot try) and ``--announce-healthy
+FILE`` (written once the cluster took the node's status and its roles
+run) are the node's part of an A/B upgrade (:mod:`metropolis.roleserve.bootinfo`,
+:mod:`metropolis.roleserve.bootcheck`); their defaults come from
+``METROPOLIS_BOOT_INFO`` and ``METROPOLIS_ANNOUNCE_HEALTHY``, which the
+installed node unit sets. ``metropolis node recover --root DIR --snapshot FILE``
 makes this node the first member of its cluster restored from a snapshot,
 then runs it (:mod:`metropolis.roleserve.recover`); it takes the same
 metrics and snapshot options.
@@ -59,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -72,6 +79,13 @@ log = logging.getLogger("metropolis.cli")
 #: :data:`metropolis.roleserve.register.DEFAULT_DEADLINE` (a test holds
 #: them equal), written here so that parsing imports no node module.
 REGISTER_DEADLINE = 300.0
+
+#: The environment variables that give ``--boot-info`` and
+#: ``--announce-healthy`` their defaults: the same as
+#: :mod:`metropolis.roleserve.bootinfo`'s (a test holds them equal),
+#: written here for the same reason.
+BOOT_INFO_ENV = "METROPOLIS_BOOT_INFO"
+ANNOUNCE_HEALTHY_ENV = "METROPOLIS_ANNOUNCE_HEALTHY"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -209,6 +223,22 @@ def _parser() -> argparse.ArgumentParser:
             metavar="DIR",
             help="where snapshots go (default: ROOT/data/snapshots)",
         )
+        command.add_argument(
+            "--boot-info",
+            type=Path,
+            default=_env_path(BOOT_INFO_ENV),
+            metavar="FILE",
+            help="what the boot chose (disk slot, image, one-shot try), to report in the node's"
+            f" status (default: ${BOOT_INFO_ENV}; not saved)",
+        )
+        command.add_argument(
+            "--announce-healthy",
+            type=Path,
+            default=_env_path(ANNOUNCE_HEALTHY_ENV),
+            metavar="FILE",
+            help="write FILE once the cluster took this node's status and its roles run: the"
+            f" health check of a slot tried once (default: ${ANNOUNCE_HEALTHY_ENV}; not saved)",
+        )
     for sub in (boot, reg):
         sub.add_argument(
             "--member-health-wait",
@@ -277,6 +307,12 @@ def _register_deadline_flag(command: argparse.ArgumentParser, when: str) -> None
         f"{REGISTER_DEADLINE:g}); a refusal (wrong ticket: PERMISSION_DENIED) ends it at once; "
         "the wait for the owner's approval is not bounded (not saved)",
     )
+
+
+def _env_path(name: str) -> Path | None:
+    """The path an environment variable names, if set and not empty."""
+    value = os.environ.get(name)
+    return Path(value) if value else None
 
 
 def _positive_seconds(text: str) -> float:

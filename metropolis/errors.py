@@ -23,6 +23,8 @@
     │   └── NotLeader              .election: a guarded write after leadership was lost
     ├── NodeRootError              metropolis.roleserve.disk: a node root that is
     │                              missing, foreign or half-written
+    ├── BootInfoError              metropolis.roleserve.bootinfo: a boot info file
+    │                              that is not what the boot writes
     ├── RPCError                   metropolis.rpc: a call ended with a gRPC status
     │                              other than OK (``code``, ``leader``)
     ├── PKIError                   metropolis.pki: bad key, certificate or CRL

@@ -41,12 +41,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.backoff import ExponentialBackoff, Retrier
+from common.text import printable
 from metropolis import identity, pki
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import LocalStorageError, Root
 from metropolis.proto import aaa, parameters
 from metropolis.proto import management as m
-from metropolis.proto.common import NodeState, role_names
+from metropolis.proto.common import NodeState, NodeStatusRunningImageSlot, role_names
 from metropolis.roleserve import disk
 from metropolis.rpc import (
     CURATOR_PORT,
@@ -119,6 +120,17 @@ class NodeRow:
     #: Served by a curator that did not lead (no curator led then): the
     #: records are its etcd's, but heartbeats may have gone unrecorded.
     stale: bool = False
+    #: What the node runs, as it reports it: ``sha256:<hex>`` of its image
+    #: ("" if it runs from source or reported none).
+    image: str = ""
+    #: The disk slot it booted from: ``A``, ``B``, or ``-`` (none: a
+    #: loopback disk, or a node run by hand).
+    slot: str = "-"
+    #: Booted for a one-shot try of a new slot, not yet permanent.
+    trial: bool = False
+    #: The image the node's machine last went back from, and why ("": none).
+    rolled_back: str = ""
+    rollback_cause: str = ""
 
     @property
     def curator_state(self) -> str:
@@ -129,6 +141,18 @@ class NodeRow:
             return "-"
         return "down" if self.health == "HEARTBEAT_TIMEOUT" else "yes"
 
+    @property
+    def short_image(self) -> str:
+        """The image's first 12 hex digits, or ``-``."""
+        return self.image.removeprefix("sha256:")[:12] or "-"
+
+    @property
+    def slot_state(self) -> str:
+        """``A``, ``B``, ``B:trial`` (a one-shot try), or ``-``."""
+        return f"{self.slot}:trial" if self.trial and self.slot != "-" else self.slot
+
+
+_SLOTS = {NodeStatusRunningImageSlot.A: "A", NodeStatusRunningImageSlot.B: "B"}
 
 _ETCD = {
     m.NodeEtcdMembership.VOTER: "voter",
@@ -233,6 +257,7 @@ class Owner:
             async for node in call:
                 status = node.status
                 address = status.external_address if status else ""
+                image = status.image if status else None
                 rows.append(
                     NodeRow(
                         node_id=identity.node_id(node.pubkey),
@@ -253,6 +278,11 @@ class Owner:
                         ),
                         etcd=_ETCD.get(node.etcd_membership, "?"),
                         stale=stale_ok,
+                        image=image.digest if image else "",
+                        slot=_SLOTS.get(image.slot, "-") if image else "-",
+                        trial=bool(image and image.trial),
+                        rolled_back=image.rolled_back_digest if image else "",
+                        rollback_cause=image.rollback_cause if image else "",
                     )
                 )
         return sorted(rows, key=_sort_key)
@@ -559,21 +589,30 @@ def format_age(seconds: float | None) -> str:
 
 
 def format_table(rows: list[NodeRow]) -> str:
-    """The node table: id, address, state, health, last heartbeat, curator, etcd, roles.
+    """The node table: id, address, state, health, last heartbeat, curator, etcd,
+    image, slot, roles.
 
-    Curator: LEADER, yes, down (its heartbeat timed out) or -. Rows a
-    follower served (no curator led) end with a line saying so.
+    Curator: LEADER, yes, down (its heartbeat timed out) or -. Image: its
+    first 12 hex digits; slot: A, B, B:trial (a one-shot try) or -. A node
+    whose machine went back from a slot gets a line saying which image and
+    why. Rows a follower served (no curator led) end with a line saying so.
     """
     lines = [
         f"{'NODE':<44} {'ADDRESS':<16} {'STATE':<17} {'HEALTH':<17} {'LAST HEARTBEAT':<14} "
-        f"{'CURATOR':<8} {'ETCD':<8} ROLES"
+        f"{'CURATOR':<8} {'ETCD':<8} {'IMAGE':<12} {'SLOT':<8} ROLES"
     ]
     for r in rows:
         lines.append(
             f"{r.node_id:<44} {r.address or '-':<16} {r.state:<17} {r.health:<17} "
             f"{format_age(r.since_heartbeat):<14} {r.curator_state:<8} {r.etcd:<8} "
-            f"{','.join(r.roles) or '-'}"
+            f"{r.short_image:<12} {r.slot_state:<8} {','.join(r.roles) or '-'}"
         )
+    for r in rows:
+        if r.rolled_back:
+            lines.append(
+                f"({r.node_id} went back to slot {r.slot} from image {r.rolled_back}: "
+                f"{printable(r.rollback_cause) or 'no cause given'})"
+            )
     if any(r.stale for r in rows):
         lines.append(
             "(no curator leads now: read from a follower's etcd; heartbeats and health "

@@ -140,26 +140,30 @@ def _nonempty_file(path: str) -> bytes:
 
 #: What ``python -m shepherd`` can do, as its ``--help`` starts (and the README lists).
 COMMANDS = (
-    (DEFAULT, "run the control loops: takeover, provisioning, recovery, decommission"),
+    (DEFAULT, "run the control loops: takeover, provisioning, recovery, decommission, upgrade"),
     ("install", "ask machines to install the node image (its own --help)"),
+    ("upgrade", "move installed machines to a new image, A/B, quorum kept (its own --help)"),
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``python -m shepherd``'s parser (the control loops' options; ``install``
-    has its own). Parsing checks each value alone; `shepherd.cli.validate_options`
-    checks them together and reads the files they name."""
+    and ``upgrade`` have their own). Parsing checks each value alone;
+    `shepherd.cli.validate_options` checks them together and reads the files
+    they name."""
     parser = argparse.ArgumentParser(
         prog="shepherd",
-        usage="%(prog)s [install ...] --bmdb-url URL --provider {static,equinix} [options]",
+        usage="%(prog)s [install|upgrade ...] --bmdb-url URL --provider {static,equinix} [options]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=commands_description(
             COMMANDS,
             "Without a command the Shepherd runs its control loops on the BMDB at --bmdb-url"
             " and the machines of --provider until SIGINT/SIGTERM: the options below are"
-            " theirs. 'python -m shepherd install --help' gives install's own.",
+            " theirs. 'python -m shepherd install --help' gives install's own, 'python -m"
+            " shepherd upgrade --help' upgrade's.",
         ),
-        epilog="'python -m shepherd install --help': ask machines to install the node image.",
+        epilog="'python -m shepherd install --help': ask machines to install the node image;"
+        " 'python -m shepherd upgrade --help': move them to a new one.",
     )
     show_in_help(parser)
     db = parser.add_argument_group("BMDB")

@@ -11,6 +11,7 @@ bad or missing option exits with status 2 and a message naming it. Then::
                                            ├─ run_control_loop(initializer, N workers)
                                            ├─ run_control_loop(recoverer, M workers)
                                            ├─ run_control_loop(decommissioner, 1 worker)
+                                           ├─ run_control_loop(upgrader, 4 workers)
                                            └─ pruner.run         (with a retention policy)
 
 The BMDB needs no asyncio loop, so it is opened first, outside it: an
@@ -33,7 +34,9 @@ root) or ``--cluster-owner-info FILE`` (what ``metropolis owner info --out``
 writes) gives the cluster owner's credentials (what ``python -m metropolis
 owner`` takes). With them the decommissioner removes a machine's cluster
 node from the cluster before the wipe (without, such a machine's
-decommission waits, saying why), and ``--approve-installed`` (which needs
+decommission waits, saying why), the upgrader (:mod:`shepherd.upgrader`)
+moves the machines of a rolling upgrade run to their new image (without,
+they wait, saying why), and ``--approve-installed`` (which needs
 them) also runs the approver (:mod:`shepherd.approver`): it approves the
 cluster's NEW nodes whose key a machine's agent reported in a successful
 installation, every ``--approve-interval``.
@@ -47,7 +50,9 @@ SIGINT or SIGTERM cancels the loop: work in flight is canceled in the BMDB,
 sessions are deleted, and the process exits with status 0.
 
 ``python -m shepherd install ...`` is a separate command, which asks
-machines to install the node image (see `shepherd.install`).
+machines to install the node image (see `shepherd.install`); so is
+``python -m shepherd upgrade ...``, which starts a rolling upgrade run (see
+`shepherd.upgrade`).
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ from shepherd.recoverer import Recoverer
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey, SSHKeyError, load_or_create_ssh_key
 from shepherd.updater import Updater, UpdaterConfig
+from shepherd.upgrader import UPGRADE_WORKERS, Upgrader
 
 logger = logging.getLogger("shepherd.cli")
 
@@ -409,6 +415,15 @@ async def run(options: Options) -> None:
                     conn,
                     decommissioner,
                     parallelism=1,
+                    limiter=RateLimiter(options.recoverer.rate),
+                )
+                # Rolling upgrades: each worker holds one machine for its whole
+                # upgrade, so the workers bound how many go at once too.
+                start_control_loop(
+                    nursery,
+                    conn,
+                    Upgrader(options.owner),
+                    parallelism=UPGRADE_WORKERS,
                     limiter=RateLimiter(options.recoverer.rate),
                 )
                 if options.pruner is not None:

@@ -116,6 +116,8 @@ REAL_DEFAULT_MACHINES = 3
 #: ``--timeout`` unless given; with ``--real-machines`` (machines boot, twice).
 DEFAULT_TIMEOUT = 180.0
 REAL_TIMEOUT = 400.0
+#: Added to it with ``--upgrade``.
+UPGRADE_TIMEOUT = 200.0
 
 #: Where ``--web`` serves without a HOST:PORT.
 DEFAULT_WEB = "127.0.0.1:8080"
@@ -125,6 +127,7 @@ DEFAULT_WEB = "127.0.0.1:8080"
 COMMANDS = (
     (DEFAULT, "the whole path: takeover, image, install, approval, a cluster; then stop"),
     ("--real-machines", "the same on real Linux machines (nspawn, loop disks, a BMC); needs root"),
+    ("--upgrade", "with --real-machines: then upgrade the cluster to a second image, A/B"),
     ("--takeover-only", "stop after the takeover: each machine's outcome"),
     ("--stay", "then keep everything up and print commands to try, until Ctrl-C"),
     ("--web", "also serve the web UI and print its URL (implies --stay; --exit ends)"),
@@ -134,8 +137,8 @@ COMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m shepherd.demo",
-        usage="%(prog)s [--real-machines | --takeover-only] [--stay | --web [HOST:PORT] "
-        "[--exit]] [options]",
+        usage="%(prog)s [--real-machines [--upgrade] | --takeover-only] [--stay | --web "
+        "[HOST:PORT] [--exit]] [options]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=commands_description(
             COMMANDS,
@@ -180,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         "consensus member is power-reset through its BMC and comes back, one machine is "
         "decommissioned (its disk wiped). Needs root, systemd-nspawn and mmdebstrap (the "
         "first run builds the machines' root, about 95 s)",
+    )
+    parser.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="with --real-machines: after the power reset, upgrade every machine to a second "
+        "release of the image (python -m shepherd upgrade's run, the Shepherd's upgrader): "
+        "each writes its other disk slot, boots it once and keeps it when its node is healthy; "
+        "the table shows each node's image and slot",
     )
     parser.add_argument(
         "--parallelism", type=_positive, default=4, help="initializer workers (default 4)"
@@ -269,6 +280,8 @@ def _non_negative(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shepherd.demo ...``: parse, then run (`shepherd.demo_run`); the exit status."""
     args = build_parser().parse_args(argv)
+    if args.upgrade and not args.real_machines:
+        build_parser().error("--upgrade goes with --real-machines")
     if args.real_machines:
         if args.broken or args.takeover_only or args.web is not None or args.stay:
             build_parser().error(
@@ -276,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         args.broken = 0
         args.machines = args.machines or REAL_DEFAULT_MACHINES
-        args.timeout = args.timeout or REAL_TIMEOUT
+        args.timeout = args.timeout or (REAL_TIMEOUT + UPGRADE_TIMEOUT * args.upgrade)
         from shepherd.demo_real import missing
 
         why = missing()

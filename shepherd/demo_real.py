@@ -16,9 +16,16 @@ through a Redfish BMC; the Shepherd's path is `shepherd.realfleet`'s::
     power reset   the first consensus member reset through its BMC: it comes
                   back by itself from its disk and votes again (etcd takes a
                   write with the other member's machine powered off)
+    upgrade       with --upgrade: every machine moved to a second release of
+                  the image (`metropolis.image.variant`) by the Shepherd's
+                  upgrader (`shepherd.upgrader`): every machine writes its
+                  other slot at once (no node goes down for it), then the
+                  worker, then the members one at a time, boots it once and
+                  keeps it when its node is healthy
     decommission  the last machine: its node removed from the cluster, its
                   disk wiped (each step reported), released
-    table         machine, address, disk, install, node, roles, health, etcd
+    table         machine, address, disk, install, node, roles, health, etcd,
+                  the image each node runs and its disk slot
 
 Progress lines say what changed. Ctrl-C stops every machine (an orderly
 poweroff, then forced) and detaches every loop device, removes the
@@ -33,6 +40,7 @@ import getpass
 import logging
 import os
 import shutil
+import ssl
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,21 +52,27 @@ import trio_asyncio
 import bmdb
 from bmdb import overview
 from bmdb.actions import act
-from bmdb.model import InstallState, OSInstallation
+from bmdb.model import InstallState, MachineUpgrade, OSInstallation
 from metropolis.consensus.client import Client, Member
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.errors import MetropolisError
+from metropolis.image.variant import release_variant
 from metropolis.owner import NodeRow
 from shepherd.demo_cluster import node_image
+from shepherd.install import image_from_server
 from shepherd.proto.agent_callback import AgentHardwareReport
 from shepherd.providers.base import PowerState
 from shepherd.providers.redfish import Credentials, RedfishClient
 from shepherd.realfleet import RealFleet, open_real_fleet
+from shepherd.upgrade import Options as UpgradeOptions
+from shepherd.upgrade import create_run
 
 logger = logging.getLogger("shepherd.demo_real")
 
 #: Under the demo's working folder (short: the first node's etcd socket is under it).
 REAL_DIR = "r"
+#: The label of ``--upgrade``'s second release of the image (`release_variant`).
+SECOND_RELEASE = "bin/demo --upgrade: a second release"
 #: The tools a run needs, and the Debian packages that have them.
 TOOLS = {"systemd-nspawn": "systemd-container", "mmdebstrap": "mmdebstrap", "losetup": "mount"}
 
@@ -71,6 +85,8 @@ class RealOptions:
     bmdb_url: str
     image_cache: Path
     etcd: Path
+    #: Then upgrade the cluster to a second release of the image.
+    upgrade: bool = False
 
 
 def missing() -> str | None:
@@ -94,6 +110,16 @@ async def run_real(options: RealOptions) -> tuple[bool, str]:
     the final table). Everything it started is stopped when it returns or
     is cancelled (Ctrl-C)."""
     image = await node_image(options.image_cache, options.etcd)
+    second = None
+    if options.upgrade:
+        # The image server serves the image's folder: both images in one of
+        # the run's own (the cache keeps one image per folder).
+        served = options.workdir / "images"
+        served.mkdir(exist_ok=True)
+        await trio.to_thread.run_sync(shutil.copyfile, image, served / image.name)
+        image = served / image.name
+        second = await trio.to_thread.run_sync(release_variant, image, SECOND_RELEASE, served)
+        progress("a second release of the image to upgrade to: sha256:%s", _hex(second))
     progress("booting %d nspawn machines (the first run builds their root)", options.machines)
     async with (
         trio_asyncio.open_loop(),
@@ -107,7 +133,7 @@ async def run_real(options: RealOptions) -> tuple[bool, str]:
         await _taken_over(real)
         done = False
         with trio.move_on_at(options.deadline):
-            done = await _path(real)
+            done = await _path(real, second)
         if not done:
             logger.error("not every step finished (above); the table shows how far it got")
         return done, await _table(real)
@@ -135,7 +161,7 @@ async def _taken_over(real: RealFleet) -> None:
         )  # fmt: skip
 
 
-async def _path(real: RealFleet) -> bool:
+async def _path(real: RealFleet, second: Path | None = None) -> bool:
     count = len(real.ids)
     for decision in await real.request(range(count)):
         progress("install requested: %s", decision.line(dry_run=False))
@@ -165,6 +191,8 @@ async def _path(real: RealFleet) -> bool:
         progress("%s: node %s is an etcd voter", real.provider_id(index), row.node_id)
     if consensus:
         await _reset(real, consensus)
+    if second is not None and not await _upgrade(real, second):
+        return False
     if count > len(consensus):
         await _decommission(real, count - 1)
     return True
@@ -220,6 +248,63 @@ async def _reset(real: RealFleet, consensus: list[int]) -> None:
             address = real.machines.address(consensus[1])
             await _until(real, lambda rows, _: _healthy(rows.get(address)))
             progress("%s: back and healthy", real.provider_id(consensus[1]))
+
+
+def _hex(image: Path) -> str:
+    return image.name.removesuffix(".pyz")
+
+
+async def _upgrade(real: RealFleet, image: Path) -> bool:
+    """Upgrade every machine to ``image`` (``shepherd upgrade``'s run, the
+    Shepherd's upgrader); whether every one was upgraded."""
+    real.start_upgrader(real.first.access)
+    options = UpgradeOptions(
+        real.bmdb_url,
+        "start",
+        image=image_from_server(real.images, f"sha256:{_hex(image)}", plain_http=True),
+        ssl_context=ssl.create_default_context(),
+        machines=tuple(real.ids),
+        owner=real.first.access,
+        operator=getpass.getuser(),
+        reason="bin/demo --real-machines --upgrade",
+    )
+    planned = await create_run(real.conn, options)
+    if planned.run is None:
+        logger.error("no upgrade run: %s", "; ".join(str(c.left_out) for c in planned.choices))
+        return False
+    names = {m: real.provider_id(i) for i, m in enumerate(real.ids)}
+    progress(
+        "upgrade requested (shepherd upgrade --all): %d machines to sha256:%s, each writing "
+        "it to its other slot at once, then booted into it: the worker first, then the "
+        "consensus members one at a time",
+        len(real.ids), _hex(image)[:12],
+    )  # fmt: skip
+    run_id = planned.run.run_id
+    seen: dict[uuid.UUID, tuple[object, ...]] = {}
+    while True:
+        run = await real.conn.transact(lambda q: q.upgrade_run(run_id))
+        machines = await real.conn.transact(lambda q: q.upgrade_machines(run_id))
+        for m, _ in machines:
+            now = (m.state, m.agent_state, m.slot)
+            if seen.get(m.machine_id) != now:
+                seen[m.machine_id] = now
+                progress("%s: %s", names.get(m.machine_id, m.machine_id), _upgrade_line(m))
+        assert run is not None
+        if run.finished_at is not None:
+            if run.stop_cause:
+                logger.error("the upgrade stopped: %s", run.stop_cause)
+                return False
+            progress("every node runs sha256:%s from its slot B, permanent", _hex(image)[:12])
+            return True
+        await trio.sleep(0.5)
+
+
+def _upgrade_line(m: MachineUpgrade) -> str:
+    if m.state == "upgraded":
+        return f"upgraded: slot {m.slot} runs {m.running_digest}, healthy"
+    if m.agent_state:
+        return f"{m.state}; its agent: {m.agent_state}: {m.agent_detail or ''}".rstrip(": ")
+    return f"{m.state}{': ' + m.detail if m.detail else ''}"
 
 
 async def _decommission(real: RealFleet, index: int) -> None:
@@ -279,17 +364,23 @@ def _voter(members: list[Member], node_id: str) -> bool:
 
 
 async def _table(real: RealFleet) -> str:
-    rows = [("MACHINE", "ADDRESS", "DISK", "INSTALL", "NODE", "ROLES", "HEALTH", "ETCD")]
+    rows = [
+        ("MACHINE", "ADDRESS", "DISK", "INSTALL", "NODE", "ROLES", "HEALTH", "ETCD", "IMAGE",
+         "SLOT"),
+    ]  # fmt: skip
     nodes = await _nodes(real)
     members = {m.name: m for m in await _members(real)}
 
-    def node_cells(row: NodeRow | None) -> tuple[str, str, str, str]:
+    def node_cells(row: NodeRow | None) -> tuple[str, str, str, str, str, str]:
         if row is None:
-            return "-", "-", "-", "-"
+            return "-", "-", "-", "-", "-", "-"
         member = members.get(row.node_id)
         etcd = "-" if member is None else ("learner" if member.is_learner else "voter")
         health = row.health if row.state == "UP" else f"{row.health} ({row.state})"
-        return row.node_id, ",".join(row.roles) or "-", health, etcd
+        return (
+            row.node_id, ",".join(row.roles) or "-", health, etcd, row.short_image,
+            row.slot_state,
+        )  # fmt: skip
 
     rows.append(
         ("first-node", real.first.address, "-", "-", *node_cells(nodes.get(real.first.address)))

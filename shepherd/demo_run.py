@@ -75,6 +75,8 @@ class Options:
     stay: bool = False
     image_cache: Path | None = None
     etcd: Path = Path("/usr/bin/etcd")
+    #: ``--upgrade`` (with ``--real-machines``).
+    upgrade: bool = False
 
 
 #: Seconds a Ctrl-C gives the demo to stop everything before it gives up.
@@ -317,6 +319,7 @@ async def run_real_machines(options: Options, postgres: LocalPostgres) -> bool:
                 bmdb_url=postgres.url("bmdb"),
                 image_cache=options.image_cache or default_image_cache(),
                 etcd=options.etcd,
+                upgrade=options.upgrade,
             )
         )
     finally:
@@ -410,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
         stay=args.stay or (args.web is not None and not args.exit),
         image_cache=args.image_cache,
         etcd=args.etcd,
+        upgrade=args.upgrade,
     )
     postgres = None
     try:

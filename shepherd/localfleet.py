@@ -293,13 +293,15 @@ def stop_agent(target: Path) -> None:
 
 def node_pid(disk: Path) -> int | None:
     """The pid of the node an install started from ``disk`` (its ``node.pid``),
-    if that process runs the disk's ``image.pyz``."""
+    if that process runs the disk's ``image.pyz`` (or, after an upgrade, the
+    image of slot B, ``image-b.pyz``)."""
     try:
         pid = int((disk / "node.pid").read_text())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return None
-    return pid if str(disk / "image.pyz").encode() in cmdline else None
+    images = {str(disk / name).encode() for name in ("image.pyz", "image-b.pyz")}
+    return pid if images & set(cmdline) else None
 
 
 def stop_node(disk: Path) -> None:

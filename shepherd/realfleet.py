@@ -23,6 +23,13 @@ and yields once every machine's agent has sent its hardware report. Every
 server listens on the bridge (or the host's loopback: PostgreSQL, the BMC),
 so nothing is reachable from beyond this host.
 
+Rolling upgrades need the cluster's owner credentials, which only a cluster
+built on the fleet gives: `RealFleet.start_upgrader` adds the Shepherd's
+upgrader (`shepherd.upgrader`) to the loops once there is one, and
+`RealFleet.shepherd_argv` is the command line of a whole second Shepherd
+(``python -m shepherd``, a process of its own that a test can kill) on the
+same BMDB, provider files and agent server.
+
 `RealFleet.request` asks machines to install as ``shepherd install`` does
 (the root device as the hardware report names the machine's disk: its
 loop device's kernel name). Leaving the block stops everything in order,
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -46,6 +54,7 @@ import trio
 
 import bmdb
 from bmdb.model import OSInstallation, Queries
+from metropolis.owner import OwnerAccess
 from metropolis.proto import parameters
 from shepherd.agent.blockdev import Layout
 from shepherd.agent_bundle import agent_zipapp
@@ -66,6 +75,7 @@ from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
 from shepherd.ssh import SSHClient
 from shepherd.ssh_key import load_or_create_ssh_key
+from shepherd.upgrader import UPGRADE_WORKERS, Upgrader
 
 __all__ = ["AGENT_PATH", "SMALL_LAYOUT", "RealFleet", "open_real_fleet"]
 
@@ -97,8 +107,43 @@ class RealFleet:
     layout: Layout
     #: The cluster's info (``metropolis owner info --out`` writes the same).
     cluster_file: Path
+    bmdb_url: str
+    #: The nursery of the loops (`start_upgrader` adds one to it).
+    nursery: trio.Nursery
     #: Machine ids, in fleet order.
     ids: list[uuid.UUID] = field(default_factory=list)
+
+    def start_upgrader(
+        self, owner: OwnerAccess, *, poll: float = 0.5, stage_allowance: float = 300.0
+    ) -> None:
+        """Run the Shepherd's upgrader with ``owner``'s credentials among the
+        fleet's loops, until the fleet stops."""
+        start_control_loop(
+            self.nursery,
+            self.conn,
+            Upgrader(owner, poll=poll, stage_allowance=stage_allowance),
+            parallelism=UPGRADE_WORKERS,
+            limiter=RateLimiter(Rate(interval=0.01, burst=UPGRADE_WORKERS)),
+        )
+
+    def shepherd_argv(self, cluster_info: Path, owner_key: Path) -> list[str]:
+        """``python -m shepherd`` for a second Shepherd of this fleet, with the
+        owner's credentials (``--cluster-owner-info``, ``--cluster-owner-key``):
+        its upgrader moves upgrade runs; its other loops find nothing to do
+        that this one's do not (the BMDB's work locks keep them apart)."""
+        c = self.config
+        return [
+            sys.executable, "-m", "shepherd", "--bmdb-url", self.bmdb_url,
+            "--provider", "static",
+            "--static-machines-path", str(self.folder / "machines.toml"),
+            "--static-bmc-credentials-path", str(self.folder / "bmc.toml"),
+            "--ssh-key-path", str(self.ssh_key_file),
+            "--agent-endpoint", c.endpoint, "--agent-systemd-unit",
+            "--agent-heartbeat-interval", f"{c.heartbeat_interval:g}s",
+            "--agent-heartbeat-backoff-cap", f"{c.heartbeat_backoff_cap:g}s",
+            "--cluster-owner-info", str(cluster_info),
+            "--cluster-owner-key", str(owner_key),
+        ]  # fmt: skip
 
     def provider_id(self, index: int) -> str:
         return self.machines.system_id(index)
@@ -247,6 +292,8 @@ async def open_real_fleet(
             image_sha256=image.name.removesuffix(".pyz"),
             layout=layout,
             cluster_file=folder / "cluster.pb",
+            bmdb_url=bmdb_url,
+            nursery=nursery,
         )
         real.cluster_file.write_bytes(bytes(first.info))
         with trio.fail_after(within):

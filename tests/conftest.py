@@ -49,6 +49,10 @@ SERIAL_GROUPS = {
     # Claims network slots and loop devices as the modules above do; its
     # own group so that it waits for neither.
     "tests/shepherd/nspawn/test_real_demo.py": "nspawn-real-demo",
+    # Five machines and their cluster for the module: runs build on the last.
+    "tests/shepherd/nspawn/test_real_upgrade.py": "nspawn-real-upgrade",
+    # One machine for the module, its A/B boots in order.
+    "tests/shepherd/nspawn/test_ab_boots.py": "nspawn-ab-boots",
     # Checks that these groups reach xdist at all.
     "tests/test_xdist_groups.py": "group-check",
 }

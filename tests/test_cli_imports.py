@@ -63,6 +63,10 @@ HELP: list[tuple[list[str], str]] = [
         " bmdb.model.enums bmdb.model.rows",
     ),
     (
+        ["shepherd", "upgrade", "--help"],
+        f"{PARSING} shepherd shepherd.upgrade_options",
+    ),
+    (
         ["console", "--help"],
         f"{PARSING} console console.errors bmdb bmdb.cli bmdb.errors metropolis metropolis.errors",
     ),
@@ -80,10 +84,12 @@ BMDB_MACHINES = (
     f" bmdb.session bmdb.transaction bmdb.work {TRIO} psycopg psycopg_binary typing_extensions"
 )
 
-#: ``owner nodes``: the owner's keys, TLS, the RPC client; no etcd client,
-#: curator, supervisor, RPC server or metrics.
+#: ``owner nodes``: the owner's keys, TLS, the RPC client, the escape of the
+#: nodes' own texts (a rollback's cause); no etcd client, curator,
+#: supervisor, RPC server or metrics.
 OWNER_NODES = (
-    f"{PARSING} common.backoff common.crashpoint common.numbers common.protobuf common.protowire"
+    f"{PARSING} common.backoff common.crashpoint common.numbers common.protobuf"
+    " common.protowire common.text"
     " metropolis metropolis.errors metropolis.cli metropolis.cli.owner metropolis.cli.root"
     " metropolis.owner metropolis.pki metropolis.identity metropolis.localstorage"
     " metropolis.localstorage.* common.durable"

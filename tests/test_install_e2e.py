@@ -94,6 +94,11 @@ async def test_three_taken_over_machines_become_approved_healthy_nodes(
 
                 await until(all_healthy, interval=0.2)
                 rows = await nodes()
+                # Each installed node reports the image it runs; a loopback
+                # disk has no slot.
+                for host in hosts:
+                    assert rows[host].image == f"sha256:{digest}", rows[host]
+                    assert rows[host].slot == "-" and not rows[host].trial
 
                 # The BMDB: each machine installed, with its node's id.
                 for machine, machine_id in zip(machines, rig.ids, strict=True):

@@ -78,13 +78,16 @@ async def _machines(conn: Connection, args: argparse.Namespace) -> str:
             else f"decommission:{m.decommission}"
             if m.decommission
             else "-",
+            m.upgrade_state or "-",
+            (m.slot or "-").upper(),
+            m.image.removeprefix("sha256:")[:12] if m.image else "-",
             oneline(m.cause),
         )
         for m in machines
     ]
     header = (
         "MACHINE", "STATE", "INSTALL", "NODE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK",
-        "BACKOFF", "HELD", "CAUSE",
+        "BACKOFF", "HELD", "UPGRADE", "SLOT", "IMAGE", "CAUSE",
     )  # fmt: skip
     return table(header, rows)
 
@@ -120,6 +123,9 @@ async def _machine(conn: Connection, args: argparse.Namespace) -> str:
         ("heartbeat", when(m.agent_heartbeat_at)),
         *_hardware_fields(detail),
         *_installation_fields(detail.installation),
+        ("upgrade", m.upgrade_state or "-"),
+        ("slot", (m.slot or "-").upper()),
+        ("image", oneline(m.image)),
         ("ssh host key", fingerprint(detail.ssh_host_key) if detail.ssh_host_key else "-"),
         ("ssh host key first seen", when(detail.ssh_host_key_first_seen)),
         ("last failure", when(m.failed_at)),

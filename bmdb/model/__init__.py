@@ -27,8 +27,13 @@ if TYPE_CHECKING:
     from bmdb.model.rows import InstallState as InstallState
     from bmdb.model.rows import MachineProvided as MachineProvided
     from bmdb.model.rows import MachineSummary as MachineSummary
+    from bmdb.model.rows import MachineUpgrade as MachineUpgrade
     from bmdb.model.rows import OSInstallation as OSInstallation
     from bmdb.model.rows import SessionInfo as SessionInfo
+    from bmdb.model.rows import UpgradePlanEntry as UpgradePlanEntry
+    from bmdb.model.rows import UpgradeRun as UpgradeRun
+    from bmdb.model.rows import UpgradeState as UpgradeState
+    from bmdb.model.rows import UpgradeTarget as UpgradeTarget
     from bmdb.model.rows import WorkInfo as WorkInfo
     from bmdb.model.rows import node_id as node_id
 else:
@@ -56,8 +61,13 @@ else:
                 "InstallState",
                 "MachineProvided",
                 "MachineSummary",
+                "MachineUpgrade",
                 "OSInstallation",
                 "SessionInfo",
+                "UpgradePlanEntry",
+                "UpgradeRun",
+                "UpgradeState",
+                "UpgradeTarget",
                 "WorkInfo",
                 "node_id",
             ],
@@ -80,12 +90,17 @@ __all__ = [
     "InstallationTarget",
     "MachineProvided",
     "MachineSummary",
+    "MachineUpgrade",
     "OSInstallation",
     "Process",
     "Provider",
     "ProviderStatus",
     "Queries",
     "SessionInfo",
+    "UpgradePlanEntry",
+    "UpgradeRun",
+    "UpgradeState",
+    "UpgradeTarget",
     "WorkEvent",
     "WorkInfo",
     "as_uuid",

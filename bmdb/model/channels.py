@@ -16,8 +16,9 @@ from __future__ import annotations
 __all__ = ["AGENT_REQUEST", "CHANNELS", "INSTALL_REPORT"]
 
 #: A request for a machine's agent was written (an OS installation request:
-#: `Queries.set_os_installation_request`); the agent callback server
-#: answers that agent's held heartbeat with it.
+#: `Queries.set_os_installation_request`; an upgrade's write or activation:
+#: `Queries.write_upgrade`, `Queries.request_upgrade`); the agent callback
+#: server answers that agent's held heartbeat with it.
 AGENT_REQUEST = "bmdb_agent_request"
 #: An agent's report on an OS installation was stored
 #: (`Queries.record_os_installation_report`); the approver looks for the

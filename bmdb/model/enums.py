@@ -32,6 +32,7 @@ class Process(_SQLEnum):
     SHEPHERD_RECOVERY = "ShepherdRecovery"
     SHEPHERD_PROVISION = "ShepherdProvision"
     SHEPHERD_DECOMMISSION = "ShepherdDecommission"
+    SHEPHERD_UPGRADE = "ShepherdUpgrade"
     UNIT_TEST_1 = "UnitTest1"
     UNIT_TEST_2 = "UnitTest2"
 

@@ -16,6 +16,7 @@ not all race for the same first row. See bmdb/work.py for why that is safe.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import enum
 import functools
@@ -234,7 +235,10 @@ def _agent_recovery(
 # the statement, which its CTEs do not change). A machine asked to be
 # decommissioned gets the generation (a report on it is still stored: the
 # decommissioner must learn of a node the install started) but not the
-# request: its agent is never sent an install from then on.
+# request: its agent is never sent an install from then on. The same for a
+# machine's upgrade request (machine_upgrade, migration 0011), probed by its
+# partial index: a requested one (the upgrader activated it) carried until
+# the upgrader ends it, else a pending one of the running run (its write).
 _RECORD_HEARTBEATS = """
     WITH req AS (
         SELECT * FROM unnest(
@@ -265,19 +269,35 @@ _RECORD_HEARTBEATS = """
     )
     SELECT r.ord,
            EXISTS (SELECT 1 FROM auth a WHERE a.machine_id = r.machine_id),
-           NULL::bigint, NULL::bytea
+           NULL::bigint, NULL::bytea, NULL::bigint, NULL::bytea
     FROM req r
     WHERE NOT EXISTS (SELECT 1 FROM beat b WHERE b.machine_id = r.machine_id)
     UNION ALL
     SELECT r.ord, true, q.generation,
            CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
                                  WHERE dc.machine_id = r.machine_id)
-                THEN q.os_installation_request_raw END
+                THEN q.os_installation_request_raw END,
+           NULL::bigint, NULL::bytea
     FROM req r
     JOIN beat b ON b.machine_id = r.machine_id
     JOIN machine_os_installation_request q ON q.machine_id = r.machine_id
     WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
                       WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
+    UNION ALL
+    SELECT r.ord, true, NULL::bigint, NULL::bytea, u.generation,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
+                                 WHERE dc.machine_id = r.machine_id)
+                THEN u.request_raw END
+    FROM req r
+    JOIN beat b ON b.machine_id = r.machine_id
+    JOIN LATERAL (
+        SELECT mu.generation, mu.request_raw FROM machine_upgrade mu
+        WHERE mu.machine_id = r.machine_id
+          AND mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
+          AND (mu.state = 'requested'
+               OR EXISTS (SELECT 1 FROM upgrade_run ur
+                          WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))
+        ORDER BY mu.state = 'requested' DESC LIMIT 1) u ON true
 """
 
 
@@ -293,12 +313,38 @@ _AGENT_PENDING = """
                       WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
 """
 
+# A machine's carried upgrade request as `_RECORD_HEARTBEATS` reads it, alone.
+_AGENT_PENDING_UPGRADE = """
+    SELECT mu.generation,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
+                                 WHERE dc.machine_id = mu.machine_id)
+                THEN mu.request_raw END
+    FROM machine_upgrade mu
+    WHERE mu.machine_id = %s
+      AND mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
+      AND (mu.state = 'requested'
+           OR EXISTS (SELECT 1 FROM upgrade_run ur
+                      WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))
+    ORDER BY mu.state = 'requested' DESC LIMIT 1
+"""
+
 _MACHINES_WITH_AGENT_REQUESTS = """
     SELECT q.machine_id FROM machine_os_installation_request q
     WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
                       WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
       AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = q.machine_id)
+    UNION
+    SELECT mu.machine_id FROM machine_upgrade mu
+    WHERE mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
+      AND (mu.state = 'requested'
+           OR EXISTS (SELECT 1 FROM upgrade_run ur
+                      WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))
+      AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = mu.machine_id)
 """
+
+# The agent callback server is told that a machine's agent has an upgrade
+# request to carry (`channels.AGENT_REQUEST`), as for an installation.
+_NOTIFY_AGENT_REQUEST = f"SELECT pg_notify('{channels.AGENT_REQUEST}', %s::text)"
 
 
 _FOR_PROCESS = f"""
@@ -356,6 +402,10 @@ class HeartbeatResult:
     #: has the generation (a report on it is stored) but no request to carry.
     installation_request: bytes | None = None
     installation_generation: int | None = None
+    #: The same of the machine's requested upgrade (raw UpgradeRequest, its
+    #: generation): carried until the upgrader ends it.
+    upgrade_request: bytes | None = None
+    upgrade_generation: int | None = None
 
 
 _ACCEPTED = HeartbeatResult(HeartbeatOutcome.ACCEPTED)
@@ -818,12 +868,19 @@ class Queries:
         # Only the refused and those with a pending request come back (the
         # common case is none).
         results = [_ACCEPTED] * len(beats)
-        for ordinal, authenticated, generation, request in rows:
+        for ordinal, authenticated, generation, request, upgrade_gen, upgrade in rows:
+            before = results[ordinal - 1]
             if generation is not None:
-                results[ordinal - 1] = HeartbeatResult(
-                    HeartbeatOutcome.ACCEPTED,
-                    None if request is None else bytes(request),
-                    int(generation),
+                results[ordinal - 1] = dataclasses.replace(
+                    before,
+                    installation_request=None if request is None else bytes(request),
+                    installation_generation=int(generation),
+                )
+            elif upgrade_gen is not None:
+                results[ordinal - 1] = dataclasses.replace(
+                    before,
+                    upgrade_request=None if upgrade is None else bytes(upgrade),
+                    upgrade_generation=int(upgrade_gen),
                 )
             else:
                 results[ordinal - 1] = HeartbeatResult(
@@ -835,19 +892,29 @@ class Queries:
         """What an accepted heartbeat of the machine's agent would be answered
         with now (`record_agent_heartbeats_pending`'s result for it), without
         writing a heartbeat: for an answer held until a request appears."""
+        result = _ACCEPTED
         rows = await self.execute(_AGENT_PENDING, (as_uuid(machine_id),))
-        if not rows:
-            return _ACCEPTED
-        [(generation, request)] = rows
-        return HeartbeatResult(
-            HeartbeatOutcome.ACCEPTED,
-            None if request is None else bytes(request),
-            int(generation),
-        )
+        if rows:
+            [(generation, request)] = rows
+            result = dataclasses.replace(
+                result,
+                installation_request=None if request is None else bytes(request),
+                installation_generation=int(generation),
+            )
+        rows = await self.execute(_AGENT_PENDING_UPGRADE, (as_uuid(machine_id),))
+        if rows:
+            [(generation, request)] = rows
+            result = dataclasses.replace(
+                result,
+                upgrade_request=None if request is None else bytes(request),
+                upgrade_generation=int(generation),
+            )
+        return result
 
     async def machines_with_agent_requests(self) -> set[uuid.UUID]:
         """The machines whose agents have a request to carry (the pending OS
-        installation requests of machines not being decommissioned): what a
+        installation and upgrade requests of machines not being
+        decommissioned): what a
         listener on `channels.AGENT_REQUEST` reads when it listens anew."""
         rows = await self.execute(_MACHINES_WITH_AGENT_REQUESTS, ())
         return {machine_id for (machine_id,) in rows}
@@ -1028,6 +1095,384 @@ class Queries:
                SET public_key = EXCLUDED.public_key, first_seen = now()""",
             (as_uuid(machine_id), bytes(key)),
         )
+
+    # Rolling upgrades (migration 0011).
+
+    async def running_upgrade_run(self) -> records.UpgradeRun | None:
+        """The run not finished yet, if any (there is at most one); locked
+        FOR UPDATE, so that deciding against it (a new run, a machine's turn)
+        is one at a time."""
+        rows = await self.execute(
+            f"SELECT {_RUN_COLUMNS} FROM upgrade_run r WHERE r.finished_at IS NULL FOR UPDATE"
+        )
+        return _upgrade_run(rows[0]) if rows else None
+
+    async def create_upgrade_run(
+        self,
+        *,
+        image_digest: str,
+        os_image: bytes,
+        max_unavailable: int,
+        health_timeout: int,
+        requested_by: str,
+        machines: Sequence[records.UpgradePlanEntry],
+    ) -> records.UpgradeRun:
+        """Start a run of ``machines`` (all pending). `InvalidArgument` (nothing
+        written) while another run is not finished, for no machines, a machine
+        listed twice, or values out of range (the table's CHECKs say which)."""
+        if not machines:
+            raise InvalidArgument("an upgrade run needs at least one machine")
+        if len({m.machine_id for m in machines}) != len(machines):
+            raise InvalidArgument("a machine is listed twice")
+        _check_text("requested by", requested_by)
+        running = await self.running_upgrade_run()
+        if running is not None:
+            raise InvalidArgument(
+                f"upgrade run {running.run_id} (to {running.image_digest}) is not finished: "
+                "one run at a time"
+            )
+        rows = await self.execute(
+            f"""INSERT INTO upgrade_run AS r (image_digest, os_image_raw, max_unavailable,
+                                         health_timeout_seconds, requested_by)
+                VALUES (%s, %s, %s, %s, %s) RETURNING {_RUN_COLUMNS}""",
+            (image_digest, bytes(os_image), max_unavailable, health_timeout, requested_by),
+        )
+        run = _upgrade_run(rows[0])
+        await self.execute(
+            """INSERT INTO machine_upgrade
+                   (run_id, machine_id, phase, position, root_device, from_digest)
+               SELECT %(run)s, * FROM unnest(%(ids)s::uuid[], %(phases)s::smallint[],
+                                             %(positions)s::integer[], %(devices)s::text[],
+                                             %(digests)s::text[])""",
+            {
+                "run": run.run_id,
+                "ids": [m.machine_id for m in machines],
+                "phases": [m.phase for m in machines],
+                "positions": [m.position for m in machines],
+                "devices": [m.root_device for m in machines],
+                "digests": [m.from_digest for m in machines],
+            },
+        )
+        return run
+
+    async def installed_machine_ids(self) -> list[uuid.UUID]:
+        """Machines whose current installation succeeded with a node key and
+        that are not (being) decommissioned, oldest first."""
+        rows = await self.execute(
+            """SELECT m.machine_id FROM machines m
+               JOIN machine_os_installation_request oq ON oq.machine_id = m.machine_id
+               JOIN machine_os_installation_report orp
+                 ON orp.machine_id = oq.machine_id AND orp.generation = oq.generation
+                AND orp.success AND orp.node_public_key IS NOT NULL
+               WHERE NOT EXISTS (SELECT 1 FROM machine_decommission dc
+                                 WHERE dc.machine_id = m.machine_id)
+               ORDER BY m.machine_created_at, m.machine_id"""
+        )
+        return [r[0] for r in rows]
+
+    async def append_audit(
+        self, operator: str, action: str, machine_id: uuid.UUID | None, reason: str, detail: str
+    ) -> int:
+        """Append an audit record (for actions not on one machine's row, such as
+        an upgrade run); its id. The table's CHECKs refuse an empty operator or
+        reason and an action name that is not lower-case words."""
+        for name, value in (("operator", operator), ("reason", reason), ("detail", detail)):
+            _check_text(name, value)
+        rows = await self.execute(
+            """INSERT INTO audit_log (operator, action, machine_id, reason, detail)
+               VALUES (%s, %s, %s, %s, %s) RETURNING id""",
+            (operator, action, machine_id, reason, detail),
+        )
+        return int(rows[0][0])
+
+    async def upgrade_runs(self, limit: int = 20) -> list[records.UpgradeRun]:
+        """The newest runs, newest first."""
+        rows = await self.execute(
+            f"SELECT {_RUN_COLUMNS} FROM upgrade_run r ORDER BY r.requested_at DESC LIMIT %s",
+            (_limit(limit),),
+        )
+        return [_upgrade_run(r) for r in rows]
+
+    async def upgrade_run(self, run_id: uuid.UUID | str) -> records.UpgradeRun | None:
+        rows = await self.execute(
+            f"SELECT {_RUN_COLUMNS} FROM upgrade_run r WHERE r.run_id = %s", (as_uuid(run_id),)
+        )
+        return _upgrade_run(rows[0]) if rows else None
+
+    async def upgrade_run_age(self, run_id: uuid.UUID | str) -> float | None:
+        """Seconds since the run was made, by the database's clock (None: no such run)."""
+        rows = await self.execute(
+            """SELECT extract(epoch FROM now() - requested_at)::float8
+               FROM upgrade_run WHERE run_id = %s""",
+            (as_uuid(run_id),),
+        )
+        return float(rows[0][0]) if rows else None
+
+    async def upgrade_machines(
+        self, run_id: uuid.UUID | str
+    ) -> list[tuple[records.MachineUpgrade, bytes | None]]:
+        """The machines of a run in their order, each with the node key of its
+        current successful installation report."""
+        rows = await self.execute(
+            f"""SELECT {_MACHINE_UPGRADE_COLUMNS}, orp.node_public_key
+                FROM machine_upgrade mu
+                LEFT JOIN machine_os_installation_request oq ON oq.machine_id = mu.machine_id
+                LEFT JOIN machine_os_installation_report orp
+                  ON orp.machine_id = oq.machine_id AND orp.generation = oq.generation
+                 AND orp.success
+                WHERE mu.run_id = %s
+                ORDER BY mu.phase, mu.position, mu.machine_id""",
+            (as_uuid(run_id),),
+        )
+        return [(_machine_upgrade(r), None if r[-1] is None else bytes(r[-1])) for r in rows]
+
+    async def machine_upgrade(
+        self, run_id: uuid.UUID | str, machine_id: uuid.UUID | str
+    ) -> tuple[records.MachineUpgrade, bytes | None, float | None] | None:
+        """One machine of a run: its row, its node key (as `upgrade_machines`),
+        and the seconds since its upgrade was requested, by the database's
+        clock (None while pending)."""
+        rows = await self.execute(
+            f"""SELECT {_MACHINE_UPGRADE_COLUMNS}, orp.node_public_key,
+                       extract(epoch FROM now() - mu.requested_at)::float8
+                FROM machine_upgrade mu
+                LEFT JOIN machine_os_installation_request oq ON oq.machine_id = mu.machine_id
+                LEFT JOIN machine_os_installation_report orp
+                  ON orp.machine_id = oq.machine_id AND orp.generation = oq.generation
+                 AND orp.success
+                WHERE mu.run_id = %s AND mu.machine_id = %s""",
+            (as_uuid(run_id), as_uuid(machine_id)),
+        )
+        if not rows:
+            return None
+        r = rows[0]
+        return _machine_upgrade(r[:-2]), None if r[-2] is None else bytes(r[-2]), r[-1]
+
+    async def latest_upgrades(self) -> dict[uuid.UUID, records.MachineUpgrade]:
+        """Each machine's row of the newest run that lists it (for the views)."""
+        rows = await self.execute(
+            f"""SELECT DISTINCT ON (mu.machine_id) {_MACHINE_UPGRADE_COLUMNS}
+                FROM machine_upgrade mu JOIN upgrade_run r ON r.run_id = mu.run_id
+                ORDER BY mu.machine_id, r.requested_at DESC"""
+        )
+        return {row.machine_id: row for row in map(_machine_upgrade, rows)}
+
+    async def machines_for_upgrade(self, limit: int) -> list[records.UpgradeTarget]:
+        """Machines of the running run whose turn it may be: those requested
+        already (a worker died while upgrading them: taken up again first),
+        then pending ones of the lowest phase that has any not done, while
+        fewer than the run allows are requested (phase 0: max_unavailable;
+        consensus phases: one); without live upgrade work, upgrade backoff
+        or a hold. The upgrader checks the cluster's own view before it
+        requests one (the order here is what it last saw)."""
+        busy = [Process.SHEPHERD_UPGRADE]
+        rows = await self.execute(
+            f"""SELECT {_RUN_COLUMNS}, {_MACHINE_UPGRADE_COLUMNS}, orp.node_public_key
+                FROM machine_upgrade mu
+                JOIN upgrade_run r ON r.run_id = mu.run_id AND r.finished_at IS NULL
+                JOIN machines m ON m.machine_id = mu.machine_id
+                LEFT JOIN machine_os_installation_request oq ON oq.machine_id = mu.machine_id
+                LEFT JOIN machine_os_installation_report orp
+                  ON orp.machine_id = oq.machine_id AND orp.generation = oq.generation
+                 AND orp.success
+                WHERE mu.state IN ('pending', 'requested')
+                  AND NOT {_LIVE_WORK}
+                  AND NOT {_ACTIVE_BACKOFF}
+                  AND {NOT_HELD}
+                  AND (mu.state = 'requested' OR (
+                      NOT EXISTS (SELECT 1 FROM machine_upgrade o
+                                  WHERE o.run_id = mu.run_id AND o.phase < mu.phase
+                                    AND o.state IN ('pending', 'requested'))
+                      AND (SELECT count(*) FROM machine_upgrade o
+                           WHERE o.run_id = mu.run_id AND o.state = 'requested')
+                          < CASE WHEN mu.phase = 0 THEN r.max_unavailable ELSE 1 END))
+                ORDER BY mu.state = 'requested' DESC, mu.phase, mu.position, mu.machine_id
+                LIMIT %(limit)s {"FOR UPDATE OF m SKIP LOCKED" if self.locking else ""}""",
+            {"limit": _limit(limit), "busy": busy, "process": Process.SHEPHERD_UPGRADE},
+        )
+        n = len(_RUN_FIELDS)
+        return [
+            records.UpgradeTarget(
+                run=_upgrade_run(r[:n]),
+                machine=_machine_upgrade(r[n:-1]),
+                node_public_key=None if r[-1] is None else bytes(r[-1]),
+            )
+            for r in rows
+        ]
+
+    async def next_upgrade_generation(self, machine_id: uuid.UUID | str) -> int:
+        """One more than the machine's last upgrade generation (1 for its first)."""
+        rows = await self.execute(
+            "SELECT coalesce(max(generation), 0) + 1 FROM machine_upgrade WHERE machine_id = %s",
+            (as_uuid(machine_id),),
+        )
+        return int(rows[0][0])
+
+    async def write_upgrade(
+        self,
+        run_id: uuid.UUID | str,
+        machine_id: uuid.UUID | str,
+        generation: int,
+        request: bytes,
+    ) -> bool:
+        """Ask the pending machine of the running run to write the new image
+        to its inactive slot: its agent is carried ``request`` (of
+        ``generation``, not activating) while the run runs; the machine stays
+        pending (it takes no node down). Whether it was pending without one."""
+        rows = await self.execute(
+            """UPDATE machine_upgrade mu
+               SET generation = %s, request_raw = %s, updated_at = now()
+               FROM upgrade_run r
+               WHERE r.run_id = mu.run_id AND r.finished_at IS NULL
+                 AND mu.run_id = %s AND mu.machine_id = %s
+                 AND mu.state = 'pending' AND mu.generation IS NULL
+               RETURNING 1""",
+            (generation, bytes(request), as_uuid(run_id), as_uuid(machine_id)),
+        )
+        if rows:
+            await self.execute(_NOTIFY_AGENT_REQUEST, (str(as_uuid(machine_id)),))
+        return bool(rows)
+
+    async def request_upgrade(
+        self,
+        run_id: uuid.UUID | str,
+        machine_id: uuid.UUID | str,
+        generation: int,
+        request: bytes,
+    ) -> str | None:
+        """Make the pending machine's upgrade requested (its agent is carried
+        ``request`` of ``generation`` from now on); None if done, else why not:
+        the run is finished, the machine not pending, or the run has as many
+        requested as it allows (its row locked first: one decision at a time)."""
+        run = await self.running_upgrade_run()
+        if run is None or run.run_id != as_uuid(run_id):
+            return "the run is finished"
+        rows = await self.execute(
+            """SELECT (SELECT phase FROM machine_upgrade
+                       WHERE run_id = %(run)s AND machine_id = %(machine)s AND state = 'pending'),
+                      count(*) FILTER (WHERE state = 'requested')
+               FROM machine_upgrade WHERE run_id = %(run)s""",
+            {"run": run.run_id, "machine": as_uuid(machine_id)},
+        )
+        phase, requested = rows[0]
+        if phase is None:
+            return "the machine is not pending in this run"
+        allowed = run.max_unavailable if phase == 0 else 1
+        if requested >= allowed:
+            return f"{requested} machine(s) of the run are being upgraded (at most {allowed})"
+        await self.execute(
+            """UPDATE machine_upgrade
+               SET state = 'requested', generation = %s, request_raw = %s, requested_at = now(),
+                   detail = NULL, updated_at = now()
+               WHERE run_id = %s AND machine_id = %s""",
+            (generation, bytes(request), run.run_id, as_uuid(machine_id)),
+        )
+        await self.execute(_NOTIFY_AGENT_REQUEST, (str(as_uuid(machine_id)),))
+        return None
+
+    async def set_upgrade_order(
+        self, run_id: uuid.UUID | str, order: Sequence[tuple[uuid.UUID, int, int]]
+    ) -> None:
+        """Store each machine's (phase, position), as the cluster now says."""
+        await self.execute(
+            """UPDATE machine_upgrade mu SET phase = o.phase, position = o.position
+               FROM unnest(%(ids)s::uuid[], %(phases)s::smallint[], %(positions)s::integer[])
+                    AS o(machine_id, phase, position)
+               WHERE mu.run_id = %(run)s AND mu.machine_id = o.machine_id""",
+            {
+                "run": as_uuid(run_id),
+                "ids": [o[0] for o in order],
+                "phases": [o[1] for o in order],
+                "positions": [o[2] for o in order],
+            },
+        )
+
+    async def note_upgrade(
+        self, run_id: uuid.UUID | str, machine_id: uuid.UUID | str, detail: str
+    ) -> None:
+        """Say why the machine's upgrade waits, or where it is (for the views)."""
+        _check_text("detail", detail)
+        await self.execute(
+            """UPDATE machine_upgrade SET detail = %s, updated_at = now()
+               WHERE run_id = %s AND machine_id = %s""",
+            (detail, as_uuid(run_id), as_uuid(machine_id)),
+        )
+
+    async def end_machine_upgrade(
+        self,
+        run_id: uuid.UUID | str,
+        machine_id: uuid.UUID | str,
+        state: records.UpgradeState,
+        detail: str,
+        *,
+        slot: str | None = None,
+        running_digest: str | None = None,
+    ) -> records.UpgradeRun | None:
+        """End the machine's upgrade in ``state`` (a final one). Not upgraded:
+        the run stops with the cause. Upgraded and the last: the run is
+        finished. Returns the run as it is after."""
+        if not records.UpgradeState(state).final:
+            raise InvalidArgument(f"{state} is not a final upgrade state")
+        _check_text("detail", detail)
+        run, machine = as_uuid(run_id), as_uuid(machine_id)
+        await self.execute(
+            """UPDATE machine_upgrade
+               SET state = %s, detail = %s, slot = %s, running_digest = %s, updated_at = now()
+               WHERE run_id = %s AND machine_id = %s AND state IN ('pending', 'requested')""",
+            (str(state), detail, slot, running_digest, run, machine),
+        )
+        if state is records.UpgradeState.UPGRADED:
+            await self.execute(
+                """UPDATE upgrade_run SET finished_at = now()
+                   WHERE run_id = %(run)s AND finished_at IS NULL
+                     AND NOT EXISTS (SELECT 1 FROM machine_upgrade WHERE run_id = %(run)s
+                                     AND state IN ('pending', 'requested'))""",
+                {"run": run},
+            )
+        else:
+            cause = f"machine {machine} {state}: {detail}"[:MAX_INSTALLATION_TEXT]
+            await self.execute(
+                """UPDATE upgrade_run SET finished_at = now(), stop_cause = %s
+                   WHERE run_id = %s AND finished_at IS NULL""",
+                (cause, run),
+            )
+        return await self.upgrade_run(run)
+
+    async def stop_upgrade_run(self, run_id: uuid.UUID | str, cause: str) -> bool:
+        """Stop a running run (an operator's stop): no machine is requested from
+        now on; a machine being upgraded ends as its agent and node make it.
+        Whether it was running."""
+        _check_text("cause", cause)
+        rows = await self.execute(
+            """UPDATE upgrade_run SET finished_at = now(), stop_cause = %s
+               WHERE run_id = %s AND finished_at IS NULL RETURNING 1""",
+            (cause, as_uuid(run_id)),
+        )
+        return bool(rows)
+
+    async def record_upgrade_report(
+        self,
+        machine_id: uuid.UUID | str,
+        generation: int,
+        state: str,
+        detail: str,
+        slot: str,
+    ) -> bool:
+        """Store an agent's UpgradeReport on the machine's upgrade of
+        ``generation``, requested or (its write) pending; else nothing: False."""
+        if not isinstance(generation, int) or not 0 < generation < 2**63:
+            raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
+        for name, value in (("state", state), ("detail", detail), ("slot", slot)):
+            _check_text(name, value)
+        rows = await self.execute(
+            """UPDATE machine_upgrade
+               SET agent_state = %s, agent_detail = %s, agent_slot = %s,
+                   agent_reported_at = now(), updated_at = now()
+               WHERE machine_id = %s AND state IN ('pending', 'requested') AND generation = %s
+               RETURNING 1""",
+            (state, detail, slot, as_uuid(machine_id), generation),
+        )
+        return bool(rows)
 
     # Sourcing.
 
@@ -1250,4 +1695,56 @@ def _provided(r: Sequence[Any]) -> records.MachineProvided:
         address=r[3],
         location=r[4],
         status=ProviderStatus(r[5]),
+    )
+
+
+_RUN_FIELDS = (
+    "run_id", "image_digest", "os_image_raw", "max_unavailable", "health_timeout_seconds",
+    "requested_by", "requested_at", "finished_at", "stop_cause",
+)  # fmt: skip
+#: The columns `_upgrade_run` reads, of run ``r``.
+_RUN_COLUMNS = ", ".join(f"r.{name}" for name in _RUN_FIELDS)
+
+_MACHINE_UPGRADE_FIELDS = (
+    "run_id", "machine_id", "state", "phase", "position", "root_device", "from_digest",
+    "generation", "requested_at", "slot", "running_digest", "detail", "agent_state",
+    "agent_detail", "agent_slot", "agent_reported_at", "updated_at",
+)  # fmt: skip
+#: The columns `_machine_upgrade` reads, of machine upgrade ``mu``.
+_MACHINE_UPGRADE_COLUMNS = ", ".join(f"mu.{name}" for name in _MACHINE_UPGRADE_FIELDS)
+
+
+def _upgrade_run(r: Sequence[Any]) -> records.UpgradeRun:
+    return records.UpgradeRun(
+        run_id=r[0],
+        image_digest=r[1],
+        os_image=bytes(r[2]),
+        max_unavailable=r[3],
+        health_timeout=r[4],
+        requested_by=r[5],
+        requested_at=r[6],
+        finished_at=r[7],
+        stop_cause=r[8],
+    )
+
+
+def _machine_upgrade(r: Sequence[Any]) -> records.MachineUpgrade:
+    return records.MachineUpgrade(
+        run_id=r[0],
+        machine_id=r[1],
+        state=records.UpgradeState(r[2]),
+        phase=r[3],
+        position=r[4],
+        root_device=r[5],
+        from_digest=r[6],
+        generation=r[7],
+        requested_at=r[8],
+        slot=r[9],
+        running_digest=r[10],
+        detail=r[11],
+        agent_state=r[12],
+        agent_detail=r[13],
+        agent_slot=r[14],
+        agent_reported_at=r[15],
+        updated_at=r[16],
     )

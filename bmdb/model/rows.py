@@ -249,3 +249,92 @@ class Hold:
     held_by: str
     held_at: datetime.datetime
     reason: str
+
+
+class UpgradeState(enum.StrEnum):
+    """Where a machine is in an upgrade run (``machine_upgrade.state``)."""
+
+    #: Waits for its turn.
+    PENDING = "pending"
+    #: Its request is carried to its agent: being upgraded (unavailable).
+    REQUESTED = "requested"
+    #: Its node runs the new image, healthy, the slot permanent.
+    UPGRADED = "upgraded"
+    #: The machine went back to the image it ran; the run stopped there.
+    ROLLED_BACK = "rolled-back"
+    #: Nothing changed on it (refused, the image not written); the run stopped.
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        return self in (UpgradeState.UPGRADED, UpgradeState.ROLLED_BACK, UpgradeState.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class UpgradeRun:
+    """A rolling upgrade of a set of machines to one image (``upgrade_run``)."""
+
+    run_id: uuid.UUID
+    image_digest: str
+    #: The serialized OSImageRef the agents download.
+    os_image: bytes
+    max_unavailable: int
+    health_timeout: int
+    requested_by: str
+    requested_at: datetime.datetime
+    #: When every machine was upgraded, or the run stopped (then `stop_cause`).
+    finished_at: datetime.datetime | None
+    stop_cause: str | None
+
+    @property
+    def running(self) -> bool:
+        return self.finished_at is None
+
+
+@dataclass(frozen=True, slots=True)
+class MachineUpgrade:
+    """One machine of an upgrade run (``machine_upgrade``)."""
+
+    run_id: uuid.UUID
+    machine_id: uuid.UUID
+    state: UpgradeState
+    #: 0 not a consensus member, 1 a consensus member, 2 the leader's node.
+    phase: int
+    position: int
+    root_device: str
+    #: The image its node ran when the run was made.
+    from_digest: str | None
+    generation: int | None
+    requested_at: datetime.datetime | None
+    #: What its node ran when its upgrade ended: slot and ``sha256:`` digest.
+    slot: str | None
+    running_digest: str | None
+    #: Why it waits, or why it failed or went back (one line).
+    detail: str | None
+    #: The agent's latest report on `generation` (staged, committed, ...).
+    agent_state: str | None
+    agent_detail: str | None
+    agent_slot: str | None
+    agent_reported_at: datetime.datetime | None
+    updated_at: datetime.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class UpgradeTarget:
+    """A machine sourced for its upgrade: the run, its row, and the node its
+    current successful installation report names."""
+
+    run: UpgradeRun
+    machine: MachineUpgrade
+    node_public_key: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class UpgradePlanEntry:
+    """A machine as a new run lists it."""
+
+    machine_id: uuid.UUID
+    phase: int
+    position: int
+    root_device: str
+    from_digest: str | None

@@ -245,6 +245,8 @@ def run(args: argparse.Namespace) -> None:
         _snapshots(args, root),
         # Only run and register have it: a registration is finished by them only.
         getattr(args, "register_deadline", None),
+        args.boot_info,
+        args.announce_healthy,
     )
 
 

@@ -8,6 +8,7 @@ that ``node recover`` can import it while the snapshot is restored.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import trio
 
 from metropolis.localstorage import Root
 from metropolis.roleserve import disk
+from metropolis.roleserve.bootinfo import RunningImageSource
 from metropolis.roleserve.register import DEFAULT_DEADLINE, register
 from metropolis.roleserve.server import RoleServer
 from metropolis.supervisor import Node, supervise
@@ -29,6 +31,8 @@ async def run_node(
     metrics_listen: str | None = None,
     snapshots: tuple[Path, float, int] | None = None,
     register_deadline: float | None = None,
+    boot_info: Path | None = None,
+    announce_healthy: Path | None = None,
 ) -> None:
     """Finish a saved registration if there is one, then run the node; until a signal.
 
@@ -36,7 +40,9 @@ async def run_node(
     (folder, interval, keep) of scheduled etcd snapshots;
     ``register_deadline``: how long the registration retries an outage of
     every curator (:func:`~metropolis.roleserve.register.register`; None:
-    its default).
+    its default); ``boot_info``, ``announce_healthy``: what the boot chose,
+    and where to say the node came up healthy
+    (:mod:`metropolis.roleserve.bootinfo`, :mod:`metropolis.roleserve.bootcheck`).
     """
     saved = disk.load(root)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -61,7 +67,14 @@ async def run_node(
                 from metropolis.roleserve.metrics import NodeMetrics
 
                 metrics = NodeMetrics(metrics_listen)
-            server = RoleServer(root, saved, metrics=metrics, snapshots=snapshots)
+            server = RoleServer(
+                root,
+                saved,
+                metrics=metrics,
+                snapshots=snapshots,
+                running=RunningImageSource(_absolute(boot_info)),
+                announce_healthy=_absolute(announce_healthy),
+            )
 
             async def main(node: Node) -> None:
                 node.run("role", server.run)
@@ -69,3 +82,7 @@ async def run_node(
                 await trio.sleep_forever()
 
             nursery.start_soon(supervise, main)
+
+
+def _absolute(path: Path | None) -> Path | None:
+    return None if path is None else Path(os.path.abspath(path))

@@ -30,7 +30,11 @@ def main() -> int:
     # Imported only now: these load trio and the compiled dependencies.
     from metropolis.__main__ import main as cli
     from metropolis.consensus.process import ETCD_BINARY_ENV
+    from metropolis.roleserve.bootinfo import IMAGE_ENV
 
     if etcd is not None:
         os.environ[ETCD_BINARY_ENV] = str(etcd)
+    # ``python3 IMAGE``: the zipapp is argv[0]. Set here, not inherited: a
+    # node started by another node's process must report its own image.
+    os.environ[IMAGE_ENV] = os.path.abspath(sys.argv[0])
     return cli(sys.argv[1:])

@@ -15,6 +15,8 @@ from metropolis.proto.gen.metropolis.proto.common import (
     NodeState,
     NodeStatus,
     NodeStatusRunningCurator,
+    NodeStatusRunningImage,
+    NodeStatusRunningImageSlot,
 )
 
 __all__ = [
@@ -30,6 +32,8 @@ __all__ = [
     "NodeState",
     "NodeStatus",
     "NodeStatusRunningCurator",
+    "NodeStatusRunningImage",
+    "NodeStatusRunningImageSlot",
     "role_names",
 ]
 

@@ -8,7 +8,8 @@
                    ├── persist-roles: roles ──> data/node/roles.pb
                    ├── rolefetch: Watch(own node) at the curators ──> roles
                    ├── directory: Watch(all nodes) ──> cluster directory (disk, membership)
-                   ├── statuspush: address, curator running ──> UpdateNodeStatus
+                   ├── statuspush: address, curator running, image ──> UpdateNodeStatus
+                   ├── bootcheck: announce healthy once the cluster took it, if asked
                    ├── debug: NodeDebug for the owner (the supervision tree)
                    ├── metrics: Prometheus /metrics, if asked (:mod:`.metrics`)
                    └── snapshots: etcd snapshots on a schedule, if asked (:mod:`.snapshots`)
@@ -31,6 +32,8 @@ from metropolis.event import Value
 from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRoles
 from metropolis.roleserve import disk
+from metropolis.roleserve.bootcheck import HealthAnnounce
+from metropolis.roleserve.bootinfo import RunningImageSource
 from metropolis.roleserve.controlplane import ControlPlaneWorker
 from metropolis.roleserve.debugservice import DebugService
 from metropolis.roleserve.directory import DirectoryUpdate
@@ -63,8 +66,14 @@ class RoleServer:
         fetch_roles: bool = True,
         metrics: NodeMetrics | None = None,
         snapshots: tuple[Path, float, int] | None = None,
+        running: RunningImageSource | None = None,
+        announce_healthy: Path | None = None,
     ) -> None:
         """``fetch_roles``: watch roles at the curators (off: the caller sets them).
+
+        ``running``: what the node runs (:mod:`.bootinfo`; default: its image
+        file, no boot info). ``announce_healthy``: the file the boot
+        assessment writes once the node is healthy (:mod:`.bootcheck`).
 
         ``metrics``: count and serve the node's metrics there.
         ``snapshots``: (folder, interval in seconds, how many to keep) of
@@ -96,7 +105,14 @@ class RoleServer:
             roles=self.roles,
             rpc_metrics=metrics.rpc if metrics is not None else None,
         )
-        self.push = StatusPush(self.settings, self.membership.readonly(), self.worker.startup)
+        self.push = StatusPush(
+            self.settings, self.membership.readonly(), self.worker.startup, running
+        )
+        self.announce: HealthAnnounce | None = None
+        if announce_healthy is not None:
+            self.announce = HealthAnnounce(
+                announce_healthy, self.push.accepted.readonly(), self.roles.readonly()
+            )
         self.snapshots: SnapshotSchedule | None = None
         if snapshots is not None:
             folder, interval, keep = snapshots
@@ -123,6 +139,8 @@ class RoleServer:
             )
             node.run("directory", directory.run)
         node.run("statuspush", self.push.run)
+        if self.announce is not None:
+            node.run("bootcheck", self.announce.run)
         rpc = self.metrics.rpc if self.metrics is not None else None
         node.run("debug", DebugService(self.settings, self.membership.readonly(), rpc).run)
         if self.metrics is not None:

@@ -1,4 +1,5 @@
-"""Status push: tell the curators this node's address, debug port and whether its curator runs.
+"""Status push: tell the curators this node's address, debug port, whether its curator runs,
+and what it runs (its image and disk slot, :mod:`.bootinfo`).
 
 Monogon's ``worker_statuspush.go``, on Trio: whenever the membership
 changes (home at first, then a local curator serving or stopping), send
@@ -17,6 +18,12 @@ failover, and the node would look dead. It is logged as role fetch and
 directory update log it (:class:`.curatorloss.CuratorOutage`): one WARNING
 per outage. The client itself moves on to the next curator of its list.
 
+What the node runs is read again before every push (a try confirmed
+healthy turns ``trial`` off without a restart); while this boot is a try,
+every `TRIAL_LOOK` seconds, so that its confirmation is pushed at once. Each accepted push is
+published in :attr:`StatusPush.accepted` (the request the curator took),
+which the boot assessment (:mod:`.bootcheck`) watches.
+
 Cancellation: cancelled with the role server. Errors: :class:`RPCError`
 from the curators other than UNAVAILABLE, raised to the supervisor, which
 retries after its backoff; a restarted push sends the current status again.
@@ -26,9 +33,10 @@ from __future__ import annotations
 
 import trio
 
-from metropolis.event import ReadOnlyValue
+from metropolis.event import ReadOnlyValue, Value
 from metropolis.proto import curator_api as c
-from metropolis.proto.common import NodeStatus, NodeStatusRunningCurator
+from metropolis.proto.common import NodeStatus, NodeStatusRunningCurator, NodeStatusRunningImage
+from metropolis.roleserve.bootinfo import RunningImageSource
 from metropolis.roleserve.curatorloss import CuratorOutage
 from metropolis.roleserve.disk import NodeSettings
 from metropolis.roleserve.rolefetch import curator_endpoints, restart_on_change, wait_home
@@ -40,6 +48,12 @@ from metropolis.supervisor import Node
 __all__ = ["StatusPush"]
 
 
+#: Seconds between looks at the boot info while this boot is a try: its
+#: confirmation is pushed at once, not at the next interval (the upgrade
+#: waits for the cluster to see the slot permanent).
+TRIAL_LOOK = 0.25
+
+
 class StatusPush:
     """The status-push runnable of one node; see the module docstring."""
 
@@ -48,11 +62,17 @@ class StatusPush:
         settings: NodeSettings,
         membership: ReadOnlyValue[ClusterMembership],
         startup: ReadOnlyValue[ControlPlaneStartup] | None = None,
+        running: RunningImageSource | None = None,
     ) -> None:
-        """``startup``: the control-plane worker's decision (see :func:`.wait_home`)."""
+        """``startup``: the control-plane worker's decision (see :func:`.wait_home`);
+        ``running``: what the node runs (default: the image of ``METROPOLIS_IMAGE``,
+        no boot info)."""
         self._settings = settings
         self._membership = membership
         self._startup = startup
+        self._running = running if running is not None else RunningImageSource(None)
+        #: The last status update a curator accepted.
+        self.accepted: Value[c.UpdateNodeStatusRequest] = Value()
         #: ``trio.current_time()`` of the last push a curator accepted.
         self.last_pushed: float | None = None
         #: Pushes by outcome (``ok``, or the status code of the refusal).
@@ -69,6 +89,7 @@ class StatusPush:
             external_address=self._settings.address,
             running_curator=running,
             debug_port=self._settings.debug_port,
+            image=await self._running.read(),
         )
         context = client_context(
             credentials.ca_certificate, credentials.certificate, credentials.private_key
@@ -87,6 +108,7 @@ class StatusPush:
                         self.pushes[e.code.name] = self.pushes.get(e.code.name, 0) + 1
                         outage.lost(e, curator)
                     else:
+                        self.accepted.set(request)
                         self.last_pushed = trio.current_time()
                         self.pushes["ok"] = self.pushes.get("ok", 0) + 1
                         outage.recovered(client.endpoint.address)
@@ -98,4 +120,28 @@ class StatusPush:
                             )
                             node.signal_healthy()
                             pushed = True
-                    await trio.sleep(self._settings.status_interval)
+                    image = await self._next_image(status)
+                    if image != status.image:
+                        status = NodeStatus(
+                            external_address=status.external_address,
+                            running_curator=status.running_curator,
+                            debug_port=status.debug_port,
+                            image=image,
+                        )
+                        request = c.UpdateNodeStatusRequest(
+                            node_id=credentials.node_id, status=status
+                        )
+
+    async def _next_image(self, status: NodeStatus) -> NodeStatusRunningImage:
+        """What the node runs at the next push: after ``status_interval``, or
+        as soon as a try's confirmation shows in the boot info."""
+        deadline = trio.current_time() + self._settings.status_interval
+        image = status.image
+        if image is not None and image.trial:
+            while trio.current_time() + TRIAL_LOOK < deadline:
+                await trio.sleep(TRIAL_LOOK)
+                image = await self._running.read()
+                if image != status.image:
+                    return image
+        await trio.sleep_until(deadline)
+        return await self._running.read()

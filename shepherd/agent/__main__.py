@@ -27,7 +27,9 @@ the image downloads of its installs (`install.Settings`; the defaults
 otherwise).
 
 The heartbeating agent also installs the node when a heartbeat's answer
-asks for it (`install`), onto a loopback disk beside it (`disks`).
+asks for it (`install`), onto a loopback disk beside it (`disks`) or a
+real block device (`blockdev`), and upgrades it to another image, A/B,
+when an answer asks for that (`upgrade`, `abslots`).
 
 ``--wipe`` (the decommissioner's, nothing on stdin) stops the agent and
 the installed nodes, empties the loopback disks, removes the agent's key
@@ -36,7 +38,7 @@ and prints what it did as one JSON line (`wipe`).
 Files beside the uploaded agent (``sys.argv[0]``): ``<agent>.key`` (its
 private seed, `keyfile`), ``<agent>.pid``, ``<agent>.log`` and
 ``<agent>.install.json`` (the last installation generation begun, and its
-outcome).
+outcome), ``<agent>.upgrade.json`` (the same for upgrades).
 """
 
 from __future__ import annotations
@@ -263,11 +265,21 @@ def _heartbeat(heartbeater: Heartbeater, options: Options) -> int:
         # After the takeover's answer: not on its path.
         from .install import Installer, Settings
 
+        settings = _install_settings(Settings(), options)
         heartbeater.installer = Installer(
             agent,
             endpoint_scheme=heartbeater.scheme,
             ca_certificate=heartbeater.init.ca_certificate,
-            settings=_install_settings(Settings(), options),
+            settings=settings,
+            wake=heartbeater.wake.set,
+        )
+        from .upgrade import Upgrader
+
+        heartbeater.upgrader = Upgrader(
+            agent,
+            endpoint_scheme=heartbeater.scheme,
+            ca_certificate=heartbeater.init.ca_certificate,
+            settings=settings,
             wake=heartbeater.wake.set,
         )
         heartbeater.run()

@@ -37,11 +37,16 @@ entry removed):
                 each heartbeat (`read_installed`) to tell that the install is
                 still there
     data        mkfs.ext4 of the data partition, the node's root
-    boot entry  LAST: the helper `bootprep` (and `unpack` beside it) and
-                three units in the systemd root, then the enable symlinks.
-                A cut before this step leaves no unit; a cut inside it
-                leaves unit files without the symlink of
+    boot entry  LAST: the helper `bootprep` (with `abslots` and `unpack`
+                beside it) and four units in the systemd root (the boot
+                check of `abslots` among them), then the enable symlinks. A
+                cut before this step leaves no unit; a cut inside it leaves
+                unit files without the node's symlink of
                 ``multi-user.target.wants``, which is written last of all.
+
+A/B upgrades (slot B written, tried once, kept or given up) are
+`abslots`'s and `shepherd.agent.upgrade`'s; the install only writes the
+pieces every boot runs.
 
 The wipe (`wipe_device`): see its docstring; each step is reported with
 its outcome.
@@ -60,7 +65,7 @@ import struct
 import subprocess
 from collections.abc import Callable
 
-from . import unpack
+from . import abslots, unpack
 from .errors import AgentError
 
 MIB = 1024 * 1024
@@ -80,8 +85,8 @@ PAUSE_DIR = "/run/metropolis-test"
 
 MAGIC = b"MONOTRIO-BOOT1\n"
 HELPER = "bootprep.py"
-#: Copied beside the helper, which imports it (`unpack`).
-HELPER_MODULES = ("unpack.py",)
+#: Copied beside the helper, which imports them (`abslots`, `unpack`).
+HELPER_MODULES = ("abslots.py", "unpack.py")
 PREPARE_UNIT = "metropolis-prepare.service"
 NODE_UNIT = "metropolis-node.service"
 RUN = "/run/metropolis"
@@ -247,25 +252,31 @@ def partition_nodes(device: str) -> list[str]:
     subprocess.run(["partx", "-u", device], capture_output=True, check=False)
     if not child_partitions(name):
         subprocess.run(["partx", "-a", device], capture_output=True, check=False)
-    nodes = []
-    for part in child_partitions(name):
-        node = f"/dev/{part}"
-        devno = _devno(_read(f"/sys/class/block/{part}/dev"))
-        try:
-            found = os.lstat(node)
-        except FileNotFoundError:
-            os.mknod(node, 0o600 | stat.S_IFBLK, devno)
-        else:
-            if not stat.S_ISBLK(found.st_mode):
-                raise DeviceFailed(f"{node} exists but is not a block device")
-            if found.st_rdev != devno:
-                fresh = f"{node}.new"
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(fresh)
-                os.mknod(fresh, 0o600 | stat.S_IFBLK, devno)
-                os.replace(fresh, node)
-        nodes.append(node)
-    return nodes
+    return [partition_node(part) for part in child_partitions(name)]
+
+
+def partition_node(part: str) -> str:
+    """``/dev/<part>``, made from /sys/class/block/<part>/dev, or made again
+    (atomically) when it names another device number: a partition table
+    written anew gives a loop device's partitions new (dynamic) numbers, and
+    a node made for the old table would reach some other partition. A /dev
+    entry of that name that is not a block device is refused."""
+    node = f"/dev/{part}"
+    devno = _devno(_read(f"/sys/class/block/{part}/dev"))
+    try:
+        found = os.lstat(node)
+    except FileNotFoundError:
+        os.mknod(node, 0o600 | stat.S_IFBLK, devno)
+        return node
+    if not stat.S_ISBLK(found.st_mode):
+        raise DeviceFailed(f"{node} exists but is not a block device")
+    if found.st_rdev != devno:
+        fresh = f"{node}.new"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(fresh)
+        os.mknod(fresh, 0o600 | stat.S_IFBLK, devno)
+        os.replace(fresh, node)
+    return node
 
 
 def read_table(device: str) -> dict[str, object]:
@@ -410,9 +421,12 @@ def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, st
             "[Unit]\nDescription=Metropolis node\n"
             f"Requires={mount}\nAfter={mount} network-online.target\n\n"
             "[Service]\nRestart=always\nRestartSec=2\n"
+            f"Environment=METROPOLIS_BOOT_INFO={RUN}/{abslots.BOOT_INFO} "
+            f"METROPOLIS_ANNOUNCE_HEALTHY={RUN}/{abslots.HEALTHY}\n"
             f"ExecStart=/bin/sh -c '{start}'\n\n"
             "[Install]\nWantedBy=multi-user.target\n"
         ),
+        abslots.CHECK_UNIT: abslots.check_unit(target.python, helper, boot_partuuid),
     }
 
 
@@ -441,29 +455,38 @@ def write_boot_entry(target: Target, boot_partuuid: str, node_address: str) -> l
         path = os.path.join(target.systemd_root, name)
         _write(path, text.encode())
         written.append(path)
+    for unit in (abslots.CHECK_UNIT, NODE_UNIT):  # the node's symlink last
+        written.append(enable(target, unit))
+    return written
+
+
+def enable(target: Target, unit: str) -> str:
+    """The symlink of ``multi-user.target.wants`` that starts ``unit`` at boot."""
     wants = os.path.join(target.systemd_root, "multi-user.target.wants")
     os.makedirs(wants, exist_ok=True)
-    link = os.path.join(wants, NODE_UNIT)
+    link = os.path.join(wants, unit)
     tmp = f"{link}.tmp"
     if os.path.lexists(tmp):
         os.unlink(tmp)
-    os.symlink(os.path.join(target.systemd_root, NODE_UNIT), tmp)
+    os.symlink(os.path.join(target.systemd_root, unit), tmp)
     os.replace(tmp, link)
-    written.append(link)
-    return written
+    return link
 
 
 def remove_boot_entry(target: Target) -> list[str]:
     """Remove the enable symlink first, then the units and the helper."""
+    wants = os.path.join(target.systemd_root, "multi-user.target.wants")
     paths = [
-        os.path.join(target.systemd_root, "multi-user.target.wants", NODE_UNIT),
+        os.path.join(wants, NODE_UNIT),
+        os.path.join(wants, abslots.CHECK_UNIT),
         os.path.join(target.systemd_root, NODE_UNIT),
+        os.path.join(target.systemd_root, abslots.CHECK_UNIT),
         os.path.join(target.systemd_root, PREPARE_UNIT),
         os.path.join(target.helper_dir, HELPER),
         *(os.path.join(target.helper_dir, name) for name in HELPER_MODULES),
     ]
     with contextlib.suppress(DeviceFailed):  # a bad mount point: no such unit was written
-        paths.insert(3, os.path.join(target.systemd_root, mount_unit_name(target.mount_point)))
+        paths.insert(5, os.path.join(target.systemd_root, mount_unit_name(target.mount_point)))
     removed = []
     for path in paths:
         if os.path.lexists(path):
@@ -508,6 +531,7 @@ def install_device(
         **dict(zip(("boot", "system_a", "system_b", "data"), parts.partuuids, strict=True)),
     }
     write_boot_record(parts.nodes[0], header, node_parameters)
+    abslots.DeviceStore(parts.nodes[0]).clear()  # no slot state of an earlier install
     step("boot record")
     crash_point("data")
     _run(["mkfs.ext4", "-q", "-F", "-L", "metropolis-data", "-U", "random", parts.nodes[3]])

@@ -1,30 +1,48 @@
 """What the installed machine runs at each boot before the node: ``python3 bootprep.py``.
 
 Standalone (the standard library only): the installer copies this file to
-the machine (`blockdev.HELPER`), and ``metropolis-prepare.service`` runs it
-with the boot partition's PARTUUID. Without udev (a rescue system, a
-systemd-nspawn machine) no partition node appears in /dev by itself, so it:
+the machine (`blockdev.HELPER`), with `abslots` and `unpack` beside it
+(`blockdev.HELPER_MODULES`), and ``metropolis-prepare.service`` runs it
+with the boot partition's PARTUUID and the folder unpacked images live in
+(`unpack.CACHE`). Without udev (a rescue system, a systemd-nspawn machine)
+no partition node appears in /dev by itself, so it:
 
-    makes every missing partition node   /dev/<part> from /sys/class/block/<part>/dev
+    makes every partition node           /dev/<part> from /sys/class/block/<part>/dev
+                                         (a stale one made anew)
     finds the boot partition             by PARTUUID, with ``blkid`` (util-linux)
     reads the boot record                `blockdev.write_boot_record`'s layout
-    unpacks the node image (`unpack`)    into /run (argument 2: `unpack.CACHE`),
-                                         from system A, its SHA-256 checked
-                                         first; unless it is there whole (the
-                                         agent unpacked it at install, for the
-                                         first boot); linked as
+    chooses the slot                     `abslots`: the active one, or a new
+                                         one tried once (its state written
+                                         before it runs)
+    unpacks that slot's image            into the cache (`unpack`), unless it
+                                         is there whole (the agent unpacked it
+                                         at install, or at an upgrade's write
+                                         while the old node served); else read
+                                         off the slot's partition, its SHA-256
+                                         checked first (a tried slot that does
+                                         not match or unpack is given up at
+                                         once: the active one boots); linked as
                                          /run/metropolis/node, what the node
-                                         unit runs (the other images' removed)
+                                         unit runs; the other images' folders
+                                         removed
+    writes /run/metropolis/boot.json     the slot, image and whether a try, which
+                                         the node reports in its status
     links /run/metropolis/data           to the data partition's node: the mount
                                          unit names that path, outside /dev, so
                                          systemd waits for no udev device unit
 
 Exit status 1 with a line on stderr if anything does not match: the node
 unit then does not start (it Requires this one).
+
+``python3 bootprep.py --check BOOT_PARTUUID`` is the boot check
+(`abslots.CHECK_UNIT`): on a boot that tries a new slot, it keeps the slot
+once the node announces itself healthy, or reboots (and the next boot goes
+back) when it does not in time; on any other boot it exits at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,8 +52,9 @@ import subprocess
 import sys
 
 try:
-    from . import unpack  # imported as shepherd.agent.bootprep
-except ImportError:  # run as a script, beside unpack.py
+    from . import abslots, unpack  # imported as shepherd.agent.bootprep
+except ImportError:  # run as a script, beside abslots.py and unpack.py
+    import abslots  # type: ignore[no-redef,import-not-found]
     import unpack  # type: ignore[no-redef,import-not-found]
 
 RUN = "/run/metropolis"
@@ -104,40 +123,71 @@ def symlink(target: str, path: str) -> None:
     os.replace(tmp, path)
 
 
-def extract(device: str, size: int, want: str) -> None:
-    """The image on ``device`` to /run/metropolis/image.pyz, its SHA-256 checked."""
+def copy_checked(source: str, image: abslots.SlotImage, path: str) -> None:
+    """The image's bytes on ``source`` copied to ``path``, its SHA-256
+    checked; `abslots.SlotError` (nothing left at ``path``) if the partition
+    is shorter or the digest does not match."""
     digest = hashlib.sha256()
-    with open(device, "rb") as src, open(f"{RUN}/image.pyz.tmp", "wb") as dst:
-        left = size
-        while left:
-            chunk = src.read(min(left, 1 << 20))
-            if not chunk:
-                raise SystemExit("bootprep: system A is shorter than the image")
-            digest.update(chunk)
-            dst.write(chunk)
-            left -= len(chunk)
-    if digest.hexdigest() != want:
-        raise SystemExit("bootprep: the image on system A does not match its SHA-256")
-    os.replace(f"{RUN}/image.pyz.tmp", f"{RUN}/image.pyz")
+    try:
+        with open(source, "rb") as src, open(path, "wb") as dst:
+            left = image.size
+            while left:
+                chunk = src.read(min(left, 1 << 20))
+                if not chunk:
+                    raise abslots.SlotError(f"{source} is shorter than the image")
+                digest.update(chunk)
+                dst.write(chunk)
+                left -= len(chunk)
+        if digest.hexdigest() != image.sha256:
+            raise abslots.SlotError(f"the image on {source} does not match its SHA-256")
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+
+
+def unpacked(source: str, image: abslots.SlotImage, cache: str) -> str:
+    """The folder of ``image`` unpacked under ``cache``: the one there if it
+    is `unpack.complete`, else the image read off ``source`` (checked, to a
+    temporary file in /run that is removed after) and unpacked.
+    `abslots.SlotError` if it cannot be: a tried slot is then given up."""
+    try:
+        folder = unpack.tree(image.sha256, cache)
+        if unpack.complete(folder):
+            return folder
+        os.makedirs(RUN, mode=0o700, exist_ok=True)
+        pyz = f"{RUN}/image.pyz.tmp"
+        copy_checked(source, image, pyz)
+        try:
+            return unpack.ensure(pyz, image.sha256, cache)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pyz)
+    except (unpack.UnpackError, OSError) as exc:
+        raise abslots.SlotError(f"cannot unpack the image of {source}: {exc}") from None
 
 
 def main(boot_partuuid: str, cache: str = unpack.CACHE) -> int:
     make_nodes()
-    header, parameters = read_record(by_partuuid(boot_partuuid))
+    boot_device = by_partuuid(boot_partuuid)
+    header, parameters = read_record(boot_device)
     os.makedirs(RUN, mode=0o700, exist_ok=True)
-    size, want = int(str(header["image_bytes"])), str(header["image_sha256"])
+
+    def extract(slot: str, image: abslots.SlotImage) -> None:
+        unpacked(by_partuuid(str(header[f"system_{slot}"])), image, cache)
+
+    def installed() -> abslots.SlotState:
+        size, want = int(str(header["image_bytes"])), str(header["image_sha256"])
+        return abslots.initial(abslots.SlotImage(want, size))
+
     try:
-        folder = unpack.tree(want, cache)
-        # Whole already: the agent unpacked it at install, from the image
-        # it verified, moments ago (the first boot); else read it off the
-        # slot, check it, unpack it.
-        if not unpack.complete(folder):
-            extract(by_partuuid(str(header["system_a"])), size, want)
-            unpack.ensure(f"{RUN}/image.pyz", want, cache)
-        unpack.prune(cache, keep=want)
-    except (unpack.UnpackError, OSError) as exc:
-        raise SystemExit(f"bootprep: cannot unpack the image: {exc}") from None
-    symlink(folder, f"{RUN}/node")
+        chosen = abslots.boot(abslots.DeviceStore(boot_device), installed, extract, RUN)
+    except abslots.SlotError as exc:
+        raise SystemExit(f"bootprep: {exc}") from None
+    # Only the chosen image's folder is kept: a tried one that failed, and
+    # the one before an upgrade, are memory (a tmpfs) nothing runs from.
+    unpack.prune(cache, keep=chosen.image.sha256)
+    symlink(unpack.tree(chosen.image.sha256, cache), f"{RUN}/node")
     with open(f"{RUN}/node-parameters.pb", "wb") as f:
         f.write(parameters)
     link = f"{RUN}/data"
@@ -147,5 +197,23 @@ def main(boot_partuuid: str, cache: str = unpack.CACHE) -> int:
     return 0
 
 
+def check_main(boot_partuuid: str) -> int:
+    """The boot check (see the module): 0 when done, whatever it found."""
+    make_nodes()
+
+    def reboot() -> None:
+        subprocess.run(["systemctl", "reboot"], check=False)
+
+    def log(message: str) -> None:
+        sys.stderr.write(f"bootprep: {message}\n")
+        sys.stderr.flush()
+
+    store = abslots.DeviceStore(by_partuuid(boot_partuuid))
+    log(abslots.check(store, RUN, reboot, log=log))
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--check"]:
+        sys.exit(check_main(sys.argv[2]))
     sys.exit(main(*sys.argv[1:3]))

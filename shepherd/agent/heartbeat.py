@@ -22,6 +22,7 @@ from .wire import (
     TakeoverInit,
     decode_heartbeat_session,
     decode_installation_request,
+    decode_upgrade_request,
     encode_heartbeat_request,
 )
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     import ssl
 
     from .install import Installer
+    from .upgrade import Upgrader
 
 # The heartbeat's modules (http.client, ssl, urllib.parse, base64, random)
 # are imported where they are used, not here: constructing a Heartbeater is
@@ -109,6 +111,8 @@ class Heartbeater:
         self.report = report  # sent until one heartbeat carrying it is accepted
         #: Told each answer's installation request; gives the report to send.
         self.installer: Installer | None = None
+        #: The same for upgrade requests.
+        self.upgrader: Upgrader | None = None
         import threading
 
         #: Set to send the next heartbeat now (an install's outcome is ready).
@@ -117,6 +121,7 @@ class Heartbeater:
         #: session, even when it asked to be held).
         self.signed_last = False
         self._malformed = ""
+        self._malformed_upgrade = ""
         #: The installation report the last request carried.
         self._installation: InstallationReport | None = None
         self._last_time_ns = 0
@@ -148,7 +153,10 @@ class Heartbeater:
         report, warnings = self.report if self.report is not None else (None, None)
         installation = self.installer.pending_report() if self.installer is not None else None
         self._installation = installation
-        body = encode_heartbeat_request(self.init.machine_id, report, warnings, installation)
+        upgrade = self.upgrader.pending_report() if self.upgrader is not None else None
+        body = encode_heartbeat_request(
+            self.init.machine_id, report, warnings, installation, upgrade
+        )
         # Strictly increasing, also when the clock steps back: the server
         # refuses a time not newer than the last it accepted.
         now = max(time.time_ns(), self._last_time_ns + 1)
@@ -218,6 +226,21 @@ class Heartbeater:
         self._malformed = ""
         self.installer.on_answer(request)
 
+    def take_upgrade(self, answer: bytes) -> None:
+        """Tell the upgrader the upgrade request of an accepted answer; a
+        malformed one is ignored and said once, as `take_installation` does."""
+        if self.upgrader is None:
+            return
+        try:
+            request = decode_upgrade_request(answer)
+        except DecodeError as exc:
+            if str(exc) != self._malformed_upgrade:
+                log(f"ignoring a malformed upgrade request: {exc}")
+                self._malformed_upgrade = str(exc)
+            return
+        self._malformed_upgrade = ""
+        self.upgrader.on_answer(request)
+
     def _connect(self) -> http.client.HTTPConnection:
         from .deadline import connection
 
@@ -225,9 +248,11 @@ class Heartbeater:
 
     def may_hold(self) -> bool:
         """Whether the next heartbeat may ask to be held: not while an
-        install runs, whose outcome must go out as soon as it is ready
-        (`wake`), which a held exchange could not."""
-        return self.installer is None or not self.installer.busy()
+        install or an upgrade's step runs, whose outcome must go out as soon
+        as it is ready (`wake`), which a held exchange could not."""
+        if self.installer is not None and self.installer.busy():
+            return False
+        return self.upgrader is None or not self.upgrader.busy()
 
     def beat(self, hold: float = 0.0) -> None:
         """Send one heartbeat, asking the server to hold its answer up to
@@ -298,6 +323,7 @@ class Heartbeater:
             if self.installer is not None and self._installation is not None:
                 self.installer.sent(self._installation)
             self.take_installation(answer)
+            self.take_upgrade(answer)
         if self.report is not None:
             log("hardware report accepted")
             self.report = None

@@ -94,7 +94,7 @@ from .daemon import log
 from .disks import loopback_disks, real_disks, resolve_real, valid_name
 from .download import PART_PREFIX, PART_SUFFIX, DownloadFailed, Limits, Source, download
 from .errors import AgentError
-from .wire import InstallationReport, InstallationRequest
+from .wire import InstallationReport, InstallationRequest, OSImageRef
 
 if TYPE_CHECKING:
     import ssl
@@ -114,6 +114,10 @@ BLOCK_DEVICE_REFUSAL = (
 # What an install writes on the disk folder, and what it removes there first.
 IMAGE, PARAMETERS, ROOT = "image.pyz", "node-parameters.pb", "metropolis"
 PID, LOG, KEY, DISK_STATE = "node.pid", "node.log", "node.key.pub", "install.json"
+#: What an upgrade adds there (`upgrade`, `abslots`): slot B's image, the
+#: slot state, and the boot's and the node's run-time files. Removed too.
+SLOT_B_IMAGE = "image-b.pyz"
+UPGRADE_FILES = (SLOT_B_IMAGE, "slots.json", "boot.json", "healthy.json")
 
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 _HOST = re.compile(r"(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9.-]+))(?::([0-9]{1,5}))?")
@@ -260,6 +264,24 @@ def check_request(
     image = m.os_image
     if image is None:
         raise InstallFailed("the request holds no os_image")
+    source, digest = image_source(image, endpoint_scheme)
+    return Plan(
+        generation=request.generation,
+        disk=work_dir if device else disks[m.root_device],
+        scheme=source.scheme,
+        host=source.host,
+        port=source.port,
+        path=source.path,
+        digest=digest,
+        node_parameters=m.node_parameters,
+        node_address=m.node_address,
+        device=device,
+    )
+
+
+def image_source(image: OSImageRef, endpoint_scheme: str) -> tuple[Source, str]:
+    """Where an OSImageRef's image is downloaded from, and its hex SHA-256;
+    InstallFailed with the cause a request is refused for."""
     digest = _DIGEST.fullmatch(image.digest)
     if digest is None:
         raise InstallFailed(f"image digest {image.digest!r} is not sha256:<64 lowercase hex>")
@@ -281,18 +303,13 @@ def check_request(
         raise InstallFailed(f"image host {image.host!r} is not HOST[:PORT]")
     if not 0 < port < 65536:
         raise InstallFailed(f"image host {image.host!r}: port out of range")
-    return Plan(
-        generation=request.generation,
-        disk=work_dir if device else disks[m.root_device],
-        scheme=image.scheme,
-        host=v6 if v6 is not None else name_or_v4,
-        port=port,
-        path=f"/images/sha256/{digest.group(1)}",
-        digest=digest.group(1),
-        node_parameters=m.node_parameters,
-        node_address=m.node_address,
-        device=device,
+    source = Source(
+        image.scheme,
+        v6 if v6 is not None else name_or_v4,
+        port,
+        f"/images/sha256/{digest.group(1)}",
     )
+    return source, digest.group(1)
 
 
 # --- files
@@ -327,7 +344,7 @@ def _clear_disk(disk: str, *, keep: str) -> None:
     """Remove what an earlier install (or an interrupted download) left, but ``keep``."""
     import shutil
 
-    for name in (IMAGE, PARAMETERS, PID, LOG, KEY, DISK_STATE):
+    for name in (IMAGE, PARAMETERS, PID, LOG, KEY, DISK_STATE, *UPGRADE_FILES):
         _remove(os.path.join(disk, name))
     root = os.path.join(disk, ROOT)
     if os.path.lexists(root):
@@ -347,7 +364,8 @@ def _remove_parts(disk: str, *, keep: str = "") -> None:
 
 
 def node_running(disk: str) -> int | None:
-    """The pid of the node started from ``disk``'s image that still runs, if any."""
+    """The pid of the node started from ``disk``'s image (either slot's, after an
+    upgrade) that still runs, if any."""
     try:
         with open(os.path.join(disk, PID)) as f:
             pid = int(f.read().strip())
@@ -357,8 +375,8 @@ def node_running(disk: str) -> int | None:
             state = f.read().rpartition(b")")[2].split()[0]
     except (OSError, ValueError, IndexError):
         return None
-    image = os.path.join(disk, IMAGE).encode()
-    return pid if image in cmdline and state != b"Z" else None
+    images = {os.path.join(disk, name).encode() for name in (IMAGE, SLOT_B_IMAGE)}
+    return pid if images & set(cmdline) and state != b"Z" else None
 
 
 def log_tail(path: str, *, lines: int = 10, width: int = 300) -> str:

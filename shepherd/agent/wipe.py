@@ -52,7 +52,7 @@ from .install import node_running
 STOP_TIMEOUT = 10.0
 
 #: Files beside the agent (``<agent><suffix>``) that a wipe removes.
-OWN_FILES = (".key", ".pid", ".install.json")
+OWN_FILES = (".key", ".pid", ".install.json", ".upgrade.json")
 
 
 def _stop(pid: int, stopped: list[int], errors: list[str]) -> None:

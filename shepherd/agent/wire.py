@@ -316,14 +316,40 @@ class InstallationReport:
         return out
 
 
+#: UpgradeReport.State values.
+UPGRADE_STAGED, UPGRADE_COMMITTED, UPGRADE_ROLLED_BACK, UPGRADE_FAILED = 1, 2, 3, 4
+UPGRADE_WRITTEN = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class UpgradeReport:
+    """cloud.bmaas.server.api.UpgradeReport (beyond the reference)."""
+
+    generation: int
+    state: int
+    detail: str = ""
+    slot: str = ""
+
+    def encode(self) -> bytes:
+        out = _varint_field(1, self.generation) if self.generation else b""
+        if self.state:
+            out += _varint_field(2, self.state)
+        if self.detail:
+            out += _len_field(3, self.detail.encode("utf-8"))
+        if self.slot:
+            out += _len_field(4, self.slot.encode("utf-8"))
+        return out
+
+
 def encode_heartbeat_request(
     machine_id: str,
     report: HwNode | None = None,
     warnings: list[str] | None = None,
     installation_report: InstallationReport | None = None,
+    upgrade_report: UpgradeReport | None = None,
 ) -> bytes:
     """cloud.bmaas.server.api.HeartbeatRequest{machine_id, hardware_report?,
-    installation_report?}, in field-number order."""
+    installation_report?, upgrade_report?}, in field-number order."""
     out = _len_field(1, machine_id.encode("utf-8")) if machine_id else b""
     if report is not None:
         hw = _len_field(1, report.encode())
@@ -332,6 +358,8 @@ def encode_heartbeat_request(
         out += _len_field(2, hw)
     if installation_report is not None:
         out += _len_field(3, installation_report.encode())
+    if upgrade_report is not None:
+        out += _len_field(101, upgrade_report.encode())
     return out
 
 
@@ -427,6 +455,53 @@ def decode_installation_request(data: bytes) -> InstallationRequest | None:
                     raise DecodeError("metropolis twice")
                 metropolis = _decode_metropolis(_as_len(inner, inner_type, inner_value))
         request = InstallationRequest(generation, metropolis)
+    return request
+
+
+@dataclasses.dataclass(frozen=True)
+class UpgradeRequest:
+    """cloud.bmaas.server.api.UpgradeRequest (beyond the reference); ``os_image``
+    None when absent."""
+
+    generation: int
+    os_image: OSImageRef | None = None
+    health_timeout_seconds: int = 0
+    root_device: str = ""
+    #: Try the written slot now (else only write it).
+    activate: bool = False
+
+
+def _as_bool(number: int, wire_type: int, value: bytes | int) -> bool:
+    return _as_int64(number, wire_type, value) != 0
+
+
+def decode_upgrade_request(data: bytes) -> UpgradeRequest | None:
+    """The upgrade request of a HeartbeatResponse (field 101), if any;
+    DecodeError if the response or the request is malformed (strictly, as
+    `decode_installation_request`: wrong wire types, a string that is not
+    UTF-8, a request or image given twice)."""
+    request = None
+    for number, wire_type, value in iter_fields(data):
+        if number != 101:
+            continue
+        if request is not None:
+            raise DecodeError("upgrade_request twice")
+        generation, timeout, device, activate = 0, 0, "", False
+        image: OSImageRef | None = None
+        for inner, inner_type, inner_value in iter_fields(_as_len(number, wire_type, value)):
+            if inner == 1:
+                generation = _as_int64(inner, inner_type, inner_value)
+            elif inner == 2:
+                if image is not None:
+                    raise DecodeError("os_image twice")
+                image = _decode_image(_as_len(inner, inner_type, inner_value))
+            elif inner == 3:
+                timeout = _as_int64(inner, inner_type, inner_value)
+            elif inner == 4:
+                device = _as_str(inner, inner_type, inner_value)
+            elif inner == 5:
+                activate = _as_bool(inner, inner_type, inner_value)
+        request = UpgradeRequest(generation, image, timeout, device, activate)
     return request
 
 

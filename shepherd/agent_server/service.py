@@ -157,6 +157,7 @@ poll is, in HTTP/1.1, without a second protocol.
 from __future__ import annotations
 
 import binascii
+import dataclasses
 import heapq
 import hmac
 import itertools
@@ -172,7 +173,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
-from bmdb.model import AgentHeartbeat, HeartbeatOutcome, channels
+from bmdb.model import MAX_INSTALLATION_TEXT, AgentHeartbeat, HeartbeatOutcome, channels
 from bmdb.model.queries import HeartbeatResult
 from common.numbers import parse_decimal
 from common.protobuf import checked_fields, parse_checked
@@ -199,7 +200,9 @@ from shepherd.proto.agent_callback import (
     OsInstallationReportError,
     OsInstallationReportSuccess,
     OsInstallationRequest,
+    UpgradeReportState,
 )
+from shepherd.proto.agent_callback import UpgradeReport as UpgradeReportMessage
 
 logger = logging.getLogger("shepherd.agent_server.service")
 
@@ -251,6 +254,42 @@ class InstallationReport:
 
 
 @dataclass(frozen=True)
+class UpgradeReport:
+    """An agent's UpgradeReport, checked and made safe to store."""
+
+    generation: int
+    #: The state's name in lower case: "staged", "committed", "rolled-back", "failed".
+    state: str
+    detail: str
+    slot: str
+
+
+_UPGRADE_STATES = {
+    UpgradeReportState.STAGED: "staged",
+    UpgradeReportState.COMMITTED: "committed",
+    UpgradeReportState.ROLLED_BACK: "rolled-back",
+    UpgradeReportState.FAILED: "failed",
+    UpgradeReportState.WRITTEN: "written",
+}
+
+
+def upgrade_report(report: UpgradeReportMessage) -> UpgradeReport:
+    """The checked form of a parsed upgrade report; `ConnectError`
+    invalid_argument if malformed (a generation that is not positive, no
+    known state, a slot that is not a or b)."""
+    if not 0 < report.generation < 2**63:
+        raise ConnectError("invalid_argument", "upgrade report: generation not positive")
+    state = _UPGRADE_STATES.get(report.state)
+    if state is None:
+        raise ConnectError("invalid_argument", "upgrade report: no known state")
+    if report.slot not in ("", "a", "b"):
+        raise ConnectError("invalid_argument", "upgrade report: slot is neither a nor b")
+    return UpgradeReport(
+        report.generation, state, printable(report.detail)[:MAX_INSTALLATION_TEXT], report.slot
+    )
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """An authenticated-looking request, before the BMDB had its say."""
 
@@ -263,6 +302,7 @@ class Heartbeat:
     #: written), not by a session's MAC.
     signed: bool = True
     installation_report: InstallationReport | None = None
+    upgrade_report: UpgradeReport | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +314,8 @@ class _Request:
     hardware_report: bytes | None
     #: The OSInstallationReport's bytes as received, if one was sent.
     installation_report: bytes | None
+    #: The UpgradeReport's bytes as received, if one was sent.
+    upgrade_report: bytes | None = None
 
 
 def _parse(body: bytes) -> _Request:
@@ -291,12 +333,14 @@ def _parse(body: bytes) -> _Request:
     machine_id = fields.get("machine_id", b"")
     hardware = fields.get("hardware_report")
     install = fields.get("installation_report")
+    upgrade = fields.get("upgrade_report")
     # The walk checked the wire types: a string field's value is UTF-8
     # bytes, a message field's bytes.
     assert isinstance(machine_id, bytes)
     assert hardware is None or isinstance(hardware, bytes)
     assert install is None or isinstance(install, bytes)
-    return _Request(machine_id.decode("utf-8"), hardware, install)
+    assert upgrade is None or isinstance(upgrade, bytes)
+    return _Request(machine_id.decode("utf-8"), hardware, install, upgrade)
 
 
 def parse_request(body: bytes) -> tuple[str, bytes | None]:
@@ -379,6 +423,11 @@ def authenticate(
         if request.installation_report is not None
         else None
     )
+    upgrade = (
+        upgrade_report(parse_checked(UpgradeReportMessage, request.upgrade_report))
+        if request.upgrade_report is not None
+        else None
+    )
     try:
         machine_id = uuid.UUID(text_id)
     except ValueError:
@@ -401,7 +450,13 @@ def authenticate(
         if not hmac.compare_digest(session_mac(session.mac, message), mac):
             raise ConnectError("unauthenticated", "bad session MAC")
         return Heartbeat(
-            machine_id, session.public_key, time_ns, report, False, installation_report=install
+            machine_id,
+            session.public_key,
+            time_ns,
+            report,
+            False,
+            installation_report=install,
+            upgrade_report=upgrade,
         )
     key = _header_bytes(headers, HEADER_KEY, 32)
     signature = _header_bytes(headers, HEADER_SIGNATURE, 64)
@@ -409,7 +464,9 @@ def authenticate(
         _public_key(key).verify(signature, message)
     except (InvalidSignature, ValueError):
         raise ConnectError("unauthenticated", "bad signature") from None
-    return Heartbeat(machine_id, key, time_ns, report, installation_report=install)
+    return Heartbeat(
+        machine_id, key, time_ns, report, installation_report=install, upgrade_report=upgrade
+    )
 
 
 _TIME = HEADER_TIME.lower()
@@ -432,6 +489,21 @@ def with_installation_request(response: bytes, request: bytes | None) -> bytes:
     ``response`` holds only higher fields, so field order stays canonical.
     """
     return response if request is None else _len_field_1(request) + response
+
+
+def with_upgrade_request(response: bytes, request: bytes | None) -> bytes:
+    """A HeartbeatResponse's bytes with ``upgrade_request`` (field 101) set to
+    the serialized UpgradeRequest ``request``, if given: after the rest, the
+    highest field."""
+    if request is None:
+        return response
+    head = bytearray(b"\xaa\x06")  # field 101, length-delimited
+    length = len(request)
+    while length > 0x7F:
+        head.append(length & 0x7F | 0x80)
+        length >>= 7
+    head.append(length)
+    return response + bytes(head) + request
 
 
 @dataclass(eq=False, slots=True)
@@ -597,14 +669,19 @@ class HeartbeatService:
                 beat.machine_id,
                 " with hardware report" if beat.hardware_report is not None else "",
             )
-            if watch is not None and result.installation_request is None:
+            if (
+                watch is not None
+                and result.installation_request is None
+                and result.upgrade_request is None
+            ):
                 result = await self._hold(watch)
             response = (
                 session_response(self.sessions, beat, self._clock())
                 if beat.signed
                 else _EMPTY_RESPONSE
             )
-            return with_installation_request(response, result.installation_request)
+            response = with_installation_request(response, result.installation_request)
+            return with_upgrade_request(response, result.upgrade_request)
         finally:
             if watch is not None:
                 self._unwatch(watch)
@@ -717,7 +794,10 @@ class HeartbeatService:
                 why = request_refusal(raw, generation)
                 if why is not None:
                     await _refuse_request(q, machine_id, generation, why, notes)
-                    return _ACCEPTED
+                    # Refused: not carried (an upgrade stays).
+                    return dataclasses.replace(
+                        result, installation_request=None, installation_generation=None
+                    )
             return result
 
         try:
@@ -818,6 +898,12 @@ class HeartbeatService:
             for index, p in enumerate(group)
             if p.beat.installation_report is not None
         ]
+        # Members with an upgrade report (rare: a few per upgrade).
+        upgrading = [
+            (index, p.beat.machine_id, p.beat.upgrade_report)
+            for index, p in enumerate(group)
+            if p.beat.upgrade_report is not None
+        ]
         notes: list[str] = []
 
         async def record(q: Queries) -> list[HeartbeatResult]:
@@ -830,7 +916,13 @@ class HeartbeatService:
                     and result.outcome is HeartbeatOutcome.ACCEPTED
                     and await _record_report(q, machine_id, report, result, notes)
                 ):
-                    results[index] = _ACCEPTED  # reported: no longer pending
+                    # Reported: no longer pending (an upgrade request stays).
+                    results[index] = dataclasses.replace(
+                        result, installation_request=None, installation_generation=None
+                    )
+            for index, machine_id, upgrade in upgrading:
+                if upgrade is not None and results[index].outcome is HeartbeatOutcome.ACCEPTED:
+                    await _record_upgrade_report(q, machine_id, upgrade, results[index], notes)
             for index, result in enumerate(results):
                 raw, generation = result.installation_request, result.installation_generation
                 if raw is None or generation is None:
@@ -838,7 +930,10 @@ class HeartbeatService:
                 why = request_refusal(raw, generation)
                 if why is not None:
                     await _refuse_request(q, group[index].beat.machine_id, generation, why, notes)
-                    results[index] = _ACCEPTED  # refused: not carried, no longer pending
+                    # Refused: not carried, no longer pending (an upgrade stays).
+                    results[index] = dataclasses.replace(
+                        results[index], installation_request=None, installation_generation=None
+                    )
             return results
 
         # What members learn if the write is cancelled (server stopping).
@@ -952,3 +1047,26 @@ async def _record_report(
             f"machine {machine_id}: installation {report.generation} failed: {report.cause}"
         )
     return True
+
+
+async def _record_upgrade_report(
+    q: Queries,
+    machine_id: uuid.UUID,
+    report: UpgradeReport,
+    result: HeartbeatResult,
+    notes: list[str],
+) -> None:
+    """Store ``report`` if it is on the machine's requested upgrade; else note
+    why it is ignored."""
+    if report.generation != result.upgrade_generation:
+        notes.append(
+            f"machine {machine_id}: ignored upgrade report of generation {report.generation}"
+            f" (requested: {result.upgrade_generation or 'none'})"
+        )
+        return
+    if await q.record_upgrade_report(
+        machine_id, report.generation, report.state, report.detail, report.slot
+    ):
+        notes.append(
+            f"machine {machine_id}: upgrade {report.generation} {report.state}: {report.detail}"
+        )

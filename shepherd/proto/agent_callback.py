@@ -14,6 +14,9 @@ from shepherd.proto.gen.cloud.bmaas.server.api import (
     OsInstallationReportError,
     OsInstallationReportSuccess,
     OsInstallationRequest,
+    UpgradeReport,
+    UpgradeReportState,
+    UpgradeRequest,
 )
 
 __all__ = [
@@ -26,4 +29,7 @@ __all__ = [
     "OsInstallationReportError",
     "OsInstallationReportSuccess",
     "OsInstallationRequest",
+    "UpgradeReport",
+    "UpgradeReportState",
+    "UpgradeRequest",
 ]

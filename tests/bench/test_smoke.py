@@ -54,11 +54,15 @@ PRINTS = {
     "recover": "node recover to the owner answered",
     "rpc": "metropolis.rpc (h2 on Trio)",
     "startup_trace": "--- medians over",
+    "upgrade": "upgrade/restarts (time ratio)",
     "web_pages": "metrics fleet query:",
 }
 #: Arguments beyond ``--smoke``: the install benchmark puts nodes on the
 #: nodes' fixed ports, in this test process's block of loopback addresses.
-EXTRA_ARGS = {"install": ("--loopback-block", str(loopback.BLOCK))}
+EXTRA_ARGS = {
+    "install": ("--loopback-block", str(loopback.BLOCK)),
+    "upgrade": ("--loopback-block", str(loopback.BLOCK)),
+}
 #: Benchmarks that mostly wait: started in the background, tested last.
 BACKGROUND = ("controlplane", "grant_trace")
 #: Seconds a smoke run may take at most (they take seconds; this is for a hang).

@@ -15,7 +15,7 @@ import trio
 
 import bmdb
 from bmdb.localserver import LocalPostgres
-from bmdb.model import Queries, channels
+from bmdb.model import Queries, UpgradePlanEntry, UpgradeRun, channels
 from bmdb.notify import Listener
 from tests.bmdb.helpers import add_provided_machines
 
@@ -125,6 +125,41 @@ async def test_what_a_listener_catches_up_on(bmdb_conn: bmdb.Connection) -> None
     assert (got.installation_generation, got.installation_request) == (None, None)
     got = await bmdb_conn.transact(lambda q: q.agent_pending(c))
     assert (got.installation_generation, got.installation_request) == (1, None)
+
+
+async def test_an_upgrade_s_request_is_caught_up_on_while_its_run_runs(
+    bmdb_conn: bmdb.Connection,
+) -> None:
+    """A machine asked to write an upgrade's image is one whose agent has a
+    request to carry, as with an installation request, until its run ends."""
+    [a, b] = await add_provided_machines(bmdb_conn, 2)
+    entries = [
+        UpgradePlanEntry(m, 0, n, "disk0", "sha256:" + "0" * 64) for n, m in enumerate([a, b])
+    ]
+
+    async def start(q: Queries) -> UpgradeRun:
+        run = await q.create_upgrade_run(
+            image_digest="sha256:" + "e" * 64,
+            os_image=b"",
+            max_unavailable=1,
+            health_timeout=60,
+            requested_by="tester",
+            machines=entries,
+        )
+        assert await q.write_upgrade(run.run_id, a, 1, b"write")
+        return run
+
+    run = await bmdb_conn.transact(start)
+    assert await bmdb_conn.transact(lambda q: q.machines_with_agent_requests()) == {a}
+    got = await bmdb_conn.transact(lambda q: q.agent_pending(a))
+    assert (got.upgrade_generation, got.upgrade_request) == (1, b"write")
+    assert got.installation_request is None
+    got = await bmdb_conn.transact(lambda q: q.agent_pending(b))
+    assert (got.upgrade_generation, got.upgrade_request) == (None, None)
+    assert await bmdb_conn.transact(lambda q: q.stop_upgrade_run(run.run_id, "test"))
+    assert await bmdb_conn.transact(lambda q: q.machines_with_agent_requests()) == set()
+    got = await bmdb_conn.transact(lambda q: q.agent_pending(a))
+    assert (got.upgrade_generation, got.upgrade_request) == (None, None)
 
 
 async def test_listens_again_after_the_server_restarts(

@@ -65,7 +65,7 @@ async def test_filters(bmdb_conn: bmdb.Connection, bmdb_url: str) -> None:
     lines = out.splitlines()
     assert lines[0].split() == [
         "MACHINE", "STATE", "INSTALL", "NODE", "PROVIDED", "ADDRESS", "HEARTBEAT", "WORK",
-        "BACKOFF", "HELD", "CAUSE",
+        "BACKOFF", "HELD", "UPGRADE", "SLOT", "IMAGE", "CAUSE",
     ]  # fmt: skip
     assert len(lines) == 2 and lines[1].startswith(f"{fleet.ids[State.SILENT]}  silent")
     # Paging: after the first machine, the rest.

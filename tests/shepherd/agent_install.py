@@ -47,13 +47,20 @@ while True:
 """
 
 
-def stand_in_image(payload: bytes = b"ok", size: int = 0) -> bytes:
+def stand_in_image(payload: bytes = b"ok", size: int = 0, *, unpackable: bool = False) -> bytes:
     """A zipapp standing in for the node image (stored, so ``size`` is about
-    its size when the payload is padded)."""
+    its size when the payload is padded). ``unpackable``: with what
+    `shepherd.agent.unpack` needs of a shiv zipapp too (an entry point and
+    the payload again under site-packages), as the boot helper unpacks it."""
+    padded = payload + os.urandom(max(0, size - len(payload)))
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
         archive.writestr("__main__.py", STAND_IN_MAIN)
-        archive.writestr("payload", payload + os.urandom(max(0, size - len(payload))))
+        archive.writestr("payload", padded)
+        if unpackable:
+            archive.writestr("environment.json", '{"entry_point": "standin:main"}')
+            archive.writestr("site-packages/standin.py", "def main() -> int:\n    return 0\n")
+            archive.writestr("site-packages/payload", padded)
     return buffer.getvalue()
 
 

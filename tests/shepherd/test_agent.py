@@ -244,7 +244,8 @@ def test_agent_tightens_loose_key_file_mode_with_a_warning(
 def test_agent_modules_import_only_the_standard_library_and_each_other() -> None:
     """Every import of every agent module, also under TYPE_CHECKING or in a
     function: the standard library or a module beside it (relative; or by
-    its name, as `bootprep`, run as a script beside `unpack`, imports it)."""
+    its name, as `bootprep`, run as a script beside `abslots` and `unpack`,
+    imports them)."""
     modules = {path.stem for path in AGENT_DIR.glob("*.py")}
     outside: set[str] = set()
     for path in AGENT_DIR.glob("*.py"):

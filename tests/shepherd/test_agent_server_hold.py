@@ -18,11 +18,13 @@ import trio
 
 import bmdb
 from bmdb import Queries
+from bmdb.model import UpgradePlanEntry, UpgradeRun
 from shepherd.agent import wire
 from shepherd.agent.protocol import HEARTBEAT_PATH
 from shepherd.agent_server.connect import ConnectUnary
 from shepherd.agent_server.server import AgentServerConfig, port_of, serve_app
 from shepherd.agent_server.service import HeartbeatService
+from shepherd.upgrade import ask_writes, write_request
 from tests.bmdb.helpers import eventually
 from tests.shepherd.agents import kill_agent, start_agent_process
 from tests.shepherd.helpers import provide
@@ -150,6 +152,54 @@ async def test_a_missed_notification_is_caught_up_when_listening_again(
     status, answer = await answers.answer("held")
     assert status == 200 and carried(answer) == raw
     assert server.service.hold_stats.notified == 1
+
+
+async def test_an_upgrade_s_write_and_activation_answer_the_held_heartbeat(
+    bmdb_conn: bmdb.Connection, server: Server, nursery: trio.Nursery
+) -> None:
+    """An upgrade asked of a machine (its write, or its activation) notifies
+    as an installation request does; while one is carried, a heartbeat is
+    answered at once with it, held or not."""
+    writes = await signed_in(bmdb_conn, server)
+    activated = await signed_in(bmdb_conn, server)
+    answers = Answers(nursery)
+    answers.send("writes", writes)
+    answers.send("activated", activated)
+    await held(server, 2)
+    old = "sha256:" + "0" * 64
+    entries = [
+        UpgradePlanEntry(a.machine_id, 0, n, "disk0", old)
+        for n, a in enumerate([writes, activated])
+    ]
+
+    async def start(q: Queries) -> UpgradeRun:
+        run = await q.create_upgrade_run(
+            image_digest="sha256:" + "e" * 64,
+            os_image=b"",
+            max_unavailable=1,
+            health_timeout=60,
+            requested_by="tester",
+            machines=entries,
+        )
+        await ask_writes(q, run, entries[:1])
+        return run
+
+    run = await bmdb_conn.transact(start)
+    status, answer = await answers.answer("writes")
+    write = wire.decode_upgrade_request(answer)
+    assert status == 200 and write is not None and not write.activate
+    assert server.service.hold_stats.notified == 1
+    assert wire.decode_upgrade_request(await writes.beat(hold=LONG)) == write  # not held
+    request = write_request(run, "disk0", 1, activate=True)
+
+    async def activate(q: Queries) -> str | None:
+        return await q.request_upgrade(run.run_id, activated.machine_id, 1, request)
+
+    assert await bmdb_conn.transact(activate) is None
+    status, answer = await answers.answer("activated")
+    tried = wire.decode_upgrade_request(answer)
+    assert status == 200 and tried is not None and tried.activate and tried.generation == 1
+    assert server.service.hold_stats.notified == 2
 
 
 async def test_a_newer_heartbeat_replaces_the_held_one(

@@ -1,5 +1,7 @@
 """``bin/demo --real-machines``: Ctrl-C in the middle of an install stops every
-machine and detaches every loop device.
+machine and detaches every loop device; with ``--upgrade`` the demo's
+cluster moves to a second image and its table shows each node's slot and
+image.
 
 The demo runs as an operator runs it, in a session of its own (as a
 terminal's foreground job), and gets SIGINT in its process group once its
@@ -19,6 +21,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from metropolis.image.variant import release_variant
+from shepherd.demo_real import SECOND_RELEASE
 from tests.fixtures.image import IMAGE_CACHE
 from tests.fixtures.install_rig import processes_under
 from tests.shepherd.nspawn.fleet_thread import skip_unless_possible
@@ -99,3 +103,35 @@ def test_real_machines_take_none_of_the_loopback_demos_knobs() -> None:
         )  # fmt: skip
         assert done.returncode == 2, done.stderr
         assert "--real-machines takes no --broken, --takeover-only, --web or --stay" in done.stderr
+
+
+def test_the_demo_upgrades_its_cluster_and_shows_each_node_s_slot_and_image(
+    node_image: Path, tmp_path: Path
+) -> None:
+    skip_unless_possible()
+    second = release_variant(node_image, SECOND_RELEASE, tmp_path).name.removesuffix(".pyz")
+    base = Path(tempfile.mkdtemp(prefix="rd-", dir="/tmp"))
+    base.chmod(0o711)  # PostgreSQL runs as its own user below it
+    try:
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "shepherd.demo", "--real-machines", "--upgrade",
+                "--workdir", str(base / "w"), "--image-cache", str(IMAGE_CACHE),
+            ],
+            capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+    said = done.stderr
+    assert done.returncode == 0, said[-3000:]
+    # The worker first, then the two consensus members, each to slot B.
+    upgraded = re.findall(r"progress: (machine-\d): upgraded: slot B runs sha256:(\w+)", said)
+    assert [m for m, _ in upgraded][:1] == ["machine-2"], said[-3000:]
+    assert sorted(m for m, _ in upgraded) == ["machine-0", "machine-1", "machine-2"]
+    assert {d for _, d in upgraded} == {second}
+    assert f"every node runs sha256:{second[:12]} from its slot B, permanent" in said
+    table = done.stdout.splitlines()
+    assert table[0].split()[-2:] == ["IMAGE", "SLOT"]
+    rows = {line.split()[0]: line.split() for line in table[1:]}
+    for machine in ("machine-0", "machine-1"):  # machine-2 is decommissioned after
+        assert rows[machine][-2:] == [second[:12], "B"], table

@@ -16,6 +16,8 @@ __all__ = (
     "NodeState",
     "NodeStatus",
     "NodeStatusRunningCurator",
+    "NodeStatusRunningImage",
+    "NodeStatusRunningImageSlot",
 )
 
 import datetime
@@ -118,6 +120,35 @@ class NodeState(betterproto2.Enum):
             "NODE_STATE_STANDBY": 2,
             "NODE_STATE_UP": 3,
             "NODE_STATE_DISOWNED": 4,
+        }
+
+
+class NodeStatusRunningImageSlot(betterproto2.Enum):
+    """
+    The disk slot it was booted from. The values are those of Monogon's
+    A/B loader (metropolis.node.abloader.spec.Slot).
+    """
+
+    NONE = 0
+
+    A = 1
+
+    B = 2
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "SLOT_NONE",
+            1: "SLOT_A",
+            2: "SLOT_B",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "SLOT_NONE": 0,
+            "SLOT_A": 1,
+            "SLOT_B": 2,
         }
 
 
@@ -284,6 +315,10 @@ class NodeStatus(betterproto2.Message):
     numbered well clear of Monogon's so that its later fields never collide.
     """
 
+    image: "NodeStatusRunningImage | None" = betterproto2.field(
+        101, betterproto2.TYPE_MESSAGE, optional=True
+    )
+
 
 default_message_pool.register_message("metropolis.proto.common", "NodeStatus", NodeStatus)
 
@@ -298,6 +333,45 @@ class NodeStatusRunningCurator(betterproto2.Message):
 
 default_message_pool.register_message(
     "metropolis.proto.common", "NodeStatus.RunningCurator", NodeStatusRunningCurator
+)
+
+
+@dataclass(eq=False, repr=False)
+class NodeStatusRunningImage(betterproto2.Message):
+    """
+    What the node runs (monotrio's own, numbered beside debug_port; Monogon's
+    field 4 is a release version, which images here do not have).
+    """
+
+    digest: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    "sha256:<64 hex>" of the node image file the node runs from; empty
+    when it runs from source (no image).
+    """
+
+    slot: "NodeStatusRunningImageSlot" = betterproto2.field(
+        2, betterproto2.TYPE_ENUM, default_factory=lambda: NodeStatusRunningImageSlot(0)
+    )
+
+    trial: "bool" = betterproto2.field(3, betterproto2.TYPE_BOOL)
+    """
+    This boot is the one-shot try of a new slot, not yet made permanent:
+    the next boot goes back to the other slot unless the node is
+    confirmed healthy first.
+    """
+
+    rolled_back_digest: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The last slot the machine went back from, and why (empty if none since
+    the last upgrade was staged): "sha256:..." of the image that did not
+    come up, and the cause, one line.
+    """
+
+    rollback_cause: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message(
+    "metropolis.proto.common", "NodeStatus.RunningImage", NodeStatusRunningImage
 )
 
 

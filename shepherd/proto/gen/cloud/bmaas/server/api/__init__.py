@@ -15,6 +15,9 @@ __all__ = (
     "OsInstallationReportError",
     "OsInstallationReportSuccess",
     "OsInstallationRequest",
+    "UpgradeReport",
+    "UpgradeReportState",
+    "UpgradeRequest",
 )
 
 from dataclasses import dataclass
@@ -33,6 +36,60 @@ if TYPE_CHECKING:
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
+
+
+class UpgradeReportState(betterproto2.Enum):
+    UNKNOWN = 0
+
+    STAGED = 1
+    """
+    The new image is on the inactive slot, read back, and tried at the
+    next boot (the agent reboots; on a loopback disk it restarts the node).
+    """
+
+    COMMITTED = 2
+    """
+    The tried slot came up healthy and is permanent.
+    """
+
+    ROLLED_BACK = 3
+    """
+    The machine went back to the slot it ran before; detail says why.
+    """
+
+    FAILED = 4
+    """
+    Nothing changed on the machine: refused, or the download or the
+    write failed; detail says why.
+    """
+
+    WRITTEN = 5
+    """
+    The new image is on the inactive slot and read back, but not tried:
+    the agent waits for the request to say activate (no node went down).
+    """
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "STATE_UNKNOWN",
+            1: "STATE_STAGED",
+            2: "STATE_COMMITTED",
+            3: "STATE_ROLLED_BACK",
+            4: "STATE_FAILED",
+            5: "STATE_WRITTEN",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "STATE_UNKNOWN": 0,
+            "STATE_STAGED": 1,
+            "STATE_COMMITTED": 2,
+            "STATE_ROLLED_BACK": 3,
+            "STATE_FAILED": 4,
+            "STATE_WRITTEN": 5,
+        }
 
 
 @dataclass(eq=False, repr=False)
@@ -97,6 +154,13 @@ class HeartbeatRequest(betterproto2.Message):
         3, betterproto2.TYPE_MESSAGE, optional=True
     )
 
+    upgrade_report: "UpgradeReport | None" = betterproto2.field(
+        101, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    Field number outside the reference's, so that none it adds collides.
+    """
+
 
 default_message_pool.register_message(
     "cloud.bmaas.server.api", "HeartbeatRequest", HeartbeatRequest
@@ -115,6 +179,10 @@ class HeartbeatResponse(betterproto2.Message):
     """
     Field number outside the reference's, so that none it adds collides.
     """
+
+    upgrade_request: "UpgradeRequest | None" = betterproto2.field(
+        101, betterproto2.TYPE_MESSAGE, optional=True
+    )
 
 
 default_message_pool.register_message(
@@ -261,6 +329,82 @@ class OsInstallationRequest(betterproto2.Message):
 default_message_pool.register_message(
     "cloud.bmaas.server.api", "OSInstallationRequest", OsInstallationRequest
 )
+
+
+@dataclass(eq=False, repr=False)
+class UpgradeReport(betterproto2.Message):
+    """
+    Beyond the reference: what the agent reports about the upgrade it was
+    asked for (UpgradeRequest), as it goes.
+    """
+
+    generation: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    The generation of the UpgradeRequest this reports on.
+    """
+
+    state: "UpgradeReportState" = betterproto2.field(
+        2, betterproto2.TYPE_ENUM, default_factory=lambda: UpgradeReportState(0)
+    )
+
+    detail: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    One line: the cause of a failure or rollback, or what was done.
+    """
+
+    slot: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The slot the new image went to: "a" or "b" ("" before it was chosen).
+    """
+
+
+default_message_pool.register_message("cloud.bmaas.server.api", "UpgradeReport", UpgradeReport)
+
+
+@dataclass(eq=False, repr=False)
+class UpgradeRequest(betterproto2.Message):
+    """
+    Beyond the reference (Monogon's node updates itself from a request of its
+    cluster, not of the BMaaS): move the installed node to another image, A/B.
+    The image is written to the inactive system slot, read back, booted once,
+    and kept only if the node comes up healthy in its cluster in time (see
+    shepherd/agent/abslots.py). The node's data is not touched.
+    """
+
+    generation: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    Raised by the BMDB with every new upgrade of the machine; the report
+    names it.
+    """
+
+    os_image: "bytes | None" = betterproto2.field(2, betterproto2.TYPE_BYTES, optional=True)
+    """
+    Serialized metropolis.proto.api.OSImageRef of the new image (bytes for
+    the reason MetropolisInstallationRequest.os_image is).
+    """
+
+    health_timeout_seconds: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+    """
+    Seconds the node on the new slot has, from its boot, to be healthy
+    before the machine goes back to the old slot.
+    """
+
+    root_device: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The installed disk, as the installation request named it.
+    """
+
+    activate: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+    """
+    Try the new image: point the next boot at the written slot, once, and
+    reboot. Without it the agent only writes the image to the inactive slot
+    and reads it back (STATE_WRITTEN), which takes no node down: a Shepherd
+    writes every machine of a run at once and activates them one at a time,
+    each with the same generation.
+    """
+
+
+default_message_pool.register_message("cloud.bmaas.server.api", "UpgradeRequest", UpgradeRequest)
 
 
 class AgentCallbackStub(betterproto2_grpclib.ServiceStub):
