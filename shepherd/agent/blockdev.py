@@ -557,6 +557,28 @@ def _systemctl(*args: str) -> str | None:
     return None
 
 
+def _unit_inactive(name: str) -> bool:
+    """Whether systemd has unit ``name`` inactive (stopped, or failed and gone)."""
+    try:
+        done = subprocess.run(
+            ["systemctl", "is-active", name], capture_output=True, check=False, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.stdout.decode(errors="replace").strip() in ("inactive", "failed")
+
+
+def unmount(path: str) -> None:
+    """Unmount the filesystem at ``path`` with umount(2), not /bin/umount;
+    DeviceFailed naming the error (busy, not mounted)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.umount2(os.fsencode(path), 0) != 0:
+        err = ctypes.get_errno()
+        raise DeviceFailed(f"cannot unmount {path}: {os.strerror(err)}")
+
+
 def _states(names: list[str]) -> str:
     """Each unit's state as systemd has it, e.g. "x.mount: failed/failed (exit-code)"."""
     said = []
@@ -598,6 +620,15 @@ def stop_installed(target: Target) -> list[str]:
         _systemctl("kill", "--signal=SIGKILL", NODE_UNIT)
         _systemctl("reset-failed", *units_)
         why = _systemctl("stop", *units_)
+        if why is not None and _unit_inactive(NODE_UNIT) and os.path.ismount(target.mount_point):
+            # The node is down but systemd could not run umount for the
+            # data partition (seen in nspawn machines on a cgroup v1 host:
+            # "Failed to attach to cgroup ... Failed at step CGROUP spawning
+            # /bin/umount"): unmount it ourselves, by the system call, and
+            # let systemd see the mount gone.
+            unmount(target.mount_point)
+            _systemctl("reset-failed", *units_)
+            why = _systemctl("stop", *units_)
         if why is not None:
             raise DeviceFailed(f"cannot stop the installed node: {why} ({_states(units_)})")
     removed = remove_boot_entry(target)

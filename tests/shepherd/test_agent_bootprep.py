@@ -1,4 +1,5 @@
-"""The boot helper's partition nodes (`shepherd.agent.bootprep.make_nodes`), without udev.
+"""The boot helper's partition nodes (`shepherd.agent.bootprep.make_nodes`), without udev;
+and the agent's own unmount of the data partition.
 
 On a machine booted again (an nspawn machine whose disk is another loop
 device now), /dev may still hold a partition node with the numbers of a
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from shepherd.agent import bootprep
+from shepherd.agent import blockdev, bootprep
 
 
 def _sys(root: Path, name: str, devno: tuple[int, int], *, partition: bool) -> None:
@@ -64,3 +66,21 @@ def test_a_non_block_entry_is_refused(roots: tuple[Path, Path]) -> None:
     with pytest.raises(SystemExit, match="not a block device"):
         bootprep.make_nodes(str(sys_block), str(dev))
     assert (dev / "loop9p2").read_text() == "not a device"
+
+
+def test_the_agents_unmount_unmounts_by_the_system_call(tmp_path: Path) -> None:
+    """What the agent falls back on when systemd cannot run umount for the
+    data partition (`blockdev.stop_installed`)."""
+    if os.geteuid() != 0:
+        pytest.skip("mount needs root")
+    point = tmp_path / "mnt"
+    point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(point)], check=True)
+    try:
+        assert os.path.ismount(point)
+        blockdev.unmount(str(point))
+        assert not os.path.ismount(point)
+        with pytest.raises(blockdev.DeviceFailed, match="cannot unmount"):
+            blockdev.unmount(str(point))
+    finally:
+        subprocess.run(["umount", str(point)], capture_output=True, check=False)
