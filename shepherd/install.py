@@ -171,6 +171,23 @@ def image_from_server(server: str, digest: str, *, plain_http: bool = False) -> 
     return ImageRef(scheme, host, sha)
 
 
+def image_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ImageRef:
+    """The image ``--image-url``, or ``--image-server`` with ``--image-digest``,
+    names (and ``--insecure-plain-http`` allows); a usage error otherwise."""
+    try:
+        if args.image_url is not None:
+            if args.image_server is not None or args.image_digest is not None:
+                parser.error("--image-url, or --image-server with --image-digest, not both")
+            return image_from_url(args.image_url, plain_http=args.insecure_plain_http)
+        if args.image_server is not None and args.image_digest is not None:
+            return image_from_server(
+                args.image_server, args.image_digest, plain_http=args.insecure_plain_http
+            )
+    except ValueError as e:
+        parser.error(str(e))
+    parser.error("the image: --image-url URL, or --image-server URL --image-digest D")
+
+
 def root_devices(report: bytes) -> list[str]:
     """The root device names a stored (serialized AgentHardwareReport)
     hardware report lists: its block devices' serial numbers. ValueError
@@ -376,19 +393,7 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error("choose machines with --machine ID, or with --state STATE --count N")
     if (args.state is None) != (args.count is None):
         parser.error("--state and --count go together")
-    try:
-        if args.image_url is not None:
-            if args.image_server is not None or args.image_digest is not None:
-                parser.error("--image-url, or --image-server with --image-digest, not both")
-            image = image_from_url(args.image_url, plain_http=args.insecure_plain_http)
-        elif args.image_server is not None and args.image_digest is not None:
-            image = image_from_server(
-                args.image_server, args.image_digest, plain_http=args.insecure_plain_http
-            )
-        else:
-            parser.error("the image: --image-url URL, or --image-server URL --image-digest D")
-    except ValueError as e:
-        parser.error(str(e))
+    image = image_from_args(parser, args)
     try:
         info = parameters.read_cluster_info(args.cluster_info)
         params = parameters.register_parameters(info, args.ticket, args.owner_public_key)

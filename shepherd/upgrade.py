@@ -59,7 +59,7 @@ from common.cli import run_main
 from common.text import printable
 from metropolis.errors import MetropolisError
 from shepherd.errors import ShepherdError
-from shepherd.install import ImageRef, check_image, image_from_server, image_from_url
+from shepherd.install import ImageRef, check_image, image_from_args
 from shepherd.proto.agent_callback import UpgradeRequest
 from shepherd.upgrade_options import DEFAULT_HEALTH_TIMEOUT
 from shepherd.upgrade_plan import phase
@@ -407,19 +407,7 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     machines = tuple(m for group in args.machines for m in group)
     if bool(machines) == args.all:
         parser.error("choose machines with --machines ID[,ID...] or --all")
-    try:
-        if args.image_url is not None:
-            if args.image_server is not None or args.image_digest is not None:
-                parser.error("--image-url, or --image-server with --image-digest, not both")
-            image = image_from_url(args.image_url, plain_http=args.insecure_plain_http)
-        elif args.image_server is not None and args.image_digest is not None:
-            image = image_from_server(
-                args.image_server, args.image_digest, plain_http=args.insecure_plain_http
-            )
-        else:
-            parser.error("the image: --image-url URL, or --image-server URL --image-digest D")
-    except ValueError as e:
-        parser.error(str(e))
+    image = image_from_args(parser, args)
     try:
         context = ssl.create_default_context(
             cafile=None if args.image_server_ca is None else str(args.image_server_ca)

@@ -430,16 +430,6 @@ def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, st
     }
 
 
-def _write(path: str, data: bytes, mode: int = 0o644) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def write_boot_entry(target: Target, boot_partuuid: str, node_address: str) -> list[str]:
     """The helper, the unit files, and last the symlink that enables the node."""
     from importlib import resources
@@ -447,13 +437,13 @@ def write_boot_entry(target: Target, boot_partuuid: str, node_address: str) -> l
     os.makedirs(target.helper_dir, exist_ok=True)
     for name in HELPER_MODULES:
         module = resources.files(__package__).joinpath(name).read_bytes()
-        _write(os.path.join(target.helper_dir, name), module)
+        abslots.write_file(os.path.join(target.helper_dir, name), module)
     helper = resources.files(__package__).joinpath(HELPER).read_bytes()
-    _write(os.path.join(target.helper_dir, HELPER), helper, 0o755)
+    abslots.write_file(os.path.join(target.helper_dir, HELPER), helper, 0o755)
     written = []
     for name, text in units(target, boot_partuuid, node_address).items():
         path = os.path.join(target.systemd_root, name)
-        _write(path, text.encode())
+        abslots.write_file(path, text.encode())
         written.append(path)
     for unit in (abslots.CHECK_UNIT, NODE_UNIT):  # the node's symlink last
         written.append(enable(target, unit))
