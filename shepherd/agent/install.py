@@ -320,6 +320,48 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
+class Told:
+    """Messages logged once per generation (heartbeats repeat requests).
+
+    Remembers the last `TOLD_MAX` messages only: a server that asks for one
+    refused generation after another (each a new entry) cannot grow the
+    agent's memory; a message forgotten is logged again if asked again,
+    which a server repeating that many refusals has earned.
+    """
+
+    def __init__(self) -> None:
+        # A dict as an ordered set, oldest first.
+        self._seen: dict[tuple[int, str], None] = {}
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def tell(self, generation: int, message: str) -> None:
+        key = (generation, message)
+        if key in self._seen:
+            return
+        self._seen[key] = None
+        if len(self._seen) > TOLD_MAX:
+            del self._seen[next(iter(self._seen))]
+        log(message)
+
+
+def read_state(path: str, statuses: tuple[str, ...]) -> dict[str, Any] | None:
+    """The JSON state file at ``path`` (an install's or an upgrade's), or None
+    if there is none; ValueError or OSError if it cannot be read, has no
+    generation, or a status not among ``statuses``."""
+    try:
+        with open(path, "rb") as f:
+            state = json.loads(f.read(64 * 1024))
+    except FileNotFoundError:
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("generation"), int):
+        raise ValueError("no generation in it")
+    if state.get("status") not in statuses:
+        raise ValueError(f"unknown status {state.get('status')!r}")
+    return state
+
+
 def write_atomically(path: str, data: bytes, mode: int = 0o600) -> None:
     """Write ``path`` so that a reader sees the old or the new content, never half."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -709,9 +751,7 @@ class Installer:
         #: The generation the server's last answer carried.
         self._carried: int | None = None
         self._worker: threading.Thread | None = None
-        #: What `_tell` logged lately, oldest first (a dict as an ordered
-        #: set), at most `TOLD_MAX` entries.
-        self._told: dict[tuple[int, str], None] = {}
+        self._told = Told()
         #: What the last accepted heartbeat said of the installed generation:
         #: "" installed, else the error; None before any (`_check`).
         self._checked: str | None = None
@@ -719,17 +759,12 @@ class Installer:
 
     def _load(self) -> None:
         try:
-            with open(self.state_file, "rb") as f:
-                state = json.loads(f.read(64 * 1024))
-            if not isinstance(state, dict) or not isinstance(state.get("generation"), int):
-                raise ValueError("no generation in it")
-            if state.get("status") not in ("started", "node-started", "done"):
-                raise ValueError(f"unknown status {state.get('status')!r}")
-        except FileNotFoundError:
-            return
+            state = read_state(self.state_file, ("started", "node-started", "done"))
         except (OSError, ValueError) as exc:
             self._broken = f"install state {self.state_file} is unreadable ({exc}); not installing"
             log(self._broken)
+            return
+        if state is None:
             return
         self._state = state
         if state["status"] != "done":
@@ -741,20 +776,7 @@ class Installer:
         self._state = state
 
     def _tell(self, generation: int, message: str) -> None:
-        """Log ``message`` once per generation (heartbeats repeat requests).
-
-        Remembers the last `TOLD_MAX` messages only: a server that asks for
-        one refused generation after another (each a new entry) cannot grow
-        the agent's memory; a message forgotten is logged again if asked
-        again, which a server repeating that many refusals has earned.
-        """
-        key = (generation, message)
-        if key in self._told:
-            return
-        self._told[key] = None
-        if len(self._told) > TOLD_MAX:
-            del self._told[next(iter(self._told))]
-        log(message)
+        self._told.tell(generation, message)
 
     @property
     def generation(self) -> int:

@@ -95,8 +95,10 @@ from .install import (
     SLOT_B_IMAGE,
     InstallFailed,
     Settings,
+    Told,
     image_source,
     node_running,
+    read_state,
     write_atomically,
 )
 from .wire import (
@@ -512,7 +514,7 @@ class Upgrader:
         self._busy = False
         #: The request of the current generation said activate.
         self._activate_asked = False
-        self._told: set[tuple[int, str]] = set()
+        self._told = Told()
         self._settled_at = 0.0
         self._load()
 
@@ -520,17 +522,12 @@ class Upgrader:
 
     def _load(self) -> None:
         try:
-            with open(self.state_file, "rb") as f:
-                state = json.loads(f.read(64 * 1024))
-            if not isinstance(state, dict) or not isinstance(state.get("generation"), int):
-                raise ValueError("no generation in it")
-            if state.get("status") not in ("started", "written", "staged", "done"):
-                raise ValueError(f"unknown status {state.get('status')!r}")
-        except FileNotFoundError:
-            return
+            state = read_state(self.state_file, ("started", "written", "staged", "done"))
         except (OSError, ValueError) as exc:
             self._broken = f"upgrade state {self.state_file} is unreadable ({exc}); not upgrading"
             log(self._broken)
+            return
+        if state is None:
             return
         self._state = state
         if state["status"] in ("started", "written") or (
@@ -573,9 +570,7 @@ class Upgrader:
         self.wake()
 
     def _tell(self, generation: int, message: str) -> None:
-        if (generation, message) not in self._told:
-            self._told.add((generation, message))
-            log(message)
+        self._told.tell(generation, message)
 
     @property
     def generation(self) -> int:

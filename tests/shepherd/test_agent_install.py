@@ -373,3 +373,21 @@ def test_refused_generations_are_logged_once_and_remembered_within_a_bound(
     ask(1)
     assert "generation 1:" in capsys.readouterr().err
     assert installer.generation == 10**9  # nothing begun
+
+
+def test_the_upgrader_remembers_a_bounded_number_of_refusals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the installer does (above): one line per refused generation, and a
+    server that refuses generation after generation cannot grow the memory."""
+    from shepherd.agent import upgrade, wire
+
+    upgrader = upgrade.Upgrader(
+        str(tmp_path / "agent"), endpoint_scheme="https", ca_certificate=b""
+    )
+    for _ in range(3):
+        upgrader.on_answer(wire.UpgradeRequest(0))
+    assert capsys.readouterr().err.count("ignoring upgrade of generation 0:") == 1
+    for generation in range(-20 * install.TOLD_MAX, 0):
+        upgrader.on_answer(wire.UpgradeRequest(generation))
+    assert len(upgrader._told) <= install.TOLD_MAX
