@@ -93,6 +93,7 @@ from bmdb.localserver import (
     server_user,
 )
 from common.net import free_loopback_port
+from common.text import printable
 
 __all__ = ["LocalPatroni", "Member", "find_haproxy", "find_patroni", "main", "start_with_template"]
 
@@ -359,8 +360,11 @@ class LocalPatroni:
         while True:
             for name, proc in self._procs.items():
                 if proc.poll() is not None and name not in self._killed:
+                    member = self._member(name)
                     raise LocalPostgresError(
-                        f"patroni member {name} exited; see {self._member(name).log_path}"
+                        f"patroni member {name} exited; see {member.log_path}; "
+                        f"its output ends: {_ending(member.root / 'stdout.log')}; "
+                        f"its log ends: {_ending(member.log_path)}"
                     )
             try:
                 members = self.cluster()
@@ -531,6 +535,19 @@ def _kill_postmaster(data: Path) -> None:
     deadline = time.monotonic() + _STOP_TIMEOUT
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _ending(path: Path) -> str:
+    """The last lines of a log, escaped and bounded, for an error message
+    (a CI run keeps the message, not the file)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 1500))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"(unreadable: {exc.strerror})"
+    lines = [printable(line, limit=300) for line in text.splitlines()[-6:] if line.strip()]
+    return " | ".join(lines) or "(empty)"
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -90,3 +91,20 @@ def test_a_root_postgres_cannot_enter_is_refused_clearly(tmp_path: Path) -> None
     locked.mkdir(mode=0o700)
     with pytest.raises(LocalPostgresError, match="cannot enter"):
         LocalPatroni(locked / "ha").create()
+
+
+def test_a_member_that_exits_at_start_is_reported_with_its_output(traversable_dir: Path) -> None:
+    """A CI run keeps the error message, not the member's files: the message
+    itself says why Patroni exited (here: its REST port was taken)."""
+    cluster = LocalPatroni(traversable_dir / "ha")
+    cluster.create()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", cluster.members[0].api_port))
+        held.listen()
+        with pytest.raises(LocalPostgresError) as raised:
+            cluster.start()
+    message = str(raised.value)
+    assert "patroni member m0 exited" in message
+    assert "Address already in use" in message, message  # its stderr
+    assert "Couldn't start a service" in message, message  # its log
+    assert _processes_under(traversable_dir) == []
