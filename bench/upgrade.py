@@ -52,16 +52,15 @@ import trio_asyncio
 
 import bmdb
 from bench.install import (
-    HEARTBEAT_BACKOFF_CAP,
     HEARTBEAT_INTERVAL,
     POLL,
-    TAKEOVER_PARALLELISM,
     bootstrap,
     healthy,
     node_parameters,
     nodes_by_address,
     reap,
     say,
+    take_over,
 )
 from bench.ratios import report
 from bench.smoke import parse_args
@@ -73,15 +72,9 @@ from metropolis.image.cache import ensure_image
 from metropolis.owner import OwnerAccess
 from metropolis.proto import management as m
 from metropolis.rpc import methods
-from shepherd.agent_bundle import agent_zipapp
-from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.images import ImageServerConfig, serve_images
-from shepherd.agent_server.server import port_of
-from shepherd.agent_start import AgentConfig
 from shepherd.approver import run_approver
 from shepherd.control_loop import start_control_loop
-from shepherd.demo import write_machines_file
-from shepherd.initializer import Initializer
 from shepherd.install import Plan, image_from_server, install
 from shepherd.localfleet import (
     DISK,
@@ -92,10 +85,7 @@ from shepherd.localfleet import (
     open_fleet,
     stop_node,
 )
-from shepherd.providers.static import StaticProvider
-from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
-from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
 from shepherd.upgrade import ask_writes, choose
 from shepherd.upgrader import Upgrader
@@ -244,47 +234,14 @@ async def main_async(args: argparse.Namespace, work: Path) -> int:
             bootstrap(work / "cluster", first) as cluster,
             trio.open_nursery() as nursery,
         ):
-            for machine in fleet.machines:
-                (machine.root / "root").mkdir(exist_ok=True)
-            machines_file = work / "machines.toml"
-            provider_ids = write_machines_file(machines_file, fleet.machines)
-            provider = StaticProvider.from_file(machines_file)
-            await sync_provided(conn, provider)
             served: str = await nursery.start(
                 serve_images, ImageServerConfig("127.0.0.1:0", images)
             )
-            binds = await nursery.start(
-                lambda task_status: run_agent_server(
-                    conn, AgentServerConfig(listen="127.0.0.1:0"), task_status=task_status
-                )
-            )
-            config = AgentConfig(
-                executable=agent_zipapp(),
-                target_path="/root/agent",
-                endpoint=f"http://127.0.0.1:{port_of(binds[0])}",
-                endpoint_ca_certificate=b"",
-                ssh_connect_timeout=10.0,
-                ssh_exec_timeout=120.0,
-                heartbeat_interval=args.heartbeat_interval,
-                heartbeat_backoff_cap=HEARTBEAT_BACKOFF_CAP,
-            )
-            ssh = SSHClient(key, username="root", connect_timeout=config.ssh_connect_timeout)
-            limiter = RateLimiter(Rate(interval=0.01, burst=TAKEOVER_PARALLELISM))
-            start_control_loop(
-                nursery,
-                conn,
-                Initializer(provider, ssh, config),
-                parallelism=TAKEOVER_PARALLELISM,
-                limiter=limiter,
-            )
             with trio.fail_after(args.timeout):
-                while True:
-                    rows = await conn.transact(lambda q: q.machines())
-                    if len(rows) == args.machines and all(r.has_hardware_report for r in rows):
-                        break
-                    await trio.sleep(POLL)
-            by_provider = {r.provided.provider_id: r.machine_id for r in rows if r.provided}
-            ids = [by_provider[p] for p in provider_ids]
+                ids = await take_over(
+                    nursery, conn, fleet, key, work / "machines.toml",
+                    heartbeat_interval=args.heartbeat_interval,
+                )  # fmt: skip
             plan = Plan(
                 node_parameters=node_parameters(cluster),
                 image=image_from_server(
