@@ -280,16 +280,8 @@ def _make_roots(directory: Path, count: int, prefix: str) -> list[Path]:
     return roots
 
 
-async def _start(
-    directory: Path,
-    count: int,
-    authorized_key: str,
-    hosts: list[str] | None = None,
-    port: int = 0,
-    prefix: str = "machine-",
-) -> Fleet:
-    roots = _make_roots(directory, count, prefix)
-    hosts = hosts or loopback_addresses(count)
+async def _start(roots: list[Path], hosts: list[str], authorized_key: str, port: int) -> Fleet:
+    """Serve a machine at each of ``roots`` on the host of ``hosts`` beside it."""
     return Fleet(
         [
             await _start_machine(root, authorized_key, host, port)
@@ -417,9 +409,9 @@ async def open_fleet(
     shorter ``prefix`` keeps the UNIX socket paths of the nodes installed
     there short.
     """
-    fleet = await trio_asyncio.aio_as_trio(_start)(
-        directory, count, authorized_key, hosts, port, prefix
-    )
+    roots = _make_roots(directory, count, prefix)
+    hosts = hosts or loopback_addresses(count)
+    fleet = await trio_asyncio.aio_as_trio(_start)(roots, hosts, authorized_key, port)
     try:
         yield fleet
     finally:
@@ -430,7 +422,8 @@ async def open_fleet(
 
 
 async def _serve_forever(directory: Path, count: int, authorized_key: str) -> None:
-    fleet = await _start(directory, count, authorized_key)
+    roots = _make_roots(directory, count, "machine-")
+    fleet = await _start(roots, loopback_addresses(count), authorized_key, 0)
     for machine in fleet.machines:
         line = json.dumps({"host": machine.host, "port": machine.port, "root": str(machine.root)})
         sys.stdout.write(line + "\n")
