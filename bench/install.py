@@ -632,6 +632,21 @@ async def by_hand_path(args: argparse.Namespace, work: Path, image: Path) -> Pro
 # --- the run ------------------------------------------------------------------------
 
 
+def run_in_scratch(
+    main_async: Callable[[argparse.Namespace, Path], Awaitable[int]],
+    args: argparse.Namespace,
+    prefix: str,
+) -> int:
+    """``main_async(args, work)`` under Trio, ``work`` a new folder in /tmp
+    named from ``prefix`` (short: a node's etcd socket lies deep inside it,
+    107 bytes at most), removed after, whatever happened."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        return trio.run(main_async, args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _total(p: Progress) -> str:
     return f"{p.total:.1f} s" if p.total is not None else "did not finish"
 
@@ -760,12 +775,7 @@ def main() -> int:
         parser.error("--by-hand-parallelism must be at least 1")
     if not 0 <= args.loopback_block < LOOPBACK_BLOCKS:
         parser.error(f"--loopback-block must be in 0-{LOOPBACK_BLOCKS - 1}")
-    # Short: a node's etcd socket lies deep inside it (107 bytes at most).
-    work = Path(tempfile.mkdtemp(prefix="bi-", dir="/tmp"))
-    try:
-        return trio.run(main_async, args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return run_in_scratch(main_async, args, "bi-")
 
 
 if __name__ == "__main__":

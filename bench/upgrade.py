@@ -59,6 +59,7 @@ from bench.install import (
     node_parameters,
     nodes_by_address,
     reap,
+    run_in_scratch,
     say,
     take_over,
 )
@@ -426,11 +427,7 @@ def main() -> int:
         parser.error("want --machines >= 1 and 0 <= --consensus <= --machines")
     if not 0 <= args.loopback_block < LOOPBACK_BLOCKS:
         parser.error(f"--loopback-block must be in 0-{LOOPBACK_BLOCKS - 1}")
-    work = Path(tempfile.mkdtemp(prefix="bu-", dir="/tmp"))
-    try:
-        return trio.run(main_async, args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return run_in_scratch(main_async, args, "bu-")
 
 
 if __name__ == "__main__":
