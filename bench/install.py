@@ -222,6 +222,19 @@ def node_parameters(cluster: Cluster) -> bytes:
     return parameters.encode(parameters.register_parameters(info, cluster.ticket, owner))
 
 
+def install_plan(cluster: Cluster, images: str, image: Path) -> Plan:
+    """What the product's path asks each machine to install: ``image``
+    (named by its digest, as built) from the image server at ``images``
+    over plain HTTP onto its loopback disk, with `node_parameters`."""
+    return Plan(
+        node_parameters=node_parameters(cluster),
+        image=image_from_server(
+            images, "sha256:" + image.name.removesuffix(".pyz"), plain_http=True
+        ),
+        root_device="disk0",
+    )
+
+
 async def nodes_by_address(cluster: Cluster) -> dict[str, NodeRow]:
     async with cluster.access.open() as owner:
         return {r.address: r for r in await owner.nodes() if r.address}
@@ -373,13 +386,7 @@ async def product_path(
                     nursery, conn, f, key, work / "machines.toml",
                     heartbeat_interval=args.heartbeat_interval,
                 )  # fmt: skip
-            plan = Plan(
-                node_parameters=node_parameters(cluster),
-                image=image_from_server(
-                    images, "sha256:" + image.name.removesuffix(".pyz"), plain_http=True
-                ),
-                root_device="disk0",
-            )
+            plan = install_plan(cluster, images, image)
             say(f"product: {args.machines} machines taken over; installing")
 
             start = trio.current_time()

@@ -56,7 +56,7 @@ from bench.install import (
     POLL,
     bootstrap,
     healthy,
-    node_parameters,
+    install_plan,
     nodes_by_address,
     reap,
     run_in_scratch,
@@ -76,7 +76,7 @@ from metropolis.rpc import methods
 from shepherd.agent_server.images import ImageServerConfig, serve_images
 from shepherd.approver import run_approver
 from shepherd.control_loop import start_control_loop
-from shepherd.install import Plan, image_from_server, install
+from shepherd.install import image_from_server, install
 from shepherd.localfleet import (
     DISK,
     LOOPBACK_BLOCKS,
@@ -243,14 +243,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> int:
                     nursery, conn, fleet, key, work / "machines.toml",
                     heartbeat_interval=args.heartbeat_interval,
                 )  # fmt: skip
-            plan = Plan(
-                node_parameters=node_parameters(cluster),
-                image=image_from_server(
-                    served, "sha256:" + first_image.name.removesuffix(".pyz"), plain_http=True
-                ),
-                root_device="disk0",
-            )
-            await install(conn, plan, machines=ids)
+            await install(conn, install_plan(cluster, served, first_image), machines=ids)
             nursery.start_soon(run_approver, cluster.access, conn, 0.5)
             say(f"installing {args.machines} machines")
             with trio.fail_after(args.timeout):
