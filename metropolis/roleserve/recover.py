@@ -10,8 +10,10 @@ left::
       │                           SHA-256); no etcd runs on this node, and
       │                           nothing answers on its debug port (the
       │                           node runs)
-    restore ─ etcdctl snapshot restore into ROOT/data/recover/data: a new
-      │       one-member cluster of this node (old members dropped)
+    start ─ etcdctl snapshot restore started into ROOT/data/recover/data:
+      │     a new one-member cluster of this node (old members dropped)
+    restore ─ (the rest of the command imported meanwhile) etcdctl done, its
+      │       result in place
     prepare ─ a temporary etcd on it (plain-HTTP peers, alone): this node's
       │       peer certificate (the stored one, or a new one), its record
       │       with ConsensusMember for the restored member, rejoin marks for
@@ -28,12 +30,16 @@ Cluster CA, owner, node records, roles and tickets are the snapshot's: the
 node's own credentials (issued by that CA) stay valid. What happened in
 the cluster after the snapshot was taken is lost.
 
+:func:`check` and :func:`start` need neither Trio nor the node's wire
+(etcd's client, the curator's records): ``node recover`` imports those only
+once etcdctl runs, and :func:`recover` imports Trio when it is called.
+
 Errors: :class:`RecoverError` (or :class:`~metropolis.consensus.snapshot.SnapshotError`,
 :class:`~metropolis.consensus.restore.RestoreError`), one line; before the
 swap nothing of the node's state has changed (the work folder is removed).
 A crash during the swap leaves the root for ``node recover`` to be run
-again. Cancellation: the temporary etcd is stopped and the work folder
-removed.
+again. Cancellation: etcdctl is killed, the temporary etcd stopped and the
+work folder removed.
 """
 
 from __future__ import annotations
@@ -46,13 +52,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import trio
-
 from common.durable import atomic_write, fsync_directory
 from metropolis import pki
-from metropolis.consensus.restore import restore_data
+from metropolis.consensus.restore import Restore, start_restore
 from metropolis.consensus.settings import SOCKET_NAME
-from metropolis.consensus.snapshot import SnapshotManifest, cluster_identity, verify_snapshot
+from metropolis.consensus.snapshotfile import SnapshotManifest, cluster_identity, verify_snapshot
 from metropolis.errors import MetropolisError
 from metropolis.identity import NodeCredentials
 from metropolis.localstorage import Root
@@ -63,7 +67,7 @@ if TYPE_CHECKING:
     from metropolis.curator.rejoin import Recovery
     from metropolis.proto.common import NodeRoles
 
-__all__ = ["Checked", "RecoverError", "check", "recover"]
+__all__ = ["Checked", "RecoverError", "Restoring", "check", "recover", "start"]
 
 _log = logging.getLogger("metropolis.roleserve.recover")
 
@@ -130,22 +134,68 @@ def _answers(path: Path) -> bool:
     return True
 
 
-async def recover(checked: Checked) -> Recovery:
-    """Restore, prepare and swap in the snapshot's etcd; the recovery as recorded.
+@dataclass(frozen=True)
+class Restoring:
+    """What :func:`start` started: etcdctl restoring the snapshot into ``work``."""
+
+    checked: Checked
+    work: Path
+    restore: Restore
+
+    @property
+    def restored(self) -> Path:
+        """Where the restored data is once etcdctl is done."""
+        return self.work / "data"
+
+    def abort(self) -> None:
+        """Kill etcdctl (if it runs) and remove the work folder (blocking).
+
+        For a caller that will not call :func:`recover` after all; after
+        :func:`recover` it does nothing.
+        """
+        self.restore.abort()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def start(checked: Checked) -> Restoring:
+    """Start etcdctl's restore of the checked snapshot (blocking, for a fork).
+
+    The first change to the root: its layout made whole, the work folder
+    ``data/recover`` made afresh (a cut recovery's is deleted).
+    """
+    root, settings, node_id = checked.root, checked.settings, checked.credentials.node_id
+    root.create()
+    work = root.data.path / "recover"
+    _fresh_folder(work)
+    _log.info("restoring %s with etcdctl", checked.snapshot)
+    try:
+        restore = start_restore(
+            checked.snapshot,
+            work / "data",
+            name=node_id,
+            peer_url=f"https://{settings.peer_address}",
+        )
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return Restoring(checked, work, restore)
+
+
+async def recover(restoring: Restoring) -> Recovery:
+    """Wait for etcdctl, prepare and swap in the snapshot's etcd; the recovery as recorded.
 
     See the module docstring. The node must not run meanwhile
     (:func:`check` looked); its peer port must be free.
     """
-    root, settings, credentials = checked.root, checked.settings, checked.credentials
-    node_id = credentials.node_id
-    await trio.to_thread.run_sync(root.create)
-    work = root.data.path / "recover"
-    await trio.to_thread.run_sync(_fresh_folder, work)
+    # Imported here: the command imports Trio once etcdctl runs (see the
+    # module docstring).
+    import trio
+
+    checked, work, restored = restoring.checked, restoring.work, restoring.restored
+    root, credentials = checked.root, checked.credentials
     try:
-        restored = work / "data"
-        peer_url = f"https://{settings.peer_address}"
-        _log.info("restoring %s with etcdctl", checked.snapshot)
-        await restore_data(checked.snapshot, restored, name=node_id, peer_url=peer_url)
+        await trio.lowlevel.wait_readable(restoring.restore.exited)
+        await trio.to_thread.run_sync(restoring.restore.finish)
         # Imported only now, while etcdctl ran: the temporary etcd's modules
         # (etcd's client, the curator's records) are the larger part of
         # this module's; the command imports them meanwhile, in a thread.
@@ -155,7 +205,7 @@ async def recover(checked: Checked) -> Recovery:
         await trio.to_thread.run_sync(_swap, root, credentials, join, roles, restored, work)
     finally:
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(shutil.rmtree, work, True)
+            await trio.to_thread.run_sync(restoring.abort)
     _log.warning(
         "recovered from %s (revision %d, taken %s on %s): etcd restored as a one-member"
         " cluster of %s; to rejoin once they run: %s",
@@ -163,7 +213,7 @@ async def recover(checked: Checked) -> Recovery:
         recovery.snapshot_revision,
         recovery.snapshot_taken_at,
         recovery.snapshot_node_id,
-        node_id,
+        credentials.node_id,
         ", ".join(recovery.rejoining) or "none",
     )
     return recovery

@@ -8,6 +8,9 @@ another CA, which is what the check compares) and a cut one are refused,
 the root untouched. ``node
 recover`` on n1, ``node run`` on n2 and n3: the owner sees the three
 nodes with their roles, n2 a voter again, and the recovery's record.
+``node recover`` starts etcdctl before it imports Trio or any wire stack
+(its ``-X importtime`` lines before its "restoring" line): they are
+imported while etcdctl runs.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from tests.metropolis.test_cluster import (
     three_nodes,
 )
 from tests.metropolis.test_node_cli import LEADS, NodeProcess, node
+from tests.test_cli_imports import imported
 
 BOUND = 120
 
@@ -127,11 +131,14 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 assert _listing(roots[0]) == untouched
 
             async with AsyncExitStack() as stack:
-                first = await stack.enter_async_context(node(*recover[1:], str(snapshot)))
+                first = await stack.enter_async_context(
+                    node(*recover[1:], str(snapshot), env={"PYTHONPROFILEIMPORTTIME": "1"})
+                )
                 back = [first]
                 stack.callback(_save_logs, tmp_path, back)
                 await first.wait_for(LEADS)
                 assert first.logged("recovered from")
+                assert _before_etcdctl(first.lines) & _LATER == set()
                 for root in roots[1:]:
                     back.append(
                         await stack.enter_async_context(node("run", "--root", str(root.path)))
@@ -159,6 +166,18 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 # Who recovered, from which revision; n2 rejoined (n3 held no member).
                 assert f"{n1.node_id} recovered from snapshot revision {meta['revision']}" in shown
                 assert f"rejoining: {n2.node_id}\n" in shown
+
+
+#: Packages ``node recover`` imports only once etcdctl runs: Trio, the
+#: node's HTTP/2 and gRPC stacks, the etcd gateway's client.
+_LATER = {"trio", "h2", "hpack", "hyperframe", "grpclib", "httpx", "httpcore"}
+
+
+def _before_etcdctl(lines: list[str]) -> set[str]:
+    """The top-level packages a node's ``-X importtime`` lines name before its
+    "restoring" line (logged as it starts etcdctl)."""
+    start = next(i for i, line in enumerate(lines) if "restoring" in line)
+    return {name.split(".")[0] for name in imported("\n".join(lines[:start]))}
 
 
 async def _no_etcd(root: Root) -> bool:
