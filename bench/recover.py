@@ -17,8 +17,10 @@ left them. Then, median of ``--runs`` each:
   restore`` plus a bare single-member etcd started on the result until it
   answers a read (the same raft timing).
 
-Both recoveries include their processes' start (Python's and the
-interpreter's imports for ours, Go binaries for etcd's). Needs ``etcd`` and
+Each recovery of ours runs right after one of the baseline's (the load of
+a shared machine moves within seconds). Both recoveries include their
+processes' start (Python's and the interpreter's imports for ours, Go
+binaries for etcd's). Needs ``etcd`` and
 ``etcdctl`` (Debian ``etcd-server``, ``etcd-client``). Prints one table;
 each figure is also given as a ratio to its baseline (goal: within 3x,
 issue 39).
@@ -315,19 +317,24 @@ async def _measure(base: Path, nodes: int, runs: int) -> None:
 
     bare_times = []
     bare_snaps = []
+    ours = []
+    loads = [os.getloadavg()[0]]
+    # Each run of ours right after one of the baseline's: on a shared
+    # machine the load moves within seconds, and both then meet about the
+    # same.
     for i in range(runs):
         async with trio.open_nursery() as nursery:
             elapsed, url = await _bare_recover(snapshot, base / f"bare{i}", nursery=nursery)
             bare_times.append(elapsed)
             bare_snaps.append(await _bare_snapshot(url, base / f"bare{i}.snap"))
             nursery.cancel_scope.cancel()
-    bare_recover, bare_snap = statistics.median(bare_times), statistics.median(bare_snaps)
-    ours = [
-        await _ours_recover(
-            root, key_file, snapshot, base / f"recover{i}.log", nodes, int(ports[1])
+        ours.append(
+            await _ours_recover(
+                root, key_file, snapshot, base / f"recover{i}.log", nodes, int(ports[1])
+            )
         )
-        for i in range(runs)
-    ]
+        loads.append(os.getloadavg()[0])
+    bare_recover, bare_snap = statistics.median(bare_times), statistics.median(bare_snaps)
 
     def median(field: str) -> float:
         return float(statistics.median(getattr(r, field) for r in ours))
@@ -343,7 +350,10 @@ async def _measure(base: Path, nodes: int, runs: int) -> None:
         # line), which etcd's Go binaries do not pay: shown, not reported.
         ("  the same after its imports", answered - median("started"), bare_recover, False),
     ]
-    print(f"{nodes} node records, snapshot {size / 1024:.0f} KiB, median of {runs}")
+    print(
+        f"{nodes} node records, snapshot {size / 1024:.0f} KiB, median of {runs}"
+        f" (runs interleaved; load average {min(loads):.1f} to {max(loads):.1f})"
+    )
     print(f"{'measure':<42} {'value':>10} {'ratio':>8}")
     for name, value, baseline, reported in rows:
         print(f"{name:<42} {value * 1000:>7.0f} ms {value / baseline:>8.2f}")
