@@ -22,7 +22,7 @@ from metropolis.cli.root import checked_root, resolved_root
 from metropolis.consensus.settings import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root
-from metropolis.roleserve import disk
+from metropolis.roleserve import disk, recoverpending
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
 
 if TYPE_CHECKING:
@@ -242,6 +242,7 @@ def run(args: argparse.Namespace) -> None:
     else:
         root = checked_root(args.root)
     saved = disk.load(root)  # fail before starting anything
+    recoverpending.check(root)  # nor on a recovery cut before its data was in place
     if args.action == "run":
         _announce_saved(args.announce_key, saved)
     import trio

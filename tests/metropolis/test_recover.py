@@ -11,6 +11,14 @@ nodes with their roles, n2 a voter again, and the recovery's record.
 ``node recover`` starts etcdctl before it imports Trio or any wire stack
 (its ``-X importtime`` lines before its "restoring" line): they are
 imported while etcdctl runs.
+
+n1 lost its peer PKI there, so a temporary etcd prepares the restored data.
+A node that kept it (one node, its etcd data deleted) runs none: its own
+etcd starts on the restored data and its curator prepares it before it
+campaigns. Cut after the mark but before the data is in place, the node
+refuses to run (one line) and ``node recover`` again works; cut after the
+preparation but before the mark went, ``node run`` prepares again and the
+recovery is recorded once.
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ import trio
 from metropolis import pki
 from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.snapshot import manifest_path
+from metropolis.crashpoint import CRASH_ENV
 from metropolis.localstorage import Root
 from metropolis.owner import open_owner
+from metropolis.roleserve import recoverpending
 from tests.metropolis.test_cluster import (
     ADDRESSES,
     _members,
@@ -42,7 +52,7 @@ from tests.metropolis.test_cluster import (
     approve_registered,
     three_nodes,
 )
-from tests.metropolis.test_node_cli import LEADS, NodeProcess, node
+from tests.metropolis.test_node_cli import LEADS, NodeProcess, bootstrap_args, node
 from tests.test_cli_imports import imported
 
 BOUND = 120
@@ -166,6 +176,56 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 # Who recovered, from which revision; n2 rejoined (n3 held no member).
                 assert f"{n1.node_id} recovered from snapshot revision {meta['revision']}" in shown
                 assert f"rejoining: {n2.node_id}\n" in shown
+
+
+async def test_a_node_with_its_peer_pki_recovers_without_a_temporary_etcd(
+    tmp_path: Path,
+) -> None:
+    root = Root(tmp_path / "n")
+    owner_key = tmp_path / "owner.pem"
+    snapshot = tmp_path / "cluster.snap"
+    recover = ("recover", "--root", str(root.path), "--snapshot", str(snapshot))
+    with trio.fail_after(BOUND):
+        async with node(*bootstrap_args(tmp_path)) as first:
+            await first.wait_for(LEADS)
+            key = pki.decode_private_key(owner_key.read_bytes())
+            async with open_owner(root, key) as owner:
+                ticket = await owner.ticket()
+            owner_args = ("owner", "--root", str(root.path), "--owner-key", str(owner_key))
+            made = await _cli(*owner_args, "snapshot", "--out", str(snapshot))
+            assert made.returncode == 0, made.stderr.decode()
+            first.process.kill()
+        await _until(functools.partial(_no_etcd, root))
+        shutil.rmtree(root.data.etcd.data)
+
+        # Cut once the mark is written, before the restored data is in place.
+        async with node(*recover, env={CRASH_ENV: "recover-marked"}) as cut:
+            pass
+        assert cut.process.returncode == -signal.SIGKILL
+        assert recoverpending.path(root).exists() and not root.data.etcd.data.exists()
+        refused = await _cli("node", "run", "--root", str(root.path))
+        assert refused.returncode == 2
+        [line] = refused.stderr.decode().strip().splitlines()
+        assert "run node recover again" in line
+
+        # Cut once the keyspace is prepared, before the mark goes.
+        async with node(*recover, env={CRASH_ENV: "recover-prepared"}) as cut:
+            pass
+        assert cut.process.returncode == -signal.SIGKILL
+        assert not cut.logged("temporary etcd")
+        assert not any("recover.etcd" in line for line in cut.lines)
+        await _until(functools.partial(_no_etcd, root))
+        assert recoverpending.path(root).exists()
+        async with node("run", "--root", str(root.path)) as resumed:
+            await resumed.wait_for(LEADS)
+            assert resumed.logged("recovered from")
+            assert not recoverpending.path(root).exists()
+            async with open_owner(root, key) as owner:
+                assert await owner.ticket() == ticket
+            shown = await _owner_cli(root, owner_key, "recoveries")
+            resumed.process.send_signal(signal.SIGTERM)
+    assert len(shown.strip().splitlines()) == 1, shown
+    assert "recovered from snapshot revision" in shown
 
 
 #: Packages ``node recover`` imports only once etcdctl runs: Trio, the
