@@ -266,13 +266,13 @@ async def _recover(restoring: Restoring) -> None:
     while the modules of its temporary etcd and of the running node are
     imported in a thread.
 
-    The restore waits on etcdctl (started before Trio was imported), then
-    on a temporary etcd, each a process of its own; the imports (a few
-    hundred ms of CPU) need not wait for them (issue 39: ``node recover``
-    against etcd's own restore). The restore takes the temporary etcd's
-    module only after etcdctl is done (Python's import lock makes it wait
-    for the thread's import of it if need be); nothing else is imported by
-    both.
+    The restore waits on etcdctl (started before Trio was imported) and,
+    for a node without its own peer PKI, on a temporary etcd, each a
+    process of its own; the imports (a few hundred ms of CPU) need not
+    wait for them (issue 39: ``node recover`` against etcd's own restore).
+    The restore takes the temporary etcd's module only after etcdctl is
+    done (Python's import lock makes it wait for the thread's import of it
+    if need be); nothing else is imported by both.
     """
     import trio
 
