@@ -12,13 +12,13 @@ nodes with their roles, n2 a voter again, and the recovery's record.
 (its ``-X importtime`` lines before its "restoring" line): they are
 imported while etcdctl runs.
 
-n1 lost its peer PKI there, so a temporary etcd prepares the restored data.
-A node that kept it (one node, its etcd data deleted) runs none: its own
-etcd starts on the restored data and its curator prepares it before it
-campaigns. Cut after the mark but before the data is in place, the node
-refuses to run (one line) and ``node recover`` again works; cut after the
-preparation but before the mark went, ``node run`` prepares again and the
-recovery is recorded once.
+Run twice: n1 lost its peer PKI too (a temporary etcd prepares the
+restored data), or kept it (none runs: its own etcd starts on the restored
+data and its curator prepares it before it campaigns; n2 rejoins all the
+same). On one node that kept it, its etcd data deleted: cut after the
+mark but before the data is in place, the node refuses to run (one line)
+and ``node recover`` again works; cut after the preparation but before the
+mark went, ``node run`` prepares again and the recovery is recorded once.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+import pytest
 import trio
 
 from metropolis import pki
@@ -78,7 +79,10 @@ def _listing(root: Root) -> dict[str, str]:
     return found
 
 
-async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -> None:
+@pytest.mark.parametrize("peer_pki", ["lost", "kept"])
+async def test_recover_from_a_snapshot_after_losing_every_node(
+    tmp_path: Path, peer_pki: str
+) -> None:
     with trio.fail_after(BOUND):
         async with three_nodes(tmp_path) as (procs, roots, owner_key):
             key = pki.decode_private_key(owner_key.read_bytes())
@@ -122,8 +126,8 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 await _until(functools.partial(_no_etcd, root))
                 if root.data.etcd.data.exists():  # n3 had no etcd member
                     shutil.rmtree(root.data.etcd.data)
-            # n1 lost its peer PKI and CRL too: all of etcd's folder.
-            shutil.rmtree(roots[0].data.etcd.path)
+            if peer_pki == "lost":  # n1 lost its peer PKI and CRL too: all of etcd's folder
+                shutil.rmtree(roots[0].data.etcd.path)
 
             # Refused, and nothing changed: another cluster's, and a cut one.
             foreign = tmp_path / "foreign.snap"
@@ -148,6 +152,7 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 stack.callback(_save_logs, tmp_path, back)
                 await first.wait_for(LEADS)
                 assert first.logged("recovered from")
+                assert first.logged("temporary etcd") == (peer_pki == "lost")
                 assert _before_etcdctl(first.lines) & _LATER == set()
                 for root in roots[1:]:
                     back.append(
