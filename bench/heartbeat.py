@@ -95,14 +95,11 @@ from bmdb.localserver import TEMPLATE_DB, LocalPostgres, start_with_template
 from common.numbers import parse_decimal
 from shepherd.agent import protocol
 from shepherd.agent_server import AgentServerConfig, ConnectUnary, http1, run_agent_server
+from shepherd.agent_server.answers import session_response
+from shepherd.agent_server.authenticate import DEFAULT_FRESHNESS, authenticate
 from shepherd.agent_server.connect import ConnectError, Handler, Limits
 from shepherd.agent_server.server import serve_app, tune_gc
-from shepherd.agent_server.service import (
-    DEFAULT_FRESHNESS,
-    HeartbeatService,
-    authenticate,
-    session_response,
-)
+from shepherd.agent_server.service import HeartbeatService
 from shepherd.agent_server.session import TOKEN_BYTES, SessionKeys, new_secret
 from shepherd.agent_server.workers import default_workers, reserve_port
 from shepherd.proto.agent_callback import (

@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,11 +80,9 @@ from metropolis.image.build import BuiltImage, build_image, default_etcd
 from metropolis.localstorage import Root
 from metropolis.owner import NodeRow, OwnerAccess, load_owner, load_owner_key
 from metropolis.proto import parameters
-from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.images import ImageServerConfig, serve_images
 from shepherd.agent_server.server import port_of
-from shepherd.agent_start import AgentConfig
 from shepherd.approver import DEFAULT_INTERVAL as APPROVE_INTERVAL
 from shepherd.approver import run_approver
 from shepherd.control_loop import start_control_loop
@@ -93,6 +92,8 @@ from shepherd.install import Plan, image_from_server, install, owner_public_key
 from shepherd.localfleet import (
     DISK,
     LOOPBACK_BLOCKS,
+    Fleet,
+    agent_config,
     first_node_address,
     loopback_addresses,
     node_pid,
@@ -221,6 +222,19 @@ def node_parameters(cluster: Cluster) -> bytes:
     return parameters.encode(parameters.register_parameters(info, cluster.ticket, owner))
 
 
+def install_plan(cluster: Cluster, images: str, image: Path) -> Plan:
+    """What the product's path asks each machine to install: ``image``
+    (named by its digest, as built) from the image server at ``images``
+    over plain HTTP onto its loopback disk, with `node_parameters`."""
+    return Plan(
+        node_parameters=node_parameters(cluster),
+        image=image_from_server(
+            images, "sha256:" + image.name.removesuffix(".pyz"), plain_http=True
+        ),
+        root_device="disk0",
+    )
+
+
 async def nodes_by_address(cluster: Cluster) -> dict[str, NodeRow]:
     async with cluster.access.open() as owner:
         return {r.address: r for r in await owner.nodes() if r.address}
@@ -295,6 +309,54 @@ async def reap(folder: Path, bound: float = 30.0) -> None:
 # --- the product's path -----------------------------------------------------------
 
 
+async def take_over(
+    nursery: trio.Nursery,
+    conn: bmdb.Connection,
+    fleet: Fleet,
+    key: SSHKey,
+    machines_file: Path,
+    *,
+    heartbeat_interval: float,
+) -> list[uuid.UUID]:
+    """Have ``fleet`` taken over as ``python -m shepherd`` does it (setup, not
+    timed): listed in ``machines_file`` for the static provider, the agent
+    callback server and the initializer (`TAKEOVER_PARALLELISM` machines at
+    once) started in ``nursery``, the agents heartbeating every
+    ``heartbeat_interval`` seconds. Returns the machines' ids, in the
+    fleet's order, once each has reported its hardware (callers bound the
+    wait, `trio.fail_after`)."""
+    provider_ids = write_machines_file(machines_file, fleet.machines)
+    provider = StaticProvider.from_file(machines_file)
+    await sync_provided(conn, provider)
+    binds = await nursery.start(
+        lambda task_status: run_agent_server(
+            conn, AgentServerConfig(listen="127.0.0.1:0"), task_status=task_status
+        )
+    )
+    config = agent_config(
+        port_of(binds[0]),
+        ssh_connect_timeout=10.0,
+        ssh_exec_timeout=120.0,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_backoff_cap=HEARTBEAT_BACKOFF_CAP,
+    )
+    ssh = SSHClient(key, username="root", connect_timeout=config.ssh_connect_timeout)
+    start_control_loop(
+        nursery,
+        conn,
+        Initializer(provider, ssh, config),
+        parallelism=TAKEOVER_PARALLELISM,
+        limiter=RateLimiter(Rate(interval=0.01, burst=TAKEOVER_PARALLELISM)),
+    )
+    while True:
+        rows = await conn.transact(lambda q: q.machines())
+        if len(rows) == len(provider_ids) and all(r.has_hardware_report for r in rows):
+            break
+        await trio.sleep(POLL)
+    by_provider = {r.provided.provider_id: r.machine_id for r in rows if r.provided is not None}
+    return [by_provider[p] for p in provider_ids]
+
+
 async def product_path(
     args: argparse.Namespace, work: Path, built: BuiltImage, postgres: LocalPostgres
 ) -> Progress:
@@ -314,61 +376,17 @@ async def product_path(
             trio.open_nursery() as nursery,
         ):
             assert [m.host for m in f.machines] == hosts
-            for machine in f.machines:
-                (machine.root / "root").mkdir(exist_ok=True)
-            machines_file = work / "machines.toml"
-            provider_ids = write_machines_file(machines_file, f.machines)
-            provider = StaticProvider.from_file(machines_file)
-            await sync_provided(conn, provider)
             say("product: cluster up; taking the fleet over")
             images: str = await nursery.start(
                 serve_images, ImageServerConfig("127.0.0.1:0", image.parent)
             )
             progress.download_alone = await download_alone(images, image, built.size)
-            binds = await nursery.start(
-                lambda task_status: run_agent_server(
-                    conn, AgentServerConfig(listen="127.0.0.1:0"), task_status=task_status
-                )
-            )
-            config = AgentConfig(
-                executable=agent_zipapp(),
-                target_path="/root/agent",
-                endpoint=f"http://127.0.0.1:{port_of(binds[0])}",
-                endpoint_ca_certificate=b"",
-                ssh_connect_timeout=10.0,
-                ssh_exec_timeout=120.0,
-                heartbeat_interval=args.heartbeat_interval,
-                heartbeat_backoff_cap=HEARTBEAT_BACKOFF_CAP,
-            )
-            ssh = SSHClient(key, username="root", connect_timeout=config.ssh_connect_timeout)
-            start_control_loop(
-                nursery,
-                conn,
-                Initializer(provider, ssh, config),
-                parallelism=TAKEOVER_PARALLELISM,
-                limiter=RateLimiter(Rate(interval=0.01, burst=TAKEOVER_PARALLELISM)),
-            )
-
-            async def reported() -> bool:
-                rows = await conn.transact(lambda q: q.machines())
-                return len(rows) == args.machines and all(r.has_hardware_report for r in rows)
-
             with trio.fail_after(args.timeout):
-                while not await reported():  # noqa: ASYNC110 (state in the BMDB)
-                    await trio.sleep(POLL)
-            ids = {
-                r.provided.provider_id: r.machine_id
-                for r in await conn.transact(lambda q: q.machines())
-                if r.provided is not None
-            }
-            machine_ids = [ids[p] for p in provider_ids]
-            plan = Plan(
-                node_parameters=node_parameters(cluster),
-                image=image_from_server(
-                    images, "sha256:" + image.name.removesuffix(".pyz"), plain_http=True
-                ),
-                root_device="disk0",
-            )
+                machine_ids = await take_over(
+                    nursery, conn, f, key, work / "machines.toml",
+                    heartbeat_interval=args.heartbeat_interval,
+                )  # fmt: skip
+            plan = install_plan(cluster, images, image)
             say(f"product: {args.machines} machines taken over; installing")
 
             start = trio.current_time()
@@ -621,6 +639,21 @@ async def by_hand_path(args: argparse.Namespace, work: Path, image: Path) -> Pro
 # --- the run ------------------------------------------------------------------------
 
 
+def run_in_scratch(
+    main_async: Callable[[argparse.Namespace, Path], Awaitable[int]],
+    args: argparse.Namespace,
+    prefix: str,
+) -> int:
+    """``main_async(args, work)`` under Trio, ``work`` a new folder in /tmp
+    named from ``prefix`` (short: a node's etcd socket lies deep inside it,
+    107 bytes at most), removed after, whatever happened."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        return trio.run(main_async, args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _total(p: Progress) -> str:
     return f"{p.total:.1f} s" if p.total is not None else "did not finish"
 
@@ -749,12 +782,7 @@ def main() -> int:
         parser.error("--by-hand-parallelism must be at least 1")
     if not 0 <= args.loopback_block < LOOPBACK_BLOCKS:
         parser.error(f"--loopback-block must be in 0-{LOOPBACK_BLOCKS - 1}")
-    # Short: a node's etcd socket lies deep inside it (107 bytes at most).
-    work = Path(tempfile.mkdtemp(prefix="bi-", dir="/tmp"))
-    try:
-        return trio.run(main_async, args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return run_in_scratch(main_async, args, "bi-")
 
 
 if __name__ == "__main__":

@@ -52,16 +52,16 @@ import trio_asyncio
 
 import bmdb
 from bench.install import (
-    HEARTBEAT_BACKOFF_CAP,
     HEARTBEAT_INTERVAL,
     POLL,
-    TAKEOVER_PARALLELISM,
     bootstrap,
     healthy,
-    node_parameters,
+    install_plan,
     nodes_by_address,
     reap,
+    run_in_scratch,
     say,
+    take_over,
 )
 from bench.ratios import report
 from bench.smoke import parse_args
@@ -73,16 +73,10 @@ from metropolis.image.cache import ensure_image
 from metropolis.owner import OwnerAccess
 from metropolis.proto import management as m
 from metropolis.rpc import methods
-from shepherd.agent_bundle import agent_zipapp
-from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.images import ImageServerConfig, serve_images
-from shepherd.agent_server.server import port_of
-from shepherd.agent_start import AgentConfig
 from shepherd.approver import run_approver
 from shepherd.control_loop import start_control_loop
-from shepherd.demo import write_machines_file
-from shepherd.initializer import Initializer
-from shepherd.install import Plan, image_from_server, install
+from shepherd.install import image_from_server, install
 from shepherd.localfleet import (
     DISK,
     LOOPBACK_BLOCKS,
@@ -92,10 +86,7 @@ from shepherd.localfleet import (
     open_fleet,
     stop_node,
 )
-from shepherd.providers.static import StaticProvider
-from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
-from shepherd.ssh import SSHClient
 from shepherd.ssh_key import SSHKey
 from shepherd.upgrade import ask_writes, choose
 from shepherd.upgrader import Upgrader
@@ -244,55 +235,15 @@ async def main_async(args: argparse.Namespace, work: Path) -> int:
             bootstrap(work / "cluster", first) as cluster,
             trio.open_nursery() as nursery,
         ):
-            for machine in fleet.machines:
-                (machine.root / "root").mkdir(exist_ok=True)
-            machines_file = work / "machines.toml"
-            provider_ids = write_machines_file(machines_file, fleet.machines)
-            provider = StaticProvider.from_file(machines_file)
-            await sync_provided(conn, provider)
             served: str = await nursery.start(
                 serve_images, ImageServerConfig("127.0.0.1:0", images)
             )
-            binds = await nursery.start(
-                lambda task_status: run_agent_server(
-                    conn, AgentServerConfig(listen="127.0.0.1:0"), task_status=task_status
-                )
-            )
-            config = AgentConfig(
-                executable=agent_zipapp(),
-                target_path="/root/agent",
-                endpoint=f"http://127.0.0.1:{port_of(binds[0])}",
-                endpoint_ca_certificate=b"",
-                ssh_connect_timeout=10.0,
-                ssh_exec_timeout=120.0,
-                heartbeat_interval=args.heartbeat_interval,
-                heartbeat_backoff_cap=HEARTBEAT_BACKOFF_CAP,
-            )
-            ssh = SSHClient(key, username="root", connect_timeout=config.ssh_connect_timeout)
-            limiter = RateLimiter(Rate(interval=0.01, burst=TAKEOVER_PARALLELISM))
-            start_control_loop(
-                nursery,
-                conn,
-                Initializer(provider, ssh, config),
-                parallelism=TAKEOVER_PARALLELISM,
-                limiter=limiter,
-            )
             with trio.fail_after(args.timeout):
-                while True:
-                    rows = await conn.transact(lambda q: q.machines())
-                    if len(rows) == args.machines and all(r.has_hardware_report for r in rows):
-                        break
-                    await trio.sleep(POLL)
-            by_provider = {r.provided.provider_id: r.machine_id for r in rows if r.provided}
-            ids = [by_provider[p] for p in provider_ids]
-            plan = Plan(
-                node_parameters=node_parameters(cluster),
-                image=image_from_server(
-                    served, "sha256:" + first_image.name.removesuffix(".pyz"), plain_http=True
-                ),
-                root_device="disk0",
-            )
-            await install(conn, plan, machines=ids)
+                ids = await take_over(
+                    nursery, conn, fleet, key, work / "machines.toml",
+                    heartbeat_interval=args.heartbeat_interval,
+                )  # fmt: skip
+            await install(conn, install_plan(cluster, served, first_image), machines=ids)
             nursery.start_soon(run_approver, cluster.access, conn, 0.5)
             say(f"installing {args.machines} machines")
             with trio.fail_after(args.timeout):
@@ -469,11 +420,7 @@ def main() -> int:
         parser.error("want --machines >= 1 and 0 <= --consensus <= --machines")
     if not 0 <= args.loopback_block < LOOPBACK_BLOCKS:
         parser.error(f"--loopback-block must be in 0-{LOOPBACK_BLOCKS - 1}")
-    work = Path(tempfile.mkdtemp(prefix="bu-", dir="/tmp"))
-    try:
-        return trio.run(main_async, args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return run_in_scratch(main_async, args, "bu-")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,8 @@ from bmdb.errors import BMDBError
 from bmdb.localserver import LocalPostgres, LocalPostgresError
 from common.cli import leaf_errors
 from metropolis.errors import MetropolisError
-from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
-from shepherd.agent_start import AgentConfig
 from shepherd.control_loop import start_control_loop
 from shepherd.demo import FIRST_NODE_ADDRESS
 from shepherd.demo_cluster import (
@@ -51,7 +49,14 @@ from shepherd.demo_workdir import (
 from shepherd.errors import ShepherdError
 from shepherd.initializer import Initializer
 from shepherd.localcluster import open_first_node
-from shepherd.localfleet import DISK, loopback_addresses, open_fleet, stop_agent, stop_node
+from shepherd.localfleet import (
+    DISK,
+    agent_config,
+    loopback_addresses,
+    open_fleet,
+    stop_agent,
+    stop_node,
+)
 from shepherd.providers.static import StaticProvider
 from shepherd.provisioner import sync_provided
 from shepherd.rate_limit import Rate, RateLimiter
@@ -192,18 +197,13 @@ async def _run(options: Options, postgres: LocalPostgres) -> bool:
                 conn, AgentServerConfig(listen="127.0.0.1:0"), task_status=task_status
             )
         )
-        config = AgentConfig(
-            executable=agent_zipapp(),
-            target_path="/root/agent",
-            endpoint=f"http://127.0.0.1:{port_of(binds[0])}",
-            endpoint_ca_certificate=b"",
+        config = agent_config(
+            port_of(binds[0]),
             ssh_connect_timeout=5.0,
             ssh_exec_timeout=60.0,
             heartbeat_interval=1.0,
             heartbeat_backoff_cap=10.0,
         )
-        for machine in machines:
-            (machine.root / "root").mkdir(exist_ok=True)  # holds /root/agent
         ssh = SSHClient(key, username="root", connect_timeout=config.ssh_connect_timeout)
         initializer = Initializer(provider, ssh, config)
         start_control_loop(

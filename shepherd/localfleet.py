@@ -19,6 +19,7 @@ so ``/agent`` uploaded by SFTP is what ``/agent`` runs. The program's working
 directory is the root too. Nothing else is translated. Each root holds one
 loopback disk, ``root/disks/disk0/`` (the folder an agent uploaded to
 ``/root/agent`` reports as its disk ``disk0`` and installs the node onto).
+`agent_config` is how the Shepherd deploys its agents onto such machines.
 
 From Trio (inside ``trio_asyncio.open_loop()``)::
 
@@ -50,6 +51,8 @@ from pathlib import Path
 import trio
 import trio_asyncio
 
+from shepherd.agent_bundle import agent_zipapp
+from shepherd.agent_start import AgentConfig
 from shepherd.asyncssh_import import asyncssh
 
 
@@ -199,6 +202,40 @@ async def _start_machine(
 #: The loopback disk each machine has (`shepherd.agent.disks`), under its root.
 DISK = Path("root") / "disks" / "disk0"
 
+#: Where the Shepherd uploads each machine's agent to and runs it from: in
+#: the machine's ``root/`` folder, which holds its disk (`DISK`) too.
+AGENT_PATH = "/root/agent"
+
+
+def agent_config(
+    agent_server_port: int,
+    *,
+    ssh_connect_timeout: float,
+    ssh_exec_timeout: float,
+    heartbeat_interval: float,
+    heartbeat_backoff_cap: float,
+    install_download_deadline: float | None = None,
+    install_backoff_start: float | None = None,
+    install_backoff_cap: float | None = None,
+) -> AgentConfig:
+    """How agents are deployed onto this fleet's machines: this checkout's
+    agent (`agent_zipapp`) at `AGENT_PATH`, heartbeating over plain HTTP to
+    the agent callback server on 127.0.0.1 at ``agent_server_port``; the
+    bounds as given (`AgentConfig`). ValueError if one is not allowed."""
+    return AgentConfig(
+        executable=agent_zipapp(),
+        target_path=AGENT_PATH,
+        endpoint=f"http://127.0.0.1:{agent_server_port}",
+        endpoint_ca_certificate=b"",
+        ssh_connect_timeout=ssh_connect_timeout,
+        ssh_exec_timeout=ssh_exec_timeout,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_backoff_cap=heartbeat_backoff_cap,
+        install_download_deadline=install_download_deadline,
+        install_backoff_start=install_backoff_start,
+        install_backoff_cap=install_backoff_cap,
+    )
+
 
 #: How many blocks (/16s) 127.0.0.0/8 holds; see `loopback_addresses`.
 LOOPBACK_BLOCKS = 256
@@ -243,16 +280,8 @@ def _make_roots(directory: Path, count: int, prefix: str) -> list[Path]:
     return roots
 
 
-async def _start(
-    directory: Path,
-    count: int,
-    authorized_key: str,
-    hosts: list[str] | None = None,
-    port: int = 0,
-    prefix: str = "machine-",
-) -> Fleet:
-    roots = _make_roots(directory, count, prefix)
-    hosts = hosts or loopback_addresses(count)
+async def _start(roots: list[Path], hosts: list[str], authorized_key: str, port: int) -> Fleet:
+    """Serve a machine at each of ``roots`` on the host of ``hosts`` beside it."""
     return Fleet(
         [
             await _start_machine(root, authorized_key, host, port)
@@ -380,9 +409,9 @@ async def open_fleet(
     shorter ``prefix`` keeps the UNIX socket paths of the nodes installed
     there short.
     """
-    fleet = await trio_asyncio.aio_as_trio(_start)(
-        directory, count, authorized_key, hosts, port, prefix
-    )
+    roots = _make_roots(directory, count, prefix)
+    hosts = hosts or loopback_addresses(count)
+    fleet = await trio_asyncio.aio_as_trio(_start)(roots, hosts, authorized_key, port)
     try:
         yield fleet
     finally:
@@ -393,7 +422,8 @@ async def open_fleet(
 
 
 async def _serve_forever(directory: Path, count: int, authorized_key: str) -> None:
-    fleet = await _start(directory, count, authorized_key)
+    roots = _make_roots(directory, count, "machine-")
+    fleet = await _start(roots, loopback_addresses(count), authorized_key, 0)
     for machine in fleet.machines:
         line = json.dumps({"host": machine.host, "port": machine.port, "root": str(machine.root)})
         sys.stdout.write(line + "\n")

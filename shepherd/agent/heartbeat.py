@@ -47,7 +47,7 @@ REQUEST_TIMEOUT = 15.0
 #: so that one too large is refused with that cause rather than cut.
 MAX_ANSWER = 2 * 1024 * 1024
 #: How much later than asked a held answer may come (the server answers
-#: those whose time is up every `shepherd.agent_server.service.HOLD_TICK`).
+#: those whose time is up every `shepherd.agent_server.hold.HOLD_TICK`).
 HOLD_SLACK = 2.0
 
 

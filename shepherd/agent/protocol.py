@@ -41,7 +41,7 @@ HEADER_MAC = "Monotrio-Agent-Mac"
 #: How long the server may hold the answer to this heartbeat, in
 #: milliseconds (ASCII digits), when it has no request for the agent: it
 #: answers as soon as one is written, or empty when the time is up (the
-#: long poll of `shepherd.agent_server.service`). Not signed: it changes
+#: long poll of `shepherd.agent_server.hold`). Not signed: it changes
 #: only when the agent hears, never what. Absent: answered at once.
 HEADER_HOLD = "Monotrio-Agent-Hold-Ms"
 #: Largest session token and session key an agent takes from a server, bytes.

@@ -6,19 +6,24 @@
           (Connect unary: body = HeartbeatRequest, signed headers)   (N of them, SO_REUSEPORT)
       http1                       HTTP/1.1, keep-alive, size bounds, timeouts
       connect.ConnectUnary        path, method, content type; Connect errors
-      service.HeartbeatService    id, freshness, signature; queued for a group
+      authenticate                id, freshness, signature or session MAC
+      service.HeartbeatService    queued for a group
       BMDB, one statement/group   key of the AgentStarted tag, newer time,
                                   heartbeat (+ hardware report); answers after commit
+      hold                        an answer with nothing to carry waits for a request
 
 Modules: `http1` (the HTTP/1.1 transport, its limits), `connect` (Connect's
-unary protocol), `service` (authentication, group commit into the BMDB),
+unary protocol), `authenticate` (a request's checks that need no database),
+`session` (the sessions that replace signatures by MACs), `service` (group
+commit into the BMDB), `reports` (installation and upgrade reports, the
+requests carried), `hold` (the long poll), `answers` (a response's bytes),
 `server` (one process: listener, BMDB session, ``run_agent_server``),
 `workers` (N such processes on one port), `images` (the node images the
 agents install, by digest, on a listener of their own), ``__main__``
 (``python -m shepherd.agent_server``).
 
-Heartbeat answers also carry a machine's pending OS installation request,
-and heartbeats its agent's report on it (see `service`).
+Heartbeat answers also carry a machine's pending OS installation or upgrade
+request, and heartbeats its agent's reports on them (see `reports`).
 """
 
 from typing import TYPE_CHECKING

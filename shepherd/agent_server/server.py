@@ -29,9 +29,10 @@ from common.listen import split_listen
 from common.numbers import parse_decimal
 from common.tcp import open_listener
 from shepherd.agent.protocol import HEARTBEAT_PATH
+from shepherd.agent_server.authenticate import DEFAULT_FRESHNESS
 from shepherd.agent_server.connect import ConnectUnary, Limits
 from shepherd.agent_server.http1 import Timeouts, serve_http1, url_of
-from shepherd.agent_server.service import DEFAULT_FRESHNESS, HeartbeatService
+from shepherd.agent_server.service import HeartbeatService
 from shepherd.agent_server.session import DEFAULT_LIFETIME, SessionKeys, new_secret
 
 logger = logging.getLogger("shepherd.agent_server")
@@ -107,7 +108,7 @@ class AgentServerConfig:
     #: How long an agent session is valid, seconds.
     agent_session_lifetime: float = DEFAULT_LIFETIME
     #: Longest hold of a heartbeat's answer that carries nothing, seconds
-    #: (the long poll of `shepherd.agent_server.service`; 0: none, and no
+    #: (the long poll of `shepherd.agent_server.hold`; 0: none, and no
     #: database connection to listen on).
     max_hold: float = 30.0
     #: Heartbeats held at once (per process), fewer than ``max_connections``.

@@ -21,7 +21,7 @@ workers (`shepherd.agent_server.workers`). A restarted server makes a new
 secret, its old tokens fail to verify, and agents sign again.
 
 What a session heartbeat must still pass is what a signed one passes (see
-`shepherd.agent_server.service`): the MAC is over the same bytes as the
+`shepherd.agent_server.authenticate`): the MAC is over the same bytes as the
 signature (`shepherd.agent.protocol.signed_message`: body, time, machine
 id), with the same freshness window, and the BMDB statement checks the
 token's public key against the machine's AgentStarted tag and the time

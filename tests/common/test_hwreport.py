@@ -24,7 +24,7 @@ from common.protowire import wire_fields
 from common.text import printable
 from shepherd.agent import hwreport as agent_hwreport
 from shepherd.agent import wire
-from shepherd.agent_server.service import parse_request
+from shepherd.agent_server.authenticate import parse_request
 from shepherd.proto.agent_callback import AgentHardwareReport
 from shepherd.proto.hwreport import (
     BlockDevice,

@@ -26,8 +26,8 @@ from shepherd.agent_server import (
     Limits,
     run_agent_server,
 )
+from shepherd.agent_server.authenticate import parse_request
 from shepherd.agent_server.server import port_of
-from shepherd.agent_server.service import parse_request
 from shepherd.proto.agent_callback import AgentHardwareReport, HeartbeatRequest, HeartbeatResponse
 from shepherd.proto.hwreport import Node
 from tests.shepherd.helpers import provide

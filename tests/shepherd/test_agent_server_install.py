@@ -288,7 +288,7 @@ async def test_a_request_the_agent_could_not_read_is_refused_not_carried(
     """A stored request the agent would ignore (too large, not decoding, of
     another generation than the row's) is not carried: the server stores an
     error report on the row's generation, which the views show."""
-    from shepherd.agent_server.service import MAX_CARRIED_REQUEST, request_refusal
+    from shepherd.agent_server.reports import MAX_CARRIED_REQUEST, request_refusal
 
     agent = await new_agent(bmdb_conn, url)
     await agent.beat()

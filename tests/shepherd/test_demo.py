@@ -30,6 +30,7 @@ from shepherd.demo import (
     longest_socket_path,
 )
 from tests.fixtures.image import IMAGE_CACHE
+from tests.fixtures.install_rig import processes_under
 
 
 def run_demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -59,21 +60,6 @@ def wait_gone(pid: int) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def processes_under(folder: Path) -> list[str]:
-    """Command lines of running processes that name a path under ``folder``."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmdline = Path("/proc", pid, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if str(folder).encode() in cmdline:
-            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
-    return found
 
 
 def test_demo_takes_over_good_machines_and_fails_broken_ones(traversable_dir: Path) -> None:

@@ -1,5 +1,5 @@
 """Installation reports from a hostile agent, against the real agent callback
-server and BMDB (`shepherd.agent_server.service`).
+server and BMDB (`shepherd.agent_server.reports`).
 
 The agent holds its machine's key (it signs its heartbeats), so everything
 else in its reports is its to choose: a report huge or cut short, fields of
