@@ -155,8 +155,23 @@ async def _run_command(machine: FleetMachine, process: asyncssh.SSHServerProcess
         # The client went away: do what sshd's session teardown amounts to
         # for a command that would otherwise run forever.
         machine.killed += 1
-        child.kill()
+        kill_unreaped(child)
         await communicate
+
+
+def kill_unreaped(child: asyncio.subprocess.Process) -> None:
+    """SIGKILL ``child`` unless its exit is known, without reaping it.
+
+    ``child.kill()`` asks Popen, which first polls the process (waitpid
+    with WNOHANG) and so reaps one that has just exited; trio_asyncio's
+    watcher thread, blocked in its own waitpid for that pid, then fails
+    with ChildProcessError, which ends the whole Trio-asyncio loop (the
+    demo exited 1 at a Ctrl-C under load). A signal sent with os.kill
+    leaves the reaping to the watcher; a zombie takes it harmlessly.
+    """
+    if child.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
 
 
 def _spawned(machine: FleetMachine, spawn: asyncio.Future[asyncio.subprocess.Process]) -> None:
@@ -353,8 +368,7 @@ async def _stop(fleet: Fleet) -> None:
         if machine._spawning:
             await asyncio.wait(set(machine._spawning))
         for child in list(machine._children):
-            with contextlib.suppress(ProcessLookupError):
-                child.kill()
+            kill_unreaped(child)
             await child.wait()
         # An agent detaches from the SSH session that started it (on a real
         # machine it outlives the Shepherd's connection), so closing the

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 import trio
 import trio_asyncio
 
-from shepherd.localfleet import agent_pid, first_node_address, loopback_addresses, open_fleet
+from shepherd.localfleet import (
+    agent_pid,
+    first_node_address,
+    kill_unreaped,
+    loopback_addresses,
+    open_fleet,
+)
 from shepherd.ssh_key import SSHKey
 from tests.shepherd.agents import kill_agent, start_agent_process
 
@@ -70,3 +78,29 @@ def test_a_block_is_a_slash_16_of_its_own_with_the_first_node_beside_the_machine
             loopback_addresses(1, block=bad)
         with pytest.raises(ValueError, match=f"loopback block {bad} is not in 0-255"):
             first_node_address(bad)
+
+
+def test_a_command_is_killed_without_being_reaped_under_the_watcher() -> None:
+    """`localfleet.kill_unreaped` signals, never reaps: an exited child stays
+    for its watcher to reap (asyncio's Process.kill() polls through Popen,
+    which reaps a child that just exited, and trio_asyncio's watcher then
+    fails with ChildProcessError and ends the loop)."""
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    try:
+        stat = Path(f"/proc/{child.pid}/stat")
+        deadline = time.monotonic() + 30
+        while stat.read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.01)
+
+        class Exited:  # what asyncio's Process shows before its watcher reaped
+            pid = child.pid
+            returncode = None
+
+        kill_unreaped(Exited())  # type: ignore[arg-type]
+        # Still ours to reap: the watcher's waitpid would not fail.
+        assert os.waitpid(child.pid, 0)[0] == child.pid
+    finally:
+        child.returncode = 0  # reaped above; keep Popen from reaping again
