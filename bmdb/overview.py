@@ -20,7 +20,7 @@ CLI listings, the web UI and the metrics all say the same thing::
 would otherwise read as needing an agent start); "failed" wins over the
 others: a machine in backoff is hidden from a process, which is what an
 operator needs to see first. The 10 and 30 minutes are the
-recovery sourcing's thresholds (`bmdb.model.queries`).
+recovery sourcing's thresholds (`bmdb.model.sourcing`).
 
 Beside that state, a machine asked to install an OS has an *installation
 state* (`InstallState`, none without a request), from its request of
@@ -73,7 +73,7 @@ from bmdb.model import (
     as_uuid,
     node_id,
 )
-from bmdb.model.queries import (
+from bmdb.model.installs import (
     INSTALL_STATE_SQL,
     INSTALLATION_COLUMNS,
     INSTALLATION_WIDTH,

@@ -174,7 +174,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import MAX_INSTALLATION_TEXT, AgentHeartbeat, HeartbeatOutcome, channels
-from bmdb.model.queries import HeartbeatResult
+from bmdb.model.agents import HeartbeatResult
 from common.numbers import parse_decimal
 from common.protobuf import checked_fields, parse_checked
 from common.text import printable
