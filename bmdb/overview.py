@@ -73,6 +73,10 @@ from bmdb.model import (
     as_uuid,
     node_id,
 )
+
+# The history's statement is the model's (`Queries.history`); named here
+# too, as the machine page's statements are (bench/web_pages.py binds them).
+from bmdb.model.history import HISTORY_SQL as HISTORY_SQL
 from bmdb.model.installs import (
     INSTALL_STATE_SQL,
     INSTALLATION_COLUMNS,
@@ -683,12 +687,6 @@ ORDER BY id DESC
 LIMIT %(limit)s
 """
 
-#: The machine's whole history, oldest first.
-HISTORY_SQL = """
-SELECT machine_id, process, event, at, session_id, cause FROM work_history
-WHERE machine_id = %s ORDER BY id
-"""
-
 
 def detail_params(machine_id: uuid.UUID) -> dict[str, object]:
     """`DETAIL_SQL`'s parameters for one machine."""
@@ -696,16 +694,16 @@ def detail_params(machine_id: uuid.UUID) -> dict[str, object]:
 
 
 async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetail | None:
-    """Everything about one machine (two statements, one snapshot), or None
+    """Everything about one machine (three statements, one snapshot), or None
     if there is no such machine. `InvalidArgument` if ``machine_id`` is not a UUID."""
     mid = as_uuid(machine_id)
     params = detail_params(mid)
     audit_params = {"machine": mid, "before": None, "limit": MAX_AUDIT}
 
-    async def body(q: Queries) -> tuple[list[Row], list[Row], list[Row]]:
+    async def body(q: Queries) -> tuple[list[Row], list[HistoryEvent], list[Row]]:
         return (
             await q.execute(DETAIL_SQL, params),
-            await q.execute(HISTORY_SQL, (mid,)),
+            await q.history(mid),
             await q.execute(AUDIT_SQL, audit_params),
         )
 
@@ -732,17 +730,7 @@ async def machine(conn: Connection, machine_id: uuid.UUID | str) -> MachineDetai
             BackoffRow(Process(b[0]), datetime.datetime.fromisoformat(b[1]), b[2], b[3], b[4])
             for b in _json(extra[8])
         ),
-        history=tuple(
-            HistoryEvent(
-                machine_id=h[0],
-                process=Process(h[1]),
-                event=WorkEvent(h[2]),
-                at=h[3],
-                session_id=h[4],
-                cause=h[5],
-            )
-            for h in history
-        ),
+        history=tuple(history),
         now=extra[9],
         audit=tuple(AuditRecord(*a) for a in reversed(audit_rows)),
         recovery_requested_by=extra[10],

@@ -27,6 +27,27 @@ from bmdb.model.machines import PROVIDED_COLUMNS, provided_from_row
 AGENT_STARTED_COLUMNS = "a.machine_id, a.agent_started_at, a.agent_public_key"
 
 
+# What an agent is carried, in the words of the statements below (each
+# reads it once): an installation request ``q`` with no report of its
+# generation or a later one; an upgrade ``mu`` with a request, requested
+# (the upgrader activated it) until the upgrader ends it, or pending in the
+# running run (its write). A machine asked to be decommissioned keeps its
+# generations but is carried no request (`_unless_decommissioned`).
+_INSTALL_UNREPORTED = """NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
+                      WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)"""
+_UPGRADE_CARRIED = """mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
+          AND (mu.state = 'requested'
+               OR EXISTS (SELECT 1 FROM upgrade_run ur
+                          WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))"""
+_NOT_DECOMMISSIONED = "NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = {})"
+
+
+def _unless_decommissioned(machine: str, request: str) -> str:
+    """SQL: ``request``, or NULL if the machine ``machine`` is asked to be
+    decommissioned."""
+    return f"CASE WHEN {_NOT_DECOMMISSIONED.format(machine)} THEN {request} END"
+
+
 # One statement authenticates a heartbeat and records it: the agent's key
 # must be the one of the AgentStarted tag, and the request time newer than
 # the last accepted one; the hardware report is written only with an
@@ -58,7 +79,7 @@ AGENT_STARTED_COLUMNS = "a.machine_id, a.agent_started_at, a.agent_public_key"
 # machine's upgrade request (machine_upgrade, migration 0011), probed by its
 # partial index: a requested one (the upgrader activated it) carried until
 # the upgrader ends it, else a pending one of the running run (its write).
-_RECORD_HEARTBEATS = """
+_RECORD_HEARTBEATS = f"""
     WITH req AS (
         SELECT * FROM unnest(
             %(machine_ids)b::uuid[], %(keys)b::bytea[], %(times)b::bigint[], %(reports)b::bytea[]
@@ -93,72 +114,46 @@ _RECORD_HEARTBEATS = """
     WHERE NOT EXISTS (SELECT 1 FROM beat b WHERE b.machine_id = r.machine_id)
     UNION ALL
     SELECT r.ord, true, q.generation,
-           CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
-                                 WHERE dc.machine_id = r.machine_id)
-                THEN q.os_installation_request_raw END,
+           {_unless_decommissioned("r.machine_id", "q.os_installation_request_raw")},
            NULL::bigint, NULL::bytea
     FROM req r
     JOIN beat b ON b.machine_id = r.machine_id
     JOIN machine_os_installation_request q ON q.machine_id = r.machine_id
-    WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
-                      WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
+    WHERE {_INSTALL_UNREPORTED}
     UNION ALL
     SELECT r.ord, true, NULL::bigint, NULL::bytea, u.generation,
-           CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
-                                 WHERE dc.machine_id = r.machine_id)
-                THEN u.request_raw END
+           {_unless_decommissioned("r.machine_id", "u.request_raw")}
     FROM req r
     JOIN beat b ON b.machine_id = r.machine_id
     JOIN LATERAL (
         SELECT mu.generation, mu.request_raw FROM machine_upgrade mu
         WHERE mu.machine_id = r.machine_id
-          AND mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
-          AND (mu.state = 'requested'
-               OR EXISTS (SELECT 1 FROM upgrade_run ur
-                          WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))
+          AND {_UPGRADE_CARRIED}
         ORDER BY mu.state = 'requested' DESC LIMIT 1) u ON true
 """
 
 
 # A machine's pending request as `_RECORD_HEARTBEATS` reads it, alone.
-_AGENT_PENDING = """
-    SELECT q.generation,
-           CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
-                                 WHERE dc.machine_id = q.machine_id)
-                THEN q.os_installation_request_raw END
+_AGENT_PENDING = f"""
+    SELECT q.generation, {_unless_decommissioned("q.machine_id", "q.os_installation_request_raw")}
     FROM machine_os_installation_request q
-    WHERE q.machine_id = %s
-      AND NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
-                      WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
+    WHERE q.machine_id = %s AND {_INSTALL_UNREPORTED}
 """
 
 # A machine's carried upgrade request as `_RECORD_HEARTBEATS` reads it, alone.
-_AGENT_PENDING_UPGRADE = """
-    SELECT mu.generation,
-           CASE WHEN NOT EXISTS (SELECT 1 FROM machine_decommission dc
-                                 WHERE dc.machine_id = mu.machine_id)
-                THEN mu.request_raw END
+_AGENT_PENDING_UPGRADE = f"""
+    SELECT mu.generation, {_unless_decommissioned("mu.machine_id", "mu.request_raw")}
     FROM machine_upgrade mu
-    WHERE mu.machine_id = %s
-      AND mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
-      AND (mu.state = 'requested'
-           OR EXISTS (SELECT 1 FROM upgrade_run ur
-                      WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))
+    WHERE mu.machine_id = %s AND {_UPGRADE_CARRIED}
     ORDER BY mu.state = 'requested' DESC LIMIT 1
 """
 
-_MACHINES_WITH_AGENT_REQUESTS = """
+_MACHINES_WITH_AGENT_REQUESTS = f"""
     SELECT q.machine_id FROM machine_os_installation_request q
-    WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report p
-                      WHERE p.machine_id = q.machine_id AND p.generation >= q.generation)
-      AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = q.machine_id)
+    WHERE {_INSTALL_UNREPORTED} AND {_NOT_DECOMMISSIONED.format("q.machine_id")}
     UNION
     SELECT mu.machine_id FROM machine_upgrade mu
-    WHERE mu.request_raw IS NOT NULL AND mu.state IN ('pending', 'requested')
-      AND (mu.state = 'requested'
-           OR EXISTS (SELECT 1 FROM upgrade_run ur
-                      WHERE ur.run_id = mu.run_id AND ur.finished_at IS NULL))
-      AND NOT EXISTS (SELECT 1 FROM machine_decommission dc WHERE dc.machine_id = mu.machine_id)
+    WHERE {_UPGRADE_CARRIED} AND {_NOT_DECOMMISSIONED.format("mu.machine_id")}
 """
 
 

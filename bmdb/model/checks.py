@@ -54,3 +54,16 @@ def check_aware(at: datetime.datetime) -> datetime.datetime:
     if not isinstance(at, datetime.datetime) or at.tzinfo is None:
         raise InvalidArgument(f"need a timezone-aware datetime, got {at!r}")
     return at
+
+
+def check_generation(generation: int) -> None:
+    """`InvalidArgument` unless ``generation`` is an integer from 1 to
+    2**63 - 1 (a request's generation, stored as a bigint)."""
+    if not isinstance(generation, int) or not 0 < generation < 2**63:
+        raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
+
+
+def check_node_key(key: bytes) -> None:
+    """`InvalidArgument` unless ``key`` is a node's raw Ed25519 public key (32 bytes)."""
+    if len(key) != 32:
+        raise InvalidArgument(f"node public key is {len(key)} bytes, want 32 (raw Ed25519)")

@@ -16,6 +16,13 @@ from bmdb.model.checks import as_uuid, check_limit, check_text
 from bmdb.model.enums import Process, WorkEvent
 from bmdb.model.machines import PROVIDED_COLUMNS, provided_from_row
 
+#: The machine's whole work history, oldest first (the machine page reads
+#: it too, `bmdb.overview`).
+HISTORY_SQL = """
+SELECT machine_id, process, event, at, session_id, cause FROM work_history
+WHERE machine_id = %s ORDER BY id
+"""
+
 
 class HistoryQueries(QueriesBase):
     """Work history, the audit log's appends, sessions, work rows and
@@ -23,11 +30,7 @@ class HistoryQueries(QueriesBase):
 
     async def history(self, machine_id: uuid.UUID | str) -> list[records.HistoryEvent]:
         """The machine's work history, oldest first."""
-        rows = await self.execute(
-            """SELECT machine_id, process, event, at, session_id, cause FROM work_history
-               WHERE machine_id = %s ORDER BY id""",
-            (as_uuid(machine_id),),
-        )
+        rows = await self.execute(HISTORY_SQL, (as_uuid(machine_id),))
         return [
             records.HistoryEvent(
                 machine_id=r[0],

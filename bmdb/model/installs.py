@@ -18,7 +18,7 @@ from bmdb.errors import InvalidArgument
 from bmdb.model import channels
 from bmdb.model import rows as records
 from bmdb.model.base import QueriesBase
-from bmdb.model.checks import as_uuid, check_text
+from bmdb.model.checks import as_uuid, check_generation, check_node_key, check_text
 
 
 class InstallQueries(QueriesBase):
@@ -48,8 +48,7 @@ class InstallQueries(QueriesBase):
         `MAX_INSTALLATION_TEXT` characters. ``shepherd install`` calls this,
         with every field; a field left out shows as unknown in the views.
         """
-        if not isinstance(generation, int) or not 0 < generation < 2**63:
-            raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
+        check_generation(generation)
         texts = {
             "root_device": root_device,
             "image_digest": image_digest,
@@ -184,15 +183,12 @@ class InstallQueries(QueriesBase):
         store (NUL) or over `MAX_INSTALLATION_TEXT` characters: the caller
         cuts an agent's cause to that length first.
         """
-        if not isinstance(generation, int) or not 0 < generation < 2**63:
-            raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
+        check_generation(generation)
         if success:
             if cause is not None:
                 raise InvalidArgument("a successful installation report has no cause")
-            if node_public_key is not None and len(node_public_key) != 32:
-                raise InvalidArgument(
-                    f"node public key is {len(node_public_key)} bytes, want 32 (raw Ed25519)"
-                )
+            if node_public_key is not None:
+                check_node_key(node_public_key)
         else:
             if cause is None:
                 raise InvalidArgument("a failed installation report needs a cause")
@@ -247,14 +243,11 @@ class InstallQueries(QueriesBase):
         name another node); returns whether it was stored. `InvalidArgument`
         for neither or both, a key that is not 32 bytes, a cause PostgreSQL
         cannot store or over `MAX_INSTALLATION_TEXT` characters."""
-        if not isinstance(generation, int) or not 0 < generation < 2**63:
-            raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
+        check_generation(generation)
         if (node_public_key is None) == (lost_cause is None):
             raise InvalidArgument("an installation check is a node key or a cause, not both")
-        if node_public_key is not None and len(node_public_key) != 32:
-            raise InvalidArgument(
-                f"node public key is {len(node_public_key)} bytes, want 32 (raw Ed25519)"
-            )
+        if node_public_key is not None:
+            check_node_key(node_public_key)
         if lost_cause is not None:
             check_text("cause", lost_cause)
         rows = await self.execute(

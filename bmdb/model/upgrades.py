@@ -18,7 +18,13 @@ from bmdb.errors import InvalidArgument
 from bmdb.model import channels
 from bmdb.model import rows as records
 from bmdb.model.base import QueriesBase
-from bmdb.model.checks import MAX_INSTALLATION_TEXT, as_uuid, check_limit, check_text
+from bmdb.model.checks import (
+    MAX_INSTALLATION_TEXT,
+    as_uuid,
+    check_generation,
+    check_limit,
+    check_text,
+)
 from bmdb.model.claimable import ACTIVE_BACKOFF, LIVE_WORK, NOT_HELD
 from bmdb.model.enums import Process
 
@@ -362,8 +368,7 @@ class UpgradeQueries(QueriesBase):
     ) -> bool:
         """Store an agent's UpgradeReport on the machine's upgrade of
         ``generation``, requested or (its write) pending; else nothing: False."""
-        if not isinstance(generation, int) or not 0 < generation < 2**63:
-            raise InvalidArgument(f"generation must be a positive integer, got {generation!r}")
+        check_generation(generation)
         for name, value in (("state", state), ("detail", detail), ("slot", slot)):
             check_text(name, value)
         rows = await self.execute(
