@@ -195,6 +195,24 @@ class HeartbeatResult:
     upgrade_request: bytes | None = None
     upgrade_generation: int | None = None
 
+    def with_installation(self, generation: int, request: bytes | None) -> HeartbeatResult:
+        """This result carrying the installation request of ``generation``
+        (None: the machine is being decommissioned), as read from a row."""
+        return dataclasses.replace(
+            self,
+            installation_request=None if request is None else bytes(request),
+            installation_generation=int(generation),
+        )
+
+    def with_upgrade(self, generation: int, request: bytes | None) -> HeartbeatResult:
+        """This result carrying the upgrade request of ``generation``, as
+        `with_installation`."""
+        return dataclasses.replace(
+            self,
+            upgrade_request=None if request is None else bytes(request),
+            upgrade_generation=int(generation),
+        )
+
 
 _ACCEPTED = HeartbeatResult(HeartbeatOutcome.ACCEPTED)
 
@@ -320,17 +338,9 @@ class AgentQueries(QueriesBase):
         for ordinal, authenticated, generation, request, upgrade_gen, upgrade in rows:
             before = results[ordinal - 1]
             if generation is not None:
-                results[ordinal - 1] = dataclasses.replace(
-                    before,
-                    installation_request=None if request is None else bytes(request),
-                    installation_generation=int(generation),
-                )
+                results[ordinal - 1] = before.with_installation(generation, request)
             elif upgrade_gen is not None:
-                results[ordinal - 1] = dataclasses.replace(
-                    before,
-                    upgrade_request=None if upgrade is None else bytes(upgrade),
-                    upgrade_generation=int(upgrade_gen),
-                )
+                results[ordinal - 1] = before.with_upgrade(upgrade_gen, upgrade)
             else:
                 results[ordinal - 1] = HeartbeatResult(
                     HeartbeatOutcome.REPLAYED if authenticated else HeartbeatOutcome.UNKNOWN_AGENT
@@ -345,19 +355,11 @@ class AgentQueries(QueriesBase):
         rows = await self.execute(_AGENT_PENDING, (as_uuid(machine_id),))
         if rows:
             [(generation, request)] = rows
-            result = dataclasses.replace(
-                result,
-                installation_request=None if request is None else bytes(request),
-                installation_generation=int(generation),
-            )
+            result = result.with_installation(generation, request)
         rows = await self.execute(_AGENT_PENDING_UPGRADE, (as_uuid(machine_id),))
         if rows:
             [(generation, request)] = rows
-            result = dataclasses.replace(
-                result,
-                upgrade_request=None if request is None else bytes(request),
-                upgrade_generation=int(generation),
-            )
+            result = result.with_upgrade(generation, request)
         return result
 
     async def machines_with_agent_requests(self) -> set[uuid.UUID]:

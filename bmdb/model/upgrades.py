@@ -33,6 +33,16 @@ from bmdb.model.enums import Process
 _NOTIFY_AGENT_REQUEST = f"SELECT pg_notify('{channels.AGENT_REQUEST}', %s::text)"
 
 
+# The current installation report ``orp`` of machine upgrade ``mu``'s
+# machine, if it succeeded: its node key names the machine's cluster node.
+_NODE_OF_MU = """
+    LEFT JOIN machine_os_installation_request oq ON oq.machine_id = mu.machine_id
+    LEFT JOIN machine_os_installation_report orp
+      ON orp.machine_id = oq.machine_id AND orp.generation = oq.generation
+     AND orp.success
+"""
+
+
 class UpgradeQueries(QueriesBase):
     """Rolling upgrade runs and the upgrade of each of their machines."""
 
@@ -124,10 +134,7 @@ class UpgradeQueries(QueriesBase):
         rows = await self.execute(
             f"""SELECT {_MACHINE_UPGRADE_COLUMNS}, orp.node_public_key
                 FROM machine_upgrade mu
-                LEFT JOIN machine_os_installation_request oq ON oq.machine_id = mu.machine_id
-                LEFT JOIN machine_os_installation_report orp
-                  ON orp.machine_id = oq.machine_id AND orp.generation = oq.generation
-                 AND orp.success
+                {_NODE_OF_MU}
                 WHERE mu.run_id = %s
                 ORDER BY mu.phase, mu.position, mu.machine_id""",
             (as_uuid(run_id),),
@@ -144,10 +151,7 @@ class UpgradeQueries(QueriesBase):
             f"""SELECT {_MACHINE_UPGRADE_COLUMNS}, orp.node_public_key,
                        extract(epoch FROM now() - mu.requested_at)::float8
                 FROM machine_upgrade mu
-                LEFT JOIN machine_os_installation_request oq ON oq.machine_id = mu.machine_id
-                LEFT JOIN machine_os_installation_report orp
-                  ON orp.machine_id = oq.machine_id AND orp.generation = oq.generation
-                 AND orp.success
+                {_NODE_OF_MU}
                 WHERE mu.run_id = %s AND mu.machine_id = %s""",
             (as_uuid(run_id), as_uuid(machine_id)),
         )
@@ -179,10 +183,7 @@ class UpgradeQueries(QueriesBase):
                 FROM machine_upgrade mu
                 JOIN upgrade_run r ON r.run_id = mu.run_id AND r.finished_at IS NULL
                 JOIN machines m ON m.machine_id = mu.machine_id
-                LEFT JOIN machine_os_installation_request oq ON oq.machine_id = mu.machine_id
-                LEFT JOIN machine_os_installation_report orp
-                  ON orp.machine_id = oq.machine_id AND orp.generation = oq.generation
-                 AND orp.success
+                {_NODE_OF_MU}
                 WHERE mu.state IN ('pending', 'requested')
                   AND NOT {LIVE_WORK}
                   AND NOT {ACTIVE_BACKOFF}
