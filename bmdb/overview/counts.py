@@ -1,5 +1,5 @@
 """How many machines are in each state: one snapshot of the whole fleet
-(or of one provider's machines), for the web UI's counts and the metrics.
+(or of one provider's machines), for the web UI's counts (`console.counts`).
 """
 
 from __future__ import annotations
