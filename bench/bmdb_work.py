@@ -56,8 +56,7 @@ from bench.smoke import parse_args
 from bmdb import Process
 from bmdb.errors import NothingToDo, WorkConflict
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres, find_postgres_bin, start_with_template
-from bmdb.model import Queries
-from bmdb.model import queries as sql_queries
+from bmdb.model import Queries, sourcing
 from bmdb.work import CLAIM_SQL, RELEASE_SQL
 
 KEY = bytes(32)
@@ -153,7 +152,7 @@ _SET_AGENT_STARTED = (
 
 
 def _ours_script() -> str:
-    source = _bind(sql_queries.agent_start_lock_sql(1), _OURS_VALUES)
+    source = _bind(sourcing.agent_start_lock_sql(1), _OURS_VALUES)
     source = source.replace("SELECT p.machine_id,", "SELECT p.machine_id AS machine_id,", 1)
     return "\n".join(
         [

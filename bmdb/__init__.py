@@ -40,7 +40,7 @@ named; the layers and rules are in ARCHITECTURE.md at the repository root):
   `Session.transact` stays SERIALIZABLE.
 - Locking agent-start sources pick at random among the oldest
   `bmdb.model.SOURCING_WINDOW` candidates ("oldest first", approximately),
-  so parallel workers do not race for one row (`bmdb.model.queries`).
+  so parallel workers do not race for one row (`bmdb.model.sourcing`).
 - psycopg is driven natively by Trio rather than through trio-asyncio: a
   statement costs about a quarter of the CPU (`bmdb._pg`).
 - Expired sessions stop blocking their machines as soon as their deadline

@@ -50,7 +50,7 @@ from bmdb._pg import Row
 from bmdb.connection import Connection
 from bmdb.errors import BMDBError
 from bmdb.model import InstallState, Process, Queries
-from bmdb.model.queries import INSTALL_STATE_SQL
+from bmdb.model.installs import INSTALL_STATE_SQL
 from bmdb.transaction import Isolation
 
 logger = logging.getLogger("bmdb.metrics")

@@ -6,18 +6,15 @@ from common.lazy import exports
 
 # Imported on first use (common.lazy): the enums and rows need no driver.
 if TYPE_CHECKING:
+    from bmdb.model.agents import AgentHeartbeat as AgentHeartbeat
+    from bmdb.model.agents import HeartbeatOutcome as HeartbeatOutcome
+    from bmdb.model.checks import MAX_INSTALLATION_TEXT as MAX_INSTALLATION_TEXT
+    from bmdb.model.checks import as_uuid as as_uuid
     from bmdb.model.enums import Process as Process
     from bmdb.model.enums import Provider as Provider
     from bmdb.model.enums import ProviderStatus as ProviderStatus
     from bmdb.model.enums import WorkEvent as WorkEvent
-    from bmdb.model.queries import AGENT_FIRST_HEARTBEAT_TIMEOUT as AGENT_FIRST_HEARTBEAT_TIMEOUT
-    from bmdb.model.queries import AGENT_HEARTBEAT_TIMEOUT as AGENT_HEARTBEAT_TIMEOUT
-    from bmdb.model.queries import MAX_INSTALLATION_TEXT as MAX_INSTALLATION_TEXT
-    from bmdb.model.queries import SOURCING_WINDOW as SOURCING_WINDOW
-    from bmdb.model.queries import AgentHeartbeat as AgentHeartbeat
-    from bmdb.model.queries import HeartbeatOutcome as HeartbeatOutcome
     from bmdb.model.queries import Queries as Queries
-    from bmdb.model.queries import as_uuid as as_uuid
     from bmdb.model.rows import AgentStarted as AgentStarted
     from bmdb.model.rows import AuditRecord as AuditRecord
     from bmdb.model.rows import DecommissionTarget as DecommissionTarget
@@ -36,20 +33,21 @@ if TYPE_CHECKING:
     from bmdb.model.rows import UpgradeTarget as UpgradeTarget
     from bmdb.model.rows import WorkInfo as WorkInfo
     from bmdb.model.rows import node_id as node_id
+    from bmdb.model.sourcing import AGENT_FIRST_HEARTBEAT_TIMEOUT as AGENT_FIRST_HEARTBEAT_TIMEOUT
+    from bmdb.model.sourcing import AGENT_HEARTBEAT_TIMEOUT as AGENT_HEARTBEAT_TIMEOUT
+    from bmdb.model.sourcing import SOURCING_WINDOW as SOURCING_WINDOW
 else:
     __getattr__ = exports(
         __name__,
         {
             "bmdb.model.enums": ["Process", "Provider", "ProviderStatus", "WorkEvent"],
-            "bmdb.model.queries": [
+            "bmdb.model.agents": ["AgentHeartbeat", "HeartbeatOutcome"],
+            "bmdb.model.checks": ["MAX_INSTALLATION_TEXT", "as_uuid"],
+            "bmdb.model.queries": ["Queries"],
+            "bmdb.model.sourcing": [
                 "AGENT_FIRST_HEARTBEAT_TIMEOUT",
                 "AGENT_HEARTBEAT_TIMEOUT",
-                "MAX_INSTALLATION_TEXT",
                 "SOURCING_WINDOW",
-                "AgentHeartbeat",
-                "HeartbeatOutcome",
-                "Queries",
-                "as_uuid",
             ],
             "bmdb.model.rows": [
                 "AgentStarted",

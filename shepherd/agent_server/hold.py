@@ -60,7 +60,7 @@ import trio
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError
 from bmdb.model import HeartbeatOutcome, channels
-from bmdb.model.queries import HeartbeatResult
+from bmdb.model.agents import HeartbeatResult
 from common.numbers import parse_decimal
 from shepherd.agent.protocol import HEADER_HOLD
 from shepherd.agent_server.connect import ConnectError

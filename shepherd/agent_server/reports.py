@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from bmdb import Queries
 from bmdb.model import MAX_INSTALLATION_TEXT
-from bmdb.model.queries import HeartbeatResult
+from bmdb.model.agents import HeartbeatResult
 from common.protobuf import parse_checked
 from common.text import printable
 from metropolis.proto.configuration import OsImageRef

@@ -68,7 +68,7 @@ import trio
 from bmdb import Connection, Isolation, Queries
 from bmdb.errors import BMDBError, InvalidArgument
 from bmdb.model import AgentHeartbeat, HeartbeatOutcome, channels
-from bmdb.model.queries import HeartbeatResult
+from bmdb.model.agents import HeartbeatResult
 from shepherd.agent_server.answers import (
     EMPTY_RESPONSE,
     session_response,

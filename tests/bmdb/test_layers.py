@@ -47,6 +47,32 @@ LAYERS = {
     "bmdb.__main__": 10,
 }
 
+#: Inside bmdb.model (one layer above): the records and checks, then the
+#: base every domain's statements derive from, the domains (a module each,
+#: one mixin of `Queries`), and `Queries`, which composes them. "bmdb" is
+#: the rest of the package, whose layers `LAYERS` checks.
+MODEL_LAYERS = {
+    "bmdb": 0,
+    "bmdb.model.enums": 1,
+    "bmdb.model.channels": 1,
+    "bmdb.model.checks": 1,
+    "bmdb.model.rows": 2,
+    # What a source may claim (SQL conditions), and the transaction.
+    "bmdb.model.claimable": 2,
+    "bmdb.model.base": 2,
+    "bmdb.model.machines": 3,
+    "bmdb.model.installs": 3,
+    "bmdb.model.upgrades": 3,
+    "bmdb.model.agents": 4,
+    "bmdb.model.history": 4,
+    # A tombstone forgets the agent; the recovery source reads its tags.
+    "bmdb.model.decommission": 5,
+    "bmdb.model.sourcing": 5,
+    "bmdb.model.queries": 6,
+    # The package's names, imported on first use (common.lazy).
+    "bmdb.model": 7,
+}
+
 #: Read as source, not imported, so that the check works on any tree.
 ROOT = Path(__file__).resolve().parents[2] / "bmdb"
 
@@ -58,6 +84,15 @@ def test_every_module_has_a_layer() -> None:
 
 def test_imports_only_go_down() -> None:
     found = upward(package_modules(ROOT), LAYERS)
+    assert not found, found
+
+
+def test_model_modules_import_only_down() -> None:
+    """A domain's statements import the checks, the base and the domains
+    they build on, never `Queries` nor a domain that builds on them."""
+    model = {n: p for n, p in package_modules(ROOT).items() if unit(n, LAYERS) == "bmdb.model"}
+    assert sorted(set(model) - set(MODEL_LAYERS)) == []  # a model module in no layer
+    found = upward(model, MODEL_LAYERS)
     assert not found, found
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from bmdb import Process, overview
 from bmdb.localserver import TEMPLATE_DB, LocalPostgres
-from bmdb.model import queries
+from bmdb.model import sourcing
 from bmdb.work import CLAIM_SQL, RELEASE_SQL
 
 SMALL = 1_000
@@ -159,12 +159,12 @@ _CLAIM = {"session": SESSION, "process": str(Process.SHEPHERD_AGENT_START), "mac
 
 
 def test_initializer_locking_source_is_flat(fleets: dict[int, str]) -> None:
-    _check_flat(fleets, queries.agent_start_lock_sql(1), None, queries.SOURCING_WINDOW)
+    _check_flat(fleets, sourcing.agent_start_lock_sql(1), None, sourcing.SOURCING_WINDOW)
 
 
 def test_initializer_listing_source_is_flat(fleets: dict[int, str]) -> None:
     params = {"limit": 100, "busy": _BUSY, "process": str(Process.SHEPHERD_AGENT_START)}
-    _check_flat(fleets, queries._AGENT_START_LIST, params, 100)
+    _check_flat(fleets, sourcing._AGENT_START_LIST, params, 100)
 
 
 def test_work_claim_is_flat(fleets: dict[int, str]) -> None:
@@ -179,11 +179,11 @@ def _recovery_sql(locking: bool, provider: str | None) -> str:
     """The recovery source: locking (one of a window, as the recoverer's loop
     claims) or listing (100, outside a claim), of every provider or of one
     (as the recoverer asks: the statement has one more join)."""
-    return queries._agent_recovery(
+    return sourcing._agent_recovery(
         1 if locking else 100,
         provider,
-        queries.AGENT_FIRST_HEARTBEAT_TIMEOUT,
-        queries.AGENT_HEARTBEAT_TIMEOUT,
+        sourcing.AGENT_FIRST_HEARTBEAT_TIMEOUT,
+        sourcing.AGENT_HEARTBEAT_TIMEOUT,
         locking,
     )
 
@@ -198,7 +198,7 @@ def test_recoverer_source_is_flat(
     fleets: dict[int, str], locking: bool, provider: str | None
 ) -> None:
     sql = _recovery_sql(locking, provider)
-    _check_flat(fleets, sql, None, queries.SOURCING_WINDOW if locking else 100)
+    _check_flat(fleets, sql, None, sourcing.SOURCING_WINDOW if locking else 100)
 
 
 # One machine in a hundred silent for an hour, every other one of them in a
@@ -225,7 +225,7 @@ def test_recoverer_source_with_silent_machines_is_flat(
     fleets: dict[int, str], locking: bool, provider: str | None
 ) -> None:
     sql = _recovery_sql(locking, provider)
-    window = queries.SOURCING_WINDOW if locking else 100
+    window = sourcing.SOURCING_WINDOW if locking else 100
     # The window is looked at twice (sourced, then joined for its columns),
     # and about as many again are skipped for their backoff.
     _check_flat(fleets, sql, None, 3 * window, _SILENT)
@@ -246,7 +246,7 @@ def test_recoverer_source_with_every_machine_silent_is_flat(
     fleets: dict[int, str], locking: bool, provider: str | None
 ) -> None:
     sql = _recovery_sql(locking, provider)
-    window = queries.SOURCING_WINDOW if locking else 100
+    window = sourcing.SOURCING_WINDOW if locking else 100
     # The window, looked at twice (sourced, then joined for its columns).
     _check_flat(fleets, sql, None, 2 * window, _ALL_SILENT)
 

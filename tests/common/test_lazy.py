@@ -92,3 +92,16 @@ def test_importing_a_package_imports_none_of_its_exports() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == ""
+
+
+def test_a_name_s_module_shows_in_python_s_import_times() -> None:
+    """A module imported on first use is in ``python -X importtime``'s
+    output, which tests/test_cli_imports.py reads: importlib.import_module
+    bypasses the timing, and the test did not see bmdb machines import
+    bmdb.overview.listing."""
+    code = "import bmdb.overview; bmdb.overview.machines_params"
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, check=True
+    )
+    timed = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if "|" in line}
+    assert "bmdb.overview.listing" in timed

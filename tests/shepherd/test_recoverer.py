@@ -14,7 +14,7 @@ import bmdb
 from bmdb import Backoff, Process, Queries, WorkEvent
 from bmdb._pg import Params, Row
 from bmdb.model import AgentStarted
-from bmdb.model.queries import SOURCING_WINDOW
+from bmdb.model.sourcing import SOURCING_WINDOW
 from shepherd.control_loop import LoopStats, run_control_loop
 from shepherd.providers import Capability, Machine, PowerState, ProviderError
 from shepherd.providers.redfish import Credentials, RedfishClient, load_credentials
