@@ -2,9 +2,12 @@
 session that runs the listings handed to it (`bmdb.cli.viewlink`), each
 as the same command in a process of its own runs it: parsed by the CLI's
 own parser (a usage error or another database's listing is declined,
-and the caller runs it itself), on a connection of its own, its text and
-its errors (``bmdb: error: ...``, exit status 1) sent back to the
-caller. What the session keeps is the imports. How requests are read,
+and the caller runs it itself), its text and its errors (``bmdb: error:
+...``, exit status 1) sent back to the caller. What the session keeps is
+the imports and one connection to the database, opened at the first
+listing (again after a failed open) and kept in ``nursery``; the schema
+is checked again before each listing, as a process of its own checks it
+when it connects. How requests are read,
 answered, cancelled, and when the session ends is
 `common.keepopen.session`'s; its log is beside its socket.
 """
@@ -17,6 +20,7 @@ from collections.abc import Callable
 import trio
 
 from bmdb.cli import viewlink, views
+from bmdb.connection import Connection, open_connection
 from bmdb.errors import BMDBError
 from common.cli import error_line, leaf_errors
 from common.keepopen import session
@@ -30,9 +34,19 @@ Parse = Callable[[list[str]], argparse.Namespace]
 
 
 class _Listings:
-    def __init__(self, key: str, parse: Parse) -> None:
+    def __init__(self, key: str, parse: Parse, nursery: trio.Nursery) -> None:
         self.key = key
         self.parse = parse
+        self.nursery = nursery
+        self.conn: Connection | None = None
+        self.opening = trio.Lock()
+
+    async def _connection(self, url: str | None) -> Connection:
+        async with self.opening:
+            if self.conn is None:
+                self.conn = await self.nursery.start(_hold, url)
+        await self.conn.check_schema()
+        return self.conn
 
     def accept(self, argv: list[str], cwd: str) -> Call | None:
         found = viewlink.scan(argv)
@@ -45,7 +59,7 @@ class _Listings:
 
         async def call(out: Say, err: Say) -> int:
             try:
-                text = await views.run(args)
+                text = await views.run_on(await self._connection(args.url), args)
             except Exception as exc:
                 leaves = leaf_errors(exc)
                 if not all(isinstance(leaf, BMDBError) for leaf in leaves):
@@ -70,5 +84,20 @@ def main(prefix: list[str], parse: Parse) -> int:
     if path is None:
         return 2
     session.log_beside(path)
-    trio.run(session.serve, path, args.keep_open, _Listings(found.key, parse).accept)
+    trio.run(_serve, path, args.keep_open, found.key, parse)
     return 0
+
+
+async def _serve(path: str, keep_open: float, key: str, parse: Parse) -> None:
+    async with trio.open_nursery() as nursery:
+        listings = _Listings(key, parse, nursery)
+        await session.serve(path, keep_open, listings.accept)
+        nursery.cancel_scope.cancel()
+
+
+async def _hold(
+    url: str | None, *, task_status: trio.TaskStatus[Connection] = trio.TASK_STATUS_IGNORED
+) -> None:
+    async with open_connection(url, max_connections=1) as conn:
+        task_status.started(conn)
+        await trio.sleep_forever()

@@ -21,6 +21,7 @@ import pytest
 from bench.fleet import Fleet, seed_fleet
 from bmdb import __main__ as cli
 from bmdb.cli import viewlink
+from bmdb.localserver import LocalPostgres
 from tests.test_cli_imports import imported
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -82,7 +83,7 @@ def test_the_scan_knows_the_listings() -> None:
 
 
 def test_listings_through_a_session_say_what_listings_of_their_own_say(
-    runtime: Path, bmdb_url: str
+    runtime: Path, bmdb_url: str, postgres_server: LocalPostgres
 ) -> None:
     seed_fleet(bmdb_url, Fleet(30))
     url = ["--url", bmdb_url]
@@ -109,6 +110,14 @@ def test_listings_through_a_session_say_what_listings_of_their_own_say(
     # A usage error is declined: this process's parser says it.
     usage = _bmdb(runtime, *url, "machines", "--state", "nonsense", "--keep-open", "60")
     assert usage.returncode == 2 and "invalid choice" in usage.stderr
+
+    # The session's kept connection outlives a restart of the server: the
+    # next listing runs on a fresh one.
+    postgres_server.stop()
+    postgres_server.start()
+    again = _bmdb(runtime, *url, "machines", "--json", "--keep-open", "60", importtime=True)
+    assert (again.returncode, again.stdout) == (0, alone.stdout), again.stderr[-500:]
+    assert "psycopg" not in imported(again.stderr)
 
     # A listing of another database is not this session's: it runs alone,
     # and says what that database says (here: no such database).
