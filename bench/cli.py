@@ -19,7 +19,7 @@ load drifts):
   per call is added to the caller's);
 - ``bmdb machines`` on ``--machines`` machines (`bench.fleet`'s fleet, taken
   over, in a private PostgreSQL) against ``psql -c`` of the query it runs
-  (`bmdb.overview.machines_sql`; goal: within 4x).
+  (`bmdb.overview.machines_sql`; goal: within 4x), and with ``--keep-open``.
 
 Needs ``etcd``, ``etcdctl`` and PostgreSQL 15 (Debian ``etcd-server``,
 ``etcd-client``, ``postgresql``).
@@ -177,7 +177,7 @@ async def owner_nodes(base: Path, runs: int) -> None:
 def kept_open(
     ours: Sequence[str], base: Sequence[str], runs: int, env: dict[str, str], runtime: Path
 ) -> tuple[Pair, float]:
-    """`pair` for an owner call with ``--keep-open``, once its session runs
+    """`pair` for a call with ``--keep-open``, once its session runs
     (the first call starts it). Each call's CPU includes its share of the
     session's CPU over the runs (from /proc), so the figure is what a call
     costs the machine; returns that share too. Ends the session."""
@@ -187,7 +187,7 @@ def kept_open(
     deadline = time.monotonic() + 60
     while not (logs := list(runtime.glob("*/*.log"))) or "(pid " not in logs[0].read_text():
         if time.monotonic() > deadline:
-            raise SystemExit("bench.cli: the owner session did not start")
+            raise SystemExit(f"bench.cli: no session for {' '.join(ours)}")
         time.sleep(0.05)
     pid = int(logs[0].read_text().split("(pid ", 1)[1].split(")", 1)[0])
     try:
@@ -218,10 +218,14 @@ def bmdb_machines(base: Path, machines: int, runs: int) -> None:
         psql = [str(find_postgres_bin() / "psql"), "-X", "-q", url, "-c", sql]
         ours = [sys.executable, "-m", "bmdb", "--url", url, "machines"]
         machines_pair = pair(ours, psql, runs, dict(os.environ))
+        kept = [*ours, "--keep-open", "300"]
+        kept_pair, share = kept_open(kept, psql, runs, dict(os.environ), base / "runtime-bmdb")
     finally:
         server.stop()
     _header("psql -c (its query)")
     _row(f"bmdb machines ({machines})", machines_pair, "<= 4")
+    _row(f"bmdb machines --keep-open ({machines})", kept_pair, "<= 4")
+    print(f"  (--keep-open: CPU per call includes the session's {share * 1000:.0f} ms)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,9 +64,9 @@ bmdb`` is the command-line tool (migrate, machines, history, sessions,
 audit, and the actions: hold, release, retry-now, ...).
 """
 
-from typing import TYPE_CHECKING
-
 from common.lazy import exports
+
+TYPE_CHECKING = False
 
 # Imported on first use (common.lazy): ``python -m bmdb --help`` and the
 # modules that need only the enums or the errors do not pay for psycopg.

@@ -14,6 +14,11 @@
         [--table work_history|audit_log] [--batch ROWS]
         delete old work history and audit records (bmdb.retention)
 
+Each listing (``machines``, ``machine``, ``history``, ``sessions``,
+``audit``) takes ``--keep-open SECONDS``: a session process that keeps the
+imports answers later listings of the same database (`bmdb.cli.viewlink`,
+`bmdb.cli.viewsession`, run as the internal command ``views-session``).
+
 Operator actions, each one transaction with its audit record (see
 `bmdb.actions`); ``--reason`` is required, the operator is the OS user
 unless ``--operator NAME``; a machine under work is refused unless
@@ -43,34 +48,40 @@ import neither the driver nor Trio (``tests/test_cli_imports.py``).
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import logging
-from pathlib import Path
+import sys
 
-from bmdb import retention
-from bmdb.cli import add_url_option
-from bmdb.errors import BMDBError
-from bmdb.model.enums import Action, Process, Provider
-from bmdb.model.rows import STATE_FILTERS
-from common.cli import run_main
-from common.exitcodes import show_in_help
+# Imported where they are used, not here: a listing that a kept-open
+# session answers (bmdb.cli.viewlink) runs before any of them, and costs
+# little more than the interpreter's start.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    import datetime
 
-#: The commands `bmdb.cli.views` runs (the others: `bmdb.cli.operate`).
+    from bmdb.model.enums import Action
+
+#: The commands `bmdb.cli.views` runs (the others: `bmdb.cli.operate`); a
+#: test holds them equal to `bmdb.cli.viewlink.VIEWS`.
 _VIEWS = ("machines", "machine", "history", "sessions", "audit")
 
-_ACTION_HELP = {
-    Action.RETRY_NOW: "end the machine's backoff: its processes take it again now",
-    Action.HOLD: "hold the machine: no process takes it until released",
-    Action.RELEASE: "release an operator's hold",
-    Action.FORGET_HOST_KEY: "forget the pinned SSH host key (after a real reinstall)",
-    Action.RECOVER_NOW: "have the recoverer take the machine now",
-    Action.FORGET_MACHINE: "delete a machine its provider no longer lists",
-    Action.DECOMMISSION: "wipe the machine, release it to its provider, keep a tombstone",
-}
+
+def _action_help() -> dict[Action, str]:
+    from bmdb.model.enums import Action
+
+    return {
+        Action.RETRY_NOW: "end the machine's backoff: its processes take it again now",
+        Action.HOLD: "hold the machine: no process takes it until released",
+        Action.RELEASE: "release an operator's hold",
+        Action.FORGET_HOST_KEY: "forget the pinned SSH host key (after a real reinstall)",
+        Action.RECOVER_NOW: "have the recoverer take the machine now",
+        Action.FORGET_MACHINE: "delete a machine its provider no longer lists",
+        Action.DECOMMISSION: "wipe the machine, release it to its provider, keep a tombstone",
+    }
 
 
 def _keep_last(text: str) -> int:
+    import argparse
+
     try:
         value = int(text)
     except ValueError:
@@ -81,6 +92,11 @@ def _keep_last(text: str) -> int:
 
 
 def _age(text: str) -> datetime.timedelta:
+    import argparse
+
+    from bmdb import retention
+    from bmdb.errors import BMDBError
+
     try:
         return retention.parse_age(text)
     except BMDBError as e:
@@ -88,6 +104,8 @@ def _age(text: str) -> datetime.timedelta:
 
 
 def _batch(text: str) -> int:
+    import argparse
+
     try:
         value = int(text)
     except ValueError:
@@ -98,6 +116,8 @@ def _batch(text: str) -> int:
 
 
 def _add_prune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from bmdb import retention
+
     prune = commands.add_parser(
         "prune",
         help="delete old work history and audit records (retention)",
@@ -139,6 +159,8 @@ def _add_prune(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _add_backup(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``backup`` and ``restore`` (`bmdb.backup`)."""
+    from pathlib import Path
+
     out = commands.add_parser("backup", help="dump the BMDB into a file (pg_dump), checksummed")
     out.add_argument("--out", type=Path, required=True, metavar="FILE", help="the backup file")
     back = commands.add_parser(
@@ -154,7 +176,14 @@ def _add_backup(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    import argparse
+
+    from bmdb.cli import add_url_option
+    from bmdb.model.enums import Action, Process, Provider
+    from bmdb.model.rows import STATE_FILTERS
+    from common.exitcodes import show_in_help
+
     parser = argparse.ArgumentParser(prog="bmdb", description="Inspect and migrate the BMDB.")
     show_in_help(parser)
     add_url_option(parser)
@@ -187,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     audit.add_argument("--before", type=int, metavar="ID", help="only records older than this id")
     audit.add_argument("--json", action="store_true", help="JSON for scripts")
     _add_prune(commands)
-    for action, help_text in _ACTION_HELP.items():
+    for action, help_text in _action_help().items():
         sub = commands.add_parser(action, help=help_text)
         sub.add_argument("machine", metavar="MACHINE_ID")
         sub.add_argument("--reason", required=True, help="why (kept in the audit log)")
@@ -210,11 +239,64 @@ def main(argv: list[str] | None = None) -> int:
     # The web UI moved to the console, above the BMDB (it also shows the
     # cluster); the old command stays only to say where, for muscle memory.
     commands.add_parser("web", help="moved: python -m console web", add_help=False)
+    views = commands.choices
+    for name in _VIEWS:
+        views[name].add_argument(
+            "--keep-open",
+            type=_seconds,
+            metavar="SECONDS",
+            help="keep a session process with this program's imports for SECONDS after the "
+            "last call, and hand later listings with the same options to it (as ssh's "
+            "ControlPersist does). The session runs as you; its socket is in a folder only "
+            "you can enter ($XDG_RUNTIME_DIR or /tmp, bmdb-views-UID)",
+        )
+    return parser
+
+
+def _seconds(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line ``argv`` (after ``bmdb``) as arguments; SystemExit
+    (status 2, the usage on stderr) when the parser refuses it."""
+    parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command == "web":
         parser.exit(2, "bmdb: error: the web UI moved: use 'python -m console web'\n")
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.startswith("--keep-open") for a in argv):
+        # Before anything heavy: a kept-open session may answer the listing.
+        from bmdb.cli import viewlink
+
+        code = viewlink.forward(argv)
+        if code is not None:
+            return code
+    if argv[:1] == ["views-session"]:
+        # Internal: the session a listing with --keep-open started.
+        from bmdb.cli import viewsession
+
+        return viewsession.main(argv[1:], parse)
+    import logging
+
+    from bmdb.errors import BMDBError
+    from common.cli import run_main
+
+    args = parse(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -230,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         import trio
 
         print(trio.run(run, args))
+        if getattr(args, "keep_open", None) is not None:
+            from bmdb.cli import viewlink
+
+            found = viewlink.scan(argv)
+            if found is not None:
+                viewlink.start_session(found)
         return 0
 
     return run_main("bmdb", body, known=(BMDBError,), try_again=TRY_AGAIN)

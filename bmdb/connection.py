@@ -14,6 +14,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, TypeVar
 
 from bmdb._pool import Pool
+from bmdb.errors import DatabaseUnavailable
 from bmdb.migrations import Migration
 from bmdb.model import Queries
 from bmdb.pgbounds import UNBOUNDED, Bounds
@@ -112,6 +113,21 @@ class Connection:
             return bool(in_recovery)
 
         return await self._tx.run(Isolation.REPEATABLE_READ, body)
+
+    async def check_schema(self) -> None:
+        """Check the schema again, as `open_connection` did (for a
+        connection kept across commands, e.g. by a kept-open session: a
+        migration since may have made it newer than this program). Raises
+        what `open_connection` raises for the schema, and
+        `DatabaseUnavailable`.
+
+        A kept connection may have died while idle (the server restarted):
+        the check, which writes nothing, is then made once more on a
+        fresh one, as a transaction's first statement is."""
+        try:
+            await self._tx.prepare_schema(migrate=False)
+        except DatabaseUnavailable:
+            await self._tx.prepare_schema(migrate=False)
 
     async def collect_expired(self) -> None:
         """Delete every session past its deadline now, releasing its work

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from common.exitcodes import ExitCode
 
-__all__ = ["BROKEN_PIPE_STATUS", "leaf_errors", "run_main"]
+__all__ = ["BROKEN_PIPE_STATUS", "error_line", "leaf_errors", "run_main"]
 
 #: 128 + SIGPIPE: what a shell reports for a C program that wrote to a closed pipe.
 BROKEN_PIPE_STATUS = 141
@@ -97,6 +97,20 @@ def run_main(
         return ExitCode.FAILED
 
 
+def error_line(
+    prog: str,
+    error: BaseException,
+    labels: Sequence[tuple[type[BaseException], str]] = (),
+) -> str:
+    """``prog: error: message`` for a known error, on one line whatever the
+    message holds (a server's multi-line diagnostic, say); ``labels`` as
+    :func:`run_main`'s."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    message = "; ".join(lines) or type(error).__name__
+    label = next((name for kind, name in labels if isinstance(error, kind)), "error")
+    return f"{prog}: {label}: {message}"
+
+
 def _report(
     prog: str,
     leaves: list[BaseException],
@@ -111,12 +125,7 @@ def _report(
     real = [leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)] or leaves
     for leaf in real:
         if isinstance(leaf, known):
-            # One line per error, whatever the message holds (a server's
-            # multi-line diagnostic, say).
-            lines = [line.strip() for line in str(leaf).splitlines() if line.strip()]
-            message = "; ".join(lines) or type(leaf).__name__
-            label = next((name for kind, name in labels if isinstance(leaf, kind)), "error")
-            print(f"{prog}: {label}: {message}", file=sys.stderr)
+            print(error_line(prog, leaf, labels), file=sys.stderr)
         else:
             print(f"{prog}: internal error (a bug), please report:", file=sys.stderr)
             traceback.print_exception(leaf, file=sys.stderr)

@@ -386,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "owner":
             import trio
 
-            from metropolis.cli import owner, ownerlink
+            from metropolis.cli import owner
 
             trio.run(owner.run, args)
-            found = ownerlink.scan(argv)
-            if args.keep_open is not None and found is not None:
-                ownerlink.start_session(found)
+            if args.keep_open is not None:
+                from metropolis.cli import ownerlink
+
+                found = ownerlink.scan(argv)
+                if found is not None:
+                    ownerlink.start_session(found)
         else:
             from metropolis.cli import node
 

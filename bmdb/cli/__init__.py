@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-import argparse
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = ["add_url_option"]
 

@@ -19,7 +19,7 @@ from bmdb.model import Queries, as_uuid
 from bmdb.transaction import Isolation
 from common.sshkey import fingerprint
 
-__all__ = ["TRY_AGAIN", "run"]
+__all__ = ["TRY_AGAIN", "run", "run_on"]
 
 #: Errors that mean "not yet" (`common.exitcodes`): none here.
 TRY_AGAIN: tuple[type[BaseException], ...] = ()
@@ -32,21 +32,26 @@ async def run(args: argparse.Namespace) -> str:
     says so below it (JSON stays machine-readable). Errors: `BMDBError`.
     """
     async with open_connection(args.url, max_connections=1) as conn:
-        if args.command == "machines":
-            out = await _machines(conn, args)
-        elif args.command == "machine":
-            out = await _machine(conn, args)
-        elif args.command == "history":
-            out = await _history(conn, args.machine)
-        elif args.command == "audit":
-            out = await _audit(conn, args)
-        else:
-            out = await _sessions(conn)
-        # A multi-host URL with target_session_attrs=prefer-standby reads
-        # from a standby: say so.
-        if not getattr(args, "json", False) and await conn.on_standby():
-            out += f"\n{STANDBY_NOTE}"
-        return out
+        return await run_on(conn, args)
+
+
+async def run_on(conn: Connection, args: argparse.Namespace) -> str:
+    """:func:`run` on ``conn``, a connection to the database ``args`` name."""
+    if args.command == "machines":
+        out = await _machines(conn, args)
+    elif args.command == "machine":
+        out = await _machine(conn, args)
+    elif args.command == "history":
+        out = await _history(conn, args.machine)
+    elif args.command == "audit":
+        out = await _audit(conn, args)
+    else:
+        out = await _sessions(conn)
+    # A multi-host URL with target_session_attrs=prefer-standby reads
+    # from a standby: say so.
+    if not getattr(args, "json", False) and await conn.on_standby():
+        out += f"\n{STANDBY_NOTE}"
+    return out
 
 
 async def _machines(conn: Connection, args: argparse.Namespace) -> str:

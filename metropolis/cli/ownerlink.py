@@ -1,76 +1,28 @@
-"""The owner's kept-open session, the calling side.
+"""``metropolis owner ... --keep-open SECONDS``: the calling side.
 
-``metropolis owner OPTIONS --keep-open SECONDS ACTION ...`` hands its call
-to a session process that already holds the imports and a connection to
-the curators, as ssh's ``ControlPersist`` hands a new ``ssh`` to a master
-connection. Without a session an owner call pays, in every process, for
-the interpreter, TLS, HTTP/2 and protobuf imports and for a TLS handshake
-before its request goes out; through a session it pays for the
-interpreter, this module and one UNIX socket round trip.
+An owner call in a process of its own pays for the interpreter, TLS,
+HTTP/2 and protobuf imports and a TLS handshake before its request goes
+out. With ``--keep-open`` it is handed to a session process that keeps
+the imports and a connection to the curators (`common.keepopen`; the
+session is :mod:`metropolis.cli.ownersession`, run as the internal
+command ``metropolis owner-session OPTIONS``).
 
-::
-
-    metropolis owner --cluster F --owner-key K --keep-open 300 nodes
-      │ scan the options before the action (no argparse: nothing heavy yet)
-      │ connect to <runtime dir>/metropolis-owner-<uid>/<key of the options>.sock
-      ├─ a session answers ──► its stdout and stderr, then its exit code
-      └─ none (or it declines before starting the call) ──► the call runs in
-           this process, as without --keep-open; if it succeeds, a session
-           is started for the next one: python -m metropolis owner-session ...
-
-The session (:mod:`metropolis.cli.ownersession`) parses the whole command
-line with the CLI's own parser and reads the owner's files again for each
-call, so a call through it says what the same call in a process of its
-own says. Sessions are per user: the socket's folder is the user's, mode
-0700 (a folder that is not is never used), and the session checks the
-caller's uid on every connection.
-
-**Errors.** :func:`forward` never raises for a missing, dead or declining
-session: it returns ``None`` and the caller runs the call itself. Only
-once the session has started the call is its outcome the session's: when
-the session dies during the call, :func:`forward` says so and returns 1
-(whether the call took effect is then unknown, as for a process killed
-mid-call).
-
-**Wire.** One request: a 4-byte big-endian length, then the caller's
-folder and its arguments, NUL-separated (neither can hold a NUL). Then
-frames from the session, each a type byte, a 4-byte length and the
-payload: ``S`` the call started, ``O`` and ``E`` text for stdout and
-stderr, ``X`` the exit code (ASCII digits), ``D`` declined (why, before
-``S`` only).
-
-Imports only the small part of the standard library this needs (no
-json, pathlib, typing or dataclasses): it runs first, on every owner call,
-before the CLI's parser.
+A session is named by the options before the action (``--cluster`` or
+``--root``, ``--owner-key``, ``--curator-port``; paths made absolute),
+read here without argparse: this runs before anything else of the
+command. Imports only `common.keepopen.link` and what it imports.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import socket
-import stat
-import struct
-import sys
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from collections.abc import Iterator
-    from typing import BinaryIO
+from common.keepopen import link
 
-__all__ = [
-    "ACTIONS",
-    "VALUE_OPTIONS",
-    "Scan",
-    "decode_request",
-    "encode_frame",
-    "encode_request",
-    "forward",
-    "scan",
-    "session_path",
-    "start_session",
-]
+__all__ = ["ACTIONS", "APP", "VALUE_OPTIONS", "Scan", "forward", "scan", "start_session"]
 
+#: The name of the folder of the owner's sessions (``APP-UID``).
+APP = "metropolis-owner"
 #: The owner's actions (a test holds them equal to the parser's).
 ACTIONS = frozenset(
     {"nodes", "approve", "set-roles", "delete", "tree", "ticket", "info", "snapshot", "recoveries"}
@@ -80,14 +32,6 @@ ACTIONS = frozenset(
 VALUE_OPTIONS = frozenset({"--cluster", "--root", "--owner-key", "--curator-port", "--keep-open"})
 _PATHS = ("--cluster", "--root", "--owner-key")
 KEEP_OPEN = "--keep-open"
-
-#: The longest socket path AF_UNIX takes (``sun_path`` holds 108 bytes).
-_SUN_PATH = 107
-#: The longest request and the longest frame, bytes.
-REQUEST_LIMIT = 1 << 20
-FRAME_LIMIT = 1 << 22
-_LENGTH = struct.Struct(">I")
-_FRAME = struct.Struct(">cI")
 
 
 class Scan:
@@ -119,8 +63,10 @@ class Scan:
             for name, value in self.options
             if name != KEEP_OPEN
         )
-        text = "\0".join([str(os.geteuid()), *(f"{n}={v}" for n, v in identity)])
-        return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+        return link.key_of([f"{name}={value}" for name, value in identity])
+
+    def session_path(self, *, create: bool = False) -> str | None:
+        return link.session_path(APP, self.key, create=create)
 
 
 def scan(argv: list[str]) -> Scan | None:
@@ -146,127 +92,17 @@ def scan(argv: list[str]) -> Scan | None:
     return None
 
 
-def _runtime_dir() -> str:
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    base = runtime if runtime.startswith("/") else "/tmp"
-    return os.path.join(base, f"metropolis-owner-{os.geteuid()}")
-
-
-def session_path(found: Scan, *, create: bool = False) -> str | None:
-    """The socket of ``found``'s session, in the user's private folder
-    (made, mode 0700, when ``create``); ``None`` when that folder is not
-    the user's alone or the path is too long for a UNIX socket."""
-    folder = _runtime_dir()
-    if create:
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            pass
-        except OSError:
-            return None
-    try:
-        st = os.lstat(folder)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        return None
-    path = os.path.join(folder, f"{found.key}.sock")
-    return path if len(os.fsencode(path)) <= _SUN_PATH else None
-
-
-def encode_request(argv: list[str], cwd: str) -> bytes:
-    payload = "\0".join([cwd, *argv]).encode("utf-8", "surrogateescape")
-    return _LENGTH.pack(len(payload)) + payload
-
-
-def decode_request(payload: bytes) -> tuple[list[str], str]:
-    """The arguments and folder of a request's payload (after its length)."""
-    cwd, *argv = payload.decode("utf-8", "surrogateescape").split("\0")
-    return argv, cwd
-
-
-def encode_frame(kind: bytes, payload: bytes = b"") -> bytes:
-    return _FRAME.pack(kind, len(payload)) + payload
-
-
 def forward(argv: list[str]) -> int | None:
-    """Hand the owner command ``argv`` to its session; its exit code, or
-    ``None`` when the caller must run the call itself (no ``--keep-open``,
-    no live session, or the session declined before starting the call)."""
+    """Hand the owner command ``argv`` to its session (`link.forward`); its
+    exit code, or ``None`` when the caller must run the call itself."""
     found = scan(argv)
     if found is None or found.value(KEEP_OPEN) is None:
         return None
-    path = session_path(found)
-    if path is None:
-        return None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.connect(os.fsencode(path))
-            sock.sendall(encode_request(argv, os.getcwd()))
-        except OSError:
-            return None
-        try:
-            return _relay(sock.makefile("rb"))
-        except KeyboardInterrupt:
-            # Closing the socket cancels the call in the session, as a
-            # Ctrl-C cancels a call in a process of its own.
-            return 130
-
-
-def _relay(frames: BinaryIO) -> int | None:
-    started = False
-    for kind, payload in _frames(frames):
-        if kind == b"O":
-            sys.stdout.write(payload.decode("utf-8", "replace"))
-            sys.stdout.flush()
-        elif kind == b"E":
-            sys.stderr.write(payload.decode("utf-8", "replace"))
-            sys.stderr.flush()
-        elif kind == b"S":
-            started = True
-        elif kind == b"X" and started and payload.isdigit():
-            return int(payload)
-        elif kind == b"D" and not started:
-            return None
-        else:
-            break
-    if not started:
-        return None
-    sys.stderr.write(
-        "metropolis: error: the owner session ended during the call; "
-        "whether the call took effect is unknown\n"
-    )
-    return 1
-
-
-def _frames(frames: BinaryIO) -> Iterator[tuple[bytes, bytes]]:
-    """Each frame of the session's answer, until its end or a bad frame."""
-    while True:
-        try:
-            head = frames.read(_FRAME.size)
-            if len(head) < _FRAME.size:
-                return
-            kind, length = _FRAME.unpack(head)
-            if length > FRAME_LIMIT:
-                return
-            payload = frames.read(length)
-        except OSError:
-            return
-        if len(payload) < length:
-            return
-        yield kind, payload
+    path = found.session_path()
+    return None if path is None else link.forward(path, argv, "metropolis")
 
 
 def start_session(found: Scan) -> None:
-    """Start ``found``'s session in the background, for the next call
-    (``python -m metropolis owner-session OPTIONS``). It outlives this
-    process and ends after ``--keep-open`` seconds without a call."""
-    import subprocess
-
-    subprocess.Popen(
-        [sys.executable, "-m", "metropolis", "owner-session", *found.prefix],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    """Start ``found``'s session for the next call; it ends after
+    ``--keep-open`` seconds without one."""
+    link.start_session(["-m", "metropolis", "owner-session", *found.prefix])

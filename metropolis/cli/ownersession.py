@@ -17,42 +17,29 @@ each as the same command in a process of its own would run it:
   to the caller as they happen; an error is the caller's one line, as
   the CLI prints it.
 
-Each connection is one call: one request, then frames (the wire is
-:mod:`metropolis.cli.ownerlink`'s). Calls run side by side on the kept
-connections. A caller that goes away (Ctrl-C) cancels its call.
-
-The session ends after ``--keep-open`` seconds without a call (never
-during one), or as soon as another session has taken its socket path (a
-newer session for the same options); it then removes its socket if the
-path is still its own. Log lines go to ``<socket>.log`` beside the
-socket, not to any caller.
+How requests are read, answered, cancelled, and when the session ends
+is `common.keepopen.session`'s. Log lines go to ``<socket>.log`` beside
+the socket, not to any caller.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-import math
-import os
-import socket
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 from cryptography.hazmat.primitives import serialization
 
+from common.keepopen import session
+from common.keepopen.session import Call, Say
 from metropolis.cli import owner as owner_cli
 from metropolis.cli import ownerlink
 from metropolis.errors import MetropolisError
 from metropolis.owner import Owner, OwnerAccess
 
-__all__ = ["ErrorAnswer", "Parse", "main", "serve"]
-
-log = logging.getLogger("metropolis.cli.ownersession")
+__all__ = ["ErrorAnswer", "Parse", "main"]
 
 #: The CLI's parser: argv (after ``metropolis``) to arguments; SystemExit
 #: on a usage error.
@@ -61,14 +48,8 @@ Parse = Callable[[list[str]], argparse.Namespace]
 #: and the exit code.
 ErrorAnswer = Callable[[MetropolisError], tuple[str, int]]
 
-#: A request is one line of at most this many bytes, read within this many seconds.
-_REQUEST_LIMIT = 1 << 20
-_REQUEST_TIMEOUT = 5.0
-#: Distinct accesses (CA, curators, key) a session keeps a connection for;
-#: a call needing another is declined.
+#: Distinct accesses (CA, curators, key) a session keeps a connection for.
 _MAX_ACCESSES = 8
-#: How often the session checks that its socket path is still its own.
-_WATCH_INTERVAL = 1.0
 #: The path arguments, made absolute against the caller's folder.
 _PATH_ARGS = ("cluster", "root", "owner_key", "out")
 
@@ -85,19 +66,41 @@ def _identity(access: OwnerAccess) -> tuple[Any, ...]:
     )
 
 
-@dataclass
-class _Session:
-    key: str
-    parse: Parse
-    answer_error: ErrorAnswer
-    keep_open: float
-    nursery: trio.Nursery
-    owners: dict[tuple[Any, ...], Owner] = field(default_factory=dict)
-    opening: dict[tuple[Any, ...], trio.Lock] = field(default_factory=dict)
-    calls: int = 0
-    idle_since: float = field(default_factory=trio.current_time)
+class _Owners:
+    """The session's calls, on owner clients kept open in ``nursery``."""
 
-    async def owner_for(self, access: OwnerAccess, err: owner_cli.Say) -> Owner | None:
+    def __init__(
+        self, key: str, parse: Parse, answer_error: ErrorAnswer, nursery: trio.Nursery
+    ) -> None:
+        self.key = key
+        self.parse = parse
+        self.answer_error = answer_error
+        self.nursery = nursery
+        self.owners: dict[tuple[Any, ...], Owner] = {}
+        self.opening: dict[tuple[Any, ...], trio.Lock] = {}
+
+    def accept(self, argv: list[str], cwd: str) -> Call | None:
+        """The call of ``argv`` run in ``cwd``; None (declined) for a usage
+        error or another session's options."""
+        found = ownerlink.scan(argv)
+        # Paths in the key are made absolute in the caller's folder.
+        if found is None or found.key_in(cwd) != self.key:
+            return None
+        try:
+            args = self.parse(argv)
+        except SystemExit:
+            return None  # a usage error: the caller's parser says it
+        for name in _PATH_ARGS:
+            value = getattr(args, name, None)
+            if isinstance(value, Path) and not value.is_absolute():
+                setattr(args, name, Path(cwd) / value)
+
+        async def call(out: Say, err: Say) -> int:
+            return await self._call(args, out, err)
+
+        return call
+
+    async def _owner_for(self, access: OwnerAccess, err: Say) -> Owner | None:
         """The kept owner client for ``access``, opened on first use (with
         the escrow, if due); None when the session keeps too many."""
         identity = _identity(access)
@@ -111,80 +114,12 @@ class _Session:
                 self.owners[identity] = await self.nursery.start(_hold, access)
         return self.owners[identity]
 
-    async def answer(self, stream: trio.SocketStream) -> None:
-        """One caller: its request, its call, its frames."""
-        async with stream:
-            if not _same_user(stream):
-                return
-            request = None
-            with trio.move_on_after(_REQUEST_TIMEOUT):
-                request = await _read_request(stream)
-            if request is None:
-                return
-            frames, outgoing = trio.open_memory_channel[bytes](math.inf)
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_send_frames, stream, outgoing)
-                    with frames:
-                        await self._run(request, stream, frames)
-            except Exception:
-                # A bug in one call ends that call, not the session: its
-                # caller, left without an exit code, says the outcome is
-                # unknown, as for a process that crashed mid-call.
-                log.exception("a call failed")
-
-    async def _run(
-        self,
-        request: tuple[list[str], str],
-        stream: trio.SocketStream,
-        frames: trio.MemorySendChannel[bytes],
-    ) -> None:
-        args = self._parse(*request)
-        if args is None:
-            frames.send_nowait(ownerlink.encode_frame(b"D", b"not this session's call"))
-            return
-        frames.send_nowait(ownerlink.encode_frame(b"S"))
-
-        def out(text: str) -> None:
-            frames.send_nowait(ownerlink.encode_frame(b"O", text.encode()))
-
-        def err(text: str) -> None:
-            frames.send_nowait(ownerlink.encode_frame(b"E", text.encode()))
-
-        self.calls += 1
+    async def _call(self, args: argparse.Namespace, out: Say, err: Say) -> int:
         try:
-            async with trio.open_nursery() as call:
-                # The caller's end closing (Ctrl-C) cancels the call.
-                call.start_soon(_cancel_on_close, stream, call.cancel_scope)
-                code = await self._call(args, out, err)
-                frames.send_nowait(ownerlink.encode_frame(b"X", b"%d" % code))
-                call.cancel_scope.cancel()
-        finally:
-            self.calls -= 1
-            self.idle_since = trio.current_time()
-
-    def _parse(self, argv: list[str], cwd: str) -> argparse.Namespace | None:
-        if not cwd.startswith("/"):
-            return None
-        found = ownerlink.scan(argv)
-        # Another session's options: the caller's key differs from ours.
-        # (Paths in the key were made absolute in the caller's folder.)
-        if found is None or found.key_in(cwd) != self.key:
-            return None
-        try:
-            args = self.parse(argv)
-        except SystemExit:
-            return None  # a usage error: the caller prints it
-        for name in _PATH_ARGS:
-            value = getattr(args, name, None)
-            if isinstance(value, Path) and not value.is_absolute():
-                setattr(args, name, Path(cwd) / value)
-        return args
-
-    async def _call(self, args: argparse.Namespace, out: owner_cli.Say, err: owner_cli.Say) -> int:
-        try:
+            # The owner's files are read for each call: a call sees them as
+            # they are now, as in a process of its own.
             access = owner_cli.owner_access(args)
-            owner = await self.owner_for(access, err)
+            owner = await self._owner_for(access, err)
             if owner is None:
                 err(
                     "metropolis: error: the owner session keeps too many clusters; "
@@ -203,7 +138,7 @@ class _Session:
             return self._report(_leaves(ours), err)
         return 0
 
-    def _report(self, errors: list[MetropolisError], err: owner_cli.Say) -> int:
+    def _report(self, errors: list[MetropolisError], err: Say) -> int:
         code = 0
         for error in errors:
             line, code = self.answer_error(error)
@@ -229,134 +164,26 @@ async def _hold(
         await trio.sleep_forever()
 
 
-def _same_user(stream: trio.SocketStream) -> bool:
-    """Whether the caller runs as our user (SO_PEERCRED)."""
-    try:
-        creds = stream.socket.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
-        )
-    except OSError:
-        return False
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return bool(uid == os.geteuid())
-
-
-async def _read_request(stream: trio.SocketStream) -> tuple[list[str], str] | None:
-    """The caller's arguments and folder; None for a malformed or oversized request."""
-    data = bytearray()
-    length: int | None = None
-    while length is None or len(data) < 4 + length:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return None
-        data += chunk
-        if length is None and len(data) >= 4:
-            length = int.from_bytes(data[:4], "big")
-            if length > ownerlink.REQUEST_LIMIT:
-                return None
-    if len(data) != 4 + length:
-        return None  # more than the request: not our caller
-    return ownerlink.decode_request(bytes(data[4:]))
-
-
-async def _send_frames(
-    stream: trio.SocketStream, outgoing: trio.MemoryReceiveChannel[bytes]
+async def _serve(
+    found: ownerlink.Scan, path: str, parse: Parse, answer_error: ErrorAnswer, keep_open: float
 ) -> None:
-    async with outgoing:
-        async for frame in outgoing:
-            try:
-                await stream.send_all(frame)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
-
-
-async def _cancel_on_close(stream: trio.SocketStream, scope: trio.CancelScope) -> None:
-    try:
-        while await stream.receive_some(4096):
-            pass  # nothing more is expected of the caller
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
-    scope.cancel()
-
-
-async def serve(
-    prefix: list[str], parse: Parse, answer_error: ErrorAnswer, keep_open: float
-) -> None:
-    """Serve the owner calls for the options ``prefix`` until ``keep_open``
-    seconds pass without one, or a newer session takes the socket path.
-
-    Returns at once when the socket's folder is not the user's alone.
-    """
-    found = ownerlink.scan(["owner", *prefix, "nodes"])
-    path = None if found is None else ownerlink.session_path(found, create=True)
-    if found is None or path is None:
-        log.error("no private folder for the session's socket; not serving")
-        return
-    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # Bound under a name of its own, then renamed over the session path: a
-    # caller never meets a socket that does not listen yet, and of two
-    # sessions started for the same options the later one wins the path.
-    temporary = f"{path}.{os.getpid()}.new"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(temporary)
-    await listener.bind(os.fsencode(temporary))
-    listener.listen(64)
-    os.rename(temporary, path)
-    ours = os.stat(path).st_ino
-    log.info("serving %s (pid %d) for %g s after the last call", path, os.getpid(), keep_open)
-    try:
-        async with trio.open_nursery() as nursery:
-            session = _Session(found.key, parse, answer_error, keep_open, nursery)
-            nursery.start_soon(_accept, listener, session, nursery)
-            await _until_idle_or_replaced(session, path, ours)
-            nursery.cancel_scope.cancel()
-    finally:
-        listener.close()
-        if _inode(path) == ours:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-    log.info("ended")
-
-
-async def _accept(
-    listener: trio.socket.SocketType, session: _Session, nursery: trio.Nursery
-) -> None:
-    while True:
-        sock, _ = await listener.accept()
-        session.idle_since = trio.current_time()
-        nursery.start_soon(session.answer, trio.SocketStream(sock))
-
-
-async def _until_idle_or_replaced(session: _Session, path: str, ours: int) -> None:
-    while True:
-        await trio.sleep(_WATCH_INTERVAL)
-        if _inode(path) != ours:
-            log.info("another session took %s", path)
-            return
-        if session.calls == 0 and trio.current_time() - session.idle_since >= session.keep_open:
-            return
-
-
-def _inode(path: str) -> int | None:
-    try:
-        return os.stat(path).st_ino
-    except OSError:
-        return None
+    async with trio.open_nursery() as nursery:
+        owners = _Owners(found.key, parse, answer_error, nursery)
+        await session.serve(path, keep_open, owners.accept)
+        nursery.cancel_scope.cancel()
 
 
 def main(prefix: list[str], parse: Parse, answer_error: ErrorAnswer) -> int:
-    """``python -m metropolis owner-session OPTIONS``: serve until idle."""
+    """``python -m metropolis owner-session OPTIONS``: serve until idle.
+
+    Exit status 2 without ``--keep-open`` in OPTIONS or without a private
+    folder for the socket.
+    """
     args = parse(["owner", *prefix, "nodes"])
-    if args.keep_open is None:
-        return 2
     found = ownerlink.scan(["owner", *prefix, "nodes"])
-    path = None if found is None else ownerlink.session_path(found, create=True)
-    if path is not None:
-        logging.basicConfig(
-            filename=path.removesuffix(".sock") + ".log",
-            filemode="w",
-            level=logging.INFO,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-    trio.run(serve, prefix, parse, answer_error, args.keep_open)
+    path = None if found is None else found.session_path(create=True)
+    if args.keep_open is None or found is None or path is None:
+        return 2
+    session.log_beside(path)
+    trio.run(_serve, found, path, parse, answer_error, args.keep_open)
     return 0

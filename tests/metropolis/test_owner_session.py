@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from common.keepopen import link
 from metropolis.__main__ import _parser
 from metropolis.cli import ownerlink
 from tests.metropolis.test_node_cli import LEADS, bootstrap_args, node
@@ -129,12 +130,12 @@ def test_a_folder_others_may_enter_is_never_used(
         ["owner", "--root", "r", "--owner-key", "k", "--keep-open", "5", "nodes"]
     )
     assert found is not None
-    path = ownerlink.session_path(found, create=True)
+    path = found.session_path(create=True)
     assert path is not None
     folder = Path(path).parent
     assert folder.stat().st_mode & 0o777 == 0o700
     folder.chmod(0o755)
-    assert ownerlink.session_path(found) is None
+    assert found.session_path() is None
     assert (
         ownerlink.forward(["owner", "--root", "r", "--owner-key", "k", "--keep-open", "5", "nodes"])
         is None
@@ -160,14 +161,12 @@ def test_a_session_ends_when_idle_survives_garbage_and_gives_way_to_a_newer_one(
         [path] = _socket_of(runtime)
         # Garbage, a request cut short, one too long, another session's
         # call: closed or declined, and the session goes on.
-        other = ownerlink.encode_request(
-            ["owner", "--root", "/x", "--owner-key", "k", "nodes"], "/"
-        )
+        other = link.encode_request(["owner", "--root", "/x", "--owner-key", "k", "nodes"], "/")
         answers = {
             b"not a request at all": b"",
-            ownerlink.encode_request(["owner"], "/")[:-2]: b"",
-            (ownerlink.REQUEST_LIMIT + 1).to_bytes(4, "big") + b"x" * 70000: b"",
-            other: ownerlink.encode_frame(b"D", b"not this session's call"),
+            link.encode_request(["owner"], "/")[:-2]: b"",
+            (link.REQUEST_LIMIT + 1).to_bytes(4, "big") + b"x" * 70000: b"",
+            other: link.encode_frame(b"D", b"not this session's call"),
         }
         for junk, answer in answers.items():
             with socket.socket(socket.AF_UNIX) as sock:
@@ -271,12 +270,12 @@ async def test_calls_through_a_session_say_what_calls_of_their_own_say(
 def test_the_caller_runs_the_call_itself_unless_the_session_started_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """What the caller makes of a session's answer (`ownerlink._relay`)."""
+    """What the caller makes of a session's answer (`common.keepopen.link._relay`)."""
 
     def relay(*frames: bytes) -> int | None:
-        return ownerlink._relay(io.BytesIO(b"".join(frames)))
+        return link._relay(io.BytesIO(b"".join(frames)), "metropolis")
 
-    frame = ownerlink.encode_frame
+    frame = link.encode_frame
     assert relay(frame(b"S"), frame(b"O", b"a\n"), frame(b"E", b"b\n"), frame(b"X", b"3")) == 3
     assert capsys.readouterr() == ("a\n", "b\n")
     # Declined, or gone before starting: the caller runs it itself.
