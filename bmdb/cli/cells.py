@@ -32,6 +32,8 @@ def oneline(text: str | None) -> str:
     """A database text as one table cell: control characters made visible."""
     if not text:
         return "-"
+    if text.isprintable():
+        return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
