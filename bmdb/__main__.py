@@ -182,6 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     from bmdb.cli import add_url_option
     from bmdb.model.enums import Action, Process, Provider
     from bmdb.model.rows import STATE_FILTERS
+    from common.argtypes import positive_seconds
     from common.exitcodes import show_in_help
 
     parser = argparse.ArgumentParser(prog="bmdb", description="Inspect and migrate the BMDB.")
@@ -243,7 +244,7 @@ def _parser() -> argparse.ArgumentParser:
     for name in _VIEWS:
         views[name].add_argument(
             "--keep-open",
-            type=_seconds,
+            type=positive_seconds,
             metavar="SECONDS",
             help="keep a session process with this program's imports for SECONDS after the "
             "last call, and hand later listings with the same options to it (as ssh's "
@@ -251,18 +252,6 @@ def _parser() -> argparse.ArgumentParser:
             "you can enter ($XDG_RUNTIME_DIR or /tmp, bmdb-views-UID)",
         )
     return parser
-
-
-def _seconds(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

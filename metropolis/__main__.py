@@ -103,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     import argparse
     from pathlib import Path
 
+    from common.argtypes import positive_seconds
     from common.exitcodes import show_in_help
     from common.listen import listen_address
 
@@ -284,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     owner.add_argument(
         "--keep-open",
-        type=_positive_seconds,
+        type=positive_seconds,
         metavar="SECONDS",
         help="keep a session process with the connection to the curators open for SECONDS "
         "after the last call, and hand later calls with the same options to it (as ssh's "
@@ -324,9 +325,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _register_deadline_flag(command: argparse.ArgumentParser, when: str) -> None:
+    from common.argtypes import positive_seconds
+
     command.add_argument(
         "--register-deadline",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=REGISTER_DEADLINE,
         metavar="SECONDS",
         help=f"while registering{when}, retry with backoff (each retry logged) as long as no "
@@ -342,18 +345,6 @@ def _env_path(name: str) -> Path | None:
 
     value = os.environ.get(name)
     return Path(value) if value else None
-
-
-def _positive_seconds(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,8 @@ WIRE = "cryptography bcrypt h2 hpack hyperframe betterproto2 dateutil typing_ext
 WIRE += " grpclib multidict"
 
 #: What every command's parser may import of the project.
-PARSING = "common common.exitcodes common.lazy common.cli common.listen common.numbers"
+PARSING = "common common.argtypes common.exitcodes common.lazy common.cli common.listen"
+PARSING += " common.numbers"
 
 #: (argv after ``python -m``, what it may import: project modules and other
 #: packages, separated by spaces).
