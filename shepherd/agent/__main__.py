@@ -263,7 +263,8 @@ def _heartbeat(heartbeater: Heartbeater, options: Options) -> int:
         agent = os.path.abspath(sys.argv[0])
         heartbeater.report = collect_hardware_report(os.path.dirname(agent))
         # After the takeover's answer: not on its path.
-        from .install import Installer, Settings
+        from .install import Settings
+        from .installer import Installer
 
         settings = _install_settings(Settings(), options)
         heartbeater.installer = Installer(

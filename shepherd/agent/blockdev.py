@@ -390,7 +390,7 @@ def units(target: Target, boot_partuuid: str, node_address: str) -> dict[str, st
     later one (``node run``: after a reboot, and after a crash that left a
     registration half done, which ``run`` finishes); both announce the
     node's key in /run/metropolis for the agent. ``node_address`` is an IP
-    address or host name (`install.check_request`), so it needs no quoting.
+    address or host name (`installplan.check_request`), so it needs no quoting.
     """
     mount = mount_unit_name(target.mount_point)
     helper = os.path.join(target.helper_dir, HELPER)

@@ -1,7 +1,11 @@
-"""The agent's one error: a failure it reports to the initializer."""
+"""The agent's errors: a failure it reports to the initializer, and an install's."""
 
 from __future__ import annotations
 
 
 class AgentError(Exception):
     """A failure the agent reports to the initializer as TakeoverError."""
+
+
+class InstallFailed(AgentError):
+    """An install failed; the message is the cause the report carries."""

@@ -2,7 +2,7 @@
 
 The A/B machine itself (what is written when, what a crash leaves, what the
 next boot does) is `abslots`'s; this module is the agent's side of it.
-`Upgrader` works like `install.Installer`: told each accepted heartbeat's
+`Upgrader` works like `installer.Installer`: told each accepted heartbeat's
 upgrade request (`Upgrader.on_answer`), it starts a request of a new
 generation once, in a worker thread, records it in ``<agent>.upgrade.json``
 before any side effect (a generation is never run twice, across restarts
@@ -83,24 +83,12 @@ from .abslots import SlotError, SlotImage
 from .daemon import log
 from .disks import loopback_disks, valid_name
 from .download import DownloadFailed, Source, download
-from .errors import AgentError
-from .install import (
-    DISK_STATE,
-    IMAGE,
-    KEY,
-    LOG,
-    MAX_ERROR,
-    PID,
-    ROOT,
-    SLOT_B_IMAGE,
-    InstallFailed,
-    Settings,
-    Told,
-    image_source,
-    node_running,
-    read_state,
-    write_atomically,
-)
+from .errors import AgentError, InstallFailed
+from .files import write_atomically
+from .generations import MAX_ERROR, Told, read_state
+from .install import Settings
+from .installplan import image_source
+from .loopnode import DISK_STATE, IMAGE, KEY, LOG, PID, ROOT, SLOT_B_IMAGE, node_running
 from .wire import (
     UPGRADE_COMMITTED,
     UPGRADE_FAILED,

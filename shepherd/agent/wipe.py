@@ -10,7 +10,7 @@ with ``--wipe`` (nothing on stdin). In order:
                                    whose command line names this agent file
                                    is signalled (as `daemon.replace_running_agent`)
     stop each installed node       a loopback disk's node.pid, if that process
-                                   runs the disk's image (`install.node_running`):
+                                   runs the disk's image (`loopnode.node_running`):
                                    SIGTERM, then SIGKILL after a bound
     empty each loopback disk       everything an install wrote in the folder
                                    that stands for the disk (the folder stays:
@@ -46,7 +46,7 @@ import time
 from . import blockdev, unit
 from .disks import loopback_disks
 from .files import read_int, read_text
-from .install import node_running
+from .loopnode import node_running
 
 #: Seconds a node or agent is given to stop after SIGTERM before SIGKILL.
 STOP_TIMEOUT = 10.0

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.agent import blockdev, install, wire
+from shepherd.agent import blockdev, installplan, wire
 from shepherd.agent.blockdev import Layout, Target
-from shepherd.agent.install import Installer, Settings
+from shepherd.agent.install import Settings
+from shepherd.agent.installer import Installer
 from tests.shepherd.agent_install import request, serve_images, stand_in_image
 from tests.shepherd.agents import make_tls
 
@@ -332,7 +333,7 @@ def test_installer_refuses_a_mounted_loop_device_and_installs_onto_a_free_one(
     state = json.loads((tmp_path / "root" / "agent.install.json").read_text())
     assert state["generation"] == 2 and state["status"] == "done"
     assert not [p for p in os.listdir(agent.parent) if p.endswith(".part")]
-    assert install.BLOCK_DEVICE_REFUSAL  # kept for agents without a layout
+    assert installplan.BLOCK_DEVICE_REFUSAL  # kept for agents without a layout
 
 
 def test_agent_wipe_wipes_the_installed_device(loop: Callable[[int], str], tmp_path: Path) -> None:
