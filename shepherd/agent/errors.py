@@ -1,4 +1,4 @@
-"""The agent's errors: a failure it reports to the initializer, and an install's."""
+"""The agent's errors: a failure it reports to the initializer, an install's, an upgrade's."""
 
 from __future__ import annotations
 
@@ -9,3 +9,7 @@ class AgentError(Exception):
 
 class InstallFailed(AgentError):
     """An install failed; the message is the cause the report carries."""
+
+
+class UpgradeFailed(AgentError):
+    """An upgrade failed and nothing changed on the machine; the message is the cause."""

@@ -2,7 +2,7 @@
 
 The pure tests pin each transition and the store's torn-write rule on a
 plain file. The device tests install onto a loop device, stage upgrades
-with the agent's `upgrade.stage_device`, and boot the disk with the very
+with the agent's `upgradedevice.stage_device`, and boot the disk with the very
 ``bootprep.py`` the installer copies (in a child process, its run folder
 moved to a temporary one), then run the boot check as its unit would
 (its reboot a recorded call: never this host's). Crash points
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.agent import abslots, blockdev, unpack, upgrade
+from shepherd.agent import abslots, blockdev, unpack, upgrade, upgradedevice
 from shepherd.agent.abslots import SlotError, SlotImage, SlotState
 from shepherd.agent.blockdev import Layout, Target
+from shepherd.agent.errors import UpgradeFailed
 from tests.shepherd.agent_install import stand_in_image
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -195,12 +196,12 @@ class Disk:
             return hashlib.sha256(f.read()).hexdigest()
 
     def stage(self, image: Path, *, crash: str = "") -> subprocess.CompletedProcess[bytes]:
-        """`upgrade.stage_device` in a child process (a crash point kills it)."""
+        """`upgradedevice.stage_device` in a child process (a crash point kills it)."""
         code = (
             "import sys\n"
-            "from shepherd.agent import blockdev, upgrade\n"
+            "from shepherd.agent import blockdev, upgradedevice\n"
             "t = blockdev.Target(systemd_root=sys.argv[3], helper_dir=sys.argv[4])\n"
-            "print(upgrade.stage_device(upgrade.open_device(sys.argv[1]), sys.argv[2],"
+            "print(upgradedevice.stage_device(upgradedevice.open_device(sys.argv[1]), sys.argv[2],"
             " sys.argv[5], 5, t))\n"
         )
         return subprocess.run(
@@ -448,13 +449,13 @@ def test_staging_refuses_a_second_try_and_a_disk_it_did_not_install(
     disk = Disk(loop(40), tmp_path)
     _ok(disk.stage(disk.image("second")))
     third = disk.image("third")
-    with pytest.raises(upgrade.UpgradeFailed, match="under way"):
-        upgrade.stage_device(
-            upgrade.open_device(disk.device), str(third), disk.sha(third), 30, disk.target
+    with pytest.raises(UpgradeFailed, match="under way"):
+        upgradedevice.stage_device(
+            upgradedevice.open_device(disk.device), str(third), disk.sha(third), 30, disk.target
         )
     blank = loop(40)
-    with pytest.raises(upgrade.UpgradeFailed, match=r"holds no installed node|partitions"):
-        upgrade.open_device(blank)
+    with pytest.raises(UpgradeFailed, match=r"holds no installed node|partitions"):
+        upgradedevice.open_device(blank)
 
 
 @needs_root

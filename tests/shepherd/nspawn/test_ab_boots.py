@@ -169,9 +169,9 @@ def _reboot(rig: FleetThread) -> None:
 def _stage(rig: FleetThread, name: str, sha: str, timeout: int, env: str = "") -> str:
     done = _python(
         rig,
-        "from shepherd.agent import blockdev, upgrade\n"
-        f"disk = upgrade.open_device({str(rig.fleet.disks[0].device)!r})\n"  # type: ignore[union-attr]
-        f"print(upgrade.stage_device(disk, '/root/{name}.pyz', {sha!r}, {timeout},"
+        "from shepherd.agent import blockdev, upgradedevice\n"
+        f"disk = upgradedevice.open_device({str(rig.fleet.disks[0].device)!r})\n"  # type: ignore[union-attr]
+        f"print(upgradedevice.stage_device(disk, '/root/{name}.pyz', {sha!r}, {timeout},"
         " blockdev.Target()))\n",
         env,
     )
@@ -227,9 +227,9 @@ def test_slots_boot_try_keep_go_back_and_survive_a_power_cut(machine: FleetThrea
         "/root/stage-d.py",
         (
             "import sys; sys.path.insert(0, '/root/agent.pyz')\n"
-            "from shepherd.agent import blockdev, upgrade\n"
-            f"disk = upgrade.open_device({device!r})\n"
-            f"upgrade.stage_device(disk, '/root/good-d.pyz', {sha['good-d']!r}, 60,"
+            "from shepherd.agent import blockdev, upgradedevice\n"
+            f"disk = upgradedevice.open_device({device!r})\n"
+            f"upgradedevice.stage_device(disk, '/root/good-d.pyz', {sha['good-d']!r}, 60,"
             " blockdev.Target())\n"
         ).encode(),
     )
