@@ -21,7 +21,7 @@ A disk whose node (from an earlier generation) still runs is refused: a
 loopback install cannot stop a node without killing what it serves, and a
 second node would fight the first for the fixed ports.
 
-A real block device is installed by `blockdev.install_device` (GPT, image
+A real block device is installed by `realdisk.install_device` (GPT, image
 on system A read back, boot record, data partition, the boot entry last),
 after the download into a temporary file beside the agent, which is
 unpacked meanwhile in a thread of its own into the machine's cache
@@ -29,7 +29,7 @@ unpacked meanwhile in a thread of its own into the machine's cache
 before the boot entry; a failure left to the boot helper, which unpacks
 it itself); a node an earlier install of this agent runs from the disk is
 stopped first (its
-data partition is not refused as mounted: `blockdev.stop_installed`). Then, as
+data partition is not refused as mounted: `bootentry.stop_installed`). Then, as
 `Settings.after_install` says: "start" (``systemctl daemon-reload``, start
 ``metropolis-node.service`` and wait for its key in /run/metropolis),
 "reboot" (``systemctl reboot``; the agent that starts after the reboot
@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import blockdev, unpack
+from . import blockdev, bootentry, gpt, realdisk, unpack
 from .daemon import log
 from .download import DownloadFailed, Limits, download
 from .errors import InstallFailed
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     import ssl
 
 #: Where the node unit of a real disk announces its key.
-DEVICE_KEY = os.path.join(blockdev.RUN, "node.key.pub")
+DEVICE_KEY = os.path.join(bootentry.RUN, "node.key.pub")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +90,8 @@ class Settings:
     announce_timeout: float = 60.0
     python: str = sys.executable or "python3"
     #: A real block device's partition sizes, and where its boot entry goes.
-    layout: blockdev.Layout = dataclasses.field(default_factory=blockdev.Layout)
-    target: blockdev.Target = dataclasses.field(default_factory=blockdev.Target)
+    layout: gpt.Layout = dataclasses.field(default_factory=gpt.Layout)
+    target: bootentry.Target = dataclasses.field(default_factory=bootentry.Target)
     #: After a real install: "start" the node unit, "reboot", or "none".
     after_install: str = "start"
 
@@ -197,7 +197,7 @@ def install_device(
     unpacking = _Unpacking(tmp, plan.digest, settings.target.cache_dir)
     try:
         progress("writing")
-        stopped = blockdev.stop_installed(settings.target)
+        stopped = bootentry.stop_installed(settings.target)
         if stopped:
             step("stopped the earlier install: " + "; ".join(stopped))
         remove(key_path)  # an earlier node's, if any: the new node announces its own
@@ -213,7 +213,7 @@ def install_device(
                 step(f"unpack {waited}, waited")
                 progress("node-started")
 
-        blockdev.install_device(
+        realdisk.install_device(
             plan.device,
             tmp,
             plan.digest,
@@ -238,7 +238,7 @@ def install_device(
             f"installed onto {plan.device}; the node was not started (after_install "
             f"{settings.after_install!r}): it starts at the next boot"
         )
-    for argv in (["systemctl", "daemon-reload"], ["systemctl", "start", blockdev.NODE_UNIT]):
+    for argv in (["systemctl", "daemon-reload"], ["systemctl", "start", bootentry.NODE_UNIT]):
         done = subprocess.run(argv, capture_output=True, check=False, timeout=120)
         if done.returncode != 0:
             raise InstallFailed(
@@ -290,6 +290,6 @@ def await_device_key(path: str, timeout: float) -> bytes:
         if time.monotonic() > deadline:
             raise InstallFailed(
                 f"the node unit did not announce its key within {timeout:g}s "
-                f"(journalctl -u {blockdev.NODE_UNIT} says why)"
+                f"(journalctl -u {bootentry.NODE_UNIT} says why)"
             )
         time.sleep(0.2)

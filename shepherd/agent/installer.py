@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import blockdev
+from . import blockdev, bootrecord
 from .daemon import log
 from .disks import loopback_disks
 from .errors import InstallFailed
@@ -139,7 +139,7 @@ class Installer(Generations):
             return None
         g = int(state["generation"])
         try:
-            found = blockdev.read_installed(device).get("generation")
+            found = bootrecord.read_installed(device).get("generation")
             if found != g:
                 raise blockdev.DeviceFailed(f"its boot record is of generation {found!r}")
             outcome = ""

@@ -17,7 +17,7 @@ import ipaddress
 import os
 import re
 
-from . import blockdev
+from . import blockdev, bootentry, gpt
 from .disks import real_disks, resolve_real, valid_name
 from .download import Source
 from .errors import InstallFailed
@@ -76,8 +76,8 @@ def _valid_address(text: str) -> bool:
     return True
 
 
-def _has_boot_entry(target: blockdev.Target) -> bool:
-    return os.path.exists(os.path.join(target.systemd_root, blockdev.NODE_UNIT))
+def _has_boot_entry(target: bootentry.Target) -> bool:
+    return os.path.exists(os.path.join(target.systemd_root, bootentry.NODE_UNIT))
 
 
 def real_device_name(name: str, loopback: dict[str, str]) -> str:
@@ -107,9 +107,9 @@ def check_request(
     request: InstallationRequest,
     disks: dict[str, str],
     endpoint_scheme: str,
-    layout: blockdev.Layout | None = None,
+    layout: gpt.Layout | None = None,
     work_dir: str = "",
-    target: blockdev.Target | None = None,
+    target: bootentry.Target | None = None,
 ) -> Plan:
     """The plan of a request, or InstallFailed with the cause it is refused for.
     ``target``: where this agent's installs put their boot entry; a device

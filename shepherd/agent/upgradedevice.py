@@ -23,7 +23,7 @@ import dataclasses
 import json
 import os
 
-from . import abslots, blockdev
+from . import abslots, blockdev, bootentry, bootrecord, gpt, realdisk
 from .abslots import SlotError, SlotImage
 from .errors import UpgradeFailed
 from .wire import UPGRADE_COMMITTED, UPGRADE_FAILED, UPGRADE_ROLLED_BACK, UPGRADE_STAGED
@@ -70,25 +70,25 @@ def open_device(device: str) -> DeviceDisk:
     """The installed disk ``device``; UpgradeFailed unless it is one an install wrote."""
     try:
         nodes = partition_nodes(device)
-        header, params = blockdev.read_boot_record(nodes[0]) if nodes else ({}, b"")
+        header, params = bootrecord.read_boot_record(nodes[0]) if nodes else ({}, b"")
     except (OSError, ValueError, blockdev.DeviceFailed) as exc:
         raise UpgradeFailed(f"{device} holds no installed node: {exc}") from exc
     if len(nodes) != 4:
         raise UpgradeFailed(f"{device} has {len(nodes)} partitions, not an installed disk's 4")
     try:
-        table = blockdev.read_table(device).get("partitions")
+        table = gpt.read_table(device).get("partitions")
     except (blockdev.DeviceFailed, ValueError, KeyError) as exc:
         raise UpgradeFailed(f"cannot read the partition table of {device}: {exc}") from exc
     names = ("boot", "system_a", "system_b", "data")
     uuids = [str(p.get("uuid", "")).lower() for p in table] if isinstance(table, list) else []
     if uuids != [str(header.get(n, "")) for n in names]:
         raise UpgradeFailed(f"the boot record of {device} does not name its partitions")
-    record = len(blockdev.MAGIC) + 16 + len(json.dumps(header, sort_keys=True).encode())
+    record = len(bootrecord.MAGIC) + 16 + len(json.dumps(header, sort_keys=True).encode())
     return DeviceDisk(device, nodes, header, record + len(params))
 
 
 def write_device(
-    disk: DeviceDisk, image: str, digest: str, target: blockdev.Target
+    disk: DeviceDisk, image: str, digest: str, target: bootentry.Target
 ) -> tuple[str, int]:
     """Write ``image`` (hex SHA-256 ``digest``) to the inactive slot of ``disk``,
     read it back, and refresh the helpers and the boot check: (the slot, the
@@ -102,7 +102,7 @@ def write_device(
     node = disk.nodes[1] if slot == "a" else disk.nodes[2]
     try:
         abslots.crash_point("upgrade-image")
-        size = blockdev.write_image(image, node, digest)
+        size = realdisk.write_image(image, node, digest)
         abslots.crash_point("upgrade-helpers")
         refresh_boot_entry(target, str(disk.header["boot"]))
     except (OSError, blockdev.DeviceFailed, SlotError) as exc:
@@ -124,7 +124,7 @@ def activate_device(
         raise UpgradeFailed(f"slot {slot} of {disk.device} is the active slot now")
     node = disk.nodes[1] if slot == "a" else disk.nodes[2]
     try:
-        back = blockdev.sha256_of(node, size)
+        back = realdisk.sha256_of(node, size)
         if back != digest:
             raise UpgradeFailed(f"slot {slot} of {disk.device} holds SHA-256 {back}, not {digest}")
         abslots.crash_point("upgrade-state")
@@ -139,7 +139,7 @@ def stage_device(
     image: str,
     digest: str,
     health_timeout: float,
-    target: blockdev.Target,
+    target: bootentry.Target,
 ) -> str:
     """`write_device`, then `activate_device`: the slot, tried at the next boot.
     Steps and crash points as `abslots` draws them."""
@@ -148,17 +148,17 @@ def stage_device(
     return slot
 
 
-def refresh_boot_entry(target: blockdev.Target, boot_partuuid: str) -> None:
+def refresh_boot_entry(target: bootentry.Target, boot_partuuid: str) -> None:
     """The helpers and the boot check as this agent has them, and the node
     unit's boot info (a drop-in): what a try needs at boot, whatever agent
     installed the disk. Each file atomic; the check's symlink last."""
     from importlib import resources
 
     os.makedirs(target.helper_dir, exist_ok=True)
-    for name in (*blockdev.HELPER_MODULES, blockdev.HELPER):
+    for name in (*bootentry.HELPER_MODULES, bootentry.HELPER):
         data = resources.files(__package__).joinpath(name).read_bytes()
         abslots.write_file(os.path.join(target.helper_dir, name), data, 0o755)
-    helper = os.path.join(target.helper_dir, blockdev.HELPER)
+    helper = os.path.join(target.helper_dir, bootentry.HELPER)
     check = abslots.check_unit(target.python, helper, boot_partuuid)
     abslots.write_file(os.path.join(target.systemd_root, abslots.CHECK_UNIT), check.encode())
     drop_in = os.path.join(target.systemd_root, DROP_IN)
@@ -167,11 +167,11 @@ def refresh_boot_entry(target: blockdev.Target, boot_partuuid: str) -> None:
         drop_in,
         (
             "[Service]\n"
-            f"Environment=METROPOLIS_BOOT_INFO={blockdev.RUN}/{abslots.BOOT_INFO} "
-            f"METROPOLIS_ANNOUNCE_HEALTHY={blockdev.RUN}/{abslots.HEALTHY}\n"
+            f"Environment=METROPOLIS_BOOT_INFO={bootentry.RUN}/{abslots.BOOT_INFO} "
+            f"METROPOLIS_ANNOUNCE_HEALTHY={bootentry.RUN}/{abslots.HEALTHY}\n"
         ).encode(),
     )
-    blockdev.enable(target, abslots.CHECK_UNIT)
+    bootentry.enable(target, abslots.CHECK_UNIT)
 
 
 def device_outcome(state: abslots.SlotState, digest: str) -> tuple[int, str]:

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.agent import abslots, blockdev, unpack, upgrade, upgradedevice
+from shepherd.agent import abslots, blockdev, realdisk, unpack, upgrade, upgradedevice
 from shepherd.agent.abslots import SlotError, SlotImage, SlotState
-from shepherd.agent.blockdev import Layout, Target
+from shepherd.agent.bootentry import Target
 from shepherd.agent.errors import UpgradeFailed
+from shepherd.agent.gpt import Layout
 from tests.shepherd.agent_install import stand_in_image
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -166,7 +167,7 @@ class Disk:
         (folder / "systemd").mkdir()
         self.images: dict[str, bytes] = {}
         image = self.image("installed")
-        done = blockdev.install_device(
+        done = realdisk.install_device(
             device,
             str(image),
             self.sha(image),
@@ -199,8 +200,8 @@ class Disk:
         """`upgradedevice.stage_device` in a child process (a crash point kills it)."""
         code = (
             "import sys\n"
-            "from shepherd.agent import blockdev, upgradedevice\n"
-            "t = blockdev.Target(systemd_root=sys.argv[3], helper_dir=sys.argv[4])\n"
+            "from shepherd.agent import bootentry, upgradedevice\n"
+            "t = bootentry.Target(systemd_root=sys.argv[3], helper_dir=sys.argv[4])\n"
             "print(upgradedevice.stage_device(upgradedevice.open_device(sys.argv[1]), sys.argv[2],"
             " sys.argv[5], 5, t))\n"
         )
@@ -302,7 +303,7 @@ def test_an_upgrade_is_tried_kept_and_a_bad_one_goes_back(
     second = disk.image("second")
     staged = disk.stage(second)
     assert staged.stdout.decode().strip() == "b", staged.stderr.decode()
-    assert blockdev.sha256_of(f"{disk.device}p3", second.stat().st_size) == disk.sha(second)
+    assert realdisk.sha256_of(f"{disk.device}p3", second.stat().st_size) == disk.sha(second)
     assert (
         Path(disk.target.systemd_root) / "multi-user.target.wants" / abslots.CHECK_UNIT
     ).exists()
@@ -427,7 +428,7 @@ def test_a_reinstall_forgets_the_slot_state(loop: Callable[[int], str], tmp_path
     _ok(disk.stage(disk.image("second")))
     assert disk.state() is not None
     image = disk.image("again")
-    done = blockdev.install_device(
+    done = realdisk.install_device(
         disk.device,
         str(image),
         disk.sha(image),
@@ -513,7 +514,7 @@ def test_the_agent_stages_a_request_and_reads_the_outcome_off_the_disk(
         report = first.pending_report()
     assert report is not None
     assert (report.generation, report.state, report.slot) == (2, wire.UPGRADE_WRITTEN, "b")
-    assert blockdev.sha256_of(f"{disk.device}p3", len(data)) == digest
+    assert realdisk.sha256_of(f"{disk.device}p3", len(data)) == digest
     _ok(disk.boot())  # written, not pointed at: the old slot boots, no try
     assert (disk.booted()["slot"], disk.booted()["trial"]) == ("a", False)
     request = wire.UpgradeRequest(2, image, 5, name, activate=True)
