@@ -81,7 +81,9 @@ class Generations:
 
     A subclass names its ``KIND`` (the state file's and the messages'),
     ``DOING`` (what a broken state stops), ``REQUEST`` (what a refused
-    request is called) and the ``STATUSES`` its state file may hold.
+    request is called) and the ``STATUSES`` its state file may hold, and
+    sets its own attributes before this constructor runs: it reads the
+    state file and calls `_loaded` with what it finds.
     """
 
     KIND = ""
@@ -95,8 +97,8 @@ class Generations:
         *,
         endpoint_scheme: str,
         ca_certificate: bytes,
-        settings: Settings | None,
-        wake: Callable[[], None],
+        settings: Settings | None = None,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.agent = os.path.abspath(agent_path)
         self.agent_dir = os.path.dirname(self.agent)
@@ -113,10 +115,6 @@ class Generations:
         self._carried: int | None = None
         self._worker: threading.Thread | None = None
         self._told = Told()
-
-    def _read(self) -> dict[str, Any] | None:
-        """The state file's state (kept as the current one), or None: none
-        there, or unreadable (then `_broken` says why)."""
         try:
             state = read_state(self.state_file, self.STATUSES)
         except (OSError, ValueError) as exc:
@@ -124,10 +122,14 @@ class Generations:
                 f"{self.KIND} state {self.state_file} is unreadable ({exc}); not {self.DOING}"
             )
             log(self._broken)
-            return None
+            return
         if state is not None:
             self._state = state
-        return state
+            self._loaded(state)
+
+    def _loaded(self, state: dict[str, Any]) -> None:
+        """Finish what an earlier run of the agent left in ``state`` (the state
+        file's, when the agent starts), if anything: the subclass's."""
 
     def _save(self, state: dict[str, Any]) -> None:
         write_atomically(self.state_file, json.dumps(state).encode() + b"\n")

@@ -36,7 +36,6 @@ gone, with the cause). The server stores it beside the report
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from . import blockdev, bootrecord
@@ -44,7 +43,7 @@ from .daemon import log
 from .disks import loopback_disks
 from .errors import InstallFailed
 from .generations import MAX_ERROR, Generations
-from .install import DEVICE_KEY, Settings, await_device_key, install
+from .install import DEVICE_KEY, await_device_key, install
 from .installplan import check_request
 from .loopnode import DISK_STATE, await_key, node_running, remove_parts, write_disk_state
 from .wire import InstallationReport, InstallationRequest
@@ -69,27 +68,12 @@ class Installer(Generations):
     KIND, DOING, REQUEST = "install", "installing", "request"
     STATUSES = ("started", "node-started", "done")
 
-    def __init__(
-        self,
-        agent_path: str,
-        *,
-        endpoint_scheme: str,
-        ca_certificate: bytes,
-        settings: Settings | None = None,
-        wake: Callable[[], None] = lambda: None,
-    ) -> None:
-        super().__init__(
-            agent_path,
-            endpoint_scheme=endpoint_scheme,
-            ca_certificate=ca_certificate,
-            settings=settings,
-            wake=wake,
-        )
-        #: What the last accepted heartbeat said of the installed generation:
-        #: "" installed, else the error; None before any (`_check`).
-        self._checked: str | None = None
-        state = self._read()
-        if state is not None and state["status"] != "done":
+    #: What the last accepted heartbeat said of the installed generation:
+    #: "" installed, else the error; None before any (`_check`).
+    _checked: str | None = None
+
+    def _loaded(self, state: dict[str, Any]) -> None:
+        if state["status"] != "done":
             self._worker = threading.Thread(target=self._resume, name="install", daemon=True)
             self._worker.start()
 

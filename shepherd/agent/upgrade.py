@@ -126,13 +126,6 @@ class Upgrader(Generations):
         after_stage: str = "reboot",
         stop_timeout: float = STOP_TIMEOUT,
     ) -> None:
-        super().__init__(
-            agent_path,
-            endpoint_scheme=endpoint_scheme,
-            ca_certificate=ca_certificate,
-            settings=settings,
-            wake=wake,
-        )
         self.after_stage = after_stage
         self.stop_timeout = stop_timeout
         #: A worker thread runs (the write, or the activation and boots).
@@ -140,10 +133,17 @@ class Upgrader(Generations):
         #: The request of the current generation said activate.
         self._activate_asked = False
         self._settled_at = 0.0
-        state = self._read()
-        if state is not None and (
-            state["status"] in ("started", "written")
-            or (state["status"] == "staged" and state.get("disk"))
+        super().__init__(
+            agent_path,
+            endpoint_scheme=endpoint_scheme,
+            ca_certificate=ca_certificate,
+            settings=settings,
+            wake=wake,
+        )
+
+    def _loaded(self, state: dict[str, Any]) -> None:
+        if state["status"] in ("started", "written") or (
+            state["status"] == "staged" and state.get("disk")
         ):
             self._spawn(self._resume)
 
