@@ -91,7 +91,7 @@ def child_partitions(name: str) -> list[str]:
 def check_device(root_device: str, layout: Layout, *, own_mount: str | None = None) -> str:
     """The path of the device to install on, or DeviceRefused with the cause.
     ``own_mount``: a mount there is an earlier install's data partition, which
-    the install stops first (`stop_installed`), so it is not refused here."""
+    the install stops first (`bootentry.stop_installed`), so it is not refused here."""
     path = device_path(root_device)
     try:
         st = os.stat(path)

@@ -47,7 +47,7 @@ One upgrade::
                             goes back. An agent that runs after the
                             reboot reads the outcome off the disk's slot state
                             and reports it
-                          loopback disk (`LoopbackBoots`): the agent started
+                          loopback disk (`upgradeloop.LoopbackBoots`): the agent started
                             the new image once for its --help at the write
                             (it unpacks while the old node serves); plays the
                             boots: stops the node, lets `abslots.boot`

@@ -45,7 +45,7 @@ def _sha256(path: str) -> str:
 
 
 def write_folder(disk: str, image: str, digest: str) -> tuple[str, int]:
-    """`write_device` for a loopback disk: ``image`` (a downloaded file in
+    """`upgradedevice.write_device` for a loopback disk: ``image`` (a downloaded file in
     ``disk``) becomes the inactive slot's file; (the slot, its size)."""
     store = abslots.FolderStore(disk)
     state = store.read() or folder_installed(disk)
@@ -59,7 +59,7 @@ def write_folder(disk: str, image: str, digest: str) -> tuple[str, int]:
 
 
 def activate_folder(disk: str, slot: str, digest: str, size: int, health_timeout: float) -> None:
-    """`activate_device` for a loopback disk."""
+    """`upgradedevice.activate_device` for a loopback disk."""
     store = abslots.FolderStore(disk)
     state = store.read() or folder_installed(disk)
     if state.next is not None:
