@@ -21,6 +21,14 @@ nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
 
+#: The project installed as a path on sys.path (setuptools' "compat" editable
+#: mode, a .pth file naming this folder) rather than through an import hook:
+#: the hook's module and what it imports (pathlib, re, importlib.util) ran in
+#: every Python process at startup, about 10 ms of CPU each (21 ms against
+#: 11.5 ms for ``python -c pass``, measured here), paid by every CLI call and
+#: by each of the hundreds of processes the tests start.
+EDITABLE = ("-e", ".[dev]", "--config-settings", "editable_mode=compat")
+
 
 def _bytecode_cache(session: nox.Session) -> dict[str, str]:
     """The environment of the session's processes: bytecode cached under the
@@ -57,7 +65,7 @@ def _bytecode_cache(session: nox.Session) -> dict[str, str]:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Run the test suite (pytest in Trio mode) against real services."""
-    session.install("-e", ".[dev]")
+    session.install(*EDITABLE)
     env = _bytecode_cache(session)
     # Verbose, so that a CI log shows which tests ran, not just how many.
     # Two workers (pytest-xdist), one per core: the tests mostly wait on
@@ -80,14 +88,14 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over the packages, tests and benchmarks."""
-    session.install("-e", ".[dev]")
+    session.install(*EDITABLE)
     session.run("mypy")
 
 
 @nox.session(python=PYTHON)
 def proto(session: nox.Session) -> None:
     """Regenerate the committed protobuf classes from the .proto sources."""
-    session.install("-e", ".[dev]")
+    session.install(*EDITABLE)
     session.run("python", "-m", "tools.genproto")
 
 
@@ -101,7 +109,7 @@ def bench(session: nox.Session) -> None:
     Arguments that start with ``-`` go to every benchmark run: ``nox -s bench
     -- --smoke`` runs them all in seconds (see ``bench.smoke``).
     """
-    session.install("-e", ".[dev]")
+    session.install(*EDITABLE)
     env = _bytecode_cache(session)
     flags = [arg for arg in session.posargs if arg.startswith("-")]
     names = [arg for arg in session.posargs if not arg.startswith("-")] or [

@@ -45,6 +45,10 @@ snapshots, read there too): the owner's calls
 (:mod:`metropolis.owner`). ``--cluster`` takes what ``info --out`` wrote
 and needs no node's disk. Calls that change something print what
 changed; one still waiting after a second says what it waits for.
+``--keep-open SECONDS`` hands the call to a session process that keeps the
+connection open (started by the first such call; :mod:`metropolis.cli.ownerlink`,
+:mod:`metropolis.cli.ownersession`, run as the internal command
+``owner-session``).
 
 Every command checks its ``--root`` before it reads or writes anything
 there (:meth:`~metropolis.localstorage.Root.check`): a root that is a
@@ -63,17 +67,24 @@ imports).
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import sys
-from pathlib import Path
 
-from common.exitcodes import ExitCode, show_in_help
-from common.listen import listen_address
-from metropolis.errors import MetropolisError
+# Imported where they are used, not here: an owner call that a kept-open
+# session answers (metropolis.cli.ownerlink) runs before any of them, and
+# costs little more than the interpreter's start.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from pathlib import Path
 
-log = logging.getLogger("metropolis.cli")
+    from metropolis.errors import MetropolisError
+
+#: The logger of this CLI's own lines.
+LOG_NAME = "metropolis.cli"
+
+#: How this CLI's log lines (its errors among them) look.
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 #: ``--register-deadline``'s default, seconds: the same as
 #: :data:`metropolis.roleserve.register.DEFAULT_DEADLINE` (a test holds
@@ -89,6 +100,12 @@ ANNOUNCE_HEALTHY_ENV = "METROPOLIS_ANNOUNCE_HEALTHY"
 
 
 def _parser() -> argparse.ArgumentParser:
+    import argparse
+    from pathlib import Path
+
+    from common.exitcodes import show_in_help
+    from common.listen import listen_address
+
     parser = argparse.ArgumentParser(
         prog="metropolis",
         description="The node half: run a cluster node, build its image, manage the cluster.",
@@ -265,6 +282,16 @@ def _parser() -> argparse.ArgumentParser:
         default=7835,
         help="the cluster's curator port (with --cluster; default 7835)",
     )
+    owner.add_argument(
+        "--keep-open",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="keep a session process with the connection to the curators open for SECONDS "
+        "after the last call, and hand later calls with the same options to it (as ssh's "
+        "ControlPersist does): they then skip the start of Python's TLS, HTTP/2 and protobuf. "
+        "The session runs as you; its socket is in a folder only you can enter "
+        "($XDG_RUNTIME_DIR or /tmp, metropolis-owner-UID)",
+    )
     calls = owner.add_subparsers(dest="action", required=True)
     calls.add_parser("nodes", help="the node table")
     approve = calls.add_parser("approve", help="approve a registered node")
@@ -311,11 +338,15 @@ def _register_deadline_flag(command: argparse.ArgumentParser, when: str) -> None
 
 def _env_path(name: str) -> Path | None:
     """The path an environment variable names, if set and not empty."""
+    from pathlib import Path
+
     value = os.environ.get(name)
     return Path(value) if value else None
 
 
 def _positive_seconds(text: str) -> float:
+    import argparse
+
     try:
         value = float(text)
     except ValueError:
@@ -332,26 +363,42 @@ def main(argv: list[str] | None = None) -> int:
         from metropolis.image.__main__ import main as image_main
 
         return image_main(argv[1:])
+    if argv[:1] == ["owner"] and any(a.startswith("--keep-open") for a in argv):
+        # Before anything heavy: a kept-open session may answer the call.
+        from metropolis.cli import ownerlink
+
+        code = ownerlink.forward(argv)
+        if code is not None:
+            return code
+    if argv[:1] == ["owner-session"]:
+        # Internal: the session an owner call with --keep-open started.
+        from metropolis.cli import ownersession
+
+        return ownersession.main(argv[1:], _parser().parse_args, _error_answer)
+    import logging
+
+    from metropolis.errors import MetropolisError
+
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT, stream=sys.stderr)
+    log = logging.getLogger(LOG_NAME)
     try:
         if args.command == "owner":
             import trio
 
-            from metropolis.cli import owner
+            from metropolis.cli import owner, ownerlink
 
             trio.run(owner.run, args)
+            found = ownerlink.scan(argv)
+            if args.keep_open is not None and found is not None:
+                ownerlink.start_session(found)
         else:
             from metropolis.cli import node
 
             node.run(args)
     except MetropolisError as e:
         log.error("%s", e)
-        return ExitCode.TRY_AGAIN if _not_yet(e) else 2
+        return _exit_code(e)
     except BaseExceptionGroup as group:
         # Errors from inside the node's nursery (a refused registration):
         # one line each, like any other error of ours, not a traceback.
@@ -362,6 +409,22 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s", error)
         return 2
     return 0
+
+
+def _error_answer(error: MetropolisError) -> tuple[str, int]:
+    """An owner call's error as this CLI reports it (its log line, its exit
+    code), for a call an owner session ran."""
+    import logging
+
+    record = logging.LogRecord(LOG_NAME, logging.ERROR, __file__, 0, "%s", (error,), None)
+    line = logging.Formatter(_LOG_FORMAT).format(record) + "\n"
+    return line, _exit_code(error)
+
+
+def _exit_code(error: MetropolisError) -> int:
+    from common.exitcodes import ExitCode
+
+    return ExitCode.TRY_AGAIN if _not_yet(error) else 2
 
 
 def _not_yet(error: MetropolisError) -> bool:

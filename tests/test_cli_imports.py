@@ -90,7 +90,8 @@ BMDB_MACHINES = (
 OWNER_NODES = (
     f"{PARSING} common.backoff common.crashpoint common.numbers common.protobuf"
     " common.protowire common.text"
-    " metropolis metropolis.errors metropolis.cli metropolis.cli.owner metropolis.cli.root"
+    " metropolis metropolis.errors metropolis.cli metropolis.cli.owner metropolis.cli.ownerlink"
+    " metropolis.cli.root"
     " metropolis.owner metropolis.pki metropolis.identity metropolis.localstorage"
     " metropolis.localstorage.* common.durable"
     " metropolis.crashpoint metropolis.proto.* metropolis.roleserve metropolis.roleserve.disk"

@@ -1,7 +1,10 @@
 """``metropolis node ...``: bootstrap, register, recover and run a node, from parsed arguments.
 
 Imported by :mod:`metropolis.__main__` only for a ``node`` command, which
-runs the whole node (etcd, the curator, the role server).
+runs the whole node (etcd, the curator, the role server). Trio, the
+cluster's parameters and what runs the node are imported only once they
+are needed: ``node recover`` starts etcdctl first (issue 39: ``node
+recover`` against etcd's own restore).
 """
 
 from __future__ import annotations
@@ -13,21 +16,18 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import trio
-
 from common.durable import atomic_write
 from metropolis import identity, pki
 from metropolis.cli.root import checked_root, resolved_root
 from metropolis.consensus.settings import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root
-from metropolis.proto import parameters
-from metropolis.proto.management import GetClusterInfoResponse
-from metropolis.roleserve import disk
+from metropolis.roleserve import disk, recoverpending
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
 
 if TYPE_CHECKING:
-    from metropolis.roleserve.recover import Checked
+    from metropolis.proto.management import GetClusterInfoResponse
+    from metropolis.roleserve.recover import Restoring
 
 __all__ = ["check_socket_room", "node_settings", "run"]
 
@@ -135,6 +135,8 @@ def _register_source(args: argparse.Namespace) -> tuple[bytes, GetClusterInfoRes
     one :class:`~metropolis.proto.parameters.NodeParametersError` naming
     the file.
     """
+    from metropolis.proto import parameters
+
     if args.parameters is not None:
         params = parameters.read(args.parameters)
         register = params.cluster_register
@@ -230,12 +232,21 @@ def run(args: argparse.Namespace) -> None:
         from metropolis.roleserve import recover
 
         checked = recover.check(root, args.snapshot)  # before anything changes
-        trio.run(_recover, checked)
+        restoring = recover.start(checked)  # etcdctl runs from here
+        try:
+            import trio
+
+            trio.run(_recover, restoring)
+        finally:
+            restoring.abort()  # if Trio's import failed; nothing left to do otherwise
     else:
         root = checked_root(args.root)
     saved = disk.load(root)  # fail before starting anything
+    recoverpending.check(root)  # nor on a recovery cut before its data was in place
     if args.action == "run":
         _announce_saved(args.announce_key, saved)
+    import trio
+
     from metropolis.cli.noderun import run_node
 
     trio.run(
@@ -250,18 +261,21 @@ def run(args: argparse.Namespace) -> None:
     )
 
 
-async def _recover(checked: Checked) -> None:
+async def _recover(restoring: Restoring) -> None:
     """Restore the snapshot (:func:`~metropolis.roleserve.recover.recover`)
     while the modules of its temporary etcd and of the running node are
     imported in a thread.
 
-    The restore waits on etcdctl, then on a temporary etcd, each a process
-    of its own; the imports (a few hundred ms of CPU) need not wait for
-    them (issue 39: ``node recover`` against etcd's own restore). The
-    restore takes the temporary etcd's module only after etcdctl is done
-    (Python's import lock makes it wait for the thread's import of it if
-    need be); nothing else is imported by both.
+    The restore waits on etcdctl (started before Trio was imported) and,
+    for a node without its own peer PKI, on a temporary etcd, each a
+    process of its own; the imports (a few hundred ms of CPU) need not
+    wait for them (issue 39: ``node recover`` against etcd's own restore).
+    The restore takes the temporary etcd's module only after etcdctl is
+    done (Python's import lock makes it wait for the thread's import of it
+    if need be); nothing else is imported by both.
     """
+    import trio
+
     from metropolis.roleserve.recover import recover
 
     def import_the_rest() -> None:
@@ -273,4 +287,4 @@ async def _recover(checked: Checked) -> None:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(import_the_node)
-        await recover(checked)
+        await recover(restoring)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import trio
@@ -29,7 +29,7 @@ from metropolis.owner import (
     load_owner_key,
 )
 
-__all__ = ["run", "saying_waits"]
+__all__ = ["Say", "call", "owner_access", "run", "saying_waits"]
 
 
 def _onoff(value: str | None) -> bool | None:
@@ -49,15 +49,29 @@ _WAITS = {
 _PATIENCE = 1.0
 
 
+#: Where a command's text goes: stdout or stderr of this process, or of
+#: the process whose call an owner session runs.
+Say = Callable[[str], None]
+
+
+def _stdout(text: str) -> None:
+    sys.stdout.write(text)
+
+
+def _stderr(text: str) -> None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
 @asynccontextmanager
-async def saying_waits(what: str) -> AsyncIterator[None]:
-    """Run the block; if it takes over :data:`_PATIENCE` s, say on stderr what it waits for."""
+async def saying_waits(what: str, say: Say = _stderr) -> AsyncIterator[None]:
+    """Run the block; if it takes over :data:`_PATIENCE` s, ``say`` (stderr
+    by default) what it waits for."""
     async with trio.open_nursery() as nursery:
 
         async def tell() -> None:
             await trio.sleep(_PATIENCE)
-            sys.stderr.write(_WAITS[what] + "...\n")
-            sys.stderr.flush()
+            say(_WAITS[what] + "...\n")
 
         nursery.start_soon(tell)
         try:
@@ -66,7 +80,12 @@ async def saying_waits(what: str) -> AsyncIterator[None]:
             nursery.cancel_scope.cancel()
 
 
-def _owner_access(args: argparse.Namespace) -> OwnerAccess:
+def owner_access(args: argparse.Namespace) -> OwnerAccess:
+    """The owner's access that ``args`` name (``--cluster`` or ``--root``,
+    ``--owner-key``), read from their files now.
+
+    Errors: :class:`~metropolis.errors.MetropolisError` naming the file.
+    """
     key = load_owner_key(args.owner_key)
     if args.cluster is not None:
         return load_owner_from_cluster(args.cluster, key, args.curator_port)
@@ -79,21 +98,26 @@ async def run(args: argparse.Namespace) -> None:
     Errors: :class:`~metropolis.errors.MetropolisError` (the curators'
     :class:`~metropolis.rpc.RPCError` included), one line for the operator.
     """
-    access = _owner_access(args)
+    access = owner_access(args)
     async with saying_waits("any"):
         await access.tls_context()  # the escrow, unless the root keeps a certificate
     async with access.open() as owner:
-        await _owner_call(args, owner)
+        await call(args, owner, _stdout, _stderr)
 
 
-async def _owner_call(args: argparse.Namespace, owner: Owner) -> None:
-    out = sys.stdout.write
+async def call(args: argparse.Namespace, owner: Owner, out: Say, err: Say) -> None:
+    """Make the owner call of ``args`` on ``owner``: what it says goes to
+    ``out``, what it waits for to ``err``.
+
+    Errors: as :func:`run`'s. Cancellation: cancels the call (a change the
+    curators already made stays made).
+    """
     if args.action == "nodes":
-        async with saying_waits("any"):
+        async with saying_waits("any", err):
             rows = await owner.nodes()
         out(format_table(rows) + "\n")
     elif args.action == "approve":
-        async with saying_waits("any"):
+        async with saying_waits("any", err):
             row = await owner.approve(args.node)
             after = await owner.current(row)
         # A NEW node has pushed no status yet, so usually no address.
@@ -104,7 +128,7 @@ async def _owner_call(args: argparse.Namespace, owner: Owner) -> None:
     elif args.action == "set-roles":
         consensus = _onoff(args.consensus_member)
         what = "any" if consensus is None else ("consensus-on" if consensus else "consensus-off")
-        async with saying_waits(what):
+        async with saying_waits(what, err):
             change = await owner.set_roles(
                 args.node,
                 consensus_member=consensus,
@@ -112,7 +136,7 @@ async def _owner_call(args: argparse.Namespace, owner: Owner) -> None:
             )
         out(describe_change(change) + "\n")
     elif args.action == "delete":
-        async with saying_waits("delete"):
+        async with saying_waits("delete", err):
             change = await owner.delete(args.node, force=args.force)
         out(describe_change(change) + "\n")
     elif args.action == "tree":

@@ -1,15 +1,8 @@
 """etcd snapshots of the local member: written atomically, checksummed, with a manifest.
 
-A snapshot is two files::
-
-    FILE            etcd's own snapshot (maintenance Snapshot), byte for byte:
-                    ``etcdctl snapshot restore FILE`` takes it as it is;
-                    its last 32 bytes are etcd's SHA-256 of the rest
-    FILE.manifest   JSON: format, the cluster's identity (its CA's SHA-256,
-                    etcd's cluster id), the member and node it came from,
-                    the revision and raft term, when, size and SHA-256 of FILE
-
-Both are written under ``.tmp`` names, fsynced, renamed (FILE first), and
+A snapshot is two files, FILE and FILE.manifest
+(:mod:`metropolis.consensus.snapshotfile`, whose names this module exports
+too). Both are written under ``.tmp`` names, fsynced, renamed (FILE first), and
 the folder fsynced: a reader that finds the manifest finds FILE whole. A
 snapshot is only taken as valid when :func:`verify_snapshot` says so: the
 manifest parses, FILE has its size and SHA-256, and etcd's own hash at its
@@ -29,83 +22,35 @@ import datetime
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
 from common.durable import publish_with_sidecar
+from metropolis.consensus.snapshotfile import (
+    ETCD_HASH_SIZE,
+    FORMAT,
+    MANIFEST_SUFFIX,
+    SnapshotError,
+    SnapshotManifest,
+    check_etcd_hash,
+    cluster_identity,
+    manifest_path,
+    verify_snapshot,
+)
 from metropolis.consensus.unixhttp import TransportError, UnixHTTP
-from metropolis.errors import ConsensusError
 
 __all__ = [
     "FORMAT",
+    "MANIFEST_SUFFIX",
     "SnapshotError",
     "SnapshotManifest",
     "cluster_identity",
+    "manifest_path",
     "take_snapshot",
     "verify_snapshot",
 ]
-
-#: The manifest's ``format`` field.
-FORMAT = "metropolis-etcd-snapshot/1"
-#: The manifest sits beside the snapshot under this suffix.
-MANIFEST_SUFFIX = ".manifest"
-_CHUNK = 1 << 20
-#: Bytes of etcd's SHA-256 at the end of its snapshot.
-_HASH = 32
-
-
-def cluster_identity(ca_certificate: x509.Certificate) -> str:
-    """The cluster's identity as a manifest names it: the SHA-256 (hex) of
-    its CA certificate's DER encoding."""
-    return hashlib.sha256(ca_certificate.public_bytes(serialization.Encoding.DER)).hexdigest()
-
-
-class SnapshotError(ConsensusError):
-    """A snapshot could not be taken, or a file is not a whole snapshot."""
-
-
-@dataclass(frozen=True)
-class SnapshotManifest:
-    format: str
-    #: SHA-256 (hex) of the cluster CA certificate (DER): the cluster's identity.
-    cluster_ca_sha256: str
-    #: etcd's cluster and member IDs, as etcd reports them (decimal).
-    etcd_cluster_id: str
-    etcd_member_id: str
-    node_id: str
-    revision: int
-    raft_term: int
-    #: UTC, ISO 8601, when the snapshot was asked of etcd.
-    taken_at: str
-    size: int
-    sha256: str
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode() + b"\n"
-
-    @classmethod
-    def from_json(cls, data: bytes, where: Path) -> SnapshotManifest:
-        try:
-            raw = json.loads(data)
-            fields = {name: raw[name] for name in cls.__dataclass_fields__}
-            manifest = cls(**fields)
-        except (ValueError, TypeError, KeyError) as e:
-            raise SnapshotError(f"{where}: not a snapshot manifest ({e})") from None
-        if manifest.format != FORMAT:
-            raise SnapshotError(f"{where}: format {manifest.format!r}, want {FORMAT!r}")
-        for name in ("revision", "raft_term", "size"):
-            if not isinstance(getattr(manifest, name), int):
-                raise SnapshotError(f"{where}: {name} is not a number")
-        return manifest
-
-
-def manifest_path(path: Path) -> Path:
-    return path.with_name(path.name + MANIFEST_SUFFIX)
 
 
 def _publish(data_tmp: Path, out: Path, manifest: SnapshotManifest) -> None:
@@ -158,10 +103,10 @@ async def take_snapshot(
                         f.write(chunk)
                         digest.update(chunk)
                         size += len(chunk)
-                        tail = (tail + chunk)[-_HASH:]
+                        tail = (tail + chunk)[-ETCD_HASH_SIZE:]
                 finally:
                     stream.close()
-            if size <= _HASH:
+            if size <= ETCD_HASH_SIZE:
                 raise SnapshotError(f"etcd snapshot: only {size} bytes")
         header = status.get("header", {})
         manifest = SnapshotManifest(
@@ -177,7 +122,7 @@ async def take_snapshot(
             sha256=digest.hexdigest(),
         )
         # etcd's own hash, checked before the file gets its name.
-        await trio.to_thread.run_sync(_check_etcd_hash, data_tmp, data_tmp)
+        await trio.to_thread.run_sync(check_etcd_hash, data_tmp, data_tmp)
         await trio.to_thread.run_sync(_publish, data_tmp, out, manifest)
     except TransportError as e:
         raise SnapshotError(f"etcd snapshot: {e}") from e
@@ -201,46 +146,3 @@ def _blob(line: bytes) -> bytes:
         return base64.b64decode(obj["result"].get("blob", ""), validate=True)
     except (KeyError, AttributeError, binascii.Error) as e:
         raise SnapshotError(f"etcd snapshot: unexpected message ({e!r})") from None
-
-
-def _check_etcd_hash(path: Path, where: Path) -> None:
-    """SnapshotError unless the last 32 bytes of ``path`` are the SHA-256 of the rest."""
-    size = path.stat().st_size
-    if size <= _HASH:
-        raise SnapshotError(f"{where}: {size} bytes: not an etcd snapshot")
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        left = size - _HASH
-        while left:
-            chunk = f.read(min(_CHUNK, left))
-            if not chunk:
-                raise SnapshotError(f"{where}: shorter than it was a moment ago")
-            digest.update(chunk)
-            left -= len(chunk)
-        if f.read() != digest.digest():
-            raise SnapshotError(f"{where}: etcd's hash at the end does not match: damaged")
-
-
-def verify_snapshot(path: Path) -> SnapshotManifest:
-    """The manifest of the snapshot at ``path``, once the file is checked whole (blocking)."""
-    meta = manifest_path(path)
-    try:
-        manifest = SnapshotManifest.from_json(meta.read_bytes(), meta)
-    except OSError as e:
-        raise SnapshotError(f"{meta}: cannot read the manifest: {e.strerror or e}") from None
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise SnapshotError(f"{path}: {e.strerror or e}") from None
-    if size != manifest.size:
-        raise SnapshotError(
-            f"{path}: {size} bytes, the manifest says {manifest.size}: cut or grown"
-        )
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    if digest.hexdigest() != manifest.sha256:
-        raise SnapshotError(f"{path}: SHA-256 differs from the manifest's: damaged")
-    _check_etcd_hash(path, path)
-    return manifest

@@ -3,6 +3,8 @@
 ::
 
     curator ── waits for a running consensus status, takes its etcd view
+       │   (first, if given, ``before_campaign`` runs on it: a recovery's
+       │   preparation of its restored etcd, :mod:`.rejoin`)
        ├── election (in the curator's own task): lease, campaign, lead/follow;
        │   published as ``election`` (and logged "this curator leads") only
        │   once the API listens, so that whoever sees it lead can call it
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -79,6 +81,7 @@ class Curator:
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
         lease: Lease | None = None,
         rpc_metrics: RPCMetrics | None = None,
+        before_campaign: Callable[[Status], Awaitable[None]] | None = None,
     ):
         """``credentials`` and ``listen`` (host, port): serve the RPC API there.
 
@@ -94,6 +97,9 @@ class Curator:
         ``heartbeat_timeout``: seconds after a node's last status update at
         which this curator, leading, reports it HEARTBEAT_TIMEOUT.
         ``rpc_metrics``: where the API's calls are counted (as ``curator``).
+        ``before_campaign``: awaited with the running consensus status
+        before each campaign and before the API is served (nothing of this
+        curator uses etcd meanwhile); its errors are the run's.
         """
         self._consensus = consensus
         self.node_id = node_id
@@ -105,6 +111,7 @@ class Curator:
         self._heartbeat_timeout = heartbeat_timeout
         self._lease = lease
         self._rpc_metrics = rpc_metrics
+        self._before_campaign = before_campaign
         self._port: Value[int] = Value()
         #: The port the RPC API is bound to, once it is.
         self.port: ReadOnlyValue[int] = self._port.readonly()
@@ -147,6 +154,8 @@ class Curator:
         Asks for a restart (raises ``RestartRequested``) when the consensus
         status changes or the etcd client closes.
         """
+        if self._before_campaign is not None:
+            await self._before_campaign(status)
         kv = status.curator_client()
         node.logger.info("consensus is running; campaigning")
         async with trio.open_nursery() as nursery:

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -88,7 +88,7 @@ from metropolis.proto.common import (
     NodeRoles,
 )
 from metropolis.proto.private import SealedConfiguration
-from metropolis.roleserve import disk
+from metropolis.roleserve import disk, recoverpending
 from metropolis.roleserve.startup import (
     BootstrapControlPlane,
     BootstrapMessage,
@@ -333,7 +333,10 @@ class ControlPlaneWorker:
         else:
             assert isinstance(startup, JoinControlPlane)
             joined = startup.credentials
-            running = self._run_curator(inner, service, joined)
+            # A recovery whose restored etcd this curator prepares before
+            # its first campaign (node recover left a mark beside the data).
+            prepare = recoverpending.preparation(self._root, startup.join)
+            running = self._run_curator(inner, service, joined, before_campaign=prepare)
             # This node's own entry added to the newest directory (the
             # directory update may have published one since the decision).
             self._publish(
@@ -356,8 +359,10 @@ class ControlPlaneWorker:
         service: consensus.Service,
         credentials: NodeCredentials,
         lease: Lease | None = None,
+        before_campaign: Callable[[consensus.Status], Awaitable[None]] | None = None,
     ) -> Curator:
-        """Start this node's curator in ``inner`` (``lease``: for its first campaign)."""
+        """Start this node's curator in ``inner`` (``lease``: for its first campaign;
+        ``before_campaign``: see :class:`~metropolis.curator.service.Curator`)."""
         settings = self._settings
         curator = Curator(
             service.status,
@@ -369,6 +374,7 @@ class ControlPlaneWorker:
             heartbeat_timeout=settings.curator_heartbeat_timeout,
             lease=lease,
             rpc_metrics=self._rpc_metrics,
+            before_campaign=before_campaign,
         )
         inner.run("curator", curator.run)
         return curator

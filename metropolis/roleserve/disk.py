@@ -72,7 +72,6 @@ from metropolis.localstorage import (
     write_checked,
 )
 from metropolis.proto.common import ClusterDirectory, NodeRoles
-from metropolis.proto.management import GetClusterInfoResponse
 from metropolis.proto.private import SealedConfiguration
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
 
@@ -267,6 +266,9 @@ def save_register_intent(root: Root, settings: NodeSettings, intent: RegisterInt
 
 
 def _load_register_intent(root: Root) -> RegisterIntent:
+    # Imported for a register intent only (see roleserve.values).
+    from metropolis.proto.management import GetClusterInfoResponse
+
     path = register_path(root)
     advice = f"remove {root.path} and register again"
     raw = _read_json(path, _REGISTER, advice)

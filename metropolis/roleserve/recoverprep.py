@@ -1,7 +1,9 @@
 """``node recover``'s preparation of the restored etcd, in a temporary etcd.
 
 What :mod:`metropolis.roleserve.recover` runs once etcdctl has restored the
-snapshot into a one-member data directory: a temporary etcd on it (plain-HTTP
+snapshot into a one-member data directory, when the node has no whole peer
+PKI of its own on disk (else the node's curator prepares the data:
+:mod:`metropolis.roleserve.recoverpending`): a temporary etcd on it (plain-HTTP
 peers, alone on the node, fast raft ticks), through which this node's peer
 certificate is taken from the restored peer PKI (the stored one, or a new
 one), and its record, the rejoin marks of the other members and the

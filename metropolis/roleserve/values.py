@@ -21,13 +21,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from metropolis import pki
 from metropolis.identity import NodeCredentials
 from metropolis.proto.common import ClusterDirectory
-from metropolis.proto.management import GetClusterInfoResponse
 
 if TYPE_CHECKING:
     # Only named in the role server's value (the running services): the
     # node's disk and the owner's commands read this module without them.
+    # A register intent's cluster, likewise: its module (the management
+    # API's messages) brings the gRPC stubs, which a node's disk need not
+    # load (``node recover`` reads it before etcdctl starts).
     from metropolis.consensus.service import Service as ConsensusService
     from metropolis.curator.service import Curator
+    from metropolis.proto.management import GetClusterInfoResponse
 
 __all__ = [
     "BootstrapData",

@@ -8,6 +8,17 @@ another CA, which is what the check compares) and a cut one are refused,
 the root untouched. ``node
 recover`` on n1, ``node run`` on n2 and n3: the owner sees the three
 nodes with their roles, n2 a voter again, and the recovery's record.
+``node recover`` starts etcdctl before it imports Trio or any wire stack
+(its ``-X importtime`` lines before its "restoring" line): they are
+imported while etcdctl runs.
+
+Run twice: n1 lost its peer PKI too (a temporary etcd prepares the
+restored data), or kept it (none runs: its own etcd starts on the restored
+data and its curator prepares it before it campaigns; n2 rejoins all the
+same). On one node that kept it, its etcd data deleted: cut after the
+mark but before the data is in place, the node refuses to run (one line)
+and ``node recover`` again works; cut after the preparation but before the
+mark went, ``node run`` prepares again and the recovery is recorded once.
 """
 
 from __future__ import annotations
@@ -23,13 +34,16 @@ import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+import pytest
 import trio
 
 from metropolis import pki
 from metropolis.consensus.localetcd import etcd_pid
 from metropolis.consensus.snapshot import manifest_path
+from metropolis.crashpoint import CRASH_ENV
 from metropolis.localstorage import Root
 from metropolis.owner import open_owner
+from metropolis.roleserve import recoverpending
 from tests.metropolis.test_cluster import (
     ADDRESSES,
     _members,
@@ -39,7 +53,8 @@ from tests.metropolis.test_cluster import (
     approve_registered,
     three_nodes,
 )
-from tests.metropolis.test_node_cli import LEADS, NodeProcess, node
+from tests.metropolis.test_node_cli import LEADS, NodeProcess, bootstrap_args, node
+from tests.test_cli_imports import imported
 
 BOUND = 120
 
@@ -64,7 +79,10 @@ def _listing(root: Root) -> dict[str, str]:
     return found
 
 
-async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -> None:
+@pytest.mark.parametrize("peer_pki", ["lost", "kept"])
+async def test_recover_from_a_snapshot_after_losing_every_node(
+    tmp_path: Path, peer_pki: str
+) -> None:
     with trio.fail_after(BOUND):
         async with three_nodes(tmp_path) as (procs, roots, owner_key):
             key = pki.decode_private_key(owner_key.read_bytes())
@@ -108,8 +126,8 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 await _until(functools.partial(_no_etcd, root))
                 if root.data.etcd.data.exists():  # n3 had no etcd member
                     shutil.rmtree(root.data.etcd.data)
-            # n1 lost its peer PKI and CRL too: all of etcd's folder.
-            shutil.rmtree(roots[0].data.etcd.path)
+            if peer_pki == "lost":  # n1 lost its peer PKI and CRL too: all of etcd's folder
+                shutil.rmtree(roots[0].data.etcd.path)
 
             # Refused, and nothing changed: another cluster's, and a cut one.
             foreign = tmp_path / "foreign.snap"
@@ -127,11 +145,15 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 assert _listing(roots[0]) == untouched
 
             async with AsyncExitStack() as stack:
-                first = await stack.enter_async_context(node(*recover[1:], str(snapshot)))
+                first = await stack.enter_async_context(
+                    node(*recover[1:], str(snapshot), env={"PYTHONPROFILEIMPORTTIME": "1"})
+                )
                 back = [first]
                 stack.callback(_save_logs, tmp_path, back)
                 await first.wait_for(LEADS)
                 assert first.logged("recovered from")
+                assert first.logged("temporary etcd") == (peer_pki == "lost")
+                assert _before_etcdctl(first.lines) & _LATER == set()
                 for root in roots[1:]:
                     back.append(
                         await stack.enter_async_context(node("run", "--root", str(root.path)))
@@ -159,6 +181,68 @@ async def test_recover_from_a_snapshot_after_losing_every_node(tmp_path: Path) -
                 # Who recovered, from which revision; n2 rejoined (n3 held no member).
                 assert f"{n1.node_id} recovered from snapshot revision {meta['revision']}" in shown
                 assert f"rejoining: {n2.node_id}\n" in shown
+
+
+async def test_a_node_with_its_peer_pki_recovers_without_a_temporary_etcd(
+    tmp_path: Path,
+) -> None:
+    root = Root(tmp_path / "n")
+    owner_key = tmp_path / "owner.pem"
+    snapshot = tmp_path / "cluster.snap"
+    recover = ("recover", "--root", str(root.path), "--snapshot", str(snapshot))
+    with trio.fail_after(BOUND):
+        async with node(*bootstrap_args(tmp_path)) as first:
+            await first.wait_for(LEADS)
+            key = pki.decode_private_key(owner_key.read_bytes())
+            async with open_owner(root, key) as owner:
+                ticket = await owner.ticket()
+            owner_args = ("owner", "--root", str(root.path), "--owner-key", str(owner_key))
+            made = await _cli(*owner_args, "snapshot", "--out", str(snapshot))
+            assert made.returncode == 0, made.stderr.decode()
+            first.process.kill()
+        await _until(functools.partial(_no_etcd, root))
+        shutil.rmtree(root.data.etcd.data)
+
+        # Cut once the mark is written, before the restored data is in place.
+        async with node(*recover, env={CRASH_ENV: "recover-marked"}) as cut:
+            pass
+        assert cut.process.returncode == -signal.SIGKILL
+        assert recoverpending.path(root).exists() and not root.data.etcd.data.exists()
+        refused = await _cli("node", "run", "--root", str(root.path))
+        assert refused.returncode == 2
+        [line] = refused.stderr.decode().strip().splitlines()
+        assert "run node recover again" in line
+
+        # Cut once the keyspace is prepared, before the mark goes.
+        async with node(*recover, env={CRASH_ENV: "recover-prepared"}) as cut:
+            pass
+        assert cut.process.returncode == -signal.SIGKILL
+        assert not cut.logged("temporary etcd")
+        assert not any("recover.etcd" in line for line in cut.lines)
+        await _until(functools.partial(_no_etcd, root))
+        assert recoverpending.path(root).exists()
+        async with node("run", "--root", str(root.path)) as resumed:
+            await resumed.wait_for(LEADS)
+            assert resumed.logged("recovered from")
+            assert not recoverpending.path(root).exists()
+            async with open_owner(root, key) as owner:
+                assert await owner.ticket() == ticket
+            shown = await _owner_cli(root, owner_key, "recoveries")
+            resumed.process.send_signal(signal.SIGTERM)
+    assert len(shown.strip().splitlines()) == 1, shown
+    assert "recovered from snapshot revision" in shown
+
+
+#: Packages ``node recover`` imports only once etcdctl runs: Trio, the
+#: node's HTTP/2 and gRPC stacks, the etcd gateway's client.
+_LATER = {"trio", "h2", "hpack", "hyperframe", "grpclib", "httpx", "httpcore"}
+
+
+def _before_etcdctl(lines: list[str]) -> set[str]:
+    """The top-level packages a node's ``-X importtime`` lines name before its
+    "restoring" line (logged as it starts etcdctl)."""
+    start = next(i for i, line in enumerate(lines) if "restoring" in line)
+    return {name.split(".")[0] for name in imported("\n".join(lines[:start]))}
 
 
 async def _no_etcd(root: Root) -> bool:
