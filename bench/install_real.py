@@ -30,7 +30,7 @@ first node runs on the host's bridge address (`shepherd.localcluster`).
    heartbeat with the node healthy (R). Goal: R <= 1.5 S + N.
 
 3. Wipe of a 1 GiB disk (a loop device on this host, installed first with
-   the same layout): `shepherd.agent.blockdev.wipe_device` (wipefs of each
+   the same layout): `shepherd.agent.diskwipe.wipe_device` (wipefs of each
    partition and of the table, blkdiscard, read back) against ``blkdiscard``
    alone on the same disk installed again. Ratio: wipe / blkdiscard.
 
@@ -63,7 +63,7 @@ from metropolis import identity
 from metropolis.image.build import default_etcd
 from metropolis.owner import NodeRow
 from metropolis.proto import parameters
-from shepherd.agent import blockdev
+from shepherd.agent import bootentry, diskwipe, realdisk
 from shepherd.demo_cluster import default_image_cache, node_image
 from shepherd.install import owner_public_key
 from shepherd.localcluster import FirstNode, open_first_node
@@ -204,8 +204,8 @@ async def product(args: argparse.Namespace, work: Path, image: Path, url: str) -
         journal = await _ssh(
             real.ssh_key_file,
             real.machines.address(0),
-            f"journalctl -o short-unix --no-pager -u {blockdev.PREPARE_UNIT}"
-            f" -u {blockdev.NODE_UNIT}",
+            f"journalctl -o short-unix --no-pager -u {bootentry.PREPARE_UNIT}"
+            f" -u {bootentry.NODE_UNIT}",
             check=False,
         )
         timing.timeline = _timeline(journal, requested_at)
@@ -271,7 +271,7 @@ async def reboots(args: argparse.Namespace, real: RealFleet) -> None:
         sshd = trio.current_time() - started
         await _beat_after(real.first, address, trio.current_time())  # settled again
         started = trio.current_time()
-        await _ssh(key, address, f"systemctl restart {blockdev.NODE_UNIT}")
+        await _ssh(key, address, f"systemctl restart {bootentry.NODE_UNIT}")
         await _beat_after(real.first, address, started)
         node = trio.current_time() - started
         started = await reboot()
@@ -437,12 +437,12 @@ def _loop(path: Path, size: int) -> Iterator[str]:
 def wipe(work: Path, image: Path) -> tuple[float, float]:
     """Measure 3: (wipe_device seconds, blkdiscard seconds) on a 1 GiB loop disk."""
     digest = hashlib.sha256(image.read_bytes()).hexdigest()
-    target = blockdev.Target(systemd_root=str(work / "units"), helper_dir=str(work / "lib"))
+    target = bootentry.Target(systemd_root=str(work / "units"), helper_dir=str(work / "lib"))
     os.makedirs(target.systemd_root, exist_ok=True)
     times = []
     with _loop(work / "wipe.img", 1 << 30) as device:
         for how in ("wipe", "blkdiscard"):
-            blockdev.install_device(
+            realdisk.install_device(
                 device, str(image), digest, b"parameters", "198.18.0.9",
                 layout=SMALL_LAYOUT, target=target,
             )  # fmt: skip
@@ -450,7 +450,7 @@ def wipe(work: Path, image: Path) -> tuple[float, float]:
                             "status=none", "oflag=direct"], check=True)  # fmt: skip
             started = time.perf_counter()
             if how == "wipe":
-                blockdev.wipe_device(device)
+                diskwipe.wipe_device(device)
             else:
                 subprocess.run(["blkdiscard", "-f", device], check=True)
             times.append(time.perf_counter() - started)

@@ -24,7 +24,7 @@ import trio
 
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.localstorage import Root
-from shepherd.agent.install import ROOT as NODE_ROOT
+from shepherd.agent.loopnode import ROOT as NODE_ROOT
 from shepherd.errors import ShepherdError
 from shepherd.localfleet import DISK, machine_root, stop_agent, stop_node
 

@@ -56,7 +56,7 @@ import bmdb
 from bmdb.model import OSInstallation, Queries
 from metropolis.owner import OwnerAccess
 from metropolis.proto import parameters
-from shepherd.agent.blockdev import Layout
+from shepherd.agent.gpt import Layout
 from shepherd.agent_bundle import agent_zipapp
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.images import ImageServerConfig, serve_images

@@ -8,7 +8,7 @@ builds only well-formed ones, tested in tests/shepherd/test_install.py):
 what a compromised or buggy writer of the BMDB could store. Refused by the
 agent callback server (`shepherd.agent_server.reports.request_refusal`):
 requests the agent could not read at all, or one whose generation is not
-the row's. Refused by the agent (`shepherd.agent.install.check_request`,
+the row's. Refused by the agent (`shepherd.agent.installplan.check_request`,
 tested one by one in tests/shepherd/test_agent_install.py): the rest. Run
 under the net lock.
 """

@@ -164,13 +164,13 @@ def _install_settings(defaults: Settings, options: Options) -> Settings:
     """``defaults`` with what the command line gave."""
     import dataclasses  # not on the takeover's path
 
-    from . import blockdev
+    from . import gpt
 
     given = options.install
     layout = defaults.layout
     if options.layout is not None:
         boot, system, data = options.layout
-        layout = blockdev.Layout(boot_mib=boot, system_mib=system, data_min_mib=data)
+        layout = gpt.Layout(boot_mib=boot, system_mib=system, data_min_mib=data)
     return dataclasses.replace(
         defaults,
         download_deadline=given.get("download_deadline", defaults.download_deadline),
@@ -247,7 +247,7 @@ def main() -> int:
 
 
 def _systemd_root() -> str:
-    from .blockdev import Target
+    from .bootentry import Target
 
     return Target().systemd_root
 
@@ -263,7 +263,8 @@ def _heartbeat(heartbeater: Heartbeater, options: Options) -> int:
         agent = os.path.abspath(sys.argv[0])
         heartbeater.report = collect_hardware_report(os.path.dirname(agent))
         # After the takeover's answer: not on its path.
-        from .install import Installer, Settings
+        from .install import Settings
+        from .installer import Installer
 
         settings = _install_settings(Settings(), options)
         heartbeater.installer = Installer(

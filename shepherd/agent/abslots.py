@@ -2,7 +2,7 @@
 
 Standard library only, and importable two ways: as ``shepherd.agent.abslots``
 (the agent) and as plain ``abslots`` beside ``bootprep.py`` on an installed
-machine, where the installer copies it (`blockdev.write_boot_entry`) and the
+machine, where the installer copies it (`bootentry.write_boot_entry`) and the
 boot runs it. It holds the slot state machine and where its state is kept;
 the agent's upgrade (`shepherd.agent.upgrade`) writes a new slot, the boot
 (``bootprep.py``) picks a slot, and the boot check (``bootprep.py --check``,
@@ -91,7 +91,7 @@ the copy of that parity, the one *not* holding the newest state, then
 fsyncs: whatever a power cut leaves of it, the other copy still holds the
 state before, and a reader takes the valid copy with the higher seq (a
 torn copy fails its checksum). The boot record at the start of the
-partition (`blockdev.write_boot_record`: the install's slot A image and
+partition (`bootrecord.write_boot_record`: the install's slot A image and
 NodeParameters) is never rewritten; a disk with no valid copy is in
 INSTALLED state with slot a from that record. On a loopback disk
 (`FolderStore`): ``slots.json`` in the disk's folder, replaced atomically

@@ -1,8 +1,8 @@
 """What the installed machine runs at each boot before the node: ``python3 bootprep.py``.
 
 Standalone (the standard library only): the installer copies this file to
-the machine (`blockdev.HELPER`), with `abslots` and `unpack` beside it
-(`blockdev.HELPER_MODULES`), and ``metropolis-prepare.service`` runs it
+the machine (`bootentry.HELPER`), with `abslots` and `unpack` beside it
+(`bootentry.HELPER_MODULES`), and ``metropolis-prepare.service`` runs it
 with the boot partition's PARTUUID and the folder unpacked images live in
 (`unpack.CACHE`). Without udev (a rescue system, a systemd-nspawn machine)
 no partition node appears in /dev by itself, so it:
@@ -10,7 +10,7 @@ no partition node appears in /dev by itself, so it:
     makes every partition node           /dev/<part> from /sys/class/block/<part>/dev
                                          (a stale one made anew)
     finds the boot partition             by PARTUUID, with ``blkid`` (util-linux)
-    reads the boot record                `blockdev.write_boot_record`'s layout
+    reads the boot record                `bootrecord.write_boot_record`'s layout
     chooses the slot                     `abslots`: the active one, or a new
                                          one tried once (its state written
                                          before it runs)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import http.client
     import ssl
 
-    from .install import Installer
+    from .installer import Installer
     from .upgrade import Upgrader
 
 # The heartbeat's modules (http.client, ssl, urllib.parse, base64, random)
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 #: trickled in a byte at a time is given up when it runs out.
 REQUEST_TIMEOUT = 15.0
 #: Bound on an answer's size: room for an installation request with the
-#: largest node parameters the installer takes (`install.MAX_NODE_PARAMETERS`),
+#: largest node parameters the installer takes (`installplan.MAX_NODE_PARAMETERS`),
 #: so that one too large is refused with that cause rather than cut.
 MAX_ANSWER = 2 * 1024 * 1024
 #: How much later than asked a held answer may come (the server answers

@@ -15,7 +15,7 @@ then ``systemctl daemon-reload`` and ``systemctl restart --no-block`` of
 the unit, and answers the takeover. systemd starts the heartbeating agent
 now and at every boot; it reads its TakeoverInit from the file (its key is
 the one beside it, as before), and its installer finds the install state
-it left (`install.Installer`), so after a reboot it reports the installed
+it left (`installer.Installer`), so after a reboot it reports the installed
 generation again. A takeover again (after a recovery) rewrites the file and
 restarts the unit. `remove_unit` (the wipe) stops the unit and removes all
 three.

@@ -1,8 +1,10 @@
 """Upgrading the installed node to another image, as a heartbeat answer's upgrade request asks.
 
 The A/B machine itself (what is written when, what a crash leaves, what the
-next boot does) is `abslots`'s; this module is the agent's side of it.
-`Upgrader` works like `install.Installer`: told each accepted heartbeat's
+next boot does) is `abslots`'s; the steps on a real disk are
+`upgradedevice`'s, on a loopback disk `upgradeloop`'s; this module decides
+which step runs when, and reports.
+`Upgrader` works like `installer.Installer` (`generations`): told each accepted heartbeat's
 upgrade request (`Upgrader.on_answer`), it starts a request of a new
 generation once, in a worker thread, records it in ``<agent>.upgrade.json``
 before any side effect (a generation is never run twice, across restarts
@@ -26,11 +28,11 @@ One upgrade::
                           loopback disk with an installed node
     download, verify      beside the agent (real disk) or in the disk's
                           folder, its SHA-256 checked before any use
-    stage                 real disk: `stage_device`: the inactive slot written
-                            raw, read back; the helpers and the boot check
-                            refreshed; the slot state points at it for the
-                            next boot only
-                          loopback disk (`stage_folder`): the inactive slot's
+    stage                 real disk (`upgradedevice`): the inactive slot
+                            written raw, read back; the helpers and the boot
+                            check refreshed; the slot state points at it for
+                            the next boot only
+                          loopback disk (`upgradeloop`): the inactive slot's
                             file (``image.pyz`` is A, ``image-b.pyz`` B), the
                             slot state in ``slots.json``
                           split in two: `write_device` / `write_folder`
@@ -45,7 +47,7 @@ One upgrade::
                             goes back. An agent that runs after the
                             reboot reads the outcome off the disk's slot state
                             and reports it
-                          loopback disk (`LoopbackBoots`): the agent started
+                          loopback disk (`upgradeloop.LoopbackBoots`): the agent started
                             the new image once for its --help at the write
                             (it unpacks while the old node serves); plays the
                             boots: stops the node, lets `abslots.boot`
@@ -67,40 +69,26 @@ already consumed, as a real boot does.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
-import json
 import os
-import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import abslots, blockdev
-from .abslots import SlotError, SlotImage
+from .abslots import SlotError
 from .daemon import log
 from .disks import loopback_disks, valid_name
 from .download import DownloadFailed, Source, download
-from .errors import AgentError
-from .install import (
-    DISK_STATE,
-    IMAGE,
-    KEY,
-    LOG,
-    MAX_ERROR,
-    PID,
-    ROOT,
-    SLOT_B_IMAGE,
-    InstallFailed,
-    Settings,
-    Told,
-    image_source,
-    node_running,
-    read_state,
-    write_atomically,
-)
+from .errors import AgentError, InstallFailed, UpgradeFailed
+from .files import remove
+from .generations import MAX_ERROR, Generations
+from .install import Settings
+from .installplan import image_source
+from .loopnode import DISK_STATE, KEY, remove_parts
+from .upgradedevice import activate_device, device_outcome, open_device, write_device
+from .upgradeloop import STOP_TIMEOUT, LoopbackBoots, activate_folder, write_folder
 from .wire import (
     UPGRADE_COMMITTED,
     UPGRADE_FAILED,
@@ -111,379 +99,21 @@ from .wire import (
     UpgradeRequest,
 )
 
-if TYPE_CHECKING:
-    import ssl
-
 #: Bounds on a request's health timeout, seconds.
 MIN_HEALTH_TIMEOUT, MAX_HEALTH_TIMEOUT = 5, 24 * 3600
-#: Seconds a loopback node is given to stop after SIGTERM before SIGKILL.
-STOP_TIMEOUT = 30.0
 #: Seconds between looks at a real disk's slot state while a try is under way.
 SETTLE_INTERVAL = 2.0
-#: The drop-in that tells the node unit where the boot info is (for a unit
-#: written before the install set it).
-DROP_IN = "metropolis-node.service.d/50-boot-info.conf"
-
-_STATES = {"staged": UPGRADE_STAGED, "committed": UPGRADE_COMMITTED}
 
 
-class UpgradeFailed(AgentError):
-    """An upgrade failed and nothing changed on the machine; the message is the cause."""
-
-
-def slot_file(disk: str, slot: str) -> str:
-    """A loopback disk's file of ``slot``."""
-    return os.path.join(disk, IMAGE if slot == "a" else SLOT_B_IMAGE)
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# --- a real disk
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceDisk:
-    """An installed block device: its partition nodes and the boot record."""
-
-    device: str
-    nodes: list[str]
-    header: dict[str, object]
-    record_end: int
-
-    @property
-    def store(self) -> abslots.DeviceStore:
-        return abslots.DeviceStore(self.nodes[0], self.record_end)
-
-    def installed(self) -> abslots.SlotState:
-        """The state of a disk with none yet: slot a, as the install wrote it."""
-        return abslots.initial(
-            SlotImage(str(self.header["image_sha256"]), int(str(self.header["image_bytes"])))
-        )
-
-    def state(self) -> abslots.SlotState:
-        return self.store.read() or self.installed()
-
-
-def partition_nodes(device: str) -> list[str]:
-    """The /dev nodes of ``device``'s partitions as the kernel knows them now
-    (`blockdev.partition_node`): no udev needed, and no re-read of the table.
-    (A re-read, ``partx -u``, of a disk whose data partition is mounted may
-    give the other partitions new minor numbers; the install's
-    `blockdev.partition_nodes` runs on a disk nothing uses.)"""
-    name = blockdev.sys_name(os.stat(device).st_rdev)
-    return [blockdev.partition_node(part) for part in blockdev.child_partitions(name)]
-
-
-def open_device(device: str) -> DeviceDisk:
-    """The installed disk ``device``; UpgradeFailed unless it is one an install wrote."""
-    try:
-        nodes = partition_nodes(device)
-        header, params = blockdev.read_boot_record(nodes[0]) if nodes else ({}, b"")
-    except (OSError, ValueError, blockdev.DeviceFailed) as exc:
-        raise UpgradeFailed(f"{device} holds no installed node: {exc}") from exc
-    if len(nodes) != 4:
-        raise UpgradeFailed(f"{device} has {len(nodes)} partitions, not an installed disk's 4")
-    try:
-        table = blockdev.read_table(device).get("partitions")
-    except (blockdev.DeviceFailed, ValueError, KeyError) as exc:
-        raise UpgradeFailed(f"cannot read the partition table of {device}: {exc}") from exc
-    names = ("boot", "system_a", "system_b", "data")
-    uuids = [str(p.get("uuid", "")).lower() for p in table] if isinstance(table, list) else []
-    if uuids != [str(header.get(n, "")) for n in names]:
-        raise UpgradeFailed(f"the boot record of {device} does not name its partitions")
-    record = len(blockdev.MAGIC) + 16 + len(json.dumps(header, sort_keys=True).encode())
-    return DeviceDisk(device, nodes, header, record + len(params))
-
-
-def write_device(
-    disk: DeviceDisk, image: str, digest: str, target: blockdev.Target
-) -> tuple[str, int]:
-    """Write ``image`` (hex SHA-256 ``digest``) to the inactive slot of ``disk``,
-    read it back, and refresh the helpers and the boot check: (the slot, the
-    image's size). Nothing points at the slot yet: no boot runs it, so this
-    may happen on every machine of a run at once. UpgradeFailed if a try is
-    under way, the write fails or reads back wrong."""
-    state = disk.state()
-    if state.next is not None:
-        raise UpgradeFailed(f"a try of slot {state.next} is staged or under way on {disk.device}")
-    slot = abslots.other(state.active)
-    node = disk.nodes[1] if slot == "a" else disk.nodes[2]
-    try:
-        abslots.crash_point("upgrade-image")
-        size = blockdev.write_image(image, node, digest)
-        abslots.crash_point("upgrade-helpers")
-        refresh_boot_entry(target, str(disk.header["boot"]))
-    except (OSError, blockdev.DeviceFailed, SlotError) as exc:
-        raise UpgradeFailed(f"writing slot {slot} of {disk.device}: {exc}") from exc
-    return slot, size
-
-
-def activate_device(
-    disk: DeviceDisk, slot: str, digest: str, size: int, health_timeout: float
-) -> None:
-    """Point the next boot of ``disk`` at ``slot``, once (`abslots.stage`),
-    after reading the slot back: it must still hold ``size`` bytes of SHA-256
-    ``digest``. UpgradeFailed (nothing pointed at) otherwise, or if a try is
-    under way, or the slot is the active one now."""
-    state = disk.state()
-    if state.next is not None:
-        raise UpgradeFailed(f"a try of slot {state.next} is staged or under way on {disk.device}")
-    if slot != abslots.other(state.active):
-        raise UpgradeFailed(f"slot {slot} of {disk.device} is the active slot now")
-    node = disk.nodes[1] if slot == "a" else disk.nodes[2]
-    try:
-        back = blockdev.sha256_of(node, size)
-        if back != digest:
-            raise UpgradeFailed(f"slot {slot} of {disk.device} holds SHA-256 {back}, not {digest}")
-        abslots.crash_point("upgrade-state")
-        disk.store.write(abslots.stage(state, SlotImage(digest, size), health_timeout))
-        abslots.crash_point("upgrade-staged")
-    except (OSError, blockdev.DeviceFailed, SlotError) as exc:
-        raise UpgradeFailed(f"staging slot {slot} of {disk.device}: {exc}") from exc
-
-
-def stage_device(
-    disk: DeviceDisk,
-    image: str,
-    digest: str,
-    health_timeout: float,
-    target: blockdev.Target,
-) -> str:
-    """`write_device`, then `activate_device`: the slot, tried at the next boot.
-    Steps and crash points as `abslots` draws them."""
-    slot, size = write_device(disk, image, digest, target)
-    activate_device(disk, slot, digest, size, health_timeout)
-    return slot
-
-
-def refresh_boot_entry(target: blockdev.Target, boot_partuuid: str) -> None:
-    """The helpers and the boot check as this agent has them, and the node
-    unit's boot info (a drop-in): what a try needs at boot, whatever agent
-    installed the disk. Each file atomic; the check's symlink last."""
-    from importlib import resources
-
-    os.makedirs(target.helper_dir, exist_ok=True)
-    for name in (*blockdev.HELPER_MODULES, blockdev.HELPER):
-        data = resources.files(__package__).joinpath(name).read_bytes()
-        abslots.write_file(os.path.join(target.helper_dir, name), data, 0o755)
-    helper = os.path.join(target.helper_dir, blockdev.HELPER)
-    check = abslots.check_unit(target.python, helper, boot_partuuid)
-    abslots.write_file(os.path.join(target.systemd_root, abslots.CHECK_UNIT), check.encode())
-    drop_in = os.path.join(target.systemd_root, DROP_IN)
-    os.makedirs(os.path.dirname(drop_in), exist_ok=True)
-    abslots.write_file(
-        drop_in,
-        (
-            "[Service]\n"
-            f"Environment=METROPOLIS_BOOT_INFO={blockdev.RUN}/{abslots.BOOT_INFO} "
-            f"METROPOLIS_ANNOUNCE_HEALTHY={blockdev.RUN}/{abslots.HEALTHY}\n"
-        ).encode(),
-    )
-    blockdev.enable(target, abslots.CHECK_UNIT)
-
-
-def device_outcome(state: abslots.SlotState, digest: str) -> tuple[int, str]:
-    """What a real disk's slot state says of the try of ``digest``: (state, detail)."""
-    back = state.rolled_back
-    if back is not None and back.sha256 == digest:
-        return UPGRADE_ROLLED_BACK, f"went back to slot {state.active}: {back.cause}"
-    held = state.slots.get(state.active)
-    if state.next is None and held is not None and held.sha256 == digest:
-        return UPGRADE_COMMITTED, f"slot {state.active} runs {digest[:12]} and is permanent"
-    if state.next is not None:
-        tried = "booted for its try" if state.trying == state.next else "tried at the next boot"
-        return UPGRADE_STAGED, f"slot {state.next} is {tried}"
-    return UPGRADE_FAILED, f"the slot state names no slot of {digest[:12]}"
-
-
-# --- a loopback disk
-
-
-def write_folder(disk: str, image: str, digest: str) -> tuple[str, int]:
-    """`write_device` for a loopback disk: ``image`` (a downloaded file in
-    ``disk``) becomes the inactive slot's file; (the slot, its size)."""
-    store = abslots.FolderStore(disk)
-    state = store.read() or folder_installed(disk)
-    if state.next is not None:
-        raise UpgradeFailed(f"a try of slot {state.next} is staged or under way on {disk}")
-    slot = abslots.other(state.active)
-    size = os.path.getsize(image)
-    abslots.crash_point("upgrade-image")
-    os.replace(image, slot_file(disk, slot))
-    return slot, size
-
-
-def activate_folder(disk: str, slot: str, digest: str, size: int, health_timeout: float) -> None:
-    """`activate_device` for a loopback disk."""
-    store = abslots.FolderStore(disk)
-    state = store.read() or folder_installed(disk)
-    if state.next is not None:
-        raise UpgradeFailed(f"a try of slot {state.next} is staged or under way on {disk}")
-    if slot != abslots.other(state.active):
-        raise UpgradeFailed(f"slot {slot} of {disk} is the active slot now")
-    path = slot_file(disk, slot)
-    try:
-        if os.path.getsize(path) != size or _sha256(path) != digest:
-            raise UpgradeFailed(f"the file of slot {slot} of {disk} is not {digest[:12]}")
-    except OSError as exc:
-        raise UpgradeFailed(f"slot {slot} of {disk}: {exc.strerror}") from exc
-    abslots.crash_point("upgrade-state")
-    try:
-        store.write(abslots.stage(state, SlotImage(digest, size), health_timeout))
-    except SlotError as exc:
-        raise UpgradeFailed(str(exc)) from exc
-    abslots.crash_point("upgrade-staged")
-
-
-def stage_folder(disk: str, image: str, digest: str, health_timeout: float) -> str:
-    """`write_folder`, then `activate_folder`: the slot."""
-    slot, size = write_folder(disk, image, digest)
-    activate_folder(disk, slot, digest, size, health_timeout)
-    return slot
-
-
-def folder_installed(disk: str) -> abslots.SlotState:
-    """A loopback disk's state before its first upgrade: slot a is ``image.pyz``."""
-    path = slot_file(disk, "a")
-    try:
-        return abslots.initial(SlotImage(_sha256(path), os.path.getsize(path)))
-    except OSError as exc:
-        raise UpgradeFailed(f"{disk} holds no installed image: {exc.strerror}") from exc
-
-
-class LoopbackBoots:
-    """The boots of a loopback disk, played by the agent (see the module)."""
-
-    def __init__(self, disk: str, python: str, *, stop_timeout: float = STOP_TIMEOUT) -> None:
-        self.disk = disk
-        self.python = python
-        self.stop_timeout = stop_timeout
-        self.store = abslots.FolderStore(disk)
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def stop(self) -> None:
-        """Stop the disk's node (SIGTERM, SIGKILL after the bound), if one runs."""
-        pid = node_running(self.disk)
-        if pid is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout
-        while node_running(self.disk) == pid and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if node_running(self.disk) == pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            while node_running(self.disk) == pid:
-                time.sleep(0.05)
-
-    def _extract(self, slot: str, image: SlotImage) -> None:
-        path = slot_file(self.disk, slot)
-        try:
-            ok = os.path.getsize(path) == image.size and _sha256(path) == image.sha256
-        except OSError as exc:
-            raise SlotError(f"slot {slot}: {exc.strerror}") from exc
-        if not ok:
-            raise SlotError(f"the image of slot {slot} does not match its SHA-256")
-
-    def boot(self) -> abslots.Boot:
-        """One "boot": the node stopped, its run-time files gone, a slot chosen
-        (`abslots.boot`), the node started from it."""
-        self.stop()
-        for name in (abslots.BOOT_INFO, abslots.HEALTHY):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.disk, name))
-        chosen = abslots.boot(
-            self.store, lambda: folder_installed(self.disk), self._extract, self.disk
-        )
-        self._start(chosen.slot)
-        return chosen
-
-    def _start(self, slot: str) -> None:
-        argv = [
-            self.python,
-            slot_file(self.disk, slot),
-            "node",
-            "run",
-            "--root",
-            os.path.join(self.disk, ROOT),
-            "--boot-info",
-            os.path.join(self.disk, abslots.BOOT_INFO),
-            "--announce-healthy",
-            os.path.join(self.disk, abslots.HEALTHY),
-        ]
-        out = os.open(
-            os.path.join(self.disk, LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        )
-        try:
-            process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=self.disk,
-                start_new_session=True,
-                close_fds=True,
-            )
-        finally:
-            os.close(out)
-        write_atomically(os.path.join(self.disk, PID), f"{process.pid}\n".encode())
-        threading.Thread(target=process.wait, name="node-reaper", daemon=True).start()
-        self._process = process
-
-    def alive(self) -> bool:
-        process = self._process
-        return process is not None and process.poll() is None
-
-    def prewarm(self, slot: str, timeout: float = 300.0) -> None:
-        """Start ``slot``'s image once for its ``--help``, while the old node
-        still serves: a node image (shiv) unpacks and compiles its modules at
-        its first start, seconds that would otherwise fall inside the node's
-        downtime. Best effort: a failure here is the boot's to find."""
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(
-                [self.python, slot_file(self.disk, slot), "node", "--help"],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                cwd=self.disk,
-                timeout=timeout,
-                check=False,
-            )
-
-    def settle(self, digest: str, *, poll: float = 0.2) -> tuple[int, str]:
-        """Boot, check, and boot again when the check gives up: the outcome of
-        the try of ``digest`` (hex), as `device_outcome` says it."""
-        chosen = self.boot()
-        if chosen.trial:
-            outcome = abslots.check(
-                self.store, self.disk, self._reboot, poll=poll, log=log, alive=self.alive
-            )
-            if outcome == "rebooted":
-                self.boot()
-        state = self.store.read()
-        if state is None:
-            raise SlotError(f"{self.disk} has no slot state after its boot")
-        return device_outcome(state, digest)
-
-    def _reboot(self) -> None:
-        """The check's "reboot" is the next `boot` (in `settle`): nothing here."""
-
-
-# --- the agent's side: which generation, which report
-
-
-class Upgrader:
+class Upgrader(Generations):
     """Which upgrade requests this agent runs, and what it reports (see the module).
 
     ``after_stage``: what a real disk does once staged: "reboot" (the
     product), or "none" (tests, which boot the disk themselves).
     """
+
+    KIND, DOING, REQUEST = "upgrade", "upgrading", "upgrade"
+    STATUSES = ("started", "written", "staged", "done")
 
     def __init__(
         self,
@@ -496,40 +126,22 @@ class Upgrader:
         after_stage: str = "reboot",
         stop_timeout: float = STOP_TIMEOUT,
     ) -> None:
-        self.agent = os.path.abspath(agent_path)
-        self.agent_dir = os.path.dirname(self.agent)
-        self.state_file = self.agent + ".upgrade.json"
-        self.endpoint_scheme = endpoint_scheme
-        self.ca_certificate = ca_certificate
-        self.settings = settings or Settings()
-        self.wake = wake
         self.after_stage = after_stage
         self.stop_timeout = stop_timeout
-        self._lock = threading.Lock()
-        self._state: dict[str, Any] | None = None
-        self._broken: str | None = None
-        self._carried: int | None = None
-        self._worker: threading.Thread | None = None
         #: A worker thread runs (the write, or the activation and boots).
         self._busy = False
         #: The request of the current generation said activate.
         self._activate_asked = False
-        self._told = Told()
         self._settled_at = 0.0
-        self._load()
+        super().__init__(
+            agent_path,
+            endpoint_scheme=endpoint_scheme,
+            ca_certificate=ca_certificate,
+            settings=settings,
+            wake=wake,
+        )
 
-    # state file
-
-    def _load(self) -> None:
-        try:
-            state = read_state(self.state_file, ("started", "written", "staged", "done"))
-        except (OSError, ValueError) as exc:
-            self._broken = f"upgrade state {self.state_file} is unreadable ({exc}); not upgrading"
-            log(self._broken)
-            return
-        if state is None:
-            return
-        self._state = state
+    def _loaded(self, state: dict[str, Any]) -> None:
         if state["status"] in ("started", "written") or (
             state["status"] == "staged" and state.get("disk")
         ):
@@ -553,10 +165,6 @@ class Upgrader:
         self._worker = threading.Thread(target=body, name="upgrade", daemon=True)
         self._worker.start()
 
-    def _save(self, state: dict[str, Any]) -> None:
-        write_atomically(self.state_file, json.dumps(state).encode() + b"\n")
-        self._state = state
-
     def _record(self, **fields: Any) -> None:
         """Save the state with ``fields`` changed, and wake the heartbeat."""
         with self._lock:
@@ -569,28 +177,13 @@ class Upgrader:
                 self._state = state
         self.wake()
 
-    def _tell(self, generation: int, message: str) -> None:
-        self._told.tell(generation, message)
-
-    @property
-    def generation(self) -> int:
-        """The last upgrade generation this agent has begun (0: none)."""
-        return int(self._state["generation"]) if self._state is not None else 0
-
     def on_answer(self, request: UpgradeRequest | None) -> None:
         """Take the upgrade request an accepted heartbeat's answer carried: a
         new generation is written (and activated, if the request says so);
         the written generation is activated once a request of it says so."""
         with self._lock:
-            self._carried = None if request is None else request.generation
-            if request is None or self._broken is not None:
-                return
-            g = request.generation
-            if g <= 0:
-                self._tell(g, f"ignoring upgrade of generation {g}: generations start at 1")
-                return
-            if g < self.generation:
-                self._tell(g, f"ignoring upgrade of generation {g}: {self.generation} is newer")
+            g = self._take(None if request is None else request.generation)
+            if request is None or g is None:
                 return
             if g == self.generation:
                 assert self._state is not None
@@ -603,11 +196,7 @@ class Upgrader:
             if self._busy:
                 self._tell(g, f"upgrade of generation {g} waits for the one running now")
                 return
-            try:
-                self._save({"generation": g, "status": "started"})
-            except OSError as exc:
-                self._broken = f"cannot record upgrade state in {self.state_file}: {exc}"
-                log(f"{self._broken}; not upgrading")
+            if not self._begin(g):
                 return
             self._activate_asked = request.activate
             log(f"upgrade generation {g}: starting")
@@ -644,12 +233,6 @@ class Upgrader:
         """Whether an upgrade's step runs now (it reports when it is done)."""
         with self._lock:
             return self._busy
-
-    def join(self, timeout: float | None = None) -> None:
-        """Wait for the running upgrade, if any (tests)."""
-        worker = self._worker
-        if worker is not None:
-            worker.join(timeout)
 
     # the work
 
@@ -699,11 +282,6 @@ class Upgrader:
             )
         return source, digest, float(timeout), device, ""
 
-    def _context(self) -> ssl.SSLContext:
-        import ssl
-
-        return ssl.create_default_context(cadata=self.ca_certificate or None)
-
     def _run(self, request: UpgradeRequest) -> None:
         """Download and write the new image to the inactive slot
         (WRITTEN); then activate it if asked already."""
@@ -734,8 +312,7 @@ class Upgrader:
                     slot, size = write_folder(disk, tmp, digest)
                     LoopbackBoots(disk, self.settings.python).prewarm(slot)
             finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+                remove(tmp)
             self._record(slot=slot, size=size)
             self._report(
                 UPGRADE_WRITTEN,
@@ -856,9 +433,7 @@ class Upgrader:
                     with contextlib.suppress(OSError):
                         # The node may have been stopped by nothing (staging
                         # stops none); a download's leftovers go.
-                        for name in os.listdir(disk):
-                            if name.startswith(".image-") and name.endswith(".part"):
-                                os.unlink(os.path.join(disk, name))
+                        remove_parts(disk)
                 self._report(
                     UPGRADE_FAILED,
                     "interrupted: the agent stopped before the new slot was staged; this "

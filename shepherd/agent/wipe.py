@@ -10,7 +10,7 @@ with ``--wipe`` (nothing on stdin). In order:
                                    whose command line names this agent file
                                    is signalled (as `daemon.replace_running_agent`)
     stop each installed node       a loopback disk's node.pid, if that process
-                                   runs the disk's image (`install.node_running`):
+                                   runs the disk's image (`loopnode.node_running`):
                                    SIGTERM, then SIGKILL after a bound
     empty each loopback disk       everything an install wrote in the folder
                                    that stands for the disk (the folder stays:
@@ -18,8 +18,8 @@ with ``--wipe`` (nothing on stdin). In order:
     wipe the installed real disk   the device the install state names: the node's
                                    units stopped, its data unmounted, the boot
                                    entry removed (enable symlink first:
-                                   `blockdev.stop_installed`), then
-                                   `blockdev.wipe_device`: wipefs of each
+                                   `bootentry.stop_installed`), then
+                                   `diskwipe.wipe_device`: wipefs of each
                                    partition, then of the table, blkdiscard
                                    (a zero-out of the whole device where a
                                    discard does not zero it), read back
@@ -43,10 +43,10 @@ import signal
 import sys
 import time
 
-from . import blockdev, unit
+from . import blockdev, bootentry, diskwipe, unit
 from .disks import loopback_disks
 from .files import read_int, read_text
-from .install import node_running
+from .loopnode import node_running
 
 #: Seconds a node or agent is given to stop after SIGTERM before SIGKILL.
 STOP_TIMEOUT = 10.0
@@ -106,28 +106,30 @@ def _installed_device(agent: str) -> str | None:
     return device if isinstance(device, str) and device else None
 
 
-def _wipe_device(device: str, target: blockdev.Target, steps: list[str], errors: list[str]) -> None:
+def _wipe_device(
+    device: str, target: bootentry.Target, steps: list[str], errors: list[str]
+) -> None:
     try:
-        stopped = blockdev.stop_installed(target)
+        stopped = bootentry.stop_installed(target)
         steps.extend(f"{step}: done" for step in stopped)
         if not stopped:  # a unit half written (a cut install) is still removed
-            steps.extend(f"removed {p}: done" for p in blockdev.remove_boot_entry(target))
+            steps.extend(f"removed {p}: done" for p in bootentry.remove_boot_entry(target))
     except (OSError, blockdev.DeviceFailed) as exc:
         errors.append(f"cannot stop the installed node: {exc}")
         steps.append(f"stop the installed node: failed: {exc}")
         return  # its data is mounted: wiping under it would fail half way
     try:
-        steps.extend(blockdev.wipe_device(device))
+        steps.extend(diskwipe.wipe_device(device))
     except (OSError, blockdev.DeviceFailed) as exc:
         errors.append(f"cannot wipe {device}: {exc}")
         steps.append(f"wipe {device}: failed: {exc}")
 
 
-def wipe(agent: str, target: blockdev.Target | None = None) -> dict[str, list[object]]:
+def wipe(agent: str, target: bootentry.Target | None = None) -> dict[str, list[object]]:
     """Wipe what the agent at path ``agent`` and its installs wrote; the report.
-    ``target``: where a real install's boot entry is (`blockdev.Target` by default)."""
+    ``target``: where a real install's boot entry is (`bootentry.Target` by default)."""
     agent = os.path.abspath(agent)
-    target = target or blockdev.Target()
+    target = target or bootentry.Target()
     wiped: list[str] = []
     stopped: list[int] = []
     errors: list[str] = []

@@ -2,7 +2,7 @@
 
 The pure tests pin each transition and the store's torn-write rule on a
 plain file. The device tests install onto a loop device, stage upgrades
-with the agent's `upgrade.stage_device`, and boot the disk with the very
+with the agent's `upgradedevice.stage_device`, and boot the disk with the very
 ``bootprep.py`` the installer copies (in a child process, its run folder
 moved to a temporary one), then run the boot check as its unit would
 (its reboot a recorded call: never this host's). Crash points
@@ -26,9 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.agent import abslots, blockdev, unpack, upgrade
+from shepherd.agent import abslots, blockdev, realdisk, unpack, upgrade, upgradedevice
 from shepherd.agent.abslots import SlotError, SlotImage, SlotState
-from shepherd.agent.blockdev import Layout, Target
+from shepherd.agent.bootentry import Target
+from shepherd.agent.errors import UpgradeFailed
+from shepherd.agent.gpt import Layout
 from tests.shepherd.agent_install import stand_in_image
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -165,7 +167,7 @@ class Disk:
         (folder / "systemd").mkdir()
         self.images: dict[str, bytes] = {}
         image = self.image("installed")
-        done = blockdev.install_device(
+        done = realdisk.install_device(
             device,
             str(image),
             self.sha(image),
@@ -195,12 +197,12 @@ class Disk:
             return hashlib.sha256(f.read()).hexdigest()
 
     def stage(self, image: Path, *, crash: str = "") -> subprocess.CompletedProcess[bytes]:
-        """`upgrade.stage_device` in a child process (a crash point kills it)."""
+        """`upgradedevice.stage_device` in a child process (a crash point kills it)."""
         code = (
             "import sys\n"
-            "from shepherd.agent import blockdev, upgrade\n"
-            "t = blockdev.Target(systemd_root=sys.argv[3], helper_dir=sys.argv[4])\n"
-            "print(upgrade.stage_device(upgrade.open_device(sys.argv[1]), sys.argv[2],"
+            "from shepherd.agent import bootentry, upgradedevice\n"
+            "t = bootentry.Target(systemd_root=sys.argv[3], helper_dir=sys.argv[4])\n"
+            "print(upgradedevice.stage_device(upgradedevice.open_device(sys.argv[1]), sys.argv[2],"
             " sys.argv[5], 5, t))\n"
         )
         return subprocess.run(
@@ -301,7 +303,7 @@ def test_an_upgrade_is_tried_kept_and_a_bad_one_goes_back(
     second = disk.image("second")
     staged = disk.stage(second)
     assert staged.stdout.decode().strip() == "b", staged.stderr.decode()
-    assert blockdev.sha256_of(f"{disk.device}p3", second.stat().st_size) == disk.sha(second)
+    assert realdisk.sha256_of(f"{disk.device}p3", second.stat().st_size) == disk.sha(second)
     assert (
         Path(disk.target.systemd_root) / "multi-user.target.wants" / abslots.CHECK_UNIT
     ).exists()
@@ -426,7 +428,7 @@ def test_a_reinstall_forgets_the_slot_state(loop: Callable[[int], str], tmp_path
     _ok(disk.stage(disk.image("second")))
     assert disk.state() is not None
     image = disk.image("again")
-    done = blockdev.install_device(
+    done = realdisk.install_device(
         disk.device,
         str(image),
         disk.sha(image),
@@ -448,13 +450,13 @@ def test_staging_refuses_a_second_try_and_a_disk_it_did_not_install(
     disk = Disk(loop(40), tmp_path)
     _ok(disk.stage(disk.image("second")))
     third = disk.image("third")
-    with pytest.raises(upgrade.UpgradeFailed, match="under way"):
-        upgrade.stage_device(
-            upgrade.open_device(disk.device), str(third), disk.sha(third), 30, disk.target
+    with pytest.raises(UpgradeFailed, match="under way"):
+        upgradedevice.stage_device(
+            upgradedevice.open_device(disk.device), str(third), disk.sha(third), 30, disk.target
         )
     blank = loop(40)
-    with pytest.raises(upgrade.UpgradeFailed, match=r"holds no installed node|partitions"):
-        upgrade.open_device(blank)
+    with pytest.raises(UpgradeFailed, match=r"holds no installed node|partitions"):
+        upgradedevice.open_device(blank)
 
 
 @needs_root
@@ -512,7 +514,7 @@ def test_the_agent_stages_a_request_and_reads_the_outcome_off_the_disk(
         report = first.pending_report()
     assert report is not None
     assert (report.generation, report.state, report.slot) == (2, wire.UPGRADE_WRITTEN, "b")
-    assert blockdev.sha256_of(f"{disk.device}p3", len(data)) == digest
+    assert realdisk.sha256_of(f"{disk.device}p3", len(data)) == digest
     _ok(disk.boot())  # written, not pointed at: the old slot boots, no try
     assert (disk.booted()["slot"], disk.booted()["trial"]) == ("a", False)
     request = wire.UpgradeRequest(2, image, 5, name, activate=True)

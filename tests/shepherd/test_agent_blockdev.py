@@ -19,9 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.agent import blockdev, install, wire
-from shepherd.agent.blockdev import Layout, Target
-from shepherd.agent.install import Installer, Settings
+from shepherd.agent import (
+    blockdev,
+    bootentry,
+    bootrecord,
+    diskwipe,
+    gpt,
+    installplan,
+    realdisk,
+    wire,
+)
+from shepherd.agent.bootentry import Target
+from shepherd.agent.gpt import Layout
+from shepherd.agent.install import Settings
+from shepherd.agent.installer import Installer
 from tests.shepherd.agent_install import request, serve_images, stand_in_image
 from tests.shepherd.agents import make_tls
 
@@ -168,7 +179,7 @@ def test_full_install_reads_back(loop: Callable[[int], str], tmp_path: Path) -> 
     image, digest = _image(tmp_path)
     target = _target(tmp_path)
     (tmp_path / "systemd").mkdir()
-    done = blockdev.install_device(
+    done = realdisk.install_device(
         blockdev.check_device(os.path.basename(device), SMALL),
         str(image),
         digest,
@@ -183,12 +194,12 @@ def test_full_install_reads_back(loop: Callable[[int], str], tmp_path: Path) -> 
     )
     parts = table["partitiontable"]["partitions"]
     assert table["partitiontable"]["label"] == "gpt"
-    assert [p["name"] for p in parts] == list(blockdev.NAMES)
+    assert [p["name"] for p in parts] == list(gpt.NAMES)
     assert [p["type"] for p in parts] == [
-        blockdev.TYPE_BOOT,
-        blockdev.TYPE_SYSTEM,
-        blockdev.TYPE_SYSTEM,
-        blockdev.TYPE_DATA,
+        gpt.TYPE_BOOT,
+        gpt.TYPE_SYSTEM,
+        gpt.TYPE_SYSTEM,
+        gpt.TYPE_DATA,
     ]
     assert [p["size"] * 512 for p in parts[:3]] == [
         blockdev.MIB,
@@ -200,7 +211,7 @@ def test_full_install_reads_back(loop: Callable[[int], str], tmp_path: Path) -> 
     with open(f"{device}p2", "rb") as f:
         assert hashlib.sha256(f.read(image.stat().st_size)).hexdigest() == digest
     # NodeParameters on the boot partition.
-    header, parameters = blockdev.read_boot_record(f"{device}p1")
+    header, parameters = bootrecord.read_boot_record(f"{device}p1")
     assert parameters == b"\x0a\x02params"
     assert header["image_sha256"] == digest and header["data"] == done.partitions.partuuids[3]
     # The data partition mounts by PARTUUID.
@@ -208,26 +219,26 @@ def test_full_install_reads_back(loop: Callable[[int], str], tmp_path: Path) -> 
     assert (tmp_path / "root" / "lost+found").is_dir()
     # The units, as written.
     units = tmp_path / "systemd"
-    node = (units / blockdev.NODE_UNIT).read_text()
+    node = (units / bootentry.NODE_UNIT).read_text()
     assert "Restart=always" in node and "--address 198.18.0.7" in node
     assert "Requires=var-lib-metropolis.mount" in node
     mount = (units / "var-lib-metropolis.mount").read_text()
-    assert f"What={blockdev.RUN}/data" in mount and "Where=/var/lib/metropolis" in mount
-    prepare = (units / blockdev.PREPARE_UNIT).read_text()
+    assert f"What={bootentry.RUN}/data" in mount and "Where=/var/lib/metropolis" in mount
+    prepare = (units / bootentry.PREPARE_UNIT).read_text()
     assert done.partitions.partuuids[0] in prepare
-    link = units / "multi-user.target.wants" / blockdev.NODE_UNIT
-    assert os.readlink(link) == str(units / blockdev.NODE_UNIT)
-    assert (tmp_path / "lib" / blockdev.HELPER).read_bytes() == (
-        Path(blockdev.__file__).with_name(blockdev.HELPER).read_bytes()
+    link = units / "multi-user.target.wants" / bootentry.NODE_UNIT
+    assert os.readlink(link) == str(units / bootentry.NODE_UNIT)
+    assert (tmp_path / "lib" / bootentry.HELPER).read_bytes() == (
+        Path(blockdev.__file__).with_name(bootentry.HELPER).read_bytes()
     )
 
 
 _CHILD = """
 import sys
-from shepherd.agent import blockdev
-t = blockdev.Target(systemd_root=sys.argv[4], helper_dir=sys.argv[5])
-blockdev.install_device(sys.argv[1], sys.argv[2], sys.argv[3], b"p", "198.18.0.7",
-    layout=blockdev.Layout(1, 4, 8), target=t)
+from shepherd.agent import bootentry, gpt, realdisk
+t = bootentry.Target(systemd_root=sys.argv[4], helper_dir=sys.argv[5])
+realdisk.install_device(sys.argv[1], sys.argv[2], sys.argv[3], b"p", "198.18.0.7",
+    layout=gpt.Layout(1, 4, 8), target=t)
 """
 
 
@@ -250,7 +261,7 @@ def test_a_cut_before_the_boot_entry_leaves_no_unit(
             str(units),
             str(tmp_path / "lib"),
         ],
-        env={**os.environ, blockdev.CRASH_ENV: step},
+        env={**os.environ, realdisk.CRASH_ENV: step},
         capture_output=True,
         check=False,
     )
@@ -263,10 +274,10 @@ def test_wipe_reads_back_nothing_left(loop: Callable[[int], str], tmp_path: Path
     image, digest = _image(tmp_path)
     secret = b"NODE-PRIVATE-KEY-" + os.urandom(16).hex().encode()
     (tmp_path / "systemd").mkdir()
-    done = blockdev.install_device(
+    done = realdisk.install_device(
         device, str(image), digest, secret, "198.18.0.7", layout=SMALL, target=_target(tmp_path)
     )
-    steps = blockdev.wipe_device(device)
+    steps = diskwipe.wipe_device(device)
     assert steps[-1].startswith(f"read back {device}: no signature, no partition, zeroes")
     assert f"wipefs -a {device}p4: done" in steps
     assert f"blkdiscard {device}: done" in steps  # a loop device discards (punches holes)
@@ -274,7 +285,7 @@ def test_wipe_reads_back_nothing_left(loop: Callable[[int], str], tmp_path: Path
         everything = f.read()
     assert b"EFI PART" not in everything  # neither GPT header
     assert secret not in everything
-    assert blockdev.MAGIC not in everything
+    assert bootrecord.MAGIC not in everything
     assert b"\x53\xef" not in everything[1024 + 56 : 1024 + 58]
     assert subprocess.run(["blkid", "-p", device], capture_output=True).returncode == 2
     for uuid in done.partitions.partuuids:
@@ -327,12 +338,12 @@ def test_installer_refuses_a_mounted_loop_device_and_installs_onto_a_free_one(
         report = installer.pending_report()
     assert report is not None and report.error is not None
     assert report.error.startswith(f"installed onto {free}; the node was not started")
-    assert (tmp_path / "systemd" / "multi-user.target.wants" / blockdev.NODE_UNIT).is_symlink()
-    assert blockdev.sha256_of(f"{free}p2", len(data)) == digest
+    assert (tmp_path / "systemd" / "multi-user.target.wants" / bootentry.NODE_UNIT).is_symlink()
+    assert realdisk.sha256_of(f"{free}p2", len(data)) == digest
     state = json.loads((tmp_path / "root" / "agent.install.json").read_text())
     assert state["generation"] == 2 and state["status"] == "done"
     assert not [p for p in os.listdir(agent.parent) if p.endswith(".part")]
-    assert install.BLOCK_DEVICE_REFUSAL  # kept for agents without a layout
+    assert installplan.BLOCK_DEVICE_REFUSAL  # kept for agents without a layout
 
 
 def test_agent_wipe_wipes_the_installed_device(loop: Callable[[int], str], tmp_path: Path) -> None:
@@ -342,7 +353,7 @@ def test_agent_wipe_wipes_the_installed_device(loop: Callable[[int], str], tmp_p
     image, digest = _image(tmp_path)
     target = _target(tmp_path)
     (tmp_path / "systemd").mkdir()
-    blockdev.install_device(
+    realdisk.install_device(
         device, str(image), digest, b"secret-params", "198.18.0.7", layout=SMALL, target=target
     )
     agent = tmp_path / "agent"
@@ -351,7 +362,7 @@ def test_agent_wipe_wipes_the_installed_device(loop: Callable[[int], str], tmp_p
     )
     report = wipe(str(agent), target)
     assert report["errors"] == []
-    link = tmp_path / "systemd" / "multi-user.target.wants" / blockdev.NODE_UNIT
+    link = tmp_path / "systemd" / "multi-user.target.wants" / bootentry.NODE_UNIT
     assert f"removed {link}: done" in report["steps"]
     assert any(str(w).startswith(f"read back {device}: no signature") for w in report["steps"])
     assert [p.name for p in (tmp_path / "systemd").iterdir()] == ["multi-user.target.wants"]
@@ -370,7 +381,7 @@ def test_the_installer_reports_what_it_finds_of_its_install(
     image, digest = _image(tmp_path)
     target = _target(tmp_path)
     (tmp_path / "systemd").mkdir()
-    blockdev.install_device(
+    realdisk.install_device(
         device, str(image), digest, b"p", "198.18.0.7", layout=SMALL, target=target, generation=3
     )
     key = bytes(range(32))
@@ -402,7 +413,7 @@ def test_the_installer_reports_what_it_finds_of_its_install(
     installer.sent(gone)
     assert installer.pending_report() is None
     # Another generation's install there is not this one.
-    blockdev.install_device(
+    realdisk.install_device(
         device, str(image), digest, b"p", "198.18.0.7", layout=SMALL, target=target, generation=4
     )
     other = installer.pending_report()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.agent import blockdev, bootprep
+from shepherd.agent import blockdev, bootentry, bootprep
 
 
 def _sys(root: Path, name: str, devno: tuple[int, int], *, partition: bool) -> None:
@@ -70,7 +70,7 @@ def test_a_non_block_entry_is_refused(roots: tuple[Path, Path]) -> None:
 
 def test_the_agents_unmount_unmounts_by_the_system_call(tmp_path: Path) -> None:
     """What the agent falls back on when systemd cannot run umount for the
-    data partition (`blockdev.stop_installed`)."""
+    data partition (`bootentry.stop_installed`)."""
     if os.geteuid() != 0:
         pytest.skip("mount needs root")
     point = tmp_path / "mnt"
@@ -78,9 +78,9 @@ def test_the_agents_unmount_unmounts_by_the_system_call(tmp_path: Path) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(point)], check=True)
     try:
         assert os.path.ismount(point)
-        blockdev.unmount(str(point))
+        bootentry.unmount(str(point))
         assert not os.path.ismount(point)
         with pytest.raises(blockdev.DeviceFailed, match="cannot unmount"):
-            blockdev.unmount(str(point))
+            bootentry.unmount(str(point))
     finally:
         subprocess.run(["umount", str(point)], capture_output=True, check=False)

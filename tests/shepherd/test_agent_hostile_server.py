@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from shepherd.agent import heartbeat, protocol, wire
 from shepherd.agent.errors import AgentError
 from shepherd.agent.heartbeat import MAX_ANSWER, Heartbeater
-from shepherd.agent.install import Installer
+from shepherd.agent.installer import Installer
 from shepherd.localfleet import agent_pid
 from tests.shepherd.agent_install import encode_response, request
 from tests.shepherd.agents import kill_agent, patched_agent, start_agent_process

@@ -1,4 +1,4 @@
-"""The agent's installer (`shepherd.agent.install`) against a real image server.
+"""The agent's installer (`shepherd.agent.installer`, `install`) against a real image server.
 
 In process: an `Installer` beside a temporary agent path with one loopback
 disk, an HTTPS image server of the test (its CA given as the TakeoverInit's
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.agent import install, wire
-from shepherd.agent.install import Installer, Settings
+from shepherd.agent import generations, installplan, wire
+from shepherd.agent.install import Settings
+from shepherd.agent.installer import Installer
 from shepherd.localfleet import node_pid
 from tests.shepherd.agent_install import (
     ImageServer,
@@ -218,7 +219,7 @@ def _block_device() -> str:
 
 HOSTILE: dict[str, tuple[dict[str, object], str]] = {
     "huge parameters": (
-        {"node_parameters": b"x" * (install.MAX_NODE_PARAMETERS + 1)},
+        {"node_parameters": b"x" * (installplan.MAX_NODE_PARAMETERS + 1)},
         "node_parameters of 1048577 bytes, over the bound",
     ),
     "no parameters": ({"node_parameters": None}, "no node_parameters"),
@@ -364,12 +365,12 @@ def test_refused_generations_are_logged_once_and_remembered_within_a_bound(
     for _ in range(3):  # heartbeats repeat the request: one line
         ask(5)
     assert capsys.readouterr().err.count("ignoring request of generation 5:") == 1
-    for generation in range(1, 20 * install.TOLD_MAX):
+    for generation in range(1, 20 * generations.TOLD_MAX):
         ask(generation)
-    assert len(installer._told) <= install.TOLD_MAX  # before the bound: one entry each
+    assert len(installer._told) <= generations.TOLD_MAX  # before the bound: one entry each
     # The last ones are remembered, the first forgotten: logged again if asked again.
     capsys.readouterr()
-    ask(20 * install.TOLD_MAX - 1)
+    ask(20 * generations.TOLD_MAX - 1)
     ask(1)
     assert "generation 1:" in capsys.readouterr().err
     assert installer.generation == 10**9  # nothing begun
@@ -388,6 +389,6 @@ def test_the_upgrader_remembers_a_bounded_number_of_refusals(
     for _ in range(3):
         upgrader.on_answer(wire.UpgradeRequest(0))
     assert capsys.readouterr().err.count("ignoring upgrade of generation 0:") == 1
-    for generation in range(-20 * install.TOLD_MAX, 0):
+    for generation in range(-20 * generations.TOLD_MAX, 0):
         upgrader.on_answer(wire.UpgradeRequest(generation))
-    assert len(upgrader._told) <= install.TOLD_MAX
+    assert len(upgrader._told) <= generations.TOLD_MAX

@@ -128,7 +128,7 @@ def test_install_bounds_reach_the_agents_settings() -> None:
     import shlex
 
     from shepherd.agent.__main__ import _install_settings, parse_args
-    from shepherd.agent.blockdev import Layout
+    from shepherd.agent.gpt import Layout
     from shepherd.agent.install import Settings
 
     config = AgentConfig(

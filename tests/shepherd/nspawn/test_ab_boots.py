@@ -67,7 +67,7 @@ def main():
         time.sleep(60)
 """
 
-LAYOUT = "blockdev.Layout(boot_mib=8, system_mib=24, data_min_mib=64)"
+LAYOUT = "gpt.Layout(boot_mib=8, system_mib=24, data_min_mib=64)"
 
 
 def image(payload: bytes) -> bytes:
@@ -169,10 +169,10 @@ def _reboot(rig: FleetThread) -> None:
 def _stage(rig: FleetThread, name: str, sha: str, timeout: int, env: str = "") -> str:
     done = _python(
         rig,
-        "from shepherd.agent import blockdev, upgrade\n"
-        f"disk = upgrade.open_device({str(rig.fleet.disks[0].device)!r})\n"  # type: ignore[union-attr]
-        f"print(upgrade.stage_device(disk, '/root/{name}.pyz', {sha!r}, {timeout},"
-        " blockdev.Target()))\n",
+        "from shepherd.agent import bootentry, upgradedevice\n"
+        f"disk = upgradedevice.open_device({str(rig.fleet.disks[0].device)!r})\n"  # type: ignore[union-attr]
+        f"print(upgradedevice.stage_device(disk, '/root/{name}.pyz', {sha!r}, {timeout},"
+        " bootentry.Target()))\n",
         env,
     )
     assert done.returncode == 0, done.stderr
@@ -192,10 +192,10 @@ def test_slots_boot_try_keep_go_back_and_survive_a_power_cut(machine: FleetThrea
     # Install A (the boot entry last), then boot it.
     done = _python(
         rig,
-        "from shepherd.agent import blockdev\n"
+        "from shepherd.agent import blockdev, bootentry, gpt, realdisk\n"
         f"path = blockdev.check_device({device!r}, {LAYOUT})\n"
-        f"blockdev.install_device(path, '/root/good-a.pyz', {sha['good-a']!r}, b'params',"
-        f" '198.18.0.9', layout={LAYOUT}, target=blockdev.Target())\n",
+        f"realdisk.install_device(path, '/root/good-a.pyz', {sha['good-a']!r}, b'params',"
+        f" '198.18.0.9', layout={LAYOUT}, target=bootentry.Target())\n",
     )
     assert done.returncode == 0, done.stderr
     _reboot(rig)
@@ -227,10 +227,10 @@ def test_slots_boot_try_keep_go_back_and_survive_a_power_cut(machine: FleetThrea
         "/root/stage-d.py",
         (
             "import sys; sys.path.insert(0, '/root/agent.pyz')\n"
-            "from shepherd.agent import blockdev, upgrade\n"
-            f"disk = upgrade.open_device({device!r})\n"
-            f"upgrade.stage_device(disk, '/root/good-d.pyz', {sha['good-d']!r}, 60,"
-            " blockdev.Target())\n"
+            "from shepherd.agent import bootentry, upgradedevice\n"
+            f"disk = upgradedevice.open_device({device!r})\n"
+            f"upgradedevice.stage_device(disk, '/root/good-d.pyz', {sha['good-d']!r}, 60,"
+            " bootentry.Target())\n"
         ).encode(),
     )
     rig.ssh(

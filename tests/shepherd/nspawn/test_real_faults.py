@@ -27,7 +27,7 @@ import trio
 
 import bmdb
 from bmdb.model import InstallState, OSInstallation, Queries
-from shepherd.agent import blockdev
+from shepherd.agent import bootentry, bootrecord, realdisk
 from shepherd.agent.unit import AGENT_UNIT
 from shepherd.install import request_bytes
 from shepherd.providers.base import PowerState
@@ -110,20 +110,20 @@ async def no_node(rig: RealThread, index: int) -> None:
     """Nothing runs a node, and nothing would at the next boot."""
     units = await rig.sh(index, "ls /etc/systemd/system | grep metropolis-", check=False)
     assert units.stdout.split() == [AGENT_UNIT]  # the agent's only: no boot entry
-    running = await rig.sh(index, f"pgrep -f '{blockdev.NODE_LINK} node'", check=False)
+    running = await rig.sh(index, f"pgrep -f '{bootentry.NODE_LINK} node'", check=False)
     assert running.returncode == 1, running.stdout
-    state = await rig.sh(index, f"systemctl is-active {blockdev.NODE_UNIT}", check=False)
+    state = await rig.sh(index, f"systemctl is-active {bootentry.NODE_UNIT}", check=False)
     assert state.stdout.strip() == "inactive"
 
 
 async def pause_at(rig: RealThread, index: int, step: str) -> None:
-    """Make the next install wait at ``step`` (`blockdev.PAUSE_DIR`), until the power goes."""
-    await rig.sh(index, f"mkdir -p {blockdev.PAUSE_DIR} && touch {blockdev.PAUSE_DIR}/pause-{step}")
+    """Make the next install wait at ``step`` (`realdisk.PAUSE_DIR`), until the power goes."""
+    await rig.sh(index, f"mkdir -p {realdisk.PAUSE_DIR} && touch {realdisk.PAUSE_DIR}/pause-{step}")
 
 
 async def paused(rig: RealThread, index: int, step: str) -> None:
     async def there() -> bool:
-        found = await rig.sh(index, f"test -e {blockdev.PAUSE_DIR}/paused-{step}", check=False)
+        found = await rig.sh(index, f"test -e {realdisk.PAUSE_DIR}/paused-{step}", check=False)
         return found.returncode == 0
 
     await until(there)
@@ -192,7 +192,7 @@ async def test_power_cut_right_after_the_image_write(rig: RealThread, node_image
     image = await trio.Path(node_image).read_bytes()
     disk = real.machines.disks[0]
     assert (await trio.Path(f"/dev/{disk.name}p2").read_bytes())[: len(image)] == image
-    assert blockdev.MAGIC not in await trio.Path(f"/dev/{disk.name}p1").read_bytes()
+    assert bootrecord.MAGIC not in await trio.Path(f"/dev/{disk.name}p1").read_bytes()
 
 
 async def test_the_next_generation_installs_cleanly_over_what_the_cuts_left(

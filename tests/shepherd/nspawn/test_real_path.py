@@ -34,7 +34,7 @@ from common import hwreport
 from metropolis.consensus.client import Client, Member
 from metropolis.consensus.process import SOCKET_NAME
 from metropolis.owner import NodeRow
-from shepherd.agent import blockdev
+from shepherd.agent import bootentry, bootrecord
 from shepherd.agent.unit import AGENT_UNIT
 from shepherd.proto.agent_callback import AgentHardwareReport
 from shepherd.providers.base import PowerState
@@ -121,7 +121,7 @@ def healthy(row: NodeRow | None) -> bool:
 
 async def node_unit(rig: RealThread, index: int) -> dict[str, str]:
     shown = (
-        await rig.sh(index, f"systemctl show -p ActiveState,MainPID {blockdev.NODE_UNIT}")
+        await rig.sh(index, f"systemctl show -p ActiveState,MainPID {bootentry.NODE_UNIT}")
     ).stdout
     return dict(line.split("=", 1) for line in shown.split())
 
@@ -188,7 +188,7 @@ async def test_shepherd_install_makes_nodes_that_run_under_the_machines_systemd(
         assert unit["ActiveState"] == "active"
         pid = unit["MainPID"]
         assert (
-            f"/system.slice/{blockdev.NODE_UNIT}"
+            f"/system.slice/{bootentry.NODE_UNIT}"
             in (await rig.sh(index, f"cat /proc/{pid}/cgroup")).stdout
         )
         assert (await rig.sh(index, f"ps -o ppid= -p {pid}")).stdout.strip() == "1"
@@ -396,7 +396,7 @@ async def test_decommission_wipes_the_disk_for_real(rig: RealThread) -> None:
     everything = await trio.to_thread.run_sync(disk.device.read_bytes)
     assert len(everything) == disk.size
     assert b"EFI PART" not in everything  # no GPT, primary or backup
-    assert blockdev.MAGIC not in everything
+    assert bootrecord.MAGIC not in everything
     assert seed not in everything and body not in everything
     assert everything.count(0) == len(everything)  # discarded: zeroes throughout
     probe = await trio.run_process(["blkid", "-p", str(disk.device)], check=False)
@@ -404,7 +404,7 @@ async def test_decommission_wipes_the_disk_for_real(rig: RealThread) -> None:
     # And on the machine: no unit, no node, no agent.
     left = (await rig.sh(2, "ls /etc/systemd/system | grep metropolis", check=False)).stdout
     assert left == ""
-    assert (await rig.sh(2, f"pgrep -f '{blockdev.NODE_LINK} node'", check=False)).returncode == 1
+    assert (await rig.sh(2, f"pgrep -f '{bootentry.NODE_LINK} node'", check=False)).returncode == 1
     assert (await rig.sh(2, "pgrep -f /root/agent", check=False)).returncode == 1
     assert (
         json.loads((await rig.sh(2, "lsblk -J -o NAME " + str(disk.device))).stdout)[

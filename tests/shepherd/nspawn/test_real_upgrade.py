@@ -21,7 +21,7 @@ group):
   the run stops with that cause, no other machine was activated, the node
   says which image it went back from and why;
 * a run to the second image, its power cut through the BMC halfway through
-  the slot write (`blockdev.PAUSE_DIR`'s ``image-half``): the old slot
+  the slot write (`realdisk.PAUSE_DIR`'s ``image-half``): the old slot
   boots (the new one was never pointed at), the agent reports the
   generation interrupted, the run stops saying so before any activation;
 * the whole cluster moved to the second image while a client writes
@@ -58,7 +58,7 @@ from metropolis.owner import NodeRow, Owner, OwnerAccess
 from metropolis.proto import management as m
 from metropolis.rpc import methods
 from metropolis.rpc.client import endpoints_from_directory
-from shepherd.agent import blockdev
+from shepherd.agent import realdisk
 from shepherd.providers.base import PowerState
 from shepherd.providers.redfish import Credentials, RedfishClient
 from tests.fixtures.image import broken_image
@@ -403,14 +403,14 @@ async def test_a_power_cut_in_the_middle_of_the_slot_write_boots_the_old_slot(
     index = WORKERS[1]
     address = real.machines.address(index)
     await rig.sh(
-        index, f"mkdir -p {blockdev.PAUSE_DIR} && touch {blockdev.PAUSE_DIR}/pause-image-half"
+        index, f"mkdir -p {realdisk.PAUSE_DIR} && touch {realdisk.PAUSE_DIR}/pause-image-half"
     )
     await cli(
         *upgrades.upgrade_argv(images.second, "--machines", str(real.ids[index])),
     )
 
     async def paused() -> bool:
-        found = await rig.sh(index, f"test -e {blockdev.PAUSE_DIR}/paused-image-half", check=False)
+        found = await rig.sh(index, f"test -e {realdisk.PAUSE_DIR}/paused-image-half", check=False)
         return found.returncode == 0
 
     await until(paused)
