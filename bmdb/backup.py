@@ -104,8 +104,12 @@ JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg_toast%'
 AND n.nspname NOT LIKE 'pg_temp%'"""
 
+# Clients only: an autovacuum worker visits a database just created (one
+# was counted once, right after the CREATE DATABASE a restore follows), and
+# the server's own workers take nothing a restore needs.
 _OTHERS = """SELECT count(*) FROM pg_catalog.pg_stat_activity
-WHERE datname = current_database() AND pid <> pg_backend_pid()"""
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+AND backend_type = 'client backend'"""
 
 
 class BackupError(BMDBError):

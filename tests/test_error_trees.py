@@ -11,6 +11,7 @@ the helpers that build errors are themselves checked.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import builtins
 import importlib
@@ -57,6 +58,9 @@ ALLOWED_MISUSE = {
     # Not a builtin, but Trio's own convention for the same kind of misuse:
     # two tasks using something that serves one at a time (as trio streams do).
     trio.BusyResourceError: "two tasks in a one-task call (Trio's convention)",
+    # argparse's convention for a ``type=`` callable refusing a value: the
+    # parser prints its message after the option's name (common.argtypes).
+    argparse.ArgumentTypeError: "a command-line value refused (argparse's convention)",
 }
 
 
