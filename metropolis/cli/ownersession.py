@@ -32,6 +32,7 @@ from typing import Any
 import trio
 from cryptography.hazmat.primitives import serialization
 
+from common.cli import leaf_errors
 from common.keepopen import session
 from common.keepopen.session import Call, Say
 from metropolis.cli import owner as owner_cli
@@ -135,7 +136,9 @@ class _Owners:
             ours, rest = group.split(MetropolisError)
             if ours is None or rest is not None:
                 raise
-            return self._report(_leaves(ours), err)
+            return self._report(
+                [e for e in leaf_errors(ours) if isinstance(e, MetropolisError)], err
+            )
         return 0
 
     def _report(self, errors: list[MetropolisError], err: Say) -> int:
@@ -144,16 +147,6 @@ class _Owners:
             line, code = self.answer_error(error)
             err(line)
         return code
-
-
-def _leaves(group: BaseExceptionGroup[MetropolisError]) -> list[MetropolisError]:
-    leaves: list[MetropolisError] = []
-    for error in group.exceptions:
-        if isinstance(error, BaseExceptionGroup):
-            leaves += _leaves(error)
-        else:
-            leaves.append(error)
-    return leaves
 
 
 async def _hold(
