@@ -31,6 +31,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
@@ -64,6 +66,36 @@ def _images(folder: Path, node_image: Path) -> tuple[Path, Path, Path]:
     first = folder / node_image.name
     first.write_bytes(node_image.read_bytes())
     return first, image_variant(first, "upgrade test: second image", folder), broken_image(folder)
+
+
+@asynccontextmanager
+async def _installed(
+    short_tmp: Path, bmdb_url: str, ssh_key: SSHKey, first: Path
+) -> AsyncIterator[tuple[Cluster, Rig, dict[str, NodeRow]]]:
+    """A cluster and a rig of three machines serving the images beside
+    ``first``, the Shepherd restarted with an upgrader, and the machines
+    installed from ``first`` (`_installed_cluster`'s nodes by address)."""
+    async with (
+        open_cluster(short_tmp) as cluster,
+        open_rig(
+            short_tmp, bmdb_url=bmdb_url, ssh_key=ssh_key, image_dir=first.parent, count=3
+        ) as rig,
+    ):
+        rig.upgrader = Upgrader(cluster.access, poll=0.3, stage_allowance=120)
+        await rig.stop_shepherd()
+        await rig.start_shepherd()
+        yield cluster, rig, await _installed_cluster(rig, cluster, first)
+
+
+def _upgrade_argv(bmdb_url: str, rig: Rig, cluster: Cluster, digest: str) -> list[str]:
+    """``shepherd upgrade`` of every machine to ``digest``, waiting for the end."""
+    return [
+        *(sys.executable, "-m", "shepherd", "upgrade", "--bmdb-url", bmdb_url),
+        *("--all", "--image-server", rig.images, "--image-digest", digest),
+        *("--insecure-plain-http", "--health-timeout", str(HEALTH_TIMEOUT)),
+        *("--cluster-owner-root", str(cluster.root.path)),
+        *("--cluster-owner-key", str(cluster.owner_key), "--wait"),
+    ]
 
 
 async def _installed_cluster(rig: Rig, cluster: Cluster, first: Path) -> dict[str, NodeRow]:
@@ -152,20 +184,11 @@ async def test_a_cluster_is_upgraded_in_order_through_a_shepherd_restart(
     new = "sha256:" + second.name.removesuffix(".pyz")
     try:
         with trio.fail_after(BOUND):
-            async with (
-                open_cluster(short_tmp) as cluster,
-                open_rig(
-                    short_tmp,
-                    bmdb_url=bmdb_url,
-                    ssh_key=shepherd_ssh_key,
-                    image_dir=first.parent,
-                    count=3,
-                ) as rig,
+            async with _installed(short_tmp, bmdb_url, shepherd_ssh_key, first) as (
+                cluster,
+                rig,
+                before,
             ):
-                rig.upgrader = Upgrader(cluster.access, poll=0.3, stage_allowance=120)
-                await rig.stop_shepherd()
-                await rig.start_shepherd()
-                before = await _installed_cluster(rig, cluster, first)
                 hosts = [m.host for m in rig.machines]
                 worker, members = rig.ids[2], rig.ids[:2]
                 watch = Watch(rig, cluster)
@@ -174,14 +197,7 @@ async def test_a_cluster_is_upgraded_in_order_through_a_shepherd_restart(
                 async def upgrade() -> None:
                     done.append(
                         await trio.run_process(
-                            [
-                                *(sys.executable, "-m", "shepherd", "upgrade"),
-                                *("--bmdb-url", bmdb_url, "--all", "--image-server", rig.images),
-                                *("--image-digest", new, "--insecure-plain-http"),
-                                *("--health-timeout", str(HEALTH_TIMEOUT)),
-                                *("--cluster-owner-root", str(cluster.root.path)),
-                                *("--cluster-owner-key", str(cluster.owner_key), "--wait"),
-                            ],
+                            _upgrade_argv(bmdb_url, rig, cluster, new),
                             capture_stdout=True,
                             capture_stderr=True,
                             check=False,
@@ -248,29 +264,14 @@ async def test_an_image_that_cannot_start_goes_back_and_stops_the_run(
     old = "sha256:" + first.name.removesuffix(".pyz")
     try:
         with trio.fail_after(BOUND):
-            async with (
-                open_cluster(short_tmp) as cluster,
-                open_rig(
-                    short_tmp,
-                    bmdb_url=bmdb_url,
-                    ssh_key=shepherd_ssh_key,
-                    image_dir=first.parent,
-                    count=3,
-                ) as rig,
+            async with _installed(short_tmp, bmdb_url, shepherd_ssh_key, first) as (
+                cluster,
+                rig,
+                before,
             ):
-                rig.upgrader = Upgrader(cluster.access, poll=0.3, stage_allowance=120)
-                await rig.stop_shepherd()
-                await rig.start_shepherd()
-                before = await _installed_cluster(rig, cluster, first)
                 worker_host = rig.machines[2].host
                 result = await trio.run_process(
-                    [
-                        *(sys.executable, "-m", "shepherd", "upgrade", "--bmdb-url", bmdb_url),
-                        *("--all", "--image-server", rig.images, "--image-digest", bad),
-                        *("--insecure-plain-http", "--health-timeout", str(HEALTH_TIMEOUT)),
-                        *("--cluster-owner-root", str(cluster.root.path)),
-                        *("--cluster-owner-key", str(cluster.owner_key), "--wait"),
-                    ],
+                    _upgrade_argv(bmdb_url, rig, cluster, bad),
                     capture_stdout=True,
                     capture_stderr=True,
                     check=False,
