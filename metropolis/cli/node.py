@@ -241,24 +241,31 @@ def run(args: argparse.Namespace) -> None:
             restoring.abort()  # if Trio's import failed; nothing left to do otherwise
     else:
         root = checked_root(args.root)
-    saved = disk.load(root)  # fail before starting anything
-    recoverpending.check(root)  # nor on a recovery cut before its data was in place
-    if args.action == "run":
-        _announce_saved(args.announce_key, saved)
-    import trio
+    try:
+        saved = disk.load(root)  # fail before starting anything
+        recoverpending.check(root)  # nor on a recovery cut before its data was in place
+        if args.action == "run":
+            _announce_saved(args.announce_key, saved)
+        import trio
 
-    from metropolis.cli.noderun import run_node
+        from metropolis.cli.noderun import run_node
 
-    trio.run(
-        run_node,
-        root,
-        args.metrics_listen,
-        _snapshots(args, root),
-        # Only run and register have it: a registration is finished by them only.
-        getattr(args, "register_deadline", None),
-        args.boot_info,
-        args.announce_healthy,
-    )
+        trio.run(
+            run_node,
+            root,
+            args.metrics_listen,
+            _snapshots(args, root),
+            # Only run and register have it: a registration is finished by them only.
+            getattr(args, "register_deadline", None),
+            args.boot_info,
+            args.announce_healthy,
+        )
+    finally:
+        if args.action == "recover":
+            # The etcd it started ahead, should the node not have taken it over.
+            from metropolis.consensus.child import stop_ahead
+
+            stop_ahead()
 
 
 async def _recover(restoring: Restoring) -> None:

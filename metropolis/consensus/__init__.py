@@ -10,7 +10,9 @@
 * :mod:`.client`: the etcd client (:class:`~.client.Client`, namespaced
   :class:`~.client.KV` views).
 * :mod:`.peerpki`: the peer CA, certificates and CRL, stored in etcd.
-* :mod:`.process`: the etcd child process.
+* :mod:`.process`: running the etcd child process; :mod:`.commandline`,
+  its command line; :mod:`.child`, the process itself, and the one
+  ``node recover`` starts ahead of the service.
 """
 
 # The package's public face: what the node's other packages use of it.

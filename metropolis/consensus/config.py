@@ -10,8 +10,9 @@ from typing import Literal
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from metropolis import identity
+from metropolis.consensus.commandline import PeerTLS, ProcessConfig
 from metropolis.consensus.join import JoinCluster
-from metropolis.consensus.process import SOCKET_NAME, PeerTLS, ProcessConfig, Tuning
+from metropolis.consensus.settings import SOCKET_NAME, Tuning
 from metropolis.localstorage import EtcdDataDirectory
 
 __all__ = ["CURATOR_NAMESPACE", "DEFAULT_PEER_PORT", "Config"]
@@ -57,6 +58,21 @@ class Config:
     def client_socket(self) -> Path:
         """Where etcd's client socket appears while the member runs."""
         return self.ephemeral / SOCKET_NAME
+
+    def joining_process(self) -> ProcessConfig:
+        """The command line of this member's etcd as it joins through
+        ``join_cluster`` (or restarts on its data with it); ValueError if
+        there is no join data.
+
+        The consensus service runs this one; ``node recover`` starts it
+        ahead of the service (:mod:`.child`), which takes it over only if
+        both are the same.
+        """
+        join = self.join_cluster
+        if join is None:
+            raise ValueError("no join data: this member bootstraps or restarts on its data")
+        initial = {self.node_id: self.peer_url} | {n.name: n.url for n in join.existing_nodes}
+        return self._process(peer_tls=True, initial=initial, state="existing")
 
     def _process(
         self, *, peer_tls: bool, initial: dict[str, str], state: Literal["new", "existing"]

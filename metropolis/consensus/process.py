@@ -1,9 +1,11 @@
 """One etcd server process: its command line, its logs, its lifetime.
 
-:func:`run_etcd` is the only place that starts the ``etcd`` binary. It owns
-the child process for exactly as long as it runs::
+:func:`run_etcd` is the only place that starts the ``etcd`` binary of a
+member, or takes over the one ``node recover`` started ahead for the same
+command line (:mod:`.child`). It owns the child process for exactly as long
+as it runs::
 
-    run_etcd ──spawn──> etcd (cwd = working_dir)
+    run_etcd ──spawn (or take over)──> etcd (cwd = working_dir)
         │                 ├─ client socket  <working_dir>/client.sock:0
         │                 └─ stdout+stderr: zap JSON lines ──> logger (one record each)
         ├─ poll the socket until etcd answers ──> task_status.started()
@@ -27,23 +29,23 @@ etcd 3.4 only accepts a UNIX client socket spelt ``unix://NAME:0``, relative
 to its working directory, and creates a file literally called ``NAME:0``. A
 socket file left by a killed etcd makes the next start fail, so it is
 unlinked before every start.
+
+The command line itself is :class:`~.commandline.ProcessConfig`'s.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
-import subprocess
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 import trio
 
-from metropolis.consensus.client import Client, EndpointStatus, EtcdError, check_socket_path
+from metropolis.consensus.child import EtcdChild, prepare_working_dir, take_ahead
+from metropolis.consensus.client import Client, EndpointStatus, EtcdError
+from metropolis.consensus.commandline import ETCD_BINARY_ENV, PeerTLS, ProcessConfig
 from metropolis.consensus.settings import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
 from metropolis.errors import ConsensusError
 
@@ -58,10 +60,6 @@ __all__ = [
     "run_etcd",
 ]
 
-#: Names the etcd binary to run. A node image's entry point
-#: (`metropolis.image.entry`) sets it to the etcd the image bundles; unset
-#: or empty, ``etcd`` is looked up on PATH.
-ETCD_BINARY_ENV = "METROPOLIS_ETCD_BINARY"
 _STOP_GRACE = 5.0
 _READY_POLL = 0.02
 
@@ -101,102 +99,6 @@ class EtcdExited(ConsensusError):
         self.fatal = fatal
 
 
-@dataclass(frozen=True)
-class PeerTLS:
-    """Files for mutual TLS between peers: all from the consensus peer CA."""
-
-    ca_certificate: Path
-    certificate: Path
-    key: Path
-    #: Re-read by etcd on every new peer connection; its signature is *not*
-    #: checked, so only the owner may be able to write it.
-    crl: Path
-
-
-@dataclass(frozen=True)
-class ProcessConfig:
-    """Everything an etcd command line needs."""
-
-    name: str
-    data_dir: Path
-    #: etcd's working directory; the client socket is created here.
-    working_dir: Path
-    #: ``host:port`` on which peers connect.
-    peer_address: str
-    #: None only while bootstrapping the PKI: peers are then plain HTTP.
-    peer_tls: PeerTLS | None
-    #: Members (name -> peer URL) for ``--initial-cluster``; ignored by etcd
-    #: once the data directory holds a member.
-    initial_cluster: Mapping[str, str]
-    cluster_state: Literal["new", "existing"]
-    tuning: Tuning = field(default_factory=Tuning)
-    cluster_token: str = "metropolis"
-
-    @classmethod
-    def standalone(
-        cls, name: str, directory: Path, peer_port: int, tuning: Tuning
-    ) -> ProcessConfig:
-        """A one-member cluster without peer TLS, its files under ``directory``.
-
-        For tools and tests that need a bare etcd; the consensus service
-        builds its own configurations. ``peer_port`` must stay the same when
-        the member restarts on the same data: etcd recorded the peer URL.
-        """
-        peer_address = f"127.0.0.1:{peer_port}"
-        return cls(
-            name=name,
-            data_dir=directory / "data",
-            working_dir=directory / "run",
-            peer_address=peer_address,
-            peer_tls=None,
-            initial_cluster={name: f"https://{peer_address}"},
-            cluster_state="new",
-            tuning=tuning,
-        )
-
-    @property
-    def socket_path(self) -> Path:
-        return self.working_dir / SOCKET_NAME
-
-    @property
-    def advertised_peer_url(self) -> str:
-        # Always advertise https, also during the plain-HTTP PKI bootstrap:
-        # the member's URL is recorded in the cluster at creation and must
-        # already be the one the TLS-enabled restart serves.
-        return f"https://{self.peer_address}"
-
-    def argv(self) -> list[str]:
-        listen_scheme = "https" if self.peer_tls else "http"
-        client_url = f"unix://{SOCKET_NAME}"
-        args = [
-            os.environ.get(ETCD_BINARY_ENV) or "etcd",
-            f"--name={self.name}",
-            f"--data-dir={self.data_dir}",
-            f"--listen-client-urls={client_url}",
-            f"--advertise-client-urls={client_url}",
-            f"--listen-peer-urls={listen_scheme}://{self.peer_address}",
-            f"--initial-advertise-peer-urls={self.advertised_peer_url}",
-            "--initial-cluster="
-            + ",".join(f"{name}={url}" for name, url in sorted(self.initial_cluster.items())),
-            f"--initial-cluster-state={self.cluster_state}",
-            f"--initial-cluster-token={self.cluster_token}",
-            f"--heartbeat-interval={self.tuning.heartbeat_ms}",
-            f"--election-timeout={self.tuning.election_ms}",
-            f"--strict-reconfig-check={str(self.tuning.member_health_wait).lower()}",
-            "--logger=zap",
-            "--log-outputs=stderr",
-        ]
-        if self.peer_tls:
-            args += [
-                f"--peer-trusted-ca-file={self.peer_tls.ca_certificate}",
-                f"--peer-cert-file={self.peer_tls.certificate}",
-                f"--peer-key-file={self.peer_tls.key}",
-                f"--peer-crl-file={self.peer_tls.crl}",
-                "--peer-client-cert-auth",
-            ]
-        return args
-
-
 async def run_etcd(
     config: ProcessConfig,
     logger: logging.Logger,
@@ -227,12 +129,13 @@ async def run_etcd(
     cancellation propagates. Every line etcd prints is logged to ``logger``
     (zap JSON lines at their own level, anything else at INFO).
     """
-    check_socket_path(config.socket_path)
-    config.working_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    config.socket_path.unlink(missing_ok=True)
-    logger.info("starting etcd: %s", " ".join(config.argv()))
-
-    process = _Child.spawn(config.argv(), config.working_dir)
+    process = take_ahead(config)
+    if process is None:
+        prepare_working_dir(config)
+        logger.info("starting etcd: %s", " ".join(config.argv()))
+        process = EtcdChild.spawn(config.argv(), config.working_dir)
+    else:
+        logger.info("taking over etcd started ahead (pid %d)", process.pid)
     fatal: list[str] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -257,70 +160,9 @@ async def run_etcd(
     raise EtcdExited(returncode, fatal[-1] if fatal else "")
 
 
-class _Child:
-    """The etcd process: a Popen spawned from the Trio thread, awaited through a pidfd."""
-
-    def __init__(self, popen: subprocess.Popen[bytes], output: trio.lowlevel.FdStream) -> None:
-        self._popen = popen
-        self.output = output
-        self._pidfd = os.pidfd_open(popen.pid)
-
-    @classmethod
-    def spawn(cls, argv: list[str], cwd: Path) -> _Child:
-        """Start ``argv`` in ``cwd``; it gets SIGKILL when this thread exits.
-
-        Blocks the Trio thread for the fork (milliseconds); see the module
-        docstring for why it must be this thread.
-        """
-        read_end, write_end = os.pipe()
-        try:
-            popen = subprocess.Popen(
-                ["setpriv", "--pdeathsig", "KILL", "--", *argv],
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                # One pipe for both: zap logs go to stderr, but nothing etcd
-                # prints (a Go panic, a flag error) may be lost.
-                stdout=write_end,
-                stderr=write_end,
-                # Not in our process group: Ctrl-C in a terminal signals the
-                # whole foreground group, and etcd must stop when we stop it
-                # (after the services that use it), not on its own.
-                start_new_session=True,
-            )
-        except BaseException:
-            os.close(read_end)
-            raise
-        finally:
-            os.close(write_end)
-        return cls(popen, trio.lowlevel.FdStream(read_end))
-
-    @property
-    def pid(self) -> int:
-        return self._popen.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.returncode
-
-    async def wait(self) -> int:
-        """Wait until the process exits and reap it; return its exit status."""
-        if self._popen.returncode is None:
-            await trio.lowlevel.wait_readable(self._pidfd)
-        returncode = self._popen.wait()
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
-        return returncode
-
-    def send_signal(self, sig: signal.Signals) -> None:
-        # Until wait() reaped it, the pid cannot have been reused.
-        if self._popen.returncode is None:
-            self._popen.send_signal(sig)
-
-
 async def _report_ready(
     socket: Path,
-    process: _Child,
+    process: EtcdChild,
     task_status: trio.TaskStatus[EndpointStatus],
     server_started: trio.Event,
 ) -> None:
@@ -336,7 +178,7 @@ async def _report_ready(
             return
 
 
-async def _stop(process: _Child, logger: logging.Logger) -> None:
+async def _stop(process: EtcdChild, logger: logging.Logger) -> None:
     """Terminate and reap ``process``; shielded, so it also runs during cancellation."""
     with trio.CancelScope(shield=True):
         if process.returncode is None:

@@ -67,6 +67,7 @@ from cryptography import x509
 from common.durable import atomic_write, make_durable
 from metropolis import identity, pki
 from metropolis.consensus import peerpki
+from metropolis.consensus.child import stop_ahead
 from metropolis.consensus.client import KV, Client, EndpointStatus
 from metropolis.consensus.config import CURATOR_NAMESPACE, Config
 from metropolis.consensus.crlsync import has_content, sync_crl
@@ -189,8 +190,7 @@ class Service:
             await self._drop_other_members_data(node, join)
             unsynced = await self._write_join_pki(join)
             store_pki = False
-            initial = own | {n.name: n.url for n in join.existing_nodes}
-            process = config._process(peer_tls=True, initial=initial, state="existing")
+            process = config.joining_process()
         else:
             pending = data.path / _PENDING_CA_KEY
             if pending.exists() and not (data.data / "member").exists():
@@ -379,6 +379,8 @@ class Service:
             " member's etcd data in %s",
             data.data,
         )
+        # Not under a running etcd (one started ahead would run on it).
+        await trio.to_thread.run_sync(stop_ahead)
         await trio.to_thread.run_sync(shutil.rmtree, data.data)
 
     def _have_newer_crl(self, join: JoinCluster) -> bool:

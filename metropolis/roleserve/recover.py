@@ -18,7 +18,9 @@ left::
       │  for its key and peer address, CRL): nothing to prepare here;
       │  roles (those saved, with ConsensusMember: that PKI) written, the
       │  old etcd data deleted, a mark written (:mod:`.recoverpending`),
-      │  the restored data renamed into place
+      │  the restored data renamed into place, the node's etcd started on
+      │  it ahead of the node (its consensus service takes it over:
+      │  :mod:`metropolis.consensus.child`)
       └─ else (the PKI lost or not this node's): prepare ─ a temporary
            etcd on it (plain-HTTP peers, alone): this node's peer
            certificate (the stored one, or a new one), its record with
@@ -218,6 +220,8 @@ async def recover(restoring: Restoring) -> None:
             await trio.to_thread.run_sync(
                 _swap, root, credentials, join, roles, restored, work, pending
             )
+            # From this thread, for etcd to die with the node (.child).
+            _start_etcd_ahead(checked, join)
             _log.info(
                 "restored %s: the node's etcd starts on it; its curator prepares it",
                 checked.snapshot,
@@ -236,6 +240,29 @@ async def recover(restoring: Restoring) -> None:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(restoring.abort)
     recoverpending.log_recovered(checked.snapshot, recovery)
+
+
+def _start_etcd_ahead(checked: Checked, join: JoinCluster) -> None:
+    """Start the node's etcd on the data just put in place, with the command
+    line its consensus service will run (blocking, for the fork).
+
+    The service takes it over (:mod:`metropolis.consensus.child`): etcd's
+    start and first election go on while the rest of the node is imported
+    and started, instead of after.
+    """
+    from metropolis.consensus.child import start_ahead
+    from metropolis.consensus.config import Config
+
+    settings = checked.settings
+    config = Config(
+        data=checked.root.data.etcd,
+        ephemeral=checked.root.ephemeral.consensus,
+        node_private_key=checked.credentials.private_key,
+        peer_address=settings.peer_address,
+        join_cluster=join,
+        tuning=settings.tuning,
+    )
+    start_ahead(config.joining_process())
 
 
 def _join_on_disk(checked: Checked) -> JoinCluster | None:

@@ -153,6 +153,9 @@ async def test_recover_from_a_snapshot_after_losing_every_node(
                 await first.wait_for(LEADS)
                 assert first.logged("recovered from")
                 assert first.logged("temporary etcd") == (peer_pki == "lost")
+                # With its PKI, its etcd started as the data was in place, and
+                # the node took it over (metropolis.consensus.child).
+                assert first.logged("taking over etcd started ahead") == (peer_pki == "kept")
                 assert _before_etcdctl(first.lines) & _LATER == set()
                 for root in roots[1:]:
                     back.append(
