@@ -59,9 +59,17 @@ from metropolis.proto.curator import Node, RegisterTicket
 from metropolis.rpc import CallContext, RPCError, Server, methods
 from metropolis.rpc.status import Status
 
-__all__ = ["NodeAPI"]
+__all__ = ["BACKLOG_CHUNK", "NodeAPI"]
 
 _log = logging.getLogger("metropolis.curator.nodeapi")
+
+#: Nodes per event of a ``nodes_in_cluster`` watch's backlog. A cluster's
+#: whole directory in one message would grow with the cluster, towards
+#: gRPC's 4 MiB message limit (some tens of thousands of nodes), and its
+#: decoding and encoding would hold the curator's event loop all that
+#: while: a node that starts (its own directory watch on its own curator)
+#: would keep every other call waiting for a thousand nodes' worth of it.
+BACKLOG_CHUNK = 100
 
 
 class NodeAPI:
@@ -150,10 +158,27 @@ class NodeAPI:
         )
 
     async def _watch_all(self, send: Callable[[c.WatchEvent], Awaitable[None]]) -> None:
-        """Every node (ID, status, role names), then each change; until cancelled."""
+        """Every node (ID, status, role names), then each change; until cancelled.
+
+        The nodes there are when the watch begins go in events of at most
+        :data:`BACKLOG_CHUNK` nodes, the last one (only) marked
+        ``LAST_BACKLOGGED``, as Monogon's curator chunks them.
+        """
         first = await self._kv.range(NODES, prefix=True)
-        backlog = [n for kv in first.kvs if (n := _directory_node(kv.key, kv.value)) is not None]
-        await send(c.WatchEvent(nodes=backlog, progress=c.WatchEventProgress.LAST_BACKLOGGED))
+        # The backlog in chunks (at least one event, the last one marked).
+        for start in range(0, max(len(first.kvs), 1), BACKLOG_CHUNK):
+            chunk = first.kvs[start : start + BACKLOG_CHUNK]
+            last = start + BACKLOG_CHUNK >= len(first.kvs)
+            await send(
+                c.WatchEvent(
+                    nodes=[n for kv in chunk if (n := _directory_node(kv.key, kv.value))],
+                    progress=(
+                        c.WatchEventProgress.LAST_BACKLOGGED
+                        if last
+                        else c.WatchEventProgress.UNSPECIFIED
+                    ),
+                )
+            )
         async with self._kv.watch(NODES, prefix=True, start_revision=first.revision + 1) as w:
             async for response in w:
                 event = c.WatchEvent()

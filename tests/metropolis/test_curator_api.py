@@ -17,6 +17,7 @@ from common.net import free_loopback_port
 from metropolis import identity, pki
 from metropolis.consensus import Status as ConsensusStatus
 from metropolis.consensus.client import KV, Lease
+from metropolis.curator import nodeapi
 from metropolis.curator.election import Leader
 from metropolis.curator.server import CuratorServer
 from metropolis.curator.service import Curator
@@ -431,6 +432,28 @@ async def test_watch_of_all_nodes_sends_statuses_and_role_names_only(tmp_path: P
             with trio.fail_after(BOUND):
                 second = await call.__anext__()
             assert [(n.id, n.status) for n in second.nodes] == [(own, status)]
+
+
+async def test_a_large_backlog_comes_in_chunks_the_last_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More nodes than a chunk: several events, only the last LAST_BACKLOGGED."""
+    monkeypatch.setattr(nodeapi, "BACKLOG_CHUNK", 2)
+    async with cluster(tmp_path) as cl, cl.owner() as owner:
+        joined = [await _joined(cl, owner, f"127.0.0.{i}") for i in (2, 3, 4, 5)]
+        request = c.WatchRequest(nodes_in_cluster=c.WatchRequestNodesInCluster())
+        async with (
+            open_client([cl.endpoint], cl.node_context(cl.node)) as node,
+            node.stream(methods.WATCH, request) as call,
+        ):
+            events = []
+            with trio.fail_after(BOUND):
+                while not events or events[-1].progress != c.WatchEventProgress.LAST_BACKLOGGED:
+                    events.append(await call.__anext__())
+        assert [len(e.nodes) for e in events] == [2, 2, 1]
+        assert [e.progress for e in events[:-1]] == [c.WatchEventProgress.UNSPECIFIED] * 2
+        ids = [n.id for e in events for n in e.nodes]
+        assert sorted(ids) == sorted([cl.node.node_id, *(j.node_id for j in joined)])
 
 
 async def test_the_api_serves_while_the_campaigns_lease_is_granted(
