@@ -99,17 +99,22 @@ logged AS (INSERT INTO public.work_history (machine_id, process, event, session_
 SELECT 'bmdb-restore', (SELECT count(*) FROM dead), (SELECT count(*) FROM logged);
 """
 
-_RELATIONS = """SELECT count(*) FROM pg_catalog.pg_class c
-JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg_toast%'
-AND n.nspname NOT LIKE 'pg_temp%'"""
 
-# Clients only: an autovacuum worker visits a database just created (one
-# was counted once, right after the CREATE DATABASE a restore follows), and
-# the server's own workers take nothing a restore needs.
-_OTHERS = """SELECT count(*) FROM pg_catalog.pg_stat_activity
-WHERE datname = current_database() AND pid <> pg_backend_pid()
-AND backend_type = 'client backend'"""
+# What a restore refuses on: relations in the target, and other clients
+# connected to it. Clients only: an autovacuum worker visits a database
+# just created (one was counted once, right after the CREATE DATABASE a
+# restore follows), and the server's own workers take nothing a restore
+# needs. Both counts in one query, so in one connection: a connection of an
+# earlier query of ours, closed on the client's side, can still be listed
+# while its backend exits, and was once counted as another client.
+_RELATIONS_AND_OTHERS = """SELECT
+(SELECT count(*) FROM pg_catalog.pg_class c
+ JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+ WHERE n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg_toast%'
+ AND n.nspname NOT LIKE 'pg_temp%'),
+(SELECT count(*) FROM pg_catalog.pg_stat_activity
+ WHERE datname = current_database() AND pid <> pg_backend_pid()
+ AND backend_type = 'client backend')"""
 
 
 class BackupError(BMDBError):
@@ -224,12 +229,13 @@ def _verify(path: Path) -> None:
         )
 
 
-async def _scalar(url: str | None, sql: str) -> int:
+async def _scalars(url: str | None, sql: str) -> list[int]:
+    """The integers of the one row ``sql`` returns, through psql."""
     out = await _run(
         [tool("psql"), "-X", "-A", "-t", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql, *_target(url)],
         "psql",
     )
-    return int(out.decode().strip())
+    return [int(n) for n in out.decode().strip().split("|")]
 
 
 def _drain(stream: IO[bytes], into: list[bytes]) -> threading.Thread:
@@ -295,13 +301,12 @@ async def restore(url: str | None, path: Path, *, allow_connections: bool = Fals
     path = Path(await trio.Path(path).absolute())
     await trio.to_thread.run_sync(_verify, path)
     await _run([tool("pg_restore"), "--list", str(path)], f"{path}: not a readable backup")
-    relations = await _scalar(url, _RELATIONS)
+    relations, others = await _scalars(url, _RELATIONS_AND_OTHERS)
     if relations:
         raise BackupError(
             f"the target database holds {relations} tables, sequences or other relations:"
             " restore into an empty database (dropdb, createdb)"
         )
-    others = await _scalar(url, _OTHERS)
     if others and not allow_connections:
         raise BackupError(
             f"{others} other connections to the target database: stop the Shepherd and"
