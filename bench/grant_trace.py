@@ -58,7 +58,7 @@ _STEPS = [
     ("metropolis.roleserve.disk", "save_roles"),
     ("metropolis.roleserve.controlplane", "ControlPlaneWorker._start"),
     ("metropolis.consensus.service", "Service._write_join_pki"),
-    ("metropolis.consensus.process", "_Child.spawn"),
+    ("metropolis.consensus.child", "EtcdChild.spawn"),
     ("metropolis.consensus.process", "_report_ready"),
     ("metropolis.consensus.service", "wait_voter"),
     ("metropolis.consensus.promoter", "_promote"),
@@ -70,7 +70,7 @@ _GRANT = [
     ("added", "< _add_learner"),
     ("stored", "< Membership.grant"),
     ("roles", "roles from the curator"),
-    ("spawned", "< _Child.spawn"),
+    ("spawned", "< EtcdChild.spawn"),
     ("serving", "etcd@ now serving"),
     ("published", "etcd@ published local"),
     ("answers", "< _report_ready"),
@@ -82,14 +82,14 @@ _GRANT = [
 ]
 #: The baseline's milestones.
 _BARE = [
-    ("spawned", "< _Child.spawn"),
+    ("spawned", "< EtcdChild.spawn"),
     ("serving", "etcd@ now serving"),
     ("published", "etcd@ published local"),
     ("answers", "< _report_ready"),
 ]
 #: Phases of a grant for the CPU account: (phase, event that starts it).
 _PHASES = [
-    ("etcd start", "< _Child.spawn"),
+    ("etcd start", "< EtcdChild.spawn"),
     ("promotion", "< _report_ready"),
     ("curator", "etcd member "),
     ("after", "GRANTED"),

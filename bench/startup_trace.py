@@ -54,7 +54,7 @@ _STEPS = [
     ("metropolis.consensus.service", "Service._run"),
     ("metropolis.consensus.service", "Service._prepare_bootstrap_pki"),
     ("metropolis.consensus.service", "_make_durable"),
-    ("metropolis.consensus.process", "_Child.spawn"),
+    ("metropolis.consensus.child", "EtcdChild.spawn"),
     ("metropolis.consensus.process", "_report_ready"),
     ("metropolis.consensus.service", "Service._store_bootstrap_pki"),
     ("metropolis.roleserve.controlplane", "_ClusterCreation.in_etcd"),
@@ -100,7 +100,7 @@ _tasks = _TaskTime()
 def _note(what: str) -> None:
     _events.append((_now() - _t0, what))
     for phase, marker in (
-        ("etcd boot", "< _Child.spawn"),
+        ("etcd boot", "< EtcdChild.spawn"),
         ("after ready", "< _report_ready"),
         ("consensus running", "etcd member "),
         ("credentials committed", "< save_credentials"),
@@ -191,7 +191,7 @@ def _install() -> None:
 _MILESTONES = [
     ("root read", "< load"),
     ("peer PKI made", "< Service._prepare_bootstrap_pki"),
-    ("etcd spawned", "< _Child.spawn"),
+    ("etcd spawned", "< EtcdChild.spawn"),
     ("PKI fsynced", "< _make_durable"),
     ("etcd: raft leader", "became leader"),
     ("etcd: ready to serve", "ready to serve client requests"),
@@ -208,7 +208,7 @@ _MILESTONES = [
 
 #: The critical path, in steps: (label, substring of an event).
 _GAPS = [
-    ("etcd spawned", "< _Child.spawn"),
+    ("etcd spawned", "< EtcdChild.spawn"),
     ("raft leader", "became leader"),
     ("etcd answered", "< _report_ready"),
     ("consensus running", "etcd member "),
@@ -287,7 +287,9 @@ async def main(runs: int, show: int) -> None:
             print(f"{t * 1000:8.1f}  {what}")
     print("--- etcd's own start, ms after its spawn (median): bare / node")
     for label, needle in _ETCD_STEPS:
-        both = [_median_after(tls, "< _Child.spawn", needle) for tls in (bare_timelines, timelines)]
+        both = [
+            _median_after(tls, "< EtcdChild.spawn", needle) for tls in (bare_timelines, timelines)
+        ]
         print(f"{label:<28} {both[0]:8.1f} {both[1]:8.1f}")
     print(f"--- Trio thread time per task and phase, summed over {runs} (ms)")
     for phase, spent in _tasks.spent.items():

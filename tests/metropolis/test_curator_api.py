@@ -446,7 +446,7 @@ async def test_a_large_backlog_comes_in_chunks_the_last_marked(
             open_client([cl.endpoint], cl.node_context(cl.node)) as node,
             node.stream(methods.WATCH, request) as call,
         ):
-            events = []
+            events: list[c.WatchEvent] = []
             with trio.fail_after(BOUND):
                 while not events or events[-1].progress != c.WatchEventProgress.LAST_BACKLOGGED:
                     events.append(await call.__anext__())
