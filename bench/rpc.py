@@ -40,11 +40,11 @@ import grpclib.server
 import trio
 import trio_asyncio
 
+from bench.grpclibmanagement import ManagementBase, ManagementStub
 from bench.ratios import report
 from bench.smoke import parse_args
 from metropolis import identity, pki
 from metropolis.proto import common, management
-from metropolis.proto.gen.metropolis.proto.api import ManagementBase, ManagementStub
 from metropolis.rpc import (
     CallContext,
     Endpoint,

@@ -33,7 +33,7 @@ def generate(proto_dir: Path) -> list[Path]:
             "grpc_tools.protoc",
             f"-I{proto_dir}",
             f"--python_betterproto2_out={out}",
-            "--python_betterproto2_opt=client_generation=async,server_generation=async",
+            "--python_betterproto2_opt=client_generation=none,server_generation=none",
             *(str(s) for s in sources),
         ],
         check=True,

@@ -4,8 +4,6 @@
 # This file has been @generated
 
 __all__ = (
-    "AgentCallbackBase",
-    "AgentCallbackStub",
     "AgentHardwareReport",
     "AgentSession",
     "HeartbeatRequest",
@@ -21,18 +19,10 @@ __all__ = (
 )
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import betterproto2
-import grpclib
-from betterproto2 import grpclib as betterproto2_grpclib
 
 from .....message_pool import default_message_pool
-
-if TYPE_CHECKING:
-    import grpclib.server
-    from betterproto2.grpclib.grpclib_client import MetadataLike
-    from grpclib.metadata import Deadline
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
@@ -407,56 +397,4 @@ class UpgradeRequest(betterproto2.Message):
 default_message_pool.register_message("cloud.bmaas.server.api", "UpgradeRequest", UpgradeRequest)
 
 
-class AgentCallbackStub(betterproto2_grpclib.ServiceStub):
-    async def heartbeat(
-        self,
-        message: "HeartbeatRequest",
-        *,
-        timeout: "float | None" = None,
-        deadline: "Deadline | None" = None,
-        metadata: "MetadataLike | None" = None,
-    ) -> "HeartbeatResponse":
-        """
-        Called by agents every few seconds: liveness, and a hardware report
-        until the server has accepted one.
-        """
-
-        return await self._unary_unary(
-            "/cloud.bmaas.server.api.AgentCallback/Heartbeat",
-            message,
-            HeartbeatResponse,
-            timeout=timeout,
-            deadline=deadline,
-            metadata=metadata,
-        )
-
-
 from ....agent import api as ___agent__api__
-
-
-class AgentCallbackBase(betterproto2_grpclib.ServiceBase):
-    async def heartbeat(self, message: "HeartbeatRequest") -> "HeartbeatResponse":
-        """
-        Called by agents every few seconds: liveness, and a hardware report
-        until the server has accepted one.
-        """
-
-        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
-
-    async def __rpc_heartbeat(
-        self, stream: "grpclib.server.Stream[HeartbeatRequest, HeartbeatResponse]"
-    ) -> None:
-        request = await stream.recv_message()
-        assert request is not None
-        response = await self.heartbeat(request)
-        await stream.send_message(response)
-
-    def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
-        return {
-            "/cloud.bmaas.server.api.AgentCallback/Heartbeat": grpclib.const.Handler(
-                self.__rpc_heartbeat,
-                grpclib.const.Cardinality.UNARY_UNARY,
-                HeartbeatRequest,
-                HeartbeatResponse,
-            ),
-        }
