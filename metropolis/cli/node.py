@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,13 +28,13 @@ from metropolis.roleserve.values import BootstrapData, RegisterIntent
 
 if TYPE_CHECKING:
     from metropolis.proto.management import GetClusterInfoResponse
-    from metropolis.roleserve.recover import Restoring
 
 __all__ = ["check_socket_room", "node_settings", "run"]
 
-#: What ``node recover`` imports while etcdctl and the temporary etcd work:
-#: the temporary etcd's preparation, then what runs the node.
-_MEANWHILE = ("metropolis.roleserve.recoverprep", "metropolis.cli.noderun")
+#: What ``node recover`` imports while etcdctl and the node's etcd start:
+#: Trio, what runs the node, and the temporary etcd's preparation (needed
+#: only by a node that lost its peer PKI).
+_MEANWHILE = ("trio", "metropolis.cli.noderun", "metropolis.roleserve.recoverprep")
 
 log = logging.getLogger("metropolis.cli")
 
@@ -233,12 +234,14 @@ def run(args: argparse.Namespace) -> None:
 
         checked = recover.check(root, args.snapshot)  # before anything changes
         restoring = recover.start(checked)  # etcdctl runs from here
+        _import_meanwhile()
         try:
-            import trio
+            if not recover.swap_in_with_own_pki(restoring):
+                import trio
 
-            trio.run(_recover, restoring)
+                trio.run(recover.recover_with_temporary_etcd, restoring)
         finally:
-            restoring.abort()  # if Trio's import failed; nothing left to do otherwise
+            restoring.abort()  # after an error; nothing left to do otherwise
     else:
         root = checked_root(args.root)
     try:
@@ -268,30 +271,21 @@ def run(args: argparse.Namespace) -> None:
             stop_ahead()
 
 
-async def _recover(restoring: Restoring) -> None:
-    """Restore the snapshot (:func:`~metropolis.roleserve.recover.recover`)
-    while the modules of its temporary etcd and of the running node are
-    imported in a thread.
+def _import_meanwhile() -> None:
+    """Import what the rest of ``node recover`` needs in a thread of its own.
 
-    The restore waits on etcdctl (started before Trio was imported) and,
-    for a node without its own peer PKI, on a temporary etcd, each a
-    process of its own; the imports (a few hundred ms of CPU) need not
-    wait for them (issue 39: ``node recover`` against etcd's own restore).
-    The restore takes the temporary etcd's module only after etcdctl is
-    done (Python's import lock makes it wait for the thread's import of it
-    if need be); nothing else is imported by both.
+    The restore waits on etcdctl (started before Trio was imported), and
+    the node's own etcd, started ahead on the restored data, on its start
+    and first election; none of that needs the node's modules (a few
+    hundred ms of CPU), which the node then finds imported (issue 39:
+    ``node recover`` against etcd's own restore). The main thread meanwhile
+    imports only what the swap needs, outside Trio and etcd's client; the
+    import lock makes either thread wait for a module the other is
+    importing.
     """
-    import trio
 
-    from metropolis.roleserve.recover import recover
-
-    def import_the_rest() -> None:
+    def run() -> None:
         for name in _MEANWHILE:
             importlib.import_module(name)
 
-    async def import_the_node() -> None:
-        await trio.to_thread.run_sync(import_the_rest)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(import_the_node)
-        await recover(restoring)
+    threading.Thread(target=run, name="import", daemon=True).start()

@@ -29,6 +29,8 @@ Invariants relied on:
 - One not taken over never outlives its starter: it is stopped by
   :func:`stop_ahead` (the command calls it when the node stops) or, at the
   latest, killed by the kernel when the thread that started it exits.
+- Starting one ahead imports neither Trio nor etcd's client: ``node
+  recover`` does it on its main thread while another imports them.
 - Its output is read by nobody until it is taken over: etcd blocks on a
   full pipe (64 KiB, some hundreds of log lines) and goes on once read.
 """
@@ -41,11 +43,13 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-
-import trio
+from typing import TYPE_CHECKING
 
 from metropolis.consensus.commandline import ProcessConfig
 from metropolis.consensus.etcderrors import check_socket_path
+
+if TYPE_CHECKING:
+    import trio
 
 __all__ = ["EtcdChild", "start_ahead", "stop_ahead", "take_ahead"]
 
@@ -67,6 +71,8 @@ class EtcdChild:
     @property
     def output(self) -> trio.lowlevel.FdStream:
         """The read end of etcd's stdout and stderr, for its owner's Trio loop."""
+        import trio  # on first use: start_ahead runs before Trio is imported
+
         if self._output is None:
             self._output = trio.lowlevel.FdStream(self._output_fd)
         return self._output
@@ -116,6 +122,8 @@ class EtcdChild:
 
     async def wait(self) -> int:
         """Wait until the process exits and reap it; return its exit status."""
+        import trio
+
         if self._popen.returncode is None:
             await trio.lowlevel.wait_readable(self._pidfd)
         return self._reap()

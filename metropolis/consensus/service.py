@@ -73,6 +73,7 @@ from metropolis.consensus.config import CURATOR_NAMESPACE, Config
 from metropolis.consensus.crlsync import has_content, sync_crl
 from metropolis.consensus.join import JoinCluster
 from metropolis.consensus.membership import Status
+from metropolis.consensus.peerhosts import peer_hosts
 from metropolis.consensus.promoter import PEER_UP, Nudge, run_promoter, wait_voter
 from metropolis.consensus.removal import EtcdUntilRemoved
 from metropolis.errors import ConsensusError
@@ -413,9 +414,7 @@ class Service:
         node.logger.info("no peer PKI on disk: bootstrapping a new cluster")
         ca, crl = peerpki.new_ca()
         own_key = pki.public_key_bytes(config.node_private_key)
-        certificate = peerpki.issue_local_certificate(
-            ca, own_key, peerpki.peer_hosts(config.peer_address)
-        )
+        certificate = peerpki.issue_local_certificate(ca, own_key, peer_hosts(config.peer_address))
 
         # The CA key first: its presence marks a bootstrap in progress. Then
         # the CRL, and the credentials last, so all_present() implies a CRL.

@@ -37,12 +37,9 @@ one (etcd takes one at a time); revoking its ConsensusMember removes it.
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import random
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 from common.backoff import ExponentialBackoff, Retrier
 from metropolis.consensus import ConsensusError
@@ -51,6 +48,7 @@ from metropolis.consensus.client import KV, Delete, EtcdClosed, KeyValue, Member
 from metropolis.curator.election import ElectionState
 from metropolis.curator.membership import Membership, members, peer_url
 from metropolis.curator.records import Records, with_consensus_member
+from metropolis.curator.recovery import Recovery
 from metropolis.curator.removal import each_term
 from metropolis.curator.state import (
     CONSENSUS_REJOINS,
@@ -78,62 +76,6 @@ _log = logging.getLogger("metropolis.curator.rejoin")
 #: heard from, a learner to catch up. Short at first (the usual rejoin takes
 #: a second or two), then at most every 2 s.
 PASS = ExponentialBackoff(initial=0.2, maximum=2.0, multiplier=1.5, jitter=(0.75, 1.25))
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """One recovery of the cluster from a snapshot."""
-
-    #: The node that was recovered (the restored cluster's first member).
-    node_id: str
-    #: UTC, ISO 8601, and Unix time (ns), when the restored etcd was prepared.
-    at: str
-    at_ns: int
-    #: The snapshot's etcd revision, when and on which node it was taken, its SHA-256.
-    snapshot_revision: int
-    snapshot_taken_at: str
-    snapshot_node_id: str
-    snapshot_sha256: str
-    #: Nodes that held ConsensusMember: their members were dropped, they rejoin.
-    rejoining: tuple[str, ...]
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Recovery:
-        try:
-            data = json.loads(raw)
-            fields = {name: data[name] for name in cls.__dataclass_fields__}
-            fields["rejoining"] = tuple(fields["rejoining"])
-            return cls(**fields)
-        except (ValueError, TypeError, KeyError) as e:
-            raise CuratorError(f"damaged recovery record ({e})") from None
-
-    @classmethod
-    def now(
-        cls,
-        node_id: str,
-        *,
-        revision: int,
-        taken_at: str,
-        snapshot_node_id: str,
-        sha256: str,
-    ) -> Recovery:
-        """A record of a recovery by ``node_id`` happening now (``rejoining`` still empty)."""
-        # Unix ns, as the heartbeats the rejoins compare it with.
-        at_ns = time.time_ns()
-        at = datetime.datetime.fromtimestamp(at_ns / 1e9, datetime.UTC)
-        return cls(
-            node_id=node_id,
-            at=at.isoformat(timespec="seconds"),
-            at_ns=at_ns,
-            snapshot_revision=revision,
-            snapshot_taken_at=taken_at,
-            snapshot_node_id=snapshot_node_id,
-            snapshot_sha256=sha256,
-            rejoining=(),
-        )
 
 
 def recovery_key(at_ns: int) -> bytes:

@@ -43,9 +43,10 @@ Cluster CA, owner, node records, roles and tickets are the snapshot's: the
 node's own credentials (issued by that CA) stay valid. What happened in
 the cluster after the snapshot was taken is lost.
 
-:func:`check` and :func:`start` need neither Trio nor the node's wire
-(etcd's client, the curator's records): ``node recover`` imports those only
-once etcdctl runs, and :func:`recover` imports Trio when it is called.
+:func:`check`, :func:`start` and :func:`swap_in_with_own_pki` need
+neither Trio nor the node's wire (etcd's client, the curator's records):
+``node recover`` imports those in another thread once etcdctl runs, and
+:func:`recover_with_temporary_etcd` imports Trio when it is called.
 
 Errors: :class:`RecoverError` (or :class:`~metropolis.consensus.snapshot.SnapshotError`,
 :class:`~metropolis.consensus.restore.RestoreError`), one line; before the
@@ -83,7 +84,15 @@ if TYPE_CHECKING:
     from metropolis.consensus.join import JoinCluster
     from metropolis.proto.common import NodeRoles
 
-__all__ = ["Checked", "RecoverError", "Restoring", "check", "recover", "start"]
+__all__ = [
+    "Checked",
+    "RecoverError",
+    "Restoring",
+    "check",
+    "recover_with_temporary_etcd",
+    "start",
+    "swap_in_with_own_pki",
+]
 
 _log = logging.getLogger("metropolis.roleserve.recover")
 
@@ -166,8 +175,8 @@ class Restoring:
     def abort(self) -> None:
         """Kill etcdctl (if it runs) and remove the work folder (blocking).
 
-        For a caller that will not call :func:`recover` after all; after
-        :func:`recover` it does nothing.
+        For a caller that stops after an error, or will not go on after
+        all; after the swap it only removes the emptied work folder.
         """
         self.restore.abort()
         shutil.rmtree(self.work, ignore_errors=True)
@@ -197,44 +206,69 @@ def start(checked: Checked) -> Restoring:
     return Restoring(checked, work, restore)
 
 
-async def recover(restoring: Restoring) -> None:
-    """Wait for etcdctl, then prepare and swap in the snapshot's etcd.
+def swap_in_with_own_pki(restoring: Restoring) -> bool:
+    """Wait for etcdctl; if the node's own peer PKI is on disk, swap the
+    restored data in and start the node's etcd on it (blocking); whether it did.
 
-    See the module docstring. The node must not run meanwhile
-    (:func:`check` looked); its peer port must be free.
+    Needs no Trio: ``node recover`` calls it on its main thread while the
+    rest of the node is imported in another, and etcd started ahead dies
+    with that thread (:mod:`metropolis.consensus.child`). False leaves the
+    restored data in the work folder for :func:`recover_with_temporary_etcd`.
+    See the module docstring. The node must not run meanwhile (:func:`check`
+    looked); its peer port must be free. Raises (one line each)
+    :class:`~metropolis.consensus.restore.RestoreError` when etcdctl failed,
+    :class:`OSError` when a file cannot be written or etcd started; a caller
+    that stops after an error calls :meth:`Restoring.abort`.
+    """
+    checked = restoring.checked
+    restoring.restore.finish()
+    join = _join_on_disk(checked)
+    if join is None:
+        return False
+    # The node's own etcd starts on the restored data; its curator
+    # prepares it before it campaigns (.recoverpending).
+    pending, roles = _pending(checked, join)
+    _swap(
+        checked.root,
+        checked.credentials,
+        join,
+        roles,
+        restoring.restored,
+        restoring.work,
+        pending,
+    )
+    _start_etcd_ahead(checked, join)
+    _log.info(
+        "restored %s: the node's etcd starts on it; its curator prepares it",
+        checked.snapshot,
+    )
+    restoring.abort()  # the work folder, now empty
+    return True
+
+
+async def recover_with_temporary_etcd(restoring: Restoring) -> None:
+    """After :func:`swap_in_with_own_pki` returned False: prepare the restored
+    data with a temporary etcd, then swap it in. See the module docstring.
+
+    Cancellation stops the temporary etcd; the work folder is removed
+    either way (:meth:`Restoring.abort`).
     """
     # Imported here: the command imports Trio once etcdctl runs (see the
     # module docstring).
     import trio
 
-    checked, work, restored = restoring.checked, restoring.work, restoring.restored
-    root, credentials = checked.root, checked.credentials
-    try:
-        await trio.lowlevel.wait_readable(restoring.restore.exited)
-        await trio.to_thread.run_sync(restoring.restore.finish)
-        join = await trio.to_thread.run_sync(_join_on_disk, checked)
-        if join is not None:
-            # The node's own etcd starts on the restored data; its curator
-            # prepares it before it campaigns (.recoverpending).
-            pending, roles = await trio.to_thread.run_sync(_pending, checked, join)
-            await trio.to_thread.run_sync(
-                _swap, root, credentials, join, roles, restored, work, pending
-            )
-            # From this thread, for etcd to die with the node (.child).
-            _start_etcd_ahead(checked, join)
-            _log.info(
-                "restored %s: the node's etcd starts on it; its curator prepares it",
-                checked.snapshot,
-            )
-            return
-        # Imported only now, while etcdctl ran: the temporary etcd's modules
-        # (etcd's client, the curator's records) are the larger part of
-        # this module's; the command imports them meanwhile, in a thread.
-        from metropolis.roleserve.recoverprep import prepare
+    # The larger part of this module's imports (etcd's client, the
+    # curator's records): the command imports it in a thread while etcdctl
+    # runs.
+    from metropolis.roleserve.recoverprep import prepare
 
+    checked, work, restored = restoring.checked, restoring.work, restoring.restored
+    try:
         _log.info("no whole peer PKI of this node on disk: a temporary etcd prepares the data")
         join, roles, recovery = await prepare(checked, restored, work)
-        await trio.to_thread.run_sync(_swap, root, credentials, join, roles, restored, work, None)
+        await trio.to_thread.run_sync(
+            _swap, checked.root, checked.credentials, join, roles, restored, work, None
+        )
         _log.info("restored %s, prepared by a temporary etcd", checked.snapshot)
     finally:
         with trio.CancelScope(shield=True):
@@ -274,7 +308,7 @@ def _join_on_disk(checked: Checked) -> JoinCluster | None:
     is checked once etcd runs (:mod:`.recoverpending`).
     """
     from metropolis.consensus.join import JoinCluster
-    from metropolis.consensus.peerpki import peer_hosts
+    from metropolis.consensus.peerhosts import peer_hosts
 
     etcd = checked.root.data.etcd
     try:
@@ -306,7 +340,7 @@ def _pending(checked: Checked, join: JoinCluster) -> tuple[recoverpending.Pendin
     """The mark for the node's curator, and the node's roles to start with (blocking):
     those saved, with the ConsensusMember role of ``join`` (the role fetch
     gives the restored record's once the curator leads)."""
-    from metropolis.curator.rejoin import Recovery
+    from metropolis.curator.recovery import Recovery
     from metropolis.proto.common import NodeRoles
 
     manifest = checked.manifest

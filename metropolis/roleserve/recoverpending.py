@@ -44,7 +44,7 @@ from metropolis.localstorage import Root
 if TYPE_CHECKING:
     from metropolis.consensus.join import JoinCluster
     from metropolis.consensus.membership import Status
-    from metropolis.curator.rejoin import Recovery
+    from metropolis.curator.recovery import Recovery
 
 __all__ = ["Pending", "PendingRecoveryError", "check", "drop", "preparation", "read", "write"]
 
@@ -89,7 +89,7 @@ def drop(root: Root) -> None:
 
 def read(root: Root) -> Pending | None:
     """The mark, or None (blocking). :class:`PendingRecoveryError` if it is damaged."""
-    from metropolis.curator.rejoin import Recovery
+    from metropolis.curator.recovery import Recovery
 
     try:
         raw = path(root).read_bytes()

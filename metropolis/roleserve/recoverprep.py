@@ -30,6 +30,7 @@ from metropolis.consensus import peerpki
 from metropolis.consensus.client import Client
 from metropolis.consensus.config import CURATOR_NAMESPACE
 from metropolis.consensus.join import JoinCluster
+from metropolis.consensus.peerhosts import peer_hosts
 from metropolis.consensus.process import ProcessConfig, Tuning, run_etcd
 from metropolis.curator.rejoin import Recovery, prepare_restored
 from metropolis.identity import NodeCredentials
@@ -92,7 +93,7 @@ async def _own_join(client: Client, credentials: NodeCredentials, peer_address: 
         kv,
         node.ca,
         credentials.public_key,
-        peerpki.peer_hosts(peer_address),
+        peer_hosts(peer_address),
         node.crl,
         node.stored_certificate,
     )

@@ -37,6 +37,7 @@ from metropolis.consensus import (
 from metropolis.consensus import service as service_module
 from metropolis.consensus.client import Client, EtcdClosed, Get, RangeResult
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
+from metropolis.consensus.peerhosts import peer_hosts
 from metropolis.consensus.removal import REMOVAL_PANIC
 from metropolis.localstorage import Root
 from metropolis.proto.common import NodeRolesConsensusMember
@@ -278,7 +279,7 @@ async def test_bootstrap_interrupted_before_the_pki_is_stored_resumes(
 def test_ipv6_peer_address_gets_an_ip_san() -> None:
     ca, _ = peerpki.new_ca()
     key = pki.public_key_bytes(pki.generate_key())
-    certificate = peerpki.issue_local_certificate(ca, key, peerpki.peer_hosts("[::1]:7834"))
+    certificate = peerpki.issue_local_certificate(ca, key, peer_hosts("[::1]:7834"))
     sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["::1"]
     assert sans.get_values_for_type(x509.DNSName) == [identity.node_id(key)]
@@ -287,10 +288,10 @@ def test_ipv6_peer_address_gets_an_ip_san() -> None:
 def test_a_loopback_peer_address_also_names_the_loopback_source() -> None:
     """A bootstrapped node on 127.0.1.1 dials its peers from 127.0.0.1, the
     address etcd checks its certificate against."""
-    assert peerpki.peer_hosts("127.0.1.1:7834") == ["127.0.1.1", "127.0.0.1"]
-    assert peerpki.peer_hosts("127.0.0.1:7834") == ["127.0.0.1"]
-    assert peerpki.peer_hosts("192.0.2.10:7834") == ["192.0.2.10"]
-    assert peerpki.peer_hosts("node.example:7834") == ["node.example"]
+    assert peer_hosts("127.0.1.1:7834") == ["127.0.1.1", "127.0.0.1"]
+    assert peer_hosts("127.0.0.1:7834") == ["127.0.0.1"]
+    assert peer_hosts("192.0.2.10:7834") == ["192.0.2.10"]
+    assert peer_hosts("node.example:7834") == ["node.example"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
