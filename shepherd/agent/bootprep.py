@@ -68,14 +68,19 @@ def make_nodes(sys_block: str = "/sys/class/block", dev: str = "/dev") -> None:
     table or loop device left (a machine's /dev outlives the loop device
     bound into it, and the kernel hands the freed numbers to the next): it
     is replaced, as `blockdev.partition_nodes` does. A non-block entry of
-    that name is refused."""
+    that name is refused. A device that goes while it is listed (the host's
+    other loop devices, which an nspawn machine's /sys shows too) is
+    skipped: it needs no node."""
     for name in sorted(os.listdir(sys_block)):
         base = f"{sys_block}/{name}"
         path = f"{dev}/{name}"
         if not os.path.exists(f"{base}/partition"):
             continue
-        with open(f"{base}/dev") as f:
-            major, minor = (int(x) for x in f.read().split(":"))
+        try:
+            with open(f"{base}/dev") as f:
+                major, minor = (int(x) for x in f.read().split(":"))
+        except OSError:  # gone since the listing (ENOENT, or ENODEV from sysfs)
+            continue
         devno = os.makedev(major, minor)
         try:
             found = os.lstat(path)

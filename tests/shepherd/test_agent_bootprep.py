@@ -60,6 +60,14 @@ def test_a_stale_partition_node_is_made_anew(roots: tuple[Path, Path]) -> None:
     assert not (dev / "loop9p1.new").exists()
 
 
+def test_a_device_gone_while_listed_is_skipped(roots: tuple[Path, Path]) -> None:
+    """Its sysfs entry listed, its ``dev`` gone before it is read: no node, no error."""
+    sys_block, dev = roots
+    (sys_block / "loop9p2" / "dev").unlink()
+    bootprep.make_nodes(str(sys_block), str(dev))
+    assert sorted(p.name for p in dev.iterdir()) == ["loop9p1"]
+
+
 def test_a_non_block_entry_is_refused(roots: tuple[Path, Path]) -> None:
     sys_block, dev = roots
     (dev / "loop9p2").write_text("not a device")
