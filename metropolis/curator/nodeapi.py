@@ -171,7 +171,9 @@ class NodeAPI:
             last = start + BACKLOG_CHUNK >= len(first.kvs)
             await send(
                 c.WatchEvent(
-                    nodes=[n for kv in chunk if (n := _directory_node(kv.key, kv.value))],
+                    nodes=[
+                        n for kv in chunk if (n := _directory_node(kv.key, kv.value)) is not None
+                    ],
                     progress=(
                         c.WatchEventProgress.LAST_BACKLOGGED
                         if last
@@ -295,7 +297,9 @@ def _directory_node(key: bytes, raw: bytes) -> c.Node | None:
     except CuratorError as e:
         _log.error("skipping a record: %s", e)
         return None
-    roles = record.roles or NodeRoles()
+    # Presence, not betterproto2's truth (which compares every field with
+    # its default): this runs for every node of a watch's backlog.
+    roles = record.roles if record.roles is not None else NodeRoles()
     return c.Node(
         id=node_id,
         status=record.status,
