@@ -59,6 +59,7 @@ etcdctl is killed, the temporary etcd stopped and the work folder removed.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -110,6 +111,8 @@ class Checked:
     credentials: NodeCredentials
     snapshot: Path
     manifest: SnapshotManifest
+    #: The roles saved on the node (None: none saved).
+    roles: NodeRoles | None
 
 
 def check(root: Root, snapshot: Path) -> Checked:
@@ -137,7 +140,7 @@ def check(root: Root, snapshot: Path) -> Checked:
             f"something answers on the node's debug port {debug[0]}:{debug[1]}: stop the node"
             " before recovering"
         )
-    return Checked(root, saved.settings, saved.credentials, snapshot, manifest)
+    return Checked(root, saved.settings, saved.credentials, snapshot, manifest, saved.roles)
 
 
 def _listens(host: str, port: int) -> bool:
@@ -351,7 +354,7 @@ def _pending(checked: Checked, join: JoinCluster) -> tuple[recoverpending.Pendin
         snapshot_node_id=manifest.node_id,
         sha256=manifest.sha256,
     )
-    roles = disk.load(checked.root).roles or NodeRoles()
+    roles = copy.deepcopy(checked.roles) if checked.roles is not None else NodeRoles()
     roles.consensus_member = join.to_proto()
     return recoverpending.Pending(recovery, str(checked.snapshot)), roles
 
