@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from common.net import free_loopback_port
 from metropolis.consensus import child
 from metropolis.consensus.client import Client
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid
-from metropolis.consensus.process import EtcdExited, ProcessConfig, run_etcd
+from metropolis.consensus.process import EtcdExited, run_etcd
+from tests.fixtures.etcd import solo_config
 
 BOUND = 20
 
@@ -28,17 +28,11 @@ def _none_left() -> Iterator[None]:
     child.stop_ahead()
 
 
-def _config(tmp_path: Path) -> ProcessConfig:
-    return ProcessConfig.standalone("solo", tmp_path, free_loopback_port(), LOOPBACK_TUNING)
-
-
 async def test_run_etcd_of_the_same_command_line_takes_it_over(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = _config(tmp_path)
     # A socket file left behind by a killed etcd is removed here too.
-    config.working_dir.mkdir(parents=True)
-    config.socket_path.write_bytes(b"")
+    config = solo_config(tmp_path, stale_socket=True)
     pid = child.start_ahead(config)
     with pytest.raises(RuntimeError, match="not taken over"):
         child.start_ahead(config)
@@ -59,7 +53,7 @@ async def test_run_etcd_of_the_same_command_line_takes_it_over(
 
 
 async def test_another_command_line_stops_it_and_starts_its_own(tmp_path: Path) -> None:
-    config = _config(tmp_path)
+    config = solo_config(tmp_path)
     pid = child.start_ahead(config)
     other = dataclasses.replace(
         config, tuning=dataclasses.replace(LOOPBACK_TUNING, heartbeat_ms=30)
@@ -76,9 +70,7 @@ async def test_another_command_line_stops_it_and_starts_its_own(tmp_path: Path) 
 async def test_one_that_exited_is_taken_over_and_its_reason_raised(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = dataclasses.replace(
-        _config(tmp_path), initial_cluster={"someone-else": "https://127.0.0.1:1"}
-    )
+    config = solo_config(tmp_path, misnamed=True)
     child.start_ahead(config)
     with trio.fail_after(BOUND), pytest.raises(EtcdExited, match="discovery failed"):
         await run_etcd(config, logging.getLogger("test.ahead.bad"))
@@ -88,7 +80,7 @@ async def test_one_that_exited_is_taken_over_and_its_reason_raised(
 
 
 def test_stop_ahead_stops_one_not_taken_over(tmp_path: Path) -> None:
-    config = _config(tmp_path)
+    config = solo_config(tmp_path)
     child.stop_ahead()  # none: nothing to do
     child.start_ahead(config)
     assert etcd_pid(config.working_dir) is not None

@@ -22,21 +22,16 @@ from metropolis.consensus import process
 from metropolis.consensus.client import Client, EtcdError
 from metropolis.consensus.localetcd import LOOPBACK_TUNING, etcd_pid, kill_etcd
 from metropolis.consensus.process import EtcdExited, ProcessConfig, run_etcd
+from tests.fixtures.etcd import solo_config
 
 BOUND = 20
-
-
-def _config(tmp_path: Path) -> ProcessConfig:
-    return ProcessConfig.standalone("solo", tmp_path, free_loopback_port(), LOOPBACK_TUNING)
 
 
 async def test_ready_then_cancel_leaves_no_process(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = _config(tmp_path)
     # A socket file left behind by a killed etcd would make etcd fail to bind.
-    config.working_dir.mkdir(parents=True)
-    config.socket_path.write_bytes(b"")
+    config = solo_config(tmp_path, stale_socket=True)
     logger = logging.getLogger("test.consensus.etcd")
 
     with caplog.at_level(logging.INFO, logger=logger.name), trio.fail_after(BOUND):
@@ -59,7 +54,7 @@ async def test_ready_then_cancel_leaves_no_process(
 
 async def test_server_started_is_told_before_etcd_can_answer(tmp_path: Path) -> None:
     """Told at etcd's own log line: a member whose peer never comes never answers."""
-    config = _config(tmp_path)
+    config = solo_config(tmp_path)
     absent = f"https://127.0.0.1:{free_loopback_port()}"
     config = dataclasses.replace(
         config, initial_cluster={**config.initial_cluster, "absent": absent}
@@ -80,7 +75,7 @@ async def test_server_started_is_told_before_etcd_can_answer(tmp_path: Path) -> 
 
 
 async def test_crash_raises_etcd_exited(tmp_path: Path) -> None:
-    config = _config(tmp_path)
+    config = solo_config(tmp_path)
     with trio.fail_after(BOUND), pytest.RaisesGroup(EtcdExited):
         async with trio.open_nursery() as nursery:
             await nursery.start(run_etcd, config, logging.getLogger("test"))
@@ -91,9 +86,7 @@ async def test_crash_raises_etcd_exited(tmp_path: Path) -> None:
 async def test_bad_configuration_fails_before_ready(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = dataclasses.replace(
-        _config(tmp_path), initial_cluster={"someone-else": "https://127.0.0.1:1"}
-    )
+    config = solo_config(tmp_path, misnamed=True)
     with trio.fail_after(BOUND), pytest.raises(EtcdExited):
         await run_etcd(config, logging.getLogger("test.bad"))
     # The reason is in the log, not lost with the process.
@@ -127,7 +120,7 @@ async def test_etcd_dies_with_its_owner_even_on_sigkill(tmp_path: Path) -> None:
     (after 10 s; the owner here makes it half a second): the death signal
     follows the thread that spawned it.
     """
-    config = _config(tmp_path)
+    config = solo_config(tmp_path)
     owner = await trio.lowlevel.open_process(
         [sys.executable, "-c", _OWNER, str(tmp_path), str(config.peer_address.split(":")[1])],
         stdout=subprocess.PIPE,
