@@ -3,8 +3,10 @@
 Its root is an overlay: the cached Debian tree (`shepherd.nspawn.rootfs`)
 below, the machine's own folder above, so what the machine writes stays
 across its boots and never reaches the cache. Before the first boot the
-upper layer gets the machine's hostname, machine id, fresh SSH host keys and
-``/root/.ssh/authorized_keys`` with the given keys.
+upper layer gets the machine's hostname, machine id, a fresh Ed25519 SSH
+host key (the only one its sshd offers: ``ssh-keygen -A``'s RSA key cost
+half a second of CPU a machine) and ``/root/.ssh/authorized_keys`` with the
+given keys.
 
 Each boot runs::
 
@@ -133,7 +135,7 @@ class Machine:
             etc = self.root / "etc"
             (etc / "hostname").write_text(self.spec.hostname + "\n")
             (etc / "machine-id").write_text(secrets.token_hex(16) + "\n")
-            _run("ssh-keygen", "-A", "-f", str(self.root))
+            _host_key(self.root)
         ssh = self.root / "root" / ".ssh"
         ssh.mkdir(mode=0o700, exist_ok=True)
         keys = ssh / "authorized_keys"
@@ -309,3 +311,17 @@ def _run(*args: str) -> None:
     result = subprocess.run(args, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise MachineError(f"{' '.join(args)}: {result.stderr.strip()}")
+
+
+def _host_key(root: Path) -> None:
+    """Give the machine of ``root`` one Ed25519 SSH host key, and make its
+    sshd offer only that one (blocking)."""
+    ssh = root / "etc" / "ssh"
+    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "", "-f",
+         str(ssh / "ssh_host_ed25519_key"))  # fmt: skip
+    # Debian's sshd_config includes this folder first; with a HostKey
+    # named, sshd looks for no other (and logs no missing ones).
+    (ssh / "sshd_config.d").mkdir(exist_ok=True)
+    (ssh / "sshd_config.d" / "10-host-key.conf").write_text(
+        "HostKey /etc/ssh/ssh_host_ed25519_key\n"
+    )
