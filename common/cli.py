@@ -21,9 +21,12 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from common.exitcodes import ExitCode
+
+_Options = TypeVar("_Options")
 
 __all__ = ["BROKEN_PIPE_STATUS", "error_line", "leaf_errors", "run_main"]
 
@@ -95,6 +98,37 @@ def run_main(
         if try_again and all(isinstance(leaf, try_again) for leaf in leaves):
             return ExitCode.TRY_AGAIN
         return ExitCode.FAILED
+
+
+#: How the tools' log lines look: time, level, logger, message.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def log_to_stderr(verbose: bool, *, quiet: int = 20) -> None:
+    """Log to stderr: everything with ``verbose``, else from level ``quiet``
+    (default INFO) up. Imports :mod:`logging` only when called."""
+    import logging
+
+    logging.basicConfig(level=logging.DEBUG if verbose else quiet, format=LOG_FORMAT)
+
+
+def run_trio_command(
+    prog: str,
+    run: Callable[[_Options], Awaitable[int]],
+    options: _Options,
+    *,
+    verbose: bool,
+    known: tuple[type[BaseException], ...],
+) -> int:
+    """A command whose work is ``run(options)`` under Trio: warnings and
+    errors logged (everything with ``verbose``), its errors reported by
+    :func:`run_main`; the exit status."""
+    import logging
+
+    import trio
+
+    log_to_stderr(verbose, quiet=logging.WARNING)
+    return run_main(prog, lambda: trio.run(run, options), known=known)
 
 
 def error_line(

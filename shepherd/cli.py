@@ -75,7 +75,7 @@ from bmdb.errors import BMDBError
 from bmdb.metrics import DEFAULT_FLEET_PERIOD, ConnectionCollector, FleetGauges
 from bmdb.model import AGENT_FIRST_HEARTBEAT_TIMEOUT, AGENT_HEARTBEAT_TIMEOUT
 from bmdb.retention import RetentionPolicy
-from common.cli import run_main
+from common.cli import log_to_stderr, run_main
 from common.metrics import serve_metrics
 from metropolis.errors import MetropolisError
 from metropolis.localstorage import Root
@@ -446,10 +446,7 @@ def run_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     """Validate ``args`` (parsed by ``parser``: `build_parser`) and run the
     loops until SIGINT/SIGTERM; the exit status (2 for a bad option)."""
     # Logging first: validation generates a missing SSH key, and says so.
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    log_to_stderr(args.verbose)
     # asyncssh logs every connection at INFO; our own logs say what matters.
     logging.getLogger("asyncssh").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     # httpx logs every request at INFO; failures are logged by our clients.

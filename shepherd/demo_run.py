@@ -22,7 +22,7 @@ import trio_asyncio
 import bmdb
 from bmdb.errors import BMDBError
 from bmdb.localserver import LocalPostgres, LocalPostgresError
-from common.cli import leaf_errors
+from common.cli import leaf_errors, log_to_stderr
 from metropolis.errors import MetropolisError
 from shepherd.agent_server import AgentServerConfig, run_agent_server
 from shepherd.agent_server.server import port_of
@@ -381,10 +381,7 @@ def interrupted(exc: BaseException) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo of ``args`` (parsed by `shepherd.demo.build_parser`); the exit status."""
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    log_to_stderr(args.verbose)
     logging.getLogger("asyncssh").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         if args.workdir is not None:  # refused before anything is created

@@ -67,13 +67,12 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
-import trio
 
 import bmdb
 from bmdb import overview
 from bmdb.errors import BMDBError
 from bmdb.model import InstallationTarget, InstallState, Queries
-from common.cli import run_main
+from common.cli import run_trio_command
 from common.protobuf import parse_checked
 from common.text import printable
 from metropolis.errors import MetropolisError
@@ -448,12 +447,10 @@ async def run(options: Options) -> int:
 def run_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Check ``args`` (parsed by ``parser``: `build_parser`) and run; the exit status."""
     options = check_options(parser, args)
-    logging.basicConfig(
-        level=logging.DEBUG if options.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    return run_trio_command(
+        "shepherd install",
+        run,
+        options,
+        verbose=options.verbose,
+        known=(BMDBError, ShepherdError, MetropolisError),
     )
-
-    def body() -> int:
-        return trio.run(run, options)
-
-    return run_main("shepherd install", body, known=(BMDBError, ShepherdError, MetropolisError))

@@ -55,7 +55,7 @@ from bmdb.model import (
     UpgradePlanEntry,
     UpgradeRun,
 )
-from common.cli import run_main
+from common.cli import run_trio_command
 from common.text import printable
 from metropolis.errors import MetropolisError
 from shepherd.errors import ShepherdError
@@ -453,12 +453,10 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def run_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Check ``args`` (parsed by ``parser``) and run; the exit status."""
     options = check_options(parser, args)
-    logging.basicConfig(
-        level=logging.DEBUG if options.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    return run_trio_command(
+        "shepherd upgrade",
+        run,
+        options,
+        verbose=options.verbose,
+        known=(BMDBError, ShepherdError, MetropolisError),
     )
-
-    def body() -> int:
-        return trio.run(run, options)
-
-    return run_main("shepherd upgrade", body, known=(BMDBError, ShepherdError, MetropolisError))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from common.cli import LOG_FORMAT
 from common.keepopen import link
 
 __all__ = ["Accept", "Call", "Say", "log_beside", "serve"]
@@ -95,7 +96,7 @@ def log_beside(path: str) -> None:
         filename=path.removesuffix(".sock") + ".log",
         filemode="w",
         level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
     )
 
 

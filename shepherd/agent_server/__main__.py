@@ -40,6 +40,7 @@ import trio
 import bmdb
 from bmdb import Queries
 from bmdb.errors import BMDBError
+from common.cli import log_to_stderr
 from common.listen import split_listen
 from shepherd.agent_server.connect import Limits
 from shepherd.agent_server.images import ImageServerConfig, serve_images
@@ -257,10 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         config = dataclasses.replace(options.config, agent_session_secret=secret)
         options = dataclasses.replace(options, config=config)
-    logging.basicConfig(
-        level=logging.DEBUG if options.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    log_to_stderr(options.verbose)
     errors: list[BaseException] = []
     tune_gc()
     try:
