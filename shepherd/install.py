@@ -447,10 +447,5 @@ async def run(options: Options) -> int:
 def run_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Check ``args`` (parsed by ``parser``: `build_parser`) and run; the exit status."""
     options = check_options(parser, args)
-    return run_trio_command(
-        "shepherd install",
-        run,
-        options,
-        verbose=options.verbose,
-        known=(BMDBError, ShepherdError, MetropolisError),
-    )
+    known = (BMDBError, ShepherdError, MetropolisError)
+    return run_trio_command("shepherd install", run, options, verbose=options.verbose, known=known)

@@ -453,10 +453,5 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def run_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Check ``args`` (parsed by ``parser``) and run; the exit status."""
     options = check_options(parser, args)
-    return run_trio_command(
-        "shepherd upgrade",
-        run,
-        options,
-        verbose=options.verbose,
-        known=(BMDBError, ShepherdError, MetropolisError),
-    )
+    known = (BMDBError, ShepherdError, MetropolisError)
+    return run_trio_command("shepherd upgrade", run, options, verbose=options.verbose, known=known)
