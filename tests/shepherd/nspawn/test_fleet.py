@@ -22,6 +22,7 @@ from shepherd.nspawn.machine import REBOOT_STATUS
 from shepherd.providers.base import PowerState
 from shepherd.providers.redfish import BMCError, Credentials, RedfishClient
 from tests.shepherd.nspawn.fleet_thread import FleetThread, skip_unless_possible
+from tests.shepherd.nspawn.netids import link_id, namespaces
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,9 @@ def test_stopping_the_fleet_leaves_nothing(machines: FleetThread) -> None:
     roots = [m.root for m in fleet.machines]
     inits = [m.container_pid() for m in fleet.machines]
     assert None not in inits
+    # By identity: another run may claim the slot, and its names, once it is free.
+    links = [fleet.network.bridge, *(m.spec.link.host_veth for m in fleet.machines)]
+    network = {(n, link_id(n)) for n in links} | set(namespaces(fleet.network.prefix).items())
     machines.stop()
     # The machines' PID 1s (and so their PID namespaces) are gone.
     assert not [pid for pid in inits if Path(f"/proc/{pid}").exists()]
@@ -220,8 +224,5 @@ def test_stopping_the_fleet_leaves_nothing(machines: FleetThread) -> None:
     assert not [line for line in running.splitlines() if any(n in line for n in names)]
     assert not [d for d in fleet.disks if d.attached()]
     assert not [r for r in roots if os.path.ismount(r)]
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert fleet.network.prefix not in namespaces
-    assert not Path(f"/sys/class/net/{fleet.network.bridge}").exists()
-    for machine in fleet.machines:
-        assert not Path(f"/sys/class/net/{machine.spec.link.host_veth}").exists()
+    now = {(n, link_id(n)) for n in links} | set(namespaces(fleet.network.prefix).items())
+    assert not network & now

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from shepherd.nspawn.network import claim_network
 from tests.shepherd.nspawn.fleet_thread import skip_unless_possible
+from tests.shepherd.nspawn.netids import link_id
 
 
 def _exists(link: str) -> bool:
@@ -43,9 +44,12 @@ def test_two_fleets_get_two_slots_and_a_dead_runs_leftovers_go() -> None:
             assert _exists(kept.host_veth) and kept.namespace in _namespaces()
             assert _exists(second.bridge)
         finally:
+            again_bridge = link_id(again.bridge)
             again.close()
-        assert not _exists(again.bridge)
+        # By identity: another run may claim the freed slot, and its names.
+        assert link_id(again.bridge) != again_bridge
     finally:
         first._closed = True  # its slot was taken over and removed above
+        second_bridge = link_id(second.bridge)
         second.close()
-    assert not _exists(second.bridge)
+    assert link_id(second.bridge) != second_bridge

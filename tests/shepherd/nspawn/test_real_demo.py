@@ -26,13 +26,17 @@ from shepherd.demo_real import SECOND_RELEASE
 from tests.fixtures.image import IMAGE_CACHE
 from tests.fixtures.install_rig import processes_under
 from tests.shepherd.nspawn.fleet_thread import skip_unless_possible
+from tests.shepherd.nspawn.netids import link_id, namespaces
 
 BOUND = 300
 
 
-def _namespaces() -> set[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+def _slot_network(slot: str) -> set[tuple[str, int]]:
+    """Slot ``slot``'s bridge and network namespaces now, by name and identity
+    (another run may claim the slot, and its names, once it is free)."""
+    bridge = f"mtbr{slot}"
+    found = {(bridge, index)} if (index := link_id(bridge)) is not None else set()
+    return found | set(namespaces(f"mt{slot}-").items())
 
 
 def _loop_files() -> set[str]:
@@ -74,6 +78,9 @@ def test_ctrl_c_during_an_install_stops_every_machine_and_detaches_every_loop_de
         assert asked.wait(BOUND) and demo.poll() is None, "".join(lines[-30:])
         during = [f for f in _loop_files() if f.startswith(str(workdir))]
         assert len(during) == 1, "".join(lines[-30:])  # its machine's disk, attached
+        slot = next(m for m in map(re.compile(r"network slot (\d+):").search, lines) if m)[1]
+        network = _slot_network(slot)
+        assert f"mtbr{slot}" in {name for name, _ in network}  # its bridge
         os.killpg(demo.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
         assert demo.wait(BOUND) == 130, "".join(lines[-30:])
         reader.join(10)
@@ -81,9 +88,9 @@ def test_ctrl_c_during_an_install_stops_every_machine_and_detaches_every_loop_de
             r"interrupted; the nodes, the fleet, the Shepherd and PostgreSQL", lines[-1]
         )
         assert not [f for f in _loop_files() if f.startswith(str(workdir))]
-        slot = next(m for m in map(re.compile(r"network slot (\d+):").search, lines) if m)[1]
-        assert not Path(f"/sys/class/net/mtbr{slot}").exists()  # its bridge
-        assert not [n for n in _namespaces() if n.startswith(f"mt{slot}-")]
+        # Its bridge and namespaces are gone (those of the slot now, if
+        # any, are another run's).
+        assert not network & _slot_network(slot)
         assert processes_under(workdir) == []
         mounts = Path("/proc/mounts").read_text()
         assert str(workdir) not in mounts
