@@ -39,20 +39,20 @@ pytest_plugins = [
 SERIAL_GROUPS = {
     "tests/shepherd/test_demo.py": "fixed-address",
     "tests/bench/test_smoke.py": "bench-smoke",
-    # One fleet of machines for the module, whose tests build on each
-    # other's state (a partition made, then read after a reboot).
-    "tests/shepherd/nspawn/test_fleet.py": "nspawn-fleet",
-    # The Shepherd's whole path on one fleet: install, reboot, wipe in turn.
-    "tests/shepherd/nspawn/test_real_path.py": "nspawn-real-path",
-    # Power cuts, then refusals, each on the state the one before left.
-    "tests/shepherd/nspawn/test_real_faults.py": "nspawn-real-faults",
-    # Claims network slots and loop devices as the modules above do; its
-    # own group so that it waits for neither.
-    "tests/shepherd/nspawn/test_real_demo.py": "nspawn-real-demo",
-    # Five machines and their cluster for the module: runs build on the last.
-    "tests/shepherd/nspawn/test_real_upgrade.py": "nspawn-real-upgrade",
-    # One machine for the module, its A/B boots in order.
-    "tests/shepherd/nspawn/test_ab_boots.py": "nspawn-ab-boots",
+    # The modules of nspawn machines, one after another on one worker: each
+    # has one fleet for the module, whose tests build on each other's state
+    # (a partition made, then read after a reboot; install, reboot, wipe in
+    # turn; runs that build on the last), and in one group no two fleets
+    # run side by side. Two or three at once (up to five machines, with
+    # their nodes and etcds, each) loaded two cores past 10, and a rolling
+    # upgrade under writes then waited on a node that stayed "unavailable"
+    # until the test's 900 s bound.
+    "tests/shepherd/nspawn/test_fleet.py": "nspawn",
+    "tests/shepherd/nspawn/test_real_path.py": "nspawn",
+    "tests/shepherd/nspawn/test_real_faults.py": "nspawn",
+    "tests/shepherd/nspawn/test_real_demo.py": "nspawn",
+    "tests/shepherd/nspawn/test_real_upgrade.py": "nspawn",
+    "tests/shepherd/nspawn/test_ab_boots.py": "nspawn",
     # Checks that these groups reach xdist at all.
     "tests/test_xdist_groups.py": "group-check",
 }
