@@ -82,8 +82,10 @@ async def test_one_that_exited_is_taken_over_and_its_reason_raised(
 def test_stop_ahead_stops_one_not_taken_over(tmp_path: Path) -> None:
     config = solo_config(tmp_path)
     child.stop_ahead()  # none: nothing to do
-    child.start_ahead(config)
-    assert etcd_pid(config.working_dir) is not None
+    pid = child.start_ahead(config)
+    # Its pid from the fork on (setpriv, then etcd in its place).
+    assert Path(f"/proc/{pid}").exists()
     child.stop_ahead()
+    assert not Path(f"/proc/{pid}").exists()  # stopped and reaped
     assert etcd_pid(config.working_dir) is None
     assert child._ahead is None
