@@ -41,7 +41,6 @@ import logging
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,12 +50,13 @@ from metropolis.consensus.etcderrors import check_socket_path
 if TYPE_CHECKING:
     import trio
 
-__all__ = ["EtcdChild", "start_ahead", "stop_ahead", "take_ahead"]
+__all__ = ["STOP_GRACE", "EtcdChild", "start_ahead", "stop_ahead", "take_ahead"]
 
 _log = logging.getLogger("metropolis.consensus.child")
 
-#: How long :func:`stop_ahead` waits after SIGTERM before it kills.
-_STOP_GRACE = 5.0
+#: How long a stop waits after SIGTERM before it kills (:func:`stop_ahead`,
+#: and :func:`~.process.run_etcd` on cancellation).
+STOP_GRACE = 5.0
 
 
 class EtcdChild:
@@ -204,11 +204,10 @@ def stop_ahead() -> None:
     _, _, child = _ahead
     _ahead = None
     child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_GRACE
-    if child.wait_blocking(max(0.0, deadline - time.monotonic())) is None:
-        _log.warning("the etcd started ahead did not stop within %.0fs, killing it", _STOP_GRACE)
+    if child.wait_blocking(STOP_GRACE) is None:
+        _log.warning("the etcd started ahead did not stop within %.0fs, killing it", STOP_GRACE)
         child.send_signal(signal.SIGKILL)
-        child.wait_blocking(_STOP_GRACE)
+        child.wait_blocking(STOP_GRACE)
     child.close_unread()
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import trio
 
-from metropolis.consensus.child import EtcdChild, prepare_working_dir, take_ahead
+from metropolis.consensus.child import STOP_GRACE, EtcdChild, prepare_working_dir, take_ahead
 from metropolis.consensus.client import Client, EndpointStatus, EtcdError
 from metropolis.consensus.commandline import ETCD_BINARY_ENV, PeerTLS, ProcessConfig
 from metropolis.consensus.settings import SOCKET_NAME, SOCKET_PATH_MAX, Tuning
@@ -60,7 +60,6 @@ __all__ = [
     "run_etcd",
 ]
 
-_STOP_GRACE = 5.0
 _READY_POLL = 0.02
 
 #: What etcd 3.4 logs once its server runs (raft started, peer and client
@@ -132,8 +131,9 @@ async def run_etcd(
     process = take_ahead(config)
     if process is None:
         prepare_working_dir(config)
-        logger.info("starting etcd: %s", " ".join(config.argv()))
-        process = EtcdChild.spawn(config.argv(), config.working_dir)
+        argv = config.argv()
+        logger.info("starting etcd: %s", " ".join(argv))
+        process = EtcdChild.spawn(argv, config.working_dir)
     else:
         logger.info("taking over etcd started ahead (pid %d)", process.pid)
     fatal: list[str] = []
@@ -185,10 +185,10 @@ async def _stop(process: EtcdChild, logger: logging.Logger) -> None:
             # SIGTERM lets a leader hand over leadership before going, which
             # spares the rest of the cluster an election timeout.
             process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(_STOP_GRACE):
+            with trio.move_on_after(STOP_GRACE):
                 await process.wait()
             if process.returncode is None:
-                logger.warning("etcd did not stop within %.0fs, killing it", _STOP_GRACE)
+                logger.warning("etcd did not stop within %.0fs, killing it", STOP_GRACE)
                 process.send_signal(signal.SIGKILL)
         await process.wait()
 
