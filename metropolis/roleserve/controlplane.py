@@ -283,14 +283,7 @@ class ControlPlaneWorker:
         else:
             key = startup.credentials.private_key
             join = startup.join
-        config = consensus.Config(
-            data=self._root.data.etcd,
-            ephemeral=self._root.ephemeral.consensus,
-            node_private_key=key,
-            peer_address=settings.peer_address,
-            join_cluster=join,
-            tuning=settings.tuning,
-        )
+        config = settings.consensus_config(self._root, key, join)
         service = consensus.Service(config)
         node.logger.info("starting consensus and curator")
         outer.run("consensus", service.run)

@@ -52,7 +52,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.durable import atomic_write, fsync_directory, make_durable
 from metropolis import pki
@@ -74,6 +74,12 @@ from metropolis.localstorage import (
 from metropolis.proto.common import ClusterDirectory, NodeRoles
 from metropolis.proto.private import SealedConfiguration
 from metropolis.roleserve.values import BootstrapData, RegisterIntent
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from metropolis import consensus
+    from metropolis.consensus.join import JoinCluster
 
 __all__ = [
     "NodeRootError",
@@ -143,6 +149,26 @@ class NodeSettings:
     def peer_address(self) -> str:
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"{host}:{self.peer_port}"
+
+    def consensus_config(
+        self, root: Root, key: Ed25519PrivateKey, join: JoinCluster | None
+    ) -> consensus.Config:
+        """How this node's consensus member runs under ``root``, with the node's
+        ``key`` and ``join`` data (None: it bootstraps).
+
+        One place for the control plane and ``node recover``: the etcd
+        the latter starts ahead is taken over only for the same command line.
+        """
+        from metropolis.consensus.config import Config
+
+        return Config(
+            data=root.data.etcd,
+            ephemeral=root.ephemeral.consensus,
+            node_private_key=key,
+            peer_address=self.peer_address,
+            join_cluster=join,
+            tuning=self.tuning,
+        )
 
 
 def settings_path(root: Root) -> Path:

@@ -288,17 +288,8 @@ def _start_etcd_ahead(checked: Checked, join: JoinCluster) -> None:
     and started, instead of after.
     """
     from metropolis.consensus.child import start_ahead
-    from metropolis.consensus.config import Config
 
-    settings = checked.settings
-    config = Config(
-        data=checked.root.data.etcd,
-        ephemeral=checked.root.ephemeral.consensus,
-        node_private_key=checked.credentials.private_key,
-        peer_address=settings.peer_address,
-        join_cluster=join,
-        tuning=settings.tuning,
-    )
+    config = checked.settings.consensus_config(checked.root, checked.credentials.private_key, join)
     start_ahead(config.joining_process())
 
 
