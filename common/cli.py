@@ -104,12 +104,13 @@ def run_main(
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def log_to_stderr(verbose: bool, *, quiet: int = 20) -> None:
+def log_to_stderr(verbose: bool, *, quiet: int | None = None) -> None:
     """Log to stderr: everything with ``verbose``, else from level ``quiet``
-    (default INFO) up. Imports :mod:`logging` only when called."""
+    (None: INFO) up. Imports :mod:`logging` only when called."""
     import logging
 
-    logging.basicConfig(level=logging.DEBUG if verbose else quiet, format=LOG_FORMAT)
+    level = logging.DEBUG if verbose else logging.INFO if quiet is None else quiet
+    logging.basicConfig(level=level, format=LOG_FORMAT)
 
 
 def run_trio_command(

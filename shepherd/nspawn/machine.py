@@ -4,9 +4,8 @@ Its root is an overlay: the cached Debian tree (`shepherd.nspawn.rootfs`)
 below, the machine's own folder above, so what the machine writes stays
 across its boots and never reaches the cache. Before the first boot the
 upper layer gets the machine's hostname, machine id, a fresh Ed25519 SSH
-host key (the only one its sshd offers: ``ssh-keygen -A``'s RSA key cost
-half a second of CPU a machine) and ``/root/.ssh/authorized_keys`` with the
-given keys.
+host key (the only one its sshd offers) and ``/root/.ssh/authorized_keys``
+with the given keys.
 
 Each boot runs::
 
