@@ -66,14 +66,12 @@ def scan(argv: list[str]) -> Scan | None:
             break
         if token in ("-v", "--verbose"):
             continue
-        name, equals, value = token.partition("=")
+        found = link.option(token, tokens)
+        if found is None:
+            return None
+        name, value = found
         if name != "--url" or url is not None:
             return None
-        if not equals:
-            following = next(tokens, None)
-            if following is None:
-                return None
-            value = following
         url = value
     else:
         return None
@@ -90,11 +88,7 @@ def scan(argv: list[str]) -> Scan | None:
 def forward(argv: list[str]) -> int | None:
     """Hand the listing ``argv`` to its session (`link.forward`); its exit
     code, or ``None`` when the caller must run it itself."""
-    found = scan(argv)
-    if found is None or found.keep_open is None:
-        return None
-    path = found.session_path()
-    return None if path is None else link.forward(path, argv, "bmdb")
+    return link.forward_scanned(scan(argv), argv, "bmdb")
 
 
 def start_session(found: Scan) -> None:

@@ -44,7 +44,16 @@ import sys
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from typing import BinaryIO
+    from typing import BinaryIO, Protocol
+
+    class Scanned(Protocol):
+        """A tool's own reading of a command line: what names its session."""
+
+        @property
+        def keep_open(self) -> str | None: ...
+
+        def session_path(self, *, create: bool = False) -> str | None: ...
+
 
 __all__ = [
     "FRAME_LIMIT",
@@ -53,7 +62,9 @@ __all__ = [
     "encode_frame",
     "encode_request",
     "forward",
+    "forward_scanned",
     "key_of",
+    "option",
     "session_path",
     "start_session",
 ]
@@ -134,6 +145,28 @@ def forward(path: str, argv: list[str], prog: str) -> int | None:
             # Closing the socket cancels the call in the session, as a
             # Ctrl-C cancels a call in a process of its own.
             return 130
+
+
+def option(token: str, rest: Iterator[str]) -> tuple[str, str] | None:
+    """``token`` read as ``--name=value``, or as ``--name`` with the value
+    taken from ``rest``: the name and the value; None when no value follows."""
+    name, equals, value = token.partition("=")
+    if not equals:
+        following = next(rest, None)
+        if following is None:
+            return None
+        value = following
+    return name, value
+
+
+def forward_scanned(found: Scanned | None, argv: list[str], prog: str) -> int | None:
+    """:func:`forward` of a command line the tool read as ``found`` (None:
+    not one a session serves), to its session if it asks for
+    ``--keep-open``; ``None`` when the caller must run the call itself."""
+    if found is None or found.keep_open is None:
+        return None
+    path = found.session_path()
+    return None if path is None else forward(path, argv, prog)
 
 
 def _relay(frames: BinaryIO, prog: str) -> int | None:

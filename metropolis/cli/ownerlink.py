@@ -46,6 +46,11 @@ class Scan:
         return dict(self.options).get(name)
 
     @property
+    def keep_open(self) -> str | None:
+        """The ``--keep-open`` seconds as written, if given."""
+        return self.value(KEEP_OPEN)
+
+    @property
     def prefix(self) -> list[str]:
         """The options as arguments again (``--name value`` each)."""
         return [token for pair in self.options for token in pair]
@@ -80,14 +85,12 @@ def scan(argv: list[str]) -> Scan | None:
     for token in tokens:
         if token in ACTIONS:
             return Scan(tuple(options.items()))
-        name, equals, value = token.partition("=")
+        found = link.option(token, tokens)
+        if found is None:
+            return None
+        name, value = found
         if name not in VALUE_OPTIONS or name in options:
             return None
-        if not equals:
-            following = next(tokens, None)
-            if following is None:
-                return None
-            value = following
         options[name] = value
     return None
 
@@ -95,11 +98,7 @@ def scan(argv: list[str]) -> Scan | None:
 def forward(argv: list[str]) -> int | None:
     """Hand the owner command ``argv`` to its session (`link.forward`); its
     exit code, or ``None`` when the caller must run the call itself."""
-    found = scan(argv)
-    if found is None or found.value(KEEP_OPEN) is None:
-        return None
-    path = found.session_path()
-    return None if path is None else link.forward(path, argv, "metropolis")
+    return link.forward_scanned(scan(argv), argv, "metropolis")
 
 
 def start_session(found: Scan) -> None:
